@@ -1,0 +1,141 @@
+// One name for each device facility our kernels use, on AMD (clang -x hip,
+// no HIP headers: -nogpuinc) and on NVIDIA (nvcc -x cu). Kernel sources
+// include only this header, so they compile unchanged for gfx942, gfx90a and
+// sm_90.
+#pragma once
+
+typedef __UINT8_TYPE__ u8;
+typedef __UINT16_TYPE__ u16;
+typedef __UINT32_TYPE__ u32;
+typedef __UINT64_TYPE__ u64;
+typedef __INT32_TYPE__ i32;
+typedef __INT64_TYPE__ i64;
+
+// A 16-byte vector: the widest load/store both vendors issue per lane.
+struct __attribute__((aligned(16))) vec16 { u32 x, y, z, w; };
+
+#if defined(__AMDGCN__) || (defined(__HIP__) && !defined(__CUDACC__))
+// ---------------------------------------------------------------- AMD ----
+#define A2A_AMD 1
+#ifndef __global__
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __shared__ __attribute__((shared))
+#endif
+#define A2A_DEVICE __device__ __attribute__((always_inline)) inline
+#define A2A_WARP_SIZE 64
+
+A2A_DEVICE u32 a2a_thread() { return __builtin_amdgcn_workitem_id_x(); }
+A2A_DEVICE u32 a2a_block() { return __builtin_amdgcn_workgroup_id_x(); }
+A2A_DEVICE u32 a2a_block_dim() { return __builtin_amdgcn_workgroup_size_x(); }
+A2A_DEVICE u32 a2a_grid_dim() {
+  return __builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x();
+}
+A2A_DEVICE u32 a2a_lane() {
+  return __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
+}
+// Workgroup barrier that also orders memory within the workgroup.
+A2A_DEVICE void a2a_block_sync() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+// Lanes of a wavefront execute in lock step; this keeps the compiler from
+// moving memory operations across the point and orders them for the wave.
+A2A_DEVICE void a2a_wave_sync() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
+// Publish: data written before is visible system-wide before the flag.
+A2A_DEVICE void a2a_store_release_sys(u32* p, u32 v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
+  return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+A2A_DEVICE u32 a2a_load_relaxed_sys(const u32* p) {
+  return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+A2A_DEVICE u32 a2a_fetch_add_sys(u32* p, u32 v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+A2A_DEVICE u32 a2a_add_shared(u32* p, u32 v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
+}
+// Device-scope acq_rel counter for "last block done" detection.
+A2A_DEVICE u32 a2a_fetch_add_acq_rel_dev(u32* p, u32 v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+}
+A2A_DEVICE u32 a2a_cas_sys(u32* p, u32 expected, u32 desired) {
+  __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       __HIP_MEMORY_SCOPE_SYSTEM);
+  return expected;
+}
+A2A_DEVICE void a2a_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
+// s_memrealtime runs at a constant 100 MHz on gfx90a/gfx942.
+A2A_DEVICE u64 a2a_clock_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
+A2A_DEVICE void a2a_pause() { __builtin_amdgcn_s_sleep(1); }
+A2A_DEVICE int a2a_shfl(int v, int src_lane) {
+  return __builtin_amdgcn_ds_bpermute(src_lane << 2, v);
+}
+A2A_DEVICE float a2a_half_to_float(u16 h) { return (float)__builtin_bit_cast(_Float16, h); }
+A2A_DEVICE u16 a2a_float_to_half(float f) { return __builtin_bit_cast(u16, (_Float16)f); }
+
+#elif defined(__CUDACC__)
+// ------------------------------------------------------------- NVIDIA ----
+#define A2A_NVIDIA 1
+#define A2A_DEVICE __device__ __forceinline__
+#define A2A_WARP_SIZE 32
+
+A2A_DEVICE u32 a2a_thread() { return threadIdx.x; }
+A2A_DEVICE u32 a2a_block() { return blockIdx.x; }
+A2A_DEVICE u32 a2a_block_dim() { return blockDim.x; }
+A2A_DEVICE u32 a2a_grid_dim() { return gridDim.x; }
+A2A_DEVICE u32 a2a_lane() { u32 l; asm volatile("mov.u32 %0, %%laneid;" : "=r"(l)); return l; }
+A2A_DEVICE void a2a_block_sync() { __syncthreads(); }
+A2A_DEVICE void a2a_wave_sync() { __syncwarp(); }
+A2A_DEVICE void a2a_store_release_sys(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
+  u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+A2A_DEVICE u32 a2a_load_relaxed_sys(const u32* p) {
+  u32 v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+A2A_DEVICE u32 a2a_fetch_add_sys(u32* p, u32 v) {
+  u32 old; asm volatile("atom.relaxed.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+A2A_DEVICE u32 a2a_add_shared(u32* p, u32 v) { return atomicAdd(p, v); }
+A2A_DEVICE u32 a2a_fetch_add_acq_rel_dev(u32* p, u32 v) {
+  u32 old; asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+A2A_DEVICE u32 a2a_cas_sys(u32* p, u32 expected, u32 desired) {
+  return atomicCAS_system(p, expected, desired);
+}
+A2A_DEVICE void a2a_fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+A2A_DEVICE u64 a2a_clock_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+A2A_DEVICE void a2a_pause() { __nanosleep(32); }
+A2A_DEVICE int a2a_shfl(int v, int src_lane) { return __shfl_sync(0xffffffffu, v, src_lane); }
+A2A_DEVICE float a2a_half_to_float(u16 h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+A2A_DEVICE u16 a2a_float_to_half(float f) {
+  u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+#else
+#error "portability.h: compile with clang -x hip (AMD) or nvcc -x cu (NVIDIA)"
+#endif
+
+// ------------------------------------------------------------ shared ----
+A2A_DEVICE float a2a_bf16_to_float(u16 b) { return __builtin_bit_cast(float, (u32)b << 16); }
+// Round to nearest even, as numpy/ml_dtypes do; NaN stays a quiet NaN.
+A2A_DEVICE u16 a2a_float_to_bf16(float f) {
+  u32 u = __builtin_bit_cast(u32, f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (u16)(u >> 16);
+}

@@ -1,0 +1,75 @@
+// Protocol pieces shared by every kernel: reaching a peer's copy of a
+// symmetric object, bounded flag waits, error reporting, and the "last block
+// of the grid" hand-off.
+#pragma once
+#include "portability.h"
+
+// Error codes written into the status words (kept in sync with pyhipa2a/errors.py).
+#define A2A_OK 0u
+#define A2A_ERR_TIMEOUT 1u        // detail: which flag; peer: who never arrived
+#define A2A_ERR_BAD_INDEX 2u      // detail: the offending expert index
+#define A2A_ERR_CAPACITY 3u       // detail: the local expert that overflowed
+#define A2A_ERR_MISMATCH 4u       // heap self-test: detail = mismatching words
+
+// What a flag wait was for (status word 2 on timeout).
+#define A2A_WAIT_DISPATCH 1u
+#define A2A_WAIT_COMBINE_ROW 2u
+#define A2A_WAIT_COMBINE_DONE 3u
+#define A2A_WAIT_HEAP_CHECK 4u
+
+// The symmetric heap as kernels see it: a device table of every rank's base
+// address (peers' bases are IPC mappings) and this rank's index. Any
+// symmetric object is an offset from the base, identical on every rank.
+struct HeapView {
+  const u64* bases;
+  i32 rank;
+  i32 world;
+};
+
+template <typename T>
+A2A_DEVICE T* sym(const HeapView& h, int peer, u64 offset) {
+  return reinterpret_cast<T*>(h.bases[peer] + offset);
+}
+
+// status[0] code, [1] peer, [2] what, [3] detail. The first error wins so the
+// report names the root cause, not its consequences.
+A2A_DEVICE void a2a_report(u32* status, u32 code, u32 peer, u32 what, u32 detail) {
+  if (a2a_cas_sys(&status[0], A2A_OK, code) == A2A_OK) {
+    status[1] = peer;
+    status[2] = what;
+    status[3] = detail;
+    a2a_fence_sys();
+  }
+}
+
+// True once *flag == want (acquire); false when the deadline passes or another
+// block of this rank already failed (so one timeout does not cost one timeout
+// per waiting block).
+A2A_DEVICE bool a2a_wait_flag(const u32* flag, u32 want, u64 deadline_ns, u32* status) {
+  u32 spins = 0;
+  while (a2a_load_relaxed_sys(flag) != want) {
+    if ((++spins & 63u) == 0) {
+      if (a2a_clock_ns() > deadline_ns) return false;
+      if (a2a_load_relaxed_sys(&status[0]) != A2A_OK) return false;
+    }
+    a2a_pause();
+  }
+  return a2a_load_acquire_sys(flag) == want;
+}
+
+// Every block calls this once its writes are issued. Exactly one block (the
+// last to arrive) gets true, and by then it observes all other blocks' writes,
+// which it may publish to peers with a system-scope release. The counter is
+// reset for the next launch by that block.
+A2A_DEVICE bool a2a_last_block(u32* counter) {
+  __shared__ u32 is_last;
+  a2a_fence_sys();  // each thread's remote writes are ordered before the count
+  a2a_block_sync();
+  if (a2a_thread() == 0) {
+    u32 arrived = a2a_fetch_add_acq_rel_dev(counter, 1u);
+    is_last = (arrived == a2a_grid_dim() - 1u);
+    if (is_last) *counter = 0u;  // nobody else touches it until the next launch
+  }
+  a2a_block_sync();
+  return is_last != 0u;
+}

@@ -1,0 +1,305 @@
+"""AllToAll: expert-parallel dispatch and combine on one node.
+
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        d = a2a.dispatch(x, indices)        # x [T, H], indices [T, k] int32
+        ...expert_y = experts(d.expert_x, d.expert_num_tokens)...
+        y = a2a.combine(expert_y, weights)  # weights [T, k] float32 -> y [T, H]
+
+Every rank calls the same sequence. Nothing here waits for the device:
+counts stay on the device and the outputs are views of the symmetric heap,
+valid until the next dispatch (expert_x, expert_meta, expert_num_tokens) or
+the next combine (y, unless `out=` was given). `synchronize()` waits and
+raises what a kernel reported (A2ATimeoutError naming the late rank, bad
+indices seen on the device).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from .array import DeviceArray
+from .bootstrap import bounded_barrier
+from .dtypes import check_supported
+from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
+from .heap import SymmetricHeap
+from .inputs import check_array, check_indices, check_numpy, device_view
+from .kernels import A2AArgs, KernelLibrary
+
+MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
+MAX_TOP_K = 32             # combine waits on one slot per lane of a (32-wide) warp
+THREADS_PER_BLOCK = 256
+
+
+@dataclass
+class DispatchResult:
+    expert_num_tokens: DeviceArray  # int32 [L]
+    expert_x: DeviceArray           # [L, W*M, H]
+    expert_meta: DeviceArray        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
+    num_tokens: int                 # T of this rank's call
+
+
+class AllToAll:
+    def __init__(self, comm=None, *, num_experts: int, experts_per_token: int, hidden_dim: int,
+                 max_num_tokens: int, in_dtype="float16", out_dtype=None, timeout: float = 10.0,
+                 backend=None, device: int | None = None):
+        self.in_dtype = check_supported(in_dtype, "in_dtype")
+        self.out_dtype = check_supported(out_dtype if out_dtype is not None else self.in_dtype, "out_dtype")
+        self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
+        self.hidden, self.max_tokens = int(hidden_dim), int(max_num_tokens)
+        self.timeout = float(timeout)
+        if min(self.num_experts, self.top_k, self.hidden, self.max_tokens) < 1:
+            raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
+        if self.top_k > min(self.num_experts, MAX_TOP_K):
+            raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
+        if self.timeout <= 0:
+            raise ValueError("timeout must be positive (seconds)")
+
+        heap_bytes = self._heap_bytes(comm)
+        self.heap = SymmetricHeap(comm, heap_bytes, backend=backend, device=device, timeout=self.timeout)
+        try:
+            self._setup()
+        except BaseException:
+            self.heap.close()
+            raise
+
+    # -- construction -----------------------------------------------------------
+    def _layout(self, world: int) -> list[tuple[str, tuple, object]]:
+        """Every symmetric buffer, in allocation order (identical on all ranks)."""
+        L, M, k, H = self.num_experts // world, self.max_tokens, self.top_k, self.hidden
+        return [
+            ("recv_x", (L, world * M, H), self.in_dtype),
+            ("recv_meta", (L, world * M, 3), np.int32),
+            ("counters", (L,), np.uint32),
+            ("num_tokens", (L,), np.int32),
+            ("dispatch_flags", (world,), np.uint32),
+            ("combine_rows", (M * k, H), self.out_dtype),
+            ("combine_flags", (M * k,), np.uint32),
+            ("combine_done", (world,), np.uint32),
+            ("block_counters", (2,), np.uint32),
+            ("status", (4,), np.uint32),
+            # local staging: NumPy inputs are copied here; y lands here unless out= is given
+            ("x_stage", (M, H), self.in_dtype),
+            ("indices_stage", (M, k), np.int32),
+            ("weights_stage", (M, k), np.float32),
+            ("y", (M, H), self.out_dtype),
+        ]
+
+    def _heap_bytes(self, comm) -> int:
+        from .bootstrap import _mpi
+        world = (comm if comm is not None else _mpi().COMM_WORLD).Get_size()
+        if self.num_experts % world:
+            raise ValueError(f"num_experts={self.num_experts} must be divisible by the number of ranks ({world})")
+        if self.num_experts // world > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank; got {self.num_experts // world}")
+        return sum(math.prod(shape) * np.dtype(dt).itemsize + 256 for _, shape, dt in self._layout(world))
+
+    def _setup(self) -> None:
+        heap = self.heap
+        self.backend, self.rank, self.world = heap.backend, heap.rank, heap.world
+        self.local_experts = self.num_experts // self.world
+        self.capacity = self.world * self.max_tokens
+        self._check_config_agrees()
+        self.buf = {name: heap.alloc(shape, dtype) for name, shape, dtype in self._layout(self.world)}
+        heap.verify()
+
+        self.stream = self.backend.stream_create()
+        self.lib = KernelLibrary(self.backend, heap.device.arch)
+        self._dispatch_kernel = self.lib.kernel("a2a_dispatch")
+        self._combine_kernel = self.lib.kernel("a2a_combine_bf16" if self.out_dtype.name == "bfloat16"
+                                               else "a2a_combine_f16")
+        self._dispatch_pack = self._dispatch_kernel.pack()
+        self._combine_pack = self._combine_kernel.pack()
+        for pack in (self._dispatch_pack, self._combine_pack):
+            self._fill_args(pack[0])
+        self.warps_per_block = THREADS_PER_BLOCK // heap.device.warp_size if heap.device.warp_size > 1 else 1
+        self.blocks = max(1, heap.device.multiprocessors)
+        self._epoch = 0
+        self._pending: DispatchResult | None = None
+        self._broken: str | None = None
+        self._expert_y_buffer: DeviceArray | None = None
+        bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
+
+    def _check_config_agrees(self) -> None:
+        mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
+                self.out_dtype.name, self.backend.kind)
+        everyone = self.heap.comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
+        if len(set(everyone)) > 1:
+            configs = self.heap.comm.allgather(mine)
+            differ = tuple(r for r, c in enumerate(configs) if c != configs[0])
+            raise ConfigMismatchError(
+                f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
+                f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
+                f"max_num_tokens, in_dtype, out_dtype, backend)", ranks=differ)
+
+    def _fill_args(self, a: A2AArgs) -> None:
+        heap, off = self.heap, lambda name: heap.offset_of(self.buf[name].ptr)
+        a.heap.bases, a.heap.rank, a.heap.world = heap.bases_ptr, heap.rank, heap.world
+        for name in ("recv_x", "recv_meta", "counters", "num_tokens", "dispatch_flags", "combine_rows",
+                     "combine_flags", "combine_done", "block_counters", "status"):
+            setattr(a, "off_" + name, off(name))
+        a.num_experts, a.local_experts, a.top_k = self.num_experts, self.local_experts, self.top_k
+        a.max_tokens, a.hidden = self.max_tokens, self.hidden
+        a.x_row_bytes = self.hidden * self.in_dtype.itemsize
+        a.y_row_bytes = self.hidden * self.out_dtype.itemsize
+        a.timeout_ns = int(self.timeout * 1e9)
+
+    # -- calls ------------------------------------------------------------------
+    def _usable(self) -> None:
+        if self.heap.closed:
+            raise A2AError("AllToAll is closed")
+        if self._broken:
+            raise A2AError(f"AllToAll is unusable after an earlier failure: {self._broken}")
+
+    def _stream(self, stream):
+        if stream is None:
+            return self.stream
+        handle = getattr(stream, "ptr", stream)  # CuPy streams carry their handle in .ptr
+        return self.backend.stream_from_handle(int(handle)) if isinstance(handle, int) else handle
+
+    def _input(self, obj, name, want_shape, want_dtype, stage: str, stream):
+        """Pointer to `obj` on the device: NumPy arrays are checked and copied into staging."""
+        if isinstance(obj, np.ndarray):
+            check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)
+            check_numpy(name, obj)
+            if obj.size:
+                self.backend.copy_to_device(self.buf[stage].ptr, obj, stream)
+            return self.buf[stage].ptr, obj
+        view = device_view(obj, self.backend, self.heap.device.index, name)
+        check_array(name, view.shape, view.dtype, want_shape, want_dtype)
+        return view.ptr, view.keepalive
+
+    def dispatch(self, x, indices, *, stream=None) -> DispatchResult:
+        """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M."""
+        self._usable()
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) != 2:
+            raise ValueError(f"x must have 2 dimensions (T, {self.hidden}), got shape {shape}")
+        T = int(shape[0])
+        if T > self.max_tokens:
+            raise ValueError(f"x has {T} tokens; this AllToAll was built for max_num_tokens={self.max_tokens}")
+        if isinstance(indices, np.ndarray):
+            check_array("indices", indices.shape, indices.dtype, (T, self.top_k), np.int32)
+            check_indices(indices, self.num_experts)
+        s = self._stream(stream)
+        x_ptr, x_keep = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
+        i_ptr, i_keep = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
+
+        self._epoch = self._epoch % 0xFFFFFFFF + 1  # never 0: flags start zeroed
+        call = self._dispatch_pack[1]
+        call.x, call.indices, call.num_tokens, call.epoch = x_ptr, i_ptr, T, self._epoch
+        blocks = max(1, min(self.blocks, math.ceil(T * self.top_k / self.warps_per_block)))
+        self._dispatch_kernel.launch(self._dispatch_pack, blocks, THREADS_PER_BLOCK, s)
+        self._keepalive = (x_keep, i_keep)
+
+        b = self.buf
+        result = DispatchResult(
+            expert_num_tokens=self._out(b["num_tokens"], s),
+            expert_x=self._out(b["recv_x"], s),
+            expert_meta=self._out(b["recv_meta"], s),
+            num_tokens=T)
+        self._pending = result
+        return result
+
+    def combine(self, expert_y, weights, *, out=None, stream=None) -> DeviceArray:
+        """Bring expert outputs back: y[t] = sum_j weights[t, j] * expert_y_row(t, j), fp32 accumulation."""
+        self._usable()
+        if self._pending is None:
+            raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
+        T = self._pending.num_tokens
+        s = self._stream(stream)
+        if isinstance(expert_y, np.ndarray):
+            check_array("expert_y", expert_y.shape, expert_y.dtype, (self.local_experts, self.capacity, self.hidden),
+                        self.out_dtype)
+            check_numpy("expert_y", expert_y)
+            staging = self.expert_y_buffer()
+            self.backend.copy_to_device(staging.ptr, expert_y, s)
+            y_ptr, y_keep = staging.ptr, expert_y
+        else:
+            y_ptr, y_keep = self._input(expert_y, "expert_y", (self.local_experts, self.capacity, self.hidden),
+                                        self.out_dtype, None, s)
+        wshape = getattr(weights, "shape", None)
+        if wshape is not None and len(wshape) == 2 and wshape[0] != T:
+            raise ValueError(f"weights has {wshape[0]} rows but the preceding dispatch sent {T} tokens")
+        w_ptr, w_keep = self._input(weights, "weights", (T, self.top_k), np.float32, "weights_stage", s)
+        if out is None:
+            out_arr = self._out(self.buf["y"], s).rows(T)
+            out_ptr, o_keep = out_arr.ptr, out_arr
+        else:
+            if isinstance(out, np.ndarray):
+                raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
+            out_ptr, o_keep = self._input(out, "out", (T, self.hidden), self.out_dtype, None, s)
+            out_arr = out
+
+        call = self._combine_pack[1]
+        call.expert_y, call.weights, call.out, call.num_tokens, call.epoch = y_ptr, w_ptr, out_ptr, T, self._epoch
+        self._combine_kernel.launch(self._combine_pack, self.blocks, THREADS_PER_BLOCK, s)
+        self._keepalive = (y_keep, w_keep, o_keep)
+        self._pending = None
+        return out_arr
+
+    def _out(self, arr: DeviceArray, stream) -> DeviceArray:
+        return DeviceArray(self.backend, arr.ptr, arr.shape, arr.dtype, owner=self.heap, stream=stream)
+
+    # -- helpers for callers ----------------------------------------------------
+    def expert_y_buffer(self) -> DeviceArray:
+        """A device buffer shaped like expert_y [L, W*M, H] (out_dtype), made once, freed by close()."""
+        if self._expert_y_buffer is None:
+            shape = (self.local_experts, self.capacity, self.hidden)
+            nbytes = math.prod(shape) * self.out_dtype.itemsize
+            ptr = self.backend.malloc_ipc(nbytes)
+            self._expert_y_free = weakref.finalize(self, self.backend.free, ptr)  # also at exit
+            self._expert_y_buffer = DeviceArray(self.backend, ptr, shape, self.out_dtype, owner=self.heap,
+                                                stream=self.stream)
+        return self._expert_y_buffer
+
+    def fake_expert(self, result: DispatchResult, out: DeviceArray | None = None, *, stream=None) -> DeviceArray:
+        """gpu-mode's stand-in for the grouped GEMM: expert_y = expert_x * (1 + rank), received rows only."""
+        if self.in_dtype != self.out_dtype:
+            raise TypeError("fake_expert needs in_dtype == out_dtype")
+        out = out if out is not None else self.expert_y_buffer()
+        kernel = self.lib.kernel("expert_scale_bf16" if self.out_dtype.name == "bfloat16" else "expert_scale_f16")
+        if not hasattr(self, "_scale_pack"):
+            self._scale_pack = kernel.pack()
+        self._scale_pack.set_scalars(result.expert_x.ptr, out.ptr, result.expert_num_tokens.ptr,
+                                     self.local_experts, self.capacity, self.hidden, float(1 + self.rank))
+        kernel.launch(self._scale_pack, self.blocks, THREADS_PER_BLOCK, self._stream(stream))
+        return out
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for this rank's queued calls; raise what the kernels reported."""
+        self.backend.stream_synchronize(self._stream(stream))
+        status = self.buf["status"].numpy()
+        error = status_error(status, self.rank, "AllToAll")
+        if error is not None:
+            self._broken = str(error)
+            raise error
+
+    # -- teardown -----------------------------------------------------------------
+    def close(self) -> None:
+        """Idempotent; waits (bounded) for peers before unmapping the heap."""
+        if self.heap.closed:
+            return
+        try:
+            self.backend.stream_synchronize(self.stream)
+        except Exception:
+            pass
+        if self._expert_y_buffer is not None:
+            self._expert_y_free()
+            self._expert_y_buffer = None
+        try:
+            self.heap.close()
+        except A2ATimeoutError:
+            raise
+        finally:
+            self.lib.close()
+            self.backend.stream_destroy(self.stream)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,107 @@
+"""DeviceArray: a C-contiguous array in device memory, described by NumPy dtype and shape.
+
+It owns nothing: `owner` keeps the memory's owner (a heap) alive. It speaks
+`__cuda_array_interface__` (CUDA backend) and DLPack (every backend; the host
+backend's arrays are kDLCPU, so `numpy.from_dlpack` takes them without a
+copy), and `.numpy()` copies to the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import dlpack
+
+
+class DeviceArray:
+    __slots__ = ("backend", "ptr", "shape", "dtype", "owner", "stream", "device_id", "__weakref__")
+
+    def __init__(self, backend, ptr: int, shape, dtype, owner=None, stream=None, device_id: int = 0):
+        self.backend, self.ptr = backend, int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.owner, self.stream = owner, stream
+        self.device_id = getattr(getattr(owner, "device", None), "index", device_id)
+
+    # -- NumPy-like description ----------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        strides, step = [], self.dtype.itemsize
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= n
+        return tuple(reversed(strides))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype.name}, {self.backend.kind}:{self.device_id}, 0x{self.ptr:x})"
+
+    def view(self, shape, dtype=None) -> "DeviceArray":
+        """The same memory with another shape (and dtype); must not be larger."""
+        out = DeviceArray(self.backend, self.ptr, shape, dtype or self.dtype, self.owner, self.stream, self.device_id)
+        if out.nbytes > self.nbytes:
+            raise ValueError(f"view {out.shape} {out.dtype} is larger than {self.shape} {self.dtype}")
+        return out
+
+    def rows(self, n: int) -> "DeviceArray":
+        """The first `n` entries along the first axis (still contiguous)."""
+        if not 0 <= n <= self.shape[0]:
+            raise ValueError(f"rows({n}) outside 0..{self.shape[0]}")
+        return self.view((n, *self.shape[1:]))
+
+    # -- host copies ------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A host copy; waits for the work queued on this array's stream."""
+        out = np.empty(self.shape, self.dtype)
+        if out.nbytes:
+            self.backend.copy_to_host(out, self.ptr, self.stream)
+        return out
+
+    def copy_from(self, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host, dtype=self.dtype)
+        if host.shape != self.shape:
+            raise ValueError(f"shape {host.shape} does not match {self.shape}")
+        if host.nbytes:
+            self.backend.copy_to_device(self.ptr, host, self.stream)
+
+    def fill_bytes(self, byte: int) -> None:
+        self.backend.memset(self.ptr, byte, self.nbytes, self.stream)
+
+    # -- interchange ------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self.backend.kind != "cuda":
+            raise AttributeError("__cuda_array_interface__ is only for arrays on an NVIDIA GPU")
+        cai = {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
+               "strides": None, "version": 3}
+        if self.dtype.name == "bfloat16":
+            cai["typestr"] = "<V2"  # CAI has no bfloat16; consumers reinterpret
+        handle = self.backend.stream_handle(self.stream) if self.stream is not None else 0
+        if handle:
+            cai["stream"] = handle  # consumers order their work after ours
+        return cai
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (self.backend.dlpack_device_type, self.device_id)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy:
+            raise BufferError("pyhipa2a arrays are exported without copies")
+        if stream is not None and stream != -1 and self.stream is not None and self.backend.kind != "host":
+            # The consumer will use `stream`: our queued work must be finished first.
+            self.backend.stream_synchronize(self.stream)
+        return dlpack.make_capsule(self.ptr, self.shape, self.dtype, self.backend.dlpack_device_type,
+                                   self.device_id, owner=self)

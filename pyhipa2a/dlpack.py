@@ -1,0 +1,486 @@
+"""DLPack in pure Python: hand device (or host) memory to other array libraries and take theirs.
+
+DLPack is a C struct, `DLManagedTensor`, passed between libraries inside a
+PyCapsule named "dltensor". The rules we follow (dlpack.h and the Python
+specification at dmlc.github.io/dlpack):
+
+* The producer owns the struct and everything it points at until somebody
+  calls the struct's `deleter`.
+* A consumer takes ownership by renaming the capsule to "used_dltensor"; from
+  then on the consumer, not the capsule, must call the deleter once it no
+  longer needs the memory.
+* A capsule that is dropped while still named "dltensor" was never consumed:
+  its own destructor must call the deleter.
+
+This module does both sides with ctypes and NumPy only (no PyTorch, no C
+extension):
+
+* `make_capsule` (producer) wraps a raw pointer in a fresh capsule.
+* `read_capsule` / `view_from_object` (consumer) turn a capsule into a
+  `DLPackView` whose `keepalive` calls the producer's deleter when released.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "kDLCPU", "kDLCUDA", "kDLCUDAHost", "kDLROCM", "kDLROCMHost",
+    "DLDevice", "DLDataType", "DLTensor", "DLManagedTensor", "DLPackVersion", "DLManagedTensorVersioned",
+    "DLPackView", "make_capsule", "read_capsule", "view_from_object", "is_c_contiguous", "live_export_count",
+]
+
+# ---------------------------------------------------------------------------
+# DLDeviceType values (enum DLDeviceType in dlpack.h) that pyhipa2a meets.
+# ---------------------------------------------------------------------------
+kDLCPU = 1
+kDLCUDA = 2
+kDLCUDAHost = 3   # pinned host memory
+kDLROCM = 10
+kDLROCMHost = 11  # pinned host memory
+
+# ---------------------------------------------------------------------------
+# The C structs of dlpack.h, field for field (the layout is the ABI).
+# ---------------------------------------------------------------------------
+
+
+class DLDevice(ctypes.Structure):
+    # device_type is a C enum: an int, 4 bytes, on every ABI DLPack targets.
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),  # in elements; NULL = compact row-major
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+# void (*deleter)(DLManagedTensor *self). The argument is declared void* rather
+# than a typed pointer so the same prototype serves both struct versions and our
+# callback receives a plain int address.
+DLPackDeleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", DLPackDeleter)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    """DLPack >= 1.0 struct, capsule name "dltensor_versioned". A producer may hand
+    it out only to consumers that asked for it by passing `max_version`."""
+    _fields_ = [
+        ("version", DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", DLPackDeleter),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", DLTensor),
+    ]
+
+
+_DLPACK_MAJOR = 1
+_DLPACK_VERSION = (1, 0)  # the versioned struct we write: the 1.0 layout, no 1.1 dtypes
+_FLAG_READ_ONLY = 1 << 0
+
+# ---------------------------------------------------------------------------
+# Element types. DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
+# ---------------------------------------------------------------------------
+kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLBool = 0, 1, 2, 4, 6
+
+_NUMPY_TO_DLPACK = {
+    np.dtype(np.float16): (kDLFloat, 16),
+    np.dtype(np.float32): (kDLFloat, 32),
+    np.dtype(np.float64): (kDLFloat, 64),
+    np.dtype(np.int8): (kDLInt, 8),
+    np.dtype(np.int16): (kDLInt, 16),
+    np.dtype(np.int32): (kDLInt, 32),
+    np.dtype(np.int64): (kDLInt, 64),
+    np.dtype(np.uint8): (kDLUInt, 8),
+    np.dtype(np.uint16): (kDLUInt, 16),
+    np.dtype(np.uint32): (kDLUInt, 32),
+    np.dtype(np.uint64): (kDLUInt, 64),
+    np.dtype(np.bool_): (kDLBool, 8),
+}
+_DLPACK_TO_NUMPY = {code_bits: dt for dt, code_bits in _NUMPY_TO_DLPACK.items()}
+_BFLOAT16 = "bfloat16"
+_BFLOAT16_CODE = (kDLBfloat, 16)
+_SUPPORTED_NAMES = ", ".join([dt.name for dt in _NUMPY_TO_DLPACK] + [_BFLOAT16])
+
+
+def _dlpack_dtype(dtype) -> tuple[int, int]:
+    """(code, bits) for a NumPy dtype, a scalar type, a dtype name, or "bfloat16"."""
+    # NumPy has no bfloat16: accept the name, or ml_dtypes' dtype (whose name it
+    # is) without importing ml_dtypes ourselves.
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
+    if name == _BFLOAT16:
+        return _BFLOAT16_CODE
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"DLPack export: unsupported dtype {dtype!r} (supported: {_SUPPORTED_NAMES})") from e
+    if dt.name == _BFLOAT16:
+        return _BFLOAT16_CODE
+    if not dt.isnative:
+        raise TypeError(f"DLPack export: dtype {dt.str!r} is not in native byte order; DLPack has no byte order")
+    try:
+        return _NUMPY_TO_DLPACK[dt]
+    except KeyError:
+        raise TypeError(f"DLPack export: unsupported dtype {dt.name!r} (supported: {_SUPPORTED_NAMES})") from None
+
+
+def _numpy_dtype(dl: DLDataType) -> np.dtype | str:
+    """The NumPy dtype for a DLDataType, or the string "bfloat16" (NumPy has none)."""
+    if dl.lanes != 1:
+        raise TypeError(f"DLPack import: vector dtypes (lanes={dl.lanes}) are not supported")
+    key = (dl.code, dl.bits)
+    if key == _BFLOAT16_CODE:
+        return _BFLOAT16
+    try:
+        return _DLPACK_TO_NUMPY[key]
+    except KeyError:
+        raise TypeError(f"DLPack import: unsupported dtype (code={dl.code}, bits={dl.bits}); "
+                        f"supported: {_SUPPORTED_NAMES}") from None
+
+
+# ---------------------------------------------------------------------------
+# The Python C API through ctypes.
+#
+# Each prototype is a fresh PYFUNCTYPE function object rather than a tweak of
+# `ctypes.pythonapi.X.argtypes`: those attribute objects are shared by the whole
+# process, and another module setting different argtypes on them would break us
+# (or we them). PYFUNCTYPE keeps the GIL during the call and turns a Python
+# error set by the function into a raised exception.
+# ---------------------------------------------------------------------------
+
+
+def _capi(name: str, restype, *argtypes):
+    return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
+
+
+# void destructor(PyObject *capsule). The argument is a void*, NOT py_object: the
+# capsule is being deallocated (refcount 0) when this runs, and py_object would
+# take and drop a reference, deallocating it a second time.
+_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+_PyCapsule_New = _capi("PyCapsule_New", ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor)
+_PyCapsule_IsValid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
+_PyCapsule_GetPointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)
+_PyCapsule_GetName = _capi("PyCapsule_GetName", ctypes.c_char_p, ctypes.py_object)
+_PyCapsule_SetName = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
+# The same two calls taking the capsule as a bare address, for use inside its destructor.
+_PyCapsule_IsValid_at = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)
+_PyCapsule_GetPointer_at = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+_PyErr_Occurred = _capi("PyErr_Occurred", ctypes.c_void_p)
+_Py_IncRef = _capi("Py_IncRef", None, ctypes.py_object)
+
+# Calls a producer's deleter with the GIL held, as C consumers (NumPy's capsule
+# destructor, for one) do: some deleters drop Python references without taking
+# the GIL themselves; ones that do take it (ours, NumPy 2's) just re-enter.
+_call_deleter = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
+
+_CapsuleType = type(datetime.datetime_CAPI)  # types.CapsuleType exists only from 3.13
+
+# Capsule names are stored as bare char* in the capsule, so the bytes behind them
+# must outlive every capsule, even ones freed late in interpreter shutdown: an
+# extra reference makes sure they are never freed.
+_NAME = b"dltensor"
+_USED_NAME = b"used_dltensor"
+_VERSIONED_NAME = b"dltensor_versioned"
+_USED_VERSIONED_NAME = b"used_dltensor_versioned"
+for _name in (_NAME, _USED_NAME, _VERSIONED_NAME, _USED_VERSIONED_NAME):
+    _Py_IncRef(_name)
+del _name
+
+# ---------------------------------------------------------------------------
+# C code calling back into Python with an exception already set.
+#
+# A C consumer may drop our capsule (or call our deleter) on its error path,
+# with its Python exception still set: NumPy's from_dlpack does exactly that
+# when it rejects a dtype. A ctypes callback cannot leave that exception alone:
+# the first C-level call inside it fails with SystemError, and ctypes clears the
+# error after the callback. So each callback first takes the pending exception
+# (any PYFUNCTYPE call raises it), does its cleanup with a clean slate -- nothing
+# leaks -- and then re-raises it, which ctypes reports through
+# sys.unraisablehook. The C caller then sees no exception (Python turns that
+# into a SystemError there); no ctypes code can hand the original back.
+# ---------------------------------------------------------------------------
+
+_LOST_NOTE = ("pyhipa2a.dlpack: this exception was in flight in C code that freed a DLPack capsule or "
+              "tensor; a ctypes callback cannot give it back, so it is reported here")
+
+
+def _take_pending_exception() -> BaseException | None:
+    try:
+        _PyErr_Occurred()
+    except BaseException as exc:  # the exception the C caller had set
+        return exc
+    return None
+
+
+def _report_pending(exc: BaseException | None) -> None:
+    if exc is not None:
+        exc.add_note(_LOST_NOTE)
+        raise exc
+
+
+# ---------------------------------------------------------------------------
+# Producer.
+# ---------------------------------------------------------------------------
+
+
+class _Export:
+    """What one exported tensor keeps alive until its deleter runs."""
+    __slots__ = ("managed", "shape", "owner")
+
+
+# Live exports, keyed by the address of their DLManagedTensor(Versioned) --
+# the pointer every deleter call receives, and unique while the entry keeps that
+# struct alive. manager_ctx holds the same number. An entry holds the struct (the
+# memory the capsule points at), the shape array and the owner of the data; the
+# deleter removes it.
+_live_exports: dict[int, _Export] = {}
+
+
+@DLPackDeleter
+def _release_export(managed_addr):
+    """The deleter of everything make_capsule hands out, of either struct version.
+
+    Consumers call it from C, possibly on another thread; ctypes takes the GIL."""
+    pending = _take_pending_exception()
+    # pop, not del: a (buggy) second call must not raise from inside C code.
+    _live_exports.pop(managed_addr, None)
+    _report_pending(pending)
+
+
+@_CapsuleDestructor
+def _destroy_capsule(capsule_addr):
+    """PyCapsule destructor: a capsule nobody consumed (its name unchanged) frees its tensor."""
+    pending = _take_pending_exception()
+    for name, struct in ((_NAME, DLManagedTensor), (_VERSIONED_NAME, DLManagedTensorVersioned)):
+        if _PyCapsule_IsValid_at(capsule_addr, name):
+            managed_addr = _PyCapsule_GetPointer_at(capsule_addr, name)
+            deleter = struct.from_address(managed_addr).deleter
+            if deleter:
+                _call_deleter(ctypes.cast(deleter, ctypes.c_void_p).value)(managed_addr)
+            break
+    _report_pending(pending)
+
+
+# Module-level names keep the two callbacks (and the C thunks inside them) alive;
+# the extra references keep them alive through interpreter shutdown too, when a
+# capsule or an imported tensor may outlive this module's globals.
+_Py_IncRef(_release_export)
+_Py_IncRef(_destroy_capsule)
+
+
+def _c_int(value, name: str, lo: int, hi: int) -> int:
+    v = operator.index(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"DLPack export: {name}={v} is out of range [{lo}, {hi}]")
+    return v
+
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT64_MAX = (1 << 63) - 1
+
+
+def make_capsule(ptr: int, shape: tuple[int, ...], dtype, device_type: int, device_id: int,
+                 owner: object, *, max_version: tuple[int, int] | None = None):
+    """A "dltensor" PyCapsule describing `shape` elements of `dtype` at `ptr`.
+
+    The memory is compact row-major (strides NULL) and lives on
+    (`device_type`, `device_id`), e.g. (kDLROCM, 0). `dtype` is a NumPy dtype
+    (or anything np.dtype accepts), "bfloat16", or ml_dtypes' bfloat16. `owner`
+    (whatever keeps the memory allocated) stays referenced until the consumer
+    calls the deleter, or until the capsule is dropped unconsumed.
+
+    `max_version` is the value a consumer passed to `__dlpack__`: when it allows
+    DLPack 1.x the capsule is a "dltensor_versioned" one instead, which is how a
+    consumer learns the memory is writable (NumPy makes arrays imported from
+    old-style capsules read-only).
+    """
+    code, bits = _dlpack_dtype(dtype)
+    dims = tuple(_c_int(d, "shape entry", 0, _INT64_MAX) for d in shape)
+    versioned = max_version is not None and max_version[0] >= _DLPACK_MAJOR
+
+    export = _Export()
+    export.owner = owner
+    export.shape = (ctypes.c_int64 * len(dims))(*dims)
+
+    if versioned:
+        managed = DLManagedTensorVersioned()
+        managed.version = DLPackVersion(*_DLPACK_VERSION)
+        managed.flags = 0  # writable, not a copy
+    else:
+        managed = DLManagedTensor()
+    tensor = managed.dl_tensor  # a view into `managed`, not a copy
+    tensor.data = _c_int(ptr, "ptr", 0, (1 << 64) - 1)
+    tensor.device = DLDevice(_c_int(device_type, "device_type", *_INT32), _c_int(device_id, "device_id", *_INT32))
+    tensor.ndim = len(dims)
+    tensor.dtype = DLDataType(code, bits, 1)
+    # A 0-d tensor gets NULL, as NumPy exports them.
+    tensor.shape = ctypes.cast(export.shape, ctypes.POINTER(ctypes.c_int64)) if dims else None
+    tensor.strides = None  # NULL: compact row-major
+    tensor.byte_offset = 0
+    key = ctypes.addressof(managed)
+    managed.manager_ctx = key
+    managed.deleter = _release_export
+    export.managed = managed
+
+    _live_exports[key] = export
+    try:
+        return _PyCapsule_New(key, _VERSIONED_NAME if versioned else _NAME, _destroy_capsule)
+    except BaseException:
+        del _live_exports[key]
+        raise
+
+
+def live_export_count() -> int:
+    """How many make_capsule exports have not been released yet (for leak checks)."""
+    return len(_live_exports)
+
+
+# ---------------------------------------------------------------------------
+# Consumer.
+# ---------------------------------------------------------------------------
+
+
+class _ConsumedTensor:
+    """`DLPackView.keepalive`: owns a consumed capsule and calls the producer's
+    deleter exactly once, when released or garbage collected."""
+    __slots__ = ("capsule", "_managed_addr", "_deleter_addr")
+
+    def __init__(self, capsule, managed_addr: int, deleter_addr: int | None):
+        self.capsule = capsule
+        self._managed_addr = managed_addr
+        self._deleter_addr = deleter_addr
+
+    @property
+    def released(self) -> bool:
+        return self._deleter_addr is None
+
+    def release(self) -> None:
+        """Hand the memory back to the producer now. Any view of it dangles afterwards."""
+        deleter_addr, self._deleter_addr = self._deleter_addr, None
+        if deleter_addr:
+            _call_deleter(deleter_addr)(self._managed_addr)
+
+    def __del__(self):
+        self.release()
+
+
+@dataclass(frozen=True)
+class DLPackView:
+    """A consumed DLPack tensor. Valid for as long as `keepalive` is referenced.
+
+    `ptr` already includes byte_offset; `strides` are in elements, None when the
+    producer declared compact row-major; `dtype` is a NumPy dtype or the string
+    "bfloat16". `readonly` can only be set by a versioned (DLPack 1.x) capsule.
+    """
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None
+    dtype: np.dtype | str
+    device_type: int
+    device_id: int
+    keepalive: _ConsumedTensor = field(repr=False, compare=False)
+    readonly: bool = False
+
+
+def read_capsule(capsule) -> DLPackView:
+    """Consume a "dltensor" (or "dltensor_versioned") capsule.
+
+    The capsule is renamed to "used_dltensor" only after everything was read and
+    checked: a capsule we reject (e.g. TypeError for an unknown dtype) stays
+    unconsumed, so its own destructor returns the tensor to the producer.
+    """
+    if type(capsule) is not _CapsuleType:
+        raise TypeError(f"expected a DLPack PyCapsule, got {type(capsule).__name__}")
+    if _PyCapsule_IsValid(capsule, _NAME):
+        name, used_name = _NAME, _USED_NAME
+    elif _PyCapsule_IsValid(capsule, _VERSIONED_NAME):
+        name, used_name = _VERSIONED_NAME, _USED_VERSIONED_NAME
+    else:
+        got = _PyCapsule_GetName(capsule)
+        if got in (_USED_NAME, _USED_VERSIONED_NAME):
+            raise ValueError("this DLPack capsule was already consumed (a capsule can be read only once)")
+        raise TypeError(f"not a DLPack capsule: its name is {got!r}, expected {_NAME!r}")
+
+    managed_addr = _PyCapsule_GetPointer(capsule, name)
+    readonly = False
+    if name == _VERSIONED_NAME:
+        managed = DLManagedTensorVersioned.from_address(managed_addr)
+        if managed.version.major != _DLPACK_MAJOR:
+            raise BufferError(f"DLPack {managed.version.major}.{managed.version.minor} capsule; "
+                              f"this reader understands {_DLPACK_MAJOR}.x")
+        readonly = bool(managed.flags & _FLAG_READ_ONLY)
+    else:
+        managed = DLManagedTensor.from_address(managed_addr)
+
+    tensor = managed.dl_tensor
+    dtype = _numpy_dtype(tensor.dtype)
+    ndim = tensor.ndim
+    if ndim < 0 or (ndim > 0 and not tensor.shape):
+        raise BufferError(f"malformed DLTensor: ndim={ndim} with shape pointer {'set' if tensor.shape else 'NULL'}")
+    shape = tuple(tensor.shape[i] for i in range(ndim))
+    strides = tuple(tensor.strides[i] for i in range(ndim)) if (ndim and tensor.strides) else None
+    if not ndim:
+        strides = None  # a 0-d tensor has nothing to stride
+    ptr = (tensor.data or 0) + tensor.byte_offset
+    # Copy the deleter's address now: the struct may be gone once it has run.
+    deleter_addr = ctypes.cast(managed.deleter, ctypes.c_void_p).value
+
+    _PyCapsule_SetName(capsule, used_name)  # we own it now
+    keepalive = _ConsumedTensor(capsule, managed_addr, deleter_addr)
+    return DLPackView(ptr=ptr, shape=shape, strides=strides, dtype=dtype,
+                      device_type=tensor.device.device_type, device_id=tensor.device.device_id,
+                      keepalive=keepalive, readonly=readonly)
+
+
+def view_from_object(obj, stream=None) -> DLPackView:
+    """read_capsule(obj.__dlpack__()). `stream` is passed only when given; objects
+    whose __dlpack__ rejects the keyword are asked again without it. A bare
+    capsule (the old `to_dlpack()` style) is read as it is."""
+    if type(obj) is _CapsuleType:
+        return read_capsule(obj)
+    if stream is None:
+        capsule = obj.__dlpack__()
+    else:
+        try:
+            capsule = obj.__dlpack__(stream=stream)
+        except TypeError:
+            capsule = obj.__dlpack__()
+    return read_capsule(capsule)
+
+
+def is_c_contiguous(view: DLPackView) -> bool:
+    """True when the view's elements are compact row-major.
+
+    strides None means compact by definition; dims of size 1 may carry any
+    stride; a view with no elements is trivially compact.
+    """
+    if view.strides is None or 0 in view.shape:
+        return True
+    expected = 1
+    for dim, stride in zip(reversed(view.shape), reversed(view.strides)):
+        if dim != 1 and stride != expected:
+            return False
+        expected *= dim
+    return True

@@ -1,0 +1,75 @@
+"""Exceptions raised by pyhipa2a, and the device status codes they decode.
+
+Keep the codes in sync with kernels_hip/protocol.h.
+"""
+from __future__ import annotations
+
+from .runtime.base import RuntimeFailure
+
+__all__ = [
+    "A2AError", "A2ATimeoutError", "A2ADeviceError", "ConfigMismatchError",
+    "AllocationMismatchError", "CodeObjectNotFound", "RuntimeFailure",
+]
+
+STATUS_OK = 0
+STATUS_TIMEOUT = 1
+STATUS_BAD_INDEX = 2
+STATUS_CAPACITY = 3
+STATUS_MISMATCH = 4
+
+WAIT_WHAT = {1: "dispatch flag", 2: "combine row flag", 3: "combine done flag", 4: "heap self-test flag"}
+
+
+class A2AError(RuntimeError):
+    """Base class of pyhipa2a's own errors."""
+
+
+class A2ATimeoutError(A2AError):
+    """A device-side (or host-side) wait for a peer ran past the timeout."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class A2ADeviceError(A2AError):
+    """A kernel reported a contract violation (bad index, capacity, mismatch)."""
+
+
+class ConfigMismatchError(A2AError):
+    """Ranks disagree on something every rank must agree on."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class AllocationMismatchError(ConfigMismatchError):
+    """Ranks made different symmetric-heap allocations."""
+
+
+class CodeObjectNotFound(A2AError):
+    """No ahead-of-time code object matches the device's architecture."""
+
+
+def status_error(status, rank: int, context: str) -> A2AError | None:
+    """Turn the four device status words into an exception (None when OK)."""
+    code, peer, what, detail = (int(v) for v in status)
+    if code == STATUS_OK:
+        return None
+    if code == STATUS_TIMEOUT:
+        return A2ATimeoutError(
+            f"{context}: rank {rank} timed out waiting for the {WAIT_WHAT.get(what, what)} "
+            f"of rank {peer} (detail {detail}); rank {peer} never arrived or is stuck",
+            ranks=(peer,))
+    if code == STATUS_BAD_INDEX:
+        return A2ADeviceError(
+            f"{context}: rank {rank}: expert index {detail if detail < 2**31 else detail - 2**32} at flat "
+            f"position {what} is outside [0, num_experts) or repeated in its row; it was not sent")
+    if code == STATUS_CAPACITY:
+        return A2ADeviceError(
+            f"{context}: rank {rank}: local expert {what} of rank {peer} overflowed its rows "
+            f"(slot {detail}); the row was not written")
+    if code == STATUS_MISMATCH:
+        return A2ADeviceError(f"{context}: rank {rank}: {detail} words did not match the expected pattern")
+    return A2ADeviceError(f"{context}: rank {rank}: unknown device status {code} ({peer}, {what}, {detail})")

@@ -1,0 +1,164 @@
+"""SymmetricHeap: one IPC-shareable allocation per rank, mapped by every peer.
+
+Every rank allocates the same size, exports its IPC handle, gathers all
+handles over the node-local communicator (handles never leave the node) and
+maps every peer's allocation. The table of every rank's base address lives at
+the start of the heap, on the device, so kernels reach a peer's copy of any
+symmetric object by `bases[peer] + offset`.
+
+Allocation is a bump allocator that must run identically on every rank;
+`verify()` compares a fingerprint of the allocation sequence across ranks and
+names the ranks that differ.
+"""
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import numpy as np
+
+from .array import DeviceArray
+from .bootstrap import bounded_barrier, node_comm
+from .errors import AllocationMismatchError, A2AError
+from .runtime import Backend, get_backend, select_device
+
+TABLE_ALIGN = 256
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class SymmetricHeap:
+    """`SymmetricHeap(comm, nbytes)`: collective over the node-local ranks of `comm`."""
+
+    def __init__(self, comm, nbytes: int, *, backend: Backend | str | None = None,
+                 device: int | None = None, timeout: float = 60.0):
+        self.comm = node_comm(comm)
+        self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+        self.device = self.backend.open_device(select_device(self.backend, self.rank, device))
+        self.timeout = timeout
+        self._fingerprint = hashlib.sha256()
+        self._allocations = 0
+
+        table_bytes = _align(8 * self.world, TABLE_ALIGN)
+        self.nbytes = table_bytes + _align(int(nbytes), TABLE_ALIGN)
+        # Resources live in their own object so the finalizer (also run at
+        # interpreter exit) can free them without keeping the heap alive.
+        self._mappings = _Mappings(self.backend, self.backend.malloc_ipc(self.nbytes))
+        self._finalizer = weakref.finalize(self, self._mappings.release)
+        self.base = self._mappings.base
+        try:
+            handles = self.comm.allgather(self.backend.ipc_export(self.base))
+            self.bases = [self.base if r == self.rank else self._mappings.open_peer(h)
+                          for r, h in enumerate(handles)]
+            bounded_barrier(self.comm, timeout, "SymmetricHeap: mapping peers")
+            if hasattr(self.backend, "ipc_exchanged"):
+                self.backend.ipc_exchanged(self.base)
+            self.backend.copy_to_device(self.base, np.array(self.bases, dtype=np.uint64))
+        except BaseException:
+            self._finalizer()
+            raise
+        self.bases_ptr = self.base  # the device table of bases sits at offset 0
+        self._offset = table_bytes
+
+    # -- allocation -------------------------------------------------------------
+    @property
+    def free_bytes(self) -> int:
+        return self.nbytes - self._offset
+
+    def alloc(self, shape, dtype, align: int = 256) -> DeviceArray:
+        """Reserve a C-contiguous array of `shape`/`dtype`; same call, same order, on every rank."""
+        self._check_open()
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        start = _align(self._offset, align)
+        if start + size > self.nbytes:
+            raise MemoryError(
+                f"symmetric heap exhausted: requested {size} bytes (aligned to {align}), "
+                f"{max(self.nbytes - start, 0)} of {self.nbytes} bytes free")
+        self._offset = start + size
+        self._allocations += 1
+        self._fingerprint.update(f"{shape}|{dtype.str}|{align}|{start};".encode())
+        return DeviceArray(self.backend, self.base + start, shape, dtype, owner=self)
+
+    def verify(self) -> None:
+        """Collective: raise on every rank if ranks made different allocations."""
+        self._check_open()
+        mine = self._fingerprint.hexdigest()
+        everyone = self.comm.allgather((mine, self._allocations, self._offset))
+        groups: dict[str, list[int]] = {}
+        for r, (digest, _, _) in enumerate(everyone):
+            groups.setdefault(digest, []).append(r)
+        if len(groups) > 1:
+            majority = max(groups.values(), key=len)
+            odd = sorted(r for g in groups.values() if g is not majority for r in g)
+            detail = "; ".join(f"rank {r}: {n} allocations, {off} bytes used"
+                               for r, (_, n, off) in enumerate(everyone))
+            raise AllocationMismatchError(
+                f"symmetric heap allocations differ across ranks: ranks {odd} differ from ranks "
+                f"{majority} ({detail}). Every rank must make the same allocations in the same order.",
+                ranks=tuple(odd))
+
+    # -- addressing ---------------------------------------------------------------
+    def offset_of(self, ptr: int) -> int:
+        if not self.base <= ptr < self.base + self.nbytes:
+            raise ValueError(f"0x{ptr:x} is not inside this rank's symmetric heap")
+        return ptr - self.base
+
+    def translate(self, ptr: int, peer: int) -> int:
+        """Address of `peer`'s copy of the symmetric object at local address `ptr`."""
+        return self.bases[peer] + self.offset_of(ptr)
+
+    def peer_array(self, array: DeviceArray, peer: int) -> DeviceArray:
+        return DeviceArray(self.backend, self.translate(array.ptr, peer), array.shape, array.dtype, owner=self)
+
+    # -- teardown -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise A2AError("SymmetricHeap is closed")
+
+    def close(self) -> None:
+        """Idempotent. Waits (bounded) for peers so nobody frees memory a peer still reads."""
+        if not self._finalizer.alive:
+            return
+        try:
+            bounded_barrier(self.comm, self.timeout, "SymmetricHeap.close")
+        finally:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Mappings:
+    """This rank's allocation and its peer mappings; released once, in reverse order."""
+
+    def __init__(self, backend: Backend, base: int):
+        self.backend, self.base, self.peers = backend, base, []
+
+    def open_peer(self, handle: bytes) -> int:
+        ptr = self.backend.ipc_open(handle)
+        self.peers.append(ptr)
+        return ptr
+
+    def release(self) -> None:
+        for ptr in reversed(self.peers):
+            try:
+                self.backend.ipc_close(ptr)
+            except Exception:
+                pass  # best effort: at exit a peer may already be gone
+        self.peers = []
+        try:
+            self.backend.free(self.base)
+        except Exception:
+            pass

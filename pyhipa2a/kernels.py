@@ -1,0 +1,141 @@
+"""Find, load and launch the ahead-of-time device code.
+
+Each kernel's signature is declared here as ctypes types that mirror the C
+structs in kernels_hip/ (same field order, same natural alignment), so an
+argument buffer is built once per launch site and a launch only rewrites the
+fields that change.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from .errors import CodeObjectNotFound
+
+CODE_DIR = Path(__file__).resolve().parent / "_code"
+u64, u32, i32, f32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_float
+
+
+class HeapView(ctypes.Structure):
+    _fields_ = [("bases", u64), ("rank", i32), ("world", i32)]
+
+
+class HeapCheckArgs(ctypes.Structure):
+    _fields_ = [("heap", HeapView), ("off_slots", u64), ("off_flags", u64), ("off_counter", u64),
+                ("off_status", u64), ("off_result", u64), ("words", u32), ("epoch", u32),
+                ("timeout_ns", u64)]
+
+
+class A2AArgs(ctypes.Structure):
+    _fields_ = [("heap", HeapView),
+                ("off_recv_x", u64), ("off_recv_meta", u64), ("off_counters", u64),
+                ("off_num_tokens", u64), ("off_dispatch_flags", u64), ("off_combine_rows", u64),
+                ("off_combine_flags", u64), ("off_combine_done", u64), ("off_block_counters", u64),
+                ("off_status", u64),
+                ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
+                ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("pad", u32),
+                ("timeout_ns", u64)]
+
+
+class DispatchCall(ctypes.Structure):
+    _fields_ = [("x", u64), ("indices", u64), ("num_tokens", i32), ("epoch", u32)]
+
+
+class CombineCall(ctypes.Structure):
+    _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("epoch", u32)]
+
+
+# kernel name -> (code object, argument types)
+SIGNATURES = {
+    "heap_check": ("heap_check", (HeapCheckArgs,)),
+    "a2a_dispatch": ("a2a", (A2AArgs, DispatchCall)),
+    "a2a_combine_f16": ("a2a", (A2AArgs, CombineCall)),
+    "a2a_combine_bf16": ("a2a", (A2AArgs, CombineCall)),
+    "expert_scale_f16": ("a2a", (u64, u64, u64, u32, u32, u32, f32)),
+    "expert_scale_bf16": ("a2a", (u64, u64, u64, u32, u32, u32, f32)),
+}
+
+
+class ArgPack:
+    """One launch site's arguments: ctypes objects plus the void* array pointing at them."""
+
+    def __init__(self, argtypes):
+        self.arguments = tuple(t() for t in argtypes)
+        self.kernel_params = (ctypes.c_void_p * len(argtypes))(*(ctypes.addressof(a) for a in self.arguments))
+
+    def __getitem__(self, i):
+        return self.arguments[i]
+
+    def set_scalars(self, *values) -> None:
+        """For kernels whose arguments are plain scalars."""
+        for arg, value in zip(self.arguments, values, strict=True):
+            arg.value = value
+
+
+class Kernel:
+    def __init__(self, backend, function, name: str, argtypes):
+        self.backend, self.function, self.name, self.argtypes = backend, function, name, argtypes
+
+    def pack(self) -> ArgPack:
+        return ArgPack(self.argtypes)
+
+    def launch(self, pack: ArgPack, grid: int, block: int, stream=None) -> None:
+        self.backend.launch(self.function, grid, block, stream, pack)
+
+
+def available_code_objects(code_dir: Path, module: str, variant: str = "") -> dict[str, Path]:
+    """arch -> path for every built code object of `module` (e.g. {"gfx942": ..., "sm_90": ...})."""
+    found = {}
+    for path in code_dir.glob(f"{module}{variant}.*"):
+        arch = path.name[len(module + variant) + 1:].rsplit(".", 1)[0]
+        if "." not in arch:
+            found[arch] = path
+    return found
+
+
+def select_code_object(arch: str, available: dict[str, Path], module: str) -> Path:
+    """Exact match on AMD; on NVIDIA the newest sm_XY <= the device's (its PTX covers newer GPUs)."""
+    if arch in available:
+        return available[arch]
+    if arch.startswith("sm_"):
+        mine = int(arch[3:])
+        older = [int(a[3:]) for a in available if a.startswith("sm_") and int(a[3:]) <= mine]
+        if older:
+            return available[f"sm_{max(older)}"]
+    names = ", ".join(sorted(available)) or "none (run `python -m pyhipa2a.build`)"
+    raise CodeObjectNotFound(
+        f"no code object of '{module}' for device architecture {arch}; available: {names}")
+
+
+class KernelLibrary:
+    """Loads code objects on first use and hands out `Kernel`s by name."""
+
+    def __init__(self, backend, arch: str, code_dir: Path | None = None, variant: str = ""):
+        self.backend, self.arch, self.variant = backend, arch, variant
+        self.code_dir = Path(code_dir or os.environ.get("PYHIPA2A_CODE_DIR") or CODE_DIR)
+        self._modules: dict[str, object] = {}
+        self._kernels: dict[str, Kernel] = {}
+
+    def module(self, name: str):
+        if name not in self._modules:
+            if self.backend.code_suffix is None:
+                image = name.encode()  # host backend: kernels are Python functions named by module
+            else:
+                path = select_code_object(self.arch, available_code_objects(self.code_dir, name, self.variant), name)
+                image = path.read_bytes()
+            self._modules[name] = self.backend.module_load(image)
+        return self._modules[name]
+
+    def kernel(self, name: str) -> Kernel:
+        if name not in self._kernels:
+            module_name, argtypes = SIGNATURES[name]
+            function = self.backend.module_function(self.module(module_name), name)
+            self._kernels[name] = Kernel(self.backend, function, name, argtypes)
+        return self._kernels[name]
+
+    def close(self) -> None:
+        for module in self._modules.values():
+            self.backend.module_unload(module)
+        self._modules.clear()
+        self._kernels.clear()

@@ -1,0 +1,64 @@
+"""NumPy oracle of dispatch and combine, for the whole world at once.
+
+It takes every rank's inputs and returns every rank's expected outputs. It is
+written to be obviously correct, not fast: plain loops over ranks, tokens and
+slots, exactly as DESIGN.md states the contract.
+
+    expert e lives on rank e // L, as local expert e % L   (L = E / W)
+    dispatch: rank r's local expert l receives x[s][t] for every (s, t, j)
+              with indices[s][t, j] == r * L + l, tagged (s, t, j)
+    combine:  y[s][t] = sum_j weights[s][t, j] * expert_y_row(s, t, j)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class ExpectedDispatch:
+    """One rank's expected dispatch output, order-free: rows keyed by (src_rank, src_token, src_k)."""
+    expert_num_tokens: np.ndarray          # int32 [L]
+    rows: list[dict[tuple[int, int, int], np.ndarray]]  # per local expert: meta -> token vector
+
+
+def dispatch(xs: list[np.ndarray], indices: list[np.ndarray], num_experts: int) -> list[ExpectedDispatch]:
+    world = len(xs)
+    L = num_experts // world
+    out = [ExpectedDispatch(np.zeros(L, np.int32), [dict() for _ in range(L)]) for _ in range(world)]
+    for src in range(world):
+        for t in range(indices[src].shape[0]):
+            for j in range(indices[src].shape[1]):
+                e = int(indices[src][t, j])
+                dst, l = divmod(e, L)
+                out[dst].expert_num_tokens[l] += 1
+                out[dst].rows[l][(src, t, j)] = xs[src][t]
+    return out
+
+
+def fake_expert(x_row: np.ndarray, expert_rank: int) -> np.ndarray:
+    """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to x's dtype."""
+    return (x_row.astype(np.float32) * np.float32(1 + expert_rank)).astype(x_row.dtype)
+
+
+def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=None) -> list[np.ndarray]:
+    """Expected y per rank in float64, given `expert(x_row, expert_rank) -> y_row`.
+
+    `ranks` limits the work to those source ranks (the others get None)."""
+    world = len(xs)
+    L = num_experts // world
+    ys = []
+    for src in range(world):
+        if ranks is not None and src not in ranks:
+            ys.append(None)
+            continue
+        T, k = indices[src].shape
+        y = np.zeros((T, xs[src].shape[1]), np.float64)
+        for t in range(T):
+            for j in range(k):
+                expert_rank = int(indices[src][t, j]) // L
+                row = expert(xs[src][t], expert_rank).astype(np.float64)
+                y[t] += float(weights[src][t, j]) * row
+        ys.append(y)
+    return ys

@@ -1,0 +1,139 @@
+"""The one small interface every runtime backend implements.
+
+Pointers are plain Python ints (device virtual addresses; on the host backend,
+addresses in this process). Streams, events, modules and functions are opaque
+handles owned by the backend. Every method raises `RuntimeFailure` carrying the
+runtime's own error string when the underlying call fails.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class RuntimeFailure(RuntimeError):
+    """A HIP/CUDA/host runtime call failed; the message holds the runtime's own error text."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    arch: str              # "gfx942", "gfx90a", "sm_90", "host"
+    index: int             # device ordinal used by this process
+    count: int             # devices visible to this process
+    multiprocessors: int   # CUs (AMD) / SMs (NVIDIA) / 1 on host
+    warp_size: int
+
+
+class Backend:
+    """Device selection, streams, events, IPC-capable memory, copies, modules, launches.
+
+    `kind` names the backend ("hip", "cuda", "host"); `code_suffix` is the file
+    suffix of the ahead-of-time code objects this backend loads (".hsaco",
+    ".fatbin"; None on host, whose kernels are Python functions).
+    """
+
+    kind: str = "abstract"
+    code_suffix: str | None = None
+    dlpack_device_type: int = 1  # DLPack kDLCPU; GPU backends override
+
+    # -- device -------------------------------------------------------------
+    def device_count(self) -> int:
+        raise NotImplementedError
+
+    def open_device(self, index: int) -> DeviceInfo:
+        """Make device `index` current for this process and describe it."""
+        raise NotImplementedError
+
+    # -- memory -------------------------------------------------------------
+    def malloc_ipc(self, nbytes: int) -> int:
+        """Allocate memory peers can map (fine-grained on AMD), zero-filled."""
+        raise NotImplementedError
+
+    def free(self, ptr: int) -> None:
+        raise NotImplementedError
+
+    def ipc_export(self, ptr: int) -> bytes:
+        """A handle (bytes) another process on this node can open."""
+        raise NotImplementedError
+
+    def ipc_open(self, handle: bytes) -> int:
+        """Map a peer's allocation; returns its base address in this process."""
+        raise NotImplementedError
+
+    def ipc_close(self, ptr: int) -> None:
+        raise NotImplementedError
+
+    def pointer_device(self, ptr: int) -> int | None:
+        """Device ordinal that owns `ptr`, or None when the runtime does not know it."""
+        raise NotImplementedError
+
+    # -- copies (synchronous with respect to `stream` when stream is given) --
+    def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
+        raise NotImplementedError
+
+    def copy_to_host(self, dst: np.ndarray, src: int, stream=None) -> None:
+        raise NotImplementedError
+
+    def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        raise NotImplementedError
+
+    def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
+        raise NotImplementedError
+
+    # -- streams and events ---------------------------------------------------
+    def stream_create(self):
+        raise NotImplementedError
+
+    def stream_destroy(self, stream) -> None:
+        raise NotImplementedError
+
+    def stream_handle(self, stream) -> int:
+        """Integer value of a stream handle (for __cuda_array_interface__ / DLPack)."""
+        raise NotImplementedError
+
+    def stream_from_handle(self, handle: int):
+        """Wrap a foreign stream handle (an int) given by the user."""
+        raise NotImplementedError
+
+    def stream_synchronize(self, stream) -> None:
+        raise NotImplementedError
+
+    def event_create(self):
+        raise NotImplementedError
+
+    def event_destroy(self, event) -> None:
+        raise NotImplementedError
+
+    def event_record(self, event, stream) -> None:
+        raise NotImplementedError
+
+    def event_synchronize(self, event) -> None:
+        raise NotImplementedError
+
+    def event_elapsed_ms(self, start, end) -> float:
+        raise NotImplementedError
+
+    # -- code ---------------------------------------------------------------
+    def module_load(self, image: bytes):
+        raise NotImplementedError
+
+    def module_unload(self, module) -> None:
+        raise NotImplementedError
+
+    def module_function(self, module, name: str):
+        raise NotImplementedError
+
+    def launch(self, function, grid: int, block: int, stream, pack) -> None:
+        """Launch `function` on a 1-D grid of `grid` blocks of `block` threads.
+
+        `pack` is a `kernels.ArgPack`: GPU backends pass `pack.kernel_params`
+        (a ctypes array of void*, one per argument, built once per launch
+        site); the host backend calls its Python kernel with `pack.arguments`
+        (the ctypes argument objects themselves).
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release per-process runtime state (streams the backend created)."""

@@ -1,0 +1,246 @@
+"""CPU backend: the same Python stack without a GPU.
+
+"Device memory" is a POSIX shared-memory file in /dev/shm mapped into this
+process; its IPC handle is the file's name, so peers on the node map the same
+pages. Kernels are Python functions (pyhipa2a.host_kernels) that follow the
+GPU kernels' protocol on that memory. Streams execute in order at launch, so
+they and events are trivial. Cross-process atomics use POSIX record locks
+on the shared file (`fcntl.lockf` on the word's byte range); the same
+system calls order a flag store after the data it publishes on any CPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import importlib
+import mmap
+import os
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import Backend, DeviceInfo, RuntimeFailure
+
+SHM_DIR = "/dev/shm"
+HANDLE_BYTES = 64
+
+
+@dataclass
+class _Mapping:
+    name: str
+    fd: int
+    map: mmap.mmap
+    anchor: ctypes.Array  # holds the buffer export that gives us the address
+    size: int
+    owned: bool           # created here: unlink the file when freed
+
+
+class HostStream:
+    """Work runs at launch time, so a stream is only an identity."""
+
+
+class HostEvent:
+    def __init__(self):
+        self.time = None
+
+
+class HostBackend(Backend):
+    kind = "host"
+    code_suffix = None
+    dlpack_device_type = 1  # kDLCPU: host arrays hand straight to NumPy
+
+    def __init__(self):
+        self._maps: dict[int, _Mapping] = {}
+        self._streams: dict[int, HostStream] = {}
+
+    # -- device -------------------------------------------------------------
+    def device_count(self) -> int:
+        return 1
+
+    def open_device(self, index: int) -> DeviceInfo:
+        if index != 0:
+            raise RuntimeFailure(f"host backend has one device; asked for {index}")
+        return DeviceInfo(name="host CPU", arch="host", index=0, count=1, multiprocessors=1, warp_size=1)
+
+    # -- memory -------------------------------------------------------------
+    def _map(self, name: str, size: int | None, create: bool) -> int:
+        path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)  # owner-only: other users cannot map our heap
+            if create:
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise RuntimeFailure(f"host shared memory {path}: {e.strerror or e}") from e
+        anchor = (ctypes.c_char * size).from_buffer(m)
+        ptr = ctypes.addressof(anchor)
+        self._maps[ptr] = _Mapping(name, fd, m, anchor, size, create)
+        return ptr
+
+    def malloc_ipc(self, nbytes: int) -> int:
+        # A fresh file is zero-filled, as the GPU backends' allocations are after their memset.
+        return self._map(f"pyhipa2a-{os.getpid()}-{secrets.token_hex(8)}", max(nbytes, 1), create=True)
+
+    def _release(self, ptr: int, unlink: bool) -> None:
+        m = self._maps.pop(ptr, None)
+        if m is None:
+            raise RuntimeFailure(f"host: 0x{ptr:x} is not a mapping of this process")
+        del m.anchor
+        m.map.close()
+        os.close(m.fd)
+        if unlink:
+            self.ipc_unlink_name(m)
+
+    @staticmethod
+    def ipc_unlink_name(m: _Mapping) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, m.name))
+        except FileNotFoundError:
+            pass
+
+    def free(self, ptr: int) -> None:
+        self._release(ptr, unlink=self._maps.get(ptr) is not None and self._maps[ptr].owned)
+
+    def ipc_export(self, ptr: int) -> bytes:
+        name = self._maps[ptr].name.encode()
+        return name.ljust(HANDLE_BYTES, b"\0")
+
+    def ipc_open(self, handle: bytes) -> int:
+        return self._map(handle.rstrip(b"\0").decode(), None, create=False)
+
+    def ipc_close(self, ptr: int) -> None:
+        self._release(ptr, unlink=False)
+
+    def ipc_exchanged(self, ptr: int) -> None:
+        """Every peer has mapped `ptr`: drop its name so a killed job leaves nothing in /dev/shm."""
+        self.ipc_unlink_name(self._maps[ptr])
+
+    def _locate(self, ptr: int) -> tuple[_Mapping, int]:
+        for base, m in self._maps.items():
+            if base <= ptr < base + m.size:
+                return m, ptr - base
+        raise RuntimeFailure(f"host: address 0x{ptr:x} is not in any shared mapping")
+
+    def pointer_device(self, ptr: int) -> int | None:
+        try:
+            self._locate(ptr)
+            return 0
+        except RuntimeFailure:
+            return None
+
+    # -- copies ---------------------------------------------------------------
+    def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
+        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
+
+    def copy_to_host(self, dst: np.ndarray, src: int, stream=None) -> None:
+        ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
+
+    def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
+        ctypes.memset(ptr, byte, nbytes)
+
+    # -- cross-process word operations used by the host kernels --------------
+    def _locked(self, ptr: int):
+        m, offset = self._locate(ptr)
+        return _WordLock(m.fd, offset)
+
+    def atomic_add_u32(self, ptr: int, value: int) -> int:
+        """Add to the u32 at `ptr` atomically across processes; returns the old value."""
+        with self._locked(ptr):
+            word = ctypes.c_uint32.from_address(ptr)
+            old = word.value
+            word.value = (old + value) & 0xFFFFFFFF
+            return old
+
+    def store_release_u32(self, ptr: int, value: int) -> None:
+        with self._locked(ptr):
+            ctypes.c_uint32.from_address(ptr).value = value
+
+    def load_acquire_u32(self, ptr: int) -> int:
+        with self._locked(ptr):
+            return ctypes.c_uint32.from_address(ptr).value
+
+    # -- streams and events ---------------------------------------------------
+    def stream_create(self):
+        s = HostStream()
+        self._streams[id(s)] = s
+        return s
+
+    def stream_destroy(self, stream) -> None:
+        self._streams.pop(id(stream), None)
+
+    def stream_handle(self, stream) -> int:
+        return 0 if stream is None else id(stream)
+
+    def stream_from_handle(self, handle: int):
+        return self._streams.get(handle)
+
+    def stream_synchronize(self, stream) -> None:
+        pass
+
+    def event_create(self):
+        return HostEvent()
+
+    def event_destroy(self, event) -> None:
+        pass
+
+    def event_record(self, event, stream) -> None:
+        event.time = time.perf_counter()
+
+    def event_synchronize(self, event) -> None:
+        pass
+
+    def event_elapsed_ms(self, start, end) -> float:
+        if start.time is None or end.time is None:
+            raise RuntimeFailure("host: event was never recorded")
+        return (end.time - start.time) * 1e3
+
+    # -- code ---------------------------------------------------------------
+    def module_load(self, image: bytes):
+        """`image` is the module's name: its kernels live in pyhipa2a.host_kernels.<name>."""
+        try:
+            return importlib.import_module(f"pyhipa2a.host_kernels.{image.decode()}")
+        except ImportError as e:
+            raise RuntimeFailure(f"host: no host kernels for module {image.decode()!r}") from e
+
+    def module_unload(self, module) -> None:
+        pass
+
+    def module_function(self, module, name: str):
+        fn = getattr(module, name, None)
+        if fn is None:
+            raise RuntimeFailure(f"host: module {module.__name__} has no kernel {name!r}")
+        return fn
+
+    def launch(self, function, grid: int, block: int, stream, pack) -> None:
+        function(self, *pack.arguments)
+
+    def close(self) -> None:
+        for ptr in list(self._maps):
+            m = self._maps[ptr]
+            self._release(ptr, unlink=m.owned)
+
+
+class _WordLock:
+    """An exclusive POSIX record lock on 4 bytes of a shared file."""
+
+    def __init__(self, fd: int, offset: int):
+        self.fd, self.offset = fd, offset
+
+    def __enter__(self):
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, 4, self.offset, os.SEEK_SET)
+
+    def __exit__(self, *exc):
+        fcntl.lockf(self.fd, fcntl.LOCK_UN, 4, self.offset, os.SEEK_SET)
+
+
+def u32_at(ptr: int) -> int:
+    return struct.unpack_from("<I", (ctypes.c_char * 4).from_address(ptr))[0]

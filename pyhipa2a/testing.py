@@ -1,0 +1,115 @@
+"""Checking dispatch/combine against the oracle under MPI (tests, scripts/check.py, bench --check).
+
+Every rank draws the whole world's inputs from one seed, so every rank can
+compute the oracle for itself without gathering anything, then feeds its own
+slice to the library. Outputs are poisoned (all bits set: NaN rows, meta -1)
+before each round, so a row the library forgot to write fails the check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import reference
+from .bootstrap import bounded_barrier
+from .dtypes import resolve
+
+# Combine tolerance against the float64 oracle: the result is rounded once to
+# the output dtype after fp32 accumulation, so a few ulps at most.
+TOLERANCE = {"float16": (2e-3, 1e-3), "bfloat16": (1.6e-2, 1e-2)}
+GPU_MODE_TOLERANCE = (1e-2, 5e-3)  # gpu-mode's allclose(rtol, atol)
+
+
+@dataclass
+class WorldInputs:
+    xs: list[np.ndarray]        # per rank [T_r, H]
+    indices: list[np.ndarray]   # per rank [T_r, k] int32
+    weights: list[np.ndarray]   # per rank [T_r, k] float32
+
+
+def draw_routing(rng, T: int, k: int, E: int, routing: str = "random") -> np.ndarray:
+    """k distinct experts per token. 'hot': every token picks expert 0 first (one expert's worst case)."""
+    idx = np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int32)
+    if routing == "hot" and T:
+        has0 = (idx == 0).any(axis=1)
+        idx[~has0, 0] = 0            # put expert 0 into every row, keeping rows distinct
+        idx[has0] = np.sort(idx[has0], axis=1)  # expert 0 first where it already was
+    elif routing != "random":
+        raise ValueError(f"unknown routing {routing!r}")
+    return idx
+
+
+def draw_world(seed: int, world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
+               dtype="float16", token_counts=None, routing: str = "random") -> WorldInputs:
+    """gpu-mode's recipe: T_r drawn in [1, M) unless given, x ~ N(0, 1), weights ~ U[0, 1)."""
+    rng = np.random.default_rng(seed)
+    dtype = resolve(dtype)
+    if token_counts is None:
+        token_counts = rng.integers(1, max(max_tokens, 2), size=world)
+    xs, indices, weights = [], [], []
+    for r in range(world):
+        T = int(token_counts[r])
+        xs.append(rng.standard_normal((T, hidden), dtype=np.float32).astype(dtype))
+        indices.append(draw_routing(rng, T, top_k, num_experts, routing))
+        weights.append(rng.random((T, top_k), dtype=np.float32))
+    return WorldInputs(xs, indices, weights)
+
+
+def poison(a2a) -> None:
+    """Set every output byte this rank can see to 0xFF; collective (peers write after the barrier)."""
+    for name in ("recv_x", "recv_meta", "num_tokens", "y"):
+        a2a.buf[name].fill_bytes(0xFF)
+    a2a.expert_y_buffer().fill_bytes(0xFF)
+    a2a.backend.stream_synchronize(a2a.stream)
+    bounded_barrier(a2a.heap.comm, a2a.timeout, "poison")
+
+
+def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> None:
+    counts = result.expert_num_tokens.numpy()
+    if not np.array_equal(counts, expected.expert_num_tokens):
+        raise AssertionError(f"rank {rank}: expert_num_tokens {counts.tolist()} != "
+                             f"expected {expected.expert_num_tokens.tolist()}")
+    xs, meta = result.expert_x.numpy(), result.expert_meta.numpy()
+    for l, want in enumerate(expected.rows):
+        n = int(counts[l])
+        got = {tuple(int(v) for v in meta[l, i]): i for i in range(n)}
+        if set(got) != set(want):
+            missing, extra = sorted(set(want) - set(got))[:5], sorted(set(got) - set(want))[:5]
+            raise AssertionError(f"rank {rank} expert {l}: rows keyed by (src, token, slot) differ; "
+                                 f"missing {missing}, unexpected {extra}")
+        for key, i in got.items():
+            if xs[l, i].tobytes() != want[key].tobytes():
+                raise AssertionError(f"rank {rank} expert {l} row {i} {key}: token vector differs")
+
+
+def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None) -> float:
+    """Largest |y - expected|; raises if outside the tolerance for `dtype` (or the one given)."""
+    rtol, atol = tolerance or TOLERANCE[resolve(dtype).name]
+    got = y.astype(np.float64)
+    if got.shape != expected.shape:
+        raise AssertionError(f"combine output shape {got.shape} != expected {expected.shape}")
+    err = np.abs(got - expected)
+    if got.size and not np.all(err <= atol + rtol * np.abs(expected)):  # NaN poison fails here too
+        bad = np.argwhere(~(err <= atol + rtol * np.abs(expected)))[0]
+        raise AssertionError(f"combine mismatch at {tuple(bad)}: got {got[tuple(bad)]}, "
+                             f"expected {expected[tuple(bad)]} (rtol {rtol}, atol {atol})")
+    return float(err.max()) if got.size else 0.0
+
+
+def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None) -> float:
+    """Poison, dispatch, fake expert, combine, check. Returns the largest combine error on this rank."""
+    rank = a2a.rank
+    if check:
+        poison(a2a)
+    result = a2a.dispatch(inputs.xs[rank], inputs.indices[rank])
+    expert_y = a2a.fake_expert(result)
+    if check:
+        a2a.synchronize()
+        check_dispatch(result, reference.dispatch(inputs.xs, inputs.indices, a2a.num_experts)[rank], rank)
+    y = a2a.combine(expert_y, inputs.weights[rank])
+    a2a.synchronize()
+    if not check:
+        return float("nan")
+    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, ranks=[rank])[rank]
+    return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance)

@@ -1,0 +1,54 @@
+"""Run a test case on several MPI ranks from inside one pytest process.
+
+`run_case("tests.cases.heap_cases:case_exchange", ranks=4, backend="host")`
+starts `mpiexec -n 4 python tests/run_case.py ...`. Every rank runs the case
+function; a rank whose case raises prints its traceback and aborts the whole
+job, and a job that outlives `timeout` is killed. Either way the pytest test
+fails with every rank's output, within the time limit, never hanging.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUNNER = Path(__file__).resolve().parent / "run_case.py"
+
+
+@lru_cache(maxsize=1)
+def mpiexec_prefix() -> tuple[str, ...]:
+    exe = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        raise RuntimeError("no mpiexec on PATH: install an MPI (pip install mpich) and mpi4py")
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        # As on the GPU machine: no core pinning, shared-memory transport, root allowed.
+        return (exe, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--mca", "pml", "ob1",
+                "--mca", "btl", "self,vader", "--mca", "btl_vader_single_copy_mechanism", "none")
+    return (exe,)
+
+
+def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0, args: tuple = (),
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env.pop("PYHIPA2A_BACKEND", None)
+    if backend:
+        full_env["PYHIPA2A_BACKEND"] = backend
+    full_env.update(env or {})
+    cmd = [*mpiexec_prefix(), "-n", str(ranks), sys.executable, str(RUNNER), case, *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{case} on {ranks} ranks did not finish within {timeout:.0f} s:\n{out}")
+    if proc.returncode != 0:
+        raise AssertionError(f"{case} on {ranks} ranks failed (exit {proc.returncode}):\n{out}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -1,0 +1,149 @@
+"""GPU-free checks of the CUDA and HIP backends against the installed bindings.
+
+Neither backend can run here (no libcuda, no libamdhip64), so these tests pin
+what can be checked without a device: every binding name the code uses
+exists, failures become RuntimeFailure naming the call, IPC handles survive
+the bytes round trip, and each method's arguments get past the binding's
+Python-side conversion (a TypeError there would otherwise first show up on a
+GPU machine).
+"""
+import ctypes
+import types
+
+import numpy as np
+import pytest
+
+from pyhipa2a.runtime import cuda as cuda_rt
+from pyhipa2a.runtime import hip as hip_rt
+from pyhipa2a.runtime.base import RuntimeFailure
+
+
+@pytest.fixture(params=["cuda", "hip"])
+def rt(request):
+    """(backend module, binding module, success code, an error code)."""
+    if request.param == "cuda":
+        pytest.importorskip("cuda.bindings.driver")
+        d = cuda_rt._load()
+        return cuda_rt, d, d.CUresult.CUDA_SUCCESS, d.CUresult.CUDA_ERROR_INVALID_VALUE
+    pytest.importorskip("hip")  # hip.hip is an attribute of the package, not a submodule
+    h = hip_rt._load()
+    return hip_rt, h, h.hipError_t.hipSuccess, h.hipError_t.hipErrorInvalidValue
+
+
+def test_modules_import_and_describe_themselves():
+    assert (cuda_rt.CudaBackend.kind, cuda_rt.CudaBackend.code_suffix) == ("cuda", ".fatbin")
+    assert (hip_rt.HipBackend.kind, hip_rt.HipBackend.code_suffix) == ("hip", ".hsaco")
+    assert cuda_rt.CudaBackend.dlpack_device_type == 2
+    assert hip_rt.HipBackend.dlpack_device_type == 10
+
+
+def test_every_used_binding_name_exists(rt):
+    mod, binding, _, _ = rt
+    missing = [name for name in mod._USED_CALLS if not hasattr(binding, name)]
+    assert not missing
+
+
+def test_used_calls_lists_every_call_in_the_source(rt):
+    # Keeps _USED_CALLS honest: a call added to the code but not to the list
+    # would escape the existence check above.
+    import re
+    mod, _, _, _ = rt
+    prefix = "driver" if mod is cuda_rt else "hip"
+    source = open(mod.__file__).read()
+    used = set(re.findall(rf"\b{prefix}\.(\w+)", source))
+    assert used == set(mod._USED_CALLS), used ^ set(mod._USED_CALLS)
+
+
+def test_check_returns_values_on_success(rt):
+    mod, _, ok, _ = rt
+    assert mod._check((ok,), "x") is None
+    assert mod._check((ok, 7), "x") == 7
+    assert mod._check((ok, 7, 8), "x") == (7, 8)
+
+
+# Without libamdhip64, hipGetErrorString reports its failed dlopen as an
+# "unraisable" exception and returns no string; _check falls back to the enum name.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_check_raises_runtime_failure_naming_the_call(rt):
+    mod, _, _, bad = rt
+    with pytest.raises(RuntimeFailure) as info:
+        mod._check((bad, None), "someCall")
+    message = str(info.value)
+    assert "someCall" in message
+    assert bad.name in message  # from the runtime's string or, without a GPU, the enum
+
+
+def test_ipc_handle_bytes_round_trip(rt):
+    mod, _, _, _ = rt
+    data = bytes(range(64))
+    handle = mod._handle_from_bytes(data)
+    assert mod._handle_to_bytes(handle) == data
+    with pytest.raises(ValueError):
+        mod._handle_from_bytes(data[:63])
+
+
+def _bare_backend(mod):
+    # Skips __init__ (it would call cuInit/hipInit); the handle helpers need no device.
+    cls = mod.CudaBackend if mod is cuda_rt else mod.HipBackend
+    backend = cls.__new__(cls)
+    backend._streams = set()
+    return backend
+
+
+def test_stream_handle_round_trip(rt):
+    mod, _, _, _ = rt
+    backend = _bare_backend(mod)
+    assert backend.stream_handle(None) == 0
+    assert backend.stream_handle(backend.stream_from_handle(0x1234)) == 0x1234
+
+
+def _library_missing_error(mod, binding):
+    """The exception the binding raises when its native library is absent, or None."""
+    try:
+        if mod is cuda_rt:
+            binding.cuInit(0)
+        else:
+            binding.hipInit(0)
+    except Exception as e:  # noqa: BLE001 - the type is what we are after
+        return type(e)
+    return None
+
+
+def test_arguments_pass_binding_conversion(rt):
+    mod, binding, _, _ = rt
+    missing = _library_missing_error(mod, binding)
+    if missing is None:
+        pytest.skip("native runtime present: this dry run only works without it")
+    backend = _bare_backend(mod)
+    stream = backend.stream_from_handle(0x1234)
+    if mod is cuda_rt:
+        event, module, function = binding.CUevent(), binding.CUmodule(), binding.CUfunction()
+    else:
+        event = binding.ihipEvent_t.fromObj(0)
+        module = binding.ihipModule_t.fromObj(0)
+        function = binding.ihipModuleSymbol_t.fromObj(0)
+    host = np.zeros(8, np.uint32)
+    pack = types.SimpleNamespace(kernel_params=(ctypes.c_void_p * 2)())
+    ptr = 1 << 40
+    calls = [
+        ("device_count", ()), ("open_device", (0,)), ("malloc_ipc", (64,)), ("free", (ptr,)),
+        ("ipc_export", (ptr,)), ("ipc_open", (bytes(64),)), ("ipc_close", (ptr,)),
+        ("pointer_device", (ptr,)),
+        ("copy_to_device", (ptr, host)), ("copy_to_device", (ptr, host, stream)),
+        ("copy_to_host", (host, ptr)), ("copy_to_host", (host, ptr, stream)),
+        ("copy_device", (ptr, ptr + 64, 32)), ("copy_device", (ptr, ptr + 64, 32, stream)),
+        ("memset", (ptr, 0, 32)), ("memset", (ptr, 0xFF, 32, stream)),
+        ("stream_create", ()), ("stream_destroy", (stream,)),
+        ("stream_synchronize", (stream,)), ("stream_synchronize", (None,)),
+        ("event_create", ()), ("event_destroy", (event,)), ("event_record", (event, stream)),
+        ("event_record", (event, None)), ("event_synchronize", (event,)),
+        ("event_elapsed_ms", (event, event)),
+        ("module_load", (b"\x7fELF",)), ("module_unload", (module,)),
+        ("module_function", (module, "kernel")),
+        ("launch", (function, 4, 256, stream, pack)), ("launch", (function, 4, 256, None, pack)),
+    ]
+    for name, args in calls:
+        with pytest.raises(missing):
+            getattr(backend, name)(*args)
+    backend.close()
+    backend.close()  # idempotent
