@@ -26,7 +26,7 @@ from .bootstrap import bounded_barrier
 from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
 from .heap import SymmetricHeap
-from .inputs import check_array, check_indices, check_numpy, device_view
+from .inputs import check_array, check_indices, check_numpy, device_view, require_array
 from .kernels import A2AArgs, KernelLibrary
 
 MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
@@ -175,6 +175,8 @@ class AllToAll:
     def dispatch(self, x, indices, *, stream=None) -> DispatchResult:
         """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M."""
         self._usable()
+        require_array(x, "x")
+        require_array(indices, "indices")
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) != 2:
             raise ValueError(f"x must have 2 dimensions (T, {self.hidden}), got shape {shape}")

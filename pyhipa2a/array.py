@@ -104,4 +104,4 @@ class DeviceArray:
             # The consumer will use `stream`: our queued work must be finished first.
             self.backend.stream_synchronize(self.stream)
         return dlpack.make_capsule(self.ptr, self.shape, self.dtype, self.backend.dlpack_device_type,
-                                   self.device_id, owner=self)
+                                   self.device_id, owner=self, max_version=max_version)

@@ -43,6 +43,16 @@ def find_clang() -> str | None:
     return None
 
 
+def find_objdump() -> str | None:
+    """The llvm-objdump that ships with the clang we build with (older ones lack gfx942)."""
+    clang = find_clang()
+    candidates = [os.path.join(os.path.dirname(os.path.realpath(clang)), "llvm-objdump")] if clang else []
+    candidates += [shutil.which(f"llvm-objdump-{v}") for v in range(25, MIN_CLANG - 1, -1)]
+    candidates += sorted(glob.glob("/usr/lib/llvm-*/bin/llvm-objdump"), reverse=True)
+    candidates += ["/opt/rocm/llvm/bin/llvm-objdump", shutil.which("llvm-objdump")]
+    return next((c for c in candidates if c and os.path.exists(c)), None)
+
+
 def clang_major(path: str) -> int:
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout

@@ -236,7 +236,8 @@ def _take_pending_exception() -> BaseException | None:
 
 def _report_pending(exc: BaseException | None) -> None:
     if exc is not None:
-        exc.add_note(_LOST_NOTE)
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(_LOST_NOTE)
         raise exc
 
 
@@ -440,9 +441,8 @@ def read_capsule(capsule) -> DLPackView:
     if ndim < 0 or (ndim > 0 and not tensor.shape):
         raise BufferError(f"malformed DLTensor: ndim={ndim} with shape pointer {'set' if tensor.shape else 'NULL'}")
     shape = tuple(tensor.shape[i] for i in range(ndim))
+    # NULL strides mean compact row-major; a 0-d tensor has nothing to stride.
     strides = tuple(tensor.strides[i] for i in range(ndim)) if (ndim and tensor.strides) else None
-    if not ndim:
-        strides = None  # a 0-d tensor has nothing to stride
     ptr = (tensor.data or 0) + tensor.byte_offset
     # Copy the deleter's address now: the struct may be gone once it has run.
     deleter_addr = ctypes.cast(managed.deleter, ctypes.c_void_p).value

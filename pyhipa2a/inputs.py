@@ -41,6 +41,13 @@ def _contiguous(shape, strides_bytes, itemsize) -> bool:
     return True
 
 
+def require_array(obj, name: str) -> None:
+    if not (isinstance(obj, (np.ndarray, DeviceArray)) or hasattr(obj, "__cuda_array_interface__")
+            or hasattr(obj, "__dlpack__")):
+        raise TypeError(f"{name} must be a NumPy array or a device array (__cuda_array_interface__ or "
+                        f"__dlpack__), not {_describe(obj)}")
+
+
 def device_view(obj, backend, device_index: int, name: str) -> DeviceInput:
     """Describe a device-resident array, or raise TypeError/ValueError saying what is wrong."""
     if isinstance(obj, DeviceArray):

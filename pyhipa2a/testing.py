@@ -30,13 +30,12 @@ class WorldInputs:
 
 def draw_routing(rng, T: int, k: int, E: int, routing: str = "random") -> np.ndarray:
     """k distinct experts per token. 'hot': every token picks expert 0 first (one expert's worst case)."""
+    if routing not in ("random", "hot"):
+        raise ValueError(f"unknown routing {routing!r}")
     idx = np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int32)
-    if routing == "hot" and T:
+    if routing == "hot":
         has0 = (idx == 0).any(axis=1)
         idx[~has0, 0] = 0            # put expert 0 into every row, keeping rows distinct
-        idx[has0] = np.sort(idx[has0], axis=1)  # expert 0 first where it already was
-    elif routing != "random":
-        raise ValueError(f"unknown routing {routing!r}")
     return idx
 
 

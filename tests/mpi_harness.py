@@ -16,6 +16,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "run_case.py"
 
@@ -52,3 +54,37 @@ def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0,
     if proc.returncode != 0:
         raise AssertionError(f"{case} on {ranks} ranks failed (exit {proc.returncode}):\n{out}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+@lru_cache(maxsize=1)
+def gpu_count() -> int:
+    from pyhipa2a.runtime import _make
+    for name in ("hip", "cuda"):
+        try:
+            n = _make(name).device_count()
+        except Exception:
+            continue
+        if n:
+            return n
+    return 0
+
+
+def host_ranks() -> int:
+    return int(os.environ.get("PYHIPA2A_TEST_RANKS", "4"))
+
+
+def gpu_ranks() -> int:
+    return int(os.environ.get("PYHIPA2A_TEST_GPU_RANKS", "0")) or gpu_count()
+
+
+# Parametrize a test over backends: host always, the GPU where one exists.
+BACKENDS = [pytest.param("host", id="host"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+
+
+def ranks_for(backend: str) -> int:
+    return host_ranks() if backend == "host" else gpu_ranks()
+
+
+def env_backend(backend: str):
+    """PYHIPA2A_BACKEND for the job: 'host', or None to let the library find the GPU."""
+    return "host" if backend == "host" else None

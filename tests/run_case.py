@@ -22,6 +22,7 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         comm.Abort(1)  # peers may be blocked in a collective: take the whole job down
+        os._exit(1)
     print(f"[rank {comm.Get_rank()}] {sys.argv[1]} ok", flush=True)
 
 

@@ -369,19 +369,30 @@ def test_release_from_another_thread():
 
 
 def test_capsule_dropped_by_c_code_with_exception_set(monkeypatch):
-    """NumPy rejects bfloat16 and drops our capsule while its exception is set.
+    """NumPy rejects a ROCm tensor and drops our capsule while its own exception is set.
 
-    A ctypes callback cannot preserve that exception for NumPy, but the export
-    must still be freed and the exception reported, not swallowed."""
+    A ctypes callback cannot hand that exception back to NumPy (the caller ends
+    up with a SystemError), but the export must still be freed and the original
+    exception reported through sys.unraisablehook, not silently lost."""
+
+    class LyingAboutDevice(Exporter):
+        def __dlpack__(self, stream=None):
+            return dlpack.make_capsule(self.arr.ctypes.data, self.arr.shape, self.dtype, dlpack.kDLROCM, 0,
+                                       owner=self.arr)
+
+        def __dlpack_device__(self):
+            return (dlpack.kDLCPU, 0)  # so NumPy goes as far as reading the capsule
+
     reported = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_value))
-    owner_arr = np.zeros(4, dtype=np.uint16)
+    owner_arr = np.zeros(4, dtype=np.float32)
     alive = weakref.ref(owner_arr)
-    try:
-        np.from_dlpack(Exporter(owner_arr, dtype="bfloat16"))
-    except Exception:
-        assert len(reported) == 1
-        assert any("pyhipa2a.dlpack" in n for n in getattr(reported[0], "__notes__", []))
+    with pytest.raises(Exception):
+        np.from_dlpack(LyingAboutDevice(owner_arr))
+    assert len(reported) == 1
+    assert "device" in str(reported[0])
+    if sys.version_info >= (3, 11):
+        assert any("pyhipa2a.dlpack" in note for note in reported[0].__notes__)
     del owner_arr
     gc.collect()
     assert alive() is None

@@ -1,0 +1,197 @@
+"""Multi-rank cases for dispatch/combine (run by tests/test_a2a.py under mpiexec).
+
+Every case draws the whole world's inputs from a seed, poisons the outputs,
+runs the library and checks this rank's outputs against pyhipa2a.reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyhipa2a
+from pyhipa2a import A2AError, AllToAll
+from pyhipa2a.dtypes import resolve
+from pyhipa2a.testing import draw_world, run_round
+
+
+def token_counts(mode: str, world: int, M: int, rng) -> list[int] | None:
+    if mode == "random":
+        return None                      # gpu-mode: drawn in [1, M)
+    if mode == "full":
+        return [M] * world
+    if mode == "some_empty":             # rank 0 (and every other rank) sends nothing
+        return [0 if r % 2 == 0 else int(rng.integers(1, M + 1)) for r in range(world)]
+    if mode == "all_empty":
+        return [0] * world
+    raise ValueError(mode)
+
+
+def case_shape(comm, E, k, H, M, dtype="float16", counts="random", routing="random", rounds="2", seed="0"):
+    E, k, H, M, rounds, seed = int(E), int(k), int(H), int(M), int(rounds), int(seed)
+    world = comm.Get_size()
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  in_dtype=dtype) as a2a:
+        for i in range(rounds):
+            rng = np.random.default_rng(1000 * seed + i)
+            inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype,
+                                token_counts(counts, world, M, rng), routing)
+            err = run_round(a2a, inputs)
+            print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
+
+
+def case_alternating(comm, calls="200"):
+    """Two AllToAll objects of different shapes used alternately, token counts changing every call."""
+    world = comm.Get_size()
+    shapes = [dict(num_experts=2 * world, experts_per_token=2, hidden_dim=128, max_num_tokens=16),
+              dict(num_experts=4 * world, experts_per_token=3, hidden_dim=264, max_num_tokens=8)]
+    a2as = [AllToAll(comm, **s) for s in shapes]
+    try:
+        for call in range(int(calls)):
+            a2a, s = a2as[call % 2], shapes[call % 2]
+            rng = np.random.default_rng(call)
+            counts = rng.integers(0, s["max_num_tokens"] + 1, size=world)
+            inputs = draw_world(call, world, s["num_experts"], s["experts_per_token"], s["hidden_dim"],
+                                s["max_num_tokens"], token_counts=counts,
+                                routing="hot" if call % 7 == 3 else "random")
+            run_round(a2a, inputs)
+    finally:
+        for a2a in a2as:
+            a2a.close()
+
+
+def case_out_and_device_inputs(comm):
+    """combine(out=...) writes the caller's array; device arrays (DLPack / our own) are used in place."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 96, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        inputs = draw_world(7, world, E, k, H, M)
+        me = a2a.rank
+        T = len(inputs.xs[me])
+        x_dev = a2a.expert_y_buffer().view((T, H))   # any device array of ours will do as input
+        x_dev.copy_from(inputs.xs[me])
+        d = a2a.dispatch(DLPackOnly(x_dev), inputs.indices[me])
+        expert_y = a2a.fake_expert(d)
+        out = pyhipa2a.DeviceArray(a2a.backend, a2a.buf["x_stage"].ptr, (T, H), np.float16, owner=a2a.heap)
+        y = a2a.combine(expert_y, inputs.weights[me], out=out)
+        a2a.synchronize()
+        assert y is out
+        from pyhipa2a import reference
+        from pyhipa2a.testing import combine_error
+        expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, ranks=[me])[me]
+        combine_error(out.numpy(), expected, np.float16)
+
+
+class DLPackOnly:
+    """Hides everything but DLPack, as a foreign framework's array would."""
+
+    def __init__(self, arr):
+        self._arr, self.shape, self.dtype = arr, arr.shape, arr.dtype
+
+    def __dlpack__(self, **kw):
+        return self._arr.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._arr.__dlpack_device__()
+
+
+class ForeignDevice:
+    """An array that claims to live on another device."""
+
+    def __init__(self, shape, dtype, device_type, device_id):
+        self.shape, self.dtype, self._dev = shape, np.dtype(dtype), (device_type, device_id)
+
+    def __dlpack_device__(self):
+        return self._dev
+
+    def __dlpack__(self, **kw):  # pragma: no cover - must be refused before this
+        raise AssertionError("the library must refuse the array before asking for its data")
+
+
+def case_bad_inputs(comm):
+    """Every rank makes the same bad call: each raises before any kernel runs, and the object stays usable."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        inputs = draw_world(3, world, E, k, H, M, token_counts=[4] * world)
+        x, idx, w = inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank]
+        L, cap = a2a.local_experts, a2a.capacity
+
+        with pytest.raises(A2AError, match="combine\\(\\) needs a preceding dispatch"):
+            a2a.combine(np.zeros((L, cap, H), np.float16), w)
+        with pytest.raises(TypeError, match="x must have dtype float16, got float32"):
+            a2a.dispatch(x.astype(np.float32), idx)
+        with pytest.raises(ValueError, match="x must have 2 dimensions"):
+            a2a.dispatch(x.reshape(-1), idx)
+        with pytest.raises(ValueError, match=r"x must have shape \(4, 64\), got \(4, 32\)"):
+            a2a.dispatch(x[:, :32].copy(), idx)
+        with pytest.raises(ValueError, match="x must be C-contiguous"):
+            a2a.dispatch(np.asfortranarray(x), idx)
+        with pytest.raises(ValueError, match="x has 9 tokens; .* max_num_tokens=8"):
+            a2a.dispatch(np.zeros((9, H), np.float16), np.zeros((9, k), np.int32))
+        with pytest.raises(TypeError, match="indices must have dtype int32, got int64"):
+            a2a.dispatch(x, idx.astype(np.int64))
+        with pytest.raises(ValueError, match=r"indices must have shape \(4, 2\)"):
+            a2a.dispatch(x, idx[:3].copy())
+        bad = idx.copy(); bad[2, 1] = E
+        with pytest.raises(ValueError, match=rf"indices\[2, 1\] = {E} is outside \[0, {E}\)"):
+            a2a.dispatch(x, bad)
+        bad = idx.copy(); bad[1, 0] = -1
+        with pytest.raises(ValueError, match="is outside"):
+            a2a.dispatch(x, bad)
+        bad = idx.copy(); bad[3, 1] = bad[3, 0]
+        with pytest.raises(ValueError, match="indices row 3 repeats expert"):
+            a2a.dispatch(x, bad)
+        with pytest.raises(ValueError, match="lives on cuda device 1"):
+            a2a.dispatch(ForeignDevice(x.shape, x.dtype, 2, 1), idx)
+        with pytest.raises(TypeError, match="x must be a NumPy array or a device array"):
+            a2a.dispatch([[0.0] * H] * 4, idx)
+
+        d = a2a.dispatch(x, idx)                       # a good call after all the refusals
+        expert_y = a2a.fake_expert(d)
+        with pytest.raises(ValueError, match=r"expert_y must have shape"):
+            a2a.combine(expert_y.view((L, cap, H // 2)), w)
+        with pytest.raises(TypeError, match="expert_y must have dtype float16, got float32"):
+            a2a.combine(np.zeros((L, cap, H), np.float32), w)
+        with pytest.raises(ValueError, match="weights has 3 rows but the preceding dispatch sent 4 tokens"):
+            a2a.combine(expert_y, w[:3].copy())
+        with pytest.raises(TypeError, match="weights must have dtype float32"):
+            a2a.combine(expert_y, w.astype(np.float64))
+        with pytest.raises(TypeError, match="out must be a device array"):
+            a2a.combine(expert_y, w, out=np.zeros((4, H), np.float16))
+        y = a2a.combine(expert_y, w)
+        a2a.synchronize()
+        from pyhipa2a import reference
+        from pyhipa2a.testing import combine_error
+        expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, ranks=[a2a.rank])[a2a.rank]
+        combine_error(y.numpy(), expected, np.float16)
+
+
+def case_bad_config(comm):
+    world = comm.Get_size()
+    with pytest.raises(ValueError, match=f"must be divisible by the number of ranks \\({world}\\)"):
+        AllToAll(comm, num_experts=world + 1 if world > 1 else 0, experts_per_token=1, hidden_dim=8,
+                 max_num_tokens=4)
+    with pytest.raises(TypeError, match="in_dtype must be one of float16, bfloat16, not float32"):
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, in_dtype="float32")
+    with pytest.raises(ValueError, match="experts_per_token=3 must be <= num_experts"):
+        AllToAll(comm, num_experts=2, experts_per_token=3, hidden_dim=8, max_num_tokens=4)
+
+
+def case_config_mismatch(comm):
+    """Ranks disagreeing on the configuration are named, on every rank."""
+    world = comm.Get_size()
+    odd = world - 1
+    H = 64 if comm.Get_rank() != odd else 128
+    with pytest.raises(pyhipa2a.ConfigMismatchError, match=rf"ranks \[{odd}\]") as info:
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=H, max_num_tokens=4)
+    assert info.value.ranks == (odd,)
+
+
+def case_bf16_roundtrip_dtype(comm):
+    """bf16 outputs come back as ml_dtypes.bfloat16 arrays."""
+    world = comm.Get_size()
+    with AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=32, max_num_tokens=4,
+                  in_dtype="bfloat16") as a2a:
+        inputs = draw_world(1, world, world, 1, 32, 4, "bfloat16")
+        run_round(a2a, inputs)
+        assert a2a.buf["y"].numpy().dtype == resolve("bfloat16")

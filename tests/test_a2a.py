@@ -1,0 +1,67 @@
+"""Dispatch and combine against the oracle under MPI, on the host backend and (marked gpu) on GPUs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
+
+SHAPES = json.loads((Path(__file__).resolve().parent.parent / "scripts" / "gpumode_all2all.json").read_text())
+CASE = "tests.cases.a2a_cases:"
+
+
+def shape_id(s):
+    return f"E{s['num_experts']}-k{s['experts_per_token']}-H{s['hidden_dim']}-M{s['max_num_tokens']}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES["tests"], ids=shape_id)
+def test_gpumode_test_shapes(shape, backend):
+    ranks = ranks_for(backend)
+    if shape["num_experts"] % ranks:
+        pytest.skip(f"{shape['num_experts']} experts do not divide over {ranks} ranks")
+    run_case(CASE + "case_shape", ranks, env_backend(backend),
+             args=(shape["num_experts"], shape["experts_per_token"], shape["hidden_dim"],
+                   shape["max_num_tokens"], "float16", "random", "random", 2, shape["seed"]))
+
+
+# (E per rank, k, H, M, dtype, token counts, routing)
+EDGE_CASES = {
+    "some_ranks_empty": (4, 3, 256, 16, "float16", "some_empty", "random"),
+    "all_ranks_empty": (2, 2, 64, 8, "float16", "all_empty", "random"),
+    "T_equals_M": (4, 4, 512, 32, "float16", "full", "random"),
+    "one_hot_expert_full_capacity": (4, 4, 256, 32, "float16", "full", "hot"),
+    "k1": (4, 1, 384, 16, "float16", "random", "random"),
+    "one_expert_per_rank": (1, 1, 256, 16, "float16", "full", "random"),
+    "one_expert_per_rank_hot": (1, 1, 128, 8, "float16", "full", "hot"),
+    "hidden_2880": (8, 4, 2880, 16, "float16", "random", "random"),
+    "hidden_1000": (4, 2, 1000, 16, "float16", "random", "random"),
+    "hidden_1001_unaligned_rows": (4, 3, 1001, 8, "float16", "random", "random"),
+    "bf16": (8, 4, 2880, 16, "bfloat16", "random", "random"),
+    "bf16_hot_full": (4, 2, 1000, 16, "bfloat16", "full", "hot"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(EDGE_CASES))
+def test_edge_cases(name, backend):
+    per_rank, k, H, M, dtype, counts, routing = EDGE_CASES[name]
+    ranks = ranks_for(backend)
+    E = per_rank * ranks
+    if k > E:
+        pytest.skip(f"k={k} > E={E} on {ranks} ranks")
+    run_case(CASE + "case_shape", ranks, env_backend(backend), args=(E, k, H, M, dtype, counts, routing, 3, 11))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_200_alternating_calls(backend):
+    run_case(CASE + "case_alternating", ranks_for(backend), env_backend(backend), args=(200,), timeout=900)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
+                                  "case_config_mismatch", "case_bf16_roundtrip_dtype"])
+def test_api(case, backend):
+    run_case(CASE + case, ranks_for(backend), env_backend(backend))

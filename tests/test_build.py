@@ -1,0 +1,108 @@
+"""Ahead-of-time build: AMD code objects carry the memory-ordering instructions DESIGN.md requires."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from pyhipa2a import build
+from pyhipa2a.errors import CodeObjectNotFound
+from pyhipa2a.kernels import available_code_objects, select_code_object
+
+FLAG_KERNELS = {"heap_check": ["heap_check"], "a2a": ["a2a_dispatch", "a2a_combine_f16", "a2a_combine_bf16"]}
+WINDOW = 3  # instructions allowed between the cache operation and the flag access
+
+
+@pytest.fixture(scope="module")
+def gfx942_objects(tmp_path_factory):
+    if build.find_clang() is None:
+        pytest.skip("no hipcc or clang >= 17 to build gfx942 code objects")
+    out = tmp_path_factory.mktemp("gfx942")
+    build.build(out, amd_archs=("gfx942",), targets=("amd",), log=lambda *_: None)
+    return out
+
+
+def disassemble(path) -> dict[str, list[str]]:
+    """Instructions per function symbol."""
+    objdump = build.find_objdump()
+    if objdump is None:
+        pytest.skip("no llvm-objdump to disassemble the gfx942 code object")
+    text = subprocess.run([objdump, "-d", "--triple=amdgcn-amd-amdhsa", "--mcpu=gfx942", str(path)],
+                          capture_output=True, text=True, check=True).stdout
+    functions, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^[0-9a-f]+ <([^>]+)>:", line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+        elif current is not None and line.startswith("\t"):
+            current.append(line.split("//")[0].strip())
+    return functions
+
+
+def is_flag_store(ins: str) -> bool:
+    return re.match(r"(flat|global)_store_dword\b", ins) is not None and ins.endswith("sc0 sc1")
+
+
+def is_flag_load(ins: str) -> bool:
+    return re.match(r"(flat|global)_load_dword\b", ins) is not None and ins.endswith("sc0 sc1")
+
+
+def test_gfx942_is_plain_elf(gfx942_objects):
+    for path in gfx942_objects.glob("*.hsaco"):
+        head = path.read_bytes()[:64]
+        assert head.startswith(b"\x7fELF"), f"{path.name} is not a plain ELF (an offload bundle?)"
+        assert b"__CLANG_OFFLOAD_BUNDLE__" not in head
+
+
+@pytest.mark.parametrize("module", sorted(FLAG_KERNELS))
+def test_release_store_and_acquire_load(gfx942_objects, module):
+    functions = disassemble(gfx942_objects / f"{module}.gfx942.hsaco")
+    for kernel in FLAG_KERNELS[module]:
+        body = functions[kernel]
+        releases = [i for i, ins in enumerate(body) if is_flag_store(ins)
+                    and any(b == "buffer_wbl2 sc0 sc1" for b in body[max(0, i - WINDOW):i])]
+        acquires = [i for i, ins in enumerate(body) if is_flag_load(ins)
+                    and any(b == "buffer_inv sc0 sc1" for b in body[i + 1:i + 1 + WINDOW])]
+        assert releases, f"{kernel}: no system-scope store preceded by buffer_wbl2 sc0 sc1"
+        assert acquires, f"{kernel}: no system-scope load followed by buffer_inv sc0 sc1"
+
+
+def test_gfx90a_builds(tmp_path):
+    if build.find_clang() is None:
+        pytest.skip("no hipcc or clang >= 17")
+    built = build.build(tmp_path, amd_archs=("gfx90a",), targets=("amd",), log=lambda *_: None)
+    assert {p.name for p in built} >= {"a2a.gfx90a.hsaco", "heap_check.gfx90a.hsaco"}
+
+
+def test_nvidia_fatbin_builds(tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc")
+    built = build.build(tmp_path, targets=("nvidia",), log=lambda *_: None)
+    assert {p.name for p in built} >= {"a2a.sm_90.fatbin", "heap_check.sm_90.fatbin"}
+    assert all(p.stat().st_size > 0 for p in built)
+
+
+def test_missing_toolchain_is_one_line(tmp_path, monkeypatch):
+    lines = []
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(build.os.path, "exists", lambda p: False)
+    assert build.build(tmp_path, log=lines.append) == []
+    assert len(lines) == 2 and all(line.startswith("pyhipa2a.build: skipping") for line in lines)
+
+
+def test_code_object_selection(tmp_path):
+    for name in ("a2a.gfx942.hsaco", "a2a.gfx90a.hsaco", "a2a.sm_90.fatbin", "a2a.profile.gfx942.hsaco"):
+        (tmp_path / name).write_bytes(b"x")
+    found = available_code_objects(tmp_path, "a2a")
+    assert set(found) == {"gfx942", "gfx90a", "sm_90"}
+    assert select_code_object("gfx942", found, "a2a").name == "a2a.gfx942.hsaco"
+    assert select_code_object("sm_100", found, "a2a").name == "a2a.sm_90.fatbin"  # PTX runs on newer GPUs
+    with pytest.raises(CodeObjectNotFound, match=r"gfx1100.*available: gfx90a, gfx942, sm_90"):
+        select_code_object("gfx1100", found, "a2a")
+    with pytest.raises(CodeObjectNotFound, match=r"sm_80"):
+        select_code_object("sm_80", found, "a2a")
+    with pytest.raises(CodeObjectNotFound, match="python -m pyhipa2a.build"):
+        select_code_object("gfx942", {}, "a2a")
