@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything that needs GPUs, in one go, logs under $OUT (or ./out):
+#   bash scripts/gpu_validate.sh [ranks]      (default: one rank per GPU)
+# Build the code objects first (python -m pyhipa2a.build) or carry pyhipa2a/_code.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+MPIRUN=${MPIRUN:-"mpirun --allow-run-as-root --bind-to none --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none"}
+declare -A RESULT
+step() { local name=$1; shift; echo "== $name: $*"; timeout 900 "$@" >"$OUT/$name.log" 2>&1; RESULT[$name]=$?; tail -n 25 "$OUT/$name.log"; }
+step heap_check $MPIRUN -n "$N" python3 scripts/heap_check.py
+step check $MPIRUN -n "$N" python3 scripts/check.py
+python3 -c "import cupy" 2>/dev/null && step cupy_moe $MPIRUN -n "$N" python3 scripts/cupy_moe.py
+step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu tests
+[ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu tests
+echo "== summary ($N ranks)"
+rc=0; for k in "${!RESULT[@]}"; do printf '%-22s %s\n' "$k" "$([ "${RESULT[$k]}" = 0 ] && echo PASS || echo "FAIL (${RESULT[$k]})")"; [ "${RESULT[$k]}" = 0 ] || rc=1; done
+exit $rc
