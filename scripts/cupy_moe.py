@@ -33,13 +33,13 @@ def main() -> int:
     E = E_PER_RANK * world
     # pyhipa2a picks device (node-local rank % GPUs); CuPy must use the same one.
     with AllToAll(comm, num_experts=E, experts_per_token=K, hidden_dim=H, max_num_tokens=M) as a2a:
-        cp.cuda.Device(a2a.heap.device.index).use()
-        stream = cp.cuda.Stream(non_blocking=True)
+        device = cp.cuda.Device(a2a.heap.device.index)
         worst = 0.0
-        with stream:
+        with device, cp.cuda.Stream(non_blocking=True) as stream:
             for step in range(3):
                 inputs = draw_world(100 + step, world, E, K, H, M)
                 x = cp.asarray(inputs.xs[rank])
+                assert x.device.id == device.id, (x.device.id, device.id)
                 indices = cp.asarray(inputs.indices[rank])
                 weights = cp.asarray(inputs.weights[rank])
 

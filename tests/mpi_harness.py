@@ -53,6 +53,9 @@ def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0,
         raise AssertionError(f"{case} on {ranks} ranks did not finish within {timeout:.0f} s:\n{out}")
     if proc.returncode != 0:
         raise AssertionError(f"{case} on {ranks} ranks failed (exit {proc.returncode}):\n{out}")
+    skipped = [line.split("SKIPPED: ", 1)[1] for line in out.splitlines() if "] SKIPPED: " in line]
+    if skipped:
+        pytest.skip(skipped[0])
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
