@@ -31,6 +31,7 @@ struct A2AArgs {
   u64 off_combine_done;    // u32 [W]   flag w stored by expert rank w
   u64 off_block_counters;  // u32 [2]   last-block counters: dispatch, combine
   u64 off_status;          // u32 [4]   first error of this rank
+  u64 host_status;         // u32 [4]   its mirror in pinned host memory (device address)
   i32 num_experts;
   i32 local_experts;
   i32 top_k;
@@ -106,6 +107,7 @@ extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
   const HeapView& h = a.heap;
   const u64 deadline = a2a_clock_ns() + a.timeout_ns;
   u32* status = sym<u32>(h, h.rank, a.off_status);
+  u32* mirror = reinterpret_cast<u32*>(a.host_status);
   const WarpGrid g = warp_grid();
   const u32 k = (u32)a.top_k;
   const u32 capacity = (u32)(h.world * a.max_tokens);
@@ -116,7 +118,7 @@ extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
     const u32 t = p / k, j = p % k;
     const i32* row = indices + (u64)t * k;
     if (!valid_expert(row, j, a.num_experts)) {
-      if (g.lane == 0) a2a_report(status, A2A_ERR_BAD_INDEX, (u32)h.rank, t * k + j, (u32)row[j]);
+      if (g.lane == 0) a2a_report(status, mirror, A2A_ERR_BAD_INDEX, (u32)h.rank, t * k + j, (u32)row[j]);
       continue;
     }
     const int dst = row[j] / a.local_experts, l = row[j] % a.local_experts;
@@ -124,7 +126,7 @@ extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
     if (g.lane == 0) slot = (int)a2a_fetch_add_sys(sym<u32>(h, dst, a.off_counters) + l, 1u);
     slot = a2a_shfl(slot, 0);
     if ((u32)slot >= capacity) {
-      if (g.lane == 0) a2a_report(status, A2A_ERR_CAPACITY, (u32)dst, (u32)l, (u32)slot);
+      if (g.lane == 0) a2a_report(status, mirror, A2A_ERR_CAPACITY, (u32)dst, (u32)l, (u32)slot);
       continue;
     }
     const u64 dst_row = (u64)l * capacity + (u32)slot;
@@ -143,7 +145,7 @@ extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
   const u32* flags = sym<u32>(h, h.rank, a.off_dispatch_flags);
   for (u32 peer = a2a_thread(); peer < (u32)h.world; peer += a2a_block_dim())
     if (!a2a_wait_flag(&flags[peer], c.epoch, deadline, status))
-      a2a_report(status, A2A_ERR_TIMEOUT, peer, A2A_WAIT_DISPATCH, c.epoch);
+      a2a_report(status, mirror, A2A_ERR_TIMEOUT, peer, A2A_WAIT_DISPATCH, c.epoch);
   a2a_block_sync();
 
   u32* counters = sym<u32>(h, h.rank, a.off_counters);
@@ -195,11 +197,36 @@ A2A_DEVICE void reduce_token(u16* out, const u8* rows, u32 row_bytes, const floa
   }
 }
 
+// prefix[l] = sum of counts[0..l), for l in [0, L]. Warp 0 does it: each lane
+// sums a contiguous chunk, lane 0 scans the chunk sums, each lane fills in its
+// chunk. Keeps a long serial loop over L global loads off the critical path.
+A2A_DEVICE void exclusive_prefix(u32* prefix, const i32* counts, u32 L) {
+  __shared__ u32 chunk_base[A2A_WARP_SIZE];
+  if (a2a_thread() < A2A_WARP_SIZE) {
+    const u32 lane = a2a_lane(), per = (L + A2A_WARP_SIZE - 1) / A2A_WARP_SIZE;
+    const u32 lo = lane * per < L ? lane * per : L, hi = lo + per < L ? lo + per : L;
+    u32 sum = 0;
+    for (u32 l = lo; l < hi; ++l) sum += (u32)counts[l];
+    chunk_base[lane] = sum;
+    a2a_wave_sync();
+    if (lane == 0) {
+      u32 run = 0;
+      for (u32 i = 0; i < A2A_WARP_SIZE; ++i) { const u32 c = chunk_base[i]; chunk_base[i] = run; run += c; }
+      prefix[L] = run;
+    }
+    a2a_wave_sync();
+    u32 run = chunk_base[lane];
+    for (u32 l = lo; l < hi; ++l) { prefix[l] = run; run += (u32)counts[l]; }
+  }
+  a2a_block_sync();
+}
+
 template <typename Fmt>
 A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   const HeapView& h = a.heap;
   const u64 deadline = a2a_clock_ns() + a.timeout_ns;
   u32* status = sym<u32>(h, h.rank, a.off_status);
+  u32* mirror = reinterpret_cast<u32*>(a.host_status);
   const WarpGrid g = warp_grid();
   const u32 k = (u32)a.top_k, L = (u32)a.local_experts;
   const u32 capacity = (u32)(h.world * a.max_tokens);
@@ -207,13 +234,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   // Rows received per local expert, as a prefix sum: row q of the flattened
   // received set lives at expert l with prefix[l] <= q < prefix[l+1].
   __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
-  if (a2a_thread() == 0) {
-    const i32* counts = sym<i32>(h, h.rank, a.off_num_tokens);
-    u32 sum = 0;
-    for (u32 l = 0; l < L; ++l) { prefix[l] = sum; sum += (u32)counts[l]; }
-    prefix[L] = sum;
-  }
-  a2a_block_sync();
+  exclusive_prefix(prefix, sym<i32>(h, h.rank, a.off_num_tokens), L);
 
   const i32* meta = sym<i32>(h, h.rank, a.off_recv_meta);
   const u8* expert_y = reinterpret_cast<const u8*>(c.expert_y);
@@ -242,7 +263,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
     // Lane j waits for slot j; the owner cannot tell which peer is late
     // from the row alone, so the report names the row and the rank waiting.
     if (g.lane < k && !a2a_wait_flag(&flags[t * k + g.lane], c.epoch, deadline, status))
-      a2a_report(status, A2A_ERR_TIMEOUT, (u32)h.rank, A2A_WAIT_COMBINE_ROW, t * k + g.lane);
+      a2a_report(status, mirror, A2A_ERR_TIMEOUT, (u32)h.rank, A2A_WAIT_COMBINE_ROW, t * k + g.lane);
     a2a_wave_sync();
     const int failed = a2a_shfl(g.lane == 0 ? (int)a2a_load_relaxed_sys(&status[0]) : 0, 0);
     if (failed) break;
@@ -254,7 +275,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   const u32* done = sym<u32>(h, h.rank, a.off_combine_done);
   for (u32 peer = a2a_thread(); peer < (u32)h.world; peer += a2a_block_dim())
     if (!a2a_wait_flag(&done[peer], c.epoch, deadline, status))
-      a2a_report(status, A2A_ERR_TIMEOUT, peer, A2A_WAIT_COMBINE_DONE, c.epoch);
+      a2a_report(status, mirror, A2A_ERR_TIMEOUT, peer, A2A_WAIT_COMBINE_DONE, c.epoch);
 }
 
 extern "C" __global__ void a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }

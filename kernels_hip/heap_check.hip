@@ -46,7 +46,7 @@ extern "C" __global__ void heap_check(HeapCheckArgs a) {
   const u32* flags = sym<u32>(h, h.rank, a.off_flags);
   for (int writer = 0; writer < h.world; ++writer) {
     if (a2a_thread() == 0 && !a2a_wait_flag(&flags[writer], a.epoch, deadline, status))
-      a2a_report(status, A2A_ERR_TIMEOUT, (u32)writer, A2A_WAIT_HEAP_CHECK, (u32)writer);
+      a2a_report(status, nullptr, A2A_ERR_TIMEOUT, (u32)writer, A2A_WAIT_HEAP_CHECK, (u32)writer);
     a2a_block_sync();
     if (a2a_load_relaxed_sys(&status[0]) != A2A_OK) return;
     const u32* slot = sym<u32>(h, h.rank, a.off_slots) + (u64)writer * a.words;
@@ -58,6 +58,6 @@ extern "C" __global__ void heap_check(HeapCheckArgs a) {
   a2a_block_sync();
   if (a2a_thread() == 0) {
     *sym<u32>(h, h.rank, a.off_result) = mismatches;
-    if (mismatches) a2a_report(status, A2A_ERR_MISMATCH, (u32)h.rank, 0u, mismatches);
+    if (mismatches) a2a_report(status, nullptr, A2A_ERR_MISMATCH, (u32)h.rank, 0u, mismatches);
   }
 }

@@ -32,12 +32,22 @@ A2A_DEVICE T* sym(const HeapView& h, int peer, u64 offset) {
 }
 
 // status[0] code, [1] peer, [2] what, [3] detail. The first error wins so the
-// report names the root cause, not its consequences.
-A2A_DEVICE void a2a_report(u32* status, u32 code, u32 peer, u32 what, u32 detail) {
+// report names the root cause, not its consequences. The winner also copies
+// the report into `mirror` (pinned host memory, may be null) with plain
+// stores, so the host reads it without a device copy; the race for "first"
+// stays in device memory, where atomics are reliable.
+A2A_DEVICE void a2a_report(u32* status, u32* mirror, u32 code, u32 peer, u32 what, u32 detail) {
   if (a2a_cas_sys(&status[0], A2A_OK, code) == A2A_OK) {
     status[1] = peer;
     status[2] = what;
     status[3] = detail;
+    if (mirror) {
+      mirror[1] = peer;
+      mirror[2] = what;
+      mirror[3] = detail;
+      a2a_fence_sys();
+      mirror[0] = code;
+    }
     a2a_fence_sys();
   }
 }

@@ -14,6 +14,7 @@ indices seen on the device).
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import weakref
@@ -24,7 +25,7 @@ import numpy as np
 from .array import DeviceArray
 from .bootstrap import bounded_barrier
 from .dtypes import check_supported
-from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
+from .errors import A2AError, ConfigMismatchError, status_error
 from .heap import SymmetricHeap
 from .inputs import check_array, check_indices, check_numpy, device_view, require_array
 from .kernels import A2AArgs, KernelLibrary
@@ -106,6 +107,12 @@ class AllToAll:
         self.buf = {name: heap.alloc(shape, dtype) for name, shape, dtype in self._layout(self.world)}
         heap.verify()
 
+        # Kernels mirror their first error into pinned host memory: the host
+        # sees it without a copy, and every call checks it before launching.
+        host, device = self.backend.malloc_host_mapped(16)
+        self._free_host_status = weakref.finalize(self, self.backend.free_host_mapped, host)
+        self.host_status = np.frombuffer((ctypes.c_uint32 * 4).from_address(host), np.uint32)
+        self._host_status_device = device
         self.stream = self.backend.stream_create()
         self.lib = KernelLibrary(self.backend, heap.device.arch)
         self._dispatch_kernel = self.lib.kernel("a2a_dispatch")
@@ -121,6 +128,7 @@ class AllToAll:
         self._pending: DispatchResult | None = None
         self._broken: str | None = None
         self._expert_y_buffer: DeviceArray | None = None
+        self._output_views: dict = {}
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
     def _check_config_agrees(self) -> None:
@@ -145,6 +153,7 @@ class AllToAll:
         a.max_tokens, a.hidden = self.max_tokens, self.hidden
         a.x_row_bytes = self.hidden * self.in_dtype.itemsize
         a.y_row_bytes = self.hidden * self.out_dtype.itemsize
+        a.host_status = self._host_status_device
         a.timeout_ns = int(self.timeout * 1e9)
 
     # -- calls ------------------------------------------------------------------
@@ -153,6 +162,15 @@ class AllToAll:
             raise A2AError("AllToAll is closed")
         if self._broken:
             raise A2AError(f"AllToAll is unusable after an earlier failure: {self._broken}")
+        if self.host_status[0]:
+            self._raise_reported()
+
+    def _raise_reported(self) -> None:
+        """A kernel reported an error: this object refuses further calls (peers may be mid-protocol)."""
+        error = status_error(self.host_status.copy(), self.rank, "AllToAll")
+        if error is not None:
+            self._broken = str(error)
+            raise error
 
     def _stream(self, stream):
         if stream is None:
@@ -197,12 +215,8 @@ class AllToAll:
         self._dispatch_kernel.launch(self._dispatch_pack, blocks, THREADS_PER_BLOCK, s)
         self._keepalive = (x_keep, i_keep)
 
-        b = self.buf
-        result = DispatchResult(
-            expert_num_tokens=self._out(b["num_tokens"], s),
-            expert_x=self._out(b["recv_x"], s),
-            expert_meta=self._out(b["recv_meta"], s),
-            num_tokens=T)
+        num_tokens, expert_x, expert_meta, *_ = self._outputs(s)
+        result = DispatchResult(num_tokens, expert_x, expert_meta, T)
         self._pending = result
         return result
 
@@ -228,7 +242,7 @@ class AllToAll:
             raise ValueError(f"weights has {wshape[0]} rows but the preceding dispatch sent {T} tokens")
         w_ptr, w_keep = self._input(weights, "weights", (T, self.top_k), np.float32, "weights_stage", s)
         if out is None:
-            out_arr = self._out(self.buf["y"], s).rows(T)
+            out_arr = self._outputs(s)[3][T]
             out_ptr, o_keep = out_arr.ptr, out_arr
         else:
             if isinstance(out, np.ndarray):
@@ -243,8 +257,20 @@ class AllToAll:
         self._pending = None
         return out_arr
 
-    def _out(self, arr: DeviceArray, stream) -> DeviceArray:
-        return DeviceArray(self.backend, arr.ptr, arr.shape, arr.dtype, owner=self.heap, stream=stream)
+    def _outputs(self, stream):
+        """Output views for `stream`, made once: (expert_num_tokens, expert_x, expert_meta, y by T).
+
+        The views always show the same buffers; caching them keeps object
+        construction off the per-call path."""
+        key = id(stream)
+        if key not in self._output_views:
+            def out(name):
+                a = self.buf[name]
+                return DeviceArray(self.backend, a.ptr, a.shape, a.dtype, owner=self.heap, stream=stream)
+            y = out("y")
+            self._output_views[key] = (out("num_tokens"), out("recv_x"), out("recv_meta"),
+                                       [y.rows(t) for t in range(self.max_tokens + 1)], stream)
+        return self._output_views[key]
 
     # -- helpers for callers ----------------------------------------------------
     def expert_y_buffer(self) -> DeviceArray:
@@ -274,11 +300,8 @@ class AllToAll:
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's queued calls; raise what the kernels reported."""
         self.backend.stream_synchronize(self._stream(stream))
-        status = self.buf["status"].numpy()
-        error = status_error(status, self.rank, "AllToAll")
-        if error is not None:
-            self._broken = str(error)
-            raise error
+        if self.host_status[0]:
+            self._raise_reported()
 
     # -- teardown -----------------------------------------------------------------
     def close(self) -> None:
@@ -294,11 +317,10 @@ class AllToAll:
             self._expert_y_buffer = None
         try:
             self.heap.close()
-        except A2ATimeoutError:
-            raise
         finally:
             self.lib.close()
             self.backend.stream_destroy(self.stream)
+            self._free_host_status()
 
     def __enter__(self):
         return self

@@ -32,7 +32,7 @@ class A2AArgs(ctypes.Structure):
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_counters", u64),
                 ("off_num_tokens", u64), ("off_dispatch_flags", u64), ("off_combine_rows", u64),
                 ("off_combine_flags", u64), ("off_combine_done", u64), ("off_block_counters", u64),
-                ("off_status", u64),
+                ("off_status", u64), ("host_status", u64),
                 ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
                 ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("pad", u32),
                 ("timeout_ns", u64)]
@@ -54,6 +54,7 @@ SIGNATURES = {
     "a2a_combine_bf16": ("a2a", (A2AArgs, CombineCall)),
     "expert_scale_f16": ("a2a", (u64, u64, u64, u32, u32, u32, f32)),
     "expert_scale_bf16": ("a2a", (u64, u64, u64, u32, u32, u32, f32)),
+    "copy_bytes": ("copy", (u64, u64, u64)),
 }
 
 

@@ -32,11 +32,23 @@ def bases(heap) -> list[int]:
     return [int(b) for b in mem(heap.bases, (heap.world,), np.uint64)]
 
 
-def report(status: np.ndarray, code: int, peer: int, what: int, detail: int) -> None:
-    """First error wins, as on the device."""
-    if status[0] == STATUS_OK:
-        status[1], status[2], status[3] = peer & 0xFFFFFFFF, what & 0xFFFFFFFF, detail & 0xFFFFFFFF
-        status[0] = code
+class Status:
+    """A kernel's status words and their host mirror, reported to together."""
+
+    def __init__(self, status_ptr: int, mirror_ptr: int = 0):
+        self.words = mem(status_ptr, (4,), np.uint32)
+        self.mirror = mem(mirror_ptr, (4,), np.uint32) if mirror_ptr else None
+
+    def __getitem__(self, i):
+        return self.words[i]
+
+    def report(self, code: int, peer: int, what: int, detail: int) -> None:
+        """First error wins, as on the device."""
+        if self.words[0] != STATUS_OK:
+            return
+        for words in (self.words, self.mirror) if self.mirror is not None else (self.words,):
+            words[1], words[2], words[3] = peer & 0xFFFFFFFF, what & 0xFFFFFFFF, detail & 0xFFFFFFFF
+            words[0] = code
 
 
 def wait_flags(backend, flags_ptr: int, peers, want: int, deadline: float, status, what: int) -> bool:
@@ -49,7 +61,7 @@ def wait_flags(backend, flags_ptr: int, peers, want: int, deadline: float, statu
         if not pending:
             break
         if time.monotonic() > deadline:
-            report(status, STATUS_TIMEOUT, pending[0], what, want)
+            status.report(STATUS_TIMEOUT, pending[0], what, want)
             return False
         sleep_backoff(attempt)
         attempt += 1

@@ -6,7 +6,7 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_CAPACITY, bases, mem, report, wait_flags
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, Status, bases, mem, wait_flags
 
 WAIT_DISPATCH, WAIT_COMBINE_DONE = 1, 3
 
@@ -24,7 +24,7 @@ def a2a_dispatch(backend, a, c) -> None:
     capacity = h.world * a.max_tokens
     deadline = time.monotonic() + a.timeout_ns / 1e9
     base = bases(h)
-    status = mem(base[h.rank] + a.off_status, (4,), np.uint32)
+    status = Status(base[h.rank] + a.off_status, a.host_status)
     T = c.num_tokens
     indices = mem(c.indices, (T, k), np.int32)
     x = mem(c.x, (T, a.x_row_bytes), np.uint8)
@@ -32,7 +32,7 @@ def a2a_dispatch(backend, a, c) -> None:
     bad = _invalid_pairs(indices, a.num_experts)
     if bad.any():
         pos = int(np.flatnonzero(bad)[0])
-        report(status, STATUS_BAD_INDEX, h.rank, pos, int(indices.flat[pos]))
+        status.report(STATUS_BAD_INDEX, h.rank, pos, int(indices.flat[pos]))
     tokens, slots = np.nonzero(~bad)
     experts = indices[tokens, slots]
     for e in np.unique(experts):
@@ -44,7 +44,7 @@ def a2a_dispatch(backend, a, c) -> None:
         rows = first + np.arange(n)
         fits = rows < capacity
         if not fits.all():
-            report(status, STATUS_CAPACITY, dst, l, int(rows[~fits][0]))
+            status.report(STATUS_CAPACITY, dst, l, int(rows[~fits][0]))
         rows, t, j = rows[fits], tokens[pick][fits], slots[pick][fits]
         mem(base[dst] + a.off_recv_x, (L, capacity, a.x_row_bytes), np.uint8)[l, rows] = x[t]
         mem(base[dst] + a.off_recv_meta, (L, capacity, 3), np.int32)[l, rows] = np.stack(
@@ -65,7 +65,7 @@ def _combine(backend, a, c, dtype) -> None:
     capacity = h.world * a.max_tokens
     deadline = time.monotonic() + a.timeout_ns / 1e9
     base = bases(h)
-    status = mem(base[h.rank] + a.off_status, (4,), np.uint32)
+    status = Status(base[h.rank] + a.off_status, a.host_status)
 
     # Push every received row back to its owner's (token, slot) row.
     counts = mem(base[h.rank] + a.off_num_tokens, (L,), np.int32)

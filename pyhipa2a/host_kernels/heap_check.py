@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from . import STATUS_MISMATCH, bases, mem, report, wait_flags
+from . import STATUS_MISMATCH, Status, bases, mem, wait_flags
 
 WAIT_HEAP_CHECK = 4
 
@@ -20,7 +20,7 @@ def heap_check(backend, a) -> None:
     h = a.heap
     deadline = time.monotonic() + a.timeout_ns / 1e9
     base = bases(h)
-    status = mem(base[h.rank] + a.off_status, (4,), np.uint32)
+    status = Status(base[h.rank] + a.off_status)
     for peer in range(h.world):
         mem(base[peer] + a.off_slots + 4 * h.rank * a.words, (a.words,), np.uint32)[:] = \
             pattern(h.rank, peer, a.words, a.epoch)
@@ -33,4 +33,4 @@ def heap_check(backend, a) -> None:
     bad = sum(int(np.count_nonzero(slots[w] != pattern(w, h.rank, a.words, a.epoch))) for w in range(h.world))
     mem(base[h.rank] + a.off_result, (1,), np.uint32)[0] = bad
     if bad:
-        report(status, STATUS_MISMATCH, h.rank, 0, bad)
+        status.report(STATUS_MISMATCH, h.rank, 0, bad)

@@ -65,6 +65,15 @@ class Backend:
     def ipc_close(self, ptr: int) -> None:
         raise NotImplementedError
 
+    def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
+        """Zeroed pinned host memory the device can write: (host address, device address).
+
+        Kernels report errors here, so the host reads them without a copy or a sync."""
+        raise NotImplementedError
+
+    def free_host_mapped(self, host_ptr: int) -> None:
+        raise NotImplementedError
+
     def pointer_device(self, ptr: int) -> int | None:
         """Device ordinal that owns `ptr`, or None when the runtime does not know it."""
         raise NotImplementedError

@@ -18,7 +18,8 @@ from .base import Backend, DeviceInfo, RuntimeFailure
 _USED_CALLS = (
     "cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuGetErrorName", "cuGetErrorString",
-    "cuMemAlloc", "cuMemFree", "cuMemsetD8", "cuMemsetD8Async",
+    "cuMemAlloc", "cuMemFree", "cuMemHostAlloc", "cuMemHostGetDevicePointer", "cuMemFreeHost",
+    "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE", "cuMemsetD8", "cuMemsetD8Async",
     "cuIpcGetMemHandle", "cuIpcOpenMemHandle", "cuIpcCloseMemHandle", "cuPointerGetAttribute",
     "cuMemcpyHtoD", "cuMemcpyHtoDAsync", "cuMemcpyDtoH", "cuMemcpyDtoHAsync",
     "cuMemcpyDtoD", "cuMemcpyDtoDAsync",
@@ -150,6 +151,16 @@ class CudaBackend(Backend):
 
     def ipc_close(self, ptr: int) -> None:
         _check(driver.cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
+
+    def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
+        flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
+        host = int(_check(driver.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
+        ctypes.memset(host, 0, nbytes)
+        dev = int(_check(driver.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
+        return host, dev
+
+    def free_host_mapped(self, host_ptr: int) -> None:
+        _check(driver.cuMemFreeHost(host_ptr), "cuMemFreeHost")
 
     def pointer_device(self, ptr: int) -> int | None:
         attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL

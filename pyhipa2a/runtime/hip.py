@@ -18,7 +18,8 @@ from .base import Backend, DeviceInfo, RuntimeFailure
 _USED_CALLS = (
     "hipInit", "hipGetDeviceCount", "hipSetDevice", "hipGetDeviceProperties",
     "hipGetErrorString",
-    "hipExtMallocWithFlags", "hipFree", "hipMemsetD8", "hipMemsetD8Async",
+    "hipExtMallocWithFlags", "hipFree", "hipHostMalloc", "hipHostGetDevicePointer", "hipHostFree",
+    "hipHostMallocMapped", "hipHostMallocCoherent", "hipHostMallocPortable", "hipMemsetD8", "hipMemsetD8Async",
     "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipIpcCloseMemHandle", "hipPointerGetAttributes",
     "hipMemcpyHtoD", "hipMemcpyHtoDAsync", "hipMemcpyDtoH", "hipMemcpyDtoHAsync",
     "hipMemcpyDtoD", "hipMemcpyDtoDAsync",
@@ -135,6 +136,17 @@ class HipBackend(Backend):
 
     def free(self, ptr: int) -> None:
         _check(hip.hipFree(ptr), "hipFree")
+
+    def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
+        # Coherent: the host sees a kernel's status stores while the kernel still runs.
+        flags = hip.hipHostMallocMapped | hip.hipHostMallocCoherent | hip.hipHostMallocPortable
+        host = int(_check(hip.hipHostMalloc(nbytes, flags), "hipHostMalloc"))
+        ctypes.memset(host, 0, nbytes)
+        dev = int(_check(hip.hipHostGetDevicePointer(host, 0), "hipHostGetDevicePointer"))
+        return host, dev
+
+    def free_host_mapped(self, host_ptr: int) -> None:
+        _check(hip.hipHostFree(host_ptr), "hipHostFree")
 
     def ipc_export(self, ptr: int) -> bytes:
         return _handle_to_bytes(_check(hip.hipIpcGetMemHandle(ptr), "hipIpcGetMemHandle"))

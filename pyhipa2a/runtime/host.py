@@ -55,6 +55,7 @@ class HostBackend(Backend):
     def __init__(self):
         self._maps: dict[int, _Mapping] = {}
         self._streams: dict[int, HostStream] = {}
+        self._host_buffers: dict[int, ctypes.Array] = {}
 
     # -- device -------------------------------------------------------------
     def device_count(self) -> int:
@@ -106,6 +107,15 @@ class HostBackend(Backend):
 
     def free(self, ptr: int) -> None:
         self._release(ptr, unlink=self._maps.get(ptr) is not None and self._maps[ptr].owned)
+
+    def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
+        buf = (ctypes.c_char * max(nbytes, 1))()  # zeroed; host and "device" share the address
+        ptr = ctypes.addressof(buf)
+        self._host_buffers[ptr] = buf
+        return ptr, ptr
+
+    def free_host_mapped(self, host_ptr: int) -> None:
+        self._host_buffers.pop(host_ptr, None)
 
     def ipc_export(self, ptr: int) -> bytes:
         name = self._maps[ptr].name.encode()

@@ -202,3 +202,26 @@ def case_bf16_roundtrip_dtype(comm):
         inputs = draw_world(1, world, world, 1, 32, 4, "bfloat16")
         run_round(a2a, inputs)
         assert a2a.buf["y"].numpy().dtype == resolve("bfloat16")
+
+
+def case_peer_skips_call(comm):
+    """A rank that never calls dispatch is named by the others within timeout + 2 s; no hang."""
+    import time
+    world = comm.Get_size()
+    if world == 1:
+        pytest.skip("needs a peer to go missing")
+    late = world - 1
+    with AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=64, max_num_tokens=4,
+                  timeout=2.0) as a2a:
+        inputs = draw_world(5, world, world, 1, 64, 4, token_counts=[4] * world)
+        if a2a.rank != late:
+            start = time.monotonic()
+            a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
+            with pytest.raises(pyhipa2a.A2ATimeoutError, match=f"dispatch flag of rank {late}") as info:
+                a2a.synchronize()
+            elapsed = time.monotonic() - start
+            assert late in info.value.ranks
+            assert elapsed < 2.0 + 2.0, f"timeout took {elapsed:.1f} s"
+            with pytest.raises(A2AError, match="unusable after an earlier failure"):
+                a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
+        comm.Barrier()  # the late rank closes only after the others saw the timeout

@@ -1,0 +1,382 @@
+"""Timing on the gpu-mode shapes: `mpirun -n N python scripts/bench.py`.
+
+Per shape (default: the five gpu-mode benchmark shapes, fp16 in and out,
+num_tokens drawn per rank in [1, M)): one correctness check with run_round,
+then device time of dispatch, fake expert ("GEMM") and combine from events,
+and host wall time of one call the way gpu-mode's harness takes it (cache
+flushed, synchronize + barrier around the call, rank 0's clock), printed beside
+the floor (the same with an empty call). Link bytes and the speed of light come
+from the routing and a measured peer-store bandwidth. `--sweep` times tokens
+per rank 1..256 at E=256 k=8 H=7168 M=256 instead of the default shapes
+(add --shape to get both). Device times: median per rank, max over ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from pyhipa2a import AllToAll, DeviceArray, SymmetricHeap, get_backend  # noqa: E402
+from pyhipa2a.kernels import KernelLibrary  # noqa: E402
+from pyhipa2a.testing import GPU_MODE_TOLERANCE, draw_world, run_round  # noqa: E402
+
+SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
+MiB = 1 << 20
+FLUSH_BYTES = 256 * MiB   # larger than any L2/MALL, like gpu-mode's cache clear
+COPY_BYTES = 256 * MiB    # per bandwidth repetition
+COPY_REPS = 20
+SWEEP_TOKENS = (1, 8, 32, 64, 128, 256)
+PHASES = ("dispatch", "gemm", "combine", "e2e")
+
+
+def parse_shape(text: str) -> dict:
+    try:
+        E, k, H, M = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape wants E,k,H,M (four integers), got {text!r}") from None
+    return {"num_experts": E, "experts_per_token": k, "hidden_dim": H, "max_num_tokens": M}
+
+
+def shape_name(s: dict) -> str:
+    return f"E={s['num_experts']} k={s['experts_per_token']} H={s['hidden_dim']} M={s['max_num_tokens']}"
+
+
+# -- speed of light -------------------------------------------------------------
+def store_bandwidth(comm, backend) -> dict:
+    """GB/s of copy_bytes into the right neighbour's memory, every rank at once (min over ranks).
+
+    All ranks store simultaneously so the figure is what one rank gets while
+    every link is busy, as during an all-to-all. One rank, or the host backend
+    (where a "peer" is the same RAM), measures a local copy instead.
+    """
+    world, rank = comm.Get_size(), comm.Get_rank()
+    local = world == 1 or backend.kind == "host"
+    with SymmetricHeap(comm, 2 * COPY_BYTES, backend=backend) as heap:
+        src, dst = heap.alloc(COPY_BYTES, np.uint8), heap.alloc(COPY_BYTES, np.uint8)
+        target = heap.translate(dst.ptr, rank if local else (rank + 1) % world)
+        lib = KernelLibrary(backend, heap.device.arch)
+        kernel = lib.kernel("copy_bytes")
+        pack = kernel.pack()
+        pack.set_scalars(target, src.ptr, COPY_BYTES)
+        stream, start, end = backend.stream_create(), backend.event_create(), backend.event_create()
+        times = []
+        for i in range(COPY_REPS + 1):  # the first launch is a warm-up
+            backend.stream_synchronize(stream)
+            comm.Barrier()
+            backend.event_record(start, stream)
+            kernel.launch(pack, 4 * heap.device.multiprocessors, 256, stream)
+            backend.event_record(end, stream)
+            backend.event_synchronize(end)
+            if i:
+                times.append(backend.event_elapsed_ms(start, end))
+        for ev in (start, end):
+            backend.event_destroy(ev)
+        backend.stream_destroy(stream)
+        lib.close()
+        device = heap.device.name
+    gbps = comm.allreduce(COPY_BYTES / (statistics.median(times) * 1e-3) / 1e9, op=MPI.MIN)
+    what = (f"local copy ({'host backend' if backend.kind == 'host' else 'one rank'})" if local
+            else "peer stores rank r -> r+1, all ranks at once")
+    return {"gbps": gbps, "what": what, "device": device}
+
+
+def link_bytes(inputs, num_experts: int, world: int, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, bytes it sends over links: dispatch rows + 12-byte meta out, combine rows back.
+
+    Only (token, slot) pairs whose expert lives on another rank cross a link;
+    dispatch is sent by the token's rank, the combine row by the expert's rank.
+    """
+    per_rank = num_experts // world
+    dispatch, combine = np.zeros(world), np.zeros(world)
+    for src, idx in enumerate(inputs.indices):
+        dst = idx.ravel() // per_rank
+        remote = dst[dst != src]
+        dispatch[src] += remote.size * (row_bytes + 12)
+        combine += np.bincount(remote, minlength=world) * row_bytes
+    return dispatch, combine
+
+
+# -- one call, and its timings ------------------------------------------------------
+def upload(a2a, inputs) -> list[DeviceArray]:
+    """This rank's x, indices, weights copied once into buffers of our own (no host copy when timed)."""
+    b, r = a2a.backend, a2a.rank
+    arrays = []
+    for host in (inputs.xs[r], inputs.indices[r], inputs.weights[r]):
+        # device_id: DeviceArray without an owner would claim device 0, which dispatch rejects on rank > 0
+        arr = DeviceArray(b, b.malloc_ipc(host.nbytes), host.shape, host.dtype, stream=a2a.stream,
+                          device_id=a2a.heap.device.index)
+        arr.copy_from(host)
+        arrays.append(arr)
+    return arrays
+
+
+def call(a2a, arrays, events=None) -> None:
+    """dispatch -> fake expert -> combine, with an event before, between and after when given."""
+    mark = (lambda i: a2a.backend.event_record(events[i], a2a.stream)) if events else (lambda i: None)
+    x, idx, w = arrays
+    mark(0)
+    d = a2a.dispatch(x, idx)
+    mark(1)
+    ey = a2a.fake_expert(d)
+    mark(2)
+    a2a.combine(ey, w)
+    mark(3)
+
+
+def device_times(comm, a2a, arrays, warmup: int, iters: int) -> dict:
+    """Median per rank of each phase (us), then the max over ranks: the slowest rank sets the pace."""
+    b = a2a.backend
+    events = [b.event_create() for _ in range(4)]
+    samples = []
+    for i in range(warmup + iters):
+        a2a.synchronize()
+        comm.Barrier()  # all ranks launch together, so dispatch does not time a late peer's arrival
+        call(a2a, arrays, events)
+        a2a.synchronize()
+        if i >= warmup:
+            samples.append([b.event_elapsed_ms(events[j], events[j + 1]) for j in range(3)]
+                           + [b.event_elapsed_ms(events[0], events[3])])
+    for ev in events:
+        b.event_destroy(ev)
+    medians = np.median(np.array(samples), axis=0) * 1e3
+    return {p: comm.allreduce(float(m), op=MPI.MAX) for p, m in zip(PHASES, medians)}
+
+
+def wall_time(comm, a2a, body, flush_ptr: int, iters: int) -> float:
+    """gpu-mode's clock: flush, synchronize + barrier, rank 0 times body + synchronize + barrier (us)."""
+    times = []
+    for i in range(iters):
+        a2a.backend.memset(flush_ptr, i & 0xFF, FLUSH_BYTES, a2a.stream)
+        a2a.synchronize()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        body()
+        a2a.synchronize()
+        comm.Barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6  # only rank 0's figure is reported
+
+
+def check_once(comm, a2a, inputs) -> str:
+    """Collective correctness check; '' when every rank passed, else the ranks' messages."""
+    try:
+        run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE)
+        msg = ""
+    except Exception as e:  # a failing rank makes its peers time out rather than hang
+        msg = f"rank {comm.Get_rank()}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return "; ".join(m for m in comm.allgather(msg) if m)
+
+
+def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
+    """Check, then time one shape (wall time too when flush_ptr is given)."""
+    world = comm.Get_size()
+    r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs]))}
+    error = check_once(comm, a2a, inputs)
+    if error:
+        return {**r, "ok": False, "error": error}
+    arrays = upload(a2a, inputs)
+    try:
+        r.update(device_times(comm, a2a, arrays, args.warmup, args.iters))
+        if flush_ptr is not None:
+            r["wall"] = wall_time(comm, a2a, lambda: call(a2a, arrays), flush_ptr, args.iters)
+            r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
+    finally:
+        a2a.synchronize()
+        for arr in arrays:  # every rank frees in the same order
+            a2a.backend.free(arr.ptr)
+    dispatch, combine = link_bytes(inputs, a2a.num_experts, world, a2a.hidden * a2a.in_dtype.itemsize)
+    total = float(dispatch.sum() + combine.sum())
+    sol = float((dispatch + combine).max()) / (bw["gbps"] * 1e9) * 1e6
+    r.update(ok=True, link_bytes=total, gbps=total / (r["e2e"] * 1e-6) / 1e9,
+             sol=sol, ratio=r["e2e"] / sol if sol > 0 else None)
+    return r
+
+
+# -- the two runs -----------------------------------------------------------------------
+def make_a2a(comm, backend, s: dict) -> AllToAll:
+    return AllToAll(comm, num_experts=s["num_experts"], experts_per_token=s["experts_per_token"],
+                    hidden_dim=s["hidden_dim"], max_num_tokens=s["max_num_tokens"], timeout=10.0,
+                    backend=backend)
+
+
+def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
+    world, rows = comm.Get_size(), []
+    for s in shapes:
+        row = {"shape": shape_name(s), **s}
+        if s["num_experts"] % world:
+            rows.append({**row, "ok": False, "error": f"SKIP: experts do not divide over {world} ranks"})
+            continue
+        inputs = draw_world(s["seed"], world, s["num_experts"], s["experts_per_token"], s["hidden_dim"],
+                            s["max_num_tokens"])
+        result = None
+        try:
+            with make_a2a(comm, backend, s) as a2a:
+                result = measure(comm, a2a, inputs, args, bw, flush_ptr)
+        except Exception:
+            if result is None or result["ok"]:
+                raise
+            # closing after a failed check may time out on a peer; the FAIL row says enough
+        rows.append({**row, **result})
+    return rows
+
+
+def run_sweep(comm, backend, args, bw) -> list[dict]:
+    world = comm.Get_size()
+    s = {"num_experts": 256 // world * world, "experts_per_token": 8, "hidden_dim": args.sweep_hidden,
+         "max_num_tokens": max(SWEEP_TOKENS), "seed": args.seed if args.seed is not None else 1234}
+    rows = []
+    with make_a2a(comm, backend, s) as a2a:
+        for T in SWEEP_TOKENS:
+            inputs = draw_world(s["seed"] + T, world, s["num_experts"], 8, s["hidden_dim"],
+                                s["max_num_tokens"], token_counts=[T] * world)
+            rows.append({"shape": shape_name(s), **s, "tokens": T, **measure(comm, a2a, inputs, args, bw, None)})
+            if not rows[-1]["ok"]:
+                break  # the AllToAll is unusable after a failure; later points would only time out
+    return rows
+
+
+# -- output (rank 0) ------------------------------------------------------------------
+def fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def print_shapes(rows) -> None:
+    print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'wall':>9} "
+          f"{'floor':>9} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
+    for r in rows:
+        if not r["ok"]:
+            verdict = "SKIP" if r["error"].startswith("SKIP") else "FAIL"
+            print(f"{r['shape']:<30} {verdict}  {r['error'].removeprefix('SKIP: ')}")
+            continue
+        print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
+              + f" {r['wall']:>9.1f} {r['floor']:>9.1f} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} "
+              f"{r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
+    ok = [r for r in rows if r["ok"]]
+    print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us, "
+          f"wall {fmt(geomean(r['wall'] for r in ok))} us (floor {fmt(geomean(r['floor'] for r in ok))} us), "
+          f"ratio to SOL {fmt(geomean(r['ratio'] for r in ok), '.2f')}")
+
+
+def print_sweep(rows) -> None:
+    print(f"sweep {rows[0]['shape']}: device time in us (median per rank, max over ranks)")
+    print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'link MB':>8} {'GB/s':>7} "
+          f"{'SOL':>8} {'ratio':>6}")
+    for r in rows:
+        if not r["ok"]:
+            print(f"{r['tokens']:>7} FAIL  {r['error']}")
+            continue
+        print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
+              + f" {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
+
+
+def plot(path: str, shapes, sweep) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not installed; no plot written to {path}")
+        return
+    ok = [r for r in shapes if r["ok"]]
+    fig, axes = plt.subplots(1, 1 + bool(sweep), figsize=(7 + 5 * bool(sweep), 4.5), squeeze=False)
+    ax = axes[0][0]
+    pos = np.arange(len(ok))
+    ax.bar(pos - 0.2, [r["e2e"] for r in ok], 0.4, label="e2e device")
+    ax.bar(pos + 0.2, [r["wall"] for r in ok], 0.4, label="wall (rank 0)")
+    ax.set_xticks(pos, [r["shape"].replace(" ", "\n") for r in ok], fontsize=7)
+    ax.set_ylabel("us")
+    ax.legend()
+    if sweep:
+        good = [r for r in sweep if r["ok"]]
+        ax = axes[0][1]
+        for p in ("dispatch", "combine", "e2e"):
+            ax.plot([r["tokens"] for r in good], [r[p] for r in good], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("us")
+        ax.set_title(sweep[0]["shape"], fontsize=8)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot written to {path}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", type=parse_shape, action="append", help="E,k,H,M (repeatable); default: gpu-mode's")
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=None, help="overrides the shapes' seeds (default: gpu-mode's, or 1234)")
+    p.add_argument("--sweep", action="store_true", help="tokens per rank 1..256 instead of the default shapes")
+    p.add_argument("--sweep-hidden", type=int, default=7168, help="H of the sweep (smaller for slow backends)")
+    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--plot", help="write a PNG (needs matplotlib)")
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    world, rank = comm.Get_size(), comm.Get_rank()
+
+    if args.shape:
+        shapes = [{**s, "seed": args.seed if args.seed is not None else 1234} for s in args.shape]
+    elif args.sweep:
+        shapes = []
+    else:
+        with open(SHAPES_FILE) as f:
+            shapes = [{k: s[k] for k in ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens", "seed")}
+                      for s in json.load(f)["benchmarks"]]
+        if args.seed is not None:
+            shapes = [{**s, "seed": args.seed} for s in shapes]
+
+    backend = get_backend()  # one backend for every heap and buffer of this run
+    bw = store_bandwidth(comm, backend)
+    flush_ptr = backend.malloc_ipc(FLUSH_BYTES)
+    try:
+        rows = run_shapes(comm, backend, shapes, args, bw, flush_ptr)
+        sweep = run_sweep(comm, backend, args, bw) if args.sweep else []
+    finally:
+        backend.free(flush_ptr)
+
+    if rank == 0:
+        command = shlex.join(["python", *sys.argv])
+        machine = {"backend": backend.kind, "device": bw["device"], "world_size": world}
+        print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
+              f"{args.iters} iters ({args.warmup} warm-up)")
+        print(f"command ({world} ranks): {command}")
+        print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its link bytes / this)")
+        if rows:
+            print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median")
+            print_shapes(rows)
+        if sweep:
+            print_sweep(sweep)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
+                           "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
+            print(f"json written to {args.json}")
+        if args.plot:
+            plot(args.plot, rows, sweep)
+    ok = all(r["ok"] or r["error"].startswith("SKIP") for r in rows + sweep)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:  # one rank failing mid-timing would leave the others in a barrier forever
+        traceback.print_exc()
+        MPI.COMM_WORLD.Abort(1)
