@@ -15,12 +15,12 @@ from . import dlpack
 class DeviceArray:
     __slots__ = ("backend", "ptr", "shape", "dtype", "owner", "stream", "device_id", "__weakref__")
 
-    def __init__(self, backend, ptr: int, shape, dtype, owner=None, stream=None, device_id: int = 0):
+    def __init__(self, backend, ptr: int, shape, dtype, owner=None, stream=None, device_id: int | None = None):
         self.backend, self.ptr = backend, int(ptr)
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.owner, self.stream = owner, stream
-        self.device_id = getattr(getattr(owner, "device", None), "index", device_id)
+        self.device_id = backend.current_device if device_id is None else device_id
 
     # -- NumPy-like description ----------------------------------------------
     @property

@@ -170,11 +170,11 @@ def wall_time(comm, a2a, body, flush_ptr: int, iters: int) -> float:
 
 def check_once(comm, a2a, inputs) -> str:
     """Collective correctness check; '' when every rank passed, else the ranks' messages."""
+    msg = ""
     try:
         run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE)
-        msg = ""
     except Exception as e:  # a failing rank makes its peers time out rather than hang
-        msg = f"rank {comm.Get_rank()}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        msg = f"rank {comm.Get_rank()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     return "; ".join(m for m in comm.allgather(msg) if m)
 
 
@@ -185,16 +185,13 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     error = check_once(comm, a2a, inputs)
     if error:
         return {**r, "ok": False, "error": error}
-    arrays = upload(a2a, inputs)
-    try:
-        r.update(device_times(comm, a2a, arrays, args.warmup, args.iters))
-        if flush_ptr is not None:
-            r["wall"] = wall_time(comm, a2a, lambda: call(a2a, arrays), flush_ptr, args.iters)
-            r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
-    finally:
-        a2a.synchronize()
-        for arr in arrays:  # every rank frees in the same order
-            a2a.backend.free(arr.ptr)
+    arrays = upload(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
+    r.update(device_times(comm, a2a, arrays, args.warmup, args.iters))
+    if flush_ptr is not None:
+        r["wall"] = wall_time(comm, a2a, lambda: call(a2a, arrays), flush_ptr, args.iters)
+        r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
+    for arr in arrays:  # every rank frees in the same order; device_times/wall_time ended synchronized
+        a2a.backend.free(arr.ptr)
     dispatch, combine = link_bytes(inputs, a2a.num_experts, world, a2a.hidden * a2a.in_dtype.itemsize)
     total = float(dispatch.sum() + combine.sum())
     sol = float((dispatch + combine).max()) / (bw["gbps"] * 1e9) * 1e6
@@ -205,9 +202,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
 
 # -- the two runs -----------------------------------------------------------------------
 def make_a2a(comm, backend, s: dict) -> AllToAll:
-    return AllToAll(comm, num_experts=s["num_experts"], experts_per_token=s["experts_per_token"],
-                    hidden_dim=s["hidden_dim"], max_num_tokens=s["max_num_tokens"], timeout=10.0,
-                    backend=backend)
+    keys = ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens")
+    return AllToAll(comm, **{k: s[k] for k in keys}, timeout=10.0, backend=backend)
 
 
 def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
@@ -236,13 +232,17 @@ def run_sweep(comm, backend, args, bw) -> list[dict]:
     s = {"num_experts": 256 // world * world, "experts_per_token": 8, "hidden_dim": args.sweep_hidden,
          "max_num_tokens": max(SWEEP_TOKENS), "seed": args.seed if args.seed is not None else 1234}
     rows = []
-    with make_a2a(comm, backend, s) as a2a:
-        for T in SWEEP_TOKENS:
-            inputs = draw_world(s["seed"] + T, world, s["num_experts"], 8, s["hidden_dim"],
-                                s["max_num_tokens"], token_counts=[T] * world)
-            rows.append({"shape": shape_name(s), **s, "tokens": T, **measure(comm, a2a, inputs, args, bw, None)})
-            if not rows[-1]["ok"]:
-                break  # the AllToAll is unusable after a failure; later points would only time out
+    try:
+        with make_a2a(comm, backend, s) as a2a:
+            for T in SWEEP_TOKENS:
+                inputs = draw_world(s["seed"] + T, world, s["num_experts"], 8, s["hidden_dim"],
+                                    s["max_num_tokens"], token_counts=[T] * world)
+                rows.append({"shape": shape_name(s), **s, "tokens": T, **measure(comm, a2a, inputs, args, bw, None)})
+                if not rows[-1]["ok"]:
+                    break  # the AllToAll is unusable after a failure; later points would only time out
+    except Exception:
+        if not rows or rows[-1]["ok"]:
+            raise  # as in run_shapes: only a close after a failed check may fail quietly
     return rows
 
 
@@ -274,7 +274,7 @@ def print_shapes(rows) -> None:
 
 
 def print_sweep(rows) -> None:
-    print(f"sweep {rows[0]['shape']}: device time in us (median per rank, max over ranks)")
+    print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'link MB':>8} {'GB/s':>7} "
           f"{'SOL':>8} {'ratio':>6}")
     for r in rows:
@@ -288,33 +288,68 @@ def print_sweep(rows) -> None:
 def plot(path: str, shapes, sweep) -> None:
     try:
         import matplotlib
-        matplotlib.use("Agg")
+        matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"--plot: matplotlib is not installed; no plot written to {path}")
         return
-    ok = [r for r in shapes if r["ok"]]
-    fig, axes = plt.subplots(1, 1 + bool(sweep), figsize=(7 + 5 * bool(sweep), 4.5), squeeze=False)
-    ax = axes[0][0]
-    pos = np.arange(len(ok))
-    ax.bar(pos - 0.2, [r["e2e"] for r in ok], 0.4, label="e2e device")
-    ax.bar(pos + 0.2, [r["wall"] for r in ok], 0.4, label="wall (rank 0)")
-    ax.set_xticks(pos, [r["shape"].replace(" ", "\n") for r in ok], fontsize=7)
-    ax.set_ylabel("us")
-    ax.legend()
-    if sweep:
-        good = [r for r in sweep if r["ok"]]
-        ax = axes[0][1]
+    ok, good = [r for r in shapes if r["ok"]], [r for r in sweep if r["ok"]]
+    panels = int(bool(ok)) + int(bool(good))
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    axes = list(axes[0])
+    if ok:
+        ax, pos = axes.pop(0), np.arange(len(ok))
+        ax.bar(pos - 0.2, [r["e2e"] for r in ok], 0.4, label="e2e device")
+        ax.bar(pos + 0.2, [r["wall"] for r in ok], 0.4, label="wall (rank 0)")
+        ax.set_xticks(pos, [r["shape"].replace(" ", "\n") for r in ok], fontsize=7)
+        ax.set(ylabel="us")
+        ax.legend()
+    if good:
+        ax = axes.pop(0)
         for p in ("dispatch", "combine", "e2e"):
             ax.plot([r["tokens"] for r in good], [r[p] for r in good], marker="o", label=p)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens per rank")
-        ax.set_ylabel("us")
-        ax.set_title(sweep[0]["shape"], fontsize=8)
+        ax.set(xscale="log", xlabel="tokens per rank", ylabel="us")
+        ax.set_title(good[0]["shape"], fontsize=8)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     print(f"plot written to {path}")
+
+
+def report(args, backend, bw: dict, rows, sweep) -> None:
+    world = MPI.COMM_WORLD.Get_size()
+    command = shlex.join(["python", *sys.argv])
+    print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
+          f"{args.iters} iters ({args.warmup} warm-up)")
+    print(f"command ({world} ranks): {command}")
+    print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its link bytes / this)")
+    print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median")
+    if rows:
+        print_shapes(rows)
+    if sweep:
+        print_sweep(sweep)
+    if args.json:
+        machine = {"backend": backend.kind, "device": bw["device"], "world_size": world}
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
+                       "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
+        print(f"json written to {args.json}")
+    if args.plot:
+        plot(args.plot, rows, sweep)
+
+
+def load_shapes(args) -> list[dict]:
+    """--shape entries, else (unless --sweep alone) gpu-mode's benchmark shapes; --seed overrides seeds."""
+    if args.shape:
+        return [{**s, "seed": args.seed if args.seed is not None else 1234} for s in args.shape]
+    if args.sweep:
+        return []
+    with open(SHAPES_FILE) as f:
+        keys = ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens", "seed")
+        shapes = [{k: s[k] for k in keys} for s in json.load(f)["benchmarks"]]
+    return [{**s, "seed": args.seed} for s in shapes] if args.seed is not None else shapes
 
 
 def main() -> int:
@@ -329,49 +364,17 @@ def main() -> int:
     p.add_argument("--plot", help="write a PNG (needs matplotlib)")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
-    world, rank = comm.Get_size(), comm.Get_rank()
-
-    if args.shape:
-        shapes = [{**s, "seed": args.seed if args.seed is not None else 1234} for s in args.shape]
-    elif args.sweep:
-        shapes = []
-    else:
-        with open(SHAPES_FILE) as f:
-            shapes = [{k: s[k] for k in ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens", "seed")}
-                      for s in json.load(f)["benchmarks"]]
-        if args.seed is not None:
-            shapes = [{**s, "seed": args.seed} for s in shapes]
+    shapes = load_shapes(args)
 
     backend = get_backend()  # one backend for every heap and buffer of this run
     bw = store_bandwidth(comm, backend)
     flush_ptr = backend.malloc_ipc(FLUSH_BYTES)
-    try:
-        rows = run_shapes(comm, backend, shapes, args, bw, flush_ptr)
-        sweep = run_sweep(comm, backend, args, bw) if args.sweep else []
-    finally:
-        backend.free(flush_ptr)
-
-    if rank == 0:
-        command = shlex.join(["python", *sys.argv])
-        machine = {"backend": backend.kind, "device": bw["device"], "world_size": world}
-        print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
-              f"{args.iters} iters ({args.warmup} warm-up)")
-        print(f"command ({world} ranks): {command}")
-        print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its link bytes / this)")
-        if rows:
-            print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median")
-            print_shapes(rows)
-        if sweep:
-            print_sweep(sweep)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
-                           "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
-            print(f"json written to {args.json}")
-        if args.plot:
-            plot(args.plot, rows, sweep)
-    ok = all(r["ok"] or r["error"].startswith("SKIP") for r in rows + sweep)
-    return 0 if ok else 1
+    rows = run_shapes(comm, backend, shapes, args, bw, flush_ptr)
+    sweep = run_sweep(comm, backend, args, bw) if args.sweep else []
+    backend.free(flush_ptr)
+    if comm.Get_rank() == 0:
+        report(args, backend, bw, rows, sweep)
+    return 0 if all(r["ok"] or r["error"].startswith("SKIP") for r in rows + sweep) else 1
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ class CudaBackend(Backend):
         return _check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
 
     def open_device(self, index: int) -> DeviceInfo:
+        self.current_device = index
         dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
         # The primary context is the one the runtime API and other libraries
         # in this process share, so buffers stay usable across them.

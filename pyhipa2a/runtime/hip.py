@@ -113,6 +113,7 @@ class HipBackend(Backend):
         return _check(hip.hipGetDeviceCount(), "hipGetDeviceCount")
 
     def open_device(self, index: int) -> DeviceInfo:
+        self.current_device = index
         _check(hip.hipSetDevice(index), "hipSetDevice")
         props = _check(hip.hipGetDeviceProperties(index), "hipGetDeviceProperties")
         return DeviceInfo(

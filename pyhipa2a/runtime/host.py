@@ -62,6 +62,7 @@ class HostBackend(Backend):
         return 1
 
     def open_device(self, index: int) -> DeviceInfo:
+        self.current_device = index
         if index != 0:
             raise RuntimeFailure(f"host backend has one device; asked for {index}")
         return DeviceInfo(name="host CPU", arch="host", index=0, count=1, multiprocessors=1, warp_size=1)
