@@ -221,6 +221,13 @@ A2A_DEVICE void exclusive_prefix(u32* prefix, const i32* counts, u32 L) {
   a2a_block_sync();
 }
 
+// Row index in the [L][capacity] expert-major buffer of the q-th received row.
+A2A_DEVICE u64 received_row(const u32* prefix, u32 L, u32 capacity, u32 q) {
+  u32 lo = 0, hi = L;  // largest l with prefix[l] <= q
+  while (hi - lo > 1u) { const u32 mid = (lo + hi) / 2u; if (prefix[mid] <= q) lo = mid; else hi = mid; }
+  return (u64)lo * capacity + (q - prefix[lo]);
+}
+
 template <typename Fmt>
 A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   const HeapView& h = a.heap;
@@ -239,9 +246,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   const i32* meta = sym<i32>(h, h.rank, a.off_recv_meta);
   const u8* expert_y = reinterpret_cast<const u8*>(c.expert_y);
   for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
-    u32 lo = 0, hi = L;  // largest l with prefix[l] <= q
-    while (hi - lo > 1u) { const u32 mid = (lo + hi) / 2u; if (prefix[mid] <= q) lo = mid; else hi = mid; }
-    const u64 row = (u64)lo * capacity + (q - prefix[lo]);
+    const u64 row = received_row(prefix, L, capacity, q);
     const int src = meta[row * 3u];
     const u32 slot = (u32)meta[row * 3u + 1u] * k + (u32)meta[row * 3u + 2u];
     copy_row(sym<u8>(h, src, a.off_combine_rows) + (u64)slot * a.y_row_bytes,
@@ -282,15 +287,28 @@ extern "C" __global__ void a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F
 extern "C" __global__ void a2a_combine_bf16(A2AArgs a, CombineCall c) { combine<BF16>(a, c); }
 
 // The stand-in for a grouped GEMM used by scripts and tests (gpu-mode's fake
-// expert: expert_y = expert_x * scale), applied to received rows only.
+// expert: expert_y = expert_x * scale), applied to received rows only: warps
+// walk the filled rows through the prefix of the counts, 8 elements a lane.
 template <typename Fmt>
 A2A_DEVICE void scale_rows(const u16* x, u16* y, const i32* counts, u32 L, u32 capacity, u32 hidden,
                            float scale) {
+  __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
+  exclusive_prefix(prefix, counts, L);
   const WarpGrid g = warp_grid();
-  for (u32 r = g.warp; r < L * capacity; r += g.warps) {
-    if ((i32)(r % capacity) >= counts[r / capacity]) continue;
-    for (u32 c = g.lane; c < hidden; c += A2A_WARP_SIZE)
-      y[(u64)r * hidden + c] = Fmt::store(Fmt::load(x[(u64)r * hidden + c]) * scale);
+  const bool vec = (((u64)x | (u64)y | (hidden * 2u)) & 15u) == 0;
+  const u32 vec_elems = vec ? hidden / 8u * 8u : 0u;
+  for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
+    const u64 row = received_row(prefix, L, capacity, q) * hidden;
+    for (u32 c = g.lane * 8u; c < vec_elems; c += A2A_WARP_SIZE * 8u) {
+      vec16 v = *reinterpret_cast<const vec16*>(x + row + c);
+      u32* w = &v.x;
+      for (int i = 0; i < 4; ++i)
+        w[i] = (u32)Fmt::store(Fmt::load((u16)(w[i] & 0xffffu)) * scale) |
+               ((u32)Fmt::store(Fmt::load((u16)(w[i] >> 16)) * scale) << 16);
+      *reinterpret_cast<vec16*>(y + row + c) = v;
+    }
+    for (u32 c = vec_elems + g.lane; c < hidden; c += A2A_WARP_SIZE)
+      y[row + c] = Fmt::store(Fmt::load(x[row + c]) * scale);
   }
 }
 
