@@ -1,37 +1,54 @@
 // Expert-parallel dispatch and combine over the symmetric heap.
 //
-// dispatch: each (token, slot) pair reserves a row in the destination rank's
-//   expert-major buffer with one system-scope atomic add on that rank's
-//   per-expert counter, writes the token vector and its (src_rank, src_token,
-//   src_k) meta there, and when the whole grid is done the last block
-//   release-stores this call's epoch into every peer's dispatch flag for this
-//   rank. The last block then acquires every peer's flag, so the counters are
-//   final: it copies them out as expert_num_tokens and zeroes them for the
-//   next call.
-// combine: each expert rank pushes every received row of expert_y back to the
-//   owner's (token, slot) row and release-stores a per-row epoch flag; the
-//   owner reduces a token as soon as its k flags carry this epoch (weights
-//   stay on the owner, accumulation in fp32 in slot order). Every rank then
-//   tells every peer "done pushing" with an epoch flag, and no rank finishes
-//   combine before all peers said so: a peer's next dispatch writes into our
-//   receive buffers only after we stopped reading them.
-// Flags carry the call's epoch (never 0), so no buffer is reset between calls
-// except the counters, which the dispatch that filled them zeroes.
+// dispatch (one kernel):
+//   1. headers: block 0 writes this rank's routing rows and token count T
+//      into every rank's inbox (its own too, for combine) and release-stores
+//      the call's epoch into that rank's header flag for us;
+//   2. send: each token goes ONCE to every other rank that hosts at least one
+//      of its experts (not once per expert), followed by a per-token flag;
+//   3. receive: every (source, token) with experts here waits for its own
+//      flag only, reserves rows with local atomics and fans the vector out to
+//      each of its experts' rows of the expert-major output, with meta
+//      (src_rank, src_token, src_k) and a local note of where each slot went;
+//   4. the last block to finish publishes expert_num_tokens and zeroes the
+//      counters for the next call.
+// combine (one kernel):
+//   1. block 0 sends this rank's weights to every peer, then a flag;
+//   2. for every (source, token) with experts here: one contribution goes
+//      back to the owner: the raw expert row when the token has one expert
+//      here (the owner weights it), else the fp32 sum of w * row over its
+//      experts here, then a per-(rank, token) flag;
+//   3. every token of ours is reduced as soon as its contributions' flags
+//      carry this epoch: fp32 accumulation, one rounding to the output dtype.
+// Flags carry the call's epoch (never 0), so nothing is reset between calls.
+// The inboxes peers write during dispatch alternate by epoch parity: a fast
+// peer's next call cannot overwrite what a slow rank is still reading, since
+// that peer's next-but-one dispatch needs our next header, which we send only
+// after this call's combine is done. Every other buffer peers write is read
+// by us before the barrier that the next call's headers form.
 #include "protocol.h"
 
 struct A2AArgs {
   HeapView heap;
-  u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]   expert_x
-  u64 off_recv_meta;       // i32 [L][W*M][3]             expert_meta
-  u64 off_counters;        // u32 [L]   row reservations by senders
-  u64 off_num_tokens;      // i32 [L]   expert_num_tokens (output)
-  u64 off_dispatch_flags;  // u32 [W]   flag w stored by sender w
-  u64 off_combine_rows;    // u8  [M*k][y_row_bytes]       rows pushed back to the owner
-  u64 off_combine_flags;   // u32 [M*k]
-  u64 off_combine_done;    // u32 [W]   flag w stored by expert rank w
-  u64 off_block_counters;  // u32 [2]   last-block counters: dispatch, combine
-  u64 off_status;          // u32 [4]   first error of this rank
-  u64 host_status;         // u32 [4]   its mirror in pinned host memory (device address)
+  // written by peers
+  u64 off_tok_x;           // u8  [2][W][M][x_row_bytes]   token vectors by (parity, src, token)
+  u64 off_tok_idx;         // i32 [2][W][M][k]             routing rows of every source
+  u64 off_tok_count;       // u32 [2][W]                   T of every source
+  u64 off_hdr_flag;        // u32 [2][W]                   epoch: rows and count of src are in
+  u64 off_tok_flag;        // u32 [2][W][M]                epoch: vector (src, t) is in
+  u64 off_w_in;            // f32 [W][M][k]                weights of src's tokens (combine)
+  u64 off_w_flag;          // u32 [W]
+  u64 off_contrib;         // u8  [W][M][hidden * 4]       contribution of rank r to our token t
+  u64 off_contrib_flag;    // u32 [W][M]
+  // local
+  u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]    expert_x
+  u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
+  u64 off_counters;        // u32 [L]
+  u64 off_num_tokens;      // i32 [L]                      expert_num_tokens
+  u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
+  u64 off_block_counters;  // u32 [2]                      last-block counters: dispatch, combine
+  u64 off_status;          // u32 [4]                      first error of this rank
+  u64 host_status;         // u32 [4]                      its mirror in pinned host memory
   i32 num_experts;
   i32 local_experts;
   i32 top_k;
@@ -59,42 +76,49 @@ struct CombineCall {
 };
 
 #define A2A_MAX_LOCAL_EXPERTS 1024
+#define A2A_MAX_WARPS_PER_BLOCK 32
+#define A2A_MAX_WORLD 32
 
 struct WarpGrid {
-  u32 lane, warp, warps;
+  u32 lane, warp, warps, warp_in_block, warps_per_block;
 };
 
 A2A_DEVICE WarpGrid warp_grid() {
-  const u32 per_block = a2a_block_dim() / A2A_WARP_SIZE;
-  return {a2a_lane(), a2a_block() * per_block + a2a_thread() / A2A_WARP_SIZE,
-          a2a_grid_dim() * per_block};
+  const u32 per_block = a2a_block_dim() / A2A_WARP_SIZE, in_block = a2a_thread() / A2A_WARP_SIZE;
+  return {a2a_lane(), a2a_block() * per_block + in_block, a2a_grid_dim() * per_block, in_block, per_block};
 }
 
-// One warp copies one row. Four 16-byte loads are in flight per lane before
-// their stores, which keeps the NVLink/xGMI queue busy for long rows.
-A2A_DEVICE void copy_row(u8* dst, const u8* src, u32 bytes, u32 lane) {
-  if ((((u64)dst | (u64)src | bytes) & 15u) == 0) {
-    vec16* d = reinterpret_cast<vec16*>(dst);
-    const vec16* s = reinterpret_cast<const vec16*>(src);
-    const u32 n = bytes / 16u, W = A2A_WARP_SIZE;
-    u32 i = lane;
-    for (; i + 3u * W < n; i += 4u * W) {
-      vec16 v0 = s[i], v1 = s[i + W], v2 = s[i + 2u * W], v3 = s[i + 3u * W];
-      d[i] = v0; d[i + W] = v1; d[i + 2u * W] = v2; d[i + 3u * W] = v3;
-    }
-    for (; i < n; i += W) d[i] = s[i];
-  } else if ((((u64)dst | (u64)src | bytes) & 1u) == 0) {
-    u16* d = reinterpret_cast<u16*>(dst);
-    const u16* s = reinterpret_cast<const u16*>(src);
-    for (u32 i = lane; i < bytes / 2u; i += A2A_WARP_SIZE) d[i] = s[i];
-  } else {
-    for (u32 i = lane; i < bytes; i += A2A_WARP_SIZE) dst[i] = src[i];
+// Everything a kernel needs to know about this call, resolved once.
+struct Ctx {
+  const A2AArgs& a;
+  HeapView h;
+  u32 *status, *mirror;
+  u64 deadline;
+  u32 W, M, k, L, capacity, parity, epoch;
+};
+
+A2A_DEVICE Ctx make_ctx(const A2AArgs& a, u32 epoch) {
+  return {a, a.heap, sym<u32>(a.heap, a.heap.rank, a.off_status), reinterpret_cast<u32*>(a.host_status),
+          a2a_clock_ns() + a.timeout_ns, (u32)a.heap.world, (u32)a.max_tokens, (u32)a.top_k,
+          (u32)a.local_experts, (u32)(a.heap.world * a.max_tokens), epoch & 1u, epoch};
+}
+
+// Lane 0 polls, the warp follows: true once *flag == epoch; on timeout the
+// report names `peer` and what was awaited.
+A2A_DEVICE bool warp_wait(const Ctx& x, const u32* flag, u32 peer, u32 what, u32 detail, u32 lane) {
+  int ok = 1;
+  if (lane == 0 && !a2a_wait_flag(flag, x.epoch, x.deadline, x.status)) {
+    a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, peer, what, detail);
+    ok = 0;
   }
+  ok = a2a_shfl(ok, 0);
+  a2a_wave_sync();
+  return ok != 0;
 }
 
 // The contract says a row's experts are distinct and in [0, E). Inputs that
-// break it are reported, never written: a repeated expert could overflow the
-// W*M rows reserved per expert.
+// break it are skipped by senders and receivers alike (and reported by the
+// owner), never written: a repeated expert could overflow its rows.
 A2A_DEVICE bool valid_expert(const i32* row, u32 j, i32 num_experts) {
   const i32 e = row[j];
   if (e < 0 || e >= num_experts) return false;
@@ -103,59 +127,156 @@ A2A_DEVICE bool valid_expert(const i32* row, u32 j, i32 num_experts) {
   return true;
 }
 
-extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
-  const HeapView& h = a.heap;
-  const u64 deadline = a2a_clock_ns() + a.timeout_ns;
-  u32* status = sym<u32>(h, h.rank, a.off_status);
-  u32* mirror = reinterpret_cast<u32*>(a.host_status);
-  const WarpGrid g = warp_grid();
-  const u32 k = (u32)a.top_k;
-  const u32 capacity = (u32)(h.world * a.max_tokens);
-  const i32* indices = reinterpret_cast<const i32*>(c.indices);
-  const u8* x = reinterpret_cast<const u8*>(c.x);
+// Bit j set: slot j of `row` is a valid expert living on rank `r`.
+A2A_DEVICE u32 slots_on_rank(const i32* row, u32 k, i32 num_experts, u32 L, u32 r) {
+  u32 bits = 0;
+  for (u32 j = 0; j < k; ++j)
+    if (valid_expert(row, j, num_experts) && (u32)row[j] / L == r) bits |= 1u << j;
+  return bits;
+}
 
-  for (u32 p = g.warp; p < (u32)c.num_tokens * k; p += g.warps) {
-    const u32 t = p / k, j = p % k;
-    const i32* row = indices + (u64)t * k;
-    if (!valid_expert(row, j, a.num_experts)) {
-      if (g.lane == 0) a2a_report(status, mirror, A2A_ERR_BAD_INDEX, (u32)h.rank, t * k + j, (u32)row[j]);
-      continue;
+A2A_DEVICE u32 lowest_bit(u32 bits) { return a2a_ctz(bits); }
+
+// One warp copies one row to `ndst` rows (dst_base + slot * bytes for each
+// slot in `slots`), reading the source once. 16-byte accesses when aligned.
+A2A_DEVICE void copy_row_fanout(u8* dst_base, const i32* slots, u32 ndst, const u8* src, u32 bytes,
+                                u32 lane) {
+  if ((((u64)dst_base | (u64)src | bytes) & 15u) == 0) {
+    const vec16* s = reinterpret_cast<const vec16*>(src);
+    for (u32 i = lane; i < bytes / 16u; i += A2A_WARP_SIZE) {
+      const vec16 v = s[i];
+      for (u32 d = 0; d < ndst; ++d)
+        reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * bytes)[i] = v;
     }
-    const int dst = row[j] / a.local_experts, l = row[j] % a.local_experts;
-    int slot = 0;
-    if (g.lane == 0) slot = (int)a2a_fetch_add_sys(sym<u32>(h, dst, a.off_counters) + l, 1u);
-    slot = a2a_shfl(slot, 0);
-    if ((u32)slot >= capacity) {
-      if (g.lane == 0) a2a_report(status, mirror, A2A_ERR_CAPACITY, (u32)dst, (u32)l, (u32)slot);
-      continue;
-    }
-    const u64 dst_row = (u64)l * capacity + (u32)slot;
-    copy_row(sym<u8>(h, dst, a.off_recv_x) + dst_row * a.x_row_bytes, x + (u64)t * a.x_row_bytes,
-             a.x_row_bytes, g.lane);
-    if (g.lane < 3u) {
-      const i32 meta[3] = {h.rank, (i32)t, (i32)j};
-      sym<i32>(h, dst, a.off_recv_meta)[dst_row * 3u + g.lane] = meta[g.lane];
+  } else {
+    for (u32 i = lane; i < bytes; i += A2A_WARP_SIZE) {
+      const u8 v = src[i];
+      for (u32 d = 0; d < ndst; ++d) dst_base[(u64)slots[d] * bytes + i] = v;
     }
   }
+}
 
-  if (!a2a_last_block(sym<u32>(h, h.rank, a.off_block_counters) + 0)) return;
+A2A_DEVICE void copy_row(u8* dst, const u8* src, u32 bytes, u32 lane) {
+  const i32 zero = 0;
+  copy_row_fanout(dst, &zero, 1, src, bytes, lane);
+}
 
-  for (u32 peer = a2a_thread(); peer < (u32)h.world; peer += a2a_block_dim())
-    a2a_store_release_sys(sym<u32>(h, (int)peer, a.off_dispatch_flags) + h.rank, c.epoch);
-  const u32* flags = sym<u32>(h, h.rank, a.off_dispatch_flags);
-  for (u32 peer = a2a_thread(); peer < (u32)h.world; peer += a2a_block_dim())
-    if (!a2a_wait_flag(&flags[peer], c.epoch, deadline, status))
-      a2a_report(status, mirror, A2A_ERR_TIMEOUT, peer, A2A_WAIT_DISPATCH, c.epoch);
-  a2a_block_sync();
+// ------------------------------------------------------------- dispatch ----
 
-  u32* counters = sym<u32>(h, h.rank, a.off_counters);
-  i32* num_tokens = sym<i32>(h, h.rank, a.off_num_tokens);
-  for (u32 l = a2a_thread(); l < (u32)a.local_experts; l += a2a_block_dim()) {
-    const u32 n = a2a_load_relaxed_sys(&counters[l]);
-    num_tokens[l] = (i32)(n < capacity ? n : capacity);
+A2A_DEVICE void send_headers(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+  const i32* indices = reinterpret_cast<const i32*>(c.indices);
+  const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k;
+  for (u32 r = g.warp_in_block; r < x.W; r += g.warps_per_block) {
+    i32* rows = sym<i32>(x.h, (int)r, x.a.off_tok_idx) + ((u64)x.parity * x.W + me) * x.M * x.k;
+    for (u32 i = g.lane; i < n; i += A2A_WARP_SIZE) rows[i] = indices[i];
+    a2a_wave_sync();
+    if (g.lane == 0) {
+      sym<u32>(x.h, (int)r, x.a.off_tok_count)[x.parity * x.W + me] = (u32)c.num_tokens;
+      a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_hdr_flag) + x.parity * x.W + me, x.epoch);
+    }
+  }
+}
+
+A2A_DEVICE void send_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+  const i32* indices = reinterpret_cast<const i32*>(c.indices);
+  const u8* tokens = reinterpret_cast<const u8*>(c.x);
+  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes;
+  for (u32 item = g.warp; item < (u32)c.num_tokens * x.W; item += g.warps) {
+    const u32 t = item / x.W, r = item % x.W;
+    if (r == me || !slots_on_rank(indices + (u64)t * x.k, x.k, x.a.num_experts, x.L, r)) continue;
+    const u64 at = ((u64)x.parity * x.W + me) * x.M + t;
+    copy_row(sym<u8>(x.h, (int)r, x.a.off_tok_x) + at * rb, tokens + (u64)t * rb, rb, g.lane);
+    a2a_wave_sync();
+    if (g.lane == 0) a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_tok_flag) + at, x.epoch);
+  }
+}
+
+A2A_DEVICE void report_bad_indices(const Ctx& x, const i32* row, u32 t, u32 lane) {
+  if (lane < x.k && !valid_expert(row, lane, x.a.num_experts))
+    a2a_report(x.status, x.mirror, A2A_ERR_BAD_INDEX, (u32)x.h.rank, t * x.k + lane, (u32)row[lane]);
+}
+
+A2A_DEVICE void receive_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+  __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
+  i32* slots = slot_buf[g.warp_in_block];
+  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes;
+  u32* counters = sym<u32>(x.h, (int)me, x.a.off_counters);
+  i32* meta = sym<i32>(x.h, (int)me, x.a.off_recv_meta);
+  i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
+  u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
+  const u32* hdr_flag = sym<u32>(x.h, (int)me, x.a.off_hdr_flag) + x.parity * x.W;
+  const u32* tok_flag = sym<u32>(x.h, (int)me, x.a.off_tok_flag) + (u64)x.parity * x.W * x.M;
+
+  for (u32 item = g.warp; item < x.W * x.M; item += g.warps) {
+    const u32 src = item / x.M, t = item % x.M;
+    const i32* row;
+    const u8* vec;
+    u32 count;
+    if (src == me) {  // our own tokens: straight from the caller's arrays
+      count = (u32)c.num_tokens;
+      row = reinterpret_cast<const i32*>(c.indices) + (u64)t * x.k;
+      vec = reinterpret_cast<const u8*>(c.x) + (u64)t * rb;
+    } else {
+      if (!warp_wait(x, &hdr_flag[src], src, A2A_WAIT_DISPATCH, x.epoch, g.lane)) break;
+      count = sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + src];
+      count = count < x.M ? count : x.M;
+      const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
+      row = sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k;
+      vec = sym<u8>(x.h, (int)me, x.a.off_tok_x) + at * rb;
+    }
+    if (t >= count) continue;
+    if (src == me) report_bad_indices(x, row, t, g.lane);
+    const u32 here = slots_on_rank(row, x.k, x.a.num_experts, x.L, me);
+    if (!here) continue;
+    if (src != me && !warp_wait(x, &tok_flag[(u64)src * x.M + t], src, A2A_WAIT_DISPATCH, t, g.lane)) break;
+
+    // Lane j reserves the row for slot j; the warp then copies the vector once to all of them.
+    i32 slot = -1;
+    if (g.lane < x.k && (here >> g.lane & 1u)) {
+      const u32 l = (u32)row[g.lane] % x.L;
+      const u32 s = a2a_fetch_add_dev(&counters[l], 1u);
+      if (s < x.capacity) {
+        slot = (i32)(l * x.capacity + s);
+        meta[(u64)slot * 3u] = (i32)src;
+        meta[(u64)slot * 3u + 1u] = (i32)t;
+        meta[(u64)slot * 3u + 2u] = (i32)g.lane;
+      } else {
+        a2a_report(x.status, x.mirror, A2A_ERR_CAPACITY, me, l, s);
+      }
+    }
+    if (g.lane < x.k) slot_of[((u64)src * x.M + t) * x.k + g.lane] = slot;
+    u32 n = 0;
+    for (u32 bits = here; bits; bits &= bits - 1u) {
+      const i32 s = a2a_shfl(slot, (int)lowest_bit(bits));
+      if (s >= 0) {
+        if (g.lane == 0) slots[n] = s;
+        ++n;
+      }
+    }
+    a2a_wave_sync();
+    copy_row_fanout(expert_x, slots, n, vec, rb, g.lane);
+    a2a_wave_sync();  // slots[] is reused by this warp's next item
+  }
+}
+
+extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
+  const Ctx x = make_ctx(a, c.epoch);
+  const WarpGrid g = warp_grid();
+  if (a2a_block() == 0) send_headers(x, c, g);
+  send_tokens(x, c, g);
+  receive_tokens(x, c, g);
+
+  if (!a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_block_counters) + 0)) return;
+  u32* counters = sym<u32>(x.h, x.h.rank, a.off_counters);
+  i32* num_tokens = sym<i32>(x.h, x.h.rank, a.off_num_tokens);
+  for (u32 l = a2a_thread(); l < x.L; l += a2a_block_dim()) {
+    const u32 n = counters[l];
+    num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
     counters[l] = 0u;
   }
 }
+
+// -------------------------------------------------------------- combine ----
 
 // Element access for the two 16-bit formats combine reduces.
 struct F16 {
@@ -167,35 +288,176 @@ struct BF16 {
   static A2A_DEVICE u16 store(float f) { return a2a_float_to_bf16(f); }
 };
 
-// out[t] = sum_j w[t, j] * rows[t, j], fp32 in slot order, one warp per token.
+// acc[0..8) += w * the 8 16-bit values at p (16-byte aligned).
 template <typename Fmt>
-A2A_DEVICE void reduce_token(u16* out, const u8* rows, u32 row_bytes, const float* w, u32 k,
-                             u32 hidden, u32 lane) {
-  const bool vec = (((u64)out | (u64)rows | row_bytes) & 15u) == 0;
-  const u32 vec_elems = vec ? (hidden / 8u) * 8u : 0u;
-  for (u32 c = lane * 8u; c < vec_elems; c += A2A_WARP_SIZE * 8u) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (u32 j = 0; j < k; ++j) {
-      const vec16 v = *reinterpret_cast<const vec16*>(rows + j * row_bytes + c * 2u);
-      const u32 words[4] = {v.x, v.y, v.z, v.w};
-      for (int q = 0; q < 4; ++q) {
-        acc[2 * q] += w[j] * Fmt::load((u16)(words[q] & 0xffffu));
-        acc[2 * q + 1] += w[j] * Fmt::load((u16)(words[q] >> 16));
-      }
-    }
-    vec16 o;
-    u32* ow = &o.x;
-    for (int q = 0; q < 4; ++q)
-      ow[q] = (u32)Fmt::store(acc[2 * q]) | ((u32)Fmt::store(acc[2 * q + 1]) << 16);
-    *reinterpret_cast<vec16*>(out + c) = o;
-  }
-  for (u32 c = vec_elems + lane; c < hidden; c += A2A_WARP_SIZE) {
-    float acc = 0.f;
-    for (u32 j = 0; j < k; ++j)
-      acc += w[j] * Fmt::load(reinterpret_cast<const u16*>(rows + j * row_bytes)[c]);
-    out[c] = Fmt::store(acc);
+A2A_DEVICE void fma8(float* acc, float w, const u16* p) {
+  const vec16 v = *reinterpret_cast<const vec16*>(p);
+  const u32 words[4] = {v.x, v.y, v.z, v.w};
+  for (int q = 0; q < 4; ++q) {
+    acc[2 * q] += w * Fmt::load((u16)(words[q] & 0xffffu));
+    acc[2 * q + 1] += w * Fmt::load((u16)(words[q] >> 16));
   }
 }
+
+A2A_DEVICE void add8(float* acc, const float* p) {
+  const vec16 a = reinterpret_cast<const vec16*>(p)[0], b = reinterpret_cast<const vec16*>(p)[1];
+  const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  for (int q = 0; q < 8; ++q) acc[q] += __builtin_bit_cast(float, w[q]);
+}
+
+template <typename Fmt>
+A2A_DEVICE void store8(u16* p, const float* acc) {
+  vec16 o;
+  u32* w = &o.x;
+  for (int q = 0; q < 4; ++q) w[q] = (u32)Fmt::store(acc[2 * q]) | ((u32)Fmt::store(acc[2 * q + 1]) << 16);
+  *reinterpret_cast<vec16*>(p) = o;
+}
+
+A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
+  const float* weights = reinterpret_cast<const float*>(c.weights);
+  const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k;
+  for (u32 r = g.warp_in_block; r < x.W; r += g.warps_per_block) {
+    if (r == me) continue;
+    float* w = sym<float>(x.h, (int)r, x.a.off_w_in) + (u64)me * x.M * x.k;
+    for (u32 i = g.lane; i < n; i += A2A_WARP_SIZE) w[i] = weights[i];
+    a2a_wave_sync();
+    if (g.lane == 0) a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_w_flag) + me, x.epoch);
+  }
+}
+
+// What rank `me` sends back for token t of `src`: its one expert row as is,
+// or the fp32 sum of w * row over its experts. `vec` says rows, the
+// destination and the weights allow 16-byte accesses of 8 elements.
+template <typename Fmt>
+A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
+                           u8* dst, u32 lane) {
+  const u32 H = (u32)x.a.hidden;
+  if ((here & (here - 1u)) == 0) {  // one expert here: send its row, the owner applies the weight
+    copy_row(dst, reinterpret_cast<const u8*>(expert_y + (u64)slots[lowest_bit(here)] * H), x.a.y_row_bytes,
+             lane);
+    return;
+  }
+  float* out = reinterpret_cast<float*>(dst);
+  const bool vec = H % 8u == 0 && ((u64)expert_y & 15u) == 0;
+  for (u32 e = lane * 8u; vec && e < H; e += A2A_WARP_SIZE * 8u) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (u32 bits = here; bits; bits &= bits - 1u) {
+      const u32 j = lowest_bit(bits);
+      fma8<Fmt>(acc, w[j], expert_y + (u64)slots[j] * H + e);
+    }
+    vec16* o = reinterpret_cast<vec16*>(out + e);
+    o[0] = vec16{__builtin_bit_cast(u32, acc[0]), __builtin_bit_cast(u32, acc[1]), __builtin_bit_cast(u32, acc[2]),
+                 __builtin_bit_cast(u32, acc[3])};
+    o[1] = vec16{__builtin_bit_cast(u32, acc[4]), __builtin_bit_cast(u32, acc[5]), __builtin_bit_cast(u32, acc[6]),
+                 __builtin_bit_cast(u32, acc[7])};
+  }
+  for (u32 e = lane; !vec && e < H; e += A2A_WARP_SIZE) {
+    float acc = 0.f;
+    for (u32 bits = here; bits; bits &= bits - 1u) {
+      const u32 j = lowest_bit(bits);
+      acc += w[j] * Fmt::load(expert_y[(u64)slots[j] * H + e]);
+    }
+    out[e] = acc;
+  }
+}
+
+template <typename Fmt>
+A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
+  const u32 me = (u32)x.h.rank;
+  const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
+  const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
+  const u32* w_flag = sym<u32>(x.h, (int)me, x.a.off_w_flag);
+  const u64 stride = (u64)x.a.hidden * 4u;
+  for (u32 item = g.warp; item < x.W * x.M; item += g.warps) {
+    const u32 src = item / x.M, t = item % x.M;
+    u32 count = src == me ? (u32)c.num_tokens : sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + src];
+    count = count < x.M ? count : x.M;
+    if (t >= count) continue;
+    const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
+    const u32 here = slots_on_rank(sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k, x.k, x.a.num_experts,
+                                   x.L, me);
+    if (!here) continue;
+    const float* w;
+    if (src == me) {
+      w = reinterpret_cast<const float*>(c.weights) + (u64)t * x.k;
+    } else {
+      if (!warp_wait(x, &w_flag[src], src, A2A_WAIT_WEIGHTS, x.epoch, g.lane)) break;
+      w = sym<float>(x.h, (int)me, x.a.off_w_in) + ((u64)src * x.M + t) * x.k;
+    }
+    const i32* slots = slot_of + ((u64)src * x.M + t) * x.k;
+    bool complete = true;  // a slot lost to a reported error has no row
+    for (u32 bits = here; bits; bits &= bits - 1u) complete &= slots[lowest_bit(bits)] >= 0;
+    if (!complete) continue;
+    contribute<Fmt>(x, expert_y, slots, here, w, sym<u8>(x.h, (int)src, x.a.off_contrib) + ((u64)me * x.M + t) * stride,
+                    g.lane);
+    a2a_wave_sync();
+    if (g.lane == 0)
+      a2a_store_release_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + (u64)me * x.M + t, x.epoch);
+  }
+}
+
+// y[t] = sum over ranks r hosting t's experts of r's contribution (a raw row
+// times its weight when r hosts one expert of t, else an fp32 partial sum).
+// Lane r works out which of t's slots live on rank r once per token.
+template <typename Fmt>
+A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
+  __shared__ u32 here_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD];
+  u32* here = here_buf[g.warp_in_block];
+  const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden;
+  const u8* contrib = sym<u8>(x.h, (int)me, x.a.off_contrib);
+  const u32* flags = sym<u32>(x.h, (int)me, x.a.off_contrib_flag);
+  const float* weights = reinterpret_cast<const float*>(c.weights);
+  u16* out = reinterpret_cast<u16*>(c.out);
+  const u64 stride = (u64)H * 4u;
+  const bool vec = H % 8u == 0 && ((u64)out & 15u) == 0;
+  for (u32 t = g.warp; t < (u32)c.num_tokens; t += g.warps) {
+    const i32* row = sym<i32>(x.h, (int)me, x.a.off_tok_idx) + (((u64)x.parity * x.W + me) * x.M + t) * x.k;
+    if (g.lane < x.W) here[g.lane] = slots_on_rank(row, x.k, x.a.num_experts, x.L, g.lane);
+    a2a_wave_sync();
+    bool ok = true;
+    for (u32 r = 0; r < x.W && ok; ++r)
+      if (here[r]) ok = warp_wait(x, &flags[(u64)r * x.M + t], r, A2A_WAIT_COMBINE_ROW, t, g.lane);
+    if (!ok) break;
+    const float* w = weights + (u64)t * x.k;
+    for (u32 e = g.lane * 8u; vec && e < H; e += A2A_WARP_SIZE * 8u) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (u32 r = 0; r < x.W; ++r) {
+        const u8* part = contrib + ((u64)r * x.M + t) * stride;
+        if (here[r] && (here[r] & (here[r] - 1u)) == 0)
+          fma8<Fmt>(acc, w[lowest_bit(here[r])], reinterpret_cast<const u16*>(part) + e);
+        else if (here[r])
+          add8(acc, reinterpret_cast<const float*>(part) + e);
+      }
+      store8<Fmt>(out + (u64)t * H + e, acc);
+    }
+    for (u32 e = g.lane; !vec && e < H; e += A2A_WARP_SIZE) {
+      float acc = 0.f;
+      for (u32 r = 0; r < x.W; ++r) {
+        const u8* part = contrib + ((u64)r * x.M + t) * stride;
+        if (here[r] && (here[r] & (here[r] - 1u)) == 0)
+          acc += w[lowest_bit(here[r])] * Fmt::load(reinterpret_cast<const u16*>(part)[e]);
+        else if (here[r])
+          acc += reinterpret_cast<const float*>(part)[e];
+      }
+      out[(u64)t * H + e] = Fmt::store(acc);
+    }
+    a2a_wave_sync();  // here[] is rewritten for the warp's next token
+  }
+}
+
+template <typename Fmt>
+A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
+  const Ctx x = make_ctx(a, c.epoch);
+  const WarpGrid g = warp_grid();
+  if (a2a_block() == 0) send_weights(x, c, g);
+  send_contributions<Fmt>(x, c, g);
+  reduce_tokens<Fmt>(x, c, g);
+}
+
+extern "C" __global__ void a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }
+extern "C" __global__ void a2a_combine_bf16(A2AArgs a, CombineCall c) { combine<BF16>(a, c); }
+
+// ------------------------------------------------------- fake expert ----
 
 // prefix[l] = sum of counts[0..l), for l in [0, L]. Warp 0 does it: each lane
 // sums a contiguous chunk, lane 0 scans the chunk sums, each lane fills in its
@@ -227,64 +489,6 @@ A2A_DEVICE u64 received_row(const u32* prefix, u32 L, u32 capacity, u32 q) {
   while (hi - lo > 1u) { const u32 mid = (lo + hi) / 2u; if (prefix[mid] <= q) lo = mid; else hi = mid; }
   return (u64)lo * capacity + (q - prefix[lo]);
 }
-
-template <typename Fmt>
-A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
-  const HeapView& h = a.heap;
-  const u64 deadline = a2a_clock_ns() + a.timeout_ns;
-  u32* status = sym<u32>(h, h.rank, a.off_status);
-  u32* mirror = reinterpret_cast<u32*>(a.host_status);
-  const WarpGrid g = warp_grid();
-  const u32 k = (u32)a.top_k, L = (u32)a.local_experts;
-  const u32 capacity = (u32)(h.world * a.max_tokens);
-
-  // Rows received per local expert, as a prefix sum: row q of the flattened
-  // received set lives at expert l with prefix[l] <= q < prefix[l+1].
-  __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
-  exclusive_prefix(prefix, sym<i32>(h, h.rank, a.off_num_tokens), L);
-
-  const i32* meta = sym<i32>(h, h.rank, a.off_recv_meta);
-  const u8* expert_y = reinterpret_cast<const u8*>(c.expert_y);
-  for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
-    const u64 row = received_row(prefix, L, capacity, q);
-    const int src = meta[row * 3u];
-    const u32 slot = (u32)meta[row * 3u + 1u] * k + (u32)meta[row * 3u + 2u];
-    copy_row(sym<u8>(h, src, a.off_combine_rows) + (u64)slot * a.y_row_bytes,
-             expert_y + row * a.y_row_bytes, a.y_row_bytes, g.lane);
-    a2a_wave_sync();
-    if (g.lane == 0) a2a_store_release_sys(sym<u32>(h, src, a.off_combine_flags) + slot, c.epoch);
-  }
-
-  const bool last = a2a_last_block(sym<u32>(h, h.rank, a.off_block_counters) + 1);
-  if (last)
-    for (u32 peer = a2a_thread(); peer < (u32)h.world; peer += a2a_block_dim())
-      a2a_store_release_sys(sym<u32>(h, (int)peer, a.off_combine_done) + h.rank, c.epoch);
-
-  const u32* flags = sym<u32>(h, h.rank, a.off_combine_flags);
-  const u8* rows = sym<u8>(h, h.rank, a.off_combine_rows);
-  const float* weights = reinterpret_cast<const float*>(c.weights);
-  u16* out = reinterpret_cast<u16*>(c.out);
-  for (u32 t = g.warp; t < (u32)c.num_tokens; t += g.warps) {
-    // Lane j waits for slot j; the owner cannot tell which peer is late
-    // from the row alone, so the report names the row and the rank waiting.
-    if (g.lane < k && !a2a_wait_flag(&flags[t * k + g.lane], c.epoch, deadline, status))
-      a2a_report(status, mirror, A2A_ERR_TIMEOUT, (u32)h.rank, A2A_WAIT_COMBINE_ROW, t * k + g.lane);
-    a2a_wave_sync();
-    const int failed = a2a_shfl(g.lane == 0 ? (int)a2a_load_relaxed_sys(&status[0]) : 0, 0);
-    if (failed) break;
-    reduce_token<Fmt>(out + (u64)t * a.hidden, rows + (u64)t * k * a.y_row_bytes, a.y_row_bytes,
-                      weights + (u64)t * k, k, (u32)a.hidden, g.lane);
-  }
-
-  if (!last) return;
-  const u32* done = sym<u32>(h, h.rank, a.off_combine_done);
-  for (u32 peer = a2a_thread(); peer < (u32)h.world; peer += a2a_block_dim())
-    if (!a2a_wait_flag(&done[peer], c.epoch, deadline, status))
-      a2a_report(status, mirror, A2A_ERR_TIMEOUT, peer, A2A_WAIT_COMBINE_DONE, c.epoch);
-}
-
-extern "C" __global__ void a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }
-extern "C" __global__ void a2a_combine_bf16(A2AArgs a, CombineCall c) { combine<BF16>(a, c); }
 
 // The stand-in for a grouped GEMM used by scripts and tests (gpu-mode's fake
 // expert: expert_y = expert_x * scale), applied to received rows only: warps

@@ -63,6 +63,9 @@ A2A_DEVICE u32 a2a_fetch_add_sys(u32* p, u32 v) {
 A2A_DEVICE u32 a2a_add_shared(u32* p, u32 v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
 }
+A2A_DEVICE u32 a2a_fetch_add_dev(u32* p, u32 v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
 // Device-scope acq_rel counter for "last block done" detection.
 A2A_DEVICE u32 a2a_fetch_add_acq_rel_dev(u32* p, u32 v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
@@ -79,6 +82,7 @@ A2A_DEVICE void a2a_pause() { __builtin_amdgcn_s_sleep(1); }
 A2A_DEVICE int a2a_shfl(int v, int src_lane) {
   return __builtin_amdgcn_ds_bpermute(src_lane << 2, v);
 }
+A2A_DEVICE u32 a2a_ctz(u32 v) { return (u32)__builtin_ctz(v); }
 A2A_DEVICE float a2a_half_to_float(u16 h) { return (float)__builtin_bit_cast(_Float16, h); }
 A2A_DEVICE u16 a2a_float_to_half(float f) { return __builtin_bit_cast(u16, (_Float16)f); }
 
@@ -109,6 +113,10 @@ A2A_DEVICE u32 a2a_fetch_add_sys(u32* p, u32 v) {
   return old;
 }
 A2A_DEVICE u32 a2a_add_shared(u32* p, u32 v) { return atomicAdd(p, v); }
+A2A_DEVICE u32 a2a_fetch_add_dev(u32* p, u32 v) {
+  u32 old; asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 A2A_DEVICE u32 a2a_fetch_add_acq_rel_dev(u32* p, u32 v) {
   u32 old; asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
@@ -120,6 +128,7 @@ A2A_DEVICE void a2a_fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
 A2A_DEVICE u64 a2a_clock_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 A2A_DEVICE void a2a_pause() { __nanosleep(32); }
 A2A_DEVICE int a2a_shfl(int v, int src_lane) { return __shfl_sync(0xffffffffu, v, src_lane); }
+A2A_DEVICE u32 a2a_ctz(u32 v) { return (u32)(__ffs((int)v) - 1); }
 A2A_DEVICE float a2a_half_to_float(u16 h) {
   float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }

@@ -16,6 +16,7 @@
 #define A2A_WAIT_COMBINE_ROW 2u
 #define A2A_WAIT_COMBINE_DONE 3u
 #define A2A_WAIT_HEAP_CHECK 4u
+#define A2A_WAIT_WEIGHTS 5u
 
 // The symmetric heap as kernels see it: a device table of every rank's base
 // address (peers' bases are IPC mappings) and this rank's index. Any

@@ -31,7 +31,8 @@ from .inputs import check_array, check_indices, check_numpy, device_view, requir
 from .kernels import A2AArgs, KernelLibrary
 
 MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
-MAX_TOP_K = 32             # combine waits on one slot per lane of a (32-wide) warp
+MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
+MAX_WORLD = 32             # A2A_MAX_WORLD
 THREADS_PER_BLOCK = 256
 
 
@@ -69,20 +70,28 @@ class AllToAll:
 
     # -- construction -----------------------------------------------------------
     def _layout(self, world: int) -> list[tuple[str, tuple, object]]:
-        """Every symmetric buffer, in allocation order (identical on all ranks)."""
+        """Every symmetric buffer, in allocation order (identical on all ranks). See kernels_hip/a2a.hip."""
         L, M, k, H = self.num_experts // world, self.max_tokens, self.top_k, self.hidden
         return [
+            # written by peers: dispatch inboxes alternate by epoch parity
+            ("tok_x", (2, world, M, H), self.in_dtype),
+            ("tok_idx", (2, world, M, k), np.int32),
+            ("tok_count", (2, world), np.uint32),
+            ("hdr_flag", (2, world), np.uint32),
+            ("tok_flag", (2, world, M), np.uint32),
+            ("w_in", (world, M, k), np.float32),
+            ("w_flag", (world,), np.uint32),
+            ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
+            ("contrib_flag", (world, M), np.uint32),
+            # local
             ("recv_x", (L, world * M, H), self.in_dtype),
             ("recv_meta", (L, world * M, 3), np.int32),
             ("counters", (L,), np.uint32),
             ("num_tokens", (L,), np.int32),
-            ("dispatch_flags", (world,), np.uint32),
-            ("combine_rows", (M * k, H), self.out_dtype),
-            ("combine_flags", (M * k,), np.uint32),
-            ("combine_done", (world,), np.uint32),
+            ("slot_of", (world, M, k), np.int32),
             ("block_counters", (2,), np.uint32),
             ("status", (4,), np.uint32),
-            # local staging: NumPy inputs are copied here; y lands here unless out= is given
+            # staging: NumPy inputs are copied here; y lands here unless out= is given
             ("x_stage", (M, H), self.in_dtype),
             ("indices_stage", (M, k), np.int32),
             ("weights_stage", (M, k), np.float32),
@@ -94,6 +103,8 @@ class AllToAll:
         world = (comm if comm is not None else _mpi().COMM_WORLD).Get_size()
         if self.num_experts % world:
             raise ValueError(f"num_experts={self.num_experts} must be divisible by the number of ranks ({world})")
+        if world > MAX_WORLD:
+            raise ValueError(f"at most {MAX_WORLD} ranks; got {world}")
         if self.num_experts // world > MAX_LOCAL_EXPERTS:
             raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank; got {self.num_experts // world}")
         return sum(math.prod(shape) * np.dtype(dt).itemsize + 256 for _, shape, dt in self._layout(world))
@@ -146,9 +157,9 @@ class AllToAll:
     def _fill_args(self, a: A2AArgs) -> None:
         heap, off = self.heap, lambda name: heap.offset_of(self.buf[name].ptr)
         a.heap.bases, a.heap.rank, a.heap.world = heap.bases_ptr, heap.rank, heap.world
-        for name in ("recv_x", "recv_meta", "counters", "num_tokens", "dispatch_flags", "combine_rows",
-                     "combine_flags", "combine_done", "block_counters", "status"):
-            setattr(a, "off_" + name, off(name))
+        for name, _, _ in self._layout(self.world):
+            if hasattr(a, "off_" + name):
+                setattr(a, "off_" + name, off(name))
         a.num_experts, a.local_experts, a.top_k = self.num_experts, self.local_experts, self.top_k
         a.max_tokens, a.hidden = self.max_tokens, self.hidden
         a.x_row_bytes = self.hidden * self.in_dtype.itemsize
@@ -208,10 +219,14 @@ class AllToAll:
         x_ptr, x_keep = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
         i_ptr, i_keep = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
 
-        self._epoch = self._epoch % 0xFFFFFFFF + 1  # never 0: flags start zeroed
+        # Never 0 (flags start zeroed), and odd/even alternate even across the wrap
+        # (the dispatch inboxes are chosen by parity).
+        self._epoch = self._epoch % 0xFFFFFFFE + 1
         call = self._dispatch_pack[1]
         call.x, call.indices, call.num_tokens, call.epoch = x_ptr, i_ptr, T, self._epoch
-        blocks = max(1, min(self.blocks, math.ceil(T * self.top_k / self.warps_per_block)))
+        # Send work is a (token, rank) pair each, receive work a (rank, token) slot each.
+        items = max(T, self.max_tokens) * self.world
+        blocks = max(1, min(self.blocks, math.ceil(items / self.warps_per_block)))
         self._dispatch_kernel.launch(self._dispatch_pack, blocks, THREADS_PER_BLOCK, s)
         self._keepalive = (x_keep, i_keep)
 
@@ -252,7 +267,8 @@ class AllToAll:
 
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens, call.epoch = y_ptr, w_ptr, out_ptr, T, self._epoch
-        self._combine_kernel.launch(self._combine_pack, self.blocks, THREADS_PER_BLOCK, s)
+        blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world / self.warps_per_block)))
+        self._combine_kernel.launch(self._combine_pack, blocks, THREADS_PER_BLOCK, s)
         self._keepalive = (y_keep, w_keep, o_keep)
         self._pending = None
         return out_arr

@@ -57,7 +57,7 @@ def draw_world(seed: int, world: int, num_experts: int, top_k: int, hidden: int,
 
 def poison(a2a) -> None:
     """Set every output byte this rank can see to 0xFF; collective (peers write after the barrier)."""
-    for name in ("recv_x", "recv_meta", "num_tokens", "y"):
+    for name in ("recv_x", "recv_meta", "num_tokens", "y", "tok_x", "contrib", "slot_of"):
         a2a.buf[name].fill_bytes(0xFF)
     a2a.expert_y_buffer().fill_bytes(0xFF)
     a2a.backend.stream_synchronize(a2a.stream)

@@ -51,20 +51,22 @@ class Status:
             words[0] = code
 
 
-def wait_flags(backend, flags_ptr: int, peers, want: int, deadline: float, status, what: int) -> bool:
-    """Wait until flag[p] == want for every p in `peers`; on timeout report the first missing peer."""
-    pending = list(peers)
-    flags = mem(flags_ptr, (max(pending, default=0) + 1,), np.uint32)
+def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, status, what: int,
+               peer_of=lambda i: i) -> bool:
+    """Wait until flag[i] == want for every i in `indices`; on timeout report the peer of the first missing."""
+    pending = [int(i) for i in indices]
+    if not pending:
+        return True
+    flags = mem(flags_ptr, (max(pending) + 1,), np.uint32)
     attempt = 0
     while pending:
-        pending = [p for p in pending if flags[p] != want]
+        pending = [i for i in pending if flags[i] != want]
         if not pending:
             break
         if time.monotonic() > deadline:
-            status.report(STATUS_TIMEOUT, pending[0], what, want)
+            status.report(STATUS_TIMEOUT, peer_of(pending[0]), what, want)
             return False
         sleep_backoff(attempt)
         attempt += 1
-    for p in peers:  # acquire: a locked read orders the data reads that follow
-        backend.load_acquire_u32(flags_ptr + 4 * p)
+    backend.load_acquire_u32(flags_ptr)  # a locked read orders the data reads that follow
     return True

@@ -1,4 +1,10 @@
-"""Host twins of kernels_hip/a2a.hip: the same buffers, flags and reservations."""
+"""Host twins of kernels_hip/a2a.hip: the same inboxes, flags and steps, in NumPy.
+
+The device code spreads each step over warps; here each step is a loop over
+ranks with vectorised copies. The protocol (parity inboxes, epoch flags,
+one vector per (token, destination rank), raw-row or fp32 contributions)
+is the same, so the Python stack above is exercised as on a GPU.
+"""
 from __future__ import annotations
 
 import time
@@ -8,92 +14,155 @@ import numpy as np
 from ..dtypes import bfloat16
 from . import STATUS_BAD_INDEX, STATUS_CAPACITY, Status, bases, mem, wait_flags
 
-WAIT_DISPATCH, WAIT_COMBINE_DONE = 1, 3
+WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
 
 
-def _invalid_pairs(indices: np.ndarray, num_experts: int) -> np.ndarray:
-    """Mask of (token, slot) pairs outside [0, E) or repeating an earlier slot of their row."""
-    bad = (indices < 0) | (indices >= num_experts)
-    for j in range(1, indices.shape[1]):
-        bad[:, j] |= (indices[:, :j] == indices[:, j:j + 1]).any(axis=1)
-    return bad
+class View:
+    """This call's geometry and NumPy views of a rank's symmetric buffers."""
+
+    def __init__(self, a, epoch: int):
+        h = a.heap
+        self.a, self.me, self.W, self.M, self.k = a, h.rank, h.world, a.max_tokens, a.top_k
+        self.L, self.E, self.cap = a.local_experts, a.num_experts, h.world * a.max_tokens
+        self.parity, self.epoch = epoch & 1, epoch
+        self.base = bases(h)
+        self.deadline = time.monotonic() + a.timeout_ns / 1e9
+        self.status = Status(self.base[self.me] + a.off_status, a.host_status)
+
+    def buf(self, rank: int, name: str, shape, dtype) -> np.ndarray:
+        return mem(self.base[rank] + getattr(self.a, "off_" + name), shape, dtype)
+
+    def addr(self, rank: int, name: str, index: int, itemsize: int = 4) -> int:
+        return int(self.base[rank] + getattr(self.a, "off_" + name) + int(index) * itemsize)
+
+
+def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
+    """Mask of (token, slot) entries in [0, E) that do not repeat an earlier slot of their row."""
+    ok = (rows >= 0) & (rows < num_experts)
+    for j in range(1, rows.shape[1]):
+        ok[:, j] &= ~(rows[:, :j] == rows[:, j:j + 1]).any(axis=1)
+    return ok
 
 
 def a2a_dispatch(backend, a, c) -> None:
-    h, k, L = a.heap, a.top_k, a.local_experts
-    capacity = h.world * a.max_tokens
-    deadline = time.monotonic() + a.timeout_ns / 1e9
-    base = bases(h)
-    status = Status(base[h.rank] + a.off_status, a.host_status)
-    T = c.num_tokens
+    v = View(a, c.epoch)
+    W, M, k, L, me, p = v.W, v.M, v.k, v.L, v.me, v.parity
+    T, rb = c.num_tokens, a.x_row_bytes
     indices = mem(c.indices, (T, k), np.int32)
-    x = mem(c.x, (T, a.x_row_bytes), np.uint8)
+    x = mem(c.x, (T, rb), np.uint8)
+    valid = valid_slots(indices, v.E)
+    if not valid.all():
+        pos = int(np.flatnonzero(~valid)[0])
+        v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
 
-    bad = _invalid_pairs(indices, a.num_experts)
-    if bad.any():
-        pos = int(np.flatnonzero(bad)[0])
-        status.report(STATUS_BAD_INDEX, h.rank, pos, int(indices.flat[pos]))
-    tokens, slots = np.nonzero(~bad)
-    experts = indices[tokens, slots]
-    for e in np.unique(experts):
-        pick = experts == e
-        dst, l = int(e) // L, int(e) % L
-        n = int(pick.sum())
-        # One reservation per (destination, expert): a contiguous run of rows.
-        first = backend.atomic_add_u32(base[dst] + a.off_counters + 4 * l, n)
-        rows = first + np.arange(n)
-        fits = rows < capacity
-        if not fits.all():
-            status.report(STATUS_CAPACITY, dst, l, int(rows[~fits][0]))
-        rows, t, j = rows[fits], tokens[pick][fits], slots[pick][fits]
-        mem(base[dst] + a.off_recv_x, (L, capacity, a.x_row_bytes), np.uint8)[l, rows] = x[t]
-        mem(base[dst] + a.off_recv_meta, (L, capacity, 3), np.int32)[l, rows] = np.stack(
-            [np.full_like(t, h.rank), t, j], axis=1)
+    for r in range(W):  # 1. headers, our own inbox included (combine reads it)
+        v.buf(r, "tok_idx", (2, W, M, k), np.int32)[p, me, :T] = indices
+        v.buf(r, "tok_count", (2, W), np.uint32)[p, me] = T
+        backend.store_release_u32(v.addr(r, "hdr_flag", p * W + me), c.epoch)
+    for r in range(W):  # 2. each token once to every other rank hosting one of its experts
+        if r == me:
+            continue
+        tokens = np.flatnonzero((valid & (indices // L == r)).any(axis=1))
+        v.buf(r, "tok_x", (2, W, M, rb), np.uint8)[p, me, tokens] = x[tokens]
+        for t in tokens:
+            backend.store_release_u32(v.addr(r, "tok_flag", (p * W + me) * M + t), c.epoch)
 
-    for peer in range(h.world):
-        backend.store_release_u32(base[peer] + a.off_dispatch_flags + 4 * h.rank, c.epoch)
-    if not wait_flags(backend, base[h.rank] + a.off_dispatch_flags, range(h.world), c.epoch, deadline,
-                      status, WAIT_DISPATCH):
-        return
-    counters = mem(base[h.rank] + a.off_counters, (L,), np.uint32)
-    mem(base[h.rank] + a.off_num_tokens, (L,), np.int32)[:] = np.minimum(counters, capacity)
+    counters = v.buf(me, "counters", (L,), np.uint32)
+    expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
+    meta = v.buf(me, "recv_meta", (L, v.cap, 3), np.int32)
+    slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
+    for src in range(W):  # 3. fan each token with experts here out to its experts' rows
+        if src == me:
+            rows, vecs, count = indices, x, T
+        else:
+            if not wait_flags(backend, v.addr(me, "hdr_flag", p * W), [src], c.epoch, v.deadline, v.status,
+                              WAIT_DISPATCH):
+                return
+            count = min(int(v.buf(me, "tok_count", (2, W), np.uint32)[p, src]), M)
+            rows = v.buf(me, "tok_idx", (2, W, M, k), np.int32)[p, src, :count]
+            vecs = v.buf(me, "tok_x", (2, W, M, rb), np.uint8)[p, src]
+        here = valid_slots(rows, v.E) & (rows // L == me)
+        tokens, slots = np.nonzero(here)
+        if src != me and not wait_flags(backend, v.addr(me, "tok_flag", (p * W + src) * M), np.unique(tokens),
+                                        c.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
+            return
+        for l in np.unique(rows[tokens, slots] % L):
+            pick = rows[tokens, slots] % L == l
+            t, j = tokens[pick], slots[pick]
+            first = int(counters[l])
+            row = first + np.arange(len(t))
+            fits = row < v.cap
+            if not fits.all():
+                v.status.report(STATUS_CAPACITY, me, int(l), int(row[~fits][0]))
+            counters[l] = first + len(t)
+            t, j, row = t[fits], j[fits], row[fits]
+            expert_x[l, row] = vecs[t]
+            meta[l, row] = np.stack([np.full_like(t, src), t, j], axis=1)
+            slot_of[src, t, j] = l * v.cap + row
+
+    # 4. publish the counts, zero the counters for the next call
+    v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(counters, v.cap)
     counters[:] = 0
 
 
 def _combine(backend, a, c, dtype) -> None:
-    h, k, L, H = a.heap, a.top_k, a.local_experts, a.hidden
-    capacity = h.world * a.max_tokens
-    deadline = time.monotonic() + a.timeout_ns / 1e9
-    base = bases(h)
-    status = Status(base[h.rank] + a.off_status, a.host_status)
-
-    # Push every received row back to its owner's (token, slot) row.
-    counts = mem(base[h.rank] + a.off_num_tokens, (L,), np.int32)
-    meta = mem(base[h.rank] + a.off_recv_meta, (L, capacity, 3), np.int32)
-    expert_y = mem(c.expert_y, (L, capacity, a.y_row_bytes), np.uint8)
-    for l in range(L):
-        n = int(counts[l])
-        if n == 0:
-            continue
-        src, token, slot = meta[l, :n, 0], meta[l, :n, 1], meta[l, :n, 2]
-        for owner in np.unique(src):
-            pick = src == owner
-            rows = mem(base[owner] + a.off_combine_rows, (a.max_tokens * k, a.y_row_bytes), np.uint8)
-            rows[token[pick] * k + slot[pick]] = expert_y[l, :n][pick]
-
-    # Done barrier: every peer finished pushing to us, and reading our buffers.
-    for peer in range(h.world):
-        backend.store_release_u32(base[peer] + a.off_combine_done + 4 * h.rank, c.epoch)
-    if not wait_flags(backend, base[h.rank] + a.off_combine_done, range(h.world), c.epoch, deadline,
-                      status, WAIT_COMBINE_DONE):
-        return
-
+    v = View(a, c.epoch)
+    W, M, k, L, me, p, H = v.W, v.M, v.k, v.L, v.me, v.parity, a.hidden
     T = c.num_tokens
-    rows = mem(base[h.rank] + a.off_combine_rows, (a.max_tokens, k, H), dtype)[:T]
     weights = mem(c.weights, (T, k), np.float32)
+    expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
+    slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
+
+    for r in range(W):  # 1. our weights to every peer
+        if r != me:
+            v.buf(r, "w_in", (W, M, k), np.float32)[me, :T] = weights
+            backend.store_release_u32(v.addr(r, "w_flag", me), c.epoch)
+
+    for src in range(W):  # 2. one contribution per (token, this rank) back to its owner
+        count = T if src == me else min(int(v.buf(me, "tok_count", (2, W), np.uint32)[p, src]), M)
+        rows = v.buf(me, "tok_idx", (2, W, M, k), np.int32)[p, src, :count]
+        here = valid_slots(rows, v.E) & (rows // L == me)
+        tokens = np.flatnonzero(here.any(axis=1))
+        if len(tokens) == 0:
+            continue
+        if src == me:
+            w = weights
+        else:
+            if not wait_flags(backend, v.addr(me, "w_flag", 0), [src], c.epoch, v.deadline, v.status,
+                              WAIT_WEIGHTS):
+                return
+            w = v.buf(me, "w_in", (W, M, k), np.float32)[src]
+        contrib = v.buf(src, "contrib", (W, M, 4 * H), np.uint8)[me]
+        for t in tokens:
+            js = np.flatnonzero(here[t])
+            if len(js) == 1:  # the raw row; the owner applies the weight
+                contrib[t, :2 * H] = expert_y[slot_of[src, t, js[0]]].view(np.uint8)
+            else:
+                part = np.zeros(H, np.float32)
+                for j in js:
+                    part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
+                contrib[t] = part.view(np.uint8)
+            backend.store_release_u32(v.addr(src, "contrib_flag", me * M + t), c.epoch)
+
+    # 3. reduce our tokens from the contributions of every rank hosting their experts
+    rows = v.buf(me, "tok_idx", (2, W, M, k), np.int32)[p, me, :T]
+    valid = valid_slots(rows, v.E)
+    contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)
     acc = np.zeros((T, H), np.float32)
-    for j in range(k):  # slot order, fp32, as the device does
-        acc += weights[:, j:j + 1] * rows[:, j].astype(np.float32)
+    for r in range(W):
+        here = valid & (rows // L == r)
+        n = here.sum(axis=1)
+        tokens = np.flatnonzero(n)
+        if not wait_flags(backend, v.addr(me, "contrib_flag", r * M), tokens, c.epoch, v.deadline, v.status,
+                          WAIT_COMBINE_ROW, peer_of=lambda _: r):
+            return
+        single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]
+        if len(single):
+            j = here[single].argmax(axis=1)
+            raw = contrib[r, single, :2 * H].copy().view(dtype).astype(np.float32)
+            acc[single] += weights[single, j][:, None] * raw
+        if len(multi):
+            acc[multi] += contrib[r, multi].copy().view(np.float32)
     mem(c.out, (T, H), dtype)[:] = acc.astype(dtype)
 
 
