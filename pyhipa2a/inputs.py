@@ -64,7 +64,8 @@ def device_view(obj, backend, device_index: int, name: str) -> DeviceInput:
         ptr = int(cai["data"][0])
         owner = backend.pointer_device(ptr) if ptr else device_index
         if owner is not None and owner != device_index:
-            raise ValueError(f"{name} lives on {backend.kind} device {owner}; this rank uses device {device_index}")
+            where = f"device {owner}" if owner >= 0 else "another device"
+            raise ValueError(f"{name} lives on {backend.kind} {where}; this rank uses device {device_index}")
         if hasattr(obj, "dtype") and resolve(obj.dtype).itemsize == dtype.itemsize:
             dtype = resolve(obj.dtype)  # CAI cannot spell bfloat16
         return DeviceInput(ptr, shape, dtype, obj)

@@ -16,7 +16,7 @@ from .base import Backend, DeviceInfo, RuntimeFailure
 # Every attribute of `driver` used below; tests assert they all exist, since
 # this code cannot run on a machine without an NVIDIA driver.
 _USED_CALLS = (
-    "cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetAttribute",
+    "cuInit", "cuDeviceGetCount", "cuCtxGetDevice_v2", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuGetErrorName", "cuGetErrorString",
     "cuMemAlloc", "cuMemFree", "cuMemHostAlloc", "cuMemHostGetDevicePointer", "cuMemFreeHost",
     "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE", "cuMemsetD8", "cuMemsetD8Async",
@@ -164,12 +164,19 @@ class CudaBackend(Backend):
         _check(driver.cuMemFreeHost(host_ptr), "cuMemFreeHost")
 
     def pointer_device(self, ptr: int) -> int | None:
-        attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        # The pointer's context, not CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: on the
+        # H200 machine the ordinal read 0 for memory on device 1.
+        attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT
         result = driver.cuPointerGetAttribute(attr, ptr)
         # The driver answers INVALID_VALUE for memory it did not allocate or register.
         if result[0] == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
             return None
-        return int(_check(result, "cuPointerGetAttribute"))
+        context = _check(result, "cuPointerGetAttribute")
+        if self._context is not None and int(context) == int(self._context):
+            return self.current_device
+        if hasattr(driver, "cuCtxGetDevice_v2"):
+            return int(_check(driver.cuCtxGetDevice_v2(context), "cuCtxGetDevice_v2"))
+        return -1  # another context: not the device this process drives
 
     # -- copies ---------------------------------------------------------------
     # Host<->device copies return once the data has arrived (the host buffer
