@@ -26,6 +26,7 @@
 // that peer's next-but-one dispatch needs our next header, which we send only
 // after this call's combine is done. Every other buffer peers write is read
 // by us before the barrier that the next call's headers form.
+#include "profile.h"
 #include "protocol.h"
 
 struct A2AArgs {
@@ -49,6 +50,7 @@ struct A2AArgs {
   u64 off_block_counters;  // u32 [2]                      last-block counters: dispatch, combine
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
+  u64 prof;                // ProfBuffer*                  timelines (profiling build; 0 = off)
   i32 num_experts;
   i32 local_experts;
   i32 top_k;
@@ -78,6 +80,7 @@ struct CombineCall {
 #define A2A_MAX_LOCAL_EXPERTS 1024
 #define A2A_MAX_WARPS_PER_BLOCK 32
 #define A2A_MAX_WORLD 32
+#define A2A_CHUNKS 4  // 8-element chunks per lane whose loads are issued together
 
 struct WarpGrid {
   u32 lane, warp, warps, warp_in_block, warps_per_block;
@@ -93,13 +96,14 @@ struct Ctx {
   const A2AArgs& a;
   HeapView h;
   u32 *status, *mirror;
+  u64 prof;
   u64 deadline;
   u32 W, M, k, L, capacity, parity, epoch;
 };
 
 A2A_DEVICE Ctx make_ctx(const A2AArgs& a, u32 epoch) {
   return {a, a.heap, sym<u32>(a.heap, a.heap.rank, a.off_status), reinterpret_cast<u32*>(a.host_status),
-          a2a_clock_ns() + a.timeout_ns, (u32)a.heap.world, (u32)a.max_tokens, (u32)a.top_k,
+          a.prof, a2a_clock_ns() + a.timeout_ns, (u32)a.heap.world, (u32)a.max_tokens, (u32)a.top_k,
           (u32)a.local_experts, (u32)(a.heap.world * a.max_tokens), epoch & 1u, epoch};
 }
 
@@ -137,28 +141,54 @@ A2A_DEVICE u32 slots_on_rank(const i32* row, u32 k, i32 num_experts, u32 L, u32 
 
 A2A_DEVICE u32 lowest_bit(u32 bits) { return a2a_ctz(bits); }
 
-// One warp copies one row to `ndst` rows (dst_base + slot * bytes for each
-// slot in `slots`), reading the source once. 16-byte accesses when aligned.
+// Copy loops keep A2A_INFLIGHT 16-byte loads per lane in flight before the
+// first store: a load-store-load chain would wait one full memory (or NVLink)
+// latency per 512 bytes a warp moves, which the profiler showed dominating.
+#define A2A_INFLIGHT 8
+
+// One warp copies `bytes` from `src` to each of `ndst` destinations
+// (dst_base + slots[d] * bytes), reading the source once.
 A2A_DEVICE void copy_row_fanout(u8* dst_base, const i32* slots, u32 ndst, const u8* src, u32 bytes,
                                 u32 lane) {
+  constexpr u32 W = A2A_WARP_SIZE, U = A2A_INFLIGHT;
+  u32 done = 0;
   if ((((u64)dst_base | (u64)src | bytes) & 15u) == 0) {
     const vec16* s = reinterpret_cast<const vec16*>(src);
-    for (u32 i = lane; i < bytes / 16u; i += A2A_WARP_SIZE) {
+    const u32 n = bytes / 16u;
+    u32 i = lane;
+    for (; i + (U - 1u) * W < n; i += U * W) {
+      vec16 v[U];
+      for (u32 u = 0; u < U; ++u) v[u] = s[i + u * W];
+      for (u32 d = 0; d < ndst; ++d) {
+        vec16* o = reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * bytes);
+        for (u32 u = 0; u < U; ++u) o[i + u * W] = v[u];
+      }
+    }
+    for (; i < n; i += W) {
       const vec16 v = s[i];
-      for (u32 d = 0; d < ndst; ++d)
-        reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * bytes)[i] = v;
+      for (u32 d = 0; d < ndst; ++d) reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * bytes)[i] = v;
     }
-  } else {
-    for (u32 i = lane; i < bytes; i += A2A_WARP_SIZE) {
-      const u8 v = src[i];
-      for (u32 d = 0; d < ndst; ++d) dst_base[(u64)slots[d] * bytes + i] = v;
-    }
+    done = bytes;
+  }
+  for (u32 i = done + lane; i < bytes; i += W) {  // unaligned rows: byte by byte
+    const u8 v = src[i];
+    for (u32 d = 0; d < ndst; ++d) dst_base[(u64)slots[d] * bytes + i] = v;
   }
 }
 
+// One warp copies `bytes` (any size); 16-byte accesses for the aligned bulk,
+// 4-byte ones for a 4-byte-aligned tail (routing rows, weights).
 A2A_DEVICE void copy_row(u8* dst, const u8* src, u32 bytes, u32 lane) {
   const i32 zero = 0;
-  copy_row_fanout(dst, &zero, 1, src, bytes, lane);
+  const bool aligned = (((u64)dst | (u64)src) & 15u) == 0;
+  const u32 bulk = aligned ? bytes / 16u * 16u : 0u;
+  if (bulk) copy_row_fanout(dst, &zero, 1, src, bulk, lane);
+  if ((((u64)dst | (u64)src | bytes) & 3u) == 0) {
+    for (u32 i = bulk / 4u + lane; i < bytes / 4u; i += A2A_WARP_SIZE)
+      reinterpret_cast<u32*>(dst)[i] = reinterpret_cast<const u32*>(src)[i];
+  } else {
+    for (u32 i = bulk + lane; i < bytes; i += A2A_WARP_SIZE) dst[i] = src[i];
+  }
 }
 
 // ------------------------------------------------------------- dispatch ----
@@ -167,13 +197,15 @@ A2A_DEVICE void send_headers(const Ctx& x, const DispatchCall& c, const WarpGrid
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k;
   for (u32 r = g.warp_in_block; r < x.W; r += g.warps_per_block) {
+    A2A_PROF_START(t0);
     i32* rows = sym<i32>(x.h, (int)r, x.a.off_tok_idx) + ((u64)x.parity * x.W + me) * x.M * x.k;
-    for (u32 i = g.lane; i < n; i += A2A_WARP_SIZE) rows[i] = indices[i];
+    copy_row(reinterpret_cast<u8*>(rows), reinterpret_cast<const u8*>(indices), n * 4u, g.lane);
     a2a_wave_sync();
     if (g.lane == 0) {
       sym<u32>(x.h, (int)r, x.a.off_tok_count)[x.parity * x.W + me] = (u32)c.num_tokens;
       a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_hdr_flag) + x.parity * x.W + me, x.epoch);
     }
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_HEADERS, t0, r);
   }
 }
 
@@ -184,10 +216,12 @@ A2A_DEVICE void send_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
   for (u32 item = g.warp; item < (u32)c.num_tokens * x.W; item += g.warps) {
     const u32 t = item / x.W, r = item % x.W;
     if (r == me || !slots_on_rank(indices + (u64)t * x.k, x.k, x.a.num_experts, x.L, r)) continue;
+    A2A_PROF_START(t0);
     const u64 at = ((u64)x.parity * x.W + me) * x.M + t;
     copy_row(sym<u8>(x.h, (int)r, x.a.off_tok_x) + at * rb, tokens + (u64)t * rb, rb, g.lane);
     a2a_wave_sync();
     if (g.lane == 0) a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_tok_flag) + at, x.epoch);
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_SEND, t0, r | t << 8);
   }
 }
 
@@ -217,7 +251,9 @@ A2A_DEVICE void receive_tokens(const Ctx& x, const DispatchCall& c, const WarpGr
       row = reinterpret_cast<const i32*>(c.indices) + (u64)t * x.k;
       vec = reinterpret_cast<const u8*>(c.x) + (u64)t * rb;
     } else {
+      A2A_PROF_START(t0);
       if (!warp_wait(x, &hdr_flag[src], src, A2A_WAIT_DISPATCH, x.epoch, g.lane)) break;
+      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_HEADER, t0, src | t << 8);
       count = sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + src];
       count = count < x.M ? count : x.M;
       const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
@@ -228,7 +264,10 @@ A2A_DEVICE void receive_tokens(const Ctx& x, const DispatchCall& c, const WarpGr
     if (src == me) report_bad_indices(x, row, t, g.lane);
     const u32 here = slots_on_rank(row, x.k, x.a.num_experts, x.L, me);
     if (!here) continue;
+    A2A_PROF_START(t1);
     if (src != me && !warp_wait(x, &tok_flag[(u64)src * x.M + t], src, A2A_WAIT_DISPATCH, t, g.lane)) break;
+    if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
+    A2A_PROF_START(t2);
 
     // Lane j reserves the row for slot j; the warp then copies the vector once to all of them.
     i32 slot = -1;
@@ -256,24 +295,30 @@ A2A_DEVICE void receive_tokens(const Ctx& x, const DispatchCall& c, const WarpGr
     a2a_wave_sync();
     copy_row_fanout(expert_x, slots, n, vec, rb, g.lane);
     a2a_wave_sync();  // slots[] is reused by this warp's next item
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
   }
 }
 
 extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
   const Ctx x = make_ctx(a, c.epoch);
   const WarpGrid g = warp_grid();
+  A2A_PROF_START(t0);
   if (a2a_block() == 0) send_headers(x, c, g);
   send_tokens(x, c, g);
   receive_tokens(x, c, g);
 
-  if (!a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_block_counters) + 0)) return;
-  u32* counters = sym<u32>(x.h, x.h.rank, a.off_counters);
-  i32* num_tokens = sym<i32>(x.h, x.h.rank, a.off_num_tokens);
-  for (u32 l = a2a_thread(); l < x.L; l += a2a_block_dim()) {
-    const u32 n = counters[l];
-    num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
-    counters[l] = 0u;
+  A2A_PROF_START(t1);
+  if (a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_block_counters) + 0)) {
+    u32* counters = sym<u32>(x.h, x.h.rank, a.off_counters);
+    i32* num_tokens = sym<i32>(x.h, x.h.rank, a.off_num_tokens);
+    for (u32 l = a2a_thread(); l < x.L; l += a2a_block_dim()) {
+      const u32 n = counters[l];
+      num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
+      counters[l] = 0u;
+    }
+    A2A_PROF(x.prof, a2a_thread(), A2A_TAG_DISPATCH_COUNTS, t1, 0);
   }
+  A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
 }
 
 // -------------------------------------------------------------- combine ----
@@ -288,10 +333,10 @@ struct BF16 {
   static A2A_DEVICE u16 store(float f) { return a2a_float_to_bf16(f); }
 };
 
-// acc[0..8) += w * the 8 16-bit values at p (16-byte aligned).
+
+// acc[0..8) += w * the 8 16-bit values in v.
 template <typename Fmt>
-A2A_DEVICE void fma8(float* acc, float w, const u16* p) {
-  const vec16 v = *reinterpret_cast<const vec16*>(p);
+A2A_DEVICE void fma8v(float* acc, float w, const vec16& v) {
   const u32 words[4] = {v.x, v.y, v.z, v.w};
   for (int q = 0; q < 4; ++q) {
     acc[2 * q] += w * Fmt::load((u16)(words[q] & 0xffffu));
@@ -299,11 +344,19 @@ A2A_DEVICE void fma8(float* acc, float w, const u16* p) {
   }
 }
 
-A2A_DEVICE void add8(float* acc, const float* p) {
-  const vec16 a = reinterpret_cast<const vec16*>(p)[0], b = reinterpret_cast<const vec16*>(p)[1];
+A2A_DEVICE void add8v(float* acc, const vec16& a, const vec16& b) {
   const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
   for (int q = 0; q < 8; ++q) acc[q] += __builtin_bit_cast(float, w[q]);
 }
+
+A2A_DEVICE void store8f(float* p, const float* acc) {
+  vec16* o = reinterpret_cast<vec16*>(p);
+  o[0] = vec16{__builtin_bit_cast(u32, acc[0]), __builtin_bit_cast(u32, acc[1]), __builtin_bit_cast(u32, acc[2]),
+               __builtin_bit_cast(u32, acc[3])};
+  o[1] = vec16{__builtin_bit_cast(u32, acc[4]), __builtin_bit_cast(u32, acc[5]), __builtin_bit_cast(u32, acc[6]),
+               __builtin_bit_cast(u32, acc[7])};
+}
+
 
 template <typename Fmt>
 A2A_DEVICE void store8(u16* p, const float* acc) {
@@ -318,10 +371,12 @@ A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid&
   const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k;
   for (u32 r = g.warp_in_block; r < x.W; r += g.warps_per_block) {
     if (r == me) continue;
+    A2A_PROF_START(t0);
     float* w = sym<float>(x.h, (int)r, x.a.off_w_in) + (u64)me * x.M * x.k;
-    for (u32 i = g.lane; i < n; i += A2A_WARP_SIZE) w[i] = weights[i];
+    copy_row(reinterpret_cast<u8*>(w), reinterpret_cast<const u8*>(weights), n * 4u, g.lane);
     a2a_wave_sync();
     if (g.lane == 0) a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_w_flag) + me, x.epoch);
+    A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WEIGHTS, t0, r);
   }
 }
 
@@ -339,17 +394,20 @@ A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, 
   }
   float* out = reinterpret_cast<float*>(dst);
   const bool vec = H % 8u == 0 && ((u64)expert_y & 15u) == 0;
-  for (u32 e = lane * 8u; vec && e < H; e += A2A_WARP_SIZE * 8u) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  for (u32 e0 = lane * 8u; vec && e0 < H; e0 += U * STEP) {
+    float acc[U][8] = {};
     for (u32 bits = here; bits; bits &= bits - 1u) {
       const u32 j = lowest_bit(bits);
-      fma8<Fmt>(acc, w[j], expert_y + (u64)slots[j] * H + e);
+      const u16* row = expert_y + (u64)slots[j] * H;
+      vec16 v[U];
+      for (u32 u = 0; u < U; ++u)
+        if (e0 + u * STEP < H) v[u] = *reinterpret_cast<const vec16*>(row + e0 + u * STEP);
+      for (u32 u = 0; u < U; ++u)
+        if (e0 + u * STEP < H) fma8v<Fmt>(acc[u], w[j], v[u]);
     }
-    vec16* o = reinterpret_cast<vec16*>(out + e);
-    o[0] = vec16{__builtin_bit_cast(u32, acc[0]), __builtin_bit_cast(u32, acc[1]), __builtin_bit_cast(u32, acc[2]),
-                 __builtin_bit_cast(u32, acc[3])};
-    o[1] = vec16{__builtin_bit_cast(u32, acc[4]), __builtin_bit_cast(u32, acc[5]), __builtin_bit_cast(u32, acc[6]),
-                 __builtin_bit_cast(u32, acc[7])};
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < H) store8f(out + e0 + u * STEP, acc[u]);
   }
   for (u32 e = lane; !vec && e < H; e += A2A_WARP_SIZE) {
     float acc = 0.f;
@@ -381,18 +439,22 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     if (src == me) {
       w = reinterpret_cast<const float*>(c.weights) + (u64)t * x.k;
     } else {
+      A2A_PROF_START(t0);
       if (!warp_wait(x, &w_flag[src], src, A2A_WAIT_WEIGHTS, x.epoch, g.lane)) break;
+      A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_WEIGHTS, t0, src | t << 8);
       w = sym<float>(x.h, (int)me, x.a.off_w_in) + ((u64)src * x.M + t) * x.k;
     }
     const i32* slots = slot_of + ((u64)src * x.M + t) * x.k;
     bool complete = true;  // a slot lost to a reported error has no row
     for (u32 bits = here; bits; bits &= bits - 1u) complete &= slots[lowest_bit(bits)] >= 0;
     if (!complete) continue;
+    A2A_PROF_START(t1);
     contribute<Fmt>(x, expert_y, slots, here, w, sym<u8>(x.h, (int)src, x.a.off_contrib) + ((u64)me * x.M + t) * stride,
                     g.lane);
     a2a_wave_sync();
     if (g.lane == 0)
       a2a_store_release_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + (u64)me * x.M + t, x.epoch);
+    A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
   }
 }
 
@@ -415,20 +477,40 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     if (g.lane < x.W) here[g.lane] = slots_on_rank(row, x.k, x.a.num_experts, x.L, g.lane);
     a2a_wave_sync();
     bool ok = true;
-    for (u32 r = 0; r < x.W && ok; ++r)
-      if (here[r]) ok = warp_wait(x, &flags[(u64)r * x.M + t], r, A2A_WAIT_COMBINE_ROW, t, g.lane);
+    for (u32 r = 0; r < x.W && ok; ++r) {
+      if (!here[r]) continue;
+      A2A_PROF_START(t0);
+      ok = warp_wait(x, &flags[(u64)r * x.M + t], r, A2A_WAIT_COMBINE_ROW, t, g.lane);
+      A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_CONTRIB, t0, r | t << 8);
+    }
     if (!ok) break;
+    A2A_PROF_START(t1);
     const float* w = weights + (u64)t * x.k;
-    for (u32 e = g.lane * 8u; vec && e < H; e += A2A_WARP_SIZE * 8u) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+    for (u32 e0 = g.lane * 8u; vec && e0 < H; e0 += U * STEP) {
+      float acc[U][8] = {};
       for (u32 r = 0; r < x.W; ++r) {
+        if (!here[r]) continue;
         const u8* part = contrib + ((u64)r * x.M + t) * stride;
-        if (here[r] && (here[r] & (here[r] - 1u)) == 0)
-          fma8<Fmt>(acc, w[lowest_bit(here[r])], reinterpret_cast<const u16*>(part) + e);
-        else if (here[r])
-          add8(acc, reinterpret_cast<const float*>(part) + e);
+        if ((here[r] & (here[r] - 1u)) == 0) {  // one raw row: weight it here
+          const u16* raw = reinterpret_cast<const u16*>(part);
+          const float wr = w[lowest_bit(here[r])];
+          vec16 v[U];
+          for (u32 u = 0; u < U; ++u)
+            if (e0 + u * STEP < H) v[u] = *reinterpret_cast<const vec16*>(raw + e0 + u * STEP);
+          for (u32 u = 0; u < U; ++u)
+            if (e0 + u * STEP < H) fma8v<Fmt>(acc[u], wr, v[u]);
+        } else {                                // an fp32 partial sum
+          const vec16* f = reinterpret_cast<const vec16*>(reinterpret_cast<const float*>(part) + e0);
+          vec16 a[U], b[U];
+          for (u32 u = 0; u < U; ++u)
+            if (e0 + u * STEP < H) { a[u] = f[u * STEP / 4u]; b[u] = f[u * STEP / 4u + 1u]; }
+          for (u32 u = 0; u < U; ++u)
+            if (e0 + u * STEP < H) add8v(acc[u], a[u], b[u]);
+        }
       }
-      store8<Fmt>(out + (u64)t * H + e, acc);
+      for (u32 u = 0; u < U; ++u)
+        if (e0 + u * STEP < H) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
     }
     for (u32 e = g.lane; !vec && e < H; e += A2A_WARP_SIZE) {
       float acc = 0.f;
@@ -442,6 +524,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
       out[(u64)t * H + e] = Fmt::store(acc);
     }
     a2a_wave_sync();  // here[] is rewritten for the warp's next token
+    A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_REDUCE, t1, me | t << 8);
   }
 }
 
@@ -449,9 +532,11 @@ template <typename Fmt>
 A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   const Ctx x = make_ctx(a, c.epoch);
   const WarpGrid g = warp_grid();
+  A2A_PROF_START(t0);
   if (a2a_block() == 0) send_weights(x, c, g);
   send_contributions<Fmt>(x, c, g);
   reduce_tokens<Fmt>(x, c, g);
+  A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
 }
 
 extern "C" __global__ void a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }
@@ -503,13 +588,19 @@ A2A_DEVICE void scale_rows(const u16* x, u16* y, const i32* counts, u32 L, u32 c
   const u32 vec_elems = vec ? hidden / 8u * 8u : 0u;
   for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
     const u64 row = received_row(prefix, L, capacity, q) * hidden;
-    for (u32 c = g.lane * 8u; c < vec_elems; c += A2A_WARP_SIZE * 8u) {
-      vec16 v = *reinterpret_cast<const vec16*>(x + row + c);
-      u32* w = &v.x;
-      for (int i = 0; i < 4; ++i)
-        w[i] = (u32)Fmt::store(Fmt::load((u16)(w[i] & 0xffffu)) * scale) |
-               ((u32)Fmt::store(Fmt::load((u16)(w[i] >> 16)) * scale) << 16);
-      *reinterpret_cast<vec16*>(y + row + c) = v;
+    constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+    for (u32 c0 = g.lane * 8u; c0 < vec_elems; c0 += U * STEP) {
+      vec16 v[U];
+      for (u32 u = 0; u < U; ++u)
+        if (c0 + u * STEP < vec_elems) v[u] = *reinterpret_cast<const vec16*>(x + row + c0 + u * STEP);
+      for (u32 u = 0; u < U; ++u) {
+        if (c0 + u * STEP >= vec_elems) continue;
+        u32* w = &v[u].x;
+        for (int i = 0; i < 4; ++i)
+          w[i] = (u32)Fmt::store(Fmt::load((u16)(w[i] & 0xffffu)) * scale) |
+                 ((u32)Fmt::store(Fmt::load((u16)(w[i] >> 16)) * scale) << 16);
+        *reinterpret_cast<vec16*>(y + row + c0 + u * STEP) = v[u];
+      }
     }
     for (u32 c = vec_elems + g.lane; c < hidden; c += A2A_WARP_SIZE)
       y[row + c] = Fmt::store(Fmt::load(x[row + c]) * scale);

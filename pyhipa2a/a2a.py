@@ -29,6 +29,7 @@ from .errors import A2AError, ConfigMismatchError, status_error
 from .heap import SymmetricHeap
 from .inputs import check_array, check_indices, check_numpy, device_view, require_array
 from .kernels import A2AArgs, KernelLibrary
+from .profile import ProfileBuffer, clock_offset
 
 MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
 MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
@@ -47,12 +48,13 @@ class DispatchResult:
 class AllToAll:
     def __init__(self, comm=None, *, num_experts: int, experts_per_token: int, hidden_dim: int,
                  max_num_tokens: int, in_dtype="float16", out_dtype=None, timeout: float = 10.0,
-                 backend=None, device: int | None = None):
+                 backend=None, device: int | None = None, profile: bool = False):
         self.in_dtype = check_supported(in_dtype, "in_dtype")
         self.out_dtype = check_supported(out_dtype if out_dtype is not None else self.in_dtype, "out_dtype")
         self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
         self.hidden, self.max_tokens = int(hidden_dim), int(max_num_tokens)
         self.timeout = float(timeout)
+        self.profiling = bool(profile)
         if min(self.num_experts, self.top_k, self.hidden, self.max_tokens) < 1:
             raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
         if self.top_k > min(self.num_experts, MAX_TOP_K):
@@ -125,7 +127,9 @@ class AllToAll:
         self.host_status = np.frombuffer((ctypes.c_uint32 * 4).from_address(host), np.uint32)
         self._host_status_device = device
         self.stream = self.backend.stream_create()
-        self.lib = KernelLibrary(self.backend, heap.device.arch)
+        # The profiling build records per-warp timelines; the normal one compiles that away.
+        self.lib = KernelLibrary(self.backend, heap.device.arch, variant=".profile" if self.profiling else "")
+        self.profile_buffer = ProfileBuffer(self.backend) if self.profiling else None
         self._dispatch_kernel = self.lib.kernel("a2a_dispatch")
         self._combine_kernel = self.lib.kernel("a2a_combine_bf16" if self.out_dtype.name == "bfloat16"
                                                else "a2a_combine_f16")
@@ -165,6 +169,7 @@ class AllToAll:
         a.x_row_bytes = self.hidden * self.in_dtype.itemsize
         a.y_row_bytes = self.hidden * self.out_dtype.itemsize
         a.host_status = self._host_status_device
+        a.prof = self.profile_buffer.ptr if self.profile_buffer is not None else 0
         a.timeout_ns = int(self.timeout * 1e9)
 
     # -- calls ------------------------------------------------------------------
@@ -319,6 +324,20 @@ class AllToAll:
         if self.host_status[0]:
             self._raise_reported()
 
+    # -- profiling ----------------------------------------------------------------
+    def profile_events(self):
+        """(events, dropped) recorded since the last read (profile=True only); waits for the stream."""
+        if self.profile_buffer is None:
+            raise A2AError("profile_events() needs AllToAll(..., profile=True)")
+        self.backend.stream_synchronize(self.stream)
+        events, dropped = self.profile_buffer.read(self.stream)
+        self.profile_buffer.reset(self.stream)
+        return events, dropped
+
+    def clock_offset_ns(self) -> int:
+        """Host monotonic clock minus this device's clock, in ns (aligns timelines across ranks)."""
+        return clock_offset(self.backend, self.lib, self.stream)
+
     # -- teardown -----------------------------------------------------------------
     def close(self) -> None:
         """Idempotent; waits (bounded) for peers before unmapping the heap."""
@@ -334,6 +353,8 @@ class AllToAll:
         try:
             self.heap.close()
         finally:
+            if self.profile_buffer is not None:
+                self.profile_buffer.free()
             self.lib.close()
             self.backend.stream_destroy(self.stream)
             self._free_host_status()

@@ -25,7 +25,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "_code"
 AMD_ARCHS = ("gfx942", "gfx90a")
 CUDA_ARCHS = ("90",)
 # name suffix -> extra compiler defines
-VARIANTS = {"": ()}
+VARIANTS = {"": (), ".profile": ("-DA2A_PROFILE=1",)}
 MIN_CLANG = 17
 
 

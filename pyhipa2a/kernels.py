@@ -34,6 +34,7 @@ class A2AArgs(ctypes.Structure):
                 ("off_contrib_flag", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_counters", u64), ("off_num_tokens", u64),
                 ("off_slot_of", u64), ("off_block_counters", u64), ("off_status", u64), ("host_status", u64),
+                ("prof", u64),
                 ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
                 ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("pad", u32),
                 ("timeout_ns", u64)]
@@ -56,6 +57,7 @@ SIGNATURES = {
     "expert_scale_f16": ("a2a", (u64, u64, u64, u32, u32, u32, f32)),
     "expert_scale_bf16": ("a2a", (u64, u64, u64, u32, u32, u32, f32)),
     "copy_bytes": ("copy", (u64, u64, u64)),
+    "clock_probe": ("copy", (u64,)),
 }
 
 

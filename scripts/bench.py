@@ -29,6 +29,7 @@ from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll, DeviceArray, SymmetricHeap, get_backend  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary  # noqa: E402
+from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import GPU_MODE_TOLERANCE, draw_world, run_round  # noqa: E402
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
@@ -89,22 +90,6 @@ def store_bandwidth(comm, backend) -> dict:
     what = (f"local copy ({'host backend' if backend.kind == 'host' else 'one rank'})" if local
             else "peer stores rank r -> r+1, all ranks at once")
     return {"gbps": gbps, "what": what, "device": device}
-
-
-def link_bytes(inputs, num_experts: int, world: int, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per rank, bytes it sends over links: dispatch rows + 12-byte meta out, combine rows back.
-
-    Only (token, slot) pairs whose expert lives on another rank cross a link;
-    dispatch is sent by the token's rank, the combine row by the expert's rank.
-    """
-    per_rank = num_experts // world
-    dispatch, combine = np.zeros(world), np.zeros(world)
-    for src, idx in enumerate(inputs.indices):
-        dst = idx.ravel() // per_rank
-        remote = dst[dst != src]
-        dispatch[src] += remote.size * (row_bytes + 12)
-        combine += np.bincount(remote, minlength=world) * row_bytes
-    return dispatch, combine
 
 
 # -- one call, and its timings ------------------------------------------------------
@@ -192,7 +177,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
         r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
     for arr in arrays:  # every rank frees in the same order; device_times/wall_time ended synchronized
         a2a.backend.free(arr.ptr)
-    dispatch, combine = link_bytes(inputs, a2a.num_experts, world, a2a.hidden * a2a.in_dtype.itemsize)
+    dispatch, combine = link_bytes(inputs.indices, a2a.num_experts, a2a.hidden, a2a.in_dtype.itemsize,
+                                   a2a.out_dtype.itemsize)
     total = float(dispatch.sum() + combine.sum())
     sol = float((dispatch + combine).max()) / (bw["gbps"] * 1e9) * 1e6
     r.update(ok=True, link_bytes=total, gbps=total / (r["e2e"] * 1e-6) / 1e9,

@@ -70,3 +70,22 @@ def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, sta
         attempt += 1
     backend.load_acquire_u32(flags_ptr)  # a locked read orders the data reads that follow
     return True
+
+
+class Recorder:
+    """The host twin of kernels_hip/profile.h: events into the same buffer layout, host clock in ns."""
+
+    def __init__(self, buffer_ptr: int):
+        self.ptr = int(buffer_ptr)
+        if self.ptr:
+            self.header = mem(self.ptr, (4,), np.uint32)
+
+    def record(self, tag: int, start_ns: int, detail: int = 0) -> None:
+        if not self.ptr:
+            return
+        from ..profile import EVENT, HEADER_BYTES
+        i = int(self.header[0])
+        self.header[0] = i + 1
+        if i < self.header[1]:
+            e = mem(self.ptr + HEADER_BYTES + i * EVENT.itemsize, (1,), EVENT)
+            e[0] = (start_ns, time.monotonic_ns(), tag, 0, 0, detail)

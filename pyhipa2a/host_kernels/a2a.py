@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_CAPACITY, Status, bases, mem, wait_flags
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, Recorder, Status, bases, mem, wait_flags
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
 
@@ -28,6 +28,7 @@ class View:
         self.base = bases(h)
         self.deadline = time.monotonic() + a.timeout_ns / 1e9
         self.status = Status(self.base[self.me] + a.off_status, a.host_status)
+        self.rec = Recorder(a.prof)
 
     def buf(self, rank: int, name: str, shape, dtype) -> np.ndarray:
         return mem(self.base[rank] + getattr(self.a, "off_" + name), shape, dtype)
@@ -55,17 +56,22 @@ def a2a_dispatch(backend, a, c) -> None:
         pos = int(np.flatnonzero(~valid)[0])
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
 
+    span = time.monotonic_ns()
     for r in range(W):  # 1. headers, our own inbox included (combine reads it)
+        t0 = time.monotonic_ns()
         v.buf(r, "tok_idx", (2, W, M, k), np.int32)[p, me, :T] = indices
         v.buf(r, "tok_count", (2, W), np.uint32)[p, me] = T
         backend.store_release_u32(v.addr(r, "hdr_flag", p * W + me), c.epoch)
+        v.rec.record(1, t0, r)
     for r in range(W):  # 2. each token once to every other rank hosting one of its experts
         if r == me:
             continue
+        t0 = time.monotonic_ns()
         tokens = np.flatnonzero((valid & (indices // L == r)).any(axis=1))
         v.buf(r, "tok_x", (2, W, M, rb), np.uint8)[p, me, tokens] = x[tokens]
         for t in tokens:
             backend.store_release_u32(v.addr(r, "tok_flag", (p * W + me) * M + t), c.epoch)
+        v.rec.record(2, t0, r)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
     expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
@@ -75,17 +81,23 @@ def a2a_dispatch(backend, a, c) -> None:
         if src == me:
             rows, vecs, count = indices, x, T
         else:
+            t0 = time.monotonic_ns()
             if not wait_flags(backend, v.addr(me, "hdr_flag", p * W), [src], c.epoch, v.deadline, v.status,
                               WAIT_DISPATCH):
                 return
+            v.rec.record(3, t0, src)
             count = min(int(v.buf(me, "tok_count", (2, W), np.uint32)[p, src]), M)
             rows = v.buf(me, "tok_idx", (2, W, M, k), np.int32)[p, src, :count]
             vecs = v.buf(me, "tok_x", (2, W, M, rb), np.uint8)[p, src]
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens, slots = np.nonzero(here)
+        t0 = time.monotonic_ns()
         if src != me and not wait_flags(backend, v.addr(me, "tok_flag", (p * W + src) * M), np.unique(tokens),
                                         c.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
             return
+        if src != me:
+            v.rec.record(4, t0, src)
+        t0 = time.monotonic_ns()
         for l in np.unique(rows[tokens, slots] % L):
             pick = rows[tokens, slots] % L == l
             t, j = tokens[pick], slots[pick]
@@ -99,10 +111,14 @@ def a2a_dispatch(backend, a, c) -> None:
             expert_x[l, row] = vecs[t]
             meta[l, row] = np.stack([np.full_like(t, src), t, j], axis=1)
             slot_of[src, t, j] = l * v.cap + row
+        v.rec.record(5, t0, src)
 
     # 4. publish the counts, zero the counters for the next call
+    t0 = time.monotonic_ns()
     v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(counters, v.cap)
     counters[:] = 0
+    v.rec.record(6, t0)
+    v.rec.record(7, span)
 
 
 def _combine(backend, a, c, dtype) -> None:
@@ -113,10 +129,13 @@ def _combine(backend, a, c, dtype) -> None:
     expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
 
+    span = time.monotonic_ns()
     for r in range(W):  # 1. our weights to every peer
         if r != me:
+            t0 = time.monotonic_ns()
             v.buf(r, "w_in", (W, M, k), np.float32)[me, :T] = weights
             backend.store_release_u32(v.addr(r, "w_flag", me), c.epoch)
+            v.rec.record(8, t0, r)
 
     for src in range(W):  # 2. one contribution per (token, this rank) back to its owner
         count = T if src == me else min(int(v.buf(me, "tok_count", (2, W), np.uint32)[p, src]), M)
@@ -128,10 +147,13 @@ def _combine(backend, a, c, dtype) -> None:
         if src == me:
             w = weights
         else:
+            t0 = time.monotonic_ns()
             if not wait_flags(backend, v.addr(me, "w_flag", 0), [src], c.epoch, v.deadline, v.status,
                               WAIT_WEIGHTS):
                 return
+            v.rec.record(9, t0, src)
             w = v.buf(me, "w_in", (W, M, k), np.float32)[src]
+        t0 = time.monotonic_ns()
         contrib = v.buf(src, "contrib", (W, M, 4 * H), np.uint8)[me]
         for t in tokens:
             js = np.flatnonzero(here[t])
@@ -143,6 +165,7 @@ def _combine(backend, a, c, dtype) -> None:
                     part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
                 contrib[t] = part.view(np.uint8)
             backend.store_release_u32(v.addr(src, "contrib_flag", me * M + t), c.epoch)
+        v.rec.record(10, t0, src)
 
     # 3. reduce our tokens from the contributions of every rank hosting their experts
     rows = v.buf(me, "tok_idx", (2, W, M, k), np.int32)[p, me, :T]
@@ -153,9 +176,12 @@ def _combine(backend, a, c, dtype) -> None:
         here = valid & (rows // L == r)
         n = here.sum(axis=1)
         tokens = np.flatnonzero(n)
+        t0 = time.monotonic_ns()
         if not wait_flags(backend, v.addr(me, "contrib_flag", r * M), tokens, c.epoch, v.deadline, v.status,
                           WAIT_COMBINE_ROW, peer_of=lambda _: r):
             return
+        v.rec.record(11, t0, r)
+        t0 = time.monotonic_ns()
         single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]
         if len(single):
             j = here[single].argmax(axis=1)
@@ -163,7 +189,9 @@ def _combine(backend, a, c, dtype) -> None:
             acc[single] += weights[single, j][:, None] * raw
         if len(multi):
             acc[multi] += contrib[r, multi].copy().view(np.float32)
+        v.rec.record(12, t0, me)
     mem(c.out, (T, H), dtype)[:] = acc.astype(dtype)
+    v.rec.record(13, span)
 
 
 def a2a_combine_f16(backend, a, c) -> None:

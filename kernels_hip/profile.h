@@ -1,0 +1,62 @@
+// In-kernel timelines (the profiling build, -DA2A_PROFILE=1): lane 0 of a
+// warp records (start, end, tag, block, warp, detail) for each stage into a
+// buffer the host reads after the call. In the normal build the macros are
+// empty, so profiling costs nothing when off. Tags are named in
+// pyhipa2a/profile.py (keep the two in sync).
+#pragma once
+#include "portability.h"
+
+#define A2A_TAG_DISPATCH_HEADERS 1u
+#define A2A_TAG_DISPATCH_SEND 2u
+#define A2A_TAG_DISPATCH_WAIT_HEADER 3u
+#define A2A_TAG_DISPATCH_WAIT_TOKEN 4u
+#define A2A_TAG_DISPATCH_FANOUT 5u
+#define A2A_TAG_DISPATCH_COUNTS 6u
+#define A2A_TAG_DISPATCH_WARP 7u
+#define A2A_TAG_COMBINE_WEIGHTS 8u
+#define A2A_TAG_COMBINE_WAIT_WEIGHTS 9u
+#define A2A_TAG_COMBINE_CONTRIBUTE 10u
+#define A2A_TAG_COMBINE_WAIT_CONTRIB 11u
+#define A2A_TAG_COMBINE_REDUCE 12u
+#define A2A_TAG_COMBINE_WARP 13u
+
+struct ProfEvent {
+  u64 start, end;  // device clock, ns
+  u32 tag, block, warp;
+  u32 detail;      // waits: peer | token << 8
+};
+
+struct ProfBuffer {
+  u32 count;       // events written (may exceed capacity: the rest were dropped)
+  u32 capacity;
+  u32 pad[2];
+  ProfEvent events[1];
+};
+
+#ifdef A2A_PROFILE
+A2A_DEVICE void a2a_prof_record(u64 buffer, u32 tag, u64 start, u32 detail) {
+  if (!buffer) return;
+  ProfBuffer* b = reinterpret_cast<ProfBuffer*>(buffer);
+  const u32 i = a2a_fetch_add_dev(&b->count, 1u);
+  if (i >= b->capacity) return;
+  ProfEvent& e = b->events[i];
+  e.start = start;
+  e.end = a2a_clock_ns();
+  e.tag = tag;
+  e.block = a2a_block();
+  e.warp = a2a_thread() / A2A_WARP_SIZE;
+  e.detail = detail;
+}
+#define A2A_PROF_START(var) const u64 var = a2a_clock_ns()
+#define A2A_PROF(buffer, lane, tag, start, detail) \
+  do {                                              \
+    if ((lane) == 0) a2a_prof_record(buffer, tag, start, detail); \
+  } while (0)
+#else
+#define A2A_PROF_START(var) \
+  do {                      \
+  } while (0)
+#define A2A_PROF(buffer, lane, tag, start, detail) \
+  do {                                              \
+  } while (0)
+#endif

@@ -1,0 +1,142 @@
+"""In-kernel timelines: collection, clock alignment, summaries, Perfetto traces.
+
+`AllToAll(..., profile=True)` loads the profiling build of the kernels
+(`*.profile.*` code objects, built with -DA2A_PROFILE=1), whose warps record
+(start, end, tag, block, warp, detail) for every stage into a device buffer.
+The normal build compiles the recording away. Device clocks are mapped onto
+the host's monotonic clock (shared by all processes of the node) through a
+clock probe, so the timelines of all ranks line up in one trace.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+
+# tag -> (name, kind); kept in sync with kernels_hip/profile.h. kind: what the
+# time was spent on: "wait" (for a peer), "move" (copying / computing), "span"
+# (a warp's whole kernel), "sync" (grid-level bookkeeping).
+TAGS = {
+    1: ("dispatch.headers", "move"),
+    2: ("dispatch.send", "move"),
+    3: ("dispatch.wait_header", "wait"),
+    4: ("dispatch.wait_token", "wait"),
+    5: ("dispatch.fanout", "move"),
+    6: ("dispatch.counts", "sync"),
+    7: ("dispatch.warp", "span"),
+    8: ("combine.weights", "move"),
+    9: ("combine.wait_weights", "wait"),
+    10: ("combine.contribute", "move"),
+    11: ("combine.wait_contrib", "wait"),
+    12: ("combine.reduce", "move"),
+    13: ("combine.warp", "span"),
+}
+KERNEL_OF_SPAN = {7: "dispatch", 13: "combine"}
+
+EVENT = np.dtype([("start", "<u8"), ("end", "<u8"), ("tag", "<u4"), ("block", "<u4"), ("warp", "<u4"),
+                  ("detail", "<u4")])
+HEADER_BYTES = 16
+
+
+class ProfileBuffer:
+    """Device buffer of events: u32 count, u32 capacity, 8 pad bytes, then EVENT records."""
+
+    def __init__(self, backend, capacity: int = 1 << 16):
+        self.backend, self.capacity = backend, capacity
+        self.nbytes = HEADER_BYTES + capacity * EVENT.itemsize
+        self.ptr = backend.malloc_ipc(self.nbytes)
+        self.reset()
+
+    def reset(self, stream=None) -> None:
+        header = np.array([0, self.capacity, 0, 0], np.uint32)
+        self.backend.copy_to_device(self.ptr, header, stream)
+
+    def read(self, stream=None) -> tuple[np.ndarray, int]:
+        """(events, dropped): the events recorded since the last reset."""
+        header = np.empty(4, np.uint32)
+        self.backend.copy_to_host(header, self.ptr, stream)
+        count = int(header[0])
+        events = np.empty(min(count, self.capacity), EVENT)
+        if len(events):
+            self.backend.copy_to_host(events, self.ptr + HEADER_BYTES, stream)
+        return events, max(count - self.capacity, 0)
+
+    def free(self) -> None:
+        if self.ptr:
+            self.backend.free(self.ptr)
+            self.ptr = 0
+
+
+def clock_offset(backend, library, stream, tries: int = 5) -> int:
+    """host monotonic ns minus device clock ns, from the tightest of `tries` probes."""
+    kernel = library.kernel("clock_probe")
+    pack = kernel.pack()
+    out = backend.malloc_ipc(8)
+    try:
+        best = None
+        for _ in range(tries):
+            pack.set_scalars(out)
+            before = time.monotonic_ns()
+            kernel.launch(pack, 1, 1, stream)
+            backend.stream_synchronize(stream)
+            after = time.monotonic_ns()
+            device = np.empty(1, np.uint64)
+            backend.copy_to_host(device, out, stream)
+            if best is None or after - before < best[0]:
+                best = (after - before, (before + after) // 2 - int(device[0]))
+        return best[1]
+    finally:
+        backend.free(out)
+
+
+def to_trace_events(events: np.ndarray, rank: int, offset_ns: int) -> list[dict]:
+    """Chrome/Perfetto 'complete' events: process = rank, thread = block, times in us."""
+    out = []
+    for e in events:
+        name, kind = TAGS.get(int(e["tag"]), (f"tag{int(e['tag'])}", "other"))
+        detail = int(e["detail"])
+        out.append({"name": name, "cat": kind, "ph": "X", "pid": rank, "tid": int(e["block"]),
+                    "ts": (int(e["start"]) + offset_ns) / 1e3,
+                    "dur": max(int(e["end"]) - int(e["start"]), 0) / 1e3,
+                    "args": {"warp": int(e["warp"]), "peer": detail & 0xFF, "token": detail >> 8}})
+    return out
+
+
+def summarize(events_by_rank: dict[int, np.ndarray]) -> dict:
+    """Per kernel and rank: time waiting vs moving data (summed over warps), slowest block, most-waited-for peer."""
+    summary = {}
+    for rank, events in events_by_rank.items():
+        for span_tag, kernel in KERNEL_OF_SPAN.items():
+            mine = [e for e in events if TAGS.get(int(e["tag"]), ("", ""))[0].startswith(kernel + ".")]
+            if not mine:
+                continue
+            totals = defaultdict(float)
+            per_block = defaultdict(float)
+            waited_on = defaultdict(float)
+            for e in mine:
+                dur = (int(e["end"]) - int(e["start"])) / 1e3
+                name, kind = TAGS[int(e["tag"])]
+                totals[kind] += dur
+                if int(e["tag"]) == span_tag:
+                    per_block[int(e["block"])] = max(per_block[int(e["block"])], dur)
+                if kind == "wait":
+                    waited_on[int(e["detail"]) & 0xFF] += dur
+            slowest = max(per_block.items(), key=lambda kv: kv[1]) if per_block else (None, 0.0)
+            peer = max(waited_on.items(), key=lambda kv: kv[1]) if waited_on else (None, 0.0)
+            summary[(kernel, rank)] = {
+                "wait_us": totals["wait"], "move_us": totals["move"], "sync_us": totals["sync"],
+                "warp_span_us": totals["span"], "slowest_block": slowest[0], "slowest_block_us": slowest[1],
+                "most_waited_peer": peer[0], "most_waited_us": peer[1], "events": len(mine)}
+    return summary
+
+
+def write_trace(path: str, trace_events: list[dict], metadata: dict) -> None:
+    """One JSON file for all ranks, created owner-writable only (no world-writable bits)."""
+    names = sorted({e["pid"] for e in trace_events})
+    meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in names]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"traceEvents": meta + trace_events, "displayTimeUnit": "ns", "metadata": metadata}, f)

@@ -1,0 +1,33 @@
+"""Bytes each rank sends over links in one dispatch + combine, as the kernels move them.
+
+Mirrors kernels_hip/a2a.hip: dispatch sends every peer a header (routing rows
+and the count) and each token once to every other rank hosting one of its
+experts; combine sends every peer the weights, and each expert rank sends one
+contribution per (token, owner) back: the raw row when it hosts one of the
+token's experts, an fp32 partial sum when it hosts several. Used by
+scripts/bench.py for link bandwidth and speed of light.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_itemsize: int = 2,
+               out_itemsize: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """(dispatch, combine): bytes each rank sends to other ranks."""
+    world = len(indices)
+    per_rank = num_experts // world
+    dispatch, combine = np.zeros(world), np.zeros(world)
+    for src, idx in enumerate(indices):
+        T, k = idx.shape
+        peers = world - 1
+        dispatch[src] += peers * (T * k * 4 + 4)          # headers
+        combine[src] += peers * T * k * 4                 # weights
+        ranks = idx // per_rank                           # [T, k] rank of each slot's expert
+        for r in range(world):
+            if r == src:
+                continue
+            n = (ranks == r).sum(axis=1)                  # experts of each token on rank r
+            dispatch[src] += np.count_nonzero(n) * hidden * in_itemsize
+            combine[r] += (np.count_nonzero(n == 1) * out_itemsize + np.count_nonzero(n > 1) * 4) * hidden
+    return dispatch, combine
