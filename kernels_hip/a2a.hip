@@ -36,17 +36,18 @@ struct A2AArgs {
   u64 off_tok_idx;         // i32 [2][W][M][k]             routing rows of every source
   u64 off_tok_count;       // u32 [2][W]                   T of every source
   u64 off_hdr_flag;        // u32 [2][W]                   epoch: rows and count of src are in
-  u64 off_tok_flag;        // u32 [2][W][M]                epoch: vector (src, t) is in
+  u64 off_tok_flag;        // u32 [2][W][M][S]             epoch: segment s of vector (src, t) is in
   u64 off_w_in;            // f32 [W][M][k]                weights of src's tokens (combine)
   u64 off_w_flag;          // u32 [W]
   u64 off_contrib;         // u8  [W][M][hidden * 4]       contribution of rank r to our token t
-  u64 off_contrib_flag;    // u32 [W][M]
+  u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution is in
   // local
   u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]    expert_x
   u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
   u64 off_counters;        // u32 [L]
   u64 off_num_tokens;      // i32 [L]                      expert_num_tokens
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
+  u64 off_slot_flag;       // u32 [W][M]                   epoch: slot_of[src][t] is final
   u64 off_block_counters;  // u32 [2]                      last-block counters: dispatch, combine
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
@@ -58,6 +59,8 @@ struct A2AArgs {
   i32 hidden;
   u32 x_row_bytes;
   u32 y_row_bytes;
+  u32 seg_elems;           // a row moves as S = ceil(hidden / seg_elems) segments, one warp each
+  u32 nseg;
   u32 pad;
   u64 timeout_ns;
 };
@@ -148,11 +151,11 @@ A2A_DEVICE u32 lowest_bit(u32 bits) { return a2a_ctz(bits); }
 
 // One warp copies `bytes` from `src` to each of `ndst` destinations
 // (dst_base + slots[d] * bytes), reading the source once.
-A2A_DEVICE void copy_row_fanout(u8* dst_base, const i32* slots, u32 ndst, const u8* src, u32 bytes,
-                                u32 lane) {
+A2A_DEVICE void copy_row_fanout(u8* dst_base, u64 stride, const i32* slots, u32 ndst, const u8* src,
+                                u32 bytes, u32 lane) {
   constexpr u32 W = A2A_WARP_SIZE, U = A2A_INFLIGHT;
   u32 done = 0;
-  if ((((u64)dst_base | (u64)src | bytes) & 15u) == 0) {
+  if ((((u64)dst_base | (u64)src | bytes | stride) & 15u) == 0) {
     const vec16* s = reinterpret_cast<const vec16*>(src);
     const u32 n = bytes / 16u;
     u32 i = lane;
@@ -160,19 +163,19 @@ A2A_DEVICE void copy_row_fanout(u8* dst_base, const i32* slots, u32 ndst, const 
       vec16 v[U];
       for (u32 u = 0; u < U; ++u) v[u] = s[i + u * W];
       for (u32 d = 0; d < ndst; ++d) {
-        vec16* o = reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * bytes);
+        vec16* o = reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * stride);
         for (u32 u = 0; u < U; ++u) o[i + u * W] = v[u];
       }
     }
     for (; i < n; i += W) {
       const vec16 v = s[i];
-      for (u32 d = 0; d < ndst; ++d) reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * bytes)[i] = v;
+      for (u32 d = 0; d < ndst; ++d) reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * stride)[i] = v;
     }
     done = bytes;
   }
   for (u32 i = done + lane; i < bytes; i += W) {  // unaligned rows: byte by byte
     const u8 v = src[i];
-    for (u32 d = 0; d < ndst; ++d) dst_base[(u64)slots[d] * bytes + i] = v;
+    for (u32 d = 0; d < ndst; ++d) dst_base[(u64)slots[d] * stride + i] = v;
   }
 }
 
@@ -182,13 +185,24 @@ A2A_DEVICE void copy_row(u8* dst, const u8* src, u32 bytes, u32 lane) {
   const i32 zero = 0;
   const bool aligned = (((u64)dst | (u64)src) & 15u) == 0;
   const u32 bulk = aligned ? bytes / 16u * 16u : 0u;
-  if (bulk) copy_row_fanout(dst, &zero, 1, src, bulk, lane);
+  if (bulk) copy_row_fanout(dst, 0, &zero, 1, src, bulk, lane);
   if ((((u64)dst | (u64)src | bytes) & 3u) == 0) {
     for (u32 i = bulk / 4u + lane; i < bytes / 4u; i += A2A_WARP_SIZE)
       reinterpret_cast<u32*>(dst)[i] = reinterpret_cast<const u32*>(src)[i];
   } else {
     for (u32 i = bulk + lane; i < bytes; i += A2A_WARP_SIZE) dst[i] = src[i];
   }
+}
+
+// Byte range [first, first + bytes) of segment `seg` of a row of `row_bytes`
+// whose elements are `itemsize` bytes.
+struct Segment {
+  u32 first, bytes;
+};
+A2A_DEVICE Segment segment(const Ctx& x, u32 seg, u32 row_bytes, u32 itemsize) {
+  const u32 first = seg * x.a.seg_elems * itemsize;
+  const u32 end = first + x.a.seg_elems * itemsize;
+  return {first, (end < row_bytes ? end : row_bytes) - first};
 }
 
 // ------------------------------------------------------------- dispatch ----
@@ -212,15 +226,17 @@ A2A_DEVICE void send_headers(const Ctx& x, const DispatchCall& c, const WarpGrid
 A2A_DEVICE void send_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u8* tokens = reinterpret_cast<const u8*>(c.x);
-  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes;
-  for (u32 item = g.warp; item < (u32)c.num_tokens * x.W; item += g.warps) {
-    const u32 t = item / x.W, r = item % x.W;
+  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
+  for (u32 item = g.warp; item < (u32)c.num_tokens * x.W * S; item += g.warps) {
+    const u32 t = item / (x.W * S), r = item / S % x.W, seg = item % S;
     if (r == me || !slots_on_rank(indices + (u64)t * x.k, x.k, x.a.num_experts, x.L, r)) continue;
     A2A_PROF_START(t0);
     const u64 at = ((u64)x.parity * x.W + me) * x.M + t;
-    copy_row(sym<u8>(x.h, (int)r, x.a.off_tok_x) + at * rb, tokens + (u64)t * rb, rb, g.lane);
+    const Segment sg = segment(x, seg, rb, itemsize);
+    copy_row(sym<u8>(x.h, (int)r, x.a.off_tok_x) + at * rb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes,
+             g.lane);
     a2a_wave_sync();
-    if (g.lane == 0) a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_tok_flag) + at, x.epoch);
+    if (g.lane == 0) a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_tok_flag) + at * S + seg, x.epoch);
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_SEND, t0, r | t << 8);
   }
 }
@@ -230,70 +246,100 @@ A2A_DEVICE void report_bad_indices(const Ctx& x, const i32* row, u32 t, u32 lane
     a2a_report(x.status, x.mirror, A2A_ERR_BAD_INDEX, (u32)x.h.rank, t * x.k + lane, (u32)row[lane]);
 }
 
-A2A_DEVICE void receive_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
-  __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
-  i32* slots = slot_buf[g.warp_in_block];
+// Where (src, t) comes from: its routing row, its vector, and src's count.
+struct Source {
+  const i32* row;
+  const u8* vec;
+  u32 count;
+  bool ok;
+};
+
+A2A_DEVICE Source source(const Ctx& x, const DispatchCall& c, u32 src, u32 t, u32 lane) {
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes;
+  if (src == me)  // our own tokens: straight from the caller's arrays
+    return {reinterpret_cast<const i32*>(c.indices) + (u64)t * x.k, reinterpret_cast<const u8*>(c.x) + (u64)t * rb,
+            (u32)c.num_tokens, true};
+  A2A_PROF_START(t0);
+  const u32* hdr_flag = sym<u32>(x.h, (int)me, x.a.off_hdr_flag) + x.parity * x.W;
+  if (!warp_wait(x, &hdr_flag[src], src, A2A_WAIT_DISPATCH, x.epoch, lane)) return {nullptr, nullptr, 0, false};
+  A2A_PROF(x.prof, lane, A2A_TAG_DISPATCH_WAIT_HEADER, t0, src | t << 8);
+  const u32 count = sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + src];
+  const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
+  return {sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k, sym<u8>(x.h, (int)me, x.a.off_tok_x) + at * rb,
+          count < x.M ? count : x.M, true};
+}
+
+// Lane j reserves the expert row of slot j (local atomics), writes its meta
+// and slot_of; then the (src, t) slot flag tells the segment copiers.
+A2A_DEVICE void reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+  const u32 me = (u32)x.h.rank;
   u32* counters = sym<u32>(x.h, (int)me, x.a.off_counters);
   i32* meta = sym<i32>(x.h, (int)me, x.a.off_recv_meta);
   i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
-  u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
-  const u32* hdr_flag = sym<u32>(x.h, (int)me, x.a.off_hdr_flag) + x.parity * x.W;
-  const u32* tok_flag = sym<u32>(x.h, (int)me, x.a.off_tok_flag) + (u64)x.parity * x.W * x.M;
-
+  u32* slot_flag = sym<u32>(x.h, (int)me, x.a.off_slot_flag);
   for (u32 item = g.warp; item < x.W * x.M; item += g.warps) {
     const u32 src = item / x.M, t = item % x.M;
-    const i32* row;
-    const u8* vec;
-    u32 count;
-    if (src == me) {  // our own tokens: straight from the caller's arrays
-      count = (u32)c.num_tokens;
-      row = reinterpret_cast<const i32*>(c.indices) + (u64)t * x.k;
-      vec = reinterpret_cast<const u8*>(c.x) + (u64)t * rb;
-    } else {
-      A2A_PROF_START(t0);
-      if (!warp_wait(x, &hdr_flag[src], src, A2A_WAIT_DISPATCH, x.epoch, g.lane)) break;
-      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_HEADER, t0, src | t << 8);
-      count = sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + src];
-      count = count < x.M ? count : x.M;
-      const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
-      row = sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k;
-      vec = sym<u8>(x.h, (int)me, x.a.off_tok_x) + at * rb;
+    const Source sc = source(x, c, src, t, g.lane);
+    if (!sc.ok) break;
+    if (t >= sc.count) continue;
+    if (src == me) report_bad_indices(x, sc.row, t, g.lane);
+    const u32 here = slots_on_rank(sc.row, x.k, x.a.num_experts, x.L, me);
+    if (!here) continue;
+    if (g.lane < x.k) {
+      i32 slot = -1;
+      if (here >> g.lane & 1u) {
+        const u32 l = (u32)sc.row[g.lane] % x.L;
+        const u32 s = a2a_fetch_add_dev(&counters[l], 1u);
+        if (s < x.capacity) {
+          slot = (i32)(l * x.capacity + s);
+          meta[(u64)slot * 3u] = (i32)src;
+          meta[(u64)slot * 3u + 1u] = (i32)t;
+          meta[(u64)slot * 3u + 2u] = (i32)g.lane;
+        } else {
+          a2a_report(x.status, x.mirror, A2A_ERR_CAPACITY, me, l, s);
+        }
+      }
+      slot_of[((u64)src * x.M + t) * x.k + g.lane] = slot;
     }
-    if (t >= count) continue;
-    if (src == me) report_bad_indices(x, row, t, g.lane);
-    const u32 here = slots_on_rank(row, x.k, x.a.num_experts, x.L, me);
+    a2a_wave_sync();
+    if (g.lane == 0) a2a_store_release_sys(&slot_flag[src * x.M + t], x.epoch);
+  }
+}
+
+// Each segment of each (src, t) with experts here is copied by one warp to
+// all of its expert rows, as soon as the segment and the slots are in.
+A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+  __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
+  i32* slots = slot_buf[g.warp_in_block];
+  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
+  const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
+  const u32* slot_flag = sym<u32>(x.h, (int)me, x.a.off_slot_flag);
+  const u32* tok_flag = sym<u32>(x.h, (int)me, x.a.off_tok_flag) + (u64)x.parity * x.W * x.M * S;
+  u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
+  for (u32 item = g.warp; item < x.W * x.M * S; item += g.warps) {
+    const u32 src = item / (x.M * S), t = item / S % x.M, seg = item % S;
+    const Source sc = source(x, c, src, t, g.lane);
+    if (!sc.ok) break;
+    if (t >= sc.count) continue;
+    const u32 here = slots_on_rank(sc.row, x.k, x.a.num_experts, x.L, me);
     if (!here) continue;
     A2A_PROF_START(t1);
-    if (src != me && !warp_wait(x, &tok_flag[(u64)src * x.M + t], src, A2A_WAIT_DISPATCH, t, g.lane)) break;
+    if (!warp_wait(x, &slot_flag[src * x.M + t], me, A2A_WAIT_DISPATCH, t, g.lane)) break;
+    if (src != me && !warp_wait(x, &tok_flag[((u64)src * x.M + t) * S + seg], src, A2A_WAIT_DISPATCH, t, g.lane))
+      break;
     if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
     A2A_PROF_START(t2);
-
-    // Lane j reserves the row for slot j; the warp then copies the vector once to all of them.
-    i32 slot = -1;
-    if (g.lane < x.k && (here >> g.lane & 1u)) {
-      const u32 l = (u32)row[g.lane] % x.L;
-      const u32 s = a2a_fetch_add_dev(&counters[l], 1u);
-      if (s < x.capacity) {
-        slot = (i32)(l * x.capacity + s);
-        meta[(u64)slot * 3u] = (i32)src;
-        meta[(u64)slot * 3u + 1u] = (i32)t;
-        meta[(u64)slot * 3u + 2u] = (i32)g.lane;
-      } else {
-        a2a_report(x.status, x.mirror, A2A_ERR_CAPACITY, me, l, s);
-      }
-    }
-    if (g.lane < x.k) slot_of[((u64)src * x.M + t) * x.k + g.lane] = slot;
     u32 n = 0;
     for (u32 bits = here; bits; bits &= bits - 1u) {
-      const i32 s = a2a_shfl(slot, (int)lowest_bit(bits));
-      if (s >= 0) {
-        if (g.lane == 0) slots[n] = s;
+      const i32 slot = slot_of[((u64)src * x.M + t) * x.k + lowest_bit(bits)];
+      if (slot >= 0) {
+        if (g.lane == 0) slots[n] = slot;
         ++n;
       }
     }
     a2a_wave_sync();
-    copy_row_fanout(expert_x, slots, n, vec, rb, g.lane);
+    const Segment sg = segment(x, seg, rb, itemsize);
+    copy_row_fanout(expert_x + sg.first, rb, slots, n, sc.vec + sg.first, sg.bytes, g.lane);
     a2a_wave_sync();  // slots[] is reused by this warp's next item
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
   }
@@ -305,7 +351,8 @@ extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
   A2A_PROF_START(t0);
   if (a2a_block() == 0) send_headers(x, c, g);
   send_tokens(x, c, g);
-  receive_tokens(x, c, g);
+  reserve_rows(x, c, g);
+  fan_out(x, c, g);
 
   A2A_PROF_START(t1);
   if (a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_block_counters) + 0)) {
@@ -380,36 +427,36 @@ A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid&
   }
 }
 
-// What rank `me` sends back for token t of `src`: its one expert row as is,
-// or the fp32 sum of w * row over its experts. `vec` says rows, the
-// destination and the weights allow 16-byte accesses of 8 elements.
+// Elements [e_begin, e_end) of what rank `me` sends back for a token of
+// `src`: its one expert row as is (the owner applies the weight), or the fp32
+// sum of w * row over its experts. `dst` is the token's contribution slot.
 template <typename Fmt>
 A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
-                           u8* dst, u32 lane) {
+                           u8* dst, u32 e_begin, u32 e_end, u32 lane) {
   const u32 H = (u32)x.a.hidden;
-  if ((here & (here - 1u)) == 0) {  // one expert here: send its row, the owner applies the weight
-    copy_row(dst, reinterpret_cast<const u8*>(expert_y + (u64)slots[lowest_bit(here)] * H), x.a.y_row_bytes,
-             lane);
+  if ((here & (here - 1u)) == 0) {
+    const u16* row = expert_y + (u64)slots[lowest_bit(here)] * H;
+    copy_row(dst + e_begin * 2u, reinterpret_cast<const u8*>(row + e_begin), (e_end - e_begin) * 2u, lane);
     return;
   }
   float* out = reinterpret_cast<float*>(dst);
   const bool vec = H % 8u == 0 && ((u64)expert_y & 15u) == 0;
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
-  for (u32 e0 = lane * 8u; vec && e0 < H; e0 += U * STEP) {
+  for (u32 e0 = e_begin + lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
     float acc[U][8] = {};
     for (u32 bits = here; bits; bits &= bits - 1u) {
       const u32 j = lowest_bit(bits);
       const u16* row = expert_y + (u64)slots[j] * H;
       vec16 v[U];
       for (u32 u = 0; u < U; ++u)
-        if (e0 + u * STEP < H) v[u] = *reinterpret_cast<const vec16*>(row + e0 + u * STEP);
+        if (e0 + u * STEP < e_end) v[u] = *reinterpret_cast<const vec16*>(row + e0 + u * STEP);
       for (u32 u = 0; u < U; ++u)
-        if (e0 + u * STEP < H) fma8v<Fmt>(acc[u], w[j], v[u]);
+        if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j], v[u]);
     }
     for (u32 u = 0; u < U; ++u)
-      if (e0 + u * STEP < H) store8f(out + e0 + u * STEP, acc[u]);
+      if (e0 + u * STEP < e_end) store8f(out + e0 + u * STEP, acc[u]);
   }
-  for (u32 e = lane; !vec && e < H; e += A2A_WARP_SIZE) {
+  for (u32 e = e_begin + lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
     float acc = 0.f;
     for (u32 bits = here; bits; bits &= bits - 1u) {
       const u32 j = lowest_bit(bits);
@@ -421,13 +468,13 @@ A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, 
 
 template <typename Fmt>
 A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
-  const u32 me = (u32)x.h.rank;
+  const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
   const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   const u32* w_flag = sym<u32>(x.h, (int)me, x.a.off_w_flag);
-  const u64 stride = (u64)x.a.hidden * 4u;
-  for (u32 item = g.warp; item < x.W * x.M; item += g.warps) {
-    const u32 src = item / x.M, t = item % x.M;
+  const u64 stride = (u64)H * 4u;
+  for (u32 item = g.warp; item < x.W * x.M * S; item += g.warps) {
+    const u32 src = item / (x.M * S), t = item / S % x.M, seg = item % S;
     u32 count = src == me ? (u32)c.num_tokens : sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + src];
     count = count < x.M ? count : x.M;
     if (t >= count) continue;
@@ -449,30 +496,33 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     for (u32 bits = here; bits; bits &= bits - 1u) complete &= slots[lowest_bit(bits)] >= 0;
     if (!complete) continue;
     A2A_PROF_START(t1);
-    contribute<Fmt>(x, expert_y, slots, here, w, sym<u8>(x.h, (int)src, x.a.off_contrib) + ((u64)me * x.M + t) * stride,
-                    g.lane);
+    const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
+    contribute<Fmt>(x, expert_y, slots, here, w,
+                    sym<u8>(x.h, (int)src, x.a.off_contrib) + ((u64)me * x.M + t) * stride, e_begin, e_end, g.lane);
     a2a_wave_sync();
     if (g.lane == 0)
-      a2a_store_release_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + (u64)me * x.M + t, x.epoch);
+      a2a_store_release_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg, x.epoch);
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
   }
 }
 
 // y[t] = sum over ranks r hosting t's experts of r's contribution (a raw row
-// times its weight when r hosts one expert of t, else an fp32 partial sum).
-// Lane r works out which of t's slots live on rank r once per token.
+// times its weight when r hosts one expert of t, else an fp32 partial sum),
+// one warp per segment of a token. Lane r works out which of t's slots live
+// on rank r.
 template <typename Fmt>
 A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
   __shared__ u32 here_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD];
   u32* here = here_buf[g.warp_in_block];
-  const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden;
+  const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const u8* contrib = sym<u8>(x.h, (int)me, x.a.off_contrib);
   const u32* flags = sym<u32>(x.h, (int)me, x.a.off_contrib_flag);
   const float* weights = reinterpret_cast<const float*>(c.weights);
   u16* out = reinterpret_cast<u16*>(c.out);
   const u64 stride = (u64)H * 4u;
   const bool vec = H % 8u == 0 && ((u64)out & 15u) == 0;
-  for (u32 t = g.warp; t < (u32)c.num_tokens; t += g.warps) {
+  for (u32 item = g.warp; item < (u32)c.num_tokens * S; item += g.warps) {
+    const u32 t = item / S, seg = item % S;
     const i32* row = sym<i32>(x.h, (int)me, x.a.off_tok_idx) + (((u64)x.parity * x.W + me) * x.M + t) * x.k;
     if (g.lane < x.W) here[g.lane] = slots_on_rank(row, x.k, x.a.num_experts, x.L, g.lane);
     a2a_wave_sync();
@@ -480,14 +530,15 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     for (u32 r = 0; r < x.W && ok; ++r) {
       if (!here[r]) continue;
       A2A_PROF_START(t0);
-      ok = warp_wait(x, &flags[(u64)r * x.M + t], r, A2A_WAIT_COMBINE_ROW, t, g.lane);
+      ok = warp_wait(x, &flags[((u64)r * x.M + t) * S + seg], r, A2A_WAIT_COMBINE_ROW, t, g.lane);
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_CONTRIB, t0, r | t << 8);
     }
     if (!ok) break;
     A2A_PROF_START(t1);
     const float* w = weights + (u64)t * x.k;
+    const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
     constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
-    for (u32 e0 = g.lane * 8u; vec && e0 < H; e0 += U * STEP) {
+    for (u32 e0 = e_begin + g.lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
       float acc[U][8] = {};
       for (u32 r = 0; r < x.W; ++r) {
         if (!here[r]) continue;
@@ -497,22 +548,22 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
           const float wr = w[lowest_bit(here[r])];
           vec16 v[U];
           for (u32 u = 0; u < U; ++u)
-            if (e0 + u * STEP < H) v[u] = *reinterpret_cast<const vec16*>(raw + e0 + u * STEP);
+            if (e0 + u * STEP < e_end) v[u] = *reinterpret_cast<const vec16*>(raw + e0 + u * STEP);
           for (u32 u = 0; u < U; ++u)
-            if (e0 + u * STEP < H) fma8v<Fmt>(acc[u], wr, v[u]);
+            if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], wr, v[u]);
         } else {                                // an fp32 partial sum
           const vec16* f = reinterpret_cast<const vec16*>(reinterpret_cast<const float*>(part) + e0);
           vec16 a[U], b[U];
           for (u32 u = 0; u < U; ++u)
-            if (e0 + u * STEP < H) { a[u] = f[u * STEP / 4u]; b[u] = f[u * STEP / 4u + 1u]; }
+            if (e0 + u * STEP < e_end) { a[u] = f[u * STEP / 4u]; b[u] = f[u * STEP / 4u + 1u]; }
           for (u32 u = 0; u < U; ++u)
-            if (e0 + u * STEP < H) add8v(acc[u], a[u], b[u]);
+            if (e0 + u * STEP < e_end) add8v(acc[u], a[u], b[u]);
         }
       }
       for (u32 u = 0; u < U; ++u)
-        if (e0 + u * STEP < H) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
+        if (e0 + u * STEP < e_end) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
     }
-    for (u32 e = g.lane; !vec && e < H; e += A2A_WARP_SIZE) {
+    for (u32 e = e_begin + g.lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
       float acc = 0.f;
       for (u32 r = 0; r < x.W; ++r) {
         const u8* part = contrib + ((u64)r * x.M + t) * stride;
@@ -523,7 +574,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
       }
       out[(u64)t * H + e] = Fmt::store(acc);
     }
-    a2a_wave_sync();  // here[] is rewritten for the warp's next token
+    a2a_wave_sync();  // here[] is rewritten for the warp's next item
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_REDUCE, t1, me | t << 8);
   }
 }

@@ -35,6 +35,8 @@ MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
 MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
 MAX_WORLD = 32             # A2A_MAX_WORLD
 THREADS_PER_BLOCK = 256
+SEGMENT_LANE_ELEMS = 32    # 4 chunks of 8 elements per lane (A2A_CHUNKS in kernels_hip/a2a.hip)
+MIN_WARP = 32
 
 
 @dataclass
@@ -62,6 +64,11 @@ class AllToAll:
         if self.timeout <= 0:
             raise ValueError("timeout must be positive (seconds)")
 
+        # A row moves in segments of SEGMENT_LANE_ELEMS per lane of a warp, one warp
+        # each; the warp size is not known before the device is, so size the
+        # segment flags for the smallest warp (more segments, never fewer).
+        self.seg_elems_min = SEGMENT_LANE_ELEMS * MIN_WARP
+        self.nseg = math.ceil(self.hidden / self.seg_elems_min)
         heap_bytes = self._heap_bytes(comm)
         self.heap = SymmetricHeap(comm, heap_bytes, backend=backend, device=device, timeout=self.timeout)
         try:
@@ -73,24 +80,25 @@ class AllToAll:
     # -- construction -----------------------------------------------------------
     def _layout(self, world: int) -> list[tuple[str, tuple, object]]:
         """Every symmetric buffer, in allocation order (identical on all ranks). See kernels_hip/a2a.hip."""
-        L, M, k, H = self.num_experts // world, self.max_tokens, self.top_k, self.hidden
+        L, M, k, H, S = self.num_experts // world, self.max_tokens, self.top_k, self.hidden, self.nseg
         return [
             # written by peers: dispatch inboxes alternate by epoch parity
             ("tok_x", (2, world, M, H), self.in_dtype),
             ("tok_idx", (2, world, M, k), np.int32),
             ("tok_count", (2, world), np.uint32),
             ("hdr_flag", (2, world), np.uint32),
-            ("tok_flag", (2, world, M), np.uint32),
+            ("tok_flag", (2, world, M, S), np.uint32),
             ("w_in", (world, M, k), np.float32),
             ("w_flag", (world,), np.uint32),
             ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
-            ("contrib_flag", (world, M), np.uint32),
+            ("contrib_flag", (world, M, S), np.uint32),
             # local
             ("recv_x", (L, world * M, H), self.in_dtype),
             ("recv_meta", (L, world * M, 3), np.int32),
             ("counters", (L,), np.uint32),
             ("num_tokens", (L,), np.int32),
             ("slot_of", (world, M, k), np.int32),
+            ("slot_flag", (world, M), np.uint32),
             ("block_counters", (2,), np.uint32),
             ("status", (4,), np.uint32),
             # staging: NumPy inputs are copied here; y lands here unless out= is given
@@ -116,6 +124,9 @@ class AllToAll:
         self.backend, self.rank, self.world = heap.backend, heap.rank, heap.world
         self.local_experts = self.num_experts // self.world
         self.capacity = self.world * self.max_tokens
+        warp = heap.device.warp_size
+        self.seg_elems = SEGMENT_LANE_ELEMS * warp if warp > 1 else self.hidden  # host: whole rows
+        self.nseg = math.ceil(self.hidden / self.seg_elems)
         self._check_config_agrees()
         self.buf = {name: heap.alloc(shape, dtype) for name, shape, dtype in self._layout(self.world)}
         heap.verify()
@@ -170,6 +181,7 @@ class AllToAll:
         a.y_row_bytes = self.hidden * self.out_dtype.itemsize
         a.host_status = self._host_status_device
         a.prof = self.profile_buffer.ptr if self.profile_buffer is not None else 0
+        a.seg_elems, a.nseg = self.seg_elems, self.nseg
         a.timeout_ns = int(self.timeout * 1e9)
 
     # -- calls ------------------------------------------------------------------
@@ -229,8 +241,8 @@ class AllToAll:
         self._epoch = self._epoch % 0xFFFFFFFE + 1
         call = self._dispatch_pack[1]
         call.x, call.indices, call.num_tokens, call.epoch = x_ptr, i_ptr, T, self._epoch
-        # Send work is a (token, rank) pair each, receive work a (rank, token) slot each.
-        items = max(T, self.max_tokens) * self.world
+        # Send work is a (token, rank, segment) each, receive work a (rank, token, segment).
+        items = max(T, self.max_tokens) * self.world * self.nseg
         blocks = max(1, min(self.blocks, math.ceil(items / self.warps_per_block)))
         self._dispatch_kernel.launch(self._dispatch_pack, blocks, THREADS_PER_BLOCK, s)
         self._keepalive = (x_keep, i_keep)
@@ -272,7 +284,7 @@ class AllToAll:
 
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens, call.epoch = y_ptr, w_ptr, out_ptr, T, self._epoch
-        blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world / self.warps_per_block)))
+        blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world * self.nseg / self.warps_per_block)))
         self._combine_kernel.launch(self._combine_pack, blocks, THREADS_PER_BLOCK, s)
         self._keepalive = (y_keep, w_keep, o_keep)
         self._pending = None

@@ -33,11 +33,11 @@ class A2AArgs(ctypes.Structure):
                 ("off_tok_flag", u64), ("off_w_in", u64), ("off_w_flag", u64), ("off_contrib", u64),
                 ("off_contrib_flag", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_counters", u64), ("off_num_tokens", u64),
-                ("off_slot_of", u64), ("off_block_counters", u64), ("off_status", u64), ("host_status", u64),
-                ("prof", u64),
+                ("off_slot_of", u64), ("off_slot_flag", u64), ("off_block_counters", u64), ("off_status", u64),
+                ("host_status", u64), ("prof", u64),
                 ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
-                ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("pad", u32),
-                ("timeout_ns", u64)]
+                ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("seg_elems", u32), ("nseg", u32),
+                ("pad", u32), ("timeout_ns", u64)]
 
 
 class DispatchCall(ctypes.Structure):

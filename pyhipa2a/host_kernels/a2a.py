@@ -24,7 +24,7 @@ class View:
         h = a.heap
         self.a, self.me, self.W, self.M, self.k = a, h.rank, h.world, a.max_tokens, a.top_k
         self.L, self.E, self.cap = a.local_experts, a.num_experts, h.world * a.max_tokens
-        self.parity, self.epoch = epoch & 1, epoch
+        self.parity, self.epoch, self.S = epoch & 1, epoch, a.nseg
         self.base = bases(h)
         self.deadline = time.monotonic() + a.timeout_ns / 1e9
         self.status = Status(self.base[self.me] + a.off_status, a.host_status)
@@ -70,7 +70,8 @@ def a2a_dispatch(backend, a, c) -> None:
         tokens = np.flatnonzero((valid & (indices // L == r)).any(axis=1))
         v.buf(r, "tok_x", (2, W, M, rb), np.uint8)[p, me, tokens] = x[tokens]
         for t in tokens:
-            backend.store_release_u32(v.addr(r, "tok_flag", (p * W + me) * M + t), c.epoch)
+            for seg in range(v.S):
+                backend.store_release_u32(v.addr(r, "tok_flag", ((p * W + me) * M + t) * v.S + seg), c.epoch)
         v.rec.record(2, t0, r)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
@@ -92,7 +93,8 @@ def a2a_dispatch(backend, a, c) -> None:
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens, slots = np.nonzero(here)
         t0 = time.monotonic_ns()
-        if src != me and not wait_flags(backend, v.addr(me, "tok_flag", (p * W + src) * M), np.unique(tokens),
+        needed = (np.unique(tokens)[:, None] * v.S + np.arange(v.S)).ravel()
+        if src != me and not wait_flags(backend, v.addr(me, "tok_flag", (p * W + src) * M * v.S), needed,
                                         c.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
             return
         if src != me:
@@ -164,7 +166,8 @@ def _combine(backend, a, c, dtype) -> None:
                 for j in js:
                     part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
                 contrib[t] = part.view(np.uint8)
-            backend.store_release_u32(v.addr(src, "contrib_flag", me * M + t), c.epoch)
+            for seg in range(v.S):
+                backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), c.epoch)
         v.rec.record(10, t0, src)
 
     # 3. reduce our tokens from the contributions of every rank hosting their experts
@@ -177,7 +180,8 @@ def _combine(backend, a, c, dtype) -> None:
         n = here.sum(axis=1)
         tokens = np.flatnonzero(n)
         t0 = time.monotonic_ns()
-        if not wait_flags(backend, v.addr(me, "contrib_flag", r * M), tokens, c.epoch, v.deadline, v.status,
+        needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
+        if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, c.epoch, v.deadline, v.status,
                           WAIT_COMBINE_ROW, peer_of=lambda _: r):
             return
         v.rec.record(11, t0, r)
