@@ -302,7 +302,7 @@ A2A_DEVICE void reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
       slot_of[((u64)src * x.M + t) * x.k + g.lane] = slot;
     }
     a2a_wave_sync();
-    if (g.lane == 0) a2a_store_release_sys(&slot_flag[src * x.M + t], x.epoch);
+    if (g.lane == 0) a2a_store_release_dev(&slot_flag[src * x.M + t], x.epoch);  // read on this device only
   }
 }
 
@@ -355,7 +355,7 @@ extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
   fan_out(x, c, g);
 
   A2A_PROF_START(t1);
-  if (a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_block_counters) + 0)) {
+  if (a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_block_counters) + 0, false)) {  // counts stay local
     u32* counters = sym<u32>(x.h, x.h.rank, a.off_counters);
     i32* num_tokens = sym<i32>(x.h, x.h.rank, a.off_num_tokens);
     for (u32 l = a2a_thread(); l < x.L; l += a2a_block_dim()) {
@@ -482,10 +482,10 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     const u32 here = slots_on_rank(sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k, x.k, x.a.num_experts,
                                    x.L, me);
     if (!here) continue;
-    const float* w;
+    const float* w = nullptr;  // a single row goes back unweighted: no need to wait for the weights
     if (src == me) {
       w = reinterpret_cast<const float*>(c.weights) + (u64)t * x.k;
-    } else {
+    } else if (here & (here - 1u)) {
       A2A_PROF_START(t0);
       if (!warp_wait(x, &w_flag[src], src, A2A_WAIT_WEIGHTS, x.epoch, g.lane)) break;
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_WEIGHTS, t0, src | t << 8);

@@ -69,12 +69,17 @@ A2A_DEVICE bool a2a_wait_flag(const u32* flag, u32 want, u64 deadline_ns, u32* s
 }
 
 // Every block calls this once its writes are issued. Exactly one block (the
-// last to arrive) gets true, and by then it observes all other blocks' writes,
-// which it may publish to peers with a system-scope release. The counter is
+// last to arrive) gets true, and by then it observes all other blocks' writes;
+// with `for_peers` it may publish them to peers with a system-scope release
+// (each thread's remote writes are fenced system-wide first), without it only
+// this device's blocks are ordered, which is much cheaper. The counter is
 // reset for the next launch by that block.
-A2A_DEVICE bool a2a_last_block(u32* counter) {
+A2A_DEVICE bool a2a_last_block(u32* counter, bool for_peers) {
   __shared__ u32 is_last;
-  a2a_fence_sys();  // each thread's remote writes are ordered before the count
+  if (for_peers)
+    a2a_fence_sys();
+  else
+    a2a_fence_dev();
   a2a_block_sync();
   if (a2a_thread() == 0) {
     u32 arrived = a2a_fetch_add_acq_rel_dev(counter, 1u);
