@@ -147,7 +147,7 @@ A2A_DEVICE u32 lowest_bit(u32 bits) { return a2a_ctz(bits); }
 // Copy loops keep A2A_INFLIGHT 16-byte loads per lane in flight before the
 // first store: a load-store-load chain would wait one full memory (or NVLink)
 // latency per 512 bytes a warp moves, which the profiler showed dominating.
-#define A2A_INFLIGHT 8
+#define A2A_INFLIGHT 4  // = the 16-byte accesses per lane in one segment (A2A_CHUNKS)
 
 // One warp copies `bytes` from `src` to each of `ndst` destinations
 // (dst_base + slots[d] * bytes), reading the source once.
