@@ -246,42 +246,69 @@ A2A_DEVICE void report_bad_indices(const Ctx& x, const i32* row, u32 t, u32 lane
     a2a_report(x.status, x.mirror, A2A_ERR_BAD_INDEX, (u32)x.h.rank, t * x.k + lane, (u32)row[lane]);
 }
 
-// Where (src, t) comes from: its routing row, its vector, and src's count.
+// Token counts of every source as a prefix: pre[src] = tokens of sources
+// before src, pre[W] = all of them. Lane r waits for r's header (when
+// `wait`), so item spaces below are dense over tokens that exist, not over
+// W * M slots: a call with one token per rank costs one item per rank.
+A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_count, u32* pre, bool wait, u32 lane) {
+  const u32 me = (u32)x.h.rank;
+  u32 n = 0;
+  if (lane < x.W) {
+    if (lane == me) {
+      n = my_count;
+    } else {
+      A2A_PROF_START(t0);
+      const u32* flag = sym<u32>(x.h, (int)me, x.a.off_hdr_flag) + x.parity * x.W + lane;
+      if (wait && !a2a_wait_flag(flag, x.epoch, x.deadline, x.status))
+        a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, lane, A2A_WAIT_DISPATCH, x.epoch);
+      if (wait) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, lane);
+      n = sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + lane];
+      n = n < x.M ? n : x.M;
+    }
+    pre[lane + 1] = n;
+  }
+  a2a_wave_sync();
+  if (lane == 0) {
+    pre[0] = 0;
+    for (u32 r = 1; r <= x.W; ++r) pre[r] += pre[r - 1];
+  }
+  a2a_wave_sync();
+  return a2a_shfl(lane == 0 ? (int)a2a_load_relaxed_sys(&x.status[0]) : 0, 0) == 0;
+}
+
+// Item q of a dense (source, token) space: its source and token.
+A2A_DEVICE void locate(const u32* pre, u32 W, u32 q, u32& src, u32& t) {
+  src = 0;
+  while (src + 1u < W && pre[src + 1u] <= q) ++src;
+  t = q - pre[src];
+}
+
+// Where (src, t) comes from: its routing row and its vector.
 struct Source {
   const i32* row;
   const u8* vec;
-  u32 count;
-  bool ok;
 };
 
-A2A_DEVICE Source source(const Ctx& x, const DispatchCall& c, u32 src, u32 t, u32 lane) {
+A2A_DEVICE Source source(const Ctx& x, const DispatchCall& c, u32 src, u32 t) {
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes;
   if (src == me)  // our own tokens: straight from the caller's arrays
-    return {reinterpret_cast<const i32*>(c.indices) + (u64)t * x.k, reinterpret_cast<const u8*>(c.x) + (u64)t * rb,
-            (u32)c.num_tokens, true};
-  A2A_PROF_START(t0);
-  const u32* hdr_flag = sym<u32>(x.h, (int)me, x.a.off_hdr_flag) + x.parity * x.W;
-  if (!warp_wait(x, &hdr_flag[src], src, A2A_WAIT_DISPATCH, x.epoch, lane)) return {nullptr, nullptr, 0, false};
-  A2A_PROF(x.prof, lane, A2A_TAG_DISPATCH_WAIT_HEADER, t0, src | t << 8);
-  const u32 count = sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + src];
+    return {reinterpret_cast<const i32*>(c.indices) + (u64)t * x.k, reinterpret_cast<const u8*>(c.x) + (u64)t * rb};
   const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
-  return {sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k, sym<u8>(x.h, (int)me, x.a.off_tok_x) + at * rb,
-          count < x.M ? count : x.M, true};
+  return {sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k, sym<u8>(x.h, (int)me, x.a.off_tok_x) + at * rb};
 }
 
 // Lane j reserves the expert row of slot j (local atomics), writes its meta
 // and slot_of; then the (src, t) slot flag tells the segment copiers.
-A2A_DEVICE void reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+A2A_DEVICE void reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid& g, const u32* pre) {
   const u32 me = (u32)x.h.rank;
   u32* counters = sym<u32>(x.h, (int)me, x.a.off_counters);
   i32* meta = sym<i32>(x.h, (int)me, x.a.off_recv_meta);
   i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   u32* slot_flag = sym<u32>(x.h, (int)me, x.a.off_slot_flag);
-  for (u32 item = g.warp; item < x.W * x.M; item += g.warps) {
-    const u32 src = item / x.M, t = item % x.M;
-    const Source sc = source(x, c, src, t, g.lane);
-    if (!sc.ok) break;
-    if (t >= sc.count) continue;
+  for (u32 item = g.warp; item < pre[x.W]; item += g.warps) {
+    u32 src, t;
+    locate(pre, x.W, item, src, t);
+    const Source sc = source(x, c, src, t);
     if (src == me) report_bad_indices(x, sc.row, t, g.lane);
     const u32 here = slots_on_rank(sc.row, x.k, x.a.num_experts, x.L, me);
     if (!here) continue;
@@ -308,7 +335,7 @@ A2A_DEVICE void reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
 
 // Each segment of each (src, t) with experts here is copied by one warp to
 // all of its expert rows, as soon as the segment and the slots are in.
-A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
@@ -316,11 +343,11 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g) 
   const u32* slot_flag = sym<u32>(x.h, (int)me, x.a.off_slot_flag);
   const u32* tok_flag = sym<u32>(x.h, (int)me, x.a.off_tok_flag) + (u64)x.parity * x.W * x.M * S;
   u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
-  for (u32 item = g.warp; item < x.W * x.M * S; item += g.warps) {
-    const u32 src = item / (x.M * S), t = item / S % x.M, seg = item % S;
-    const Source sc = source(x, c, src, t, g.lane);
-    if (!sc.ok) break;
-    if (t >= sc.count) continue;
+  for (u32 item = g.warp; item < pre[x.W] * S; item += g.warps) {
+    u32 src, t;
+    locate(pre, x.W, item / S, src, t);
+    const u32 seg = item % S;
+    const Source sc = source(x, c, src, t);
     const u32 here = slots_on_rank(sc.row, x.k, x.a.num_experts, x.L, me);
     if (!here) continue;
     A2A_PROF_START(t1);
@@ -351,8 +378,12 @@ extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
   A2A_PROF_START(t0);
   if (a2a_block() == 0) send_headers(x, c, g);
   send_tokens(x, c, g);
-  reserve_rows(x, c, g);
-  fan_out(x, c, g);
+  __shared__ u32 prefix_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD + 1];
+  u32* pre = prefix_buf[g.warp_in_block];
+  if (source_prefix(x, (u32)c.num_tokens, pre, true, g.lane)) {
+    reserve_rows(x, c, g, pre);
+    fan_out(x, c, g, pre);
+  }
 
   A2A_PROF_START(t1);
   if (a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_block_counters) + 0, false)) {  // counts stay local
@@ -473,11 +504,13 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   const u32* w_flag = sym<u32>(x.h, (int)me, x.a.off_w_flag);
   const u64 stride = (u64)H * 4u;
-  for (u32 item = g.warp; item < x.W * x.M * S; item += g.warps) {
-    const u32 src = item / (x.M * S), t = item / S % x.M, seg = item % S;
-    u32 count = src == me ? (u32)c.num_tokens : sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + src];
-    count = count < x.M ? count : x.M;
-    if (t >= count) continue;
+  __shared__ u32 prefix_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD + 1];
+  u32* pre = prefix_buf[g.warp_in_block];
+  source_prefix(x, (u32)c.num_tokens, pre, false, g.lane);  // the headers came with dispatch
+  for (u32 item = g.warp; item < pre[x.W] * S; item += g.warps) {
+    u32 src, t;
+    locate(pre, x.W, item / S, src, t);
+    const u32 seg = item % S;
     const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
     const u32 here = slots_on_rank(sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k, x.k, x.a.num_experts,
                                    x.L, me);
