@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.profile import summarize, to_trace_events, write_trace  # noqa: E402
+from pyhipa2a.profile import TAGS, summarize, to_trace_events, write_trace  # noqa: E402
 from pyhipa2a.testing import draw_world, run_round  # noqa: E402
 
 LARGEST_GPU_MODE_SHAPE = (256, 8, 7168, 256)
@@ -75,6 +75,13 @@ def main() -> int:
         print(f"{kernel:<9} {r:>4} {s['wait_us']:>10.1f} {s['move_us']:>10.1f} {s['sync_us']:>8.1f} "
               f"{str(s['slowest_block']):>14} {s['slowest_block_us']:>9.1f} {str(s['most_waited_peer']):>17} "
               f"{s['most_waited_us']:>9.1f}")
+    print("per stage, summed over warps and calls (us):")
+    print(f"{'stage':<22} {'kind':<5} " + " ".join(f"{'rank ' + str(r):>10}" for r in sorted(by_rank)))
+    for tag, (name, kind) in sorted(TAGS.items()):
+        sums = [float(((e["end"] - e["start"]) * (e["tag"] == tag)).sum()) / 1e3 if len(e) else 0.0
+                for e in (by_rank[r] for r in sorted(by_rank))]
+        if any(sums):
+            print(f"{name:<22} {kind:<5} " + " ".join(f"{v:>10.1f}" for v in sums))
     return 0
 
 

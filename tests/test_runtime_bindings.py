@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pyhipa2a.runtime import cuda as cuda_rt
+from pyhipa2a.runtime import driver as driver_rt
 from pyhipa2a.runtime import hip as hip_rt
 from pyhipa2a.runtime.base import RuntimeFailure
 
@@ -45,13 +46,28 @@ def test_every_used_binding_name_exists(rt):
 
 def test_used_calls_lists_every_call_in_the_source(rt):
     # Keeps _USED_CALLS honest: a call added to the code but not to the list
-    # would escape the existence check above.
+    # would escape the existence check above. The names the shared methods of
+    # driver.DriverBackend call come from the module's _CALLS table.
     import re
     mod, _, _, _ = rt
     prefix = "driver" if mod is cuda_rt else "hip"
     source = open(mod.__file__).read()
-    used = set(re.findall(rf"\b{prefix}\.(\w+)", source))
+    used = set(re.findall(rf"\b{prefix}\.(\w+)", source)) | set(mod._CALLS.values())
     assert used == set(mod._USED_CALLS), used ^ set(mod._USED_CALLS)
+
+
+def test_call_tables_cover_every_role_the_shared_code_uses(rt):
+    # A role missing from a table would otherwise first fail (KeyError) on a GPU.
+    import re
+    mod, _, _, _ = rt
+    source = open(driver_rt.__file__).read()
+    roles = set(re.findall(r'(?:_call|_CALLS\[)\(?"(\w+)"', source))
+    streamed = set(re.findall(r'_on_stream\("(\w+)"', source))
+    roles |= streamed | {role + "_async" for role in streamed}
+    assert roles == set(driver_rt.ROLES), roles ^ set(driver_rt.ROLES)
+    assert set(mod._CALLS) == set(driver_rt.ROLES), set(mod._CALLS) ^ set(driver_rt.ROLES)
+    backend = mod.CudaBackend if mod is cuda_rt else mod.HipBackend
+    assert backend._CALLS is mod._CALLS
 
 
 def test_check_returns_values_on_success(rt):

@@ -3,32 +3,46 @@
 Every binding call returns a tuple whose first item is a `CUresult`; `_check`
 turns a failure into `RuntimeFailure` and hands back the remaining value(s).
 Streams, events, modules and functions are the binding's own handle objects;
-pointers cross this interface as plain ints.
+pointers cross this interface as plain ints. Copies, streams, events, modules
+and launches are the shared `DriverBackend`'s, through the `_CALLS` table
+below; what is CUDA's own (device and context set-up, IPC handles, pointer
+queries, flags) is here.
 """
 from __future__ import annotations
 
 import ctypes
 
-import numpy as np
+from .base import DeviceInfo, RuntimeFailure
+from .driver import DriverBackend
 
-from .base import Backend, DeviceInfo, RuntimeFailure
+# The binding's function for each role DriverBackend's shared methods call.
+_CALLS = {
+    "mem_free": "cuMemFree", "host_alloc": "cuMemHostAlloc",
+    "host_get_device_pointer": "cuMemHostGetDevicePointer", "host_free": "cuMemFreeHost",
+    "ipc_close_handle": "cuIpcCloseMemHandle",
+    "memcpy_htod": "cuMemcpyHtoD", "memcpy_htod_async": "cuMemcpyHtoDAsync",
+    "memcpy_dtoh": "cuMemcpyDtoH", "memcpy_dtoh_async": "cuMemcpyDtoHAsync",
+    "memcpy_dtod": "cuMemcpyDtoD", "memcpy_dtod_async": "cuMemcpyDtoDAsync",
+    "memset_d8": "cuMemsetD8", "memset_d8_async": "cuMemsetD8Async",
+    "stream_create": "cuStreamCreate", "stream_destroy": "cuStreamDestroy",
+    "stream_synchronize": "cuStreamSynchronize",
+    "event_destroy": "cuEventDestroy", "event_record": "cuEventRecord",
+    "event_synchronize": "cuEventSynchronize", "event_elapsed_time": "cuEventElapsedTime",
+    "module_load_data": "cuModuleLoadData", "module_unload": "cuModuleUnload",
+    "module_get_function": "cuModuleGetFunction", "launch_kernel": "cuLaunchKernel",
+}
 
-# Every attribute of `driver` used below; tests assert they all exist, since
-# this code cannot run on a machine without an NVIDIA driver.
+# Every attribute of `driver` used here, directly below or through _CALLS; tests
+# assert they all exist, since this code cannot run on a machine without an
+# NVIDIA driver.
 _USED_CALLS = (
     "cuInit", "cuDeviceGetCount", "cuCtxGetDevice_v2", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuGetErrorName", "cuGetErrorString",
-    "cuMemAlloc", "cuMemFree", "cuMemHostAlloc", "cuMemHostGetDevicePointer", "cuMemFreeHost",
-    "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE", "cuMemsetD8", "cuMemsetD8Async",
-    "cuIpcGetMemHandle", "cuIpcOpenMemHandle", "cuIpcCloseMemHandle", "cuPointerGetAttribute",
-    "cuMemcpyHtoD", "cuMemcpyHtoDAsync", "cuMemcpyDtoH", "cuMemcpyDtoHAsync",
-    "cuMemcpyDtoD", "cuMemcpyDtoDAsync",
-    "cuStreamCreate", "cuStreamDestroy", "cuStreamSynchronize",
-    "cuEventCreate", "cuEventDestroy", "cuEventRecord", "cuEventSynchronize", "cuEventElapsedTime",
-    "cuModuleLoadData", "cuModuleUnload", "cuModuleGetFunction", "cuLaunchKernel",
+    "cuMemAlloc", "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE",
+    "cuIpcGetMemHandle", "cuIpcOpenMemHandle", "cuPointerGetAttribute", "cuEventCreate",
     "CUresult", "CUstream", "CUipcMemHandle", "CUdevice_attribute", "CUipcMem_flags",
     "CUpointer_attribute", "CUstream_flags", "CUevent_flags",
-)
+) + tuple(_CALLS.values())
 
 _IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle), fixed by the CUDA ABI
 
@@ -62,14 +76,10 @@ def _error_text(err) -> str:
     return getattr(err, "name", None) or f"CUresult {int(err)}"
 
 
-def _failure(err, call: str) -> RuntimeFailure:
-    return RuntimeFailure(f"{call} failed: {_error_text(err)}")
-
-
 def _check(result, call: str):
     """Raise on a failed `result` tuple; return its value (None, one item, or a tuple)."""
     if result[0]:
-        raise _failure(result[0], call)
+        raise RuntimeFailure(f"{call} failed: {_error_text(result[0])}")
     return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
 
 
@@ -87,22 +97,21 @@ def _handle_from_bytes(data: bytes):
     return handle
 
 
-def _host_buffer(a: np.ndarray) -> tuple[int, int]:
-    if not a.flags.c_contiguous:
-        raise ValueError("host array must be C-contiguous")
-    return a.ctypes.data, a.nbytes
 
-
-class CudaBackend(Backend):
+class CudaBackend(DriverBackend):
     kind = "cuda"
     code_suffix = ".fatbin"
     dlpack_device_type = 2  # kDLCUDA
+    _CALLS = _CALLS
+    _LAUNCH_EXTRA = 0  # `extra` must be 0, not None, for this binding
+    _api = staticmethod(_load)
+    _check = staticmethod(_check)
 
     def __init__(self):
+        super().__init__()
         _load()
         _check(driver.cuInit(0), "cuInit")
         self._context = None
-        self._streams = set()  # created here and not yet destroyed; close() reclaims them
 
     # -- device -------------------------------------------------------------
     def device_count(self) -> int:
@@ -136,11 +145,8 @@ class CudaBackend(Backend):
     def malloc_ipc(self, nbytes: int) -> int:
         # cuMemAlloc memory is what cuIpcGetMemHandle accepts (VMM allocations are not).
         ptr = int(_check(driver.cuMemAlloc(nbytes), "cuMemAlloc"))
-        _check(driver.cuMemsetD8(ptr, 0, nbytes), "cuMemsetD8")
+        self.memset(ptr, 0, nbytes)
         return ptr
-
-    def free(self, ptr: int) -> None:
-        _check(driver.cuMemFree(ptr), "cuMemFree")
 
     def ipc_export(self, ptr: int) -> bytes:
         return _handle_to_bytes(_check(driver.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle"))
@@ -150,18 +156,8 @@ class CudaBackend(Backend):
         ptr = _check(driver.cuIpcOpenMemHandle(_handle_from_bytes(handle), flags), "cuIpcOpenMemHandle")
         return int(ptr)
 
-    def ipc_close(self, ptr: int) -> None:
-        _check(driver.cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
-
-    def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
-        flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
-        host = int(_check(driver.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
-        ctypes.memset(host, 0, nbytes)
-        dev = int(_check(driver.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
-        return host, dev
-
-    def free_host_mapped(self, host_ptr: int) -> None:
-        _check(driver.cuMemFreeHost(host_ptr), "cuMemFreeHost")
+    def _host_mapped_flags(self):
+        return driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
 
     def pointer_device(self, ptr: int) -> int | None:
         # The pointer's context, not CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: on the
@@ -178,94 +174,13 @@ class CudaBackend(Backend):
             return int(_check(driver.cuCtxGetDevice_v2(context), "cuCtxGetDevice_v2"))
         return -1  # another context: not the device this process drives
 
-    # -- copies ---------------------------------------------------------------
-    # Host<->device copies return once the data has arrived (the host buffer
-    # may be reused or read at once); device-only ops are just stream-ordered.
-    def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
-        addr, nbytes = _host_buffer(src)
-        if stream is None:
-            _check(driver.cuMemcpyHtoD(dst, addr, nbytes), "cuMemcpyHtoD")
-        else:
-            _check(driver.cuMemcpyHtoDAsync(dst, addr, nbytes, stream), "cuMemcpyHtoDAsync")
-            _check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
-
-    def copy_to_host(self, dst: np.ndarray, src: int, stream=None) -> None:
-        addr, nbytes = _host_buffer(dst)
-        if stream is None:
-            _check(driver.cuMemcpyDtoH(addr, src, nbytes), "cuMemcpyDtoH")
-        else:
-            _check(driver.cuMemcpyDtoHAsync(addr, src, nbytes, stream), "cuMemcpyDtoHAsync")
-            _check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
-
-    def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
-        if stream is None:
-            _check(driver.cuMemcpyDtoD(dst, src, nbytes), "cuMemcpyDtoD")
-        else:
-            _check(driver.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
-
-    def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
-        if stream is None:
-            _check(driver.cuMemsetD8(ptr, byte, nbytes), "cuMemsetD8")
-        else:
-            _check(driver.cuMemsetD8Async(ptr, byte, nbytes, stream), "cuMemsetD8Async")
-
     # -- streams and events ---------------------------------------------------
-    # Stream None is handle 0, the legacy default stream; the binding maps None to 0.
-    def stream_create(self):
-        # Non-blocking: must not serialise against work other libraries put on stream 0.
-        flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
-        stream = _check(driver.cuStreamCreate(flags), "cuStreamCreate")
-        self._streams.add(stream)
-        return stream
-
-    def stream_destroy(self, stream) -> None:
-        self._streams.discard(stream)
-        _check(driver.cuStreamDestroy(stream), "cuStreamDestroy")
-
-    def stream_handle(self, stream) -> int:
-        return 0 if stream is None else int(stream)
+    def _non_blocking_stream_flags(self):
+        return driver.CUstream_flags.CU_STREAM_NON_BLOCKING
 
     def stream_from_handle(self, handle: int):
         return driver.CUstream(handle)
 
-    def stream_synchronize(self, stream) -> None:
-        _check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
-
     def event_create(self):
         # Default flags keep timing on (CU_EVENT_DISABLE_TIMING would break event_elapsed_ms).
         return _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
-
-    def event_destroy(self, event) -> None:
-        _check(driver.cuEventDestroy(event), "cuEventDestroy")
-
-    def event_record(self, event, stream) -> None:
-        _check(driver.cuEventRecord(event, stream), "cuEventRecord")
-
-    def event_synchronize(self, event) -> None:
-        _check(driver.cuEventSynchronize(event), "cuEventSynchronize")
-
-    def event_elapsed_ms(self, start, end) -> float:
-        return float(_check(driver.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
-
-    # -- code ---------------------------------------------------------------
-    def module_load(self, image: bytes):
-        return _check(driver.cuModuleLoadData(image), "cuModuleLoadData")
-
-    def module_unload(self, module) -> None:
-        _check(driver.cuModuleUnload(module), "cuModuleUnload")
-
-    def module_function(self, module, name: str):
-        return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
-
-    def launch(self, function, grid: int, block: int, stream, pack) -> None:
-        # kernelParams: the binding reads a buffer-protocol object as the void**
-        # array itself, so the ctypes array goes in as is (no per-launch packing).
-        # extra must be 0, not None, for this binding.
-        (err,) = driver.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, stream, pack.kernel_params, 0)
-        if err:
-            raise _failure(err, "cuLaunchKernel")
-
-    def close(self) -> None:
-        streams, self._streams = getattr(self, "_streams", set()), set()
-        for stream in streams:
-            driver.cuStreamDestroy(stream)  # best effort: a failure here must not mask shutdown

@@ -3,32 +3,45 @@
 Every binding call returns a tuple whose first item is a `hipError_t`;
 `_check` turns a failure into `RuntimeFailure` and hands back the remaining
 value(s). Streams, events, modules and functions are the binding's own handle
-objects; pointers cross this interface as plain ints.
+objects; pointers cross this interface as plain ints. Copies, streams, events,
+modules and launches are the shared `DriverBackend`'s, through the `_CALLS`
+table below; what is HIP's own (device set-up, fine-grained and IPC memory,
+pointer queries, flags) is here.
 """
 from __future__ import annotations
 
 import ctypes
 
-import numpy as np
+from .base import DeviceInfo, RuntimeFailure
+from .driver import DriverBackend
 
-from .base import Backend, DeviceInfo, RuntimeFailure
+# The binding's function for each role DriverBackend's shared methods call.
+_CALLS = {
+    "mem_free": "hipFree", "host_alloc": "hipHostMalloc",
+    "host_get_device_pointer": "hipHostGetDevicePointer", "host_free": "hipHostFree",
+    "ipc_close_handle": "hipIpcCloseMemHandle",
+    "memcpy_htod": "hipMemcpyHtoD", "memcpy_htod_async": "hipMemcpyHtoDAsync",
+    "memcpy_dtoh": "hipMemcpyDtoH", "memcpy_dtoh_async": "hipMemcpyDtoHAsync",
+    "memcpy_dtod": "hipMemcpyDtoD", "memcpy_dtod_async": "hipMemcpyDtoDAsync",
+    "memset_d8": "hipMemsetD8", "memset_d8_async": "hipMemsetD8Async",
+    "stream_create": "hipStreamCreateWithFlags", "stream_destroy": "hipStreamDestroy",
+    "stream_synchronize": "hipStreamSynchronize",
+    "event_destroy": "hipEventDestroy", "event_record": "hipEventRecord",
+    "event_synchronize": "hipEventSynchronize", "event_elapsed_time": "hipEventElapsedTime",
+    "module_load_data": "hipModuleLoadData", "module_unload": "hipModuleUnload",
+    "module_get_function": "hipModuleGetFunction", "launch_kernel": "hipModuleLaunchKernel",
+}
 
-# Every attribute of `hip` used below; tests assert they all exist, since this
-# code cannot run without ROCm's libamdhip64.so and an AMD GPU.
+# Every attribute of `hip` used here, directly below or through _CALLS; tests
+# assert they all exist, since this code cannot run without ROCm's
+# libamdhip64.so and an AMD GPU.
 _USED_CALLS = (
-    "hipInit", "hipGetDeviceCount", "hipSetDevice", "hipGetDeviceProperties",
-    "hipGetErrorString",
-    "hipExtMallocWithFlags", "hipFree", "hipHostMalloc", "hipHostGetDevicePointer", "hipHostFree",
-    "hipHostMallocMapped", "hipHostMallocCoherent", "hipHostMallocPortable", "hipMemsetD8", "hipMemsetD8Async",
-    "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipIpcCloseMemHandle", "hipPointerGetAttributes",
-    "hipMemcpyHtoD", "hipMemcpyHtoDAsync", "hipMemcpyDtoH", "hipMemcpyDtoHAsync",
-    "hipMemcpyDtoD", "hipMemcpyDtoDAsync",
-    "hipStreamCreateWithFlags", "hipStreamDestroy", "hipStreamSynchronize",
-    "hipEventCreate", "hipEventDestroy", "hipEventRecord", "hipEventSynchronize", "hipEventElapsedTime",
-    "hipModuleLoadData", "hipModuleUnload", "hipModuleGetFunction", "hipModuleLaunchKernel",
+    "hipInit", "hipGetDeviceCount", "hipSetDevice", "hipGetDeviceProperties", "hipGetErrorString",
+    "hipExtMallocWithFlags", "hipHostMallocMapped", "hipHostMallocCoherent", "hipHostMallocPortable",
+    "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipPointerGetAttributes", "hipEventCreate",
     "hipError_t", "hipIpcMemHandle_t", "ihipStream_t", "hipMemoryType",
     "hipDeviceMallocFinegrained", "hipIpcMemLazyEnablePeerAccess", "hipStreamNonBlocking",
-)
+) + tuple(_CALLS.values())
 
 _IPC_HANDLE_BYTES = 64  # sizeof(hipIpcMemHandle_t), HIP_IPC_HANDLE_SIZE
 
@@ -68,14 +81,10 @@ def _error_text(err) -> str:
     return getattr(err, "name", None) or f"hipError_t {int(err)}"
 
 
-def _failure(err, call: str) -> RuntimeFailure:
-    return RuntimeFailure(f"{call} failed: {_error_text(err)}")
-
-
 def _check(result, call: str):
     """Raise on a failed `result` tuple; return its value (None, one item, or a tuple)."""
     if result[0]:
-        raise _failure(result[0], call)
+        raise RuntimeFailure(f"{call} failed: {_error_text(result[0])}")
     return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
 
 
@@ -92,21 +101,19 @@ def _handle_from_bytes(data: bytes):
     return handle
 
 
-def _host_buffer(a: np.ndarray) -> tuple[int, int]:
-    if not a.flags.c_contiguous:
-        raise ValueError("host array must be C-contiguous")
-    return a.ctypes.data, a.nbytes
-
-
-class HipBackend(Backend):
+class HipBackend(DriverBackend):
     kind = "hip"
     code_suffix = ".hsaco"
     dlpack_device_type = 10  # kDLROCM
+    _CALLS = _CALLS
+    _LAUNCH_EXTRA = None
+    _api = staticmethod(_load)
+    _check = staticmethod(_check)
 
     def __init__(self):
+        super().__init__()
         _load()
         _check(hip.hipInit(0), "hipInit")
-        self._streams = set()  # created here and not yet destroyed; close() reclaims them
 
     # -- device -------------------------------------------------------------
     def device_count(self) -> int:
@@ -132,22 +139,12 @@ class HipBackend(Backend):
         # runs, which the all-to-all's flag polling depends on.
         ptr = _check(hip.hipExtMallocWithFlags(nbytes, hip.hipDeviceMallocFinegrained), "hipExtMallocWithFlags")
         ptr = int(ptr)
-        _check(hip.hipMemsetD8(ptr, 0, nbytes), "hipMemsetD8")
+        self.memset(ptr, 0, nbytes)
         return ptr
 
-    def free(self, ptr: int) -> None:
-        _check(hip.hipFree(ptr), "hipFree")
-
-    def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
+    def _host_mapped_flags(self):
         # Coherent: the host sees a kernel's status stores while the kernel still runs.
-        flags = hip.hipHostMallocMapped | hip.hipHostMallocCoherent | hip.hipHostMallocPortable
-        host = int(_check(hip.hipHostMalloc(nbytes, flags), "hipHostMalloc"))
-        ctypes.memset(host, 0, nbytes)
-        dev = int(_check(hip.hipHostGetDevicePointer(host, 0), "hipHostGetDevicePointer"))
-        return host, dev
-
-    def free_host_mapped(self, host_ptr: int) -> None:
-        _check(hip.hipHostFree(host_ptr), "hipHostFree")
+        return hip.hipHostMallocMapped | hip.hipHostMallocCoherent | hip.hipHostMallocPortable
 
     def ipc_export(self, ptr: int) -> bytes:
         return _handle_to_bytes(_check(hip.hipIpcGetMemHandle(ptr), "hipIpcGetMemHandle"))
@@ -156,9 +153,6 @@ class HipBackend(Backend):
         ptr = _check(hip.hipIpcOpenMemHandle(_handle_from_bytes(handle), hip.hipIpcMemLazyEnablePeerAccess),
                      "hipIpcOpenMemHandle")
         return int(ptr)
-
-    def ipc_close(self, ptr: int) -> None:
-        _check(hip.hipIpcCloseMemHandle(ptr), "hipIpcCloseMemHandle")
 
     def pointer_device(self, ptr: int) -> int | None:
         err, attrs = hip.hipPointerGetAttributes(ptr)
@@ -171,92 +165,13 @@ class HipBackend(Backend):
             return None
         return int(attrs.device)
 
-    # -- copies ---------------------------------------------------------------
-    # Host<->device copies return once the data has arrived (the host buffer
-    # may be reused or read at once); device-only ops are just stream-ordered.
-    def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
-        addr, nbytes = _host_buffer(src)
-        if stream is None:
-            _check(hip.hipMemcpyHtoD(dst, addr, nbytes), "hipMemcpyHtoD")
-        else:
-            _check(hip.hipMemcpyHtoDAsync(dst, addr, nbytes, stream), "hipMemcpyHtoDAsync")
-            _check(hip.hipStreamSynchronize(stream), "hipStreamSynchronize")
-
-    def copy_to_host(self, dst: np.ndarray, src: int, stream=None) -> None:
-        addr, nbytes = _host_buffer(dst)
-        if stream is None:
-            _check(hip.hipMemcpyDtoH(addr, src, nbytes), "hipMemcpyDtoH")
-        else:
-            _check(hip.hipMemcpyDtoHAsync(addr, src, nbytes, stream), "hipMemcpyDtoHAsync")
-            _check(hip.hipStreamSynchronize(stream), "hipStreamSynchronize")
-
-    def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
-        if stream is None:
-            _check(hip.hipMemcpyDtoD(dst, src, nbytes), "hipMemcpyDtoD")
-        else:
-            _check(hip.hipMemcpyDtoDAsync(dst, src, nbytes, stream), "hipMemcpyDtoDAsync")
-
-    def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
-        if stream is None:
-            _check(hip.hipMemsetD8(ptr, byte, nbytes), "hipMemsetD8")
-        else:
-            _check(hip.hipMemsetD8Async(ptr, byte, nbytes, stream), "hipMemsetD8Async")
-
     # -- streams and events ---------------------------------------------------
-    # Stream None is the null stream; the binding turns None into a NULL hipStream_t.
-    def stream_create(self):
-        # Non-blocking: must not serialise against work other libraries put on the null stream.
-        stream = _check(hip.hipStreamCreateWithFlags(hip.hipStreamNonBlocking), "hipStreamCreateWithFlags")
-        self._streams.add(stream)
-        return stream
-
-    def stream_destroy(self, stream) -> None:
-        self._streams.discard(stream)
-        _check(hip.hipStreamDestroy(stream), "hipStreamDestroy")
-
-    def stream_handle(self, stream) -> int:
-        return 0 if stream is None else int(stream)
+    def _non_blocking_stream_flags(self):
+        return hip.hipStreamNonBlocking
 
     def stream_from_handle(self, handle: int):
         return hip.ihipStream_t.fromObj(handle)
 
-    def stream_synchronize(self, stream) -> None:
-        _check(hip.hipStreamSynchronize(stream), "hipStreamSynchronize")
-
     def event_create(self):
         # hipEventCreate uses default flags, so timing stays on for event_elapsed_ms.
         return _check(hip.hipEventCreate(), "hipEventCreate")
-
-    def event_destroy(self, event) -> None:
-        _check(hip.hipEventDestroy(event), "hipEventDestroy")
-
-    def event_record(self, event, stream) -> None:
-        _check(hip.hipEventRecord(event, stream), "hipEventRecord")
-
-    def event_synchronize(self, event) -> None:
-        _check(hip.hipEventSynchronize(event), "hipEventSynchronize")
-
-    def event_elapsed_ms(self, start, end) -> float:
-        return float(_check(hip.hipEventElapsedTime(start, end), "hipEventElapsedTime"))
-
-    # -- code ---------------------------------------------------------------
-    def module_load(self, image: bytes):
-        return _check(hip.hipModuleLoadData(image), "hipModuleLoadData")
-
-    def module_unload(self, module) -> None:
-        _check(hip.hipModuleUnload(module), "hipModuleUnload")
-
-    def module_function(self, module, name: str):
-        return _check(hip.hipModuleGetFunction(module, name.encode()), "hipModuleGetFunction")
-
-    def launch(self, function, grid: int, block: int, stream, pack) -> None:
-        # kernelParams: the binding reads a buffer-protocol object as the void**
-        # array itself, so the ctypes array goes in as is (no per-launch packing).
-        (err,) = hip.hipModuleLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, stream, pack.kernel_params, None)
-        if err:
-            raise _failure(err, "hipModuleLaunchKernel")
-
-    def close(self) -> None:
-        streams, self._streams = getattr(self, "_streams", set()), set()
-        for stream in streams:
-            hip.hipStreamDestroy(stream)  # best effort: a failure here must not mask shutdown

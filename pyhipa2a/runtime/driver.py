@@ -1,0 +1,162 @@
+"""What the CUDA and HIP backends share: both bindings mirror one driver API.
+
+cuda-python's `driver` and hip-python's `hip` take the same arguments in the
+same order for copies, memsets, streams, events, modules and launches, and
+both return a tuple whose first item is an error code. `DriverBackend`
+implements those methods once; a subclass names its binding's function for
+each role in `_CALLS` and supplies `_api` (the binding module) and `_check`
+(its own error check, which puts the runtime's error string and the call's
+name into `RuntimeFailure`). Whatever differs between the two runtimes stays
+in cuda.py and hip.py.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .base import Backend
+
+# Every role the methods below call; each subclass's `_CALLS` maps exactly
+# these to its binding's function names (tests hold both to that).
+ROLES = (
+    "mem_free", "host_alloc", "host_get_device_pointer", "host_free", "ipc_close_handle",
+    "memcpy_htod", "memcpy_htod_async", "memcpy_dtoh", "memcpy_dtoh_async",
+    "memcpy_dtod", "memcpy_dtod_async", "memset_d8", "memset_d8_async",
+    "stream_create", "stream_destroy", "stream_synchronize",
+    "event_destroy", "event_record", "event_synchronize", "event_elapsed_time",
+    "module_load_data", "module_unload", "module_get_function", "launch_kernel",
+)
+
+
+def _host_buffer(a: np.ndarray) -> tuple[int, int]:
+    if not a.flags.c_contiguous:
+        raise ValueError("host array must be C-contiguous")
+    return a.ctypes.data, a.nbytes
+
+
+class DriverBackend(Backend):
+    _CALLS: dict[str, str] = {}  # role (see ROLES) -> the binding's function name
+    _LAUNCH_EXTRA = None         # the launch call's `extra` argument, as the binding wants it
+
+    def __init__(self):
+        self._streams = set()  # created here and not yet destroyed; close() reclaims them
+
+    # -- what a subclass provides ---------------------------------------------
+    @staticmethod
+    def _api():
+        """The binding module (loaded on first use)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _check(result, call: str):
+        """Raise RuntimeFailure naming `call` on a failed result tuple; else return its value."""
+        raise NotImplementedError
+
+    def _host_mapped_flags(self):
+        """Flags for pinned host memory the device can write (the `host_alloc` call)."""
+        raise NotImplementedError
+
+    def _non_blocking_stream_flags(self):
+        """Flags for a stream that does not serialise against the default stream."""
+        raise NotImplementedError
+
+    def _call(self, role: str, *args):
+        """Make the binding's call for `role`, checked under that call's own name."""
+        name = self._CALLS[role]
+        return self._check(getattr(self._api(), name)(*args), name)
+
+    def _on_stream(self, role: str, stream, *args, wait: bool = False) -> None:
+        """`role`'s synchronous call, or with a stream its "_async" form (stream last),
+        followed by a stream synchronize when `wait`."""
+        if stream is None:
+            self._call(role, *args)
+        else:
+            self._call(role + "_async", *args, stream)
+            if wait:
+                self._call("stream_synchronize", stream)
+
+    # -- memory -------------------------------------------------------------
+    def free(self, ptr: int) -> None:
+        self._call("mem_free", ptr)
+
+    def ipc_close(self, ptr: int) -> None:
+        self._call("ipc_close_handle", ptr)
+
+    def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
+        host = int(self._call("host_alloc", nbytes, self._host_mapped_flags()))
+        ctypes.memset(host, 0, nbytes)
+        dev = int(self._call("host_get_device_pointer", host, 0))
+        return host, dev
+
+    def free_host_mapped(self, host_ptr: int) -> None:
+        self._call("host_free", host_ptr)
+
+    # -- copies ---------------------------------------------------------------
+    # Host<->device copies return once the data has arrived (the host buffer
+    # may be reused or read at once); device-only ops are just stream-ordered.
+    def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
+        addr, nbytes = _host_buffer(src)
+        self._on_stream("memcpy_htod", stream, dst, addr, nbytes, wait=True)
+
+    def copy_to_host(self, dst: np.ndarray, src: int, stream=None) -> None:
+        addr, nbytes = _host_buffer(dst)
+        self._on_stream("memcpy_dtoh", stream, addr, src, nbytes, wait=True)
+
+    def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        self._on_stream("memcpy_dtod", stream, dst, src, nbytes)
+
+    def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
+        self._on_stream("memset_d8", stream, ptr, byte, nbytes)
+
+    # -- streams and events ---------------------------------------------------
+    # Stream None is the default (null) stream: both bindings turn None into handle 0.
+    def stream_create(self):
+        # Non-blocking: must not serialise against work other libraries put on the default stream.
+        stream = self._call("stream_create", self._non_blocking_stream_flags())
+        self._streams.add(stream)
+        return stream
+
+    def stream_destroy(self, stream) -> None:
+        self._streams.discard(stream)
+        self._call("stream_destroy", stream)
+
+    def stream_handle(self, stream) -> int:
+        return 0 if stream is None else int(stream)
+
+    def stream_synchronize(self, stream) -> None:
+        self._call("stream_synchronize", stream)
+
+    def event_destroy(self, event) -> None:
+        self._call("event_destroy", event)
+
+    def event_record(self, event, stream) -> None:
+        self._call("event_record", event, stream)
+
+    def event_synchronize(self, event) -> None:
+        self._call("event_synchronize", event)
+
+    def event_elapsed_ms(self, start, end) -> float:
+        return float(self._call("event_elapsed_time", start, end))
+
+    # -- code ---------------------------------------------------------------
+    def module_load(self, image: bytes):
+        return self._call("module_load_data", image)
+
+    def module_unload(self, module) -> None:
+        self._call("module_unload", module)
+
+    def module_function(self, module, name: str):
+        return self._call("module_get_function", module, name.encode())
+
+    def launch(self, function, grid: int, block: int, stream, pack) -> None:
+        # kernelParams: the binding reads a buffer-protocol object as the void**
+        # array itself, so the ctypes array goes in as is (no per-launch packing).
+        self._call("launch_kernel", function, grid, 1, 1, block, 1, 1, 0, stream, pack.kernel_params,
+                   self._LAUNCH_EXTRA)
+
+    def close(self) -> None:
+        streams, self._streams = getattr(self, "_streams", set()), set()
+        for stream in streams:
+            # Best effort, unchecked: a failure here must not mask shutdown.
+            getattr(self._api(), self._CALLS["stream_destroy"])(stream)

@@ -1,0 +1,56 @@
+"""Profiling: the trace of every rank is valid Perfetto JSON and its summary adds up."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from pyhipa2a.profile import EVENT, TAGS, summarize
+from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
+
+KERNEL_SPAN = {"dispatch": "dispatch.warp", "combine": "combine.warp"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_trace_script(tmp_path, backend):
+    ranks = ranks_for(backend)
+    out = tmp_path / "trace.json"
+    shape = "16,4,512,16" if backend == "host" else "256,8,7168,256"
+    run = run_case("tests.cases.profile_cases:case_trace", ranks, env_backend(backend), args=(shape, str(out)))
+    trace = json.loads(out.read_text())                      # loads in a JSON parser
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == set(range(ranks))   # every rank present
+    names = {name for name, _ in TAGS.values()}
+    assert {e["name"] for e in events} <= names               # names from the fixed table
+    assert trace["metadata"]["dropped_events"] == 0
+    # every event lies inside its kernel's span on its rank, for each call
+    spans = defaultdict(lambda: [float("inf"), float("-inf")])
+    for e in events:
+        kernel = e["name"].split(".")[0]
+        if e["name"] == KERNEL_SPAN[kernel]:
+            s = spans[(e["pid"], e["args"]["call"], kernel)]
+            s[0], s[1] = min(s[0], e["ts"]), max(s[1], e["ts"] + e["dur"])
+    for e in events:
+        kernel = e["name"].split(".")[0]
+        lo, hi = spans[(e["pid"], e["args"]["call"], kernel)]
+        assert lo - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= hi + 1e-3, e
+        assert e["dur"] >= 0
+    assert "oracle max err" in run.stdout and "waiting" in run.stdout
+
+
+def test_summary_adds_up():
+    events = np.zeros(6, EVENT)
+    #            start  end  tag block warp detail(peer)
+    rows = [(0, 100, 7, 0, 0, 0), (10, 30, 3, 0, 0, 1), (30, 80, 5, 0, 0, 0),
+            (0, 150, 7, 1, 0, 0), (5, 45, 4, 1, 0, 2), (45, 140, 2, 1, 0, 2)]
+    for i, r in enumerate(rows):
+        events[i] = r
+    s = summarize({0: events})[("dispatch", 0)]
+    assert s["wait_us"] == pytest.approx((20 + 40) / 1e3)
+    assert s["move_us"] == pytest.approx((50 + 95) / 1e3)
+    assert s["warp_span_us"] == pytest.approx((100 + 150) / 1e3)
+    assert s["slowest_block"] == 1 and s["slowest_block_us"] == pytest.approx(0.15)
+    assert s["most_waited_peer"] == 2 and s["most_waited_us"] == pytest.approx(0.04)
+    assert s["events"] == 6

@@ -1,0 +1,19 @@
+"""The traffic model that bench.py's link bandwidth and speed of light rest on."""
+import numpy as np
+
+from pyhipa2a.traffic import link_bytes
+
+
+def test_two_ranks_by_hand():
+    # E=4 over 2 ranks (experts 0,1 on rank 0; 2,3 on rank 1), k=2, H=8, fp16.
+    idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)   # rank 0's 3 tokens
+    idx1 = np.array([[1, 3]], np.int32)                   # rank 1's 1 token
+    dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8)
+    # rank 0: header 3*2*4+4; tokens 1 and 2 go to rank 1 once each (token 2 has two experts there)
+    assert dispatch[0] == (3 * 2 * 4 + 4) + 2 * 8 * 2
+    # rank 1: header 1*2*4+4; its token goes to rank 0 once
+    assert dispatch[1] == (1 * 2 * 4 + 4) + 1 * 8 * 2
+    # combine: weights to the peer; rank 1 returns a raw row for token 1 of rank 0 and an
+    # fp32 partial for token 2 (two experts there); rank 0 returns a raw row for rank 1's token
+    assert combine[0] == 3 * 2 * 4 + 1 * 8 * 2
+    assert combine[1] == 1 * 2 * 4 + 8 * 2 + 8 * 4
