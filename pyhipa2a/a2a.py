@@ -370,7 +370,8 @@ class AllToAll:
             self._expert_y_free()
             self._expert_y_buffer = None
         try:
-            self.heap.close()
+            # After a timeout a peer may be dead: talking to it could hang or abort the job.
+            self.heap.close(wait_for_peers=self._broken is None)
         finally:
             if self.profile_buffer is not None:
                 self.profile_buffer.free()

@@ -120,12 +120,14 @@ class SymmetricHeap:
         if not self._finalizer.alive:
             raise A2AError("SymmetricHeap is closed")
 
-    def close(self) -> None:
-        """Idempotent. Waits (bounded) for peers so nobody frees memory a peer still reads."""
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Idempotent. Waits (bounded) for peers so nobody frees memory a peer still reads;
+        `wait_for_peers=False` skips that when a peer is known to be gone."""
         if not self._finalizer.alive:
             return
         try:
-            bounded_barrier(self.comm, self.timeout, "SymmetricHeap.close")
+            if wait_for_peers:
+                bounded_barrier(self.comm, self.timeout, "SymmetricHeap.close")
         finally:
             self._finalizer()
 

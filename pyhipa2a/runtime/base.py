@@ -75,6 +75,10 @@ class Backend:
     def free_host_mapped(self, host_ptr: int) -> None:
         raise NotImplementedError
 
+    def memory_in_use(self) -> int:
+        """Bytes of device memory in use (device-wide on GPUs; this process's mappings on host)."""
+        raise NotImplementedError
+
     def pointer_device(self, ptr: int) -> int | None:
         """Device ordinal that owns `ptr`, or None when the runtime does not know it."""
         raise NotImplementedError

@@ -30,6 +30,7 @@ _CALLS = {
     "event_synchronize": "cuEventSynchronize", "event_elapsed_time": "cuEventElapsedTime",
     "module_load_data": "cuModuleLoadData", "module_unload": "cuModuleUnload",
     "module_get_function": "cuModuleGetFunction", "launch_kernel": "cuLaunchKernel",
+    "mem_get_info": "cuMemGetInfo",
 }
 
 # Every attribute of `driver` used here, directly below or through _CALLS; tests

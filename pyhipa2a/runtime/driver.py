@@ -25,7 +25,7 @@ ROLES = (
     "memcpy_dtod", "memcpy_dtod_async", "memset_d8", "memset_d8_async",
     "stream_create", "stream_destroy", "stream_synchronize",
     "event_destroy", "event_record", "event_synchronize", "event_elapsed_time",
-    "module_load_data", "module_unload", "module_get_function", "launch_kernel",
+    "module_load_data", "module_unload", "module_get_function", "launch_kernel", "mem_get_info",
 )
 
 
@@ -77,6 +77,10 @@ class DriverBackend(Backend):
                 self._call("stream_synchronize", stream)
 
     # -- memory -------------------------------------------------------------
+    def memory_in_use(self) -> int:
+        free, total = self._call("mem_get_info")
+        return int(total) - int(free)
+
     def free(self, ptr: int) -> None:
         self._call("mem_free", ptr)
 

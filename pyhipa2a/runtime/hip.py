@@ -30,6 +30,7 @@ _CALLS = {
     "event_synchronize": "hipEventSynchronize", "event_elapsed_time": "hipEventElapsedTime",
     "module_load_data": "hipModuleLoadData", "module_unload": "hipModuleUnload",
     "module_get_function": "hipModuleGetFunction", "launch_kernel": "hipModuleLaunchKernel",
+    "mem_get_info": "hipMemGetInfo",
 }
 
 # Every attribute of `hip` used here, directly below or through _CALLS; tests

@@ -138,6 +138,9 @@ class HostBackend(Backend):
                 return m, ptr - base
         raise RuntimeFailure(f"host: address 0x{ptr:x} is not in any shared mapping")
 
+    def memory_in_use(self) -> int:
+        return sum(m.size for m in self._maps.values()) + sum(len(b) for b in self._host_buffers.values())
+
     def pointer_device(self, ptr: int) -> int | None:
         try:
             self._locate(ptr)

@@ -1,0 +1,113 @@
+"""Many calls, every one checked: `mpirun -n N python scripts/stress.py [--calls 10000]`.
+
+Three AllToAll objects of different shapes and dtypes stay alive and are
+called in a random order (the same on every rank). Token counts are random,
+including 0 and M, and routing is skewed: uniform, one hot expert, or whole
+ranks sending nothing. Every output is checked against pyhipa2a.reference
+with poisoned outputs. Every `--churn` calls one object is closed and built
+again, so teardown is exercised too. Device memory in use is reported after
+warm-up and at the end, and must not grow. Exits non-zero on any mismatch,
+error or growth.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from pyhipa2a import AllToAll  # noqa: E402
+from pyhipa2a.testing import draw_world, run_round  # noqa: E402
+
+
+def configs(world: int) -> list[dict]:
+    return [
+        dict(num_experts=2 * world, experts_per_token=2, hidden_dim=128, max_num_tokens=16, in_dtype="float16"),
+        dict(num_experts=8 * world, experts_per_token=4, hidden_dim=1000, max_num_tokens=32, in_dtype="float16"),
+        dict(num_experts=4 * world, experts_per_token=3, hidden_dim=264, max_num_tokens=8, in_dtype="bfloat16"),
+    ]
+
+
+def token_counts(rng, world: int, M: int) -> np.ndarray:
+    counts = rng.integers(0, M + 1, size=world)
+    mode = rng.integers(0, 4)
+    if mode == 1:
+        counts[rng.integers(0, world)] = 0          # one rank sends nothing
+    elif mode == 2:
+        counts[:] = M                               # full
+    elif mode == 3:
+        counts[rng.random(world) < 0.5] = 0         # about half the ranks send nothing
+    return counts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--churn", type=int, default=1000, help="rebuild one object every this many calls")
+    p.add_argument("--slack", type=int, default=0, help="bytes of memory growth tolerated")
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    shapes = configs(world)
+    a2as = [AllToAll(comm, timeout=args.timeout, **s) for s in shapes]
+    rng = np.random.default_rng(args.seed)
+    worst, failure, start = 0.0, None, time.monotonic()
+    try:
+        def one_call(i: int) -> float:
+            which = int(rng.integers(0, len(a2as)))
+            s = shapes[which]
+            counts = token_counts(rng, world, s["max_num_tokens"])
+            routing = "hot" if rng.random() < 0.25 else "random"
+            inputs = draw_world((args.seed * 1_000_003 + i) % 2**63, world, s["num_experts"], s["experts_per_token"],
+                                s["hidden_dim"], s["max_num_tokens"], s["in_dtype"], counts, routing)
+            return run_round(a2as[which], inputs)
+
+        for i in range(3 * len(a2as)):              # warm-up: every object's kernels loaded, buffers touched
+            one_call(-1 - i)
+        comm.Barrier()
+        memory_start = a2as[0].backend.memory_in_use()
+        for i in range(args.calls):
+            if args.churn and i and i % args.churn == 0:
+                victim = (i // args.churn) % len(a2as)
+                a2as[victim].close()
+                a2as[victim] = AllToAll(comm, timeout=args.timeout, **shapes[victim])
+                one_call(-100 - i)                   # the new object's first call, before memory is compared
+            worst = max(worst, one_call(i))
+        comm.Barrier()
+        memory_end = a2as[0].backend.memory_in_use()
+    except Exception as e:  # report on every rank, then agree on the verdict
+        failure = f"rank {rank}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        memory_start = memory_end = 0
+    finally:
+        for a2a in a2as:
+            try:
+                a2a.close()
+            except Exception:
+                pass
+    grew = memory_end - memory_start
+    ok = failure is None and grew <= args.slack
+    failures = [f for f in comm.allgather(failure) if f]
+    growth = comm.allgather(grew)
+    all_ok = comm.allreduce(ok, op=MPI.LAND)
+    worst = comm.allreduce(worst, op=MPI.MAX)
+    if rank == 0:
+        kind = a2as[0].backend.kind
+        print(f"pyhipa2a stress: {kind}, {world} ranks, {args.calls} calls checked against the oracle "
+              f"in {time.monotonic() - start:.1f} s, max combine error {worst:.3g}")
+        print(f"memory in use after warm-up {memory_start / 2**20:.2f} MiB, at the end {memory_end / 2**20:.2f} MiB; "
+              f"growth per rank (bytes): {growth}")
+        for f in failures:
+            print("FAIL:", f)
+        print("stress:", "PASS" if all_ok else "FAIL")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

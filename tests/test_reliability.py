@@ -1,0 +1,78 @@
+"""Failures become errors with a cause: dead peers, bad device inputs, memory that must not grow, security."""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpi_harness import BACKENDS, REPO, env_backend, host_ranks, mpiexec_prefix, ranks_for, run_case
+
+CASE = "tests.cases.reliability_cases:"
+
+
+def shm_files():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("pyhipa2a-")}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peer_death_is_an_error_not_a_hang(backend, tmp_path):
+    ranks = ranks_for(backend)
+    if ranks < 2:
+        pytest.skip("needs two ranks")
+    before = shm_files()
+    run = run_case(CASE + "case_peer_dies", ranks, env_backend(backend), timeout=120, args=(tmp_path,),
+                   allow_rank_death=True)
+    reports = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
+    assert sorted(reports) == [f"rank{r}.txt" for r in range(ranks - 1)], (reports, run.stdout)
+    assert all("PEER-DEATH-DETECTED" in t and "CLOSED" in t for t in reports.values()), reports
+    assert shm_files() - before == set()  # the dead rank's heap too: unlinked once mapped
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["case_device_checks_indices", "case_foreign_non_contiguous"])
+def test_reliability_cases(case, backend):
+    run_case(CASE + case, ranks_for(backend), env_backend(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stress_memory_flat(backend):
+    ranks = ranks_for(backend)
+    calls = "60" if backend == "host" else "2000"
+    cmd = [*mpiexec_prefix(), "-n", str(ranks), sys.executable, str(REPO / "scripts" / "stress.py"),
+           "--calls", calls, "--churn", "20"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("PYHIPA2A_BACKEND", None)
+    if backend == "host":
+        env["PYHIPA2A_BACKEND"] = "host"
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    assert out.returncode == 0 and "stress: PASS" in out.stdout, out.stdout + out.stderr
+    assert "growth per rank (bytes): [" + ", ".join(["0"] * ranks) + "]" in out.stdout, out.stdout
+
+
+def test_library_opens_no_socket(monkeypatch):
+    """Python-level sockets are forbidden while a whole host round runs (MPI's own are its business)."""
+    def refuse(*a, **k):
+        raise AssertionError("pyhipa2a opened a socket")
+    monkeypatch.setattr(socket, "socket", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    run_case("tests.cases.a2a_cases:case_shape", 2, "host", args=(4, 2, 64, 8, "float16", "random", "random", 1, 1))
+    src = (REPO / "pyhipa2a").rglob("*.py")
+    assert not [p for p in src if "import socket" in p.read_text() or "urllib" in p.read_text()]
+
+
+def test_files_written_are_not_world_writable(tmp_path):
+    from pyhipa2a.profile import write_trace
+    from pyhipa2a.runtime.host import HostBackend
+    path = tmp_path / "t.json"
+    write_trace(str(path), [], {})
+    assert not os.stat(path).st_mode & (stat.S_IWOTH | stat.S_IWGRP)
+    backend = HostBackend()
+    ptr = backend.malloc_ipc(4096)
+    name = backend.ipc_export(ptr).rstrip(b"\0").decode()
+    mode = os.stat(f"/dev/shm/{name}").st_mode
+    backend.free(ptr)
+    assert stat.S_IMODE(mode) == 0o600  # heap memory: only its owner may map it
