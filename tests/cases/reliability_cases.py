@@ -75,7 +75,9 @@ def case_device_checks_indices(comm):
         dev = DeviceArray(a2a.backend, a2a.buf["weights_stage"].ptr, bad.shape, np.int32, owner=a2a.heap)
         dev.view(bad.shape).copy_from(bad)
         a2a.dispatch(inputs.xs[a2a.rank], dev)
-        with pytest.raises(A2ADeviceError, match=f"expert index {E + 5} at flat position 2"):
+        # Both entries are reported by concurrent warps on a GPU; the first report wins.
+        with pytest.raises(A2ADeviceError, match=rf"expert index ({E + 5} at flat position 2|"
+                                                 rf"{bad[2, 0]} at flat position 5)"):
             a2a.synchronize()
         # Only valid entries were delivered: every rank's counts equal those of the valid entries.
         valid = np.zeros(a2a.local_experts, np.int64)
