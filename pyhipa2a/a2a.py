@@ -156,6 +156,7 @@ class AllToAll:
         self._expert_y_buffer: DeviceArray | None = None
         self._output_views: dict = {}
         self._device_inputs: dict = {}
+        self._foreign_streams: dict = {}
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
     def _check_config_agrees(self) -> None:
@@ -205,7 +206,16 @@ class AllToAll:
         if stream is None:
             return self.stream
         handle = getattr(stream, "ptr", stream)  # CuPy streams carry their handle in .ptr
-        return self.backend.stream_from_handle(int(handle)) if isinstance(handle, int) else handle
+        if not isinstance(handle, int):
+            return handle
+        # One wrapper per handle: the GPU backends make a new object each time, and
+        # _outputs caches its views by the stream object (one entry per call otherwise).
+        wrapped = self._foreign_streams.get(handle)
+        if wrapped is None:
+            wrapped = self.backend.stream_from_handle(int(handle))
+            if wrapped is not None:
+                self._foreign_streams[handle] = wrapped
+        return wrapped
 
     def _input(self, obj, name, want_shape, want_dtype, stage: str, stream):
         """Pointer to `obj` on the device: NumPy arrays are checked and copied into staging."""
@@ -215,8 +225,9 @@ class AllToAll:
             if obj.size:
                 self.backend.copy_to_device(self.buf[stage].ptr, obj, stream)
             return self.buf[stage].ptr, obj
-        # Device arrays cannot move or change shape: the same object passed
-        # again (the usual loop) is not described and checked again.
+        # The same object passed again (the usual loop) is not described and
+        # checked again: this assumes a device array never changes its memory
+        # (true of CuPy, JAX and our own arrays; not of a tensor resized in place).
         cached = self._device_inputs.get(name)
         if cached is not None and cached[0] is obj and cached[1] == want_shape:
             return cached[2], cached[3]
@@ -266,16 +277,12 @@ class AllToAll:
             raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
         T = self._pending.num_tokens
         s = self._stream(stream)
-        if isinstance(expert_y, np.ndarray):
-            check_array("expert_y", expert_y.shape, expert_y.dtype, (self.local_experts, self.capacity, self.hidden),
-                        self.out_dtype)
+        y_shape = (self.local_experts, self.capacity, self.hidden)
+        if isinstance(expert_y, np.ndarray):  # checked now, copied last: a refused call overwrites nothing
+            check_array("expert_y", expert_y.shape, expert_y.dtype, y_shape, self.out_dtype)
             check_numpy("expert_y", expert_y)
-            staging = self.expert_y_buffer()
-            self.backend.copy_to_device(staging.ptr, expert_y, s)
-            y_ptr, y_keep = staging.ptr, expert_y
         else:
-            y_ptr, y_keep = self._input(expert_y, "expert_y", (self.local_experts, self.capacity, self.hidden),
-                                        self.out_dtype, None, s)
+            y_ptr, y_keep = self._input(expert_y, "expert_y", y_shape, self.out_dtype, None, s)
         wshape = getattr(weights, "shape", None)
         if wshape is not None and len(wshape) == 2 and wshape[0] != T:
             raise ValueError(f"weights has {wshape[0]} rows but the preceding dispatch sent {T} tokens")
@@ -288,6 +295,10 @@ class AllToAll:
                 raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
             out_ptr, o_keep = self._input(out, "out", (T, self.hidden), self.out_dtype, None, s)
             out_arr = out
+        if isinstance(expert_y, np.ndarray):
+            staging = self.expert_y_buffer()
+            self.backend.copy_to_device(staging.ptr, expert_y, s)
+            y_ptr, y_keep = staging.ptr, expert_y
 
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens, call.epoch = y_ptr, w_ptr, out_ptr, T, self._epoch

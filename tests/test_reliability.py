@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.mpi_harness import BACKENDS, REPO, env_backend, host_ranks, mpiexec_prefix, ranks_for, run_case
+from tests.mpi_harness import BACKENDS, REPO, env_backend, mpiexec_prefix, ranks_for, run_case
 
 CASE = "tests.cases.reliability_cases:"
 

@@ -26,12 +26,13 @@ def _make(name: str) -> Backend:
     return HostBackend()
 
 
-def _has_devices(name: str) -> bool:
-    """Whether backend `name` can be created here and sees at least one device."""
+def _with_devices(name: str) -> Backend | None:
+    """Backend `name` if it can be created here and sees at least one device."""
     try:
-        return _make(name).device_count() > 0
+        backend = _make(name)
+        return backend if backend.device_count() > 0 else None
     except Exception:  # missing bindings, missing driver library, no device: not this backend
-        return False
+        return None
 
 
 def get_backend(name: str | None = None) -> Backend:
@@ -42,8 +43,9 @@ def get_backend(name: str | None = None) -> Backend:
             raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
         return _make(name)
     for candidate in ("hip", "cuda"):
-        if _has_devices(candidate):
-            return _make(candidate)
+        backend = _with_devices(candidate)
+        if backend is not None:
+            return backend
     return _make("host")
 
 
