@@ -165,7 +165,6 @@ def check_once(comm, a2a, inputs) -> str:
 
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     """Check, then time one shape (wall time too when flush_ptr is given)."""
-    world = comm.Get_size()
     r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs]))}
     error = check_once(comm, a2a, inputs)
     if error:

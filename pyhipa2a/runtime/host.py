@@ -16,7 +16,6 @@ import importlib
 import mmap
 import os
 import secrets
-import struct
 import time
 from dataclasses import dataclass
 
@@ -254,7 +253,3 @@ class _WordLock:
 
     def __exit__(self, *exc):
         fcntl.lockf(self.fd, fcntl.LOCK_UN, 4, self.offset, os.SEEK_SET)
-
-
-def u32_at(ptr: int) -> int:
-    return struct.unpack_from("<I", (ctypes.c_char * 4).from_address(ptr))[0]
