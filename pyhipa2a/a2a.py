@@ -67,8 +67,7 @@ class AllToAll:
         # A row moves in segments of SEGMENT_LANE_ELEMS per lane of a warp, one warp
         # each; the warp size is not known before the device is, so size the
         # segment flags for the smallest warp (more segments, never fewer).
-        self.seg_elems_min = SEGMENT_LANE_ELEMS * MIN_WARP
-        self.nseg = math.ceil(self.hidden / self.seg_elems_min)
+        self.nseg = math.ceil(self.hidden / (SEGMENT_LANE_ELEMS * MIN_WARP))  # set exactly in _setup
         heap_bytes = self._heap_bytes(comm)
         self.heap = SymmetricHeap(comm, heap_bytes, backend=backend, device=device, timeout=self.timeout)
         try:
