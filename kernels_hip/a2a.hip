@@ -2,18 +2,19 @@
 //
 // dispatch (one kernel):
 //   1. headers: block 0 writes this rank's routing rows and token count T
-//      into every rank's inbox (its own too, for combine) and release-stores
-//      the call's epoch into that rank's header flag for us;
+//      into every peer's inbox as tagged words (protocol.h: value and epoch
+//      in one atomic 8-byte store, so no fence and no flag);
 //   2. send: each token goes ONCE to every other rank that hosts at least one
 //      of its experts (not once per expert), followed by a per-token flag;
-//   3. receive: every (source, token) with experts here waits for its own
-//      flag only, reserves rows with local atomics and fans the vector out to
-//      each of its experts' rows of the expert-major output, with meta
-//      (src_rank, src_token, src_k) and a local note of where each slot went;
+//   3. receive: every (source, token) waits for its routing row, keeps a
+//      decoded copy, reserves rows for its experts here with local atomics
+//      (meta: src_rank, src_token, src_k; and a local note of where each slot
+//      went); each segment of the token then waits for its own flag and is
+//      fanned out to its experts' rows of the expert-major output;
 //   4. the last block to finish publishes expert_num_tokens and zeroes the
 //      counters for the next call.
 // combine (one kernel):
-//   1. block 0 sends this rank's weights to every peer, then a flag;
+//   1. block 0 sends this rank's weights to every peer as tagged words;
 //   2. for every (source, token) with experts here: one contribution goes
 //      back to the owner: the raw expert row when the token has one expert
 //      here (the owner weights it), else the fp32 sum of w * row over its
@@ -33,12 +34,10 @@ struct A2AArgs {
   HeapView heap;
   // written by peers
   u64 off_tok_x;           // u8  [2][W][M][x_row_bytes]   token vectors by (parity, src, token)
-  u64 off_tok_idx;         // i32 [2][W][M][k]             routing rows of every source
-  u64 off_tok_count;       // u32 [2][W]                   T of every source
-  u64 off_hdr_flag;        // u32 [2][W]                   epoch: rows and count of src are in
+  u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source
+  u64 off_tok_count;       // u64 [2][W]                   tagged T of every source
   u64 off_tok_flag;        // u32 [2][W][M][S]             epoch: segment s of vector (src, t) is in
-  u64 off_w_in;            // f32 [W][M][k]                weights of src's tokens (combine)
-  u64 off_w_flag;          // u32 [W]
+  u64 off_w_in;            // u64 [W][M][k]                tagged weights of src's tokens (combine)
   u64 off_contrib;         // u8  [W][M][hidden * 4]       contribution of rank r to our token t
   u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution is in
   // local
@@ -46,9 +45,11 @@ struct A2AArgs {
   u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
   u64 off_counters;        // u32 [L]
   u64 off_num_tokens;      // i32 [L]                      expert_num_tokens
+  u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded, ours too
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
-  u64 off_slot_flag;       // u32 [W][M]                   epoch: slot_of[src][t] is final
+  u64 off_slot_flag;       // u32 [W][M]                   epoch: rows[src][t] and slot_of[src][t] are final
   u64 off_block_counters;  // u32 [2]                      last-block counters: dispatch, combine
+  u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
   u64 prof;                // ProfBuffer*                  timelines (profiling build; 0 = off)
@@ -69,7 +70,7 @@ struct DispatchCall {
   u64 x;          // [T][x_row_bytes]
   u64 indices;    // i32 [T][k]
   i32 num_tokens;
-  u32 epoch;
+  u32 pad;
 };
 
 struct CombineCall {
@@ -77,8 +78,23 @@ struct CombineCall {
   u64 weights;    // f32 [T][k]
   u64 out;        // [T][hidden]
   i32 num_tokens;
-  u32 epoch;
+  u32 pad;
 };
+
+// The call's epoch lives on the device, not in the arguments, so a captured
+// graph replays with a fresh epoch each time. Dispatch takes the successor of
+// epoch[0] and leaves it in epoch[1]; its combine takes epoch[1] and leaves it
+// in epoch[0]. No kernel writes the word it reads, so every block of a launch
+// sees the same value (the previous launch wrote it). Never 0 (flags start
+// zeroed), and odd and even alternate even across the wrap (inbox parity).
+A2A_DEVICE u32 next_epoch(u32 e) { return e % 0xFFFFFFFEu + 1u; }
+
+A2A_DEVICE u32 take_epoch(const A2AArgs& a, bool dispatch) {
+  u32* words = sym<u32>(a.heap, a.heap.rank, a.off_epoch);
+  const u32 e = dispatch ? next_epoch(a2a_load_relaxed_sys(&words[0])) : a2a_load_relaxed_sys(&words[1]);
+  if (a2a_block() == 0 && a2a_thread() == 0) words[dispatch ? 1 : 0] = e;
+  return e;
+}
 
 #define A2A_MAX_LOCAL_EXPERTS 1024
 #define A2A_MAX_WARPS_PER_BLOCK 32
@@ -207,18 +223,20 @@ A2A_DEVICE Segment segment(const Ctx& x, u32 seg, u32 row_bytes, u32 itemsize) {
 
 // ------------------------------------------------------------- dispatch ----
 
+// Block 0 writes our routing rows and token count into every peer's inbox as
+// tagged words, all threads at once.
 A2A_DEVICE void send_headers(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k;
-  for (u32 r = g.warp_in_block; r < x.W; r += g.warps_per_block) {
+  for (u32 r = 0; r < x.W; ++r) {
+    if (r == me) continue;
     A2A_PROF_START(t0);
-    i32* rows = sym<i32>(x.h, (int)r, x.a.off_tok_idx) + ((u64)x.parity * x.W + me) * x.M * x.k;
-    copy_row(reinterpret_cast<u8*>(rows), reinterpret_cast<const u8*>(indices), n * 4u, g.lane);
-    a2a_wave_sync();
-    if (g.lane == 0) {
-      sym<u32>(x.h, (int)r, x.a.off_tok_count)[x.parity * x.W + me] = (u32)c.num_tokens;
-      a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_hdr_flag) + x.parity * x.W + me, x.epoch);
-    }
+    u64* rows = sym<u64>(x.h, (int)r, x.a.off_tok_hdr) + ((u64)x.parity * x.W + me) * x.M * x.k;
+    for (u32 i = a2a_thread(); i < n; i += a2a_block_dim())
+      a2a_store_relaxed_sys_u64(&rows[i], a2a_tag((u32)indices[i], x.epoch));
+    if (a2a_thread() == 0)
+      a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, x.a.off_tok_count) + x.parity * x.W + me,
+                                a2a_tag((u32)c.num_tokens, x.epoch));
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_HEADERS, t0, r);
   }
 }
@@ -241,11 +259,6 @@ A2A_DEVICE void send_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
   }
 }
 
-A2A_DEVICE void report_bad_indices(const Ctx& x, const i32* row, u32 t, u32 lane) {
-  if (lane < x.k && !valid_expert(row, lane, x.a.num_experts))
-    a2a_report(x.status, x.mirror, A2A_ERR_BAD_INDEX, (u32)x.h.rank, t * x.k + lane, (u32)row[lane]);
-}
-
 // Token counts of every source as a prefix: pre[src] = tokens of sources
 // before src, pre[W] = all of them. Lane r waits for r's header (when
 // `wait`), so item spaces below are dense over tokens that exist, not over
@@ -258,11 +271,14 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_count, u32* pre, bool wait, u
       n = my_count;
     } else {
       A2A_PROF_START(t0);
-      const u32* flag = sym<u32>(x.h, (int)me, x.a.off_hdr_flag) + x.parity * x.W + lane;
-      if (wait && !a2a_wait_flag(flag, x.epoch, x.deadline, x.status))
+      const u64* count = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + lane;
+      if (!wait) {
+        n = (u32)a2a_load_relaxed_sys_u64(count);  // dispatch saw it arrive
+      } else if (!a2a_wait_tagged(count, x.epoch, x.deadline, x.status, n)) {
         a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, lane, A2A_WAIT_DISPATCH, x.epoch);
+        n = 0;
+      }
       if (wait) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, lane);
-      n = sym<u32>(x.h, (int)me, x.a.off_tok_count)[x.parity * x.W + lane];
       n = n < x.M ? n : x.M;
     }
     pre[lane + 1] = n;
@@ -283,39 +299,77 @@ A2A_DEVICE void locate(const u32* pre, u32 W, u32 q, u32& src, u32& t) {
   t = q - pre[src];
 }
 
-// Where (src, t) comes from: its routing row and its vector.
-struct Source {
-  const i32* row;
-  const u8* vec;
-};
-
-A2A_DEVICE Source source(const Ctx& x, const DispatchCall& c, u32 src, u32 t) {
-  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes;
-  if (src == me)  // our own tokens: straight from the caller's arrays
-    return {reinterpret_cast<const i32*>(c.indices) + (u64)t * x.k, reinterpret_cast<const u8*>(c.x) + (u64)t * rb};
-  const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
-  return {sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k, sym<u8>(x.h, (int)me, x.a.off_tok_x) + at * rb};
+// The vector of token t of source src: ours straight from the caller, a
+// peer's from its inbox.
+A2A_DEVICE const u8* token_vector(const Ctx& x, const DispatchCall& c, u32 src, u32 t) {
+  const u32 rb = x.a.x_row_bytes;
+  if (src == (u32)x.h.rank) return reinterpret_cast<const u8*>(c.x) + (u64)t * rb;
+  return sym<u8>(x.h, x.h.rank, x.a.off_tok_x) + (((u64)x.parity * x.W + src) * x.M + t) * rb;
 }
 
-// Lane j reserves the expert row of slot j (local atomics), writes its meta
-// and slot_of; then the (src, t) slot flag tells the segment copiers.
+// True in every lane when any lane below k has `flag` set.
+A2A_DEVICE bool warp_any(bool flag, u32 lane, u32 k) {
+  int any = 0;
+  for (u32 i = 0; i < k; ++i) any |= a2a_shfl(flag && lane < k ? 1 : 0, (int)i);
+  return any != 0;
+}
+
+// Lane j (< k) holds expert e of slot j of a routing row. Every lane gets the
+// mask of slots that are valid (in [0, E), not repeating an earlier slot) and
+// live on rank r; `valid` says whether this lane's slot is.
+A2A_DEVICE u32 row_slots_on(i32 e, u32 lane, u32 k, i32 num_experts, u32 L, u32 r, bool& valid) {
+  valid = lane < k && e >= 0 && e < num_experts;
+  for (u32 i = 0; i < k; ++i) {
+    const i32 other = a2a_shfl(e, (int)i);
+    if (i < lane && other == e) valid = false;
+  }
+  u32 bits = 0;
+  for (u32 i = 0; i < k; ++i) bits |= (u32)a2a_shfl(valid && (u32)e / L == r ? 1 : 0, (int)i) << i;
+  return bits;
+}
+
+// One warp per (src, t): lane j waits for slot j of the routing row (a peer's
+// arrives as tagged words), keeps the decoded row for the fan-out and for
+// combine, and reserves the expert row of slot j when that expert is ours
+// (local atomics), writing its meta and slot_of. The (src, t) slot flag then
+// tells the segment copiers, whether or not the token has experts here.
 A2A_DEVICE void reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid& g, const u32* pre) {
   const u32 me = (u32)x.h.rank;
+  const i32* indices = reinterpret_cast<const i32*>(c.indices);
+  const u64* inbox = sym<u64>(x.h, (int)me, x.a.off_tok_hdr) + (u64)x.parity * x.W * x.M * x.k;
   u32* counters = sym<u32>(x.h, (int)me, x.a.off_counters);
   i32* meta = sym<i32>(x.h, (int)me, x.a.off_recv_meta);
+  i32* rows = sym<i32>(x.h, (int)me, x.a.off_rows);
   i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   u32* slot_flag = sym<u32>(x.h, (int)me, x.a.off_slot_flag);
   for (u32 item = g.warp; item < pre[x.W]; item += g.warps) {
     u32 src, t;
     locate(pre, x.W, item, src, t);
-    const Source sc = source(x, c, src, t);
-    if (src == me) report_bad_indices(x, sc.row, t, g.lane);
-    const u32 here = slots_on_rank(sc.row, x.k, x.a.num_experts, x.L, me);
-    if (!here) continue;
+    const u64 at = ((u64)src * x.M + t) * x.k;
+    i32 e = -1;
+    bool ok = true;
     if (g.lane < x.k) {
+      if (src == me) {
+        e = indices[(u64)t * x.k + g.lane];
+      } else {
+        A2A_PROF_START(t0);
+        u32 v = 0;
+        ok = a2a_wait_tagged(&inbox[at + g.lane], x.epoch, x.deadline, x.status, v);
+        if (!ok) a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, src, A2A_WAIT_DISPATCH, x.epoch);
+        e = (i32)v;
+        if (g.lane == 0) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, src | t << 8);
+      }
+      rows[at + g.lane] = e;
+    }
+    if (warp_any(!ok, g.lane, x.k)) break;
+    bool valid;
+    const u32 here = row_slots_on(e, g.lane, x.k, x.a.num_experts, x.L, me, valid);
+    if (g.lane < x.k) {
+      if (src == me && !valid)
+        a2a_report(x.status, x.mirror, A2A_ERR_BAD_INDEX, me, t * x.k + g.lane, (u32)e);
       i32 slot = -1;
       if (here >> g.lane & 1u) {
-        const u32 l = (u32)sc.row[g.lane] % x.L;
+        const u32 l = (u32)e % x.L;
         const u32 s = a2a_fetch_add_dev(&counters[l], 1u);
         if (s < x.capacity) {
           slot = (i32)(l * x.capacity + s);
@@ -326,7 +380,7 @@ A2A_DEVICE void reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
           a2a_report(x.status, x.mirror, A2A_ERR_CAPACITY, me, l, s);
         }
       }
-      slot_of[((u64)src * x.M + t) * x.k + g.lane] = slot;
+      slot_of[at + g.lane] = slot;
     }
     a2a_wave_sync();
     if (g.lane == 0) a2a_store_release_dev(&slot_flag[src * x.M + t], x.epoch);  // read on this device only
@@ -334,11 +388,12 @@ A2A_DEVICE void reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
 }
 
 // Each segment of each (src, t) with experts here is copied by one warp to
-// all of its expert rows, as soon as the segment and the slots are in.
+// all of its expert rows, as soon as the slots and the segment are in.
 A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
+  const i32* rows = sym<i32>(x.h, (int)me, x.a.off_rows);
   const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   const u32* slot_flag = sym<u32>(x.h, (int)me, x.a.off_slot_flag);
   const u32* tok_flag = sym<u32>(x.h, (int)me, x.a.off_tok_flag) + (u64)x.parity * x.W * x.M * S;
@@ -347,11 +402,10 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
     u32 src, t;
     locate(pre, x.W, item / S, src, t);
     const u32 seg = item % S;
-    const Source sc = source(x, c, src, t);
-    const u32 here = slots_on_rank(sc.row, x.k, x.a.num_experts, x.L, me);
-    if (!here) continue;
     A2A_PROF_START(t1);
     if (!warp_wait(x, &slot_flag[src * x.M + t], me, A2A_WAIT_DISPATCH, t, g.lane)) break;
+    const u32 here = slots_on_rank(rows + ((u64)src * x.M + t) * x.k, x.k, x.a.num_experts, x.L, me);
+    if (!here) continue;
     if (src != me && !warp_wait(x, &tok_flag[((u64)src * x.M + t) * S + seg], src, A2A_WAIT_DISPATCH, t, g.lane))
       break;
     if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
@@ -366,14 +420,15 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
     }
     a2a_wave_sync();
     const Segment sg = segment(x, seg, rb, itemsize);
-    copy_row_fanout(expert_x + sg.first, rb, slots, n, sc.vec + sg.first, sg.bytes, g.lane);
+    const u8* vec = token_vector(x, c, src, t);
+    copy_row_fanout(expert_x + sg.first, rb, slots, n, vec + sg.first, sg.bytes, g.lane);
     a2a_wave_sync();  // slots[] is reused by this warp's next item
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
   }
 }
 
 extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
-  const Ctx x = make_ctx(a, c.epoch);
+  const Ctx x = make_ctx(a, take_epoch(a, true));
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
   if (a2a_block() == 0) send_headers(x, c, g);
@@ -444,16 +499,15 @@ A2A_DEVICE void store8(u16* p, const float* acc) {
   *reinterpret_cast<vec16*>(p) = o;
 }
 
+// Block 0 writes our weights into every peer's inbox as tagged words.
 A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
-  const float* weights = reinterpret_cast<const float*>(c.weights);
+  const u32* weights = reinterpret_cast<const u32*>(c.weights);  // the float's bits travel
   const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k;
-  for (u32 r = g.warp_in_block; r < x.W; r += g.warps_per_block) {
+  for (u32 r = 0; r < x.W; ++r) {
     if (r == me) continue;
     A2A_PROF_START(t0);
-    float* w = sym<float>(x.h, (int)r, x.a.off_w_in) + (u64)me * x.M * x.k;
-    copy_row(reinterpret_cast<u8*>(w), reinterpret_cast<const u8*>(weights), n * 4u, g.lane);
-    a2a_wave_sync();
-    if (g.lane == 0) a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_w_flag) + me, x.epoch);
+    u64* w = sym<u64>(x.h, (int)r, x.a.off_w_in) + (u64)me * x.M * x.k;
+    for (u32 i = a2a_thread(); i < n; i += a2a_block_dim()) a2a_store_relaxed_sys_u64(&w[i], a2a_tag(weights[i], x.epoch));
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WEIGHTS, t0, r);
   }
 }
@@ -501,8 +555,11 @@ template <typename Fmt>
 A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
+  const i32* rows = sym<i32>(x.h, (int)me, x.a.off_rows);
   const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
-  const u32* w_flag = sym<u32>(x.h, (int)me, x.a.off_w_flag);
+  const u64* w_in = sym<u64>(x.h, (int)me, x.a.off_w_in);
+  __shared__ float w_buf[A2A_MAX_WARPS_PER_BLOCK][32];
+  float* w_peer = w_buf[g.warp_in_block];
   const u64 stride = (u64)H * 4u;
   __shared__ u32 prefix_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD + 1];
   u32* pre = prefix_buf[g.warp_in_block];
@@ -511,18 +568,24 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     u32 src, t;
     locate(pre, x.W, item / S, src, t);
     const u32 seg = item % S;
-    const u64 at = ((u64)x.parity * x.W + src) * x.M + t;
-    const u32 here = slots_on_rank(sym<i32>(x.h, (int)me, x.a.off_tok_idx) + at * x.k, x.k, x.a.num_experts,
-                                   x.L, me);
+    const u32 here = slots_on_rank(rows + ((u64)src * x.M + t) * x.k, x.k, x.a.num_experts, x.L, me);
     if (!here) continue;
     const float* w = nullptr;  // a single row goes back unweighted: no need to wait for the weights
     if (src == me) {
       w = reinterpret_cast<const float*>(c.weights) + (u64)t * x.k;
     } else if (here & (here - 1u)) {
       A2A_PROF_START(t0);
-      if (!warp_wait(x, &w_flag[src], src, A2A_WAIT_WEIGHTS, x.epoch, g.lane)) break;
+      bool ok = true;
+      if (g.lane < x.k && (here >> g.lane & 1u)) {
+        u32 bits = 0;
+        ok = a2a_wait_tagged(&w_in[((u64)src * x.M + t) * x.k + g.lane], x.epoch, x.deadline, x.status, bits);
+        if (!ok) a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, src, A2A_WAIT_WEIGHTS, x.epoch);
+        w_peer[g.lane] = __builtin_bit_cast(float, bits);
+      }
+      if (warp_any(!ok, g.lane, x.k)) break;
+      a2a_wave_sync();
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_WEIGHTS, t0, src | t << 8);
-      w = sym<float>(x.h, (int)me, x.a.off_w_in) + ((u64)src * x.M + t) * x.k;
+      w = w_peer;
     }
     const i32* slots = slot_of + ((u64)src * x.M + t) * x.k;
     bool complete = true;  // a slot lost to a reported error has no row
@@ -556,7 +619,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   const bool vec = H % 8u == 0 && ((u64)out & 15u) == 0;
   for (u32 item = g.warp; item < (u32)c.num_tokens * S; item += g.warps) {
     const u32 t = item / S, seg = item % S;
-    const i32* row = sym<i32>(x.h, (int)me, x.a.off_tok_idx) + (((u64)x.parity * x.W + me) * x.M + t) * x.k;
+    const i32* row = sym<i32>(x.h, (int)me, x.a.off_rows) + ((u64)me * x.M + t) * x.k;
     if (g.lane < x.W) here[g.lane] = slots_on_rank(row, x.k, x.a.num_experts, x.L, g.lane);
     a2a_wave_sync();
     bool ok = true;
@@ -614,7 +677,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
 
 template <typename Fmt>
 A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
-  const Ctx x = make_ctx(a, c.epoch);
+  const Ctx x = make_ctx(a, take_epoch(a, false));
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
   if (a2a_block() == 0) send_weights(x, c, g);

@@ -68,6 +68,32 @@ A2A_DEVICE bool a2a_wait_flag(const u32* flag, u32 want, u64 deadline_ns, u32* s
   return a2a_load_acquire_sys(flag) == want;
 }
 
+// Small messages (routing rows, token counts, weights) travel as tagged
+// words: the value in the low half of an 8-byte word, the call's epoch in the
+// high half, stored and loaded as single atomic words. A reader that sees the
+// epoch sees the value, so these need no fence and no separate flag: a
+// release would wait for every bulk store this thread has in flight, which
+// under load took tens of microseconds.
+A2A_DEVICE u64 a2a_tag(u32 value, u32 epoch) { return (u64)epoch << 32 | value; }
+
+// True once *word carries `epoch` (its value goes to `value`); false when the
+// deadline passes or this rank already failed.
+A2A_DEVICE bool a2a_wait_tagged(const u64* word, u32 epoch, u64 deadline_ns, u32* status, u32& value) {
+  u32 spins = 0;
+  for (;;) {
+    const u64 w = a2a_load_relaxed_sys_u64(word);
+    if ((u32)(w >> 32) == epoch) {
+      value = (u32)w;
+      return true;
+    }
+    if ((++spins & 63u) == 0) {
+      if (a2a_clock_ns() > deadline_ns) return false;
+      if (a2a_load_relaxed_sys(&status[0]) != A2A_OK) return false;
+    }
+    a2a_pause();
+  }
+}
+
 // Every block calls this once its writes are issued. Exactly one block (the
 // last to arrive) gets true, and by then it observes all other blocks' writes;
 // with `for_peers` it may publish them to peers with a system-scope release

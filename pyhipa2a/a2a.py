@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from .array import DeviceArray
 from .bootstrap import bounded_barrier
 from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
+from .graph import Graph
 from .heap import SymmetricHeap
 from .inputs import check_array, check_indices, check_numpy, device_view, require_array
 from .kernels import A2AArgs, KernelLibrary
@@ -34,7 +36,8 @@ from .profile import ProfileBuffer, clock_offset
 MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
 MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
 MAX_WORLD = 32             # A2A_MAX_WORLD
-THREADS_PER_BLOCK = 256
+MAX_WARPS_PER_BLOCK = 32   # A2A_MAX_WARPS_PER_BLOCK
+DEFAULT_BLOCK_THREADS = 256
 SEGMENT_LANE_ELEMS = 32    # 4 chunks of 8 elements per lane (A2A_CHUNKS in kernels_hip/a2a.hip)
 MIN_WARP = 32
 
@@ -50,13 +53,17 @@ class DispatchResult:
 class AllToAll:
     def __init__(self, comm=None, *, num_experts: int, experts_per_token: int, hidden_dim: int,
                  max_num_tokens: int, in_dtype="float16", out_dtype=None, timeout: float = 10.0,
-                 backend=None, device: int | None = None, profile: bool = False):
+                 backend=None, device: int | None = None, profile: bool = False,
+                 block_threads: int | None = None, grid_blocks: int | None = None):
         self.in_dtype = check_supported(in_dtype, "in_dtype")
         self.out_dtype = check_supported(out_dtype if out_dtype is not None else self.in_dtype, "out_dtype")
         self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
         self.hidden, self.max_tokens = int(hidden_dim), int(max_num_tokens)
         self.timeout = float(timeout)
         self.profiling = bool(profile)
+        # Launch geometry (tuning knobs; the environment variables let scripts sweep them).
+        self._block_threads = block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS))
+        self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
         if min(self.num_experts, self.top_k, self.hidden, self.max_tokens) < 1:
             raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
         if self.top_k > min(self.num_experts, MAX_TOP_K):
@@ -82,13 +89,12 @@ class AllToAll:
         L, M, k, H, S = self.num_experts // world, self.max_tokens, self.top_k, self.hidden, self.nseg
         return [
             # written by peers: dispatch inboxes alternate by epoch parity
+            # (headers and weights as tagged words: value in the low half, epoch in the high half)
             ("tok_x", (2, world, M, H), self.in_dtype),
-            ("tok_idx", (2, world, M, k), np.int32),
-            ("tok_count", (2, world), np.uint32),
-            ("hdr_flag", (2, world), np.uint32),
+            ("tok_hdr", (2, world, M, k), np.uint64),
+            ("tok_count", (2, world), np.uint64),
             ("tok_flag", (2, world, M, S), np.uint32),
-            ("w_in", (world, M, k), np.float32),
-            ("w_flag", (world,), np.uint32),
+            ("w_in", (world, M, k), np.uint64),
             ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
             ("contrib_flag", (world, M, S), np.uint32),
             # local
@@ -96,9 +102,11 @@ class AllToAll:
             ("recv_meta", (L, world * M, 3), np.int32),
             ("counters", (L,), np.uint32),
             ("num_tokens", (L,), np.int32),
+            ("rows", (world, M, k), np.int32),
             ("slot_of", (world, M, k), np.int32),
             ("slot_flag", (world, M), np.uint32),
             ("block_counters", (2,), np.uint32),
+            ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
             # staging: NumPy inputs are copied here; y lands here unless out= is given
             ("x_stage", (M, H), self.in_dtype),
@@ -141,15 +149,19 @@ class AllToAll:
         self.lib = KernelLibrary(self.backend, heap.device.arch, variant=".profile" if self.profiling else "")
         self.profile_buffer = ProfileBuffer(self.backend) if self.profiling else None
         self._dispatch_kernel = self.lib.kernel("a2a_dispatch")
+        # Loaded now, not on first use: nothing may be loaded while a capture() records.
+        self._scale_kernel = self.lib.kernel("expert_scale_bf16" if self.out_dtype.name == "bfloat16"
+                                             else "expert_scale_f16")
         self._combine_kernel = self.lib.kernel("a2a_combine_bf16" if self.out_dtype.name == "bfloat16"
                                                else "a2a_combine_f16")
+        self.block_threads, self.blocks = self._launch_geometry(heap.device)
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
         for pack in (self._dispatch_pack, self._combine_pack):
             self._fill_args(pack[0])
-        self.warps_per_block = THREADS_PER_BLOCK // heap.device.warp_size if heap.device.warp_size > 1 else 1
-        self.blocks = max(1, heap.device.multiprocessors)
-        self._epoch = 0
+        self.warps_per_block = max(1, self.block_threads // heap.device.warp_size)
+        self._capturing = None  # the stream while capture() records a step
+        self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
         self._broken: str | None = None
         self._expert_y_buffer: DeviceArray | None = None
@@ -157,6 +169,29 @@ class AllToAll:
         self._device_inputs: dict = {}
         self._foreign_streams: dict = {}
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
+
+    def _launch_geometry(self, device) -> tuple[int, int]:
+        """(threads per block, blocks per launch). Blocks wait on flags that other blocks of the same
+        launch set, so every block must be resident at once: the runtime's occupancy figure for our
+        kernels bounds the grid."""
+        threads, warp = self._block_threads, device.warp_size
+        if warp == 1:  # host twins: one "thread"
+            return 1, 1
+        if threads % warp or not warp <= threads <= min(1024, MAX_WARPS_PER_BLOCK * warp):
+            raise ValueError(f"block_threads={threads} must be a multiple of the warp size ({warp}) "
+                             f"between {warp} and {min(1024, MAX_WARPS_PER_BLOCK * warp)}")
+        per_mp = min(self.backend.resident_blocks(k.function, threads)
+                     for k in (self._dispatch_kernel, self._combine_kernel))
+        if per_mp < 1:
+            raise ValueError(f"block_threads={threads}: the kernels' registers do not fit that many threads "
+                             "in one block on this device")
+        most = device.multiprocessors * per_mp
+        blocks = self._grid_blocks or device.multiprocessors
+        if not 1 <= blocks <= most:
+            raise ValueError(f"grid_blocks={blocks} must be between 1 and {most} (all blocks of a launch resident "
+                             f"at once: {device.multiprocessors} multiprocessors x {per_mp} blocks of {threads} "
+                             "threads)")
+        return threads, blocks
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
@@ -202,6 +237,13 @@ class AllToAll:
             raise error
 
     def _stream(self, stream):
+        if self._capturing is not None:
+            if stream is not None and self._stream_outside_capture(stream) is not self._capturing:
+                raise A2AError("inside capture(), every call must use the capturing stream (pass no stream=)")
+            return self._capturing
+        return self._stream_outside_capture(stream)
+
+    def _stream_outside_capture(self, stream):
         if stream is None:
             return self.stream
         handle = getattr(stream, "ptr", stream)  # CuPy streams carry their handle in .ptr
@@ -221,6 +263,7 @@ class AllToAll:
         if isinstance(obj, np.ndarray):
             check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)
             check_numpy(name, obj)
+            self._no_numpy_in_capture(name)
             if obj.size:
                 self.backend.copy_to_device(self.buf[stage].ptr, obj, stream)
             return self.buf[stage].ptr, obj
@@ -235,9 +278,18 @@ class AllToAll:
         self._device_inputs[name] = (obj, want_shape, view.ptr, view.keepalive)
         return view.ptr, view.keepalive
 
+    def _no_numpy_in_capture(self, name: str) -> None:
+        if self._capturing is not None:
+            raise TypeError(f"inside capture(), {name} must be a device array: a NumPy array would be copied "
+                            "once while capturing, not at each launch of the graph")
+
     def dispatch(self, x, indices, *, stream=None) -> DispatchResult:
         """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M."""
         self._usable()
+        if self._pending is not None:
+            # The device hands the call's epoch from dispatch to combine: a second
+            # dispatch would reuse it, and peers would read the last call's data.
+            raise A2AError("dispatch() called again before combine(): each dispatch is combined once")
         require_array(x, "x")
         require_array(indices, "indices")
         shape = getattr(x, "shape", None)
@@ -253,16 +305,13 @@ class AllToAll:
         x_ptr, x_keep = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
         i_ptr, i_keep = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
 
-        # Never 0 (flags start zeroed), and odd/even alternate even across the wrap
-        # (the dispatch inboxes are chosen by parity).
-        self._epoch = self._epoch % 0xFFFFFFFE + 1
-        call = self._dispatch_pack[1]
-        call.x, call.indices, call.num_tokens, call.epoch = x_ptr, i_ptr, T, self._epoch
+        call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in a2a.hip)
+        call.x, call.indices, call.num_tokens = x_ptr, i_ptr, T
         # Send work is a (token, rank, segment) each, receive work a (rank, token, segment).
         items = max(T, self.max_tokens) * self.world * self.nseg
         blocks = max(1, min(self.blocks, math.ceil(items / self.warps_per_block)))
-        self._dispatch_kernel.launch(self._dispatch_pack, blocks, THREADS_PER_BLOCK, s)
-        self._keepalive = (x_keep, i_keep)
+        self._dispatch_kernel.launch(self._dispatch_pack, blocks, self.block_threads, s)
+        self._keep(x_keep, i_keep)
 
         num_tokens, expert_x, expert_meta, *_ = self._outputs(s)
         result = DispatchResult(num_tokens, expert_x, expert_meta, T)
@@ -280,6 +329,7 @@ class AllToAll:
         if isinstance(expert_y, np.ndarray):  # checked now, copied last: a refused call overwrites nothing
             check_array("expert_y", expert_y.shape, expert_y.dtype, y_shape, self.out_dtype)
             check_numpy("expert_y", expert_y)
+            self._no_numpy_in_capture("expert_y")
         else:
             y_ptr, y_keep = self._input(expert_y, "expert_y", y_shape, self.out_dtype, None, s)
         wshape = getattr(weights, "shape", None)
@@ -300,10 +350,10 @@ class AllToAll:
             y_ptr, y_keep = staging.ptr, expert_y
 
         call = self._combine_pack[1]
-        call.expert_y, call.weights, call.out, call.num_tokens, call.epoch = y_ptr, w_ptr, out_ptr, T, self._epoch
+        call.expert_y, call.weights, call.out, call.num_tokens = y_ptr, w_ptr, out_ptr, T
         blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world * self.nseg / self.warps_per_block)))
-        self._combine_kernel.launch(self._combine_pack, blocks, THREADS_PER_BLOCK, s)
-        self._keepalive = (y_keep, w_keep, o_keep)
+        self._combine_kernel.launch(self._combine_pack, blocks, self.block_threads, s)
+        self._keep(y_keep, w_keep, o_keep)
         self._pending = None
         return out_arr
 
@@ -338,17 +388,65 @@ class AllToAll:
         """gpu-mode's stand-in for the grouped GEMM: expert_y = expert_x * (1 + rank), received rows only."""
         if self.in_dtype != self.out_dtype:
             raise TypeError("fake_expert needs in_dtype == out_dtype")
+        if out is None and self._expert_y_buffer is None and self._capturing is not None:
+            raise A2AError("fake_expert() without out= inside capture() needs expert_y_buffer() called before "
+                           "the capture (memory cannot be allocated while capturing)")
         out = out if out is not None else self.expert_y_buffer()
-        kernel = self.lib.kernel("expert_scale_bf16" if self.out_dtype.name == "bfloat16" else "expert_scale_f16")
+        kernel = self._scale_kernel
         if not hasattr(self, "_scale_pack"):
             self._scale_pack = kernel.pack()
         self._scale_pack.set_scalars(result.expert_x.ptr, out.ptr, result.expert_num_tokens.ptr,
                                      self.local_experts, self.capacity, self.hidden, float(1 + self.rank))
-        kernel.launch(self._scale_pack, self.blocks, THREADS_PER_BLOCK, self._stream(stream))
+        kernel.launch(self._scale_pack, self.blocks, self.block_threads, self._stream(stream))
+        if self._capturing is not None:
+            self._keep(out)
         return out
+
+    def _keep(self, *objects) -> None:
+        """Inputs stay referenced until the next call's replace them (the device may still read
+        them); a capture keeps every one for the graph's lifetime."""
+        if self._capturing is not None:
+            self._captured_refs.extend(objects)
+        else:
+            self._keepalive = objects
+
+    # -- graphs -------------------------------------------------------------------
+    def capture(self, step, *, stream=None) -> Graph:
+        """Record `step()` as one graph that `Graph.launch()` replays with one call.
+
+        `step` makes this object's calls (dispatch, your expert work on the
+        same stream, combine) with device arrays; every dispatch in it must be
+        combined in it. Each launch is a new call on the device (fresh epoch),
+        reading the same input buffers and writing the same outputs, so fill
+        the inputs in place between launches. Every rank captures and launches
+        the same sequence."""
+        self._usable()
+        if self._capturing is not None:
+            raise A2AError("capture() is already recording")
+        if self._pending is not None:
+            raise A2AError("capture() needs the last dispatch to be combined first")
+        s = self._stream_outside_capture(stream)
+        self.backend.capture_begin(s)
+        self._capturing, refs = s, []
+        self._captured_refs = refs
+        try:
+            step()
+            if self._pending is not None:
+                raise A2AError("the captured step left a dispatch without its combine")
+        except BaseException:
+            # Nothing captured ran, so the object is as it was before the capture.
+            self._capturing, self._pending = None, None
+            self.backend.capture_end(s, keep=False)
+            raise
+        self._capturing = None
+        graph = Graph(self.backend, self.backend.capture_end(s), s, refs, usable=self._usable)
+        self._graphs.add(graph)
+        return graph
 
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's queued calls; raise what the kernels reported."""
+        if self._capturing is not None:
+            raise A2AError("synchronize() inside capture(): nothing captured has run yet")
         self.backend.stream_synchronize(self._stream(stream))
         if self.host_status[0]:
             self._raise_reported()
@@ -376,6 +474,8 @@ class AllToAll:
             self.backend.stream_synchronize(self.stream)
         except Exception:
             pass
+        for graph in list(self._graphs):
+            graph.close()
         if self._expert_y_buffer is not None:
             self._expert_y_free()
             self._expert_y_buffer = None

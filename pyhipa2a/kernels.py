@@ -29,11 +29,11 @@ class HeapCheckArgs(ctypes.Structure):
 
 class A2AArgs(ctypes.Structure):
     _fields_ = [("heap", HeapView),
-                ("off_tok_x", u64), ("off_tok_idx", u64), ("off_tok_count", u64), ("off_hdr_flag", u64),
-                ("off_tok_flag", u64), ("off_w_in", u64), ("off_w_flag", u64), ("off_contrib", u64),
-                ("off_contrib_flag", u64),
+                ("off_tok_x", u64), ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_tok_flag", u64),
+                ("off_w_in", u64), ("off_contrib", u64), ("off_contrib_flag", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_counters", u64), ("off_num_tokens", u64),
-                ("off_slot_of", u64), ("off_slot_flag", u64), ("off_block_counters", u64), ("off_status", u64),
+                ("off_rows", u64), ("off_slot_of", u64), ("off_slot_flag", u64), ("off_block_counters", u64), ("off_epoch", u64),
+                ("off_status", u64),
                 ("host_status", u64), ("prof", u64),
                 ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
                 ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("seg_elems", u32), ("nseg", u32),
@@ -41,11 +41,11 @@ class A2AArgs(ctypes.Structure):
 
 
 class DispatchCall(ctypes.Structure):
-    _fields_ = [("x", u64), ("indices", u64), ("num_tokens", i32), ("epoch", u32)]
+    _fields_ = [("x", u64), ("indices", u64), ("num_tokens", i32), ("pad", u32)]
 
 
 class CombineCall(ctypes.Structure):
-    _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("epoch", u32)]
+    _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("pad", u32)]
 
 
 # kernel name -> (code object, argument types)

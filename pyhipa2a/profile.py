@@ -133,6 +133,28 @@ def summarize(events_by_rank: dict[int, np.ndarray]) -> dict:
     return summary
 
 
+def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> dict:
+    """When each stage ran, for reading the critical path: per (rank, tag), the mean over calls of the
+    first start and the last end of that stage (us), measured from the call's earliest event on any
+    rank (host-aligned clocks). Every rank must have recorded the same number of calls."""
+    ncalls = min(len(c) for c in calls_by_rank.values())
+    sums = defaultdict(lambda: np.zeros(2))
+    for i in range(ncalls):
+        aligned = {r: calls[i]["start"].astype(np.int64) + offsets[r] for r, calls in calls_by_rank.items()}
+        starts = [a.min() for a in aligned.values() if len(a)]
+        if not starts:
+            continue
+        origin = min(starts)
+        for r, calls in calls_by_rank.items():
+            ev = calls[i]
+            for tag in np.unique(ev["tag"]):
+                pick = ev["tag"] == tag
+                first = (ev["start"][pick].astype(np.int64) + offsets[r]).min() - origin
+                last = (ev["end"][pick].astype(np.int64) + offsets[r]).max() - origin
+                sums[(r, int(tag))] += np.array([first, last], np.float64) / 1e3
+    return {key: tuple(v / ncalls) for key, v in sums.items()} if ncalls else {}
+
+
 def write_trace(path: str, trace_events: list[dict], metadata: dict) -> None:
     """One JSON file for all ranks, created owner-writable only (no world-writable bits)."""
     names = sorted({e["pid"] for e in trace_events})

@@ -57,7 +57,7 @@ def draw_world(seed: int, world: int, num_experts: int, top_k: int, hidden: int,
 
 def poison(a2a) -> None:
     """Set every output byte this rank can see to 0xFF; collective (peers write after the barrier)."""
-    for name in ("recv_x", "recv_meta", "num_tokens", "y", "tok_x", "contrib", "slot_of"):
+    for name in ("recv_x", "recv_meta", "num_tokens", "y", "tok_x", "tok_hdr", "w_in", "contrib", "rows", "slot_of"):
         a2a.buf[name].fill_bytes(0xFF)
     a2a.expert_y_buffer().fill_bytes(0xFF)
     a2a.backend.stream_synchronize(a2a.stream)
@@ -94,6 +94,15 @@ def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None) ->
         raise AssertionError(f"combine mismatch at {tuple(bad)}: got {got[tuple(bad)]}, "
                              f"expected {expected[tuple(bad)]} (rtol {rtol}, atol {atol})")
     return float(err.max()) if got.size else 0.0
+
+
+def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None) -> float:
+    """Check a finished call (its DispatchResult views and combine output `y`) against the oracle on this
+    rank; returns the largest combine error."""
+    rank = a2a.rank
+    check_dispatch(result, reference.dispatch(inputs.xs, inputs.indices, a2a.num_experts)[rank], rank)
+    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, ranks=[rank])[rank]
+    return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance)
 
 
 def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None) -> float:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+TAGGED = 8  # bytes of one tagged word (value and epoch), how headers and weights travel
+
 
 def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_itemsize: int = 2,
                out_itemsize: int = 2) -> tuple[np.ndarray, np.ndarray]:
@@ -21,8 +23,8 @@ def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_item
     for src, idx in enumerate(indices):
         T, k = idx.shape
         peers = world - 1
-        dispatch[src] += peers * (T * k * 4 + 4)          # headers
-        combine[src] += peers * T * k * 4                 # weights
+        dispatch[src] += peers * (T * k + 1) * TAGGED     # headers: routing rows and the count
+        combine[src] += peers * T * k * TAGGED            # weights
         ranks = idx // per_rank                           # [T, k] rank of each slot's expert
         for r in range(world):
             if r == src:

@@ -2,10 +2,12 @@
 
 Per shape (default: the five gpu-mode benchmark shapes, fp16 in and out,
 num_tokens drawn per rank in [1, M)): one correctness check with run_round,
-then device time of dispatch, fake expert ("GEMM") and combine from events,
-and host wall time of one call the way gpu-mode's harness takes it (cache
-flushed, synchronize + barrier around the call, rank 0's clock), printed beside
-the floor (the same with an empty call). Link bytes and the speed of light come
+then the call dispatch -> fake expert ("GEMM") -> combine captured as one
+graph (AllToAll.capture) and checked again; device time of each phase from
+events, and host wall time of one call the way gpu-mode's harness takes it
+(cache flushed, synchronize + barrier around the call, rank 0's clock),
+printed beside the floor (the same with an empty call). The same figures for
+eager calls (three launches) stand beside them. Link bytes and the speed of light come
 from the routing and a measured peer-store bandwidth. `--sweep` times tokens
 per rank 1..256 at E=256 k=8 H=7168 M=256 instead of the default shapes
 (add --shape to get both). Device times: median per rank, max over ranks.
@@ -30,7 +32,7 @@ from mpi4py import MPI  # noqa: E402
 from pyhipa2a import AllToAll, DeviceArray, SymmetricHeap, get_backend  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
-from pyhipa2a.testing import GPU_MODE_TOLERANCE, draw_world, run_round  # noqa: E402
+from pyhipa2a.testing import GPU_MODE_TOLERANCE, check_call, draw_world, poison, run_round  # noqa: E402
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -106,7 +108,7 @@ def upload(a2a, inputs) -> list[DeviceArray]:
     return arrays
 
 
-def call(a2a, arrays, events=None) -> None:
+def call(a2a, arrays, events=None):
     """dispatch -> fake expert -> combine, with an event before, between and after when given."""
     mark = (lambda i: a2a.backend.event_record(events[i], a2a.stream)) if events else (lambda i: None)
     x, idx, w = arrays
@@ -115,25 +117,44 @@ def call(a2a, arrays, events=None) -> None:
     mark(1)
     ey = a2a.fake_expert(d)
     mark(2)
-    a2a.combine(ey, w)
+    y = a2a.combine(ey, w)
     mark(3)
+    return d, y
 
 
-def device_times(comm, a2a, arrays, warmup: int, iters: int) -> dict:
-    """Median per rank of each phase (us), then the max over ranks: the slowest rank sets the pace."""
+def capture(a2a, arrays, events=None):
+    """The same call as one graph (events inside it are recorded at every launch); (graph, (d, y))."""
+    out = []
+    graph = a2a.capture(lambda: out.extend(call(a2a, arrays, events)))
+    return graph, tuple(out)
+
+
+def check_graph(comm, a2a, inputs, graph, outputs) -> str:
+    """One launch of the graph on poisoned outputs against the oracle; '' when every rank passed."""
+    msg = ""
+    try:
+        poison(a2a)
+        graph.launch()
+        a2a.synchronize()
+        check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE)
+    except Exception as e:
+        msg = f"rank {comm.Get_rank()} (graph): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return "; ".join(m for m in comm.allgather(msg) if m)
+
+
+def device_times(comm, a2a, run, events, warmup: int, iters: int) -> dict:
+    """Median per rank of each phase (us), then the max over ranks: the slowest rank sets the pace.
+    `run()` makes one call that records `events` before, between and after its phases."""
     b = a2a.backend
-    events = [b.event_create() for _ in range(4)]
     samples = []
     for i in range(warmup + iters):
         a2a.synchronize()
         comm.Barrier()  # all ranks launch together, so dispatch does not time a late peer's arrival
-        call(a2a, arrays, events)
+        run()
         a2a.synchronize()
         if i >= warmup:
             samples.append([b.event_elapsed_ms(events[j], events[j + 1]) for j in range(3)]
                            + [b.event_elapsed_ms(events[0], events[3])])
-    for ev in events:
-        b.event_destroy(ev)
     medians = np.median(np.array(samples), axis=0) * 1e3
     return {p: comm.allreduce(float(m), op=MPI.MAX) for p, m in zip(PHASES, medians)}
 
@@ -164,18 +185,34 @@ def check_once(comm, a2a, inputs) -> str:
 
 
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
-    """Check, then time one shape (wall time too when flush_ptr is given)."""
-    r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs]))}
+    """Check, then time one shape, as one graph per call and as eager calls (wall times too when
+    flush_ptr is given). The main columns are the graph's; eager_* are the same call, three launches."""
+    r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs])),
+         "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks}}
     error = check_once(comm, a2a, inputs)
     if error:
         return {**r, "ok": False, "error": error}
     arrays = upload(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
-    r.update(device_times(comm, a2a, arrays, args.warmup, args.iters))
+    b = a2a.backend
+    events = [b.event_create() for _ in range(4)]
+    timed, timed_out = capture(a2a, arrays, events)
+    bare, bare_out = capture(a2a, arrays)
+    error = check_graph(comm, a2a, inputs, timed, timed_out) or check_graph(comm, a2a, inputs, bare, bare_out)
+    if error:
+        return {**r, "ok": False, "error": error}
+    r.update(device_times(comm, a2a, timed.launch, events, args.warmup, args.iters))
+    eager = device_times(comm, a2a, lambda: call(a2a, arrays, events), events, args.warmup, args.iters)
+    r.update({"eager_" + p: v for p, v in eager.items()})
     if flush_ptr is not None:
-        r["wall"] = wall_time(comm, a2a, lambda: call(a2a, arrays), flush_ptr, args.iters)
+        r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
+        r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, arrays), flush_ptr, args.iters)
         r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
+    for graph in (timed, bare):
+        graph.close()
+    for ev in events:
+        b.event_destroy(ev)
     for arr in arrays:  # every rank frees in the same order; device_times/wall_time ended synchronized
-        a2a.backend.free(arr.ptr)
+        b.free(arr.ptr)
     dispatch, combine = link_bytes(inputs.indices, a2a.num_experts, a2a.hidden, a2a.in_dtype.itemsize,
                                    a2a.out_dtype.itemsize)
     total = float(dispatch.sum() + combine.sum())
@@ -242,31 +279,35 @@ def geomean(values) -> float | None:
 
 
 def print_shapes(rows) -> None:
+    print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
+          "launched one by one")
     print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'wall':>9} "
-          f"{'floor':>9} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
+          f"{'eag e2e':>9} {'eag wall':>9} {'floor':>9} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
     for r in rows:
         if not r["ok"]:
             verdict = "SKIP" if r["error"].startswith("SKIP") else "FAIL"
             print(f"{r['shape']:<30} {verdict}  {r['error'].removeprefix('SKIP: ')}")
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
-              + f" {r['wall']:>9.1f} {r['floor']:>9.1f} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} "
-              f"{r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
+              + f" {r['wall']:>9.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['floor']:>9.1f} "
+              f"{r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
     ok = [r for r in rows if r["ok"]]
     print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us, "
-          f"wall {fmt(geomean(r['wall'] for r in ok))} us (floor {fmt(geomean(r['floor'] for r in ok))} us), "
+          f"wall {fmt(geomean(r['wall'] for r in ok))} us (eager: e2e {fmt(geomean(r['eager_e2e'] for r in ok))}, "
+          f"wall {fmt(geomean(r['eager_wall'] for r in ok))}; floor {fmt(geomean(r['floor'] for r in ok))} us), "
           f"ratio to SOL {fmt(geomean(r['ratio'] for r in ok), '.2f')}")
 
 
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
-    print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'link MB':>8} {'GB/s':>7} "
-          f"{'SOL':>8} {'ratio':>6}")
+    print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'eag disp':>9} {'eag comb':>9} "
+          f"{'eag e2e':>9} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
     for r in rows:
         if not r["ok"]:
             print(f"{r['tokens']:>7} FAIL  {r['error']}")
             continue
         print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
+              + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
               + f" {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
 
 
@@ -311,6 +352,10 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     print(f"command ({world} ranks): {command}")
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its link bytes / this)")
     print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median")
+    launch = next((r["launch"] for r in rows + sweep if "launch" in r), None)
+    if launch:
+        print(f"launch: {launch['blocks']} blocks of {launch['block_threads']} threads "
+              "(PYHIPA2A_GRID_BLOCKS, PYHIPA2A_BLOCK_THREADS)")
     if rows:
         print_shapes(rows)
     if sweep:

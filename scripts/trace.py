@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.profile import TAGS, summarize, to_trace_events, write_trace  # noqa: E402
+from pyhipa2a import AllToAll, DeviceArray  # noqa: E402
+from pyhipa2a.profile import TAGS, stage_windows, summarize, to_trace_events, write_trace  # noqa: E402
 from pyhipa2a.testing import draw_world, run_round  # noqa: E402
 
 LARGEST_GPU_MODE_SHAPE = (256, 8, 7168, 256)
@@ -34,6 +34,8 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=3, help="calls recorded (after one checked, unrecorded call)")
     p.add_argument("--seed", type=int, default=4)
     p.add_argument("--out", default="trace.json")
+    p.add_argument("--graph", action="store_true", help="record calls launched as one captured graph each "
+                   "(device inputs), as bench.py times them")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -46,15 +48,36 @@ def main() -> int:
         a2a.profile_events()           # drop the checked call's events
         offset = a2a.clock_offset_ns()
         recorded, dropped = [], 0
+        one_call = lambda: run_round(a2a, inputs, check=False)  # noqa: E731
+        if args.graph:
+            arrays = [a2a.backend.malloc_ipc(max(a.nbytes, 1)) for a in
+                      (inputs.xs[rank], inputs.indices[rank], inputs.weights[rank])]
+            views = []
+            for ptr, host in zip(arrays, (inputs.xs[rank], inputs.indices[rank], inputs.weights[rank])):
+                views.append(DeviceArray(a2a.backend, ptr, host.shape, host.dtype, stream=a2a.stream,
+                                         device_id=a2a.heap.device.index))
+                views[-1].copy_from(host)
+            a2a.expert_y_buffer()
+            graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(views[0], views[1])), views[2]))
+
+            def one_call():
+                graph.launch()
+                a2a.synchronize()
         for i in range(args.iters):
             comm.Barrier()
-            run_round(a2a, inputs, check=False)
+            one_call()
             events, lost = a2a.profile_events()
             recorded.append(events)
             dropped += lost
         device = f"{a2a.backend.kind} {a2a.heap.device.name}"
+        if args.graph:
+            graph.close()
+            for ptr in arrays:
+                a2a.backend.free(ptr)
 
     everything = comm.gather((rank, offset, recorded, dropped, err), root=0)
+    if rank == 0:
+        windows = stage_windows({r: calls for r, _, calls, _, _ in everything}, {r: o for r, o, *_ in everything})
     if rank != 0:
         return 0
     trace, by_rank = [], {}
@@ -82,6 +105,13 @@ def main() -> int:
                 for e in (by_rank[r] for r in sorted(by_rank))]
         if any(sums):
             print(f"{name:<22} {kind:<5} " + " ".join(f"{v:>10.1f}" for v in sums))
+    print("when each stage ran: first start .. last end, us from the call's first event on any rank "
+          "(mean over calls)")
+    print(f"{'stage':<22} " + " ".join(f"{'rank ' + str(r):>17}" for r in sorted(by_rank)))
+    for tag, (name, _) in sorted(TAGS.items()):
+        cells = [windows.get((r, tag)) for r in sorted(by_rank)]
+        if any(cells):
+            print(f"{name:<22} " + " ".join(f"{c[0]:>7.1f} .. {c[1]:>6.1f}" if c else f"{'-':>17}" for c in cells))
     return 0
 
 

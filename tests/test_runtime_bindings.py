@@ -102,7 +102,7 @@ def _bare_backend(mod):
     # Skips __init__ (it would call cuInit/hipInit); the handle helpers need no device.
     cls = mod.CudaBackend if mod is cuda_rt else mod.HipBackend
     backend = cls.__new__(cls)
-    backend._streams = set()
+    backend._streams, backend._capturing = set(), set()
     return backend
 
 
@@ -134,10 +134,12 @@ def test_arguments_pass_binding_conversion(rt):
     stream = backend.stream_from_handle(0x1234)
     if mod is cuda_rt:
         event, module, function = binding.CUevent(), binding.CUmodule(), binding.CUfunction()
+        graph = binding.CUgraphExec()
     else:
         event = binding.ihipEvent_t.fromObj(0)
         module = binding.ihipModule_t.fromObj(0)
         function = binding.ihipModuleSymbol_t.fromObj(0)
+        graph = binding.hipGraphExec.fromObj(0)
     host = np.zeros(8, np.uint32)
     pack = types.SimpleNamespace(kernel_params=(ctypes.c_void_p * 2)())
     ptr = 1 << 40
@@ -157,9 +159,15 @@ def test_arguments_pass_binding_conversion(rt):
         ("module_load", (b"\x7fELF",)), ("module_unload", (module,)),
         ("module_function", (module, "kernel")),
         ("launch", (function, 4, 256, stream, pack)), ("launch", (function, 4, 256, None, pack)),
+        ("resident_blocks", (function, 256)),
+        ("capture_begin", (stream,)), ("capture_end", (stream,)), ("capture_end", (stream, False)),
+        ("graph_launch", (graph, stream)), ("graph_destroy", (graph,)),
     ]
     for name, args in calls:
         with pytest.raises(missing):
             getattr(backend, name)(*args)
+    backend._capturing.add(backend.stream_handle(stream))  # an event on a capturing stream: recorded "external"
+    with pytest.raises(missing):
+        backend.event_record(event, stream)
     backend.close()
     backend.close()  # idempotent

@@ -9,11 +9,13 @@ def test_two_ranks_by_hand():
     idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)   # rank 0's 3 tokens
     idx1 = np.array([[1, 3]], np.int32)                   # rank 1's 1 token
     dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8)
-    # rank 0: header 3*2*4+4; tokens 1 and 2 go to rank 1 once each (token 2 has two experts there)
-    assert dispatch[0] == (3 * 2 * 4 + 4) + 2 * 8 * 2
-    # rank 1: header 1*2*4+4; its token goes to rank 0 once
-    assert dispatch[1] == (1 * 2 * 4 + 4) + 1 * 8 * 2
+    # Headers and weights travel as 8-byte tagged words (value and epoch).
+    # rank 0: header of 3*2 entries and the count; tokens 1 and 2 go to rank 1 once each (token 2 has
+    # two experts there)
+    assert dispatch[0] == (3 * 2 + 1) * 8 + 2 * 8 * 2
+    # rank 1: header of 1*2 entries and the count; its token goes to rank 0 once
+    assert dispatch[1] == (1 * 2 + 1) * 8 + 1 * 8 * 2
     # combine: weights to the peer; rank 1 returns a raw row for token 1 of rank 0 and an
     # fp32 partial for token 2 (two experts there); rank 0 returns a raw row for rank 1's token
-    assert combine[0] == 3 * 2 * 4 + 1 * 8 * 2
-    assert combine[1] == 1 * 2 * 4 + 8 * 2 + 8 * 4
+    assert combine[0] == 3 * 2 * 8 + 1 * 8 * 2
+    assert combine[1] == 1 * 2 * 8 + 8 * 2 + 8 * 4

@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_CAPACITY, Recorder, Status, bases, mem, wait_flags
+from ..bootstrap import sleep_backoff
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_TIMEOUT, Recorder, Status, bases, mem, wait_flags
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
 
@@ -37,6 +38,37 @@ class View:
         return int(self.base[rank] + getattr(self.a, "off_" + name) + int(index) * itemsize)
 
 
+def next_epoch(e: int) -> int:
+    return e % 0xFFFFFFFE + 1
+
+
+def take_epoch(a, dispatch: bool) -> int:
+    """The device's epoch words (see take_epoch in a2a.hip): dispatch advances [0] into [1], combine hands [1] back."""
+    words = mem(bases(a.heap)[a.heap.rank] + a.off_epoch, (2,), np.uint32)
+    e = next_epoch(int(words[0])) if dispatch else int(words[1])
+    words[1 if dispatch else 0] = e
+    return e
+
+
+def tag(values, epoch: int) -> np.ndarray:
+    """Tagged words (protocol.h): the 32-bit value low, the epoch high."""
+    return (np.uint64(epoch) << np.uint64(32)) | np.asarray(values).astype(np.uint32).astype(np.uint64)
+
+
+def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: int, peer: int):
+    """The 32-bit values of `words` once every one carries `epoch`; None (reported) on timeout."""
+    attempt = 0
+    while True:
+        seen = words.copy()  # aligned 8-byte words: each is read whole
+        if np.all((seen >> np.uint64(32)) == epoch):
+            return (seen & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        if time.monotonic() > deadline:
+            status.report(STATUS_TIMEOUT, peer, what, epoch)
+            return None
+        sleep_backoff(attempt)
+        attempt += 1
+
+
 def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
     """Mask of (token, slot) entries in [0, E) that do not repeat an earlier slot of their row."""
     ok = (rows >= 0) & (rows < num_experts)
@@ -46,7 +78,7 @@ def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def a2a_dispatch(backend, a, c) -> None:
-    v = View(a, c.epoch)
+    v = View(a, take_epoch(a, dispatch=True))
     W, M, k, L, me, p = v.W, v.M, v.k, v.L, v.me, v.parity
     T, rb = c.num_tokens, a.x_row_bytes
     indices = mem(c.indices, (T, k), np.int32)
@@ -57,11 +89,12 @@ def a2a_dispatch(backend, a, c) -> None:
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
 
     span = time.monotonic_ns()
-    for r in range(W):  # 1. headers, our own inbox included (combine reads it)
+    for r in range(W):  # 1. headers to every peer, as tagged words
+        if r == me:
+            continue
         t0 = time.monotonic_ns()
-        v.buf(r, "tok_idx", (2, W, M, k), np.int32)[p, me, :T] = indices
-        v.buf(r, "tok_count", (2, W), np.uint32)[p, me] = T
-        backend.store_release_u32(v.addr(r, "hdr_flag", p * W + me), c.epoch)
+        v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(indices, v.epoch)
+        v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T, v.epoch)
         v.rec.record(1, t0, r)
     for r in range(W):  # 2. each token once to every other rank hosting one of its experts
         if r == me:
@@ -71,31 +104,36 @@ def a2a_dispatch(backend, a, c) -> None:
         v.buf(r, "tok_x", (2, W, M, rb), np.uint8)[p, me, tokens] = x[tokens]
         for t in tokens:
             for seg in range(v.S):
-                backend.store_release_u32(v.addr(r, "tok_flag", ((p * W + me) * M + t) * v.S + seg), c.epoch)
+                backend.store_release_u32(v.addr(r, "tok_flag", ((p * W + me) * M + t) * v.S + seg), v.epoch)
         v.rec.record(2, t0, r)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
     expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
     meta = v.buf(me, "recv_meta", (L, v.cap, 3), np.int32)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
+    decoded = v.buf(me, "rows", (W, M, k), np.int32)
     for src in range(W):  # 3. fan each token with experts here out to its experts' rows
         if src == me:
             rows, vecs, count = indices, x, T
         else:
             t0 = time.monotonic_ns()
-            if not wait_flags(backend, v.addr(me, "hdr_flag", p * W), [src], c.epoch, v.deadline, v.status,
-                              WAIT_DISPATCH):
+            n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
+                            v.status, WAIT_DISPATCH, src)
+            count = min(int(n[0]), M) if n is not None else 0
+            words = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
+                                v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
+            if words is None:
                 return
             v.rec.record(3, t0, src)
-            count = min(int(v.buf(me, "tok_count", (2, W), np.uint32)[p, src]), M)
-            rows = v.buf(me, "tok_idx", (2, W, M, k), np.int32)[p, src, :count]
+            rows = words.view(np.int32).reshape(count, k)
             vecs = v.buf(me, "tok_x", (2, W, M, rb), np.uint8)[p, src]
+        decoded[src, :count] = rows  # combine reads the routing rows from here
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens, slots = np.nonzero(here)
         t0 = time.monotonic_ns()
         needed = (np.unique(tokens)[:, None] * v.S + np.arange(v.S)).ravel()
         if src != me and not wait_flags(backend, v.addr(me, "tok_flag", (p * W + src) * M * v.S), needed,
-                                        c.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
+                                        v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
             return
         if src != me:
             v.rec.record(4, t0, src)
@@ -124,24 +162,24 @@ def a2a_dispatch(backend, a, c) -> None:
 
 
 def _combine(backend, a, c, dtype) -> None:
-    v = View(a, c.epoch)
+    v = View(a, take_epoch(a, dispatch=False))
     W, M, k, L, me, p, H = v.W, v.M, v.k, v.L, v.me, v.parity, a.hidden
     T = c.num_tokens
     weights = mem(c.weights, (T, k), np.float32)
     expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
 
+    decoded = v.buf(me, "rows", (W, M, k), np.int32)
     span = time.monotonic_ns()
-    for r in range(W):  # 1. our weights to every peer
+    for r in range(W):  # 1. our weights to every peer, as tagged words
         if r != me:
             t0 = time.monotonic_ns()
-            v.buf(r, "w_in", (W, M, k), np.float32)[me, :T] = weights
-            backend.store_release_u32(v.addr(r, "w_flag", me), c.epoch)
+            v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T] = tag(weights.view(np.uint32), v.epoch)
             v.rec.record(8, t0, r)
 
     for src in range(W):  # 2. one contribution per (token, this rank) back to its owner
-        count = T if src == me else min(int(v.buf(me, "tok_count", (2, W), np.uint32)[p, src]), M)
-        rows = v.buf(me, "tok_idx", (2, W, M, k), np.int32)[p, src, :count]
+        count = T if src == me else min(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF), M)
+        rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens = np.flatnonzero(here.any(axis=1))
         if len(tokens) == 0:
@@ -150,11 +188,12 @@ def _combine(backend, a, c, dtype) -> None:
             w = weights
         else:
             t0 = time.monotonic_ns()
-            if not wait_flags(backend, v.addr(me, "w_flag", 0), [src], c.epoch, v.deadline, v.status,
-                              WAIT_WEIGHTS):
+            words = wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], v.epoch, v.deadline,
+                                v.status, WAIT_WEIGHTS, src)
+            if words is None:
                 return
             v.rec.record(9, t0, src)
-            w = v.buf(me, "w_in", (W, M, k), np.float32)[src]
+            w = words.view(np.float32).reshape(count, k)
         t0 = time.monotonic_ns()
         contrib = v.buf(src, "contrib", (W, M, 4 * H), np.uint8)[me]
         for t in tokens:
@@ -167,11 +206,11 @@ def _combine(backend, a, c, dtype) -> None:
                     part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
                 contrib[t] = part.view(np.uint8)
             for seg in range(v.S):
-                backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), c.epoch)
+                backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), v.epoch)
         v.rec.record(10, t0, src)
 
     # 3. reduce our tokens from the contributions of every rank hosting their experts
-    rows = v.buf(me, "tok_idx", (2, W, M, k), np.int32)[p, me, :T]
+    rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)
     contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)
     acc = np.zeros((T, H), np.float32)
@@ -181,7 +220,7 @@ def _combine(backend, a, c, dtype) -> None:
         tokens = np.flatnonzero(n)
         t0 = time.monotonic_ns()
         needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
-        if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, c.epoch, v.deadline, v.status,
+        if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline, v.status,
                           WAIT_COMBINE_ROW, peer_of=lambda _: r):
             return
         v.rec.record(11, t0, r)

@@ -129,6 +129,22 @@ class Backend:
     def event_elapsed_ms(self, start, end) -> float:
         raise NotImplementedError
 
+    # -- graphs -------------------------------------------------------------
+    # Stream capture: launches and event records on a capturing stream are
+    # recorded, not run, and replay together with one launch call.
+    def capture_begin(self, stream) -> None:
+        raise NotImplementedError
+
+    def capture_end(self, stream, keep: bool = True):
+        """Stop capturing on `stream`; an executable graph when `keep`, else the capture is discarded (None)."""
+        raise NotImplementedError
+
+    def graph_launch(self, graph, stream) -> None:
+        raise NotImplementedError
+
+    def graph_destroy(self, graph) -> None:
+        raise NotImplementedError
+
     # -- code ---------------------------------------------------------------
     def module_load(self, image: bytes):
         raise NotImplementedError
@@ -137,6 +153,10 @@ class Backend:
         raise NotImplementedError
 
     def module_function(self, module, name: str):
+        raise NotImplementedError
+
+    def resident_blocks(self, function, block_threads: int) -> int:
+        """How many blocks of `block_threads` threads of `function` one multiprocessor holds at once."""
         raise NotImplementedError
 
     def launch(self, function, grid: int, block: int, stream, pack) -> None:

@@ -31,6 +31,10 @@ _CALLS = {
     "module_load_data": "cuModuleLoadData", "module_unload": "cuModuleUnload",
     "module_get_function": "cuModuleGetFunction", "launch_kernel": "cuLaunchKernel",
     "mem_get_info": "cuMemGetInfo",
+    "stream_begin_capture": "cuStreamBeginCapture", "stream_end_capture": "cuStreamEndCapture",
+    "graph_instantiate": "cuGraphInstantiate", "graph_launch": "cuGraphLaunch",
+    "graph_exec_destroy": "cuGraphExecDestroy", "graph_destroy": "cuGraphDestroy",
+    "occupancy": "cuOccupancyMaxActiveBlocksPerMultiprocessor", "event_record_with_flags": "cuEventRecordWithFlags",
 }
 
 # Every attribute of `driver` used here, directly below or through _CALLS; tests
@@ -42,7 +46,7 @@ _USED_CALLS = (
     "cuMemAlloc", "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE",
     "cuIpcGetMemHandle", "cuIpcOpenMemHandle", "cuPointerGetAttribute", "cuEventCreate",
     "CUresult", "CUstream", "CUipcMemHandle", "CUdevice_attribute", "CUipcMem_flags",
-    "CUpointer_attribute", "CUstream_flags", "CUevent_flags",
+    "CUpointer_attribute", "CUstream_flags", "CUevent_flags", "CUstreamCaptureMode",
 ) + tuple(_CALLS.values())
 
 _IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle), fixed by the CUDA ABI
@@ -178,6 +182,9 @@ class CudaBackend(DriverBackend):
     # -- streams and events ---------------------------------------------------
     def _non_blocking_stream_flags(self):
         return driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+
+    def _capture_mode(self):
+        return driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
 
     def stream_from_handle(self, handle: int):
         return driver.CUstream(handle)

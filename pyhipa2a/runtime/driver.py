@@ -26,6 +26,8 @@ ROLES = (
     "stream_create", "stream_destroy", "stream_synchronize",
     "event_destroy", "event_record", "event_synchronize", "event_elapsed_time",
     "module_load_data", "module_unload", "module_get_function", "launch_kernel", "mem_get_info",
+    "stream_begin_capture", "stream_end_capture", "graph_instantiate", "graph_launch", "graph_exec_destroy",
+    "graph_destroy", "occupancy", "event_record_with_flags",
 )
 
 
@@ -41,6 +43,7 @@ class DriverBackend(Backend):
 
     def __init__(self):
         self._streams = set()  # created here and not yet destroyed; close() reclaims them
+        self._capturing: set[int] = set()  # handles of streams between capture_begin and capture_end
 
     # -- what a subclass provides ---------------------------------------------
     @staticmethod
@@ -60,6 +63,14 @@ class DriverBackend(Backend):
     def _non_blocking_stream_flags(self):
         """Flags for a stream that does not serialise against the default stream."""
         raise NotImplementedError
+
+    def _capture_mode(self):
+        """Thread-local capture: other threads' unrelated calls cannot invalidate ours."""
+        raise NotImplementedError
+
+    # An event recorded while capturing only orders the captured work, unless it
+    # is recorded as "external": then the graph records it at every launch.
+    _EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL, hipEventRecordExternal
 
     def _call(self, role: str, *args):
         """Make the binding's call for `role`, checked under that call's own name."""
@@ -135,13 +146,35 @@ class DriverBackend(Backend):
         self._call("event_destroy", event)
 
     def event_record(self, event, stream) -> None:
-        self._call("event_record", event, stream)
+        if self._capturing and self.stream_handle(stream) in self._capturing:
+            self._call("event_record_with_flags", event, stream, self._EVENT_RECORD_EXTERNAL)
+        else:
+            self._call("event_record", event, stream)
 
     def event_synchronize(self, event) -> None:
         self._call("event_synchronize", event)
 
     def event_elapsed_ms(self, start, end) -> float:
         return float(self._call("event_elapsed_time", start, end))
+
+    # -- graphs -------------------------------------------------------------
+    def capture_begin(self, stream) -> None:
+        self._call("stream_begin_capture", stream, self._capture_mode())
+        self._capturing.add(self.stream_handle(stream))
+
+    def capture_end(self, stream, keep: bool = True):
+        self._capturing.discard(self.stream_handle(stream))
+        graph = self._call("stream_end_capture", stream)
+        try:
+            return self._call("graph_instantiate", graph, 0) if keep else None
+        finally:
+            self._call("graph_destroy", graph)  # the executable graph does not need its template
+
+    def graph_launch(self, graph, stream) -> None:
+        self._call("graph_launch", graph, stream)
+
+    def graph_destroy(self, graph) -> None:
+        self._call("graph_exec_destroy", graph)
 
     # -- code ---------------------------------------------------------------
     def module_load(self, image: bytes):
@@ -152,6 +185,9 @@ class DriverBackend(Backend):
 
     def module_function(self, module, name: str):
         return self._call("module_get_function", module, name.encode())
+
+    def resident_blocks(self, function, block_threads: int) -> int:
+        return int(self._call("occupancy", function, block_threads, 0))
 
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
         # kernelParams: the binding reads a buffer-protocol object as the void**

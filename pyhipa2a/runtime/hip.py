@@ -31,6 +31,11 @@ _CALLS = {
     "module_load_data": "hipModuleLoadData", "module_unload": "hipModuleUnload",
     "module_get_function": "hipModuleGetFunction", "launch_kernel": "hipModuleLaunchKernel",
     "mem_get_info": "hipMemGetInfo",
+    "stream_begin_capture": "hipStreamBeginCapture", "stream_end_capture": "hipStreamEndCapture",
+    "graph_instantiate": "hipGraphInstantiateWithFlags", "graph_launch": "hipGraphLaunch",
+    "graph_exec_destroy": "hipGraphExecDestroy", "graph_destroy": "hipGraphDestroy",
+    "occupancy": "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
+    "event_record_with_flags": "hipEventRecordWithFlags",
 }
 
 # Every attribute of `hip` used here, directly below or through _CALLS; tests
@@ -42,6 +47,7 @@ _USED_CALLS = (
     "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipPointerGetAttributes", "hipEventCreate",
     "hipError_t", "hipIpcMemHandle_t", "ihipStream_t", "hipMemoryType",
     "hipDeviceMallocFinegrained", "hipIpcMemLazyEnablePeerAccess", "hipStreamNonBlocking",
+    "hipStreamCaptureMode",
 ) + tuple(_CALLS.values())
 
 _IPC_HANDLE_BYTES = 64  # sizeof(hipIpcMemHandle_t), HIP_IPC_HANDLE_SIZE
@@ -169,6 +175,9 @@ class HipBackend(DriverBackend):
     # -- streams and events ---------------------------------------------------
     def _non_blocking_stream_flags(self):
         return hip.hipStreamNonBlocking
+
+    def _capture_mode(self):
+        return hip.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal
 
     def stream_from_handle(self, handle: int):
         return hip.ihipStream_t.fromObj(handle)

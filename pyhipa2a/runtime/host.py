@@ -38,7 +38,17 @@ class _Mapping:
 
 
 class HostStream:
-    """Work runs at launch time, so a stream is only an identity."""
+    """Work runs at launch time, so a stream is only an identity, unless it is
+    capturing: then launches and event records are kept (as CUDA and HIP keep
+    them in a graph) and run when the graph is launched."""
+
+    def __init__(self):
+        self.captured: list | None = None
+
+
+class HostGraph:
+    def __init__(self, steps: list):
+        self.steps = steps
 
 
 class HostEvent:
@@ -148,16 +158,27 @@ class HostBackend(Backend):
             return None
 
     # -- copies ---------------------------------------------------------------
+    # Copies run at once; on a capturing stream they are refused, as a CUDA or
+    # HIP capture refuses a copy that waits for the host.
+    @staticmethod
+    def _not_capturing(stream, what: str) -> None:
+        if isinstance(stream, HostStream) and stream.captured is not None:
+            raise RuntimeFailure(f"host: {what} on a capturing stream is not supported")
+
     def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
+        self._not_capturing(stream, "copy_to_device")
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
 
     def copy_to_host(self, dst: np.ndarray, src: int, stream=None) -> None:
+        self._not_capturing(stream, "copy_to_host")
         ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
 
     def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        self._not_capturing(stream, "copy_device")
         ctypes.memmove(dst, src, nbytes)
 
     def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
+        self._not_capturing(stream, "memset")
         ctypes.memset(ptr, byte, nbytes)
 
     # -- cross-process word operations used by the host kernels --------------
@@ -206,6 +227,9 @@ class HostBackend(Backend):
         pass
 
     def event_record(self, event, stream) -> None:
+        if isinstance(stream, HostStream) and stream.captured is not None:
+            stream.captured.append(lambda: self.event_record(event, None))
+            return
         event.time = time.perf_counter()
 
     def event_synchronize(self, event) -> None:
@@ -234,7 +258,34 @@ class HostBackend(Backend):
         return fn
 
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
+        if isinstance(stream, HostStream) and stream.captured is not None:
+            # The arguments as they are now: the pack is rewritten by later calls.
+            args = tuple(type(a).from_buffer_copy(a) for a in pack.arguments)
+            stream.captured.append(lambda: function(self, *args))
+            return
         function(self, *pack.arguments)
+
+    def resident_blocks(self, function, block_threads: int) -> int:
+        return 1  # a host grid is one block of one thread
+
+    # -- graphs -------------------------------------------------------------
+    def capture_begin(self, stream) -> None:
+        if not isinstance(stream, HostStream) or stream.captured is not None:
+            raise RuntimeFailure("host: capture needs a stream of this backend that is not capturing already")
+        stream.captured = []
+
+    def capture_end(self, stream, keep: bool = True):
+        if not isinstance(stream, HostStream) or stream.captured is None:
+            raise RuntimeFailure("host: capture_end on a stream that is not capturing")
+        steps, stream.captured = stream.captured, None
+        return HostGraph(steps) if keep else None
+
+    def graph_launch(self, graph, stream) -> None:
+        for step in graph.steps:
+            step()
+
+    def graph_destroy(self, graph) -> None:
+        graph.steps = []
 
     def close(self) -> None:
         for ptr in list(self._maps):

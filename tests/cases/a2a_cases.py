@@ -243,3 +243,87 @@ def case_peer_skips_call(comm):
             with pytest.raises(A2AError, match="unusable after an earlier failure"):
                 a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
         comm.Barrier()  # the late rank closes only after the others saw the timeout
+
+
+def case_graph_replays(comm, launches="4"):
+    """A captured dispatch -> fake expert -> combine replays as a new call each launch: with fresh inputs
+    copied into the same device buffers, every launch matches the oracle, eager calls interleave with
+    launches, and misuse of capture() is refused without breaking the object."""
+    from pyhipa2a import DeviceArray
+    from pyhipa2a.testing import check_call, poison
+    world = comm.Get_size()
+    E, k, H, M = 3 * world, 2, 264, 8
+    counts = [(3 * r) % (M + 1) for r in range(world)]  # differ per rank; T=0 on rank 0
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        me, b = a2a.rank, a2a.backend
+        T = counts[me]
+        buffers = []
+
+        def device(shape, dtype):
+            arr = DeviceArray(b, b.malloc_ipc(max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)), shape, dtype,
+                              stream=a2a.stream, device_id=a2a.heap.device.index)
+            buffers.append(arr)
+            return arr
+
+        x, idx, w, y = device((T, H), np.float16), device((T, k), np.int32), device((T, k), np.float32), \
+            device((T, H), np.float16)
+        captured = {}
+        with pytest.raises(A2AError, match="needs expert_y_buffer\\(\\) called before the capture"):
+            a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(x, idx)), w, out=y))
+        a2a.expert_y_buffer()
+
+        def step():
+            captured["d"] = d = a2a.dispatch(x, idx)
+            a2a.combine(a2a.fake_expert(d), w, out=y)
+
+        try:
+            graph = a2a.capture(step)
+            for i in range(int(launches)):
+                inputs = draw_world(100 + i, world, E, k, H, M, token_counts=counts)
+                for arr, host in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                    arr.copy_from(host)
+                poison(a2a)
+                y.fill_bytes(0xFF)
+                graph.launch()
+                a2a.synchronize()
+                err = check_call(a2a, inputs, captured["d"], y)
+                print(f"rank {me} launch {i}: T={T} max err {err:.3g}")
+                if i == 1:  # an eager call between launches, with other token counts
+                    run_round(a2a, draw_world(200, world, E, k, H, M))
+
+            host_x = np.zeros((T, H), np.float16)
+            with pytest.raises(TypeError, match="inside capture\\(\\), x must be a device array"):
+                a2a.capture(lambda: a2a.dispatch(host_x, idx))
+            with pytest.raises(A2AError, match="left a dispatch without its combine"):
+                a2a.capture(lambda: a2a.dispatch(x, idx))
+            with pytest.raises(A2AError, match="synchronize\\(\\) inside capture"):
+                a2a.capture(a2a.synchronize)
+            d = a2a.dispatch(x, idx)
+            with pytest.raises(A2AError, match="dispatch\\(\\) called again before combine\\(\\)"):
+                a2a.dispatch(x, idx)
+            a2a.combine(a2a.fake_expert(d), w)
+            run_round(a2a, draw_world(300, world, E, k, H, M))  # still usable after every refusal
+            graph.launch()                                      # and so is the graph
+            a2a.synchronize()
+            graph.close()
+            with pytest.raises(A2AError, match="graph is closed"):
+                graph.launch()
+        finally:
+            a2a.synchronize()
+            for arr in buffers:
+                b.free(arr.ptr)
+
+
+def case_launch_geometry(comm):
+    """Launch geometry the device cannot hold (all blocks of a launch resident at once) is refused."""
+    world = comm.Get_size()
+    shape = dict(num_experts=world, experts_per_token=1, hidden_dim=64, max_num_tokens=4)
+    if pyhipa2a.get_backend().kind == "host":
+        pytest.skip("the host backend runs one block of one thread")
+    with pytest.raises(ValueError, match="block_threads=100 must be a multiple of the warp size"):
+        AllToAll(comm, **shape, block_threads=100)
+    with pytest.raises(ValueError, match="grid_blocks=1000000 must be between 1 and"):
+        AllToAll(comm, **shape, grid_blocks=1000000)
+    with AllToAll(comm, **shape, block_threads=128, grid_blocks=3) as a2a:
+        assert (a2a.block_threads, a2a.blocks) == (128, 3)
+        run_round(a2a, draw_world(9, world, world, 1, 64, 4))
