@@ -4,42 +4,49 @@
 //   1. headers: block 0 writes this rank's routing rows and token count T
 //      into every peer's inbox as tagged words (protocol.h: value and epoch
 //      in one atomic 8-byte store, so no fence and no flag);
-//   2. send: each token goes ONCE to every other rank that hosts at least one
-//      of its experts (not once per expert), followed by a per-token flag;
+//   2. stage: each token that another rank needs is copied, segment by
+//      segment, into our own symmetric heap, each segment with a flag there;
 //   3. receive: every (source, token) waits for its routing row, keeps a
 //      decoded copy, reserves rows for its experts here with local atomics
 //      (meta: src_rank, src_token, src_k; and a local note of where each slot
-//      went); each segment of the token then waits for its own flag and is
-//      fanned out to its experts' rows of the expert-major output;
+//      went); each segment of the token then waits for its flag in the
+//      source's memory and is read ONCE over the link (not once per expert)
+//      and fanned out to its experts' rows of the expert-major output;
 //   4. the last block to finish publishes expert_num_tokens and zeroes the
 //      counters for the next call.
 // combine (one kernel):
 //   1. block 0 sends this rank's weights to every peer as tagged words;
-//   2. for every (source, token) with experts here: one contribution goes
-//      back to the owner: the raw expert row when the token has one expert
-//      here (the owner weights it), else the fp32 sum of w * row over its
-//      experts here, then a per-(rank, token) flag;
+//   2. for every (source, token) with experts here: one contribution for the
+//      owner is left in our own memory, segment by segment with a flag: the
+//      raw expert row when the token has one expert here (the owner weights
+//      it), else the fp32 sum of w * row over its experts here;
 //   3. every token of ours is reduced as soon as its contributions' flags
-//      carry this epoch: fp32 accumulation, one rounding to the output dtype.
+//      carry this epoch, reading each contribution from the rank that made
+//      it: fp32 accumulation, one rounding to the output dtype.
+// Bulk data is pulled, never pushed: its writes stay local, so a flag's
+// release waits only for our own memory. A release after stores to a peer
+// waits for every store queued on the link; under load that cost tens of
+// microseconds per flag (what an earlier push design measured).
 // Flags carry the call's epoch (never 0), so nothing is reset between calls.
-// The inboxes peers write during dispatch alternate by epoch parity: a fast
-// peer's next call cannot overwrite what a slow rank is still reading, since
-// that peer's next-but-one dispatch needs our next header, which we send only
-// after this call's combine is done. Every other buffer peers write is read
-// by us before the barrier that the next call's headers form.
+// Headers and staged tokens alternate by epoch parity: a fast peer's next
+// call cannot overwrite what a slow rank is still reading, since that peer's
+// next-but-one dispatch needs our next header, which we send only after this
+// call's combine is done. The other buffers (weights, contributions) are
+// read by their readers before the barrier that the next call's headers form.
 #include "profile.h"
 #include "protocol.h"
 
 struct A2AArgs {
   HeapView heap;
   // written by peers
-  u64 off_tok_x;           // u8  [2][W][M][x_row_bytes]   token vectors by (parity, src, token)
   u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source
   u64 off_tok_count;       // u64 [2][W]                   tagged T of every source
-  u64 off_tok_flag;        // u32 [2][W][M][S]             epoch: segment s of vector (src, t) is in
   u64 off_w_in;            // u64 [W][M][k]                tagged weights of src's tokens (combine)
-  u64 off_contrib;         // u8  [W][M][hidden * 4]       contribution of rank r to our token t
-  u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution is in
+  // read by peers
+  u64 off_stage;           // u8  [2][M][x_row_bytes]      our tokens, for peers to pull
+  u64 off_stage_flag;      // u32 [2][M][S]                epoch: segment s of staged token t is in
+  u64 off_contrib;         // u8  [W][M][hidden * 4]       our contribution to token t of owner src
+  u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of that contribution is in
   // local
   u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]    expert_x
   u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
@@ -98,6 +105,7 @@ A2A_DEVICE u32 take_epoch(const A2AArgs& a, bool dispatch) {
 
 #define A2A_MAX_LOCAL_EXPERTS 1024
 #define A2A_MAX_WARPS_PER_BLOCK 32
+#define A2A_MAX_BLOCK_THREADS 512  // MAX_BLOCK_THREADS in pyhipa2a/a2a.py
 #define A2A_MAX_WORLD 32
 #define A2A_CHUNKS 4  // 8-element chunks per lane whose loads are issued together
 
@@ -163,7 +171,7 @@ A2A_DEVICE u32 lowest_bit(u32 bits) { return a2a_ctz(bits); }
 // Copy loops keep A2A_INFLIGHT 16-byte loads per lane in flight before the
 // first store: a load-store-load chain would wait one full memory (or NVLink)
 // latency per 512 bytes a warp moves, which the profiler showed dominating.
-#define A2A_INFLIGHT 4  // = the 16-byte accesses per lane in one segment (A2A_CHUNKS)
+#define A2A_INFLIGHT A2A_CHUNKS  // = the 16-byte accesses per lane in one segment
 
 // One warp copies `bytes` from `src` to each of `ndst` destinations
 // (dst_base + slots[d] * bytes), reading the source once.
@@ -241,21 +249,30 @@ A2A_DEVICE void send_headers(const Ctx& x, const DispatchCall& c, const WarpGrid
   }
 }
 
-A2A_DEVICE void send_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+// True when a valid slot of `row` lives on a rank other than `me`.
+A2A_DEVICE bool needed_elsewhere(const i32* row, u32 k, i32 num_experts, u32 L, u32 me) {
+  for (u32 j = 0; j < k; ++j)
+    if (valid_expert(row, j, num_experts) && (u32)row[j] / L != me) return true;
+  return false;
+}
+
+// Each segment of each token some peer needs is copied into our stage, then
+// its flag (in our memory too) is released for the peers that pull it.
+A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u8* tokens = reinterpret_cast<const u8*>(c.x);
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
-  for (u32 item = g.warp; item < (u32)c.num_tokens * x.W * S; item += g.warps) {
-    const u32 t = item / (x.W * S), r = item / S % x.W, seg = item % S;
-    if (r == me || !slots_on_rank(indices + (u64)t * x.k, x.k, x.a.num_experts, x.L, r)) continue;
+  u8* stage = sym<u8>(x.h, (int)me, x.a.off_stage) + (u64)x.parity * x.M * rb;
+  u32* flags = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (u64)x.parity * x.M * S;
+  for (u32 item = g.warp; item < (u32)c.num_tokens * S; item += g.warps) {
+    const u32 t = item / S, seg = item % S;
+    if (!needed_elsewhere(indices + (u64)t * x.k, x.k, x.a.num_experts, x.L, me)) continue;
     A2A_PROF_START(t0);
-    const u64 at = ((u64)x.parity * x.W + me) * x.M + t;
     const Segment sg = segment(x, seg, rb, itemsize);
-    copy_row(sym<u8>(x.h, (int)r, x.a.off_tok_x) + at * rb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes,
-             g.lane);
+    copy_row(stage + (u64)t * rb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes, g.lane);
     a2a_wave_sync();
-    if (g.lane == 0) a2a_store_release_sys(sym<u32>(x.h, (int)r, x.a.off_tok_flag) + at * S + seg, x.epoch);
-    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_SEND, t0, r | t << 8);
+    if (g.lane == 0) a2a_store_release_sys(&flags[(u64)t * S + seg], x.epoch);
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_STAGE, t0, me | t << 8);
   }
 }
 
@@ -300,11 +317,11 @@ A2A_DEVICE void locate(const u32* pre, u32 W, u32 q, u32& src, u32& t) {
 }
 
 // The vector of token t of source src: ours straight from the caller, a
-// peer's from its inbox.
+// peer's from its stage, over the link.
 A2A_DEVICE const u8* token_vector(const Ctx& x, const DispatchCall& c, u32 src, u32 t) {
   const u32 rb = x.a.x_row_bytes;
   if (src == (u32)x.h.rank) return reinterpret_cast<const u8*>(c.x) + (u64)t * rb;
-  return sym<u8>(x.h, x.h.rank, x.a.off_tok_x) + (((u64)x.parity * x.W + src) * x.M + t) * rb;
+  return sym<u8>(x.h, (int)src, x.a.off_stage) + ((u64)x.parity * x.M + t) * rb;
 }
 
 // True in every lane when any lane below k has `flag` set.
@@ -393,10 +410,8 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
-  const i32* rows = sym<i32>(x.h, (int)me, x.a.off_rows);
   const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   const u32* slot_flag = sym<u32>(x.h, (int)me, x.a.off_slot_flag);
-  const u32* tok_flag = sym<u32>(x.h, (int)me, x.a.off_tok_flag) + (u64)x.parity * x.W * x.M * S;
   u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
   for (u32 item = g.warp; item < pre[x.W] * S; item += g.warps) {
     u32 src, t;
@@ -404,20 +419,21 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
     const u32 seg = item % S;
     A2A_PROF_START(t1);
     if (!warp_wait(x, &slot_flag[src * x.M + t], me, A2A_WAIT_DISPATCH, t, g.lane)) break;
-    const u32 here = slots_on_rank(rows + ((u64)src * x.M + t) * x.k, x.k, x.a.num_experts, x.L, me);
-    if (!here) continue;
-    if (src != me && !warp_wait(x, &tok_flag[((u64)src * x.M + t) * S + seg], src, A2A_WAIT_DISPATCH, t, g.lane))
-      break;
-    if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
-    A2A_PROF_START(t2);
+    // Lane j reads slot j's row (-1: not an expert of ours, or lost to a reported error).
+    const i32 slot = g.lane < x.k ? slot_of[((u64)src * x.M + t) * x.k + g.lane] : -1;
     u32 n = 0;
-    for (u32 bits = here; bits; bits &= bits - 1u) {
-      const i32 slot = slot_of[((u64)src * x.M + t) * x.k + lowest_bit(bits)];
-      if (slot >= 0) {
-        if (g.lane == 0) slots[n] = slot;
+    for (u32 j = 0; j < x.k; ++j) {
+      const i32 s = a2a_shfl(slot, (int)j);
+      if (s >= 0) {
+        if (g.lane == 0) slots[n] = s;
         ++n;
       }
     }
+    if (!n) continue;
+    const u32* staged = sym<u32>(x.h, (int)src, x.a.off_stage_flag) + ((u64)x.parity * x.M + t) * S + seg;
+    if (src != me && !warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) break;
+    if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
+    A2A_PROF_START(t2);
     a2a_wave_sync();
     const Segment sg = segment(x, seg, rb, itemsize);
     const u8* vec = token_vector(x, c, src, t);
@@ -427,12 +443,12 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
   }
 }
 
-extern "C" __global__ void a2a_dispatch(A2AArgs a, DispatchCall c) {
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A2AArgs a, DispatchCall c) {
   const Ctx x = make_ctx(a, take_epoch(a, true));
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
   if (a2a_block() == 0) send_headers(x, c, g);
-  send_tokens(x, c, g);
+  stage_tokens(x, c, g);
   __shared__ u32 prefix_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD + 1];
   u32* pre = prefix_buf[g.warp_in_block];
   if (source_prefix(x, (u32)c.num_tokens, pre, true, g.lane)) {
@@ -528,15 +544,24 @@ A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, 
   const bool vec = H % 8u == 0 && ((u64)expert_y & 15u) == 0;
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
   for (u32 e0 = e_begin + lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
+    // The next expert's row is loaded before this one's is summed: one memory
+    // latency per segment, not one per expert.
     float acc[U][8] = {};
-    for (u32 bits = here; bits; bits &= bits - 1u) {
-      const u32 j = lowest_bit(bits);
-      const u16* row = expert_y + (u64)slots[j] * H;
-      vec16 v[U];
+    vec16 cur[U], nxt[U];
+    u32 bits = here, j = lowest_bit(bits);
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < e_end) cur[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j] * H + e0 + u * STEP);
+    for (;;) {
+      bits &= bits - 1u;
+      const u32 jn = bits ? lowest_bit(bits) : j;
       for (u32 u = 0; u < U; ++u)
-        if (e0 + u * STEP < e_end) v[u] = *reinterpret_cast<const vec16*>(row + e0 + u * STEP);
+        if (bits && e0 + u * STEP < e_end)
+          nxt[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[jn] * H + e0 + u * STEP);
       for (u32 u = 0; u < U; ++u)
-        if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j], v[u]);
+        if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j], cur[u]);
+      if (!bits) break;
+      for (u32 u = 0; u < U; ++u) cur[u] = nxt[u];
+      j = jn;
     }
     for (u32 u = 0; u < U; ++u)
       if (e0 + u * STEP < e_end) store8f(out + e0 + u * STEP, acc[u]);
@@ -594,10 +619,10 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     A2A_PROF_START(t1);
     const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
     contribute<Fmt>(x, expert_y, slots, here, w,
-                    sym<u8>(x.h, (int)src, x.a.off_contrib) + ((u64)me * x.M + t) * stride, e_begin, e_end, g.lane);
+                    sym<u8>(x.h, (int)me, x.a.off_contrib) + ((u64)src * x.M + t) * stride, e_begin, e_end, g.lane);
     a2a_wave_sync();
-    if (g.lane == 0)
-      a2a_store_release_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg, x.epoch);
+    if (g.lane == 0)  // the owner reads it from here
+      a2a_store_release_sys(sym<u32>(x.h, (int)me, x.a.off_contrib_flag) + ((u64)src * x.M + t) * S + seg, x.epoch);
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
   }
 }
@@ -611,8 +636,6 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   __shared__ u32 here_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD];
   u32* here = here_buf[g.warp_in_block];
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
-  const u8* contrib = sym<u8>(x.h, (int)me, x.a.off_contrib);
-  const u32* flags = sym<u32>(x.h, (int)me, x.a.off_contrib_flag);
   const float* weights = reinterpret_cast<const float*>(c.weights);
   u16* out = reinterpret_cast<u16*>(c.out);
   const u64 stride = (u64)H * 4u;
@@ -626,7 +649,8 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     for (u32 r = 0; r < x.W && ok; ++r) {
       if (!here[r]) continue;
       A2A_PROF_START(t0);
-      ok = warp_wait(x, &flags[((u64)r * x.M + t) * S + seg], r, A2A_WAIT_COMBINE_ROW, t, g.lane);
+      const u32* flag = sym<u32>(x.h, (int)r, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg;
+      ok = warp_wait(x, flag, r, A2A_WAIT_COMBINE_ROW, t, g.lane);
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_CONTRIB, t0, r | t << 8);
     }
     if (!ok) break;
@@ -638,7 +662,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
       float acc[U][8] = {};
       for (u32 r = 0; r < x.W; ++r) {
         if (!here[r]) continue;
-        const u8* part = contrib + ((u64)r * x.M + t) * stride;
+        const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * stride;
         if ((here[r] & (here[r] - 1u)) == 0) {  // one raw row: weight it here
           const u16* raw = reinterpret_cast<const u16*>(part);
           const float wr = w[lowest_bit(here[r])];
@@ -662,7 +686,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     for (u32 e = e_begin + g.lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
       float acc = 0.f;
       for (u32 r = 0; r < x.W; ++r) {
-        const u8* part = contrib + ((u64)r * x.M + t) * stride;
+        const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * stride;
         if (here[r] && (here[r] & (here[r] - 1u)) == 0)
           acc += w[lowest_bit(here[r])] * Fmt::load(reinterpret_cast<const u16*>(part)[e]);
         else if (here[r])
@@ -686,8 +710,8 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
 }
 
-extern "C" __global__ void a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }
-extern "C" __global__ void a2a_combine_bf16(A2AArgs a, CombineCall c) { combine<BF16>(a, c); }
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_combine_bf16(A2AArgs a, CombineCall c) { combine<BF16>(a, c); }
 
 // ------------------------------------------------------- fake expert ----
 

@@ -24,6 +24,9 @@ struct __attribute__((aligned(16))) vec16 { u32 x, y, z, w; };
 #endif
 #define A2A_DEVICE __device__ __attribute__((always_inline)) inline
 #define A2A_WARP_SIZE 64
+// Kernels are never launched with more than this many threads per block, so
+// the compiler may budget registers for it (two 256-thread blocks per CU/SM).
+#define A2A_MAX_THREADS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
 
 A2A_DEVICE u32 a2a_thread() { return __builtin_amdgcn_workitem_id_x(); }
 A2A_DEVICE u32 a2a_block() { return __builtin_amdgcn_workgroup_id_x(); }
@@ -103,6 +106,7 @@ A2A_DEVICE u16 a2a_float_to_half(float f) { return __builtin_bit_cast(u16, (_Flo
 #define A2A_NVIDIA 1
 #define A2A_DEVICE __device__ __forceinline__
 #define A2A_WARP_SIZE 32
+#define A2A_MAX_THREADS(n) __launch_bounds__(n)
 
 A2A_DEVICE u32 a2a_thread() { return threadIdx.x; }
 A2A_DEVICE u32 a2a_block() { return blockIdx.x; }

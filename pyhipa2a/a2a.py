@@ -37,7 +37,9 @@ MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
 MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
 MAX_WORLD = 32             # A2A_MAX_WORLD
 MAX_WARPS_PER_BLOCK = 32   # A2A_MAX_WARPS_PER_BLOCK
+MAX_BLOCK_THREADS = 512    # A2A_MAX_BLOCK_THREADS: the kernels' register budget assumes it
 DEFAULT_BLOCK_THREADS = 256
+DEFAULT_BLOCKS_PER_MP = 2  # two blocks per CU/SM: more warps to hide the link's latency (PERFORMANCE.md)
 SEGMENT_LANE_ELEMS = 32    # 4 chunks of 8 elements per lane (A2A_CHUNKS in kernels_hip/a2a.hip)
 MIN_WARP = 32
 
@@ -88,13 +90,14 @@ class AllToAll:
         """Every symmetric buffer, in allocation order (identical on all ranks). See kernels_hip/a2a.hip."""
         L, M, k, H, S = self.num_experts // world, self.max_tokens, self.top_k, self.hidden, self.nseg
         return [
-            # written by peers: dispatch inboxes alternate by epoch parity
-            # (headers and weights as tagged words: value in the low half, epoch in the high half)
-            ("tok_x", (2, world, M, H), self.in_dtype),
+            # written by peers, as tagged words (value in the low half, epoch in the high
+            # half); headers alternate by epoch parity
             ("tok_hdr", (2, world, M, k), np.uint64),
             ("tok_count", (2, world), np.uint64),
-            ("tok_flag", (2, world, M, S), np.uint32),
             ("w_in", (world, M, k), np.uint64),
+            # read by peers (they pull): staged tokens by parity, contributions by owner
+            ("stage", (2, M, H), self.in_dtype),
+            ("stage_flag", (2, M, S), np.uint32),
             ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
             ("contrib_flag", (world, M, S), np.uint32),
             # local
@@ -177,16 +180,17 @@ class AllToAll:
         threads, warp = self._block_threads, device.warp_size
         if warp == 1:  # host twins: one "thread"
             return 1, 1
-        if threads % warp or not warp <= threads <= min(1024, MAX_WARPS_PER_BLOCK * warp):
+        most_threads = min(MAX_BLOCK_THREADS, MAX_WARPS_PER_BLOCK * warp)
+        if threads % warp or not warp <= threads <= most_threads:
             raise ValueError(f"block_threads={threads} must be a multiple of the warp size ({warp}) "
-                             f"between {warp} and {min(1024, MAX_WARPS_PER_BLOCK * warp)}")
+                             f"between {warp} and {most_threads}")
         per_mp = min(self.backend.resident_blocks(k.function, threads)
                      for k in (self._dispatch_kernel, self._combine_kernel))
         if per_mp < 1:
             raise ValueError(f"block_threads={threads}: the kernels' registers do not fit that many threads "
                              "in one block on this device")
         most = device.multiprocessors * per_mp
-        blocks = self._grid_blocks or device.multiprocessors
+        blocks = self._grid_blocks or device.multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp)
         if not 1 <= blocks <= most:
             raise ValueError(f"grid_blocks={blocks} must be between 1 and {most} (all blocks of a launch resident "
                              f"at once: {device.multiprocessors} multiprocessors x {per_mp} blocks of {threads} "

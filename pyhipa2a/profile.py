@@ -21,7 +21,7 @@ import numpy as np
 # (a warp's whole kernel), "sync" (grid-level bookkeeping).
 TAGS = {
     1: ("dispatch.headers", "move"),
-    2: ("dispatch.send", "move"),
+    2: ("dispatch.stage", "move"),
     3: ("dispatch.wait_header", "wait"),
     4: ("dispatch.wait_token", "wait"),
     5: ("dispatch.fanout", "move"),

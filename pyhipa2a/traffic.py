@@ -1,10 +1,11 @@
 """Bytes each rank sends over links in one dispatch + combine, as the kernels move them.
 
 Mirrors kernels_hip/a2a.hip: dispatch sends every peer a header (routing rows
-and the count) and each token once to every other rank hosting one of its
-experts; combine sends every peer the weights, and each expert rank sends one
-contribution per (token, owner) back: the raw row when it hosts one of the
-token's experts, an fp32 partial sum when it hosts several. Used by
+and the count), and each token crosses once to every other rank hosting one
+of its experts (that rank pulls it); combine sends every peer the weights,
+and one contribution per (token, expert rank) crosses back to the owner (it
+pulls it): the raw row when that rank hosts one of the token's experts, an
+fp32 partial sum when it hosts several. Flag polls are not counted. Used by
 scripts/bench.py for link bandwidth and speed of light.
 """
 from __future__ import annotations

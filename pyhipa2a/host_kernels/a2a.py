@@ -96,16 +96,14 @@ def a2a_dispatch(backend, a, c) -> None:
         v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(indices, v.epoch)
         v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T, v.epoch)
         v.rec.record(1, t0, r)
-    for r in range(W):  # 2. each token once to every other rank hosting one of its experts
-        if r == me:
-            continue
-        t0 = time.monotonic_ns()
-        tokens = np.flatnonzero((valid & (indices // L == r)).any(axis=1))
-        v.buf(r, "tok_x", (2, W, M, rb), np.uint8)[p, me, tokens] = x[tokens]
-        for t in tokens:
-            for seg in range(v.S):
-                backend.store_release_u32(v.addr(r, "tok_flag", ((p * W + me) * M + t) * v.S + seg), v.epoch)
-        v.rec.record(2, t0, r)
+    # 2. stage every token another rank needs, with its flags, in our own memory (peers pull)
+    t0 = time.monotonic_ns()
+    tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
+    v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
+    for t in tokens:
+        for seg in range(v.S):
+            backend.store_release_u32(v.addr(me, "stage_flag", (p * M + t) * v.S + seg), v.epoch)
+    v.rec.record(2, t0, me)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
     expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
@@ -126,13 +124,13 @@ def a2a_dispatch(backend, a, c) -> None:
                 return
             v.rec.record(3, t0, src)
             rows = words.view(np.int32).reshape(count, k)
-            vecs = v.buf(me, "tok_x", (2, W, M, rb), np.uint8)[p, src]
+            vecs = v.buf(src, "stage", (2, M, rb), np.uint8)[p]
         decoded[src, :count] = rows  # combine reads the routing rows from here
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens, slots = np.nonzero(here)
         t0 = time.monotonic_ns()
         needed = (np.unique(tokens)[:, None] * v.S + np.arange(v.S)).ravel()
-        if src != me and not wait_flags(backend, v.addr(me, "tok_flag", (p * W + src) * M * v.S), needed,
+        if src != me and not wait_flags(backend, v.addr(src, "stage_flag", p * M * v.S), needed,
                                         v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
             return
         if src != me:
@@ -177,7 +175,7 @@ def _combine(backend, a, c, dtype) -> None:
             v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T] = tag(weights.view(np.uint32), v.epoch)
             v.rec.record(8, t0, r)
 
-    for src in range(W):  # 2. one contribution per (token, this rank) back to its owner
+    for src in range(W):  # 2. one contribution per (token, this rank) for its owner, left in our memory
         count = T if src == me else min(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF), M)
         rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
@@ -195,7 +193,7 @@ def _combine(backend, a, c, dtype) -> None:
             v.rec.record(9, t0, src)
             w = words.view(np.float32).reshape(count, k)
         t0 = time.monotonic_ns()
-        contrib = v.buf(src, "contrib", (W, M, 4 * H), np.uint8)[me]
+        contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[src]
         for t in tokens:
             js = np.flatnonzero(here[t])
             if len(js) == 1:  # the raw row; the owner applies the weight
@@ -206,13 +204,12 @@ def _combine(backend, a, c, dtype) -> None:
                     part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
                 contrib[t] = part.view(np.uint8)
             for seg in range(v.S):
-                backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), v.epoch)
+                backend.store_release_u32(v.addr(me, "contrib_flag", (src * M + t) * v.S + seg), v.epoch)
         v.rec.record(10, t0, src)
 
     # 3. reduce our tokens from the contributions of every rank hosting their experts
     rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)
-    contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)
     acc = np.zeros((T, H), np.float32)
     for r in range(W):
         here = valid & (rows // L == r)
@@ -220,18 +217,19 @@ def _combine(backend, a, c, dtype) -> None:
         tokens = np.flatnonzero(n)
         t0 = time.monotonic_ns()
         needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
-        if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline, v.status,
+        if not wait_flags(backend, v.addr(r, "contrib_flag", me * M * v.S), needed, v.epoch, v.deadline, v.status,
                           WAIT_COMBINE_ROW, peer_of=lambda _: r):
             return
         v.rec.record(11, t0, r)
         t0 = time.monotonic_ns()
         single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]
+        theirs = v.buf(r, "contrib", (W, M, 4 * H), np.uint8)[me]  # rank r's contributions to our tokens
         if len(single):
             j = here[single].argmax(axis=1)
-            raw = contrib[r, single, :2 * H].copy().view(dtype).astype(np.float32)
+            raw = theirs[single, :2 * H].copy().view(dtype).astype(np.float32)
             acc[single] += weights[single, j][:, None] * raw
         if len(multi):
-            acc[multi] += contrib[r, multi].copy().view(np.float32)
+            acc[multi] += theirs[multi].copy().view(np.float32)
         v.rec.record(12, t0, me)
     mem(c.out, (T, H), dtype)[:] = acc.astype(dtype)
     v.rec.record(13, span)
