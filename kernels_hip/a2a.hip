@@ -12,17 +12,18 @@
 //      went); each segment of the token then waits for its flag in the
 //      source's memory and is read ONCE over the link (not once per expert)
 //      and fanned out to its experts' rows of the expert-major output;
-//   4. the last block to finish publishes expert_num_tokens and zeroes the
-//      counters for the next call.
+//   4. the last warp to finish reserving publishes expert_num_tokens and
+//      zeroes the counters for the next call, while the others fan out.
 // combine (one kernel):
 //   1. block 0 sends this rank's weights to every peer as tagged words;
-//   2. for every (source, token) with experts here: one contribution for the
+//   2. for every peer's token with experts here: one contribution for the
 //      owner is left in our own memory, segment by segment with a flag: the
 //      raw expert row when the token has one expert here (the owner weights
 //      it), else the fp32 sum of w * row over its experts here;
 //   3. every token of ours is reduced as soon as its contributions' flags
-//      carry this epoch, reading each contribution from the rank that made
-//      it: fp32 accumulation, one rounding to the output dtype.
+//      carry this epoch: our own experts' rows straight from expert_y, each
+//      peer's contribution read from that peer's memory; fp32 accumulation,
+//      one rounding to the output dtype.
 // Bulk data is pulled, never pushed: its writes stay local, so a flag's
 // release waits only for our own memory. A release after stores to a peer
 // waits for every store queued on the link; under load that cost tens of
@@ -55,7 +56,7 @@ struct A2AArgs {
   u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded, ours too
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
   u64 off_slot_flag;       // u32 [W][M]                   epoch: rows[src][t] and slot_of[src][t] are final
-  u64 off_block_counters;  // u32 [2]                      last-block counters: dispatch, combine
+  u64 off_arrived;         // u32 [1]                      warps that made their reservations (dispatch)
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
@@ -443,6 +444,27 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
   }
 }
 
+// Every warp checks in once its reservations are made; the last one to do so
+// publishes expert_num_tokens (every reservation is in by then) and zeroes the
+// counters and itself for the next call, while the others fan out.
+A2A_DEVICE void publish_counts_if_last(const Ctx& x, const WarpGrid& g) {
+  u32* arrived = sym<u32>(x.h, x.h.rank, x.a.off_arrived);
+  A2A_PROF_START(t0);
+  int last = 0;
+  a2a_wave_sync();  // the warp's reservations come before its check-in
+  if (g.lane == 0) last = a2a_fetch_add_acq_rel_dev(arrived, 1u) == g.warps - 1u;
+  if (!a2a_shfl(last, 0)) return;
+  u32* counters = sym<u32>(x.h, x.h.rank, x.a.off_counters);
+  i32* num_tokens = sym<i32>(x.h, x.h.rank, x.a.off_num_tokens);
+  for (u32 l = g.lane; l < x.L; l += A2A_WARP_SIZE) {
+    const u32 n = counters[l];
+    num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
+    counters[l] = 0u;
+  }
+  if (g.lane == 0) *arrived = 0u;  // nobody else touches it until the next launch
+  A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, 0);
+}
+
 extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A2AArgs a, DispatchCall c) {
   const Ctx x = make_ctx(a, take_epoch(a, true));
   const WarpGrid g = warp_grid();
@@ -451,22 +473,10 @@ extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A
   stage_tokens(x, c, g);
   __shared__ u32 prefix_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD + 1];
   u32* pre = prefix_buf[g.warp_in_block];
-  if (source_prefix(x, (u32)c.num_tokens, pre, true, g.lane)) {
-    reserve_rows(x, c, g, pre);
-    fan_out(x, c, g, pre);
-  }
-
-  A2A_PROF_START(t1);
-  if (a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_block_counters) + 0, false)) {  // counts stay local
-    u32* counters = sym<u32>(x.h, x.h.rank, a.off_counters);
-    i32* num_tokens = sym<i32>(x.h, x.h.rank, a.off_num_tokens);
-    for (u32 l = a2a_thread(); l < x.L; l += a2a_block_dim()) {
-      const u32 n = counters[l];
-      num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
-      counters[l] = 0u;
-    }
-    A2A_PROF(x.prof, a2a_thread(), A2A_TAG_DISPATCH_COUNTS, t1, 0);
-  }
+  const bool ok = source_prefix(x, (u32)c.num_tokens, pre, true, g.lane);
+  if (ok) reserve_rows(x, c, g, pre);
+  publish_counts_if_last(x, g);
+  if (ok) fan_out(x, c, g, pre);
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
 }
 
@@ -528,9 +538,51 @@ A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid&
   }
 }
 
-// Elements [e_begin, e_end) of what rank `me` sends back for a token of
-// `src`: its one expert row as is (the owner applies the weight), or the fp32
-// sum of w * row over its experts. `dst` is the token's contribution slot.
+// acc += sum over the experts j in `bits` of w[j] * (8 * A2A_CHUNKS elements of
+// expert_y row slots[j] from e0 on, in steps of a warp's width). The next
+// expert's row is loaded before this one's is summed: one memory latency per
+// chunk, not one per expert.
+template <typename Fmt>
+A2A_DEVICE void sum_rows(float (&acc)[A2A_CHUNKS][8], const u16* expert_y, const i32* slots, u32 bits,
+                         const float* w, u32 H, u32 e0, u32 e_end) {
+  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  vec16 cur[U], nxt[U];
+  u32 j = lowest_bit(bits);
+  for (u32 u = 0; u < U; ++u)
+    if (e0 + u * STEP < e_end) cur[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j] * H + e0 + u * STEP);
+  for (;;) {
+    bits &= bits - 1u;
+    const u32 jn = bits ? lowest_bit(bits) : j;
+    for (u32 u = 0; u < U; ++u)
+      if (bits && e0 + u * STEP < e_end)
+        nxt[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[jn] * H + e0 + u * STEP);
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j], cur[u]);
+    if (!bits) break;
+    for (u32 u = 0; u < U; ++u) cur[u] = nxt[u];
+    j = jn;
+  }
+}
+
+// The same for one element e (rows whose length is not a multiple of 8).
+template <typename Fmt>
+A2A_DEVICE float sum_rows_at(const u16* expert_y, const i32* slots, u32 bits, const float* w, u32 H, u32 e) {
+  float acc = 0.f;
+  for (; bits; bits &= bits - 1u) acc += w[lowest_bit(bits)] * Fmt::load(expert_y[(u64)slots[lowest_bit(bits)] * H + e]);
+  return acc;
+}
+
+// True when every expert in `bits` got a row (a slot lost to a reported
+// capacity error has none).
+A2A_DEVICE bool all_slots(const i32* slots, u32 bits) {
+  for (; bits; bits &= bits - 1u)
+    if (slots[lowest_bit(bits)] < 0) return false;
+  return true;
+}
+
+// Elements [e_begin, e_end) of what rank `me` leaves for a token of a peer:
+// its one expert row as is (the owner applies the weight), or the fp32 sum of
+// w * row over its experts. `dst` is the token's contribution slot.
 template <typename Fmt>
 A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
                            u8* dst, u32 e_begin, u32 e_end, u32 lane) {
@@ -544,36 +596,13 @@ A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, 
   const bool vec = H % 8u == 0 && ((u64)expert_y & 15u) == 0;
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
   for (u32 e0 = e_begin + lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
-    // The next expert's row is loaded before this one's is summed: one memory
-    // latency per segment, not one per expert.
     float acc[U][8] = {};
-    vec16 cur[U], nxt[U];
-    u32 bits = here, j = lowest_bit(bits);
-    for (u32 u = 0; u < U; ++u)
-      if (e0 + u * STEP < e_end) cur[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j] * H + e0 + u * STEP);
-    for (;;) {
-      bits &= bits - 1u;
-      const u32 jn = bits ? lowest_bit(bits) : j;
-      for (u32 u = 0; u < U; ++u)
-        if (bits && e0 + u * STEP < e_end)
-          nxt[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[jn] * H + e0 + u * STEP);
-      for (u32 u = 0; u < U; ++u)
-        if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j], cur[u]);
-      if (!bits) break;
-      for (u32 u = 0; u < U; ++u) cur[u] = nxt[u];
-      j = jn;
-    }
+    sum_rows<Fmt>(acc, expert_y, slots, here, w, H, e0, e_end);
     for (u32 u = 0; u < U; ++u)
       if (e0 + u * STEP < e_end) store8f(out + e0 + u * STEP, acc[u]);
   }
-  for (u32 e = e_begin + lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
-    float acc = 0.f;
-    for (u32 bits = here; bits; bits &= bits - 1u) {
-      const u32 j = lowest_bit(bits);
-      acc += w[j] * Fmt::load(expert_y[(u64)slots[j] * H + e]);
-    }
-    out[e] = acc;
-  }
+  for (u32 e = e_begin + lane; !vec && e < e_end; e += A2A_WARP_SIZE)
+    out[e] = sum_rows_at<Fmt>(expert_y, slots, here, w, H, e);
 }
 
 template <typename Fmt>
@@ -589,16 +618,15 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   __shared__ u32 prefix_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD + 1];
   u32* pre = prefix_buf[g.warp_in_block];
   source_prefix(x, (u32)c.num_tokens, pre, false, g.lane);  // the headers came with dispatch
-  for (u32 item = g.warp; item < pre[x.W] * S; item += g.warps) {
-    u32 src, t;
-    locate(pre, x.W, item / S, src, t);
+  const u32 mine = pre[me + 1] - pre[me];  // our own tokens are reduced straight from expert_y
+  for (u32 item = g.warp; item < (pre[x.W] - mine) * S; item += g.warps) {
+    u32 src, t, q = item / S;
+    locate(pre, x.W, q < pre[me] ? q : q + mine, src, t);
     const u32 seg = item % S;
     const u32 here = slots_on_rank(rows + ((u64)src * x.M + t) * x.k, x.k, x.a.num_experts, x.L, me);
     if (!here) continue;
     const float* w = nullptr;  // a single row goes back unweighted: no need to wait for the weights
-    if (src == me) {
-      w = reinterpret_cast<const float*>(c.weights) + (u64)t * x.k;
-    } else if (here & (here - 1u)) {
+    if (here & (here - 1u)) {
       A2A_PROF_START(t0);
       bool ok = true;
       if (g.lane < x.k && (here >> g.lane & 1u)) {
@@ -613,9 +641,7 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
       w = w_peer;
     }
     const i32* slots = slot_of + ((u64)src * x.M + t) * x.k;
-    bool complete = true;  // a slot lost to a reported error has no row
-    for (u32 bits = here; bits; bits &= bits - 1u) complete &= slots[lowest_bit(bits)] >= 0;
-    if (!complete) continue;
+    if (!all_slots(slots, here)) continue;  // the owner's wait ends on the reported error
     A2A_PROF_START(t1);
     const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
     contribute<Fmt>(x, expert_y, slots, here, w,
@@ -627,19 +653,21 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   }
 }
 
-// y[t] = sum over ranks r hosting t's experts of r's contribution (a raw row
-// times its weight when r hosts one expert of t, else an fp32 partial sum),
-// one warp per segment of a token. Lane r works out which of t's slots live
-// on rank r.
+// y[t] = our own experts' rows of t times their weights, read straight from
+// expert_y, plus each peer r's contribution (a raw row times its weight when r
+// hosts one expert of t, else an fp32 partial sum), read from r's memory; one
+// warp per segment of a token. Lane r works out which of t's slots live on
+// rank r.
 template <typename Fmt>
 A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
   __shared__ u32 here_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD];
   u32* here = here_buf[g.warp_in_block];
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const float* weights = reinterpret_cast<const float*>(c.weights);
+  const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
   u16* out = reinterpret_cast<u16*>(c.out);
   const u64 stride = (u64)H * 4u;
-  const bool vec = H % 8u == 0 && ((u64)out & 15u) == 0;
+  const bool vec = H % 8u == 0 && (((u64)out | (u64)expert_y) & 15u) == 0;
   for (u32 item = g.warp; item < (u32)c.num_tokens * S; item += g.warps) {
     const u32 t = item / S, seg = item % S;
     const i32* row = sym<i32>(x.h, (int)me, x.a.off_rows) + ((u64)me * x.M + t) * x.k;
@@ -647,7 +675,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     a2a_wave_sync();
     bool ok = true;
     for (u32 r = 0; r < x.W && ok; ++r) {
-      if (!here[r]) continue;
+      if (!here[r] || r == me) continue;
       A2A_PROF_START(t0);
       const u32* flag = sym<u32>(x.h, (int)r, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg;
       ok = warp_wait(x, flag, r, A2A_WAIT_COMBINE_ROW, t, g.lane);
@@ -656,12 +684,15 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     if (!ok) break;
     A2A_PROF_START(t1);
     const float* w = weights + (u64)t * x.k;
+    const i32* own = sym<i32>(x.h, (int)me, x.a.off_slot_of) + ((u64)me * x.M + t) * x.k;
+    const u32 mine = all_slots(own, here[me]) ? here[me] : 0u;  // a lost slot: reported already
     const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
     constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
     for (u32 e0 = e_begin + g.lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
       float acc[U][8] = {};
+      if (mine) sum_rows<Fmt>(acc, expert_y, own, mine, w, H, e0, e_end);
       for (u32 r = 0; r < x.W; ++r) {
-        if (!here[r]) continue;
+        if (!here[r] || r == me) continue;
         const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * stride;
         if ((here[r] & (here[r] - 1u)) == 0) {  // one raw row: weight it here
           const u16* raw = reinterpret_cast<const u16*>(part);
@@ -673,23 +704,21 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
             if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], wr, v[u]);
         } else {                                // an fp32 partial sum
           const vec16* f = reinterpret_cast<const vec16*>(reinterpret_cast<const float*>(part) + e0);
-          vec16 a[U], b[U];
           for (u32 u = 0; u < U; ++u)
-            if (e0 + u * STEP < e_end) { a[u] = f[u * STEP / 4u]; b[u] = f[u * STEP / 4u + 1u]; }
-          for (u32 u = 0; u < U; ++u)
-            if (e0 + u * STEP < e_end) add8v(acc[u], a[u], b[u]);
+            if (e0 + u * STEP < e_end) add8v(acc[u], f[u * STEP / 4u], f[u * STEP / 4u + 1u]);
         }
       }
       for (u32 u = 0; u < U; ++u)
         if (e0 + u * STEP < e_end) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
     }
     for (u32 e = e_begin + g.lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
-      float acc = 0.f;
+      float acc = mine ? sum_rows_at<Fmt>(expert_y, own, mine, w, H, e) : 0.f;
       for (u32 r = 0; r < x.W; ++r) {
+        if (!here[r] || r == me) continue;
         const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * stride;
-        if (here[r] && (here[r] & (here[r] - 1u)) == 0)
+        if ((here[r] & (here[r] - 1u)) == 0)
           acc += w[lowest_bit(here[r])] * Fmt::load(reinterpret_cast<const u16*>(part)[e]);
-        else if (here[r])
+        else
           acc += reinterpret_cast<const float*>(part)[e];
       }
       out[(u64)t * H + e] = Fmt::store(acc);

@@ -108,7 +108,7 @@ class AllToAll:
             ("rows", (world, M, k), np.int32),
             ("slot_of", (world, M, k), np.int32),
             ("slot_flag", (world, M), np.uint32),
-            ("block_counters", (2,), np.uint32),
+            ("arrived", (1,), np.uint32),
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
             # staging: NumPy inputs are copied here; y lands here unless out= is given

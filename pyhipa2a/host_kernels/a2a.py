@@ -175,23 +175,22 @@ def _combine(backend, a, c, dtype) -> None:
             v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T] = tag(weights.view(np.uint32), v.epoch)
             v.rec.record(8, t0, r)
 
-    for src in range(W):  # 2. one contribution per (token, this rank) for its owner, left in our memory
-        count = T if src == me else min(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF), M)
+    for src in range(W):  # 2. one contribution per (peer's token, this rank) for its owner, left in our memory
+        if src == me:
+            continue  # our own tokens are reduced straight from expert_y
+        count = min(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF), M)
         rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens = np.flatnonzero(here.any(axis=1))
         if len(tokens) == 0:
             continue
-        if src == me:
-            w = weights
-        else:
-            t0 = time.monotonic_ns()
-            words = wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], v.epoch, v.deadline,
-                                v.status, WAIT_WEIGHTS, src)
-            if words is None:
-                return
-            v.rec.record(9, t0, src)
-            w = words.view(np.float32).reshape(count, k)
+        t0 = time.monotonic_ns()
+        words = wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], v.epoch, v.deadline,
+                            v.status, WAIT_WEIGHTS, src)
+        if words is None:
+            return
+        v.rec.record(9, t0, src)
+        w = words.view(np.float32).reshape(count, k)
         t0 = time.monotonic_ns()
         contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[src]
         for t in tokens:
@@ -207,11 +206,18 @@ def _combine(backend, a, c, dtype) -> None:
                 backend.store_release_u32(v.addr(me, "contrib_flag", (src * M + t) * v.S + seg), v.epoch)
         v.rec.record(10, t0, src)
 
-    # 3. reduce our tokens from the contributions of every rank hosting their experts
+    # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their memory
     rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)
     acc = np.zeros((T, H), np.float32)
+    t0 = time.monotonic_ns()
+    for t, j in zip(*np.nonzero(valid & (rows // L == me))):
+        if slot_of[me, t, j] >= 0:  # a lost slot was reported already
+            acc[t] += weights[t, j] * expert_y[slot_of[me, t, j]].astype(np.float32)
+    v.rec.record(12, t0, me)
     for r in range(W):
+        if r == me:
+            continue
         here = valid & (rows // L == r)
         n = here.sum(axis=1)
         tokens = np.flatnonzero(n)
