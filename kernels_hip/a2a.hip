@@ -673,6 +673,17 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     const i32* row = sym<i32>(x.h, (int)me, x.a.off_rows) + ((u64)me * x.M + t) * x.k;
     if (g.lane < x.W) here[g.lane] = slots_on_rank(row, x.k, x.a.num_experts, x.L, g.lane);
     a2a_wave_sync();
+    A2A_PROF_START(t1);
+    const float* w = weights + (u64)t * x.k;
+    const i32* own = sym<i32>(x.h, (int)me, x.a.off_slot_of) + ((u64)me * x.M + t) * x.k;
+    const u32 mine = all_slots(own, here[me]) ? here[me] : 0u;  // a lost slot: reported already
+    const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
+    constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+    // Our own part of the lane's first chunk (on GPUs a segment is one chunk
+    // per lane) is summed before waiting, while the peers' flags are on the way.
+    const u32 e_first = e_begin + g.lane * 8u;
+    float acc[U][8] = {};
+    if (vec && mine && e_first < e_end) sum_rows<Fmt>(acc, expert_y, own, mine, w, H, e_first, e_end);
     bool ok = true;
     for (u32 r = 0; r < x.W && ok; ++r) {
       if (!here[r] || r == me) continue;
@@ -682,15 +693,12 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_CONTRIB, t0, r | t << 8);
     }
     if (!ok) break;
-    A2A_PROF_START(t1);
-    const float* w = weights + (u64)t * x.k;
-    const i32* own = sym<i32>(x.h, (int)me, x.a.off_slot_of) + ((u64)me * x.M + t) * x.k;
-    const u32 mine = all_slots(own, here[me]) ? here[me] : 0u;  // a lost slot: reported already
-    const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
-    constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
-    for (u32 e0 = e_begin + g.lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
-      float acc[U][8] = {};
-      if (mine) sum_rows<Fmt>(acc, expert_y, own, mine, w, H, e0, e_end);
+    for (u32 e0 = e_first; vec && e0 < e_end; e0 += U * STEP) {
+      if (e0 != e_first) {
+        for (u32 u = 0; u < U; ++u)
+          for (u32 i = 0; i < 8; ++i) acc[u][i] = 0.f;
+        if (mine) sum_rows<Fmt>(acc, expert_y, own, mine, w, H, e0, e_end);
+      }
       for (u32 r = 0; r < x.W; ++r) {
         if (!here[r] || r == me) continue;
         const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * stride;
@@ -744,26 +752,26 @@ extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_combine_bf
 
 // ------------------------------------------------------- fake expert ----
 
-// prefix[l] = sum of counts[0..l), for l in [0, L]. Warp 0 does it: each lane
-// sums a contiguous chunk, lane 0 scans the chunk sums, each lane fills in its
-// chunk. Keeps a long serial loop over L global loads off the critical path.
+// prefix[l] = sum of counts[0..l), for l in [0, L], for the whole block. The
+// counts are loaded by all threads at once into shared memory; warp 0 then
+// scans them a warp's width at a time with shuffles (a serial loop over
+// global loads cost a memory latency per count).
 A2A_DEVICE void exclusive_prefix(u32* prefix, const i32* counts, u32 L) {
-  __shared__ u32 chunk_base[A2A_WARP_SIZE];
+  for (u32 l = a2a_thread(); l < L; l += a2a_block_dim()) prefix[l + 1] = (u32)counts[l];
+  a2a_block_sync();
   if (a2a_thread() < A2A_WARP_SIZE) {
-    const u32 lane = a2a_lane(), per = (L + A2A_WARP_SIZE - 1) / A2A_WARP_SIZE;
-    const u32 lo = lane * per < L ? lane * per : L, hi = lo + per < L ? lo + per : L;
-    u32 sum = 0;
-    for (u32 l = lo; l < hi; ++l) sum += (u32)counts[l];
-    chunk_base[lane] = sum;
-    a2a_wave_sync();
-    if (lane == 0) {
-      u32 run = 0;
-      for (u32 i = 0; i < A2A_WARP_SIZE; ++i) { const u32 c = chunk_base[i]; chunk_base[i] = run; run += c; }
-      prefix[L] = run;
+    const u32 lane = a2a_lane();
+    u32 base = 0;
+    for (u32 l0 = 0; l0 < L; l0 += A2A_WARP_SIZE) {
+      u32 v = l0 + lane < L ? prefix[l0 + lane + 1] : 0u;
+      for (u32 d = 1; d < A2A_WARP_SIZE; d <<= 1) {  // inclusive scan across the warp
+        const u32 up = (u32)a2a_shfl((int)v, (int)(lane >= d ? lane - d : lane));
+        if (lane >= d) v += up;
+      }
+      if (l0 + lane < L) prefix[l0 + lane + 1] = base + v;
+      base += (u32)a2a_shfl((int)v, A2A_WARP_SIZE - 1);
     }
-    a2a_wave_sync();
-    u32 run = chunk_base[lane];
-    for (u32 l = lo; l < hi; ++l) { prefix[l] = run; run += (u32)counts[l]; }
+    if (lane == 0) prefix[0] = 0u;
   }
   a2a_block_sync();
 }
