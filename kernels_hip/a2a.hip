@@ -5,29 +5,32 @@
 //      into every peer's inbox as tagged words (protocol.h: value and epoch
 //      in one atomic 8-byte store, so no fence and no flag);
 //   2. stage: each token that another rank needs is copied, segment by
-//      segment, into our own symmetric heap, each segment with a flag there;
+//      segment, into our own symmetric heap; each segment's flag is released
+//      into the memory of every rank that needs the token;
 //   3. receive: every (source, token) waits for its routing row, keeps a
 //      decoded copy, reserves rows for its experts here with local atomics
 //      (meta: src_rank, src_token, src_k; and a local note of where each slot
-//      went); each segment of the token then waits for its flag in the
-//      source's memory and is read ONCE over the link (not once per expert)
+//      went); each segment of the token then waits for its flag (in our
+//      memory) and is read ONCE over the link (not once per expert)
 //      and fanned out to its experts' rows of the expert-major output;
 //   4. the last warp to finish reserving publishes expert_num_tokens and
 //      zeroes the counters for the next call, while the others fan out.
 // combine (one kernel):
 //   1. block 0 sends this rank's weights to every peer as tagged words;
 //   2. for every peer's token with experts here: one contribution for the
-//      owner is left in our own memory, segment by segment with a flag: the
+//      owner is left in our own memory, segment by segment, with a flag
+//      released into the owner's memory: the
 //      raw expert row when the token has one expert here (the owner weights
 //      it), else the fp32 sum of w * row over its experts here;
 //   3. every token of ours is reduced as soon as its contributions' flags
 //      carry this epoch: our own experts' rows straight from expert_y, each
 //      peer's contribution read from that peer's memory; fp32 accumulation,
 //      one rounding to the output dtype.
-// Bulk data is pulled, never pushed: its writes stay local, so a flag's
-// release waits only for our own memory. A release after stores to a peer
-// waits for every store queued on the link; under load that cost tens of
-// microseconds per flag (what an earlier push design measured).
+// Bulk data is pulled, never pushed; flags are pushed. A flag's release then
+// waits only for writes to our own memory (a release after bulk stores to a
+// peer waits for every store queued on the link: under load that cost tens
+// of microseconds per flag in an earlier push design), and every wait polls
+// local memory, not the link.
 // Flags carry the call's epoch (never 0), so nothing is reset between calls.
 // Headers and staged tokens alternate by epoch parity: a fast peer's next
 // call cannot overwrite what a slow rank is still reading, since that peer's
@@ -43,11 +46,11 @@ struct A2AArgs {
   u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source
   u64 off_tok_count;       // u64 [2][W]                   tagged T of every source
   u64 off_w_in;            // u64 [W][M][k]                tagged weights of src's tokens (combine)
+  u64 off_stage_flag;      // u32 [2][W][M][S]             epoch: segment s of src's staged token t is in
+  u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution to our t is in
   // read by peers
   u64 off_stage;           // u8  [2][M][x_row_bytes]      our tokens, for peers to pull
-  u64 off_stage_flag;      // u32 [2][M][S]                epoch: segment s of staged token t is in
   u64 off_contrib;         // u8  [W][M][hidden * 4]       our contribution to token t of owner src
-  u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of that contribution is in
   // local
   u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]    expert_x
   u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
@@ -257,22 +260,27 @@ A2A_DEVICE bool needed_elsewhere(const i32* row, u32 k, i32 num_experts, u32 L, 
   return false;
 }
 
-// Each segment of each token some peer needs is copied into our stage, then
-// its flag (in our memory too) is released for the peers that pull it.
+// Each segment of each token some peer needs is copied into our stage; lane r
+// then releases the segment's flag in the memory of peer r when r needs the
+// token. The data stays here (the release waits only for our own memory) and
+// the flag goes there (the peer polls its own memory, not the link).
 A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u8* tokens = reinterpret_cast<const u8*>(c.x);
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
   u8* stage = sym<u8>(x.h, (int)me, x.a.off_stage) + (u64)x.parity * x.M * rb;
-  u32* flags = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (u64)x.parity * x.M * S;
   for (u32 item = g.warp; item < (u32)c.num_tokens * S; item += g.warps) {
     const u32 t = item / S, seg = item % S;
-    if (!needed_elsewhere(indices + (u64)t * x.k, x.k, x.a.num_experts, x.L, me)) continue;
+    const i32* row = indices + (u64)t * x.k;
+    if (!needed_elsewhere(row, x.k, x.a.num_experts, x.L, me)) continue;
     A2A_PROF_START(t0);
     const Segment sg = segment(x, seg, rb, itemsize);
     copy_row(stage + (u64)t * rb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes, g.lane);
     a2a_wave_sync();
-    if (g.lane == 0) a2a_store_release_sys(&flags[(u64)t * S + seg], x.epoch);
+    if (g.lane < x.W && g.lane != me && slots_on_rank(row, x.k, x.a.num_experts, x.L, g.lane)) {
+      u32* flag = sym<u32>(x.h, (int)g.lane, x.a.off_stage_flag) + (((u64)x.parity * x.W + me) * x.M + t) * S + seg;
+      a2a_store_release_sys(flag, x.epoch);
+    }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_STAGE, t0, me | t << 8);
   }
 }
@@ -431,7 +439,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
       }
     }
     if (!n) continue;
-    const u32* staged = sym<u32>(x.h, (int)src, x.a.off_stage_flag) + ((u64)x.parity * x.M + t) * S + seg;
+    const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
     if (src != me && !warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) break;
     if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
     A2A_PROF_START(t2);
@@ -647,8 +655,8 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     contribute<Fmt>(x, expert_y, slots, here, w,
                     sym<u8>(x.h, (int)me, x.a.off_contrib) + ((u64)src * x.M + t) * stride, e_begin, e_end, g.lane);
     a2a_wave_sync();
-    if (g.lane == 0)  // the owner reads it from here
-      a2a_store_release_sys(sym<u32>(x.h, (int)me, x.a.off_contrib_flag) + ((u64)src * x.M + t) * S + seg, x.epoch);
+    if (g.lane == 0)  // the data stays here, the flag goes to the owner
+      a2a_store_release_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg, x.epoch);
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
   }
 }
@@ -688,7 +696,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     for (u32 r = 0; r < x.W && ok; ++r) {
       if (!here[r] || r == me) continue;
       A2A_PROF_START(t0);
-      const u32* flag = sym<u32>(x.h, (int)r, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg;
+      const u32* flag = sym<u32>(x.h, (int)me, x.a.off_contrib_flag) + ((u64)r * x.M + t) * S + seg;
       ok = warp_wait(x, flag, r, A2A_WAIT_COMBINE_ROW, t, g.lane);
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_CONTRIB, t0, r | t << 8);
     }

@@ -95,11 +95,11 @@ class AllToAll:
             ("tok_hdr", (2, world, M, k), np.uint64),
             ("tok_count", (2, world), np.uint64),
             ("w_in", (world, M, k), np.uint64),
+            ("stage_flag", (2, world, M, S), np.uint32),   # flags of the data below, in the reader's memory
+            ("contrib_flag", (world, M, S), np.uint32),
             # read by peers (they pull): staged tokens by parity, contributions by owner
             ("stage", (2, M, H), self.in_dtype),
-            ("stage_flag", (2, M, S), np.uint32),
             ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
-            ("contrib_flag", (world, M, S), np.uint32),
             # local
             ("recv_x", (L, world * M, H), self.in_dtype),
             ("recv_meta", (L, world * M, 3), np.int32),

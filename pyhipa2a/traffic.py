@@ -5,7 +5,7 @@ and the count), and each token crosses once to every other rank hosting one
 of its experts (that rank pulls it); combine sends every peer the weights,
 and one contribution per (token, expert rank) crosses back to the owner (it
 pulls it): the raw row when that rank hosts one of the token's experts, an
-fp32 partial sum when it hosts several. Flag polls are not counted. Used by
+fp32 partial sum when it hosts several. Flags (4 bytes per segment) are not counted. Used by
 scripts/bench.py for link bandwidth and speed of light.
 """
 from __future__ import annotations

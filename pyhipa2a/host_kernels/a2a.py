@@ -96,13 +96,15 @@ def a2a_dispatch(backend, a, c) -> None:
         v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(indices, v.epoch)
         v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T, v.epoch)
         v.rec.record(1, t0, r)
-    # 2. stage every token another rank needs, with its flags, in our own memory (peers pull)
+    # 2. stage every token another rank needs in our own memory (peers pull it); its flags go to them
     t0 = time.monotonic_ns()
     tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
     v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
-    for t in tokens:
-        for seg in range(v.S):
-            backend.store_release_u32(v.addr(me, "stage_flag", (p * M + t) * v.S + seg), v.epoch)
+    for r in range(W):
+        if r != me:
+            for t in np.flatnonzero((valid & (indices // L == r)).any(axis=1)):
+                for seg in range(v.S):
+                    backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * v.S + seg), v.epoch)
     v.rec.record(2, t0, me)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
@@ -130,7 +132,7 @@ def a2a_dispatch(backend, a, c) -> None:
         tokens, slots = np.nonzero(here)
         t0 = time.monotonic_ns()
         needed = (np.unique(tokens)[:, None] * v.S + np.arange(v.S)).ravel()
-        if src != me and not wait_flags(backend, v.addr(src, "stage_flag", p * M * v.S), needed,
+        if src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * v.S), needed,
                                         v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
             return
         if src != me:
@@ -203,7 +205,7 @@ def _combine(backend, a, c, dtype) -> None:
                     part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
                 contrib[t] = part.view(np.uint8)
             for seg in range(v.S):
-                backend.store_release_u32(v.addr(me, "contrib_flag", (src * M + t) * v.S + seg), v.epoch)
+                backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), v.epoch)
         v.rec.record(10, t0, src)
 
     # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their memory
@@ -223,7 +225,7 @@ def _combine(backend, a, c, dtype) -> None:
         tokens = np.flatnonzero(n)
         t0 = time.monotonic_ns()
         needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
-        if not wait_flags(backend, v.addr(r, "contrib_flag", me * M * v.S), needed, v.epoch, v.deadline, v.status,
+        if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline, v.status,
                           WAIT_COMBINE_ROW, peer_of=lambda _: r):
             return
         v.rec.record(11, t0, r)
