@@ -14,7 +14,7 @@
 // What a flag wait was for (status word 2 on timeout).
 #define A2A_WAIT_DISPATCH 1u
 #define A2A_WAIT_COMBINE_ROW 2u
-#define A2A_WAIT_COMBINE_DONE 3u
+// 3 was v0's combine done barrier; the number stays retired.
 #define A2A_WAIT_HEAP_CHECK 4u
 #define A2A_WAIT_WEIGHTS 5u
 

@@ -17,8 +17,8 @@ STATUS_BAD_INDEX = 2
 STATUS_CAPACITY = 3
 STATUS_MISMATCH = 4
 
-WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 3: "combine done flag",
-             4: "heap self-test flag", 5: "combine weights flag"}
+# 3 was v0's combine done barrier; the number stays retired.
+WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights"}
 
 
 class A2AError(RuntimeError):

@@ -393,6 +393,8 @@ def main() -> int:
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--plot", help="write a PNG (needs matplotlib)")
     args = p.parse_args()
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
     comm = MPI.COMM_WORLD
     shapes = load_shapes(args)
 
