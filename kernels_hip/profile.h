@@ -1,6 +1,8 @@
 // In-kernel timelines (the profiling build, -DA2A_PROFILE=1): lane 0 of a
-// warp records (start, end, tag, block, warp, detail) for each stage into a
-// buffer the host reads after the call. In the normal build the macros are
+// warp records (start, end, tag, block, warp, detail) for each stage into the
+// warp's own region of a buffer the host reads after the call. Regions per
+// warp keep recording off any shared counter: one atomic counter for
+// thousands of warps stretched the stages it timed by microseconds. In the normal build the macros are
 // empty, so profiling costs nothing when off. Tags are named in
 // pyhipa2a/profile.py (keep the two in sync).
 #pragma once
@@ -26,20 +28,27 @@ struct ProfEvent {
   u32 detail;      // waits: peer | token << 8
 };
 
-struct ProfBuffer {
-  u32 count;       // events written (may exceed capacity: the rest were dropped)
-  u32 capacity;
-  u32 pad[2];
-  ProfEvent events[1];
+// Layout: this header, u32 counts[warps] (padded to 32 bytes), then
+// ProfEvent events[warps][per_warp]. A warp's count may exceed per_warp: the
+// rest were dropped. Warps beyond `warps` only count into `dropped`.
+struct ProfHeader {
+  u32 warps, per_warp, dropped, pad;
 };
 
 #ifdef A2A_PROFILE
 A2A_DEVICE void a2a_prof_record(u64 buffer, u32 tag, u64 start, u32 detail) {
   if (!buffer) return;
-  ProfBuffer* b = reinterpret_cast<ProfBuffer*>(buffer);
-  const u32 i = a2a_fetch_add_dev(&b->count, 1u);
-  if (i >= b->capacity) return;
-  ProfEvent& e = b->events[i];
+  ProfHeader* h = reinterpret_cast<ProfHeader*>(buffer);
+  const u32 w = a2a_block() * (a2a_block_dim() / A2A_WARP_SIZE) + a2a_thread() / A2A_WARP_SIZE;
+  if (w >= h->warps) {
+    a2a_fetch_add_dev(&h->dropped, 1u);
+    return;
+  }
+  // Lanes of one warp may record at once (waits per peer): an atomic, but on the warp's own word.
+  const u32 i = a2a_fetch_add_dev(reinterpret_cast<u32*>(buffer + sizeof(ProfHeader)) + w, 1u);
+  if (i >= h->per_warp) return;
+  const u64 events = sizeof(ProfHeader) + ((4ull * h->warps + 31ull) & ~31ull);
+  ProfEvent& e = reinterpret_cast<ProfEvent*>(buffer + events)[(u64)w * h->per_warp + i];
   e.start = start;
   e.end = a2a_clock_ns();
   e.tag = tag;

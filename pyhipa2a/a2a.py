@@ -150,7 +150,6 @@ class AllToAll:
         self.stream = self.backend.stream_create()
         # The profiling build records per-warp timelines; the normal one compiles that away.
         self.lib = KernelLibrary(self.backend, heap.device.arch, variant=".profile" if self.profiling else "")
-        self.profile_buffer = ProfileBuffer(self.backend) if self.profiling else None
         self._dispatch_kernel = self.lib.kernel("a2a_dispatch")
         # Loaded now, not on first use: nothing may be loaded while a capture() records.
         self._scale_kernel = self.lib.kernel("expert_scale_bf16" if self.out_dtype.name == "bfloat16"
@@ -158,11 +157,13 @@ class AllToAll:
         self._combine_kernel = self.lib.kernel("a2a_combine_bf16" if self.out_dtype.name == "bfloat16"
                                                else "a2a_combine_f16")
         self.block_threads, self.blocks = self._launch_geometry(heap.device)
+        self.warps_per_block = max(1, self.block_threads // heap.device.warp_size)
+        self.profile_buffer = (ProfileBuffer(self.backend, self.blocks * self.warps_per_block) if self.profiling
+                               else None)
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
         for pack in (self._dispatch_pack, self._combine_pack):
             self._fill_args(pack[0])
-        self.warps_per_block = max(1, self.block_threads // heap.device.warp_size)
         self._capturing = None  # the stream while capture() records a step
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None

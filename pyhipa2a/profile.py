@@ -38,31 +38,42 @@ KERNEL_OF_SPAN = {7: "dispatch", 13: "combine"}
 
 EVENT = np.dtype([("start", "<u8"), ("end", "<u8"), ("tag", "<u4"), ("block", "<u4"), ("warp", "<u4"),
                   ("detail", "<u4")])
-HEADER_BYTES = 16
+HEADER_BYTES = 16  # warps, per_warp, dropped, pad (ProfHeader in kernels_hip/profile.h)
+
+
+def events_offset(warps: int) -> int:
+    """Where the events start: after the header and one u32 count per warp, padded to 32 bytes."""
+    return HEADER_BYTES + (4 * warps + 31) // 32 * 32
 
 
 class ProfileBuffer:
-    """Device buffer of events: u32 count, u32 capacity, 8 pad bytes, then EVENT records."""
+    """Device buffer of events, a region per warp (the layout of kernels_hip/profile.h)."""
 
-    def __init__(self, backend, capacity: int = 1 << 16):
-        self.backend, self.capacity = backend, capacity
-        self.nbytes = HEADER_BYTES + capacity * EVENT.itemsize
+    def __init__(self, backend, warps: int, per_warp: int = 256):
+        self.backend, self.warps, self.per_warp = backend, int(warps), int(per_warp)
+        self.offset = events_offset(self.warps)
+        self.nbytes = self.offset + self.warps * self.per_warp * EVENT.itemsize
         self.ptr = backend.malloc_ipc(self.nbytes)
         self.reset()
 
     def reset(self, stream=None) -> None:
-        header = np.array([0, self.capacity, 0, 0], np.uint32)
-        self.backend.copy_to_device(self.ptr, header, stream)
+        head = np.zeros(self.offset // 4, np.uint32)
+        head[:2] = self.warps, self.per_warp
+        self.backend.copy_to_device(self.ptr, head, stream)
 
     def read(self, stream=None) -> tuple[np.ndarray, int]:
-        """(events, dropped): the events recorded since the last reset."""
-        header = np.empty(4, np.uint32)
-        self.backend.copy_to_host(header, self.ptr, stream)
-        count = int(header[0])
-        events = np.empty(min(count, self.capacity), EVENT)
-        if len(events):
-            self.backend.copy_to_host(events, self.ptr + HEADER_BYTES, stream)
-        return events, max(count - self.capacity, 0)
+        """(events, dropped): the events recorded since the last reset, warp by warp."""
+        head = np.empty(self.offset // 4, np.uint32)
+        self.backend.copy_to_host(head, self.ptr, stream)
+        counts = head[HEADER_BYTES // 4:HEADER_BYTES // 4 + self.warps].astype(np.int64)
+        dropped = int(head[2]) + int(np.maximum(counts - self.per_warp, 0).sum())
+        if not counts.any():
+            return np.empty(0, EVENT), dropped
+        used = int(np.flatnonzero(counts)[-1]) + 1  # copy only up to the last warp that recorded
+        events = np.empty((used, self.per_warp), EVENT)
+        self.backend.copy_to_host(events, self.ptr + self.offset, stream)
+        keep = np.arange(self.per_warp)[None, :] < np.minimum(counts[:used], self.per_warp)[:, None]
+        return events[keep], dropped
 
     def free(self) -> None:
         if self.ptr:

@@ -80,9 +80,10 @@ class Recorder:
     def record(self, tag: int, start_ns: int, detail: int = 0) -> None:
         if not self.ptr:
             return
-        from ..profile import EVENT, HEADER_BYTES
-        i = int(self.header[0])
-        self.header[0] = i + 1
+        from ..profile import EVENT, HEADER_BYTES, events_offset
+        count = mem(self.ptr + HEADER_BYTES, (1,), np.uint32)  # the host grid is one warp: warp 0's region
+        i = int(count[0])
+        count[0] = i + 1
         if i < self.header[1]:
-            e = mem(self.ptr + HEADER_BYTES + i * EVENT.itemsize, (1,), EVENT)
+            e = mem(self.ptr + events_offset(int(self.header[0])) + i * EVENT.itemsize, (1,), EVENT)
             e[0] = (start_ns, time.monotonic_ns(), tag, 0, 0, detail)
