@@ -1,17 +1,17 @@
 // Expert-parallel dispatch and combine over the symmetric heap.
 //
 // dispatch (one kernel):
-//   1. stage: each token that another rank needs is copied, segment by
-//      segment, into our own symmetric heap;
-//   2. headers: once every block has staged (one fence per block), the last
-//      block writes this rank's routing rows and token count T into every
-//      peer's inbox as tagged words (protocol.h: value and epoch in one
-//      atomic 8-byte store); seeing them, a peer may read any staged token;
+//   1. headers: block 0 writes this rank's routing rows and token count T
+//      into every peer's inbox as tagged words (protocol.h: value and epoch
+//      in one atomic 8-byte store, so no fence and no flag);
+//   2. stage: each token that another rank needs is copied, segment by
+//      segment, into our own symmetric heap; each segment's flag is released
+//      into the memory of every rank that needs the token;
 //   3. receive: every (source, token) waits for its routing row, keeps a
 //      decoded copy, reserves rows for its experts here with local atomics
 //      (meta: src_rank, src_token, src_k; and a local note of where each slot
-//      went); each segment of the token is then read ONCE over the link
-//      (not once per expert)
+//      went); each segment of the token then waits for its flag (in our
+//      memory) and is read ONCE over the link (not once per expert)
 //      and fanned out to its experts' rows of the expert-major output;
 //   4. the last warp to finish reserving publishes expert_num_tokens and
 //      zeroes the counters for the next call, while the others fan out.
@@ -46,6 +46,7 @@ struct A2AArgs {
   u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source
   u64 off_tok_count;       // u64 [2][W]                   tagged T of every source
   u64 off_w_in;            // u64 [W][M][k]                tagged weights of src's tokens (combine)
+  u64 off_stage_flag;      // u32 [2][W][M][S]             epoch: segment s of src's staged token t is in
   u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution to our t is in
   // read by peers
   u64 off_stage;           // u8  [2][M][x_row_bytes]      our tokens, for peers to pull
@@ -58,7 +59,7 @@ struct A2AArgs {
   u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded, ours too
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
   u64 off_slot_flag;       // u32 [W][M]                   epoch: rows[src][t] and slot_of[src][t] are final
-  u64 off_arrived;         // u32 [2]                      dispatch: warps that reserved, blocks that staged
+  u64 off_arrived;         // u32 [1]                      warps that made their reservations (dispatch)
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
@@ -259,8 +260,10 @@ A2A_DEVICE bool needed_elsewhere(const i32* row, u32 k, i32 num_experts, u32 L, 
   return false;
 }
 
-// Each segment of each token some peer needs is copied into our stage. The
-// headers, sent once every block has staged, say that all of it is there.
+// Each segment of each token some peer needs is copied into our stage; lane r
+// then releases the segment's flag in the memory of peer r when r needs the
+// token. The data stays here (the release waits only for our own memory) and
+// the flag goes there (the peer polls its own memory, not the link).
 A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u8* tokens = reinterpret_cast<const u8*>(c.x);
@@ -273,6 +276,11 @@ A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid
     A2A_PROF_START(t0);
     const Segment sg = segment(x, seg, rb, itemsize);
     copy_row(stage + (u64)t * rb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes, g.lane);
+    a2a_wave_sync();
+    if (g.lane < x.W && g.lane != me && slots_on_rank(row, x.k, x.a.num_experts, x.L, g.lane)) {
+      u32* flag = sym<u32>(x.h, (int)g.lane, x.a.off_stage_flag) + (((u64)x.parity * x.W + me) * x.M + t) * S + seg;
+      a2a_store_release_sys(flag, x.epoch);
+    }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_STAGE, t0, me | t << 8);
   }
 }
@@ -430,8 +438,10 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
         ++n;
       }
     }
-    if (!n) continue;  // a peer's token is staged: this warp saw the peer's header (with an acquire)
-    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
+    if (!n) continue;
+    const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
+    if (src != me && !warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) break;
+    if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
     A2A_PROF_START(t2);
     a2a_wave_sync();
     const Segment sg = segment(x, seg, rb, itemsize);
@@ -467,12 +477,8 @@ extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A
   const Ctx x = make_ctx(a, take_epoch(a, true));
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
+  if (a2a_block() == 0) send_headers(x, c, g);
   stage_tokens(x, c, g);
-  // The headers go out once every block has staged: a peer that sees our
-  // count may read any token we staged. That is one fence per block, while
-  // only staging stores are in flight; a release per staged segment waited
-  // for whatever else its multiprocessor had in flight and took tens of us.
-  if (a2a_last_block(sym<u32>(x.h, x.h.rank, a.off_arrived) + 1, true)) send_headers(x, c, g);
   __shared__ u32 prefix_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD + 1];
   u32* pre = prefix_buf[g.warp_in_block];
   const bool ok = source_prefix(x, (u32)c.num_tokens, pre, true, g.lane);

@@ -70,9 +70,6 @@ A2A_DEVICE void a2a_store_relaxed_sys_u64(u64* p, u64 v) {
 A2A_DEVICE u64 a2a_load_relaxed_sys_u64(const u64* p) {
   return __hip_atomic_load(const_cast<u64*>(p), __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
-A2A_DEVICE u64 a2a_load_acquire_sys_u64(const u64* p) {
-  return __hip_atomic_load(const_cast<u64*>(p), __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
-}
 A2A_DEVICE u32 a2a_add_shared(u32* p, u32 v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
 }
@@ -136,9 +133,6 @@ A2A_DEVICE void a2a_store_relaxed_sys_u64(u64* p, u64 v) {
 }
 A2A_DEVICE u64 a2a_load_relaxed_sys_u64(const u64* p) {
   u64 v; asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v;
-}
-A2A_DEVICE u64 a2a_load_acquire_sys_u64(const u64* p) {
-  u64 v; asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v;
 }
 A2A_DEVICE u32 a2a_add_shared(u32* p, u32 v) { return atomicAdd(p, v); }
 A2A_DEVICE u32 a2a_fetch_add_dev(u32* p, u32 v) {

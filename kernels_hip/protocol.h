@@ -73,8 +73,7 @@ A2A_DEVICE bool a2a_wait_flag(const u32* flag, u32 want, u64 deadline_ns, u32* s
 // high half, stored and loaded as single atomic words. A reader that sees the
 // epoch sees the value, so these need no fence and no separate flag: a
 // release would wait for every bulk store this thread has in flight, which
-// under load took tens of microseconds. The wait ends with an acquire, so
-// what the writer published before (a fence, then the word) is visible too.
+// under load took tens of microseconds.
 A2A_DEVICE u64 a2a_tag(u32 value, u32 epoch) { return (u64)epoch << 32 | value; }
 
 // True once *word carries `epoch` (its value goes to `value`); false when the
@@ -84,7 +83,7 @@ A2A_DEVICE bool a2a_wait_tagged(const u64* word, u32 epoch, u64 deadline_ns, u32
   for (;;) {
     const u64 w = a2a_load_relaxed_sys_u64(word);
     if ((u32)(w >> 32) == epoch) {
-      value = (u32)a2a_load_acquire_sys_u64(word);  // same word, same call: it cannot change now
+      value = (u32)w;
       return true;
     }
     if ((++spins & 63u) == 0) {

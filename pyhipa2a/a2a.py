@@ -95,7 +95,8 @@ class AllToAll:
             ("tok_hdr", (2, world, M, k), np.uint64),
             ("tok_count", (2, world), np.uint64),
             ("w_in", (world, M, k), np.uint64),
-            ("contrib_flag", (world, M, S), np.uint32),   # flags of the contributions below, in the owner's memory
+            ("stage_flag", (2, world, M, S), np.uint32),   # flags of the data below, in the reader's memory
+            ("contrib_flag", (world, M, S), np.uint32),
             # read by peers (they pull): staged tokens by parity, contributions by owner
             ("stage", (2, M, H), self.in_dtype),
             ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
@@ -107,7 +108,7 @@ class AllToAll:
             ("rows", (world, M, k), np.int32),
             ("slot_of", (world, M, k), np.int32),
             ("slot_flag", (world, M), np.uint32),
-            ("arrived", (2,), np.uint32),
+            ("arrived", (1,), np.uint32),
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
             # staging: NumPy inputs are copied here; y lands here unless out= is given

@@ -29,7 +29,7 @@ class HeapCheckArgs(ctypes.Structure):
 
 class A2AArgs(ctypes.Structure):
     _fields_ = [("heap", HeapView),
-                ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_w_in", u64),
+                ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_w_in", u64), ("off_stage_flag", u64),
                 ("off_contrib_flag", u64), ("off_stage", u64), ("off_contrib", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_counters", u64), ("off_num_tokens", u64),
                 ("off_rows", u64), ("off_slot_of", u64), ("off_slot_flag", u64), ("off_arrived", u64), ("off_epoch", u64),

@@ -89,19 +89,23 @@ def a2a_dispatch(backend, a, c) -> None:
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
 
     span = time.monotonic_ns()
-    # 1. stage every token another rank needs in our own memory (peers pull it)
-    t0 = time.monotonic_ns()
-    tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
-    v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
-    v.rec.record(2, t0, me)
-    backend.load_acquire_u32(v.addr(me, "arrived", 1))  # a locked access orders the staging before the headers
-    for r in range(W):  # 2. then the headers to every peer, as tagged words: seeing them, a peer may read the stage
+    for r in range(W):  # 1. headers to every peer, as tagged words
         if r == me:
             continue
         t0 = time.monotonic_ns()
         v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(indices, v.epoch)
         v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T, v.epoch)
         v.rec.record(1, t0, r)
+    # 2. stage every token another rank needs in our own memory (peers pull it); its flags go to them
+    t0 = time.monotonic_ns()
+    tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
+    v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
+    for r in range(W):
+        if r != me:
+            for t in np.flatnonzero((valid & (indices // L == r)).any(axis=1)):
+                for seg in range(v.S):
+                    backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * v.S + seg), v.epoch)
+    v.rec.record(2, t0, me)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
     expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
@@ -126,6 +130,13 @@ def a2a_dispatch(backend, a, c) -> None:
         decoded[src, :count] = rows  # combine reads the routing rows from here
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens, slots = np.nonzero(here)
+        t0 = time.monotonic_ns()
+        needed = (np.unique(tokens)[:, None] * v.S + np.arange(v.S)).ravel()
+        if src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * v.S), needed,
+                                        v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
+            return
+        if src != me:
+            v.rec.record(4, t0, src)
         t0 = time.monotonic_ns()
         for l in np.unique(rows[tokens, slots] % L):
             pick = rows[tokens, slots] % L == l
