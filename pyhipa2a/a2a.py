@@ -440,10 +440,11 @@ class AllToAll:
                 raise A2AError("the captured step left a dispatch without its combine")
         except BaseException:
             # Nothing captured ran, so the object is as it was before the capture.
-            self._capturing, self._pending = None, None
+            self._pending = None
             self.backend.capture_end(s, keep=False)
             raise
-        self._capturing = None
+        finally:
+            self._capturing, self._captured_refs = None, None  # the graph keeps `refs`
         graph = Graph(self.backend, self.backend.capture_end(s), s, refs, usable=self._usable)
         self._graphs.add(graph)
         return graph
