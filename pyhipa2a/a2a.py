@@ -160,8 +160,13 @@ class AllToAll:
         self.warps_per_block = max(1, self.block_threads // heap.device.warp_size)
         self.profile_buffer = (ProfileBuffer(self.backend, self.blocks * self.warps_per_block) if self.profiling
                                else None)
+        # Both exchange kernels walk items of (token, rank, segment) over up to M * W * S
+        # of them: no more blocks than that fills.
+        self.exchange_blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world * self.nseg
+                                                                 / self.warps_per_block)))
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
+        self._scale_pack = self._scale_kernel.pack()
         for pack in (self._dispatch_pack, self._combine_pack):
             self._fill_args(pack[0])
         self._capturing = None  # the stream while capture() records a step
@@ -312,10 +317,7 @@ class AllToAll:
 
         call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in a2a.hip)
         call.x, call.indices, call.num_tokens = x_ptr, i_ptr, T
-        # Send work is a (token, rank, segment) each, receive work a (rank, token, segment).
-        items = max(T, self.max_tokens) * self.world * self.nseg
-        blocks = max(1, min(self.blocks, math.ceil(items / self.warps_per_block)))
-        self._dispatch_kernel.launch(self._dispatch_pack, blocks, self.block_threads, s)
+        self._dispatch_kernel.launch(self._dispatch_pack, self.exchange_blocks, self.block_threads, s)
         self._keep(x_keep, i_keep)
 
         num_tokens, expert_x, expert_meta, *_ = self._outputs(s)
@@ -356,8 +358,7 @@ class AllToAll:
 
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens = y_ptr, w_ptr, out_ptr, T
-        blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world * self.nseg / self.warps_per_block)))
-        self._combine_kernel.launch(self._combine_pack, blocks, self.block_threads, s)
+        self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
         self._keep(y_keep, w_keep, o_keep)
         self._pending = None
         return out_arr
@@ -397,12 +398,9 @@ class AllToAll:
             raise A2AError("fake_expert() without out= inside capture() needs expert_y_buffer() called before "
                            "the capture (memory cannot be allocated while capturing)")
         out = out if out is not None else self.expert_y_buffer()
-        kernel = self._scale_kernel
-        if not hasattr(self, "_scale_pack"):
-            self._scale_pack = kernel.pack()
         self._scale_pack.set_scalars(result.expert_x.ptr, out.ptr, result.expert_num_tokens.ptr,
                                      self.local_experts, self.capacity, self.hidden, float(1 + self.rank))
-        kernel.launch(self._scale_pack, self.blocks, self.block_threads, self._stream(stream))
+        self._scale_kernel.launch(self._scale_pack, self.blocks, self.block_threads, self._stream(stream))
         if self._capturing is not None:
             self._keep(out)
         return out

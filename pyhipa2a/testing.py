@@ -99,6 +99,26 @@ def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None) ->
     return float(err.max()) if got.size else 0.0
 
 
+def upload_inputs(a2a, inputs: WorldInputs) -> list:
+    """This rank's x, indices and weights copied once into device buffers of their own (DeviceArrays on
+    a2a's stream and device), as a loop or a captured graph takes them; free with free_inputs."""
+    from .array import DeviceArray
+    b, r = a2a.backend, a2a.rank
+    arrays = []
+    for host in (inputs.xs[r], inputs.indices[r], inputs.weights[r]):
+        # device_id: DeviceArray without an owner would claim device 0, which dispatch rejects on rank > 0
+        arr = DeviceArray(b, b.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype, stream=a2a.stream,
+                          device_id=a2a.heap.device.index)
+        arr.copy_from(host)
+        arrays.append(arr)
+    return arrays
+
+
+def free_inputs(a2a, arrays) -> None:
+    for arr in arrays:
+        a2a.backend.free(arr.ptr)
+
+
 def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None) -> float:
     """Check a finished call (its DispatchResult views and combine output `y`) against the oracle on this
     rank; returns the largest combine error."""

@@ -29,10 +29,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from pyhipa2a import AllToAll, DeviceArray, SymmetricHeap, get_backend  # noqa: E402
+from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
-from pyhipa2a.testing import GPU_MODE_TOLERANCE, check_call, draw_world, poison, run_round  # noqa: E402
+from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, draw_world, free_inputs, poison,  # noqa: E402
+                              run_round, upload_inputs)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -95,19 +96,6 @@ def store_bandwidth(comm, backend) -> dict:
 
 
 # -- one call, and its timings ------------------------------------------------------
-def upload(a2a, inputs) -> list[DeviceArray]:
-    """This rank's x, indices, weights copied once into buffers of our own (no host copy when timed)."""
-    b, r = a2a.backend, a2a.rank
-    arrays = []
-    for host in (inputs.xs[r], inputs.indices[r], inputs.weights[r]):
-        # device_id: DeviceArray without an owner would claim device 0, which dispatch rejects on rank > 0
-        arr = DeviceArray(b, b.malloc_ipc(host.nbytes), host.shape, host.dtype, stream=a2a.stream,
-                          device_id=a2a.heap.device.index)
-        arr.copy_from(host)
-        arrays.append(arr)
-    return arrays
-
-
 def call(a2a, arrays, events=None):
     """dispatch -> fake expert -> combine, with an event before, between and after when given."""
     mark = (lambda i: a2a.backend.event_record(events[i], a2a.stream)) if events else (lambda i: None)
@@ -129,17 +117,24 @@ def capture(a2a, arrays, events=None):
     return graph, tuple(out)
 
 
-def check_graph(comm, a2a, inputs, graph, outputs) -> str:
-    """One launch of the graph on poisoned outputs against the oracle; '' when every rank passed."""
+def collective_check(comm, check, what: str = "") -> str:
+    """Run `check()` on every rank; '' when every rank passed, else the ranks' messages."""
     msg = ""
     try:
+        check()
+    except Exception as e:  # a failing rank makes its peers time out rather than hang
+        msg = f"rank {comm.Get_rank()}{what}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return "; ".join(m for m in comm.allgather(msg) if m)
+
+
+def check_graph(comm, a2a, inputs, graph, outputs) -> str:
+    """One launch of the graph on poisoned outputs against the oracle."""
+    def check():
         poison(a2a)
         graph.launch()
         a2a.synchronize()
         check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE)
-    except Exception as e:
-        msg = f"rank {comm.Get_rank()} (graph): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    return "; ".join(m for m in comm.allgather(msg) if m)
+    return collective_check(comm, check, " (graph)")
 
 
 def device_times(comm, a2a, run, events, warmup: int, iters: int) -> dict:
@@ -175,13 +170,8 @@ def wall_time(comm, a2a, body, flush_ptr: int, iters: int) -> float:
 
 
 def check_once(comm, a2a, inputs) -> str:
-    """Collective correctness check; '' when every rank passed, else the ranks' messages."""
-    msg = ""
-    try:
-        run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE)
-    except Exception as e:  # a failing rank makes its peers time out rather than hang
-        msg = f"rank {comm.Get_rank()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    return "; ".join(m for m in comm.allgather(msg) if m)
+    """One eager call on poisoned outputs against the oracle."""
+    return collective_check(comm, lambda: run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE))
 
 
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
@@ -192,7 +182,7 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     error = check_once(comm, a2a, inputs)
     if error:
         return {**r, "ok": False, "error": error}
-    arrays = upload(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
+    arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
     b = a2a.backend
     events = [b.event_create() for _ in range(4)]
     timed, timed_out = capture(a2a, arrays, events)
@@ -211,8 +201,7 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
         graph.close()
     for ev in events:
         b.event_destroy(ev)
-    for arr in arrays:  # every rank frees in the same order; device_times/wall_time ended synchronized
-        b.free(arr.ptr)
+    free_inputs(a2a, arrays)  # every rank frees in the same order; device_times/wall_time ended synchronized
     dispatch, combine = link_bytes(inputs.indices, a2a.num_experts, a2a.hidden, a2a.in_dtype.itemsize,
                                    a2a.out_dtype.itemsize)
     total = float(dispatch.sum() + combine.sum())

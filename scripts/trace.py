@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from pyhipa2a import AllToAll, DeviceArray  # noqa: E402
+from pyhipa2a import AllToAll  # noqa: E402
 from pyhipa2a.profile import TAGS, stage_windows, summarize, to_trace_events, write_trace  # noqa: E402
-from pyhipa2a.testing import draw_world, run_round  # noqa: E402
+from pyhipa2a.testing import draw_world, free_inputs, run_round, upload_inputs  # noqa: E402
 
 LARGEST_GPU_MODE_SHAPE = (256, 8, 7168, 256)
 
@@ -50,14 +50,9 @@ def main() -> int:
         recorded, dropped = [], 0
         graph = None
         if args.graph:  # the call captured once, with this rank's inputs in device buffers of its own
-            hosts = (inputs.xs[rank], inputs.indices[rank], inputs.weights[rank])
-            arrays = [a2a.backend.malloc_ipc(max(h.nbytes, 1)) for h in hosts]
-            views = [DeviceArray(a2a.backend, ptr, h.shape, h.dtype, stream=a2a.stream,
-                                 device_id=a2a.heap.device.index) for ptr, h in zip(arrays, hosts)]
-            for view, h in zip(views, hosts):
-                view.copy_from(h)
+            x, indices, weights = arrays = upload_inputs(a2a, inputs)
             a2a.expert_y_buffer()
-            graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(views[0], views[1])), views[2]))
+            graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(x, indices)), weights))
         for i in range(args.iters):
             comm.Barrier()
             if graph is not None:
@@ -71,8 +66,7 @@ def main() -> int:
         device = f"{a2a.backend.kind} {a2a.heap.device.name}"
         if graph is not None:
             graph.close()
-            for ptr in arrays:
-                a2a.backend.free(ptr)
+            free_inputs(a2a, arrays)
 
     everything = comm.gather((rank, offset, recorded, dropped, err), root=0)
     if rank == 0:

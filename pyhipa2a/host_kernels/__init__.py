@@ -48,6 +48,17 @@ class Status:
             words[0] = code
 
 
+def poll(ready, deadline: float) -> bool:
+    """Call `ready()` with backoff until it is true (True) or the deadline passes (False)."""
+    attempt = 0
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        sleep_backoff(attempt)
+        attempt += 1
+    return True
+
+
 def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, status, what: int,
                peer_of=lambda i: i) -> bool:
     """Wait until flag[i] == want for every i in `indices`; on timeout report the peer of the first missing."""
@@ -55,18 +66,37 @@ def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, sta
     if not pending:
         return True
     flags = mem(flags_ptr, (max(pending) + 1,), np.uint32)
-    attempt = 0
-    while pending:
-        pending = [i for i in pending if flags[i] != want]
-        if not pending:
-            break
-        if time.monotonic() > deadline:
-            status.report(STATUS_TIMEOUT, peer_of(pending[0]), what, want)
-            return False
-        sleep_backoff(attempt)
-        attempt += 1
+
+    def arrived() -> bool:
+        pending[:] = [i for i in pending if flags[i] != want]
+        return not pending
+
+    if not poll(arrived, deadline):
+        status.report(STATUS_TIMEOUT, peer_of(pending[0]), what, want)
+        return False
     backend.load_acquire_u32(flags_ptr)  # a locked read orders the data reads that follow
     return True
+
+
+def tag(values, epoch: int) -> np.ndarray:
+    """Tagged words (kernels_hip/protocol.h): the 32-bit value low, the epoch high."""
+    return (np.uint64(epoch) << np.uint64(32)) | np.asarray(values).astype(np.uint32).astype(np.uint64)
+
+
+def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: int, peer: int):
+    """The 32-bit values of tagged `words` (kernels_hip/protocol.h) once every one carries `epoch`;
+    None (reported) on timeout."""
+    seen = words
+
+    def arrived() -> bool:
+        nonlocal seen
+        seen = words.copy()  # aligned 8-byte words: each is read whole
+        return bool(np.all((seen >> np.uint64(32)) == epoch))
+
+    if not poll(arrived, deadline):
+        status.report(STATUS_TIMEOUT, peer, what, epoch)
+        return None
+    return (seen & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
 class Recorder:

@@ -12,8 +12,7 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from ..bootstrap import sleep_backoff
-from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_TIMEOUT, Recorder, Status, bases, mem, wait_flags
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, Recorder, Status, bases, mem, tag, wait_flags, wait_tagged
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
 
@@ -48,25 +47,6 @@ def take_epoch(a, dispatch: bool) -> int:
     e = next_epoch(int(words[0])) if dispatch else int(words[1])
     words[1 if dispatch else 0] = e
     return e
-
-
-def tag(values, epoch: int) -> np.ndarray:
-    """Tagged words (protocol.h): the 32-bit value low, the epoch high."""
-    return (np.uint64(epoch) << np.uint64(32)) | np.asarray(values).astype(np.uint32).astype(np.uint64)
-
-
-def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: int, peer: int):
-    """The 32-bit values of `words` once every one carries `epoch`; None (reported) on timeout."""
-    attempt = 0
-    while True:
-        seen = words.copy()  # aligned 8-byte words: each is read whole
-        if np.all((seen >> np.uint64(32)) == epoch):
-            return (seen & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        if time.monotonic() > deadline:
-            status.report(STATUS_TIMEOUT, peer, what, epoch)
-            return None
-        sleep_backoff(attempt)
-        attempt += 1
 
 
 def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
