@@ -87,10 +87,6 @@ A2A_DEVICE u32 a2a_cas_sys(u32* p, u32 expected, u32 desired) {
 }
 A2A_DEVICE void a2a_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
 A2A_DEVICE void a2a_fence_dev() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
-// Publish to other blocks of this device only: no system-wide write-back.
-A2A_DEVICE void a2a_store_release_dev(u32* p, u32 v) {
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
-}
 // s_memrealtime runs at a constant 100 MHz on gfx90a/gfx942.
 A2A_DEVICE u64 a2a_clock_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
 A2A_DEVICE void a2a_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -148,9 +144,6 @@ A2A_DEVICE u32 a2a_cas_sys(u32* p, u32 expected, u32 desired) {
 }
 A2A_DEVICE void a2a_fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
 A2A_DEVICE void a2a_fence_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-A2A_DEVICE void a2a_store_release_dev(u32* p, u32 v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 A2A_DEVICE u64 a2a_clock_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 A2A_DEVICE void a2a_pause() { __nanosleep(32); }
 A2A_DEVICE int a2a_shfl(int v, int src_lane) { return __shfl_sync(0xffffffffu, v, src_lane); }

@@ -41,7 +41,11 @@ MAX_BLOCK_THREADS = 512    # A2A_MAX_BLOCK_THREADS: the kernels' register budget
 DEFAULT_BLOCK_THREADS = 256
 DEFAULT_BLOCKS_PER_MP = 2  # two blocks per CU/SM: more warps to hide the link's latency (PERFORMANCE.md)
 SEGMENT_LANE_ELEMS = 32    # 4 chunks of 8 elements per lane (A2A_CHUNKS in kernels_hip/a2a.hip)
-MIN_WARP = 32
+MIN_WARP, MAX_WARP = 32, 64
+# A call of at most this many bytes of tokens per rank pushes them as tagged
+# words (one link crossing, no flags, twice the bytes) instead of staging them
+# for peers to pull; see "Pushed calls" in kernels_hip/a2a.hip.
+DEFAULT_PUSH_BYTES = 768 * 1024  # PERFORMANCE.md (v3h): pushing won up to ~0.75 MB, lost at 1.3 MB
 
 
 @dataclass
@@ -56,7 +60,8 @@ class AllToAll:
     def __init__(self, comm=None, *, num_experts: int, experts_per_token: int, hidden_dim: int,
                  max_num_tokens: int, in_dtype="float16", out_dtype=None, timeout: float = 10.0,
                  backend=None, device: int | None = None, profile: bool = False,
-                 block_threads: int | None = None, grid_blocks: int | None = None):
+                 block_threads: int | None = None, grid_blocks: int | None = None,
+                 push_max_tokens: int | None = None):
         self.in_dtype = check_supported(in_dtype, "in_dtype")
         self.out_dtype = check_supported(out_dtype if out_dtype is not None else self.in_dtype, "out_dtype")
         self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
@@ -72,6 +77,7 @@ class AllToAll:
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive (seconds)")
+        self.push_max_tokens = self._push_limit(push_max_tokens)
 
         # A row moves in segments of SEGMENT_LANE_ELEMS per lane of a warp, one warp
         # each; the warp size is not known before the device is, so size the
@@ -86,9 +92,28 @@ class AllToAll:
             raise
 
     # -- construction -----------------------------------------------------------
+    def _push_limit(self, requested: int | None) -> int:
+        """Calls of at most this many tokens push (0: every call stages and pulls). Pushed
+        contributions are read 8 elements a lane, so rows must be a multiple of 8 elements."""
+        env = os.environ.get("PYHIPA2A_PUSH_MAX_TOKENS")
+        if requested is None and env is not None:
+            requested = int(env)
+        if requested is None:
+            requested = DEFAULT_PUSH_BYTES // (self.hidden * self.in_dtype.itemsize)
+        if requested < 0:
+            raise ValueError(f"push_max_tokens={requested} must be >= 0")
+        return min(int(requested), self.max_tokens) if self.hidden % 8 == 0 else 0
+
+    def _push_row_words(self) -> int:
+        """Tagged words of a pushed contribution's row (one fp32, or two 16-bit elements, each),
+        padded to whole segments of the widest warp."""
+        seg = SEGMENT_LANE_ELEMS * MAX_WARP
+        return math.ceil(self.hidden / seg) * seg
+
     def _layout(self, world: int) -> list[tuple[str, tuple, object]]:
         """Every symmetric buffer, in allocation order (identical on all ranks). See kernels_hip/a2a.hip."""
         L, M, k, H, S = self.num_experts // world, self.max_tokens, self.top_k, self.hidden, self.nseg
+        P = self.push_max_tokens
         return [
             # written by peers, as tagged words (value in the low half, epoch in the high
             # half); headers alternate by epoch parity
@@ -100,6 +125,9 @@ class AllToAll:
             # read by peers (they pull): staged tokens by parity, contributions by owner
             ("stage", (2, M, H), self.in_dtype),
             ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
+            # written by peers when a call pushes: tagged words of tokens, and of contributions
+            ("push_tok", (2, world, P, H * self.in_dtype.itemsize // 4), np.uint64),
+            ("push_contrib", (world, P, self._push_row_words()), np.uint64),
             # local
             ("recv_x", (L, world * M, H), self.in_dtype),
             ("recv_meta", (L, world * M, 3), np.int32),
@@ -107,7 +135,7 @@ class AllToAll:
             ("num_tokens", (L,), np.int32),
             ("rows", (world, M, k), np.int32),
             ("slot_of", (world, M, k), np.int32),
-            ("slot_flag", (world, M), np.uint32),
+            ("slot_tag", (world, M, k), np.uint64),  # slot_of as tagged words (dispatch's fan-out)
             ("arrived", (1,), np.uint32),
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
@@ -205,7 +233,7 @@ class AllToAll:
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
-                self.out_dtype.name, self.backend.kind)
+                self.out_dtype.name, self.backend.kind, self.push_max_tokens)
         everyone = self.heap.comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
         if len(set(everyone)) > 1:
             configs = self.heap.comm.allgather(mine)
@@ -213,7 +241,7 @@ class AllToAll:
             raise ConfigMismatchError(
                 f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
                 f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
-                f"max_num_tokens, in_dtype, out_dtype, backend)", ranks=differ)
+                f"max_num_tokens, in_dtype, out_dtype, backend, push_max_tokens)", ranks=differ)
 
     def _fill_args(self, a: A2AArgs) -> None:
         heap, off = self.heap, lambda name: heap.offset_of(self.buf[name].ptr)
@@ -228,6 +256,7 @@ class AllToAll:
         a.host_status = self._host_status_device
         a.prof = self.profile_buffer.ptr if self.profile_buffer is not None else 0
         a.seg_elems, a.nseg = self.seg_elems, self.nseg
+        a.push_max_tokens, a.push_row_words = self.push_max_tokens, self._push_row_words()
         a.timeout_ns = int(self.timeout * 1e9)
 
     # -- calls ------------------------------------------------------------------

@@ -5,7 +5,9 @@ and the count), and each token crosses once to every other rank hosting one
 of its experts (that rank pulls it); combine sends every peer the weights,
 and one contribution per (token, expert rank) crosses back to the owner (it
 pulls it): the raw row when that rank hosts one of the token's experts, an
-fp32 partial sum when it hosts several. Flags (4 bytes per segment) are not counted. Used by
+fp32 partial sum when it hosts several. A rank whose call has at most
+`push_max_tokens` tokens pushes instead: its tokens, and the contributions
+to them, cross as tagged words (4 bytes of data in 8). Flags (4 bytes per segment) are not counted. Used by
 scripts/bench.py for link bandwidth and speed of light.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ TAGGED = 8  # bytes of one tagged word (value and epoch), how headers and weight
 
 
 def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_itemsize: int = 2,
-               out_itemsize: int = 2) -> tuple[np.ndarray, np.ndarray]:
+               out_itemsize: int = 2, push_max_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(dispatch, combine): bytes each rank sends to other ranks."""
     world = len(indices)
     per_rank = num_experts // world
@@ -24,6 +26,7 @@ def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_item
     for src, idx in enumerate(indices):
         T, k = idx.shape
         peers = world - 1
+        widen = TAGGED // 4 if T <= push_max_tokens else 1  # pushed: 4 data bytes per tagged word
         dispatch[src] += peers * (T * k + 1) * TAGGED     # headers: routing rows and the count
         combine[src] += peers * T * k * TAGGED            # weights
         ranks = idx // per_rank                           # [T, k] rank of each slot's expert
@@ -31,6 +34,6 @@ def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_item
             if r == src:
                 continue
             n = (ranks == r).sum(axis=1)                  # experts of each token on rank r
-            dispatch[src] += np.count_nonzero(n) * hidden * in_itemsize
-            combine[r] += (np.count_nonzero(n == 1) * out_itemsize + np.count_nonzero(n > 1) * 4) * hidden
+            dispatch[src] += widen * np.count_nonzero(n) * hidden * in_itemsize
+            combine[r] += widen * (np.count_nonzero(n == 1) * out_itemsize + np.count_nonzero(n > 1) * 4) * hidden
     return dispatch, combine

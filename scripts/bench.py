@@ -178,7 +178,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     """Check, then time one shape, as one graph per call and as eager calls (wall times too when
     flush_ptr is given). The main columns are the graph's; eager_* are the same call, three launches."""
     r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs])),
-         "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks}}
+         "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks},
+         "pushed_ranks": sum(len(x) <= a2a.push_max_tokens for x in inputs.xs)}
     error = check_once(comm, a2a, inputs)
     if error:
         return {**r, "ok": False, "error": error}
@@ -202,10 +203,12 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     for ev in events:
         b.event_destroy(ev)
     free_inputs(a2a, arrays)  # every rank frees in the same order; device_times/wall_time ended synchronized
-    dispatch, combine = link_bytes(inputs.indices, a2a.num_experts, a2a.hidden, a2a.in_dtype.itemsize,
-                                   a2a.out_dtype.itemsize)
+    sizes = (inputs.indices, a2a.num_experts, a2a.hidden, a2a.in_dtype.itemsize, a2a.out_dtype.itemsize)
+    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens)
     total = float(dispatch.sum() + combine.sum())
-    sol = float((dispatch + combine).max()) / (bw["gbps"] * 1e9) * 1e6
+    # The speed of light moves the data alone: a pushed call's tags are our overhead, not its floor.
+    data = sum(link_bytes(*sizes, push_max_tokens=0))
+    sol = float(data.max()) / (bw["gbps"] * 1e9) * 1e6
     r.update(ok=True, link_bytes=total, gbps=total / (r["e2e"] * 1e-6) / 1e9,
              sol=sol, ratio=r["e2e"] / sol if sol > 0 else None)
     return r
@@ -271,7 +274,7 @@ def print_shapes(rows) -> None:
     print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
           "launched one by one")
     print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'wall':>9} "
-          f"{'eag e2e':>9} {'eag wall':>9} {'floor':>9} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
+          f"{'eag e2e':>9} {'eag wall':>9} {'floor':>9} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
     for r in rows:
         if not r["ok"]:
             verdict = "SKIP" if r["error"].startswith("SKIP") else "FAIL"
@@ -279,7 +282,7 @@ def print_shapes(rows) -> None:
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
               + f" {r['wall']:>9.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['floor']:>9.1f} "
-              f"{r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
+              f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
     ok = [r for r in rows if r["ok"]]
     print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us, "
           f"wall {fmt(geomean(r['wall'] for r in ok))} us (eager: e2e {fmt(geomean(r['eager_e2e'] for r in ok))}, "
@@ -290,14 +293,14 @@ def print_shapes(rows) -> None:
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'eag disp':>9} {'eag comb':>9} "
-          f"{'eag e2e':>9} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
+          f"{'eag e2e':>9} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
     for r in rows:
         if not r["ok"]:
             print(f"{r['tokens']:>7} FAIL  {r['error']}")
             continue
         print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
               + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
-              + f" {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
+              + f" {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
 
 
 def plot(path: str, shapes, sweep) -> None:
@@ -339,8 +342,9 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
           f"{args.iters} iters ({args.warmup} warm-up)")
     print(f"command ({world} ranks): {command}")
-    print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its link bytes / this)")
-    print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median")
+    print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags)")
+    print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median; "
+          "push: ranks whose call pushed its tokens (PYHIPA2A_PUSH_MAX_TOKENS), the others staged them")
     launch = next((r["launch"] for r in rows + sweep if "launch" in r), None)
     if launch:
         print(f"launch: {launch['blocks']} blocks of {launch['block_threads']} threads "

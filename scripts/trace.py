@@ -1,6 +1,6 @@
 """Per-block timelines of dispatch and combine on every rank, in one Perfetto trace.
 
-    mpirun -n N python scripts/trace.py [--shape E,k,H,M] [--iters 3] --out trace.json
+    mpirun -n N python scripts/trace.py [--shape E,k,H,M] [--tokens T] [--iters 3] --out trace.json
 
 Runs the profiling build of the kernels (checked against the oracle first:
 profiling must not change results), records every warp's stages (send, wait,
@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--shape", default=",".join(map(str, LARGEST_GPU_MODE_SHAPE)), help="E,k,H,M")
     p.add_argument("--iters", type=int, default=3, help="calls recorded (after one checked, unrecorded call)")
     p.add_argument("--seed", type=int, default=4)
+    p.add_argument("--tokens", type=int, help="tokens per rank (default: drawn in [1, M) as gpu-mode does)")
     p.add_argument("--out", default="trace.json")
     p.add_argument("--graph", action="store_true", help="record calls launched as one captured graph each "
                    "(device inputs), as bench.py times them")
@@ -43,7 +44,8 @@ def main() -> int:
     E = E // world * world or world  # keep the expert count divisible by the ranks running
 
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, profile=True) as a2a:
-        inputs = draw_world(args.seed, world, E, k, H, M)
+        inputs = draw_world(args.seed, world, E, k, H, M,
+                            token_counts=None if args.tokens is None else [args.tokens] * world)
         err = run_round(a2a, inputs)  # the profiling build against the oracle
         a2a.profile_events()           # drop the checked call's events
         offset = a2a.clock_offset_ns()

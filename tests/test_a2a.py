@@ -55,6 +55,28 @@ def test_edge_cases(name, backend):
     run_case(CASE + "case_shape", ranks, env_backend(backend), args=(E, k, H, M, dtype, counts, routing, 3, 11))
 
 
+# Calls of at most PYHIPA2A_PUSH_MAX_TOKENS tokens push their data as tagged words, larger ones stage it
+# for peers to pull; each rank chooses for its own call. (threshold, token counts) per mode.
+TRANSFER_MODES = {"pull": ("0", "full"), "push": ("64", "full"), "mixed": ("8", "staggered")}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
+@pytest.mark.parametrize("H", [1000, 2048])
+def test_transfer_modes(mode, H, backend):
+    threshold, counts = TRANSFER_MODES[mode]
+    ranks = ranks_for(backend)
+    run_case(CASE + "case_shape", ranks, env_backend(backend), env={"PYHIPA2A_PUSH_MAX_TOKENS": threshold},
+             args=(4 * ranks, 4, H, 64, "float16", counts, "random", 2, 5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_misaligned_device_arrays(mode, backend):
+    run_case(CASE + "case_misaligned_device_arrays", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]})
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_200_alternating_calls(backend):
     run_case(CASE + "case_alternating", ranks_for(backend), env_backend(backend), args=(200,), timeout=900)

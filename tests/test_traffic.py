@@ -19,3 +19,15 @@ def test_two_ranks_by_hand():
     # fp32 partial for token 2 (two experts there); rank 0 returns a raw row for rank 1's token
     assert combine[0] == 3 * 2 * 8 + 1 * 8 * 2
     assert combine[1] == 1 * 2 * 8 + 8 * 2 + 8 * 4
+
+
+def test_pushed_calls_double_their_data():
+    # The same routing; rank 1 (1 token) pushes, rank 0 (3 tokens) stages. A pushed call's tokens and
+    # the contributions to them cross as tagged words: 4 data bytes in 8. Headers and weights as before.
+    idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)
+    idx1 = np.array([[1, 3]], np.int32)
+    dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, push_max_tokens=1)
+    assert dispatch[0] == (3 * 2 + 1) * 8 + 2 * 8 * 2              # staged, as in the test above
+    assert dispatch[1] == (1 * 2 + 1) * 8 + 2 * (1 * 8 * 2)        # pushed: its token doubled
+    assert combine[0] == 3 * 2 * 8 + 2 * (1 * 8 * 2)               # rank 0's raw row for rank 1's token
+    assert combine[1] == 1 * 2 * 8 + 8 * 2 + 8 * 4                 # for rank 0's staged tokens, as above

@@ -83,14 +83,15 @@ def tag(values, epoch: int) -> np.ndarray:
     return (np.uint64(epoch) << np.uint64(32)) | np.asarray(values).astype(np.uint32).astype(np.uint64)
 
 
-def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: int, peer: int):
-    """The 32-bit values of tagged `words` (kernels_hip/protocol.h) once every one carries `epoch`;
-    None (reported) on timeout."""
+def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: int, peer: int, rows=None):
+    """The 32-bit values of tagged `words` (kernels_hip/protocol.h), or of its `rows` only, once every
+    one carries `epoch`; None (reported) on timeout. `words` must be a view of the memory that peers
+    write (a fancy-indexed copy would never change: pass the selection as `rows`)."""
     seen = words
 
     def arrived() -> bool:
         nonlocal seen
-        seen = words.copy()  # aligned 8-byte words: each is read whole
+        seen = (words if rows is None else words[rows]).copy()  # aligned 8-byte words: each is read whole
         return bool(np.all((seen >> np.uint64(32)) == epoch))
 
     if not poll(arrived, deadline):

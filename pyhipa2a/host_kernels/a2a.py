@@ -15,6 +15,7 @@ from ..dtypes import bfloat16
 from . import STATUS_BAD_INDEX, STATUS_CAPACITY, Recorder, Status, bases, mem, tag, wait_flags, wait_tagged
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
+PUSHED = 0x80000000  # count header bit: the source pushed its tokens (A2A_PUSHED)
 
 
 class View:
@@ -68,23 +69,34 @@ def a2a_dispatch(backend, a, c) -> None:
         pos = int(np.flatnonzero(~valid)[0])
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
 
+    push = T <= a.push_max_tokens
+    P, words = a.push_max_tokens, rb // 4
     span = time.monotonic_ns()
-    for r in range(W):  # 1. headers to every peer, as tagged words
-        if r == me:
-            continue
+    for r in range(W):  # 1. headers to every peer as tagged words; the count (and our choice) to us too
         t0 = time.monotonic_ns()
-        v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(indices, v.epoch)
-        v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T, v.epoch)
-        v.rec.record(1, t0, r)
-    # 2. stage every token another rank needs in our own memory (peers pull it); its flags go to them
-    t0 = time.monotonic_ns()
-    tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
-    v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
-    for r in range(W):
         if r != me:
-            for t in np.flatnonzero((valid & (indices // L == r)).any(axis=1)):
-                for seg in range(v.S):
-                    backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * v.S + seg), v.epoch)
+            v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(indices, v.epoch)
+        v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T | (PUSHED if push else 0), v.epoch)
+        if r != me:
+            v.rec.record(1, t0, r)
+    # 2. every token another rank needs: pushed into its inbox as tagged words, or staged in our
+    # own memory (peers pull it) with its flags sent to them
+    t0 = time.monotonic_ns()
+    if push:
+        for r in range(W):
+            if r != me:
+                tokens = np.flatnonzero((valid & (indices // L == r)).any(axis=1))
+                inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
+                inbox[tokens] = tag(x[tokens].view(np.uint32), v.epoch)
+    else:
+        tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
+        v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
+        for r in range(W):
+            if r != me:
+                for t in np.flatnonzero((valid & (indices // L == r)).any(axis=1)):
+                    for seg in range(v.S):
+                        backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * v.S + seg),
+                                                  v.epoch)
     v.rec.record(2, t0, me)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
@@ -94,26 +106,34 @@ def a2a_dispatch(backend, a, c) -> None:
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     for src in range(W):  # 3. fan each token with experts here out to its experts' rows
         if src == me:
-            rows, vecs, count = indices, x, T
+            rows, vecs, count, pushed = indices, x, T, False
         else:
             t0 = time.monotonic_ns()
             n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
                             v.status, WAIT_DISPATCH, src)
-            count = min(int(n[0]), M) if n is not None else 0
-            words = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
-                                v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
-            if words is None:
+            count = min(int(n[0]) & ~PUSHED, M) if n is not None else 0
+            pushed = n is not None and bool(int(n[0]) & PUSHED)
+            hdr = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
+                              v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
+            if hdr is None:
                 return
             v.rec.record(3, t0, src)
-            rows = words.view(np.int32).reshape(count, k)
+            rows = hdr.view(np.int32).reshape(count, k)
             vecs = v.buf(src, "stage", (2, M, rb), np.uint8)[p]
         decoded[src, :count] = rows  # combine reads the routing rows from here
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens, slots = np.nonzero(here)
         t0 = time.monotonic_ns()
         needed = (np.unique(tokens)[:, None] * v.S + np.arange(v.S)).ravel()
-        if src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * v.S), needed,
-                                        v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
+        if src != me and pushed:  # the tokens' words in our inbox, once each carries the epoch
+            vecs = np.zeros((count, rb), np.uint8)
+            arrived = wait_tagged(v.buf(me, "push_tok", (2, W, P, words), np.uint64)[p, src], v.epoch,
+                                  v.deadline, v.status, WAIT_DISPATCH, src, rows=np.unique(tokens))
+            if arrived is None:
+                return
+            vecs[np.unique(tokens)] = arrived.view(np.uint8).reshape(-1, rb)
+        elif src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * v.S), needed,
+                                          v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
             return
         if src != me:
             v.rec.record(4, t0, src)
@@ -144,7 +164,7 @@ def a2a_dispatch(backend, a, c) -> None:
 def _combine(backend, a, c, dtype) -> None:
     v = View(a, take_epoch(a, dispatch=False))
     W, M, k, L, me, p, H = v.W, v.M, v.k, v.L, v.me, v.parity, a.hidden
-    T = c.num_tokens
+    T, P = c.num_tokens, a.push_max_tokens
     weights = mem(c.weights, (T, k), np.float32)
     expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
@@ -160,7 +180,8 @@ def _combine(backend, a, c, dtype) -> None:
     for src in range(W):  # 2. one contribution per (peer's token, this rank) for its owner, left in our memory
         if src == me:
             continue  # our own tokens are reduced straight from expert_y
-        count = min(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF), M)
+        header = int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF)
+        count, src_pushed = min(header & ~PUSHED, M), bool(header & PUSHED)
         rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens = np.flatnonzero(here.any(axis=1))
@@ -175,20 +196,27 @@ def _combine(backend, a, c, dtype) -> None:
         w = words.view(np.float32).reshape(count, k)
         t0 = time.monotonic_ns()
         contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[src]
+        inbox = v.buf(src, "push_contrib", (W, P, a.push_row_words), np.uint64)[me]  # the owner's
         for t in tokens:
             js = np.flatnonzero(here[t])
             if len(js) == 1:  # the raw row; the owner applies the weight
-                contrib[t, :2 * H] = expert_y[slot_of[src, t, js[0]]].view(np.uint8)
+                part = expert_y[slot_of[src, t, js[0]]]
             else:
                 part = np.zeros(H, np.float32)
                 for j in js:
                     part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
-                contrib[t] = part.view(np.uint8)
+            if src_pushed:  # straight into the owner's inbox as tagged words, no flag
+                bits = part.view(np.uint32)
+                inbox[t, :len(bits)] = tag(bits, v.epoch)
+                continue
+            contrib[t, :part.nbytes] = part.view(np.uint8)
             for seg in range(v.S):
                 backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), v.epoch)
         v.rec.record(10, t0, src)
 
-    # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their memory
+    # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their
+    # memory, or from our inbox when our dispatch pushed (its header in our own inbox says)
+    pushed = bool(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, me]) & PUSHED)
     rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)
     acc = np.zeros((T, H), np.float32)
@@ -204,14 +232,23 @@ def _combine(backend, a, c, dtype) -> None:
         n = here.sum(axis=1)
         tokens = np.flatnonzero(n)
         t0 = time.monotonic_ns()
-        needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
-        if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline, v.status,
-                          WAIT_COMBINE_ROW, peer_of=lambda _: r):
-            return
+        if pushed:  # rank r's contributions to our tokens, as tagged words in our inbox
+            theirs = np.zeros((M, 4 * H), np.uint8)
+            for width, pick in ((H // 2, tokens[n[tokens] == 1]), (H, tokens[n[tokens] > 1])):
+                ours = v.buf(me, "push_contrib", (W, P, a.push_row_words), np.uint64)[r, :, :width]
+                arrived = wait_tagged(ours, v.epoch, v.deadline, v.status, WAIT_COMBINE_ROW, r, rows=pick)
+                if arrived is None:
+                    return
+                theirs[pick, :4 * width] = arrived.view(np.uint8).reshape(len(pick), 4 * width)
+        else:  # rank r's contributions to our tokens, in its memory once their flags are in
+            needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
+            if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline,
+                              v.status, WAIT_COMBINE_ROW, peer_of=lambda _: r):
+                return
+            theirs = v.buf(r, "contrib", (W, M, 4 * H), np.uint8)[me]
         v.rec.record(11, t0, r)
         t0 = time.monotonic_ns()
         single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]
-        theirs = v.buf(r, "contrib", (W, M, 4 * H), np.uint8)[me]  # rank r's contributions to our tokens
         if len(single):
             j = here[single].argmax(axis=1)
             raw = theirs[single, :2 * H].copy().view(dtype).astype(np.float32)

@@ -23,6 +23,8 @@ def token_counts(mode: str, world: int, M: int, rng) -> list[int] | None:
         return [0 if r % 2 == 0 else int(rng.integers(1, M + 1)) for r in range(world)]
     if mode == "all_empty":
         return [0] * world
+    if mode == "staggered":              # even ranks full, odd ranks one token: both sides of a threshold
+        return [M if r % 2 == 0 else 1 for r in range(world)]
     raise ValueError(mode)
 
 
@@ -97,6 +99,41 @@ def case_stream_handle_views_cached(comm):
             a2a.combine(a2a.fake_expert(d, stream=handle), inputs.weights[me], stream=handle)
             a2a.synchronize(stream=handle)
         assert len(a2a._output_views) == 1, len(a2a._output_views)
+
+
+def case_misaligned_device_arrays(comm):
+    """expert_y and out 2 bytes off 16-byte alignment (contributions and the reduction take their
+    element-wise paths, pushed or pulled), and x too in round 0 (a call that would push words
+    stages instead); results still match the oracle."""
+    from pyhipa2a import reference
+    from pyhipa2a.testing import check_dispatch, combine_error, poison
+    world = comm.Get_size()
+    E, k, H, M = 4 * world, 3, 512, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        me, L, cap = a2a.rank, a2a.local_experts, a2a.capacity
+        sizes = [M * H * 2, L * cap * H * 2, M * H * 2]  # x, expert_y, out: each 2 bytes into its own 64-byte slot
+        starts = np.cumsum([0] + [n + 64 for n in sizes])
+        scratch = a2a.backend.malloc_ipc(int(starts[-1]))
+        try:
+            for i in range(2):
+                inputs = draw_world(40 + i, world, E, k, H, M)
+                T = len(inputs.xs[me])
+                x, expert_y, out = (pyhipa2a.DeviceArray(a2a.backend, scratch + int(at) + skew, shape, np.float16)
+                                    for at, shape, skew in zip(starts, [(T, H), (L, cap, H), (T, H)], [2 - 2 * i, 2, 2]))
+                poison(a2a)
+                out.fill_bytes(0xFF)
+                x.copy_from(inputs.xs[me])
+                d = a2a.dispatch(x, inputs.indices[me])
+                a2a.synchronize()
+                check_dispatch(d, reference.dispatch(inputs.xs, inputs.indices, E)[me], me)
+                expert_y.copy_from((d.expert_x.numpy().astype(np.float32) * (1 + me)).astype(np.float16))
+                a2a.combine(expert_y, inputs.weights[me], out=out)
+                a2a.synchronize()
+                expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, ranks=[me])[me]
+                err = combine_error(out.numpy(), expected, np.float16)
+                print(f"rank {me} round {i}: T={T} pushed={T <= a2a.push_max_tokens} max err {err:.3g}")
+        finally:
+            a2a.backend.free(scratch)
 
 
 class DLPackOnly:
@@ -198,6 +235,8 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, in_dtype="float32")
     with pytest.raises(ValueError, match="experts_per_token=3 must be <= num_experts"):
         AllToAll(comm, num_experts=2, experts_per_token=3, hidden_dim=8, max_num_tokens=4)
+    with pytest.raises(ValueError, match="push_max_tokens=-1 must be >= 0"):
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, push_max_tokens=-1)
 
 
 def case_config_mismatch(comm):
@@ -209,6 +248,11 @@ def case_config_mismatch(comm):
     H = 64 if comm.Get_rank() != odd else 128
     with pytest.raises(pyhipa2a.ConfigMismatchError, match=rf"ranks \[{odd}\]") as info:
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=H, max_num_tokens=4)
+    assert info.value.ranks == (odd,)
+    # The push threshold sizes buffers and decides how peers read each other: it must agree too.
+    push = 4 if comm.Get_rank() != odd else 2
+    with pytest.raises(pyhipa2a.ConfigMismatchError, match=rf"ranks \[{odd}\].*push_max_tokens") as info:
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=64, max_num_tokens=4, push_max_tokens=push)
     assert info.value.ranks == (odd,)
 
 
