@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every GPU figure for one world size in one go (issue-style report): the
+# validation of scripts/gpu_validate.sh, then the benchmark shapes, the sweep
+# and the stress run; logs and JSON under $OUT (or ./out), tables last.
+#   bash scripts/gpu_all.sh [ranks]      (default: one rank per GPU)
+# Build the code objects first (python -m pyhipa2a.build) or carry pyhipa2a/_code.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+MPIRUN=${MPIRUN:-"mpirun --allow-run-as-root --bind-to none --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none"}
+bash scripts/gpu_validate.sh "$N" > "$OUT/validate.txt" 2>&1; validate=$?
+timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; bench=$?
+timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --sweep --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1; sweep=$?
+timeout 600 $MPIRUN -n "$N" python3 scripts/stress.py --calls 2000 > "$OUT/stress.txt" 2>&1; stress=$?
+sed -n '/^== summary/,$p' "$OUT/validate.txt"
+tail -n 3 "$OUT/stress.txt"
+sed -n '/^pyhipa2a bench/,$p' "$OUT/bench.txt"
+sed -n '/^sweep /,$p' "$OUT/sweep.txt"
+printf '%-10s %s\n' validate "$validate" bench "$bench" sweep "$sweep" stress "$stress"
+[ "$validate$bench$sweep$stress" = 0000 ]
