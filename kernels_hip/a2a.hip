@@ -343,7 +343,7 @@ A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid
     const Segment sg = segment(x, seg, rb, itemsize);
     copy_row(stage + (u64)t * rb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes, g.lane);
     a2a_wave_sync();
-    if (peers >> g.lane & 1u) {
+    if (g.lane < x.W && (peers >> g.lane & 1u)) {  // (a 64-lane wave must not shift by 32 or more)
       u32* flag = sym<u32>(x.h, (int)g.lane, x.a.off_stage_flag) + (((u64)x.parity * x.W + me) * x.M + t) * S + seg;
       a2a_store_release_sys(flag, x.epoch);
     }
@@ -750,7 +750,7 @@ A2A_DEVICE float sum_rows_at(const u16* expert_y, const i32* slots, u32 bits, co
 A2A_DEVICE bool load_slots(i32* slots, const i32* slot_of, u32 bits, u32 k, u32 lane) {
   const i32 slot = lane < k ? slot_of[lane] : 0;
   if (lane < k) slots[lane] = slot;
-  const bool ok = warp_all(!(bits >> lane & 1u) || slot >= 0, lane);
+  const bool ok = warp_all(lane >= k || !(bits >> lane & 1u) || slot >= 0, lane);
   a2a_wave_sync();
   return ok;
 }

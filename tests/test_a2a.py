@@ -39,6 +39,7 @@ EDGE_CASES = {
     "hidden_2880": (8, 4, 2880, 16, "float16", "random", "random"),
     "hidden_1000": (4, 2, 1000, 16, "float16", "random", "random"),
     "hidden_1001_unaligned_rows": (4, 3, 1001, 8, "float16", "random", "random"),
+    "hidden_1001_some_empty": (4, 3, 1001, 8, "float16", "some_empty", "random"),
     "bf16": (8, 4, 2880, 16, "bfloat16", "random", "random"),
     "bf16_hot_full": (4, 2, 1000, 16, "bfloat16", "full", "hot"),
 }

@@ -86,8 +86,9 @@ def a2a_dispatch(backend, a, c) -> None:
         for r in range(W):
             if r != me:
                 tokens = np.flatnonzero((valid & (indices // L == r)).any(axis=1))
-                inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
-                inbox[tokens] = tag(x[tokens].view(np.uint32), v.epoch)
+                if len(tokens):  # (a call of no tokens pushes nothing; its rows need not be whole words)
+                    inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
+                    inbox[tokens] = tag(x[tokens].view(np.uint32), v.epoch)
     else:
         tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
         v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
