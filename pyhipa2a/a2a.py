@@ -197,6 +197,9 @@ class AllToAll:
         self._scale_pack = self._scale_kernel.pack()
         for pack in (self._dispatch_pack, self._combine_pack):
             self._fill_args(pack[0])
+        # The fake expert reads our expert_x and counts and scales by 1 + rank: only `out` changes per call.
+        self._scale_pack.set_scalars(self.buf["recv_x"].ptr, 0, self.buf["num_tokens"].ptr, self.local_experts,
+                                     self.capacity, self.hidden, float(1 + self.rank))
         self._capturing = None  # the stream while capture() records a step
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
@@ -427,8 +430,7 @@ class AllToAll:
             raise A2AError("fake_expert() without out= inside capture() needs expert_y_buffer() called before "
                            "the capture (memory cannot be allocated while capturing)")
         out = out if out is not None else self.expert_y_buffer()
-        self._scale_pack.set_scalars(result.expert_x.ptr, out.ptr, result.expert_num_tokens.ptr,
-                                     self.local_experts, self.capacity, self.hidden, float(1 + self.rank))
+        self._scale_pack[1].value = out.ptr  # the rest was filled at construction (result views our buffers)
         self._scale_kernel.launch(self._scale_pack, self.blocks, self.block_threads, self._stream(stream))
         if self._capturing is not None:
             self._keep(out)

@@ -106,9 +106,7 @@ def upload_inputs(a2a, inputs: WorldInputs) -> list:
     b, r = a2a.backend, a2a.rank
     arrays = []
     for host in (inputs.xs[r], inputs.indices[r], inputs.weights[r]):
-        # device_id: DeviceArray without an owner would claim device 0, which dispatch rejects on rank > 0
-        arr = DeviceArray(b, b.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype, stream=a2a.stream,
-                          device_id=a2a.heap.device.index)
+        arr = DeviceArray(b, b.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype, stream=a2a.stream)
         arr.copy_from(host)
         arrays.append(arr)
     return arrays
@@ -119,13 +117,24 @@ def free_inputs(a2a, arrays) -> None:
         a2a.backend.free(arr.ptr)
 
 
+def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
+    """This rank's finished dispatch (its DispatchResult views) against the oracle."""
+    check_dispatch(result, reference.dispatch(inputs.xs, inputs.indices, a2a.num_experts)[a2a.rank], a2a.rank)
+
+
+def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None) -> float:
+    """This rank's finished combine output `y` against the oracle; the largest error (raises outside
+    the tolerance)."""
+    rank = a2a.rank
+    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, ranks=[rank])[rank]
+    return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance)
+
+
 def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None) -> float:
     """Check a finished call (its DispatchResult views and combine output `y`) against the oracle on this
     rank; returns the largest combine error."""
-    rank = a2a.rank
-    check_dispatch(result, reference.dispatch(inputs.xs, inputs.indices, a2a.num_experts)[rank], rank)
-    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, ranks=[rank])[rank]
-    return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance)
+    check_dispatch_against_oracle(a2a, inputs, result)
+    return combine_error_against_oracle(a2a, inputs, y, tolerance)
 
 
 def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None) -> float:
@@ -137,10 +146,7 @@ def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None) -
     expert_y = a2a.fake_expert(result)
     if check:
         a2a.synchronize()
-        check_dispatch(result, reference.dispatch(inputs.xs, inputs.indices, a2a.num_experts)[rank], rank)
+        check_dispatch_against_oracle(a2a, inputs, result)
     y = a2a.combine(expert_y, inputs.weights[rank])
     a2a.synchronize()
-    if not check:
-        return float("nan")
-    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, ranks=[rank])[rank]
-    return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance)
+    return combine_error_against_oracle(a2a, inputs, y, tolerance) if check else float("nan")

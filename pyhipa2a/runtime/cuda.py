@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ctypes
 
-from .base import DeviceInfo, RuntimeFailure
-from .driver import DriverBackend
+from .base import DeviceInfo
+from .driver import DriverBackend, make_check
 
 # The binding's function for each role DriverBackend's shared methods call.
 _CALLS = {
@@ -81,11 +81,7 @@ def _error_text(err) -> str:
     return getattr(err, "name", None) or f"CUresult {int(err)}"
 
 
-def _check(result, call: str):
-    """Raise on a failed `result` tuple; return its value (None, one item, or a tuple)."""
-    if result[0]:
-        raise RuntimeFailure(f"{call} failed: {_error_text(result[0])}")
-    return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
+_check = make_check(_error_text)  # raise on a failed (code, value...) tuple; return the value(s)
 
 
 def _handle_to_bytes(handle) -> bytes:

@@ -15,7 +15,7 @@ import ctypes
 
 import numpy as np
 
-from .base import Backend
+from .base import Backend, RuntimeFailure
 
 # Every role the methods below call; each subclass's `_CALLS` maps exactly
 # these to its binding's function names (tests hold both to that).
@@ -29,6 +29,16 @@ ROLES = (
     "stream_begin_capture", "stream_end_capture", "graph_instantiate", "graph_launch", "graph_exec_destroy",
     "graph_destroy", "occupancy", "event_record_with_flags",
 )
+
+
+def make_check(error_text):
+    """The `_check` of a binding whose calls return (error code, value...): raise RuntimeFailure naming
+    the call and `error_text(code)` on failure; else return None, the one value, or the tuple of them."""
+    def check(result, call: str):
+        if result[0]:
+            raise RuntimeFailure(f"{call} failed: {error_text(result[0])}")
+        return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
+    return check
 
 
 def _host_buffer(a: np.ndarray) -> tuple[int, int]:

@@ -186,14 +186,6 @@ class HostBackend(Backend):
         m, offset = self._locate(ptr)
         return _WordLock(m.fd, offset)
 
-    def atomic_add_u32(self, ptr: int, value: int) -> int:
-        """Add to the u32 at `ptr` atomically across processes; returns the old value."""
-        with self._locked(ptr):
-            word = ctypes.c_uint32.from_address(ptr)
-            old = word.value
-            word.value = (old + value) & 0xFFFFFFFF
-            return old
-
     def store_release_u32(self, ptr: int, value: int) -> None:
         with self._locked(ptr):
             ctypes.c_uint32.from_address(ptr).value = value

@@ -105,8 +105,7 @@ def case_misaligned_device_arrays(comm):
     """expert_y and out 2 bytes off 16-byte alignment (contributions and the reduction take their
     element-wise paths, pushed or pulled), and x too in round 0 (a call that would push words
     stages instead); results still match the oracle."""
-    from pyhipa2a import reference
-    from pyhipa2a.testing import check_dispatch, combine_error, poison
+    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
     world = comm.Get_size()
     E, k, H, M = 4 * world, 3, 512, 8
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
@@ -125,12 +124,11 @@ def case_misaligned_device_arrays(comm):
                 x.copy_from(inputs.xs[me])
                 d = a2a.dispatch(x, inputs.indices[me])
                 a2a.synchronize()
-                check_dispatch(d, reference.dispatch(inputs.xs, inputs.indices, E)[me], me)
+                check_dispatch_against_oracle(a2a, inputs, d)
                 expert_y.copy_from((d.expert_x.numpy().astype(np.float32) * (1 + me)).astype(np.float16))
                 a2a.combine(expert_y, inputs.weights[me], out=out)
                 a2a.synchronize()
-                expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, ranks=[me])[me]
-                err = combine_error(out.numpy(), expected, np.float16)
+                err = combine_error_against_oracle(a2a, inputs, out)
                 print(f"rank {me} round {i}: T={T} pushed={T <= a2a.push_max_tokens} max err {err:.3g}")
         finally:
             a2a.backend.free(scratch)
