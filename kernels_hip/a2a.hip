@@ -130,6 +130,7 @@ A2A_DEVICE u32 take_epoch(const A2AArgs& a, bool dispatch) {
 #define A2A_MAX_WARPS_PER_BLOCK 32
 #define A2A_MAX_BLOCK_THREADS 512  // MAX_BLOCK_THREADS in pyhipa2a/a2a.py
 #define A2A_MAX_WORLD 32
+#define A2A_PREFIX_WORDS (A2A_MAX_WORLD + 3)  // source_prefix's table
 #define A2A_CHUNKS 4  // 8-element chunks per lane whose loads are issued together
 
 struct WarpGrid {
@@ -416,8 +417,9 @@ A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
 }
 
 // Token counts of every source as a prefix: pre[src] = tokens of sources
-// before src, pre[W] = all of them, and pre[W + 1] the mask of sources that
-// push; `pre` is the block's (shared memory), every warp of the block calls.
+// before src, pre[W] = all of them, pre[W + 1] the mask of sources that
+// push and pre[W + 2] the most tokens of any source; `pre` is the block's
+// (shared memory, A2A_PREFIX_WORDS), every warp of the block calls.
 // Warp 0's lane r waits for r's header (when `wait`: dispatch, where our own
 // is `my_header`; combine reads every header, ours too, as dispatch left
 // them): one poller per block, not per warp, on the words peers write. Item
@@ -445,14 +447,16 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
     }
     a2a_wave_sync();
     if (lane == 0) {
-      u32 pushed = 0;
+      u32 pushed = 0, most = 0;
       pre[0] = 0;
       for (u32 r = 1; r <= x.W; ++r) {
-        const u32 n = pre[r] & ~A2A_PUSHED;
+        const u32 n = (pre[r] & ~A2A_PUSHED) < x.M ? pre[r] & ~A2A_PUSHED : x.M;
         if (pre[r] & A2A_PUSHED) pushed |= 1u << (r - 1u);
-        pre[r] = pre[r - 1] + (n < x.M ? n : x.M);
+        pre[r] = pre[r - 1] + n;
+        most = n > most ? n : most;
       }
       pre[x.W + 1] = pushed;
+      pre[x.W + 2] = most;
     }
   }
   a2a_block_sync();
@@ -464,6 +468,19 @@ A2A_DEVICE void locate(const u32* pre, u32 W, u32 q, u32& src, u32& t) {
   src = 0;
   while (src + 1u < W && pre[src + 1u] <= q) ++src;
   t = q - pre[src];
+}
+
+// Item q of a token-major space over n sources from `first` on (mod W): token
+// q / n of source first + q % n; false when that source has fewer tokens (a
+// gap: the space is n * the most tokens of any source). Bulk steps walk
+// their tokens this way: all sources at once, each rank starting with its
+// successor. Source-major order had every rank pulling from rank 0's memory
+// first, then rank 1's, so one rank's links carried the whole wave while the
+// others idled (it did not matter with two ranks).
+A2A_DEVICE bool token_major(const u32* pre, u32 W, u32 first, u32 n, u32 q, u32& src, u32& t) {
+  src = (first + q % n) % W;
+  t = q / n;
+  return t < pre[src + 1] - pre[src];
 }
 
 // The vector of token t of source src: ours straight from the caller, a
@@ -548,9 +565,9 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
   const u32 pushed = pre[x.W + 1], words = rb / 4u;
   const u64* slot_tag = sym<u64>(x.h, (int)me, x.a.off_slot_tag);
   u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
-  for (u32 item = first_item(g, g.warps / 2u); item < pre[x.W] * S; item += g.warps) {
+  for (u32 item = first_item(g, g.warps / 2u); item < pre[x.W + 2] * x.W * S; item += g.warps) {
     u32 src, t;
-    locate(pre, x.W, item / S, src, t);
+    if (!token_major(pre, x.W, me + 1u, x.W, item / S, src, t)) continue;
     const u32 seg = item % S;
     A2A_PROF_START(t1);
     // Lane j waits for slot j's row (-1: not an expert of ours, or lost to a reported error).
@@ -643,7 +660,7 @@ extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A
     push_tokens(x, c, g);
   else
     stage_tokens(x, c, g);
-  __shared__ u32 pre[A2A_MAX_WORLD + 2];
+  __shared__ u32 pre[A2A_PREFIX_WORDS];
   const bool ok = source_prefix(x, (u32)c.num_tokens | (push ? A2A_PUSHED : 0u), pre, true, g);
   const bool reserved = ok && reserve_rows(x, c, g, pre);
   if (ok) publish_counts_if_last(x, g, pre, reserved);
@@ -855,14 +872,13 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   const u64* w_in = sym<u64>(x.h, (int)me, x.a.off_w_in);
   const u64 stride = (u64)H * 4u;
-  __shared__ u32 pre[A2A_MAX_WORLD + 2];
+  __shared__ u32 pre[A2A_PREFIX_WORDS];
   source_prefix(x, 0u, pre, false, g);  // the headers came with dispatch
-  const u32 mine = pre[me + 1] - pre[me];  // our own tokens are reduced straight from expert_y
-  const u32 pushed = pre[x.W + 1];
-  for (u32 item = first_item(g, g.warps_per_block); item < (pre[x.W] - mine) * S; item += g.warps) {
+  const u32 pushed = pre[x.W + 1], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
+  for (u32 item = first_item(g, g.warps_per_block); item < pre[x.W + 2] * peers * S; item += g.warps) {
     a2a_wave_sync();  // the scratch is rewritten for this item
-    u32 src, t, q = item / S;
-    locate(pre, x.W, q < pre[me] ? q : q + mine, src, t);
+    u32 src, t;
+    if (!token_major(pre, x.W, me + 1u, peers, item / S, src, t)) continue;
     const u32 seg = item % S;
     const RowSlot lane_slot = load_row_slot(rows + ((u64)src * x.M + t) * x.k, g.lane, x.k, x.a.num_experts);
     const u32 here = slots_on(lane_slot, x.k, x.L, me);

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .array import DeviceArray
-from .bootstrap import bounded_barrier
+from .bootstrap import bounded_barrier, world_size
 from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
 from .graph import Graph
@@ -42,10 +42,14 @@ DEFAULT_BLOCK_THREADS = 256
 DEFAULT_BLOCKS_PER_MP = 2  # two blocks per CU/SM: more warps to hide the link's latency (PERFORMANCE.md)
 SEGMENT_LANE_ELEMS = 32    # 4 chunks of 8 elements per lane (A2A_CHUNKS in kernels_hip/a2a.hip)
 MIN_WARP, MAX_WARP = 32, 64
-# A call of at most this many bytes of tokens per rank pushes them as tagged
-# words (one link crossing, no flags, twice the bytes) instead of staging them
-# for peers to pull; see "Pushed calls" in kernels_hip/a2a.hip.
-DEFAULT_PUSH_BYTES = 768 * 1024  # PERFORMANCE.md (v3h): pushing won up to ~0.75 MB, lost at 1.3 MB
+# A call pushes its tokens as tagged words (one link crossing, no flags, twice
+# the bytes) instead of staging them for peers to pull when at most this many
+# bytes of token copies leave the rank, a token counted once per peer it can
+# reach (min(top_k, ranks - 1)); see "Pushed calls" in kernels_hip/a2a.hip.
+# PERFORMANCE.md: with 2 ranks pushing won up to ~0.75 MB and lost at 1.3 MB;
+# with 4 ranks a 0.47 MB call (E=128 k=4 H=2880), whose copies go to 2-3
+# peers, lost (combine 27 us pushed, 23 pulled).
+DEFAULT_PUSH_BYTES = 768 * 1024
 
 
 @dataclass
@@ -77,7 +81,7 @@ class AllToAll:
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive (seconds)")
-        self.push_max_tokens = self._push_limit(push_max_tokens)
+        self.push_max_tokens = self._push_limit(push_max_tokens, world_size(comm))
 
         # A row moves in segments of SEGMENT_LANE_ELEMS per lane of a warp, one warp
         # each; the warp size is not known before the device is, so size the
@@ -92,14 +96,15 @@ class AllToAll:
             raise
 
     # -- construction -----------------------------------------------------------
-    def _push_limit(self, requested: int | None) -> int:
+    def _push_limit(self, requested: int | None, world: int) -> int:
         """Calls of at most this many tokens push (0: every call stages and pulls). Pushed
         contributions are read 8 elements a lane, so rows must be a multiple of 8 elements."""
         env = os.environ.get("PYHIPA2A_PUSH_MAX_TOKENS")
         if requested is None and env is not None:
             requested = int(env)
         if requested is None:
-            requested = DEFAULT_PUSH_BYTES // (self.hidden * self.in_dtype.itemsize)
+            peers_per_token = max(1, min(self.top_k, world - 1))
+            requested = DEFAULT_PUSH_BYTES // (self.hidden * self.in_dtype.itemsize * peers_per_token)
         if requested < 0:
             raise ValueError(f"push_max_tokens={requested} must be >= 0")
         return min(int(requested), self.max_tokens) if self.hidden % 8 == 0 else 0
@@ -147,8 +152,7 @@ class AllToAll:
         ]
 
     def _heap_bytes(self, comm) -> int:
-        from .bootstrap import _mpi
-        world = (comm if comm is not None else _mpi().COMM_WORLD).Get_size()
+        world = world_size(comm)
         if self.num_experts % world:
             raise ValueError(f"num_experts={self.num_experts} must be divisible by the number of ranks ({world})")
         if world > MAX_WORLD:

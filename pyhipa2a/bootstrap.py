@@ -11,6 +11,11 @@ def _mpi():
     return MPI
 
 
+def world_size(comm=None) -> int:
+    """Ranks in `comm` (MPI.COMM_WORLD when None)."""
+    return (_mpi().COMM_WORLD if comm is None else comm).Get_size()
+
+
 def node_comm(comm=None):
     """The ranks of `comm` that share this node. pyhipa2a is single-node: all of them must."""
     MPI = _mpi()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bootstrap import _mpi, bounded_barrier
+from .bootstrap import bounded_barrier, world_size
 from .errors import status_error
 from .heap import SymmetricHeap
 from .kernels import KernelLibrary
@@ -14,7 +14,7 @@ THREADS = 256
 def heap_self_test(comm=None, *, words: int = 1 << 16, rounds: int = 3, timeout: float = 10.0,
                    backend=None, blocks: int | None = None) -> str:
     """Run `rounds` epochs of write-all-peers / verify-all; returns this rank's one-line report."""
-    world = (comm if comm is not None else _mpi().COMM_WORLD).Get_size()
+    world = world_size(comm)
     nbytes = 4 * words * world + 4 * world + 4 * 8 + 4096
     with SymmetricHeap(comm, nbytes, backend=backend, timeout=timeout) as heap:
         slots = heap.alloc((heap.world, words), np.uint32)

@@ -8,7 +8,7 @@ events, and host wall time of one call the way gpu-mode's harness takes it
 (cache flushed, synchronize + barrier around the call, rank 0's clock),
 printed beside the floor (the same with an empty call). The same figures for
 eager calls (three launches) stand beside them. Link bytes and the speed of light come
-from the routing and a measured peer-store bandwidth. `--sweep` times tokens
+from the routing and a measured peer-store bandwidth (peer reads are measured too). `--sweep` times tokens
 per rank 1..256 at E=256 k=8 H=7168 M=256 instead of the default shapes
 (add --shape to get both). Device times: median per rank, max over ranks.
 """
@@ -57,42 +57,48 @@ def shape_name(s: dict) -> str:
 
 
 # -- speed of light -------------------------------------------------------------
-def store_bandwidth(comm, backend) -> dict:
-    """GB/s of copy_bytes into the right neighbour's memory, every rank at once (min over ranks).
+def peer_bandwidth(comm, backend) -> dict:
+    """GB/s of copy_bytes between neighbours, every rank at once (min over ranks): stores
+    into rank r+1's memory (the speed of light's bandwidth), and reads from it (what a
+    pulling kernel can get at best).
 
-    All ranks store simultaneously so the figure is what one rank gets while
+    All ranks copy simultaneously so the figure is what one rank gets while
     every link is busy, as during an all-to-all. One rank, or the host backend
     (where a "peer" is the same RAM), measures a local copy instead.
     """
     world, rank = comm.Get_size(), comm.Get_rank()
     local = world == 1 or backend.kind == "host"
+    peer = rank if local else (rank + 1) % world
     with SymmetricHeap(comm, 2 * COPY_BYTES, backend=backend) as heap:
         src, dst = heap.alloc(COPY_BYTES, np.uint8), heap.alloc(COPY_BYTES, np.uint8)
-        target = heap.translate(dst.ptr, rank if local else (rank + 1) % world)
         lib = KernelLibrary(backend, heap.device.arch)
         kernel = lib.kernel("copy_bytes")
-        pack = kernel.pack()
-        pack.set_scalars(target, src.ptr, COPY_BYTES)
         stream, start, end = backend.stream_create(), backend.event_create(), backend.event_create()
-        times = []
-        for i in range(COPY_REPS + 1):  # the first launch is a warm-up
-            backend.stream_synchronize(stream)
-            comm.Barrier()
-            backend.event_record(start, stream)
-            kernel.launch(pack, 4 * heap.device.multiprocessors, 256, stream)
-            backend.event_record(end, stream)
-            backend.event_synchronize(end)
-            if i:
-                times.append(backend.event_elapsed_ms(start, end))
+        medians = {}
+        for direction, (to, frm) in {"store": (heap.translate(dst.ptr, peer), src.ptr),
+                                     "read": (dst.ptr, heap.translate(src.ptr, peer))}.items():
+            pack = kernel.pack()
+            pack.set_scalars(to, frm, COPY_BYTES)
+            times = []
+            for i in range(COPY_REPS + 1):  # the first launch is a warm-up
+                backend.stream_synchronize(stream)
+                comm.Barrier()
+                backend.event_record(start, stream)
+                kernel.launch(pack, 4 * heap.device.multiprocessors, 256, stream)
+                backend.event_record(end, stream)
+                backend.event_synchronize(end)
+                if i:
+                    times.append(backend.event_elapsed_ms(start, end))
+            medians[direction] = statistics.median(times)
         for ev in (start, end):
             backend.event_destroy(ev)
         backend.stream_destroy(stream)
         lib.close()
         device = heap.device.name
-    gbps = comm.allreduce(COPY_BYTES / (statistics.median(times) * 1e-3) / 1e9, op=MPI.MIN)
+    gbps = {d: comm.allreduce(COPY_BYTES / (ms * 1e-3) / 1e9, op=MPI.MIN) for d, ms in medians.items()}
     what = (f"local copy ({'host backend' if backend.kind == 'host' else 'one rank'})" if local
             else "peer stores rank r -> r+1, all ranks at once")
-    return {"gbps": gbps, "what": what, "device": device}
+    return {"gbps": gbps["store"], "read_gbps": gbps["read"], "what": what, "device": device}
 
 
 # -- one call, and its timings ------------------------------------------------------
@@ -342,7 +348,8 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
           f"{args.iters} iters ({args.warmup} warm-up)")
     print(f"command ({world} ranks): {command}")
-    print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags)")
+    print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
+          f"reads from rank r+1: {bw['read_gbps']:.1f} GB/s")
     print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median; "
           "push: ranks whose call pushed its tokens (PYHIPA2A_PUSH_MAX_TOKENS), the others staged them")
     launch = next((r["launch"] for r in rows + sweep if "launch" in r), None)
@@ -392,7 +399,7 @@ def main() -> int:
     shapes = load_shapes(args)
 
     backend = get_backend()  # one backend for every heap and buffer of this run
-    bw = store_bandwidth(comm, backend)
+    bw = peer_bandwidth(comm, backend)
     flush_ptr = backend.malloc_ipc(FLUSH_BYTES)
     rows = run_shapes(comm, backend, shapes, args, bw, flush_ptr)
     sweep = run_sweep(comm, backend, args, bw) if args.sweep else []

@@ -5,11 +5,14 @@ runs the library and checks this rank's outputs against pyhipa2a.reference.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
+from pyhipa2a.a2a import DEFAULT_PUSH_BYTES
 from pyhipa2a.dtypes import resolve
 from pyhipa2a.testing import draw_world, run_round
 
@@ -235,6 +238,20 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=2, experts_per_token=3, hidden_dim=8, max_num_tokens=4)
     with pytest.raises(ValueError, match="push_max_tokens=-1 must be >= 0"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, push_max_tokens=-1)
+
+
+def case_default_push_threshold(comm):
+    """By default a call pushes while its token copies stay within DEFAULT_PUSH_BYTES, a
+    token counted once per peer it can reach (min(top_k, ranks - 1)); capped at
+    max_num_tokens; rows that are not whole 8-element groups never push."""
+    os.environ.pop("PYHIPA2A_PUSH_MAX_TOKENS", None)
+    world = comm.Get_size()
+    E = world * -(-4 // world)  # room for top-4, few experts a rank (small heaps)
+    peers = max(1, min(4, world - 1))
+    for k, H, M, expected in ((1, 512, 1024, 768), (4, 512, 1024, 768 // peers), (2, 8, 4, 4), (2, 1001, 4, 0)):
+        with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+            assert a2a.push_max_tokens == expected, (k, H, M, a2a.push_max_tokens, expected)
+    assert (768 // peers) * 512 * 2 * peers <= DEFAULT_PUSH_BYTES == 768 * 1024
 
 
 def case_config_mismatch(comm):
