@@ -150,3 +150,9 @@ def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None) -
     y = a2a.combine(expert_y, inputs.weights[rank])
     a2a.synchronize()
     return combine_error_against_oracle(a2a, inputs, y, tolerance) if check else float("nan")
+
+
+def failure_line(rank: int, error: BaseException, what: str = "") -> str:
+    """One line naming a rank's failure, for the reports scripts gather from every rank:
+    'rank r<what>: Type: the message's first line' (an exception may have no message at all)."""
+    return f"rank {rank}{what}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"

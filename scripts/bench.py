@@ -33,7 +33,7 @@ from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, draw_world, free_inputs, poison,  # noqa: E402
-                              run_round, upload_inputs)
+                              failure_line, run_round, upload_inputs)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -129,7 +129,7 @@ def collective_check(comm, check, what: str = "") -> str:
     try:
         check()
     except Exception as e:  # a failing rank makes its peers time out rather than hang
-        msg = f"rank {comm.Get_rank()}{what}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        msg = failure_line(comm.Get_rank(), e, what)
     return "; ".join(m for m in comm.allgather(msg) if m)
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.testing import GPU_MODE_TOLERANCE, draw_world, run_round  # noqa: E402
+from pyhipa2a.testing import GPU_MODE_TOLERANCE, draw_world, failure_line, run_round  # noqa: E402
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 
@@ -46,7 +46,7 @@ def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float) -> tuple
     except Exception as e:  # reported in the table; the other ranks time out instead of hanging
         if os.environ.get("PYHIPA2A_DEBUG"):
             traceback.print_exc()
-        return False, float("nan"), f"rank {comm.Get_rank()}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        return False, float("nan"), failure_line(comm.Get_rank(), e)
 
 
 def main() -> int:

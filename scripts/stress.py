@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.testing import draw_world, run_round  # noqa: E402
+from pyhipa2a.testing import draw_world, failure_line, run_round  # noqa: E402
 
 
 def configs(world: int) -> list[dict]:
@@ -83,7 +83,7 @@ def main() -> int:
         comm.Barrier()
         memory_end = a2as[0].backend.memory_in_use()
     except Exception as e:  # report on every rank, then agree on the verdict
-        failure = f"rank {rank}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        failure = failure_line(rank, e)
         memory_start = memory_end = 0
     finally:
         for a2a in a2as:

@@ -35,10 +35,13 @@ def mpiexec_prefix() -> tuple[str, ...]:
     return (exe,)
 
 
-def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0, args: tuple = (),
-             env: dict | None = None, allow_rank_death: bool = False) -> subprocess.CompletedProcess:
-    """`allow_rank_death`: a rank is meant to die; keep the others running and accept the job's exit code
-    (the case itself prints what must be seen)."""
+def run_mpi(argv: list[str], ranks: int, backend: str | None, timeout: float = 300.0, env: dict | None = None,
+            allow_rank_death: bool = False, what: str | None = None) -> subprocess.CompletedProcess:
+    """`mpiexec -n ranks python argv...` from the repository root, output captured; a job that outlives
+    `timeout` is killed (its whole process group) and fails the test, as does a non-zero exit.
+    `allow_rank_death`: a rank is meant to die; keep the others running and accept the job's exit code
+    (the job itself prints what must be seen)."""
+    what = what or " ".join(argv)
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     full_env.pop("PYHIPA2A_BACKEND", None)
     if backend:
@@ -48,7 +51,7 @@ def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0,
     if allow_rank_death:
         prefix += (["--mca", "orte_abort_on_non_zero_status", "0"] if "--allow-run-as-root" in prefix
                    else ["-disable-auto-cleanup"])
-    cmd = [*prefix, "-n", str(ranks), sys.executable, str(RUNNER), case, *map(str, args)]
+    cmd = [*prefix, "-n", str(ranks), sys.executable, *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env=full_env, start_new_session=True)
     try:
@@ -56,13 +59,20 @@ def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"{case} on {ranks} ranks did not finish within {timeout:.0f} s:\n{out}")
+        raise AssertionError(f"{what} on {ranks} ranks did not finish within {timeout:.0f} s:\n{out}")
     if proc.returncode != 0 and not allow_rank_death:
-        raise AssertionError(f"{case} on {ranks} ranks failed (exit {proc.returncode}):\n{out}")
-    skipped = [line.split("SKIPPED: ", 1)[1] for line in out.splitlines() if "] SKIPPED: " in line]
+        raise AssertionError(f"{what} on {ranks} ranks failed (exit {proc.returncode}):\n{out}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0, args: tuple = (),
+             env: dict | None = None, allow_rank_death: bool = False) -> subprocess.CompletedProcess:
+    """One case function of tests/cases on every rank (see run_mpi); a case that skips on a rank skips the test."""
+    run = run_mpi([str(RUNNER), case, *map(str, args)], ranks, backend, timeout, env, allow_rank_death, what=case)
+    skipped = [line.split("SKIPPED: ", 1)[1] for line in run.stdout.splitlines() if "] SKIPPED: " in line]
     if skipped:
         pytest.skip(skipped[0])
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return run
 
 
 @lru_cache(maxsize=1)

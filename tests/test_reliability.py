@@ -4,12 +4,10 @@ from __future__ import annotations
 import os
 import socket
 import stat
-import subprocess
-import sys
 
 import pytest
 
-from tests.mpi_harness import BACKENDS, REPO, env_backend, mpiexec_prefix, ranks_for, run_case
+from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
 CASE = "tests.cases.reliability_cases:"
 
@@ -42,14 +40,9 @@ def test_reliability_cases(case, backend):
 def test_stress_memory_flat(backend):
     ranks = ranks_for(backend)
     calls = "60" if backend == "host" else "2000"
-    cmd = [*mpiexec_prefix(), "-n", str(ranks), sys.executable, str(REPO / "scripts" / "stress.py"),
-           "--calls", calls, "--churn", "20"]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("PYHIPA2A_BACKEND", None)
-    if backend == "host":
-        env["PYHIPA2A_BACKEND"] = "host"
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
-    assert out.returncode == 0 and "stress: PASS" in out.stdout, out.stdout + out.stderr
+    out = run_mpi([str(REPO / "scripts" / "stress.py"), "--calls", calls, "--churn", "20"], ranks,
+                  env_backend(backend), timeout=900)
+    assert "stress: PASS" in out.stdout, out.stdout
     assert "growth per rank (bytes): [" + ", ".join(["0"] * ranks) + "]" in out.stdout, out.stdout
 
 
@@ -76,3 +69,11 @@ def test_files_written_are_not_world_writable(tmp_path):
     mode = os.stat(f"/dev/shm/{name}").st_mode
     backend.free(ptr)
     assert stat.S_IMODE(mode) == 0o600  # heap memory: only its owner may map it
+
+
+def test_failure_line_names_any_exception():
+    """The scripts gather this line from every rank: an exception with no message must not break it
+    (an IndexError there would kill the rank and leave its peers waiting in the gather)."""
+    from pyhipa2a.testing import failure_line
+    assert failure_line(3, AssertionError()) == "rank 3: AssertionError: "
+    assert failure_line(0, ValueError("first\nsecond"), " shape X") == "rank 0 shape X: ValueError: first"
