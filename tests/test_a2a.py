@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
+from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
 SHAPES = json.loads((Path(__file__).resolve().parent.parent / "scripts" / "gpumode_all2all.json").read_text())
 CASE = "tests.cases.a2a_cases:"
@@ -25,6 +25,15 @@ def test_gpumode_test_shapes(shape, backend):
     run_case(CASE + "case_shape", ranks, env_backend(backend),
              args=(shape["num_experts"], shape["experts_per_token"], shape["hidden_dim"],
                    shape["max_num_tokens"], "float16", "random", "random", 2, shape["seed"]))
+
+
+def test_check_script_at_eight_ranks_host():
+    """Users run 8 ranks: scripts/check.py, every gpu-mode test shape at its real world size (8),
+    on the host backend (the same Python stack and protocol; the host twins stand in for the kernels)."""
+    run = run_mpi([str(REPO / "scripts" / "check.py")], 8, "host", timeout=900, what="check.py")
+    rows = [line for line in run.stdout.splitlines() if line.startswith("E=")]
+    assert len(rows) == len(SHAPES["tests"]) and all(" PASS " in r for r in rows), run.stdout
+    assert "check: PASS" in run.stdout, run.stdout
 
 
 # (E per rank, k, H, M, dtype, token counts, routing)
