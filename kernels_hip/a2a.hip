@@ -423,8 +423,10 @@ A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
 // Warp 0's lane r waits for r's header (when `wait`: dispatch, where our own
 // is `my_header`; combine reads every header, ours too, as dispatch left
 // them): one poller per block, not per warp, on the words peers write. Item
-// spaces below are dense over tokens that exist, not over W * M slots: a
-// call with one token per rank costs one item per rank.
+// spaces below are over tokens that exist, not over W * M slots (dense for
+// the reservations; sources times the most tokens of any source for the
+// token-major bulk steps): a call with one token per rank costs one item
+// (or segment) per rank.
 A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, const WarpGrid& g) {
   const u32 me = (u32)x.h.rank, lane = g.lane;
   if (g.warp_in_block == 0) {

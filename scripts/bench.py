@@ -349,7 +349,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
           f"{args.iters} iters ({args.warmup} warm-up)")
     print(f"command ({world} ranks): {command}")
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
-          f"reads from rank r+1: {bw['read_gbps']:.1f} GB/s")
+          f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
     print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median; "
           "push: ranks whose call pushed its tokens (PYHIPA2A_PUSH_MAX_TOKENS), the others staged them")
     launch = next((r["launch"] for r in rows + sweep if "launch" in r), None)
