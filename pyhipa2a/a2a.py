@@ -82,6 +82,7 @@ class AllToAll:
         if self.timeout <= 0:
             raise ValueError("timeout must be positive (seconds)")
         self.push_max_tokens = self._push_limit(push_max_tokens, world_size(comm))
+        self.push_row_words = self._push_row_words()
 
         # A row moves in segments of SEGMENT_LANE_ELEMS per lane of a warp, one warp
         # each; the warp size is not known before the device is, so size the
@@ -132,7 +133,7 @@ class AllToAll:
             ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
             # written by peers when a call pushes: tagged words of tokens, and of contributions
             ("push_tok", (2, world, P, H * self.in_dtype.itemsize // 4), np.uint64),
-            ("push_contrib", (world, P, self._push_row_words()), np.uint64),
+            ("push_contrib", (world, P, self.push_row_words), np.uint64),
             # local
             ("recv_x", (L, world * M, H), self.in_dtype),
             ("recv_meta", (L, world * M, 3), np.int32),
@@ -263,7 +264,7 @@ class AllToAll:
         a.host_status = self._host_status_device
         a.prof = self.profile_buffer.ptr if self.profile_buffer is not None else 0
         a.seg_elems, a.nseg = self.seg_elems, self.nseg
-        a.push_max_tokens, a.push_row_words = self.push_max_tokens, self._push_row_words()
+        a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.timeout_ns = int(self.timeout * 1e9)
 
     # -- calls ------------------------------------------------------------------

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
-SHAPES = json.loads((Path(__file__).resolve().parent.parent / "scripts" / "gpumode_all2all.json").read_text())
+SHAPES = json.loads((REPO / "scripts" / "gpumode_all2all.json").read_text())
 CASE = "tests.cases.a2a_cases:"
 
 

@@ -18,6 +18,11 @@ WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
 PUSHED = 0x80000000  # count header bit: the source pushed its tokens (A2A_PUSHED)
 
 
+def count_header(value: int, max_tokens: int) -> tuple[int, bool]:
+    """A token-count header's value: (tokens, clamped to max_tokens; whether the source pushed)."""
+    return min(value & ~PUSHED, max_tokens), bool(value & PUSHED)
+
+
 class View:
     """This call's geometry and NumPy views of a rank's symmetric buffers."""
 
@@ -82,22 +87,18 @@ def a2a_dispatch(backend, a, c) -> None:
     # 2. every token another rank needs: pushed into its inbox as tagged words, or staged in our
     # own memory (peers pull it) with its flags sent to them
     t0 = time.monotonic_ns()
-    if push:
-        for r in range(W):
-            if r != me:
-                tokens = np.flatnonzero((valid & (indices // L == r)).any(axis=1))
-                if len(tokens):  # (a call of no tokens pushes nothing; its rows need not be whole words)
-                    inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
-                    inbox[tokens] = tag(x[tokens].view(np.uint32), v.epoch)
-    else:
+    needed_by = {r: np.flatnonzero((valid & (indices // L == r)).any(axis=1)) for r in range(W) if r != me}
+    if not push:
         tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
         v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
-        for r in range(W):
-            if r != me:
-                for t in np.flatnonzero((valid & (indices // L == r)).any(axis=1)):
-                    for seg in range(v.S):
-                        backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * v.S + seg),
-                                                  v.epoch)
+    for r, tokens in needed_by.items():
+        if not push:
+            for t in tokens:
+                for seg in range(v.S):
+                    backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * v.S + seg), v.epoch)
+        elif len(tokens):  # (a call of no tokens pushes nothing; its rows need not be whole words)
+            inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
+            inbox[tokens] = tag(x[tokens].view(np.uint32), v.epoch)
     v.rec.record(2, t0, me)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
@@ -112,8 +113,7 @@ def a2a_dispatch(backend, a, c) -> None:
             t0 = time.monotonic_ns()
             n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
                             v.status, WAIT_DISPATCH, src)
-            count = min(int(n[0]) & ~PUSHED, M) if n is not None else 0
-            pushed = n is not None and bool(int(n[0]) & PUSHED)
+            count, pushed = count_header(int(n[0]), M) if n is not None else (0, False)
             hdr = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
                               v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
             if hdr is None:
@@ -124,15 +124,16 @@ def a2a_dispatch(backend, a, c) -> None:
         decoded[src, :count] = rows  # combine reads the routing rows from here
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens, slots = np.nonzero(here)
+        wanted = np.unique(tokens)
         t0 = time.monotonic_ns()
-        needed = (np.unique(tokens)[:, None] * v.S + np.arange(v.S)).ravel()
+        needed = (wanted[:, None] * v.S + np.arange(v.S)).ravel()
         if src != me and pushed:  # the tokens' words in our inbox, once each carries the epoch
             vecs = np.zeros((count, rb), np.uint8)
             arrived = wait_tagged(v.buf(me, "push_tok", (2, W, P, words), np.uint64)[p, src], v.epoch,
-                                  v.deadline, v.status, WAIT_DISPATCH, src, rows=np.unique(tokens))
+                                  v.deadline, v.status, WAIT_DISPATCH, src, rows=wanted)
             if arrived is None:
                 return
-            vecs[np.unique(tokens)] = arrived.view(np.uint8).reshape(-1, rb)
+            vecs[wanted] = arrived.view(np.uint8).reshape(-1, rb)
         elif src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * v.S), needed,
                                           v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
             return
@@ -181,8 +182,7 @@ def _combine(backend, a, c, dtype) -> None:
     for src in range(W):  # 2. one contribution per (peer's token, this rank) for its owner, left in our memory
         if src == me:
             continue  # our own tokens are reduced straight from expert_y
-        header = int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF)
-        count, src_pushed = min(header & ~PUSHED, M), bool(header & PUSHED)
+        count, src_pushed = count_header(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF), M)
         rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens = np.flatnonzero(here.any(axis=1))
@@ -217,7 +217,7 @@ def _combine(backend, a, c, dtype) -> None:
 
     # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their
     # memory, or from our inbox when our dispatch pushed (its header in our own inbox says)
-    pushed = bool(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, me]) & PUSHED)
+    _, pushed = count_header(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, me] & 0xFFFFFFFF), M)
     rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)
     acc = np.zeros((T, H), np.float32)
