@@ -577,6 +577,8 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
     const bool known = g.lane >= x.k || take_tagged(x, &slot_tag[((u64)src * x.M + t) * x.k + g.lane], 1u, 1u,
                                                     slot_word, me, A2A_WAIT_DISPATCH, t);
     if (!warp_all(known, g.lane)) break;
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_SLOT, t1, src | t << 8);
+    A2A_PROF_START(t3);
     const i32 slot = (i32)slot_word[0];
     u32 n = 0;
     for (u32 j = 0; j < x.k; ++j) {
@@ -594,7 +596,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
       u32 v[A2A_LANE_WORDS];
       const bool ok = take_tagged(x, inbox, A2A_WARP_SIZE, count, v, src, A2A_WAIT_DISPATCH, t);
       if (!warp_all(ok, g.lane)) break;
-      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
+      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
       A2A_PROF_START(t2);
       a2a_wave_sync();
       for (u32 d = 0; d < n; ++d) {
@@ -608,7 +610,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
     }
     const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
     if (src != me && !warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) break;
-    if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t1, src | t << 8);
+    if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
     A2A_PROF_START(t2);
     a2a_wave_sync();
     const Segment sg = segment(x, seg, rb, itemsize);
@@ -1066,6 +1068,9 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
   if (a2a_block() == 0) send_weights(x, c, g);
   send_contributions<Fmt>(x, c, g, sc);
+  // A lane may still read sc.slots for the last item it pushed (that path
+  // skips the loop's closing sync) when another lane starts rewriting it.
+  a2a_wave_sync();
   reduce_tokens<Fmt>(x, c, g, sc);
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
 }

@@ -21,6 +21,7 @@
 #define A2A_TAG_COMBINE_WAIT_CONTRIB 11u
 #define A2A_TAG_COMBINE_REDUCE 12u
 #define A2A_TAG_COMBINE_WARP 13u
+#define A2A_TAG_DISPATCH_WAIT_SLOT 14u
 
 struct ProfEvent {
   u64 start, end;  // device clock, ns

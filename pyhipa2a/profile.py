@@ -33,6 +33,7 @@ TAGS = {
     11: ("combine.wait_contrib", "wait"),
     12: ("combine.reduce", "move"),
     13: ("combine.warp", "span"),
+    14: ("dispatch.wait_slot", "wait"),
 }
 KERNEL_OF_SPAN = {7: "dispatch", 13: "combine"}
 
