@@ -106,15 +106,16 @@ class Recorder:
     def __init__(self, buffer_ptr: int):
         self.ptr = int(buffer_ptr)
         if self.ptr:
-            self.header = mem(self.ptr, (4,), np.uint32)
+            from ..profile import EVENT, HEADER_BYTES, events_offset
+            warps, per_warp = (int(v) for v in mem(self.ptr, (4,), np.uint32)[:2])
+            # The host grid is one warp: warp 0's count and its region of events.
+            self.count = mem(self.ptr + HEADER_BYTES, (1,), np.uint32)
+            self.events = mem(self.ptr + events_offset(warps), (per_warp,), EVENT)
 
     def record(self, tag: int, start_ns: int, detail: int = 0) -> None:
         if not self.ptr:
             return
-        from ..profile import EVENT, HEADER_BYTES, events_offset
-        count = mem(self.ptr + HEADER_BYTES, (1,), np.uint32)  # the host grid is one warp: warp 0's region
-        i = int(count[0])
-        count[0] = i + 1
-        if i < self.header[1]:
-            e = mem(self.ptr + events_offset(int(self.header[0])) + i * EVENT.itemsize, (1,), EVENT)
-            e[0] = (start_ns, time.monotonic_ns(), tag, 0, 0, detail)
+        i = int(self.count[0])
+        self.count[0] = i + 1
+        if i < len(self.events):
+            self.events[i] = (start_ns, time.monotonic_ns(), tag, 0, 0, detail)
