@@ -364,13 +364,13 @@ A2A_DEVICE u32 lane_words(u32 first, u32 end) {
 }
 
 // True once the lane's `count` tagged words p[i * stride] carry the call's
-// epoch (their values in v); false on timeout (reported, naming `peer`, what
-// was awaited and `detail`) or when this rank already failed. A word is read
-// whole, so seeing the epoch is seeing the value: no fence, no flag.
+// epoch (their values in v); false on timeout (reported, naming `peer`) or
+// when this rank already failed. A word is read whole, so seeing the epoch
+// is seeing the value: no fence, no flag.
 template <u32 N>
 A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u32 (&v)[N], u32 peer, u32 what,
                             u32 detail) {
-  const bool ok = a2a_poll([&] {
+  for (u32 spins = 1;; ++spins) {
     bool all = true;
     for (u32 i = 0; i < N; ++i) {
       if (i >= count) break;
@@ -378,10 +378,16 @@ A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u
       v[i] = (u32)w;
       all = all && (u32)(w >> 32) == x.epoch;
     }
-    return all;
-  }, x.deadline, x.status);
-  if (!ok) a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, peer, what, detail);
-  return ok;
+    if (all) return true;
+    if ((spins & 63u) == 0) {
+      if (a2a_clock_ns() > x.deadline) {
+        a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, peer, what, detail);
+        return false;
+      }
+      if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
+    }
+    a2a_pause();
+  }
 }
 
 // A pushed call: each segment of each token some peer needs goes straight
@@ -433,9 +439,9 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
         const u64* count = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + lane;
         if (!wait) {
           n = (u32)a2a_load_relaxed_sys_u64(count);  // dispatch saw it arrive
-        } else {
-          u32 v[1];
-          n = take_tagged(x, count, 1u, 1u, v, lane, A2A_WAIT_DISPATCH, x.epoch) ? v[0] : 0u;
+        } else if (!a2a_wait_tagged(count, x.epoch, x.deadline, x.status, n)) {
+          a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, lane, A2A_WAIT_DISPATCH, x.epoch);
+          n = 0;
         }
         if (wait) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, lane);
       }
@@ -516,9 +522,10 @@ A2A_DEVICE bool reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
         e = indices[(u64)t * x.k + g.lane];
       } else {
         A2A_PROF_START(t0);
-        u32 v[1] = {0u};
-        ok = take_tagged(x, &inbox[at + g.lane], 1u, 1u, v, src, A2A_WAIT_DISPATCH, x.epoch);
-        e = (i32)v[0];
+        u32 v = 0;
+        ok = a2a_wait_tagged(&inbox[at + g.lane], x.epoch, x.deadline, x.status, v);
+        if (!ok) a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, src, A2A_WAIT_DISPATCH, x.epoch);
+        e = (i32)v;
         if (g.lane == 0) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, src | t << 8);
       }
       rows[at + g.lane] = e;
@@ -888,10 +895,10 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
       A2A_PROF_START(t0);
       bool ok = true;
       if (g.lane < x.k && (here >> g.lane & 1u)) {
-        u32 bits[1] = {0u};
-        ok = take_tagged(x, &w_in[((u64)src * x.M + t) * x.k + g.lane], 1u, 1u, bits, src, A2A_WAIT_WEIGHTS,
-                         x.epoch);
-        sc.w[g.lane] = __builtin_bit_cast(float, bits[0]);
+        u32 bits = 0;
+        ok = a2a_wait_tagged(&w_in[((u64)src * x.M + t) * x.k + g.lane], x.epoch, x.deadline, x.status, bits);
+        if (!ok) a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, src, A2A_WAIT_WEIGHTS, x.epoch);
+        sc.w[g.lane] = __builtin_bit_cast(float, bits);
       }
       if (warp_any(!ok, g.lane, x.k)) break;
       a2a_wave_sync();
@@ -1061,8 +1068,9 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
   if (a2a_block() == 0) send_weights(x, c, g);
   send_contributions<Fmt>(x, c, g, sc);
-  // A lane may still read sc.slots for the last item it pushed (that path
-  // skips the loop's closing sync) when another lane starts rewriting it.
+  // A lane may still read the warp's scratch (sc.slots, sc.w) for the last
+  // contribution it pushed (that path skips the loop's closing sync) when
+  // another lane starts rewriting it for its first token.
   a2a_wave_sync();
   reduce_tokens<Fmt>(x, c, g, sc);
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);

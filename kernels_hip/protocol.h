@@ -53,27 +53,26 @@ A2A_DEVICE void a2a_report(u32* status, u32* mirror, u32 code, u32 peer, u32 wha
   }
 }
 
-// Every wait: true once ready() holds; false when the deadline passes or this
-// rank already failed (so one timeout does not cost one timeout per waiting
-// block). The clock and the status word are read every 64 tries. Callers
-// report the timeout: a2a_report keeps the first error, so a wait that gave
-// up because another block failed adds nothing.
-template <typename Ready>
-A2A_DEVICE bool a2a_poll(Ready ready, u64 deadline_ns, u32* status) {
-  for (u32 spins = 1;; ++spins) {
-    if (ready()) return true;
-    if ((spins & 63u) == 0) {
-      if (a2a_clock_ns() > deadline_ns) return false;
-      if (a2a_load_relaxed_sys(&status[0]) != A2A_OK) return false;
-    }
-    a2a_pause();
+// Waits call this after each try that found nothing: a short sleep, and
+// every 64th time a look at the clock and at this rank's status. False: give
+// up, the deadline passed or this rank already failed (so one timeout does
+// not cost one timeout per waiting block). (A lambda-taking poll loop cost
+// the AMD build 18-36 more VGPRs per exchange kernel: this stays a plain
+// function the loops call.)
+A2A_DEVICE bool a2a_try_again(u32& tries, u64 deadline_ns, u32* status) {
+  if ((++tries & 63u) == 0) {
+    if (a2a_clock_ns() > deadline_ns) return false;
+    if (a2a_load_relaxed_sys(&status[0]) != A2A_OK) return false;
   }
+  a2a_pause();
+  return true;
 }
 
-// True once *flag == want (acquire); false as a2a_poll says.
+// True once *flag == want (acquire); false when a2a_try_again gives up.
 A2A_DEVICE bool a2a_wait_flag(const u32* flag, u32 want, u64 deadline_ns, u32* status) {
-  return a2a_poll([&] { return a2a_load_relaxed_sys(flag) == want; }, deadline_ns, status) &&
-         a2a_load_acquire_sys(flag) == want;
+  for (u32 tries = 0; a2a_load_relaxed_sys(flag) != want;)
+    if (!a2a_try_again(tries, deadline_ns, status)) return false;
+  return a2a_load_acquire_sys(flag) == want;
 }
 
 // Small messages (routing rows, token counts, weights) travel as tagged
@@ -83,6 +82,19 @@ A2A_DEVICE bool a2a_wait_flag(const u32* flag, u32 want, u64 deadline_ns, u32* s
 // release would wait for every bulk store this thread has in flight, which
 // under load took tens of microseconds.
 A2A_DEVICE u64 a2a_tag(u32 value, u32 epoch) { return (u64)epoch << 32 | value; }
+
+// True once *word carries `epoch` (its value goes to `value`, untouched
+// otherwise); false when a2a_try_again gives up.
+A2A_DEVICE bool a2a_wait_tagged(const u64* word, u32 epoch, u64 deadline_ns, u32* status, u32& value) {
+  for (u32 tries = 0;;) {
+    const u64 w = a2a_load_relaxed_sys_u64(word);
+    if ((u32)(w >> 32) == epoch) {
+      value = (u32)w;
+      return true;
+    }
+    if (!a2a_try_again(tries, deadline_ns, status)) return false;
+  }
+}
 
 // Every block calls this once its writes are issued. Exactly one block (the
 // last to arrive) gets true, and by then it observes all other blocks' writes;
