@@ -4,7 +4,10 @@
 // warp keep recording off any shared counter: one atomic counter for
 // thousands of warps stretched the stages it timed by microseconds. In the normal build the macros are
 // empty, so profiling costs nothing when off. Tags are named in
-// pyhipa2a/profile.py (keep the two in sync).
+// pyhipa2a/profile.py (keep the two in sync). Each event still costs lane 0
+// one atomic on its warp's count (the counts sit side by side in one array),
+// and an event's end is stamped after it: read the timelines for order and
+// overlap, and take durations from scripts/bench.py.
 #pragma once
 #include "portability.h"
 
