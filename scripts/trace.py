@@ -9,7 +9,7 @@ monotonic clock, and writes one Chrome/Perfetto trace (process = rank,
 thread = block). Prints per kernel and rank: time waiting vs moving data
 (summed over warps), the slowest block and the most-waited-for peer.
 Open the file at ui.perfetto.dev or chrome://tracing. Recording costs each
-event an atomic (kernels_hip/profile.h), so the profiling build runs slower
+event an atomic (kernels_hip/profile.h), so the profiling build may run slower
 than the normal one: use it for order and overlap, bench.py for durations.
 """
 from __future__ import annotations
