@@ -93,7 +93,8 @@ def test_200_alternating_calls(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
-                                  "case_config_mismatch", "case_default_push_threshold", "case_bf16_roundtrip_dtype", "case_peer_skips_call",
+                                  "case_config_mismatch", "case_default_push_threshold",
+                                  "case_bf16_roundtrip_dtype", "case_peer_skips_call",
                                   "case_stream_handle_views_cached", "case_graph_replays",
                                   "case_launch_geometry"])
 def test_api(case, backend):

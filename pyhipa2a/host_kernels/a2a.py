@@ -172,6 +172,7 @@ def _combine(backend, a, c, dtype) -> None:
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
 
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
+    headers = v.buf(me, "tok_count", (2, W), np.uint64)[p] & np.uint64(0xFFFFFFFF)  # every count, as dispatch left it
     span = time.monotonic_ns()
     for r in range(W):  # 1. our weights to every peer, as tagged words
         if r != me:
@@ -182,7 +183,7 @@ def _combine(backend, a, c, dtype) -> None:
     for src in range(W):  # 2. one contribution per (peer's token, this rank) for its owner, left in our memory
         if src == me:
             continue  # our own tokens are reduced straight from expert_y
-        count, src_pushed = count_header(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, src] & 0xFFFFFFFF), M)
+        count, src_pushed = count_header(int(headers[src]), M)
         rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens = np.flatnonzero(here.any(axis=1))
@@ -217,7 +218,7 @@ def _combine(backend, a, c, dtype) -> None:
 
     # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their
     # memory, or from our inbox when our dispatch pushed (its header in our own inbox says)
-    _, pushed = count_header(int(v.buf(me, "tok_count", (2, W), np.uint64)[p, me] & 0xFFFFFFFF), M)
+    _, pushed = count_header(int(headers[me]), M)
     rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)
     acc = np.zeros((T, H), np.float32)
