@@ -22,8 +22,10 @@
 //   2. for every peer's token with experts here: one contribution for the
 //      owner, segment by segment: the raw expert row when the token has one
 //      expert here (the owner weights it), else the fp32 sum of w * row over
-//      its experts here; left in our own memory with a flag released into
-//      the owner's memory, or pushed into the owner's inbox;
+//      its experts here (rounded to the output's format when the caller
+//      asked for narrow partials: half the bytes, one more rounding); left
+//      in our own memory with a flag released into the owner's memory, or
+//      pushed into the owner's inbox;
 //   3. every token of ours is reduced as soon as its contributions are in:
 //      our own experts' rows straight from expert_y, each peer's
 //      contribution read from that peer's memory or from our inbox; fp32
@@ -92,7 +94,7 @@ struct A2AArgs {
   u32 nseg;
   u32 push_max_tokens;     // P: a call of at most this many tokens pushes (0: never)
   u32 push_row_words;      // a pushed contribution's row: hidden rounded up to whole segments
-  u32 pad;
+  u32 narrow_partials;     // 1: partial sums cross in the output's 16-bit format, not fp32
   u64 timeout_ns;
 };
 
@@ -778,7 +780,8 @@ A2A_DEVICE bool load_slots(i32* slots, const i32* slot_of, u32 bits, u32 k, u32 
 
 // Elements [e_begin, e_end) of what rank `me` leaves for a token of a peer:
 // its one expert row as is (the owner applies the weight), or the fp32 sum of
-// w * row over its experts. `dst` is the token's contribution slot.
+// w * row over its experts (narrow partials: that sum rounded to the output's
+// 16-bit format, a row like the raw one). `dst` is the token's contribution slot.
 template <typename Fmt>
 A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
                            u8* dst, u32 e_begin, u32 e_end, u32 lane) {
@@ -789,16 +792,27 @@ A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, 
     return;
   }
   float* out = reinterpret_cast<float*>(dst);
+  u16* narrow = x.a.narrow_partials ? reinterpret_cast<u16*>(dst) : nullptr;
   const bool vec = H % 8u == 0 && ((u64)expert_y & 15u) == 0;
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
   for (u32 e0 = e_begin + lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
     float acc[U][8] = {};
     sum_rows<Fmt>(acc, expert_y, slots, here, w, H, e0, e_end);
-    for (u32 u = 0; u < U; ++u)
-      if (e0 + u * STEP < e_end) store8f(out + e0 + u * STEP, acc[u]);
+    for (u32 u = 0; u < U; ++u) {
+      if (e0 + u * STEP >= e_end) continue;
+      if (narrow)
+        store8<Fmt>(narrow + e0 + u * STEP, acc[u]);
+      else
+        store8f(out + e0 + u * STEP, acc[u]);
+    }
   }
-  for (u32 e = e_begin + lane; !vec && e < e_end; e += A2A_WARP_SIZE)
-    out[e] = sum_rows_at<Fmt>(expert_y, slots, here, w, H, e);
+  for (u32 e = e_begin + lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
+    const float sum = sum_rows_at<Fmt>(expert_y, slots, here, w, H, e);
+    if (narrow)
+      narrow[e] = Fmt::store(sum);
+    else
+      out[e] = sum;
+  }
 }
 
 // Where element e of a pushed contribution travels. Lane l sums elements
@@ -827,7 +841,8 @@ A2A_DEVICE vec16 load8(const u16* p, bool vec) {
 
 // contribute() for an owner that pushed its call: the same values, as tagged
 // words stored straight into the owner's inbox `dst` (hidden % 8 == 0 when
-// pushing, so a lane's 8 elements are all in the row).
+// pushing, so a lane's 8 elements are all in the row); 16-bit values two a
+// word (raw rows, narrow partials), fp32 sums one a word.
 template <typename Fmt>
 A2A_DEVICE void push_contribution(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
                                   u64* dst, u32 e_begin, u32 e_end, u32 lane) {
@@ -855,6 +870,14 @@ A2A_DEVICE void push_contribution(const Ctx& x, const u16* expert_y, const i32* 
     }
     for (u32 u = 0; u < U; ++u) {
       if (e0 + u * STEP >= e_end) continue;
+      if (x.a.narrow_partials) {
+        u64* o = dst + pushed_pair_word(e0 + u * STEP);
+        for (u32 q = 0; q < 4; ++q)
+          a2a_store_relaxed_sys_u64(
+              &o[q * A2A_WARP_SIZE],
+              a2a_tag((u32)Fmt::store(acc[u][2 * q]) | (u32)Fmt::store(acc[u][2 * q + 1]) << 16, x.epoch));
+        continue;
+      }
       u64* o = dst + pushed_f32_word(e0 + u * STEP);
       for (u32 i = 0; i < 8; ++i)
         a2a_store_relaxed_sys_u64(&o[i * A2A_WARP_SIZE], a2a_tag(__builtin_bit_cast(u32, acc[u][i]), x.epoch));
@@ -924,15 +947,16 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
 
 // acc[u] += peer r's part of token t in chunk u (the lane's 8 elements from
 // e0 + u * STEP): a raw row times its weight when r hosts one of t's experts
-// (`bits`), else an fp32 partial sum; read from r's memory when pulled, from
-// our inbox when pushed (false: its words never came, reported).
+// (`bits`), else a partial sum (fp32, or a 16-bit row when narrow); read from
+// r's memory when pulled, from our inbox when pushed (false: its words never
+// came, reported). A 16-bit part is `raw` below; a narrow sum's weight is 1.
 template <typename Fmt>
 A2A_DEVICE bool add_peer_part(const Ctx& x, float (&acc)[A2A_CHUNKS][8], u32 r, u32 t, u32 bits, const float* w,
                               u32 e0, u32 e_end, bool pushed) {
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
   const u32 me = (u32)x.h.rank;
-  const bool raw = (bits & (bits - 1u)) == 0;
-  const float wr = raw ? w[lowest_bit(bits)] : 0.f;
+  const bool single = (bits & (bits - 1u)) == 0, raw = single || x.a.narrow_partials;
+  const float wr = single ? w[lowest_bit(bits)] : 1.f;
   if (pushed) {
     const u64* in = sym<u64>(x.h, (int)me, x.a.off_push_contrib) + ((u64)r * x.a.push_max_tokens + t) * x.a.push_row_words;
     for (u32 u = 0; u < U; ++u) {
@@ -972,8 +996,8 @@ template <typename Fmt>
 A2A_DEVICE bool add_peer_part_at(const Ctx& x, float& acc, u32 r, u32 t, u32 bits, const float* w, u32 e,
                                  bool pushed) {
   const u32 me = (u32)x.h.rank;
-  const bool raw = (bits & (bits - 1u)) == 0;
-  const float wr = raw ? w[lowest_bit(bits)] : 0.f;
+  const bool single = (bits & (bits - 1u)) == 0, raw = single || x.a.narrow_partials;
+  const float wr = single ? w[lowest_bit(bits)] : 1.f;
   if (pushed) {
     const u64* in = sym<u64>(x.h, (int)me, x.a.off_push_contrib) + ((u64)r * x.a.push_max_tokens + t) * x.a.push_row_words;
     u32 v[1];

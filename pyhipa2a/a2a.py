@@ -65,13 +65,20 @@ class AllToAll:
                  max_num_tokens: int, in_dtype="float16", out_dtype=None, timeout: float = 10.0,
                  backend=None, device: int | None = None, profile: bool = False,
                  block_threads: int | None = None, grid_blocks: int | None = None,
-                 push_max_tokens: int | None = None):
+                 push_max_tokens: int | None = None, narrow_partials: bool = False):
         self.in_dtype = check_supported(in_dtype, "in_dtype")
         self.out_dtype = check_supported(out_dtype if out_dtype is not None else self.in_dtype, "out_dtype")
         self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
         self.hidden, self.max_tokens = int(hidden_dim), int(max_num_tokens)
         self.timeout = float(timeout)
         self.profiling = bool(profile)
+        # Narrow partials: an expert rank's sum over its experts of a token crosses the link
+        # in the output's 16-bit format instead of fp32 (half of combine's bytes where ranks
+        # host several of a token's experts) at the price of one more rounding per such rank.
+        # Off by default: the contract accumulates in fp32 (DESIGN.md).
+        if not isinstance(narrow_partials, (bool, np.bool_)):
+            raise TypeError(f"narrow_partials must be a bool, not {type(narrow_partials).__name__}")
+        self.narrow_partials = bool(narrow_partials)
         # Launch geometry (tuning knobs; the environment variables let scripts sweep them).
         self._block_threads = block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS))
         self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
@@ -241,7 +248,7 @@ class AllToAll:
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
-                self.out_dtype.name, self.backend.kind, self.push_max_tokens)
+                self.out_dtype.name, self.backend.kind, self.push_max_tokens, self.narrow_partials)
         everyone = self.heap.comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
         if len(set(everyone)) > 1:
             configs = self.heap.comm.allgather(mine)
@@ -249,7 +256,7 @@ class AllToAll:
             raise ConfigMismatchError(
                 f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
                 f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
-                f"max_num_tokens, in_dtype, out_dtype, backend, push_max_tokens)", ranks=differ)
+                f"max_num_tokens, in_dtype, out_dtype, backend, push_max_tokens, narrow_partials)", ranks=differ)
 
     def _fill_args(self, a: A2AArgs) -> None:
         heap, off = self.heap, lambda name: heap.offset_of(self.buf[name].ptr)
@@ -265,6 +272,7 @@ class AllToAll:
         a.prof = self.profile_buffer.ptr if self.profile_buffer is not None else 0
         a.seg_elems, a.nseg = self.seg_elems, self.nseg
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
+        a.narrow_partials = int(self.narrow_partials)
         a.timeout_ns = int(self.timeout * 1e9)
 
     # -- calls ------------------------------------------------------------------

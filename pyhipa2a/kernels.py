@@ -38,7 +38,8 @@ class A2AArgs(ctypes.Structure):
                 ("host_status", u64), ("prof", u64),
                 ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
                 ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("seg_elems", u32), ("nseg", u32),
-                ("push_max_tokens", u32), ("push_row_words", u32), ("pad", u32), ("timeout_ns", u64)]
+                ("push_max_tokens", u32), ("push_row_words", u32), ("narrow_partials", u32),
+                ("timeout_ns", u64)]
 
 
 class DispatchCall(ctypes.Structure):

@@ -62,3 +62,31 @@ def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=No
                 y[t] += float(weights[src][t, j]) * row
         ys.append(y)
     return ys
+
+
+def narrow_partials_slack(xs, indices, weights, num_experts: int, unit_roundoff: float, expert=fake_expert,
+                          ranks=None) -> list[np.ndarray]:
+    """Per rank [T, H]: how far combine may move off the oracle when partial sums cross in the output's
+    16-bit format (AllToAll(narrow_partials=True)) on top of the usual tolerance.
+
+    Each rank r other than the token's owner that hosts two or more of the token's experts rounds
+    its partial sum p_r = sum over those slots of weights * row once: at most unit_roundoff * |p_r|
+    (round to nearest). The owner's own experts and single rows (sent raw) are not rounded."""
+    world = len(xs)
+    L = num_experts // world
+    out = []
+    for src in range(world):
+        if ranks is not None and src not in ranks:
+            out.append(None)
+            continue
+        T, k = indices[src].shape
+        slack = np.zeros((T, xs[src].shape[1]), np.float64)
+        for t in range(T):
+            for r in range(world):
+                slots = [j for j in range(k) if int(indices[src][t, j]) // L == r]
+                if r == src or len(slots) < 2:
+                    continue
+                part = sum(float(weights[src][t, j]) * expert(xs[src][t], r).astype(np.float64) for j in slots)
+                slack[t] += unit_roundoff * np.abs(part)
+        out.append(slack)
+    return out

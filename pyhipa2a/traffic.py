@@ -4,8 +4,9 @@ Mirrors kernels_hip/a2a.hip: dispatch sends every peer a header (routing rows
 and the count), and each token crosses once to every other rank hosting one
 of its experts (that rank pulls it); combine sends every peer the weights,
 and one contribution per (token, expert rank) crosses back to the owner (it
-pulls it): the raw row when that rank hosts one of the token's experts, an
-fp32 partial sum when it hosts several. A rank whose call has at most
+pulls it): the raw row when that rank hosts one of the token's experts, a
+partial sum when it hosts several (fp32, or the output's format with
+narrow partials). A rank whose call has at most
 `push_max_tokens` tokens pushes instead: its tokens, and the contributions
 to them, cross as tagged words (4 bytes of data in 8). Flags (4 bytes per segment) are not counted. Used by
 scripts/bench.py for link bandwidth and speed of light.
@@ -18,10 +19,12 @@ TAGGED = 8  # bytes of one tagged word (value and epoch), how headers and weight
 
 
 def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_itemsize: int = 2,
-               out_itemsize: int = 2, push_max_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+               out_itemsize: int = 2, push_max_tokens: int = 0,
+               narrow_partials: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(dispatch, combine): bytes each rank sends to other ranks."""
     world = len(indices)
     per_rank = num_experts // world
+    partial_itemsize = out_itemsize if narrow_partials else 4
     dispatch, combine = np.zeros(world), np.zeros(world)
     for src, idx in enumerate(indices):
         T, k = idx.shape
@@ -35,5 +38,5 @@ def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_item
                 continue
             n = (ranks == r).sum(axis=1)                  # experts of each token on rank r
             dispatch[src] += widen * np.count_nonzero(n) * hidden * in_itemsize
-            combine[r] += widen * (np.count_nonzero(n == 1) * out_itemsize + np.count_nonzero(n > 1) * 4) * hidden
+            combine[r] += widen * (np.count_nonzero(n == 1) * out_itemsize + np.count_nonzero(n > 1) * partial_itemsize) * hidden
     return dispatch, combine

@@ -11,6 +11,8 @@ eager calls (three launches) stand beside them. Link bytes and the speed of ligh
 from the routing and a measured peer-store bandwidth (peer reads are measured too). `--sweep` times tokens
 per rank 1..256 at E=256 k=8 H=7168 M=256 instead of the default shapes
 (add --shape to get both). Device times: median per rank, max over ranks.
+`--narrow-partials` runs AllToAll(narrow_partials=True): partial sums cross
+in fp16 instead of fp32 (half of combine's partial-sum bytes, one more rounding).
 """
 from __future__ import annotations
 
@@ -210,10 +212,10 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
         b.event_destroy(ev)
     free_inputs(a2a, arrays)  # every rank frees in the same order; device_times/wall_time ended synchronized
     sizes = (inputs.indices, a2a.num_experts, a2a.hidden, a2a.in_dtype.itemsize, a2a.out_dtype.itemsize)
-    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens)
+    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens, narrow_partials=a2a.narrow_partials)
     total = float(dispatch.sum() + combine.sum())
     # The speed of light moves the data alone: a pushed call's tags are our overhead, not its floor.
-    data = sum(link_bytes(*sizes, push_max_tokens=0))
+    data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.narrow_partials))
     sol = float(data.max()) / (bw["gbps"] * 1e9) * 1e6
     r.update(ok=True, link_bytes=total, gbps=total / (r["e2e"] * 1e-6) / 1e9,
              sol=sol, ratio=r["e2e"] / sol if sol > 0 else None)
@@ -221,9 +223,10 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
 
 
 # -- the two runs -----------------------------------------------------------------------
-def make_a2a(comm, backend, s: dict) -> AllToAll:
+def make_a2a(comm, backend, s: dict, args) -> AllToAll:
     keys = ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens")
-    return AllToAll(comm, **{k: s[k] for k in keys}, timeout=10.0, backend=backend)
+    return AllToAll(comm, **{k: s[k] for k in keys}, timeout=10.0, backend=backend,
+                    narrow_partials=args.narrow_partials)
 
 
 def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
@@ -237,7 +240,7 @@ def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
                             s["max_num_tokens"])
         result = None
         try:
-            with make_a2a(comm, backend, s) as a2a:
+            with make_a2a(comm, backend, s, args) as a2a:
                 result = measure(comm, a2a, inputs, args, bw, flush_ptr)
         except Exception:
             if result is None or result["ok"]:
@@ -253,7 +256,7 @@ def run_sweep(comm, backend, args, bw) -> list[dict]:
          "max_num_tokens": max(SWEEP_TOKENS), "seed": args.seed if args.seed is not None else 1234}
     rows = []
     try:
-        with make_a2a(comm, backend, s) as a2a:
+        with make_a2a(comm, backend, s, args) as a2a:
             for T in SWEEP_TOKENS:
                 inputs = draw_world(s["seed"] + T, world, s["num_experts"], 8, s["hidden_dim"],
                                     s["max_num_tokens"], token_counts=[T] * world)
@@ -345,8 +348,9 @@ def plot(path: str, shapes, sweep) -> None:
 def report(args, backend, bw: dict, rows, sweep) -> None:
     world = MPI.COMM_WORLD.Get_size()
     command = shlex.join(["python", *sys.argv])
+    partials = "fp16 (--narrow-partials)" if args.narrow_partials else "fp32"
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
-          f"{args.iters} iters ({args.warmup} warm-up)")
+          f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}")
     print(f"command ({world} ranks): {command}")
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
           f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
@@ -364,6 +368,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
         machine = {"backend": backend.kind, "device": bw["device"], "world_size": world}
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
+                       "narrow_partials": args.narrow_partials,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
     if args.plot:
@@ -392,6 +397,8 @@ def main() -> int:
     p.add_argument("--sweep-hidden", type=int, default=7168, help="H of the sweep (smaller for slow backends)")
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--plot", help="write a PNG (needs matplotlib)")
+    p.add_argument("--narrow-partials", action="store_true",
+                   help="AllToAll(narrow_partials=True): partial sums cross in fp16, not fp32")
     args = p.parse_args()
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")

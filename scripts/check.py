@@ -30,13 +30,14 @@ def load_shapes(which: str) -> list[dict]:
         return json.load(f)[which]
 
 
-def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float) -> tuple[bool, float, str]:
+def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float,
+                narrow_partials: bool = False) -> tuple[bool, float, str]:
     """(ok on this rank, largest combine error, message)."""
     world = comm.Get_size()
     try:
         with AllToAll(comm, num_experts=s["num_experts"], experts_per_token=s["experts_per_token"],
                       hidden_dim=s["hidden_dim"], max_num_tokens=s["max_num_tokens"], in_dtype=dtype,
-                      timeout=timeout) as a2a:
+                      timeout=timeout, narrow_partials=narrow_partials) as a2a:
             worst = 0.0
             for r in range(rounds):
                 inputs = draw_world(s["seed"] + 7919 * r, world, s["num_experts"], s["experts_per_token"],
@@ -55,6 +56,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="fresh random inputs per shape")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--narrow-partials", action="store_true",
+                   help="AllToAll(narrow_partials=True): partial sums cross in the output dtype")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     world, rank = comm.Get_size(), comm.Get_rank()
@@ -64,7 +67,7 @@ def main() -> int:
         if s["num_experts"] % world:
             rows.append((name, "SKIP", "", f"{s['num_experts']} experts do not divide over {world} ranks"))
             continue
-        ok, err, msg = check_shape(comm, s, args.rounds, args.dtype, args.timeout)
+        ok, err, msg = check_shape(comm, s, args.rounds, args.dtype, args.timeout, args.narrow_partials)
         ok = comm.allreduce(ok, op=MPI.LAND)
         worst = comm.allreduce(err if err == err else float("inf"), op=MPI.MAX)
         msgs = [m for m in comm.allgather(msg) if m]
@@ -72,7 +75,8 @@ def main() -> int:
         rows.append((name, "PASS" if ok else "FAIL", f"{worst:.3g}" if ok else "", "; ".join(msgs)))
     if rank == 0:
         print(f"pyhipa2a check: {world} ranks, {args.dtype}, {args.rounds} rounds per shape, "
-              f"allclose(rtol={GPU_MODE_TOLERANCE[0]}, atol={GPU_MODE_TOLERANCE[1]})")
+              f"allclose(rtol={GPU_MODE_TOLERANCE[0]}, atol={GPU_MODE_TOLERANCE[1]})"
+              + (", narrow partials" if args.narrow_partials else ""))
         print(f"{'shape':<34} {'result':<6} {'max err':<9} note")
         for name, verdict, err, note in rows:
             print(f"{name:<34} {verdict:<6} {err:<9} {note}")

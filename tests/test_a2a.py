@@ -87,6 +87,16 @@ def test_misaligned_device_arrays(mode, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
+@pytest.mark.parametrize("H,dtype", [(1024, "float16"), (1000, "bfloat16"), (1001, "float16")])
+def test_narrow_partials(mode, H, dtype, backend):
+    """Partial sums in the output's format: pulled, pushed and mixed calls; H=1001 takes the
+    element-wise paths (and never pushes: pushed rows are whole 8-element chunks)."""
+    run_case(CASE + "case_narrow_partials", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_200_alternating_calls(backend):
     run_case(CASE + "case_alternating", ranks_for(backend), env_backend(backend), args=(200,), timeout=900)
 

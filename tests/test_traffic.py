@@ -31,3 +31,16 @@ def test_pushed_calls_double_their_data():
     assert dispatch[1] == (1 * 2 + 1) * 8 + 2 * (1 * 8 * 2)        # pushed: its token doubled
     assert combine[0] == 3 * 2 * 8 + 2 * (1 * 8 * 2)               # rank 0's raw row for rank 1's token
     assert combine[1] == 1 * 2 * 8 + 8 * 2 + 8 * 4                 # for rank 0's staged tokens, as above
+
+
+def test_narrow_partials_halve_the_partial_sums():
+    # The same routing and calls as the first test. A rank hosting several of a token's experts
+    # sends its partial sum in the output's format (2 bytes an element here), not fp32; raw rows,
+    # headers and weights are unchanged.
+    idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)
+    idx1 = np.array([[1, 3]], np.int32)
+    wide = link_bytes([idx0, idx1], num_experts=4, hidden=8)
+    dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, narrow_partials=True)
+    assert np.array_equal(dispatch, wide[0])
+    assert combine[0] == wide[1][0]                                # rank 0 returns a raw row only
+    assert combine[1] == 1 * 2 * 8 + 8 * 2 + 8 * 2                 # token 2's partial: 8 elements x 2 bytes

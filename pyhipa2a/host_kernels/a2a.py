@@ -167,6 +167,7 @@ def _combine(backend, a, c, dtype) -> None:
     v = View(a, take_epoch(a, dispatch=False))
     W, M, k, L, me, p, H = v.W, v.M, v.k, v.L, v.me, v.parity, a.hidden
     T, P = c.num_tokens, a.push_max_tokens
+    narrow = bool(a.narrow_partials)  # partial sums travel in the output's 16-bit format
     weights = mem(c.weights, (T, k), np.float32)
     expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
@@ -207,6 +208,8 @@ def _combine(backend, a, c, dtype) -> None:
                 part = np.zeros(H, np.float32)
                 for j in js:
                     part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
+                if narrow:
+                    part = part.astype(dtype)
             if src_pushed:  # straight into the owner's inbox as tagged words, no flag
                 bits = part.view(np.uint32)
                 inbox[t, :len(bits)] = tag(bits, v.epoch)
@@ -236,7 +239,7 @@ def _combine(backend, a, c, dtype) -> None:
         t0 = time.monotonic_ns()
         if pushed:  # rank r's contributions to our tokens, as tagged words in our inbox
             theirs = np.zeros((M, 4 * H), np.uint8)
-            for width, pick in ((H // 2, tokens[n[tokens] == 1]), (H, tokens[n[tokens] > 1])):
+            for width, pick in ((H // 2, tokens[n[tokens] == 1]), (H // 2 if narrow else H, tokens[n[tokens] > 1])):
                 ours = v.buf(me, "push_contrib", (W, P, a.push_row_words), np.uint64)[r, :, :width]
                 arrived = wait_tagged(ours, v.epoch, v.deadline, v.status, WAIT_COMBINE_ROW, r, rows=pick)
                 if arrived is None:
@@ -255,7 +258,9 @@ def _combine(backend, a, c, dtype) -> None:
             j = here[single].argmax(axis=1)
             raw = theirs[single, :2 * H].copy().view(dtype).astype(np.float32)
             acc[single] += weights[single, j][:, None] * raw
-        if len(multi):
+        if len(multi) and narrow:
+            acc[multi] += theirs[multi, :2 * H].copy().view(dtype).astype(np.float32)
+        elif len(multi):
             acc[multi] += theirs[multi].copy().view(np.float32)
         v.rec.record(12, t0, me)
     mem(c.out, (T, H), dtype)[:] = acc.astype(dtype)

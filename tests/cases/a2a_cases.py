@@ -44,6 +44,37 @@ def case_shape(comm, E, k, H, M, dtype="float16", counts="random", routing="rand
             print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
 
 
+def case_narrow_partials(comm, H, dtype="float16", rounds="2"):
+    """narrow_partials=True against the oracle, within the tolerance widened by one rounding of each
+    partial sum (reference.narrow_partials_slack); and against narrow_partials=False on the same
+    inputs: the results must differ somewhere in the world, or the option did not reach the kernels.
+    The transfer mode (pull, push, mixed) comes from PYHIPA2A_PUSH_MAX_TOKENS."""
+    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
+    H, rounds = int(H), int(rounds)
+    world = comm.Get_size()
+    E, k, M = 4 * world, 4, 32  # top-4 of 4 experts a rank: most tokens have 2+ experts on some peer
+    shape = dict(num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype=dtype)
+    with AllToAll(comm, narrow_partials=True, **shape) as narrow, AllToAll(comm, **shape) as wide:
+        me, differing = narrow.rank, 0
+        for i in range(rounds):
+            rng = np.random.default_rng(500 + i)
+            inputs = draw_world(500 + i, world, E, k, H, M, dtype, token_counts("staggered", world, M, rng))
+            ys = []
+            for a2a in (narrow, wide):
+                poison(a2a)
+                d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+                y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
+                a2a.synchronize()
+                check_dispatch_against_oracle(a2a, inputs, d)
+                err = combine_error_against_oracle(a2a, inputs, y)
+                ys.append(y.numpy().copy())
+                print(f"rank {me} round {i}: narrow={a2a.narrow_partials} T={len(inputs.xs[me])} "
+                      f"pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} max err {err:.3g}")
+            differing += int(np.count_nonzero(ys[0] != ys[1]))
+        total = comm.allreduce(differing)
+        assert world == 1 or total > 0, "narrow and fp32 partials gave identical results everywhere"
+
+
 def case_alternating(comm, calls="200"):
     """Two AllToAll objects of different shapes used alternately, token counts changing every call."""
     world = comm.Get_size()
@@ -238,6 +269,8 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=2, experts_per_token=3, hidden_dim=8, max_num_tokens=4)
     with pytest.raises(ValueError, match="push_max_tokens=-1 must be >= 0"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, push_max_tokens=-1)
+    with pytest.raises(TypeError, match="narrow_partials must be a bool, not str"):
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, narrow_partials="no")
 
 
 def case_default_push_threshold(comm):
