@@ -30,6 +30,8 @@ def configs(world: int) -> list[dict]:
         dict(num_experts=2 * world, experts_per_token=2, hidden_dim=128, max_num_tokens=16, in_dtype="float16"),
         dict(num_experts=8 * world, experts_per_token=4, hidden_dim=1000, max_num_tokens=32, in_dtype="float16"),
         dict(num_experts=4 * world, experts_per_token=3, hidden_dim=264, max_num_tokens=8, in_dtype="bfloat16"),
+        dict(num_experts=8 * world, experts_per_token=8, hidden_dim=1024, max_num_tokens=32, in_dtype="float16",
+             narrow_partials=True),  # partial sums in the output's format, checked with their extra rounding
     ]
 
 
