@@ -42,17 +42,18 @@ def fake_expert(x_row: np.ndarray, expert_rank: int) -> np.ndarray:
     return (x_row.astype(np.float32) * np.float32(1 + expert_rank)).astype(x_row.dtype)
 
 
+def for_sources(count: int, ranks, per_source) -> list:
+    """[per_source(src) for every source rank], None for those outside `ranks` (None: all of them)."""
+    return [per_source(src) if ranks is None or src in ranks else None for src in range(count)]
+
+
 def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=None) -> list[np.ndarray]:
     """Expected y per rank in float64, given `expert(x_row, expert_rank) -> y_row`.
 
     `ranks` limits the work to those source ranks (the others get None)."""
-    world = len(xs)
-    L = num_experts // world
-    ys = []
-    for src in range(world):
-        if ranks is not None and src not in ranks:
-            ys.append(None)
-            continue
+    L = num_experts // len(xs)
+
+    def y_of(src):
         T, k = indices[src].shape
         y = np.zeros((T, xs[src].shape[1]), np.float64)
         for t in range(T):
@@ -60,8 +61,9 @@ def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=No
                 expert_rank = int(indices[src][t, j]) // L
                 row = expert(xs[src][t], expert_rank).astype(np.float64)
                 y[t] += float(weights[src][t, j]) * row
-        ys.append(y)
-    return ys
+        return y
+
+    return for_sources(len(xs), ranks, y_of)
 
 
 def narrow_partials_slack(xs, indices, weights, num_experts: int, unit_roundoff: float, expert=fake_expert,
@@ -74,11 +76,8 @@ def narrow_partials_slack(xs, indices, weights, num_experts: int, unit_roundoff:
     (round to nearest). The owner's own experts and single rows (sent raw) are not rounded."""
     world = len(xs)
     L = num_experts // world
-    out = []
-    for src in range(world):
-        if ranks is not None and src not in ranks:
-            out.append(None)
-            continue
+
+    def slack_of(src):
         T, k = indices[src].shape
         slack = np.zeros((T, xs[src].shape[1]), np.float64)
         for t in range(T):
@@ -88,5 +87,6 @@ def narrow_partials_slack(xs, indices, weights, num_experts: int, unit_roundoff:
                     continue
                 part = sum(float(weights[src][t, j]) * expert(xs[src][t], r).astype(np.float64) for j in slots)
                 slack[t] += unit_roundoff * np.abs(part)
-        out.append(slack)
-    return out
+        return slack
+
+    return for_sources(world, ranks, slack_of)
