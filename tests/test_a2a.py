@@ -81,9 +81,10 @@ def test_transfer_modes(mode, H, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_misaligned_device_arrays(mode, backend):
+@pytest.mark.parametrize("narrow", ["0", "1"])
+def test_misaligned_device_arrays(mode, narrow, backend):
     run_case(CASE + "case_misaligned_device_arrays", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]})
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(narrow,))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

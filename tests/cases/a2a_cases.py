@@ -135,14 +135,15 @@ def case_stream_handle_views_cached(comm):
         assert len(a2a._output_views) == 1, len(a2a._output_views)
 
 
-def case_misaligned_device_arrays(comm):
+def case_misaligned_device_arrays(comm, narrow="0"):
     """expert_y and out 2 bytes off 16-byte alignment (contributions and the reduction take their
-    element-wise paths, pushed or pulled), and x too in round 0 (a call that would push words
-    stages instead); results still match the oracle."""
+    element-wise paths, pushed or pulled; with narrow="1" their narrow-partials branches), and x too
+    in round 0 (a call that would push words stages instead); results still match the oracle."""
     from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
     world = comm.Get_size()
     E, k, H, M = 4 * world, 3, 512, 8
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  narrow_partials=narrow == "1") as a2a:
         me, L, cap = a2a.rank, a2a.local_experts, a2a.capacity
         sizes = [M * H * 2, L * cap * H * 2, M * H * 2]  # x, expert_y, out: each 2 bytes into its own 64-byte slot
         starts = np.cumsum([0] + [n + 64 for n in sizes])
