@@ -75,7 +75,7 @@ class AllToAll:
         # Narrow partials: an expert rank's sum over its experts of a token crosses the link
         # in the output's 16-bit format instead of fp32 (half of combine's bytes where ranks
         # host several of a token's experts) at the price of one more rounding per such rank.
-        # Off by default: the contract accumulates in fp32 (DESIGN.md).
+        # Off by default: the dispatch/combine contract accumulates in fp32.
         if not isinstance(narrow_partials, (bool, np.bool_)):
             raise TypeError(f"narrow_partials must be a bool, not {type(narrow_partials).__name__}")
         self.narrow_partials = bool(narrow_partials)
@@ -137,7 +137,7 @@ class AllToAll:
             ("contrib_flag", (world, M, S), np.uint32),
             # read by peers (they pull): staged tokens by parity, contributions by owner
             ("stage", (2, M, H), self.in_dtype),
-            ("contrib", (world, M, 4 * H), np.uint8),   # fp32 partial sums, or one raw row
+            ("contrib", (world, M, 4 * H), np.uint8),   # a partial sum (fp32, or 16-bit if narrow), or one raw row
             # written by peers when a call pushes: tagged words of tokens, and of contributions
             ("push_tok", (2, world, P, H * self.in_dtype.itemsize // 4), np.uint64),
             ("push_contrib", (world, P, self.push_row_words), np.uint64),

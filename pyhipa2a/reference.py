@@ -2,7 +2,7 @@
 
 It takes every rank's inputs and returns every rank's expected outputs. It is
 written to be obviously correct, not fast: plain loops over ranks, tokens and
-slots, exactly as DESIGN.md states the contract.
+slots, exactly as the contract below states it.
 
     expert e lives on rank e // L, as local expert e % L   (L = E / W)
     dispatch: rank r's local expert l receives x[s][t] for every (s, t, j)
@@ -47,20 +47,43 @@ def for_sources(count: int, ranks, per_source) -> list:
     return [per_source(src) if ranks is None or src in ranks else None for src in range(count)]
 
 
-def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=None) -> list[np.ndarray]:
-    """Expected y per rank in float64, given `expert(x_row, expert_rank) -> y_row`.
+def parts_by_rank(xs, indices, weights, num_experts: int, src: int, t: int, expert=fake_expert):
+    """Token t of rank src, split by the rank that hosts its experts: (rank, slots there, their weighted
+    sum in float64) for every rank hosting at least one of them, the token's owner included."""
+    world = len(xs)
+    L = num_experts // world
+    out = []
+    for r in range(world):
+        slots = [j for j in range(indices[src].shape[1]) if int(indices[src][t, j]) // L == r]
+        if slots:
+            row = expert(xs[src][t], r).astype(np.float64)
+            out.append((r, slots, sum(float(weights[src][t, j]) * row for j in slots)))
+    return out
 
-    `ranks` limits the work to those source ranks (the others get None)."""
-    L = num_experts // len(xs)
 
+def crosses_narrow(src: int, r: int, slots) -> bool:
+    """With AllToAll(narrow_partials=True), does rank r's part of a token of rank src cross rounded to
+    the output's 16-bit format? Only a partial sum of two or more experts does, and only from a peer:
+    the owner keeps its own part in fp32, and a single row is sent raw (it already is 16-bit)."""
+    return r != src and len(slots) >= 2
+
+
+def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=None,
+            partials_dtype=None) -> list[np.ndarray]:
+    """Expected y per rank in float64 (round it to the output dtype once), given
+    `expert(x_row, expert_rank) -> y_row`.
+
+    `partials_dtype`: the contract of AllToAll(narrow_partials=True), where each partial sum that
+    crosses narrow (see crosses_narrow) is rounded to this dtype on its way. `ranks` limits the work
+    to those source ranks (the others get None)."""
     def y_of(src):
-        T, k = indices[src].shape
-        y = np.zeros((T, xs[src].shape[1]), np.float64)
+        T, H = indices[src].shape[0], xs[src].shape[1]
+        y = np.zeros((T, H), np.float64)
         for t in range(T):
-            for j in range(k):
-                expert_rank = int(indices[src][t, j]) // L
-                row = expert(xs[src][t], expert_rank).astype(np.float64)
-                y[t] += float(weights[src][t, j]) * row
+            for r, slots, part in parts_by_rank(xs, indices, weights, num_experts, src, t, expert):
+                if partials_dtype is not None and crosses_narrow(src, r, slots):
+                    part = part.astype(partials_dtype).astype(np.float64)
+                y[t] += part
         return y
 
     return for_sources(len(xs), ranks, y_of)
@@ -71,22 +94,16 @@ def narrow_partials_slack(xs, indices, weights, num_experts: int, unit_roundoff:
     """Per rank [T, H]: how far combine may move off the oracle when partial sums cross in the output's
     16-bit format (AllToAll(narrow_partials=True)) on top of the usual tolerance.
 
-    Each rank r other than the token's owner that hosts two or more of the token's experts rounds
-    its partial sum p_r = sum over those slots of weights * row once: at most unit_roundoff * |p_r|
-    (round to nearest). The owner's own experts and single rows (sent raw) are not rounded."""
-    world = len(xs)
-    L = num_experts // world
-
+    Each partial sum p_r that crosses narrow (see crosses_narrow) is rounded once: at most
+    unit_roundoff * |p_r| (round to nearest). This bounds |combine(partials_dtype=...) - combine()|
+    element by element."""
     def slack_of(src):
-        T, k = indices[src].shape
-        slack = np.zeros((T, xs[src].shape[1]), np.float64)
+        T, H = indices[src].shape[0], xs[src].shape[1]
+        slack = np.zeros((T, H), np.float64)
         for t in range(T):
-            for r in range(world):
-                slots = [j for j in range(k) if int(indices[src][t, j]) // L == r]
-                if r == src or len(slots) < 2:
-                    continue
-                part = sum(float(weights[src][t, j]) * expert(xs[src][t], r).astype(np.float64) for j in slots)
-                slack[t] += unit_roundoff * np.abs(part)
+            for r, slots, part in parts_by_rank(xs, indices, weights, num_experts, src, t, expert):
+                if crosses_narrow(src, r, slots):
+                    slack[t] += unit_roundoff * np.abs(part)
         return slack
 
-    return for_sources(world, ranks, slack_of)
+    return for_sources(len(xs), ranks, slack_of)

@@ -43,18 +43,31 @@ def draw_routing(rng, T: int, k: int, E: int, routing: str = "random") -> np.nda
 
 
 def draw_world(seed: int, world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
-               dtype="float16", token_counts=None, routing: str = "random") -> WorldInputs:
-    """gpu-mode's recipe: T_r drawn in [1, M) unless given, x ~ N(0, 1), weights ~ U[0, 1)."""
+               dtype="float16", token_counts=None, routing: str = "random", exact: bool = False) -> WorldInputs:
+    """gpu-mode's recipe: T_r drawn in [1, M) unless given, x ~ N(0, 1), weights ~ U[0, 1).
+
+    exact=True draws values on a coarse grid instead, so that every fp32 product and sum in combine is
+    exact (at most 20 significant bits, for up to 8 ranks and top-8): x = n/64 with |n| < 2^(p-1) for
+    the dtype's p significant bits, weights = m/16 with |m| <= 16, signed so that parts cancel. The
+    fake expert's x * (1 + rank) stays on the 1/64 grid below 2^7. Then the only roundings are the
+    ones the contract names, and combine's result can be compared bit for bit."""
     rng = np.random.default_rng(seed)
     dtype = resolve(dtype)
+    if exact and (world > 8 or top_k > 8):
+        raise ValueError("exact inputs keep fp32 sums exact for at most 8 ranks and top-8")
     if token_counts is None:
         token_counts = rng.integers(1, max(max_tokens, 2), size=world)
+    half_range = int(0.5 / UNIT_ROUNDOFF[dtype.name])  # 2^(p-1) (u = 2^-p): every |n| below it is exact
     xs, indices, weights = [], [], []
     for r in range(world):
         T = int(token_counts[r])
-        xs.append(rng.standard_normal((T, hidden), dtype=np.float32).astype(dtype))
+        if exact:
+            xs.append((rng.integers(-half_range + 1, half_range, (T, hidden)) / 64.0).astype(dtype))
+            weights.append((rng.integers(-16, 17, (T, top_k)) / 16.0).astype(np.float32))
+        else:
+            xs.append(rng.standard_normal((T, hidden), dtype=np.float32).astype(dtype))
+            weights.append(rng.random((T, top_k), dtype=np.float32))
         indices.append(draw_routing(rng, T, top_k, num_experts, routing))
-        weights.append(rng.random((T, top_k), dtype=np.float32))
     return WorldInputs(xs, indices, weights)
 
 
@@ -138,6 +151,31 @@ def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None) ->
         slack = reference.narrow_partials_slack(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts,
                                                 UNIT_ROUNDOFF[a2a.out_dtype.name], ranks=[rank])[rank]
     return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance, slack)
+
+
+def check_combine_exact(a2a, inputs: WorldInputs, y) -> int:
+    """For inputs drawn with exact=True: this rank's combine output `y` must equal the oracle of a2a's
+    partials mode (fp32, or narrow_partials) rounded once to the output dtype, value for value; any
+    other rounding (of the owner's own part, toward zero, twice) shows. Returns how many of this
+    rank's elements the two modes' oracles give differently: 0 means these inputs cannot tell a
+    narrow call from an fp32 one here."""
+    rank, dtype = a2a.rank, a2a.out_dtype
+
+    def oracle(partials_dtype):
+        return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, ranks=[rank],
+                                 partials_dtype=partials_dtype)[rank].astype(dtype)
+
+    wide, narrow = oracle(None), oracle(dtype)
+    want, got = (narrow if a2a.narrow_partials else wide), y.numpy()
+    if got.shape != want.shape:
+        raise AssertionError(f"rank {rank}: combine output shape {got.shape} != expected {want.shape}")
+    same = got.astype(np.float64) == want.astype(np.float64)  # the NaN poison is never equal
+    if not same.all():
+        at = tuple(np.argwhere(~same)[0])
+        raise AssertionError(f"rank {rank}: combine at {at} is {got[at]}, the exact oracle says {want[at]} "
+                             f"(narrow_partials={a2a.narrow_partials}; with fp32 partials it would be "
+                             f"{wide[at]}, with narrow ones {narrow[at]})")
+    return int(np.count_nonzero(wide.astype(np.float64) != narrow.astype(np.float64)))
 
 
 def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None) -> float:

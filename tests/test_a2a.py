@@ -87,14 +87,20 @@ def test_misaligned_device_arrays(mode, narrow, backend):
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(narrow,))
 
 
+# (mode, H, dtype, values) for the narrow-partials tests: whole chunks in every transfer mode, on exact
+# inputs (compared value for value) and on gpu-mode's; H=1001 takes the element-wise paths, and never
+# pushes (pushed rows are whole 8-element chunks), so it runs pulled only.
+NARROW_CASES = ([(m, 1024, "float16", v) for m in sorted(TRANSFER_MODES) for v in ("exact", "normal")]
+                + [(m, 1000, "bfloat16", v) for m in sorted(TRANSFER_MODES) for v in ("exact", "normal")]
+                + [("pull", 1001, dt, "exact") for dt in ("float16", "bfloat16")])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
-@pytest.mark.parametrize("H,dtype", [(1024, "float16"), (1000, "bfloat16"), (1001, "float16")])
-def test_narrow_partials(mode, H, dtype, backend):
-    """Partial sums in the output's format: pulled, pushed and mixed calls; H=1001 takes the
-    element-wise paths (and never pushes: pushed rows are whole 8-element chunks)."""
+@pytest.mark.parametrize("mode,H,dtype,values", NARROW_CASES)
+def test_narrow_partials(mode, H, dtype, values, backend):
+    """Partial sums in the output's format, against the oracle of that contract."""
     run_case(CASE + "case_narrow_partials", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype))
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

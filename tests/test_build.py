@@ -1,4 +1,4 @@
-"""Ahead-of-time build: AMD code objects carry the memory-ordering instructions DESIGN.md requires."""
+"""Ahead-of-time build: AMD code objects carry the memory-ordering instructions the protocol relies on."""
 from __future__ import annotations
 
 import re

@@ -44,3 +44,13 @@ def test_narrow_partials_halve_the_partial_sums():
     assert np.array_equal(dispatch, wide[0])
     assert combine[0] == wide[1][0]                                # rank 0 returns a raw row only
     assert combine[1] == 1 * 2 * 8 + 8 * 2 + 8 * 2                 # token 2's partial: 8 elements x 2 bytes
+
+
+def test_pushed_narrow_partials():
+    # Rank 1's one token has both its experts on rank 0 and rank 1 pushes (push_max_tokens=1): rank 0's
+    # partial sum for it crosses as tagged words, 8 elements of 4 bytes (fp32) or 2 (narrow), doubled.
+    idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)
+    idx1 = np.array([[0, 1]], np.int32)
+    for narrow, itemsize in ((False, 4), (True, 2)):
+        _, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, push_max_tokens=1, narrow_partials=narrow)
+        assert combine[0] == 3 * 2 * 8 + 2 * (8 * itemsize)          # weights, then the pushed partial

@@ -44,21 +44,28 @@ def case_shape(comm, E, k, H, M, dtype="float16", counts="random", routing="rand
             print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
 
 
-def case_narrow_partials(comm, H, dtype="float16", rounds="2"):
-    """narrow_partials=True against the oracle, within the tolerance widened by one rounding of each
-    partial sum (reference.narrow_partials_slack); and against narrow_partials=False on the same
-    inputs: the results must differ somewhere in the world, or the option did not reach the kernels.
+def case_narrow_partials(comm, H, dtype="float16", values="normal", rounds="2"):
+    """narrow_partials=True and False on the same inputs, each against the oracle of its own mode:
+    - values="exact" (pyhipa2a.testing.draw_world(exact=True): every fp32 sum is exact): value for
+      value, and the two modes' oracles must differ somewhere in the world, so that the check tells
+      a narrow call from an fp32 one (or from any other rounding);
+    - values="normal" (gpu-mode's inputs): within the tolerance widened by narrow partials' slack
+      (reference.narrow_partials_slack), and the two results must differ somewhere.
     The transfer mode (pull, push, mixed) comes from PYHIPA2A_PUSH_MAX_TOKENS."""
-    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
-    H, rounds = int(H), int(rounds)
+    from pyhipa2a.testing import (check_combine_exact, check_dispatch_against_oracle,
+                                  combine_error_against_oracle, poison)
+    H, rounds, exact = int(H), int(rounds), values == "exact"
     world = comm.Get_size()
+    if world == 1:
+        pytest.skip("partial sums cross only between ranks: nothing to compare on 1 rank")
     E, k, M = 4 * world, 4, 32  # top-4 of 4 experts a rank: most tokens have 2+ experts on some peer
     shape = dict(num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype=dtype)
     with AllToAll(comm, narrow_partials=True, **shape) as narrow, AllToAll(comm, **shape) as wide:
         me, differing = narrow.rank, 0
         for i in range(rounds):
             rng = np.random.default_rng(500 + i)
-            inputs = draw_world(500 + i, world, E, k, H, M, dtype, token_counts("staggered", world, M, rng))
+            inputs = draw_world(500 + i, world, E, k, H, M, dtype, token_counts("staggered", world, M, rng),
+                                exact=exact)
             ys = []
             for a2a in (narrow, wide):
                 poison(a2a)
@@ -66,13 +73,18 @@ def case_narrow_partials(comm, H, dtype="float16", rounds="2"):
                 y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
                 a2a.synchronize()
                 check_dispatch_against_oracle(a2a, inputs, d)
-                err = combine_error_against_oracle(a2a, inputs, y)
+                if exact:
+                    told_apart = check_combine_exact(a2a, inputs, y)
+                    err = "0 (exact)"
+                else:
+                    err = f"{combine_error_against_oracle(a2a, inputs, y):.3g}"
                 ys.append(y.numpy().copy())
                 print(f"rank {me} round {i}: narrow={a2a.narrow_partials} T={len(inputs.xs[me])} "
-                      f"pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} max err {err:.3g}")
-            differing += int(np.count_nonzero(ys[0] != ys[1]))
+                      f"pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} max err {err}")
+            differing += told_apart if exact else int(np.count_nonzero(ys[0] != ys[1]))
         total = comm.allreduce(differing)
-        assert world == 1 or total > 0, "narrow and fp32 partials gave identical results everywhere"
+        assert total > 0, ("the two modes' oracles agree everywhere: these inputs test nothing" if exact
+                           else "narrow and fp32 partials gave identical results everywhere")
 
 
 def case_alternating(comm, calls="200"):
@@ -138,19 +150,22 @@ def case_stream_handle_views_cached(comm):
 def case_misaligned_device_arrays(comm, narrow="0"):
     """expert_y and out 2 bytes off 16-byte alignment (contributions and the reduction take their
     element-wise paths, pushed or pulled; with narrow="1" their narrow-partials branches), and x too
-    in round 0 (a call that would push words stages instead); results still match the oracle."""
-    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
+    in round 0 (a call that would push words stages instead). Inputs on the exact grid, so the
+    results must equal the oracle of the call's partials mode value for value."""
+    from pyhipa2a.testing import check_combine_exact, check_dispatch_against_oracle, poison
     world = comm.Get_size()
+    if narrow == "1" and world == 1:
+        pytest.skip("partial sums cross only between ranks: nothing narrow to test on 1 rank")
     E, k, H, M = 4 * world, 3, 512, 8
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   narrow_partials=narrow == "1") as a2a:
-        me, L, cap = a2a.rank, a2a.local_experts, a2a.capacity
+        me, L, cap, told_apart = a2a.rank, a2a.local_experts, a2a.capacity, 0
         sizes = [M * H * 2, L * cap * H * 2, M * H * 2]  # x, expert_y, out: each 2 bytes into its own 64-byte slot
         starts = np.cumsum([0] + [n + 64 for n in sizes])
         scratch = a2a.backend.malloc_ipc(int(starts[-1]))
         try:
             for i in range(2):
-                inputs = draw_world(40 + i, world, E, k, H, M)
+                inputs = draw_world(40 + i, world, E, k, H, M, exact=True)
                 T = len(inputs.xs[me])
                 x, expert_y, out = (pyhipa2a.DeviceArray(a2a.backend, scratch + int(at) + skew, shape, np.float16)
                                     for at, shape, skew in zip(starts, [(T, H), (L, cap, H), (T, H)], [2 - 2 * i, 2, 2]))
@@ -163,10 +178,12 @@ def case_misaligned_device_arrays(comm, narrow="0"):
                 expert_y.copy_from((d.expert_x.numpy().astype(np.float32) * (1 + me)).astype(np.float16))
                 a2a.combine(expert_y, inputs.weights[me], out=out)
                 a2a.synchronize()
-                err = combine_error_against_oracle(a2a, inputs, out)
-                print(f"rank {me} round {i}: T={T} pushed={T <= a2a.push_max_tokens} max err {err:.3g}")
+                told_apart += check_combine_exact(a2a, inputs, out)
+                print(f"rank {me} round {i}: T={T} pushed={T <= a2a.push_max_tokens} exact")
         finally:
             a2a.backend.free(scratch)
+        if narrow == "1":
+            assert comm.allreduce(told_apart) > 0, "the inputs cannot tell narrow partials from fp32 ones"
 
 
 class DLPackOnly:
