@@ -104,6 +104,15 @@ def test_narrow_partials(mode, H, dtype, values, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_checks_between_back_to_back_replays(backend):
+    # On the GPU at the sweep's size, where the buffers are large enough for a fill to outlast a
+    # kernel launch; on the host twin small (its fills are synchronous anyway).
+    H, M = (7168, 256) if backend == "gpu" else (64, 16)
+    run_case(CASE + "case_checks_between_back_to_back_replays", ranks_for(backend), env_backend(backend),
+             args=(H, M), timeout=600)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_200_alternating_calls(backend):
     run_case(CASE + "case_alternating", ranks_for(backend), env_backend(backend), args=(200,), timeout=900)
 

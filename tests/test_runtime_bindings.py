@@ -113,6 +113,24 @@ def test_stream_handle_round_trip(rt):
     assert backend.stream_handle(backend.stream_from_handle(0x1234)) == 0x1234
 
 
+def test_calls_without_a_stream_finish_before_returning(rt):
+    """A memset or copy given no stream waits for the null stream: cuMemsetD8 and hipMemset on
+    device memory return before they are done, and our non-blocking streams do not wait for them
+    (a poison fill still running under the next call's kernels corrupted it on two H200s)."""
+    mod, _, _, _ = rt
+    backend, calls = _bare_backend(mod), []
+    backend._call = lambda role, *args: calls.append((role, args))
+    ptr, host, stream = 1 << 40, np.zeros(4, np.uint32), backend.stream_from_handle(0x1234)
+    for op, args in (("memset", (ptr, 0xFF, 16)), ("copy_device", (ptr, ptr + 64, 16)),
+                     ("copy_to_device", (ptr, host)), ("copy_to_host", (host, ptr))):
+        calls.clear()
+        getattr(backend, op)(*args)
+        assert [role for role, _ in calls][-1] == "stream_synchronize" and calls[-1][1] == (None,), (op, calls)
+    calls.clear()
+    backend.memset(ptr, 0xFF, 16, stream)  # on a stream: queued, nothing waits
+    assert [role for role, _ in calls] == ["memset_d8_async"], calls
+
+
 def _library_missing_error(mod, binding):
     """The exception the binding raises when its native library is absent, or None."""
     try:

@@ -88,10 +88,15 @@ class DriverBackend(Backend):
         return self._check(getattr(self._api(), name)(*args), name)
 
     def _on_stream(self, role: str, stream, *args, wait: bool = False) -> None:
-        """`role`'s synchronous call, or with a stream its "_async" form (stream last),
-        followed by a stream synchronize when `wait`."""
+        """With no stream, `role`'s plain call, finished when this returns; with a stream its
+        "_async" form (stream last), followed by a stream synchronize when `wait`."""
         if stream is None:
+            # The plain forms are not all synchronous: a memset or a device-to-device copy of
+            # device memory may return before it is done, queued on the null stream, which our
+            # non-blocking streams do not wait for. A memset still running when the next kernel
+            # starts would overwrite that kernel's flags and inboxes, so wait for it here.
             self._call(role, *args)
+            self._call("stream_synchronize", None)
         else:
             self._call(role + "_async", *args, stream)
             if wait:

@@ -355,6 +355,39 @@ def case_peer_skips_call(comm):
         comm.Barrier()  # the late rank closes only after the others saw the timeout
 
 
+def case_checks_between_back_to_back_replays(comm, H, M, rounds="3"):
+    """Rounds of back-to-back graph launches (no host synchronisation between them), each round
+    followed by a poisoned, checked launch, as a benchmark's timing loop and its checks alternate.
+    Poisoning fills large buffers with no stream (expert_x alone is 940 MB at H=7168, M=256 on 2 ranks);
+    such a fill still running when the next call's kernels start would corrupt that call. It did,
+    before a fill with no stream waited for itself."""
+    from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
+    H, M, world = int(H), int(M), comm.Get_size()
+    E, k = 256 // world * world, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        a2a.expert_y_buffer()  # the fake expert's output, allocated before capturing
+        for i in range(int(rounds)):
+            T = (M // 8, M // 2, M)[i % 3]  # pushed and pulled calls, as the threshold decides
+            inputs = draw_world(900 + i, world, E, k, H, M, token_counts=[T] * world)
+            arrays = upload_inputs(a2a, inputs)
+            outs = []
+            graph = a2a.capture(lambda: outs.extend(
+                (d := a2a.dispatch(arrays[0], arrays[1]), a2a.combine(a2a.fake_expert(d), arrays[2]))))
+            try:
+                for j in range(3):
+                    for _ in range(5):
+                        graph.launch()
+                    a2a.synchronize()
+                    poison(a2a)
+                    graph.launch()
+                    a2a.synchronize()
+                    err = check_call(a2a, inputs, *outs)
+                    print(f"rank {a2a.rank} round {i} check {j}: T={T} max err {err:.3g}")
+            finally:
+                graph.close()
+                free_inputs(a2a, arrays)
+
+
 def case_graph_replays(comm, launches="4"):
     """A captured dispatch -> fake expert -> combine replays as a new call each launch: with fresh inputs
     copied into the same device buffers, every launch matches the oracle, eager calls interleave with
