@@ -220,6 +220,8 @@ class AllToAll:
         self._output_views: dict = {}
         self._device_inputs: dict = {}
         self._foreign_streams: dict = {}
+        self._last_stream = None     # where the last call (or graph launch) was queued: see _follow
+        self._handoff_event = None   # made when a call first changes streams
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
     def _launch_geometry(self, device) -> tuple[int, int]:
@@ -313,6 +315,21 @@ class AllToAll:
                 self._foreign_streams[handle] = wrapped
         return wrapped
 
+    def _follow(self, stream) -> None:
+        """Queue the coming call on `stream` behind the last one. Calls of one object hand the
+        device's epoch and their buffers on in queue order, so when the caller changes streams,
+        the new stream waits (an event recorded now on the last stream) for everything queued
+        there; on the same stream nothing is done. Not while capturing: capture() did it first."""
+        if self._capturing is not None:
+            return
+        last, self._last_stream = self._last_stream, stream
+        if last is None or self.backend.stream_handle(last) == self.backend.stream_handle(stream):
+            return
+        if self._handoff_event is None:
+            self._handoff_event = self.backend.event_create()
+        self.backend.event_record(self._handoff_event, last)
+        self.backend.stream_wait_event(stream, self._handoff_event)
+
     def _input(self, obj, name, want_shape, want_dtype, stage: str, stream):
         """Pointer to `obj` on the device: NumPy arrays are checked and copied into staging."""
         if isinstance(obj, np.ndarray):
@@ -357,6 +374,7 @@ class AllToAll:
             check_array("indices", indices.shape, indices.dtype, (T, self.top_k), np.int32)
             check_indices(indices, self.num_experts)
         s = self._stream(stream)
+        self._follow(s)
         x_ptr, x_keep = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
         i_ptr, i_keep = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
 
@@ -377,6 +395,7 @@ class AllToAll:
             raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
         T = self._pending.num_tokens
         s = self._stream(stream)
+        self._follow(s)
         y_shape = (self.local_experts, self.capacity, self.hidden)
         if isinstance(expert_y, np.ndarray):  # checked now, copied last: a refused call overwrites nothing
             check_array("expert_y", expert_y.shape, expert_y.dtype, y_shape, self.out_dtype)
@@ -444,7 +463,9 @@ class AllToAll:
                            "the capture (memory cannot be allocated while capturing)")
         out = out if out is not None else self.expert_y_buffer()
         self._scale_pack[1].value = out.ptr  # the rest was filled at construction (result views our buffers)
-        self._scale_kernel.launch(self._scale_pack, self.blocks, self.block_threads, self._stream(stream))
+        s = self._stream(stream)
+        self._follow(s)
+        self._scale_kernel.launch(self._scale_pack, self.blocks, self.block_threads, s)
         if self._capturing is not None:
             self._keep(out)
         return out
@@ -473,6 +494,7 @@ class AllToAll:
         if self._pending is not None:
             raise A2AError("capture() needs the last dispatch to be combined first")
         s = self._stream_outside_capture(stream)
+        self._follow(s)  # the graph's first launch is queued behind the calls before the capture
         self.backend.capture_begin(s)
         self._capturing, refs = s, []
         self._captured_refs = refs
@@ -487,17 +509,25 @@ class AllToAll:
             raise
         finally:
             self._capturing, self._captured_refs = None, None  # the graph keeps `refs`
-        graph = Graph(self.backend, self.backend.capture_end(s), s, refs, usable=self._usable)
+        graph = Graph(self.backend, self.backend.capture_end(s), s, refs,
+                      before_launch=lambda: (self._usable(), self._follow(s)))
         self._graphs.add(graph)
         return graph
 
     def synchronize(self, stream=None) -> None:
-        """Wait for this rank's queued calls; raise what the kernels reported."""
+        """Wait for this rank's queued calls (on `stream`, else on the last call's stream, behind
+        which every earlier call is queued); raise what the kernels reported."""
         if self._capturing is not None:
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
-        self.backend.stream_synchronize(self._stream(stream))
+        self.backend.stream_synchronize(self._synchronized_stream(stream))
         if self.host_status[0]:
             self._raise_reported()
+
+    def _synchronized_stream(self, stream):
+        """The stream given, else the last call's: every earlier call is queued before it (_follow)."""
+        if stream is not None:
+            return self._stream_outside_capture(stream)
+        return self._last_stream if self._last_stream is not None else self.stream
 
     # -- profiling ----------------------------------------------------------------
     def profile_events(self):
@@ -519,7 +549,7 @@ class AllToAll:
         if self.heap.closed:
             return
         try:
-            self.backend.stream_synchronize(self.stream)
+            self.backend.stream_synchronize(self._synchronized_stream(None))
         except Exception:
             pass
         for graph in list(self._graphs):
@@ -537,6 +567,8 @@ class AllToAll:
             if self.profile_buffer is not None:
                 self.profile_buffer.free()
             self.lib.close()
+            if self._handoff_event is not None:
+                self.backend.event_destroy(self._handoff_event)
             self.backend.stream_destroy(self.stream)
             self._free_host_status()
 

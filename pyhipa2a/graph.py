@@ -12,16 +12,18 @@ class Graph:
     One launch costs one driver call instead of one per kernel, and the
     kernels follow each other on the device without waiting for the host."""
 
-    def __init__(self, backend, handle, stream, keepalive: list, usable=lambda: None):
+    def __init__(self, backend, handle, stream, keepalive: list, before_launch=lambda: None):
         self.backend, self.stream = backend, stream
-        self._handle, self._keepalive, self._usable = handle, keepalive, usable
+        # The owner's check before each launch: it raises errors the kernels reported, and queues
+        # the launch behind the owner's last call when that went to another stream.
+        self._handle, self._keepalive, self._before_launch = handle, keepalive, before_launch
         self._destroy = weakref.finalize(self, backend.graph_destroy, handle)
 
     def launch(self) -> None:
         """Queue one replay; errors the kernels reported earlier are raised first."""
         if self._handle is None:
             raise A2AError("this graph is closed")
-        self._usable()
+        self._before_launch()
         self.backend.graph_launch(self._handle, self.stream)
 
     def close(self) -> None:

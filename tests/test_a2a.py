@@ -113,6 +113,13 @@ def test_checks_between_back_to_back_replays(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_calls_on_different_streams(backend):
+    H, M = (7168, 256) if backend == "gpu" else (64, 16)  # on the GPU, calls long enough to overlap
+    run_case(CASE + "case_calls_on_different_streams", ranks_for(backend), env_backend(backend), args=(H, M),
+             timeout=600)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_200_alternating_calls(backend):
     run_case(CASE + "case_alternating", ranks_for(backend), env_backend(backend), args=(200,), timeout=900)
 

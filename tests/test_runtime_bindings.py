@@ -172,7 +172,7 @@ def test_arguments_pass_binding_conversion(rt):
         ("stream_create", ()), ("stream_destroy", (stream,)),
         ("stream_synchronize", (stream,)), ("stream_synchronize", (None,)),
         ("event_create", ()), ("event_destroy", (event,)), ("event_record", (event, stream)),
-        ("event_record", (event, None)), ("event_synchronize", (event,)),
+        ("event_record", (event, None)), ("event_synchronize", (event,)), ("stream_wait_event", (stream, event)),
         ("event_elapsed_ms", (event, event)),
         ("module_load", (b"\x7fELF",)), ("module_unload", (module,)),
         ("module_function", (module, "kernel")),

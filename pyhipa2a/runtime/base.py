@@ -126,6 +126,10 @@ class Backend:
     def event_synchronize(self, event) -> None:
         raise NotImplementedError
 
+    def stream_wait_event(self, stream, event) -> None:
+        """Work queued on `stream` from now on waits for what `event` last recorded."""
+        raise NotImplementedError
+
     def event_elapsed_ms(self, start, end) -> float:
         raise NotImplementedError
 

@@ -27,7 +27,7 @@ ROLES = (
     "event_destroy", "event_record", "event_synchronize", "event_elapsed_time",
     "module_load_data", "module_unload", "module_get_function", "launch_kernel", "mem_get_info",
     "stream_begin_capture", "stream_end_capture", "graph_instantiate", "graph_launch", "graph_exec_destroy",
-    "graph_destroy", "occupancy", "event_record_with_flags",
+    "graph_destroy", "occupancy", "event_record_with_flags", "stream_wait_event",
 )
 
 
@@ -168,6 +168,9 @@ class DriverBackend(Backend):
 
     def event_synchronize(self, event) -> None:
         self._call("event_synchronize", event)
+
+    def stream_wait_event(self, stream, event) -> None:
+        self._call("stream_wait_event", stream, event, 0)
 
     def event_elapsed_ms(self, start, end) -> float:
         return float(self._call("event_elapsed_time", start, end))

@@ -388,6 +388,72 @@ def case_checks_between_back_to_back_replays(comm, H, M, rounds="3"):
                 free_inputs(a2a, arrays)
 
 
+def case_calls_on_different_streams(comm, H, M, rounds="4"):
+    """A caller may change streams between calls (dispatch on one, its expert and combine on
+    another, the next dispatch on a third): each call is queued behind the last one, so the results
+    are right, and synchronize() without a stream waits for the last call. The hand-offs are
+    counted: one event recorded and waited for per change of stream, none otherwise; a graph
+    launch after a call on another stream is queued behind it too."""
+    from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
+    H, M, world = int(H), int(M), comm.Get_size()
+    E, k = 256 // world * world, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        b, me = a2a.backend, a2a.rank
+        streams = [b.stream_create() for _ in range(3)]
+        handoffs = []
+        record, wait = b.event_record, b.stream_wait_event
+        b.event_record = lambda ev, s: (handoffs.append(("record", b.stream_handle(s))), record(ev, s))[1]
+        b.stream_wait_event = lambda s, ev: (handoffs.append(("wait", b.stream_handle(s))), wait(s, ev))[1]
+        h = [b.stream_handle(s) for s in streams]
+        try:
+            a2a.expert_y_buffer()
+            for i in range(int(rounds)):
+                T = (M // 8, M)[i % 2]  # a pushed call, then a pulled one
+                inputs = draw_world(700 + i, world, E, k, H, M, token_counts=[T] * world)
+                arrays = upload_inputs(a2a, inputs)
+                poison(a2a)
+                handoffs.clear()
+                d = a2a.dispatch(arrays[0], arrays[1], stream=streams[0])
+                ey = a2a.fake_expert(d, stream=streams[1])
+                y = a2a.combine(ey, arrays[2], stream=streams[1])
+                a2a.synchronize()  # the last call's stream, streams[1]
+                err = check_call(a2a, inputs, d, y)
+                # round 0's dispatch is the object's first call: nothing to wait for
+                expected = ([] if i == 0 else [("record", h[2]), ("wait", h[0])]) + [("record", h[0]), ("wait", h[1])]
+                assert handoffs == expected, (i, handoffs, expected)
+                # the same call again, all on a third stream: one hand-off, from streams[1]
+                handoffs.clear()
+                poison(a2a)
+                d = a2a.dispatch(arrays[0], arrays[1], stream=streams[2])
+                y = a2a.combine(a2a.fake_expert(d, stream=streams[2]), arrays[2], stream=streams[2])
+                a2a.synchronize(stream=streams[2])
+                err = max(err, check_call(a2a, inputs, d, y))
+                assert handoffs == [("record", h[1]), ("wait", h[2])], handoffs
+                print(f"rank {me} round {i}: T={T} max err {err:.3g}")
+                free_inputs(a2a, arrays)
+            # a graph captured on the object's stream, launched after calls on streams[2]
+            inputs = draw_world(799, world, E, k, H, M, token_counts=[M] * world)
+            arrays = upload_inputs(a2a, inputs)
+            outs = []
+            graph = a2a.capture(lambda: outs.extend(
+                (d := a2a.dispatch(arrays[0], arrays[1]), a2a.combine(a2a.fake_expert(d), arrays[2]))))
+            d = a2a.dispatch(arrays[0], arrays[1], stream=streams[2])
+            a2a.combine(a2a.fake_expert(d, stream=streams[2]), arrays[2], stream=streams[2])
+            poison(a2a)
+            handoffs.clear()
+            graph.launch()
+            assert handoffs == [("record", h[2]), ("wait", b.stream_handle(a2a.stream))], handoffs
+            a2a.synchronize()
+            check_call(a2a, inputs, *outs)
+            graph.close()
+            free_inputs(a2a, arrays)
+        finally:
+            b.event_record, b.stream_wait_event = record, wait
+            a2a.synchronize()
+            for s in streams:
+                b.stream_destroy(s)
+
+
 def case_graph_replays(comm, launches="4"):
     """A captured dispatch -> fake expert -> combine replays as a new call each launch: with fresh inputs
     copied into the same device buffers, every launch matches the oracle, eager calls interleave with
