@@ -74,11 +74,11 @@ def draw_world(seed: int, world: int, num_experts: int, top_k: int, hidden: int,
 def poison(a2a) -> None:
     """Set every output byte this rank can see to 0xFF. Collective: a barrier first, since peers may
     still be pulling from our stage and contributions, and one after, before peers write to us."""
-    a2a.backend.stream_synchronize(a2a.stream)
+    a2a.synchronize()  # the last call's stream: every earlier call is queued before it
     bounded_barrier(a2a.heap.comm, a2a.timeout, "poison")
     for name in ("recv_x", "recv_meta", "num_tokens", "y", "stage", "tok_hdr", "w_in", "contrib", "rows", "slot_of"):
-        a2a.buf[name].fill_bytes(0xFF)
-    a2a.expert_y_buffer().fill_bytes(0xFF)
+        a2a.buf[name].fill_bytes(0xFF)  # no stream: done when it returns
+    a2a.expert_y_buffer().fill_bytes(0xFF)  # on a2a.stream
     a2a.backend.stream_synchronize(a2a.stream)
     bounded_barrier(a2a.heap.comm, a2a.timeout, "poison")
 

@@ -4,7 +4,11 @@ Three AllToAll objects of different shapes and dtypes stay alive and are
 called in a random order (the same on every rank). Token counts are random,
 including 0 and M, and routing is skewed: uniform, one hot expert, or whole
 ranks sending nothing. Every output is checked against pyhipa2a.reference
-with poisoned outputs. Every `--churn` calls one object is closed and built
+with poisoned outputs. Calls are made three ways: NumPy inputs on the
+object's stream; device inputs with the call split over two streams
+(dispatch on one, the expert and combine on the other); and device inputs
+after a burst of unchecked back-to-back calls (no host synchronisation in
+between), the checked call last. Every `--churn` calls one object is closed and built
 again, so teardown is exercised too. Device memory in use is reported after
 warm-up and at the end, and must not grow. Exits non-zero on any mismatch,
 error or growth.
@@ -22,7 +26,27 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.testing import draw_world, failure_line, run_round  # noqa: E402
+from pyhipa2a.testing import (check_call, draw_world, failure_line, free_inputs, poison, run_round,  # noqa: E402
+                              upload_inputs)
+
+WAYS = ("numpy", "two_streams", "after_burst")
+
+
+def device_round(a2a, inputs, way: str, streams) -> float:
+    """One checked call on device inputs: split over `streams`, or after 3 unchecked calls."""
+    arrays = upload_inputs(a2a, inputs)
+    try:
+        if way == "after_burst":
+            for _ in range(3):
+                a2a.combine(a2a.fake_expert(a2a.dispatch(arrays[0], arrays[1])), arrays[2])
+        poison(a2a)
+        first, second = streams if way == "two_streams" else (None, None)
+        d = a2a.dispatch(arrays[0], arrays[1], stream=first)
+        y = a2a.combine(a2a.fake_expert(d, stream=second), arrays[2], stream=second)
+        a2a.synchronize()
+        return check_call(a2a, inputs, d, y)
+    finally:
+        free_inputs(a2a, arrays)  # every rank frees in the same order, after its check
 
 
 def configs(world: int) -> list[dict]:
@@ -59,6 +83,9 @@ def main() -> int:
     rank, world = comm.Get_rank(), comm.Get_size()
     shapes = configs(world)
     a2as = [AllToAll(comm, timeout=args.timeout, **s) for s in shapes]
+    maker = a2as[0].backend  # the streams' creator (a2as[0] itself may be rebuilt)
+    streams = [maker.stream_create() for _ in range(2)]
+    ways = {w: 0 for w in WAYS}
     rng = np.random.default_rng(args.seed)
     worst, failure, start = 0.0, None, time.monotonic()
     try:
@@ -69,7 +96,11 @@ def main() -> int:
             routing = "hot" if rng.random() < 0.25 else "random"
             inputs = draw_world((args.seed * 1_000_003 + i) % 2**63, world, s["num_experts"], s["experts_per_token"],
                                 s["hidden_dim"], s["max_num_tokens"], s["in_dtype"], counts, routing)
-            return run_round(a2as[which], inputs)
+            way = WAYS[int(rng.integers(0, len(WAYS)))]
+            ways[way] += 1
+            if way == "numpy":
+                return run_round(a2as[which], inputs)
+            return device_round(a2as[which], inputs, way, streams)
 
         for i in range(3 * len(a2as)):              # warm-up: every object's kernels loaded, buffers touched
             one_call(-1 - i)
@@ -93,6 +124,8 @@ def main() -> int:
                 a2a.close()
             except Exception:
                 pass
+        for s in streams:
+            maker.stream_destroy(s)
     grew = memory_end - memory_start
     ok = failure is None and grew <= args.slack
     failures = [f for f in comm.allgather(failure) if f]
@@ -102,7 +135,8 @@ def main() -> int:
     if rank == 0:
         kind = a2as[0].backend.kind
         print(f"pyhipa2a stress: {kind}, {world} ranks, {args.calls} calls checked against the oracle "
-              f"in {time.monotonic() - start:.1f} s, max combine error {worst:.3g}")
+              f"in {time.monotonic() - start:.1f} s, max combine error {worst:.3g}; calls made each way: "
+              + ", ".join(f"{w} {n}" for w, n in ways.items()))
         print(f"memory in use after warm-up {memory_start / 2**20:.2f} MiB, at the end {memory_end / 2**20:.2f} MiB; "
               f"growth per rank (bytes): {growth}")
         for f in failures:
