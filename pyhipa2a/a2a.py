@@ -29,7 +29,7 @@ from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
 from .graph import Graph
 from .heap import SymmetricHeap
-from .inputs import check_array, check_indices, check_numpy, device_view, require_array
+from .inputs import check_array, check_indices, check_numpy, device_view, producer_stream, require_array
 from .kernels import A2AArgs, KernelLibrary
 from .profile import ProfileBuffer, clock_offset
 
@@ -221,7 +221,7 @@ class AllToAll:
         self._device_inputs: dict = {}
         self._foreign_streams: dict = {}
         self._last_stream = None     # where the last call (or graph launch) was queued: see _follow
-        self._handoff_event = None   # made when a call first changes streams
+        self._order_event = None     # made when a call first waits for another stream
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
     def _launch_geometry(self, device) -> tuple[int, int]:
@@ -323,12 +323,26 @@ class AllToAll:
         if self._capturing is not None:
             return
         last, self._last_stream = self._last_stream, stream
-        if last is None or self.backend.stream_handle(last) == self.backend.stream_handle(stream):
+        if last is not None:
+            self._wait_for(last, stream)
+
+    def _wait_for(self, other, stream) -> None:
+        """Work queued on `stream` from now on waits for what is queued on `other` now (nothing to
+        do when they are the same stream)."""
+        if self.backend.stream_handle(other) == self.backend.stream_handle(stream):
             return
-        if self._handoff_event is None:
-            self._handoff_event = self.backend.event_create()
-        self.backend.event_record(self._handoff_event, last)
-        self.backend.stream_wait_event(stream, self._handoff_event)
+        if self._order_event is None:
+            self._order_event = self.backend.event_create()
+        self.backend.event_record(self._order_event, other)  # each wait takes the record before it
+        self.backend.stream_wait_event(stream, self._order_event)
+
+    def _dlpack_stream(self, stream):
+        """How `__dlpack__(stream=...)` names the stream that reads an input: its handle, where
+        CUDA spells the null stream 1 (legacy default) and DLPack reserves 0."""
+        if self.backend.kind == "host":
+            return None
+        handle = self.backend.stream_handle(stream)
+        return handle if handle or self.backend.kind != "cuda" else 1
 
     def _input(self, obj, name, want_shape, want_dtype, stage: str, stream):
         """Pointer to `obj` on the device: NumPy arrays are checked and copied into staging."""
@@ -342,13 +356,28 @@ class AllToAll:
         # The same object passed again (the usual loop) is not described and
         # checked again: this assumes a device array never changes its memory
         # (true of CuPy, JAX and our own arrays; not of a tensor resized in place).
+        # DLPack arrays are exported at every use: the export is what orders our
+        # stream after the producer's writes.
         cached = self._device_inputs.get(name)
-        if cached is not None and cached[0] is obj and cached[1] == want_shape:
-            return cached[2], cached[3]
-        view = device_view(obj, self.backend, self.heap.device.index, name)
-        check_array(name, view.shape, view.dtype, want_shape, want_dtype)
-        self._device_inputs[name] = (obj, want_shape, view.ptr, view.keepalive)
-        return view.ptr, view.keepalive
+        if cached is None or cached[0] is not obj or cached[1] != want_shape:
+            view = device_view(obj, self.backend, self.heap.device.index, name, self._dlpack_stream(stream))
+            check_array(name, view.shape, view.dtype, want_shape, want_dtype)
+            cached = (obj, want_shape, view.ptr, view.keepalive, view.cai)
+            self._device_inputs[name] = None if view.dlpack else cached
+        if cached[4] and self._capturing is None:
+            # A __cuda_array_interface__ array is read (or written, for out=) only after the work
+            # its producer has queued on the stream it names now. (A DLPack producer made our
+            # stream wait when it exported the array.) In a capture, ordering the graph's launch
+            # after the producers is the caller's part.
+            producer = producer_stream(obj)
+            if producer is not None:
+                self._wait_for(self.backend.stream_from_handle(self._cai_handle(producer)), stream)
+        return cached[2], cached[3]
+
+    def _cai_handle(self, value: int) -> int:
+        """A __cuda_array_interface__ stream value as this runtime's handle: CUDA's driver takes 1
+        (legacy default) and 2 (per-thread) as they are; HIP's null stream is 0."""
+        return 0 if value == 1 and self.backend.kind != "cuda" else value
 
     def _no_numpy_in_capture(self, name: str) -> None:
         if self._capturing is not None:
@@ -567,8 +596,8 @@ class AllToAll:
             if self.profile_buffer is not None:
                 self.profile_buffer.free()
             self.lib.close()
-            if self._handoff_event is not None:
-                self.backend.event_destroy(self._handoff_event)
+            if self._order_event is not None:
+                self.backend.event_destroy(self._order_event)
             self.backend.stream_destroy(self.stream)
             self._free_host_status()
 

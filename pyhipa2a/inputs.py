@@ -24,6 +24,24 @@ class DeviceInput:
     shape: tuple
     dtype: np.dtype
     keepalive: object = None
+    # Described by __cuda_array_interface__: each use must wait for the stream that it names then
+    # (producer_stream), since the producer may have queued new writes to it since.
+    cai: bool = False
+    # Exported by __dlpack__, which made the reading stream wait for the producer's writes so far:
+    # a later use must export again.
+    dlpack: bool = False
+
+
+def producer_stream(obj) -> int | None:
+    """The stream (a handle: 1 and 2 are CUDA's legacy and per-thread default streams) on which the
+    producer of a __cuda_array_interface__ array queued its writes, or None when it needs no wait.
+    Read at each use: CuPy, for one, names its current stream."""
+    stream = obj.__cuda_array_interface__.get("stream")
+    if stream is None:
+        return None
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        raise ValueError(f"__cuda_array_interface__ stream must be None or a stream handle, not {stream!r}")
+    return stream
 
 
 def _describe(obj) -> str:
@@ -48,8 +66,10 @@ def require_array(obj, name: str) -> None:
                         f"__dlpack__), not {_describe(obj)}")
 
 
-def device_view(obj, backend, device_index: int, name: str) -> DeviceInput:
-    """Describe a device-resident array, or raise TypeError/ValueError saying what is wrong."""
+def device_view(obj, backend, device_index: int, name: str, dlpack_stream=None) -> DeviceInput:
+    """Describe a device-resident array, or raise TypeError/ValueError saying what is wrong.
+    `dlpack_stream`: the stream handle that will read the array, passed to `__dlpack__` (its
+    producer makes that stream wait for its pending writes)."""
     if isinstance(obj, DeviceArray):
         if obj.backend.kind != backend.kind or obj.device_id != device_index:
             raise ValueError(f"{name} lives on {obj.backend.kind} device {obj.device_id}; this AllToAll runs "
@@ -68,7 +88,7 @@ def device_view(obj, backend, device_index: int, name: str) -> DeviceInput:
             raise ValueError(f"{name} lives on {backend.kind} {where}; this rank uses device {device_index}")
         if hasattr(obj, "dtype") and resolve(obj.dtype).itemsize == dtype.itemsize:
             dtype = resolve(obj.dtype)  # CAI cannot spell bfloat16
-        return DeviceInput(ptr, shape, dtype, obj)
+        return DeviceInput(ptr, shape, dtype, obj, cai=True)
     if hasattr(obj, "__dlpack__"):
         if hasattr(obj, "__dlpack_device__"):
             dev_type, dev_id = obj.__dlpack_device__()
@@ -76,7 +96,7 @@ def device_view(obj, backend, device_index: int, name: str) -> DeviceInput:
                 raise ValueError(
                     f"{name} lives on {DLPACK_NAMES.get(dev_type, dev_type)} device {dev_id}; this AllToAll "
                     f"runs on {backend.kind} device {device_index}")
-        view = dlpack.view_from_object(obj)
+        view = dlpack.view_from_object(obj, stream=dlpack_stream)
         if view.device_type != backend.dlpack_device_type or (view.device_type != 1 and view.device_id != device_index):
             raise ValueError(f"{name} lives on {DLPACK_NAMES.get(view.device_type, view.device_type)} device "
                              f"{view.device_id}; this AllToAll runs on {backend.kind} device {device_index}")
@@ -84,7 +104,7 @@ def device_view(obj, backend, device_index: int, name: str) -> DeviceInput:
         strides = None if view.strides is None else tuple(s * dtype.itemsize for s in view.strides)
         if not _contiguous(view.shape, strides, dtype.itemsize):
             raise ValueError(f"{name} must be C-contiguous (element strides {view.strides} for shape {view.shape})")
-        return DeviceInput(view.ptr, tuple(view.shape), dtype, view)
+        return DeviceInput(view.ptr, tuple(view.shape), dtype, view, dlpack=True)
     raise TypeError(f"{name} must be a NumPy array or a device array (__cuda_array_interface__ or "
                     f"__dlpack__), not {_describe(obj)}")
 

@@ -112,6 +112,12 @@ def test_checks_between_back_to_back_replays(backend):
              args=(H, M), timeout=600)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("via", ["cai", "dlpack"])
+def test_inputs_written_on_another_stream(via):
+    run_case(CASE + "case_inputs_written_on_another_stream", ranks_for("gpu"), env_backend("gpu"), args=(via,))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_calls_on_different_streams(backend):
     H, M = (7168, 256) if backend == "gpu" else (64, 16)  # on the GPU, calls long enough to overlap

@@ -454,6 +454,46 @@ def case_calls_on_different_streams(comm, H, M, rounds="4"):
                 b.stream_destroy(s)
 
 
+def case_inputs_written_on_another_stream(comm, via="cai", rounds="3"):
+    """x, indices, weights and out= made by CuPy on a stream of its own, queued there behind a few
+    milliseconds of other work; dispatch and combine are called with no stream= while that stream
+    is CuPy's current one. The library must wait for those writes: for __cuda_array_interface__
+    arrays on the stream they name (the same arrays every round, so a cached description must not
+    skip the wait), for DLPack ones by naming its stream to __dlpack__ at every use. Inputs read
+    too early are zeros, and an out= filled late is NaN: either fails the check."""
+    import types
+    cp = pytest.importorskip("cupy")
+    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 64
+    wrap = DLPackOnly if via == "dlpack" else (lambda a: a)
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        me = a2a.rank
+        with cp.cuda.Device(a2a.heap.device.index), cp.cuda.Stream(non_blocking=True) as producer:
+            busy = cp.zeros(1 << 27, cp.float32)  # 512 MiB, touched 16 times before the inputs are written
+            T = M // 2
+            x, idx, w, y = (cp.zeros((T, H), cp.float16), cp.zeros((T, k), cp.int32),
+                            cp.zeros((T, k), cp.float32), cp.zeros((T, H), cp.float16))
+            for i in range(int(rounds)):
+                inputs = draw_world(300 + i, world, E, k, H, M, token_counts=[T] * world)
+                sources = [cp.asarray(h) for h in (inputs.xs[me], inputs.indices[me], inputs.weights[me])]
+                for arr in (x, idx, w):
+                    arr.fill(0)
+                producer.synchronize()
+                poison(a2a)
+                for _ in range(16):
+                    busy += 1.0
+                for arr, src in zip((x, idx, w), sources):
+                    arr[...] = src                    # queued on the producer stream, behind the busy work
+                y.fill(cp.nan)                        # so is this fill of out=: our writes must come after it
+                d = a2a.dispatch(wrap(x), wrap(idx))
+                a2a.combine(a2a.fake_expert(d), wrap(w), out=wrap(y))
+                a2a.synchronize()
+                check_dispatch_against_oracle(a2a, inputs, d)
+                err = combine_error_against_oracle(a2a, inputs, types.SimpleNamespace(numpy=lambda: cp.asnumpy(y)))
+                print(f"rank {me} round {i} via {via}: max err {err:.3g}")
+
+
 def case_graph_replays(comm, launches="4"):
     """A captured dispatch -> fake expert -> combine replays as a new call each launch: with fresh inputs
     copied into the same device buffers, every launch matches the oracle, eager calls interleave with
