@@ -221,6 +221,7 @@ class AllToAll:
         self._device_inputs: dict = {}
         self._foreign_streams: dict = {}
         self._last_stream = None     # where the last call (or graph launch) was queued: see _follow
+        self._expert_y_views: dict = {}  # expert_y_buffer() naming other streams (see _expert_y_on)
         self._order_event = None     # made when a call first waits for another stream
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
@@ -319,12 +320,15 @@ class AllToAll:
         """Queue the coming call on `stream` behind the last one. Calls of one object hand the
         device's epoch and their buffers on in queue order, so when the caller changes streams,
         the new stream waits (an event recorded now on the last stream) for everything queued
-        there; on the same stream nothing is done. Not while capturing: capture() did it first."""
-        if self._capturing is not None:
-            return
-        last, self._last_stream = self._last_stream, stream
-        if last is not None:
-            self._wait_for(last, stream)
+        there; on the same stream nothing is done. Not while capturing: capture() did it first.
+        The call becomes the last one only once it is queued (_queued): a refused call is not."""
+        if self._capturing is None and self._last_stream is not None:
+            self._wait_for(self._last_stream, stream)
+
+    def _queued(self, stream) -> None:
+        """A call (or graph launch) went to `stream`: the next call on another stream waits for it."""
+        if self._capturing is None:
+            self._last_stream = stream
 
     def _wait_for(self, other, stream) -> None:
         """Work queued on `stream` from now on waits for what is queued on `other` now (nothing to
@@ -338,9 +342,12 @@ class AllToAll:
 
     def _dlpack_stream(self, stream):
         """How `__dlpack__(stream=...)` names the stream that reads an input: its handle, where
-        CUDA spells the null stream 1 (legacy default) and DLPack reserves 0."""
+        CUDA spells the null stream 1 (legacy default) and DLPack reserves 0; -1 (no wait) while
+        capturing, since a capture may not wait for work outside it."""
         if self.backend.kind == "host":
             return None
+        if self._capturing is not None:
+            return -1
         handle = self.backend.stream_handle(stream)
         return handle if handle or self.backend.kind != "cuda" else 1
 
@@ -359,20 +366,29 @@ class AllToAll:
         # DLPack arrays are exported at every use: the export is what orders our
         # stream after the producer's writes.
         cached = self._device_inputs.get(name)
-        if cached is None or cached[0] is not obj or cached[1] != want_shape:
+        if cached is None or cached[0] is not obj or cached[1] != want_shape or cached[5]:
+            # (the replaced entry's keepalive, a DLPack capsule, lives until here: the last call
+            # that read it was queued before this one)
             view = device_view(obj, self.backend, self.heap.device.index, name, self._dlpack_stream(stream))
             check_array(name, view.shape, view.dtype, want_shape, want_dtype)
-            cached = (obj, want_shape, view.ptr, view.keepalive, view.cai)
-            self._device_inputs[name] = None if view.dlpack else cached
-        if cached[4] and self._capturing is None:
-            # A __cuda_array_interface__ array is read (or written, for out=) only after the work
-            # its producer has queued on the stream it names now. (A DLPack producer made our
-            # stream wait when it exported the array.) In a capture, ordering the graph's launch
-            # after the producers is the caller's part.
+            cached = self._device_inputs[name] = (obj, want_shape, view.ptr, view.keepalive, view.cai, view.dlpack)
+        self._after_producer(obj, stream, cai=cached[4])
+        return cached[2], cached[3]
+
+    def _after_producer(self, obj, stream, cai: bool = False) -> None:
+        """Queue our use of a device array after its producer's writes, outside a capture (there,
+        ordering the graph's launch after the producers is the caller's part): the stream that a
+        __cuda_array_interface__ array names now, or our own DeviceArray's stream. (A DLPack
+        producer made our stream wait when it exported the array.)"""
+        if self._capturing is not None:
+            return
+        if isinstance(obj, DeviceArray):
+            if obj.stream is not None:
+                self._wait_for(obj.stream, stream)
+        elif cai:
             producer = producer_stream(obj)
             if producer is not None:
                 self._wait_for(self.backend.stream_from_handle(self._cai_handle(producer)), stream)
-        return cached[2], cached[3]
 
     def _cai_handle(self, value: int) -> int:
         """A __cuda_array_interface__ stream value as this runtime's handle: CUDA's driver takes 1
@@ -410,6 +426,7 @@ class AllToAll:
         call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in a2a.hip)
         call.x, call.indices, call.num_tokens = x_ptr, i_ptr, T
         self._dispatch_kernel.launch(self._dispatch_pack, self.exchange_blocks, self.block_threads, s)
+        self._queued(s)
         self._keep(x_keep, i_keep)
 
         num_tokens, expert_x, expert_meta, *_ = self._outputs(s)
@@ -452,6 +469,7 @@ class AllToAll:
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens = y_ptr, w_ptr, out_ptr, T
         self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
+        self._queued(s)
         self._keep(y_keep, w_keep, o_keep)
         self._pending = None
         return out_arr
@@ -490,14 +508,31 @@ class AllToAll:
         if out is None and self._expert_y_buffer is None and self._capturing is not None:
             raise A2AError("fake_expert() without out= inside capture() needs expert_y_buffer() called before "
                            "the capture (memory cannot be allocated while capturing)")
-        out = out if out is not None else self.expert_y_buffer()
-        self._scale_pack[1].value = out.ptr  # the rest was filled at construction (result views our buffers)
         s = self._stream(stream)
         self._follow(s)
+        if out is None:
+            out = self._expert_y_on(s)
+        else:
+            self._after_producer(out, s)
+        self._scale_pack[1].value = out.ptr  # the rest was filled at construction (result views our buffers)
         self._scale_kernel.launch(self._scale_pack, self.blocks, self.block_threads, s)
+        self._queued(s)
         if self._capturing is not None:
             self._keep(out)
         return out
+
+    def _expert_y_on(self, stream) -> DeviceArray:
+        """expert_y_buffer() as a view that names `stream`, where the fake expert writes it, for
+        consumers that order themselves by the array's stream (__cuda_array_interface__)."""
+        base = self.expert_y_buffer()
+        handle = self.backend.stream_handle(stream)
+        if handle == self.backend.stream_handle(base.stream):
+            return base
+        view = self._expert_y_views.get(handle)
+        if view is None:
+            view = self._expert_y_views[handle] = DeviceArray(self.backend, base.ptr, base.shape, base.dtype,
+                                                              owner=self.heap, stream=stream)
+        return view
 
     def _keep(self, *objects) -> None:
         """Inputs stay referenced until the next call's replace them (the device may still read
@@ -539,8 +574,9 @@ class AllToAll:
         finally:
             self._capturing, self._captured_refs = None, None  # the graph keeps `refs`
         graph = Graph(self.backend, self.backend.capture_end(s), s, refs,
-                      before_launch=lambda: (self._usable(), self._follow(s)))
+                      before_launch=lambda: (self._usable(), self._follow(s)), after_launch=lambda: self._queued(s))
         self._graphs.add(graph)
+        self._queued(s)  # s waits for the calls before the capture
         return graph
 
     def synchronize(self, stream=None) -> None:
@@ -548,7 +584,11 @@ class AllToAll:
         which every earlier call is queued); raise what the kernels reported."""
         if self._capturing is not None:
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
-        self.backend.stream_synchronize(self._synchronized_stream(stream))
+        waited = self._synchronized_stream(stream)
+        self.backend.stream_synchronize(waited)
+        if self._last_stream is not None and \
+                self.backend.stream_handle(waited) == self.backend.stream_handle(self._last_stream):
+            self._last_stream = None  # every call is done: the next one need not wait, on any stream
         if self.host_status[0]:
             self._raise_reported()
 
@@ -563,7 +603,7 @@ class AllToAll:
         """(events, dropped) recorded since the last read (profile=True only); waits for the stream."""
         if self.profile_buffer is None:
             raise A2AError("profile_events() needs AllToAll(..., profile=True)")
-        self.backend.stream_synchronize(self.stream)
+        self.backend.stream_synchronize(self._synchronized_stream(None))
         events, dropped = self.profile_buffer.read(self.stream)
         self.profile_buffer.reset(self.stream)
         return events, dropped

@@ -39,7 +39,8 @@ def producer_stream(obj) -> int | None:
     stream = obj.__cuda_array_interface__.get("stream")
     if stream is None:
         return None
-    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream <= 0:
+        # (0 is ambiguous, and the interface's version 3 forbids it)
         raise ValueError(f"__cuda_array_interface__ stream must be None or a stream handle, not {stream!r}")
     return stream
 

@@ -40,7 +40,7 @@ def test_producer_stream_as_the_interface_names_it():
     assert producer_stream(CAIArray(None)) is None              # "no synchronization needed"
     assert producer_stream(CAIArray(1)) == 1                    # the legacy default stream
     assert producer_stream(CAIArray(0x7F00_1234)) == 0x7F00_1234
-    for bad in ("7", True, -1, 1.5):
+    for bad in ("7", True, -1, 0, 1.5):  # 0 is ambiguous: version 3 forbids it
         with pytest.raises(ValueError, match="stream must be None or a stream handle"):
             producer_stream(CAIArray(bad))
 
