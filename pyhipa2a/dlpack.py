@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -466,6 +467,10 @@ def view_from_object(obj, stream=None) -> DLPackView:
         try:
             capsule = obj.__dlpack__(stream=stream)
         except TypeError:
+            # An exporter older than the stream keyword: it cannot order its writes before our
+            # stream, so the caller must (said once per type).
+            warnings.warn(f"{type(obj).__name__}.__dlpack__ takes no stream=: pyhipa2a cannot wait for its "
+                          "producer's writes; synchronize them before the call", RuntimeWarning, stacklevel=4)
             capsule = obj.__dlpack__()
     return read_capsule(capsule)
 
