@@ -433,11 +433,20 @@ def case_calls_on_different_streams(comm, H, M, rounds="4"):
                     a2a.dispatch(x.view((T, H), np.uint16), idx, stream=streams[3])
                 handoffs.clear()
                 d = a2a.dispatch(x, idx, stream=streams[2])
-                y = a2a.combine(a2a.fake_expert(d, stream=streams[2]), w, stream=streams[2])
+                ey = a2a.fake_expert(d, stream=streams[2])
+                assert b.stream_handle(ey.stream) == h[2]  # its output names the stream that wrote it
+                y = a2a.combine(ey, w, stream=streams[2])
                 assert handoffs == [("record", h[1]), ("wait", h[2])], (i, handoffs)
                 a2a.synchronize()  # the last call's stream, streams[2]
                 err = check_call(a2a, inputs, d, y)
                 print(f"rank {me} round {i}: T={T} max err {err:.3g}")
+            # one of our own arrays, labelled with a stream (as if written there): used after it
+            x3 = pyhipa2a.DeviceArray(b, x.ptr, x.shape, x.dtype, stream=streams[3])
+            handoffs.clear()
+            d = a2a.dispatch(x3, idx, stream=streams[0])
+            a2a.combine(a2a.fake_expert(d, stream=streams[0]), w, stream=streams[0])
+            assert handoffs == [("record", h[3]), ("wait", h[0])], handoffs
+            a2a.synchronize()
             # a graph captured on the object's stream, launched right after an eager call on streams[2]
             # with other inputs: its results must be the graph's own
             inputs, (x, idx, w) = inputs_for(799, M)
