@@ -29,7 +29,8 @@ from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
 from .graph import Graph
 from .heap import SymmetricHeap
-from .inputs import check_array, check_indices, check_numpy, device_view, producer_stream, require_array
+from .inputs import check_array, check_indices, check_numpy, device_view, require_array
+from .ordering import StreamOrder
 from .kernels import A2AArgs, KernelLibrary
 from .profile import ProfileBuffer, clock_offset
 
@@ -220,9 +221,8 @@ class AllToAll:
         self._output_views: dict = {}
         self._device_inputs: dict = {}
         self._foreign_streams: dict = {}
-        self._last_stream = None     # where the last call (or graph launch) was queued: see _follow
+        self._order = StreamOrder(self.backend, self.stream)  # calls across streams, inputs after producers
         self._expert_y_views: dict = {}  # expert_y_buffer() naming other streams (see _expert_y_on)
-        self._order_event = None     # made when a call first waits for another stream
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
     def _launch_geometry(self, device) -> tuple[int, int]:
@@ -316,40 +316,23 @@ class AllToAll:
                 self._foreign_streams[handle] = wrapped
         return wrapped
 
+    # Ordering (pyhipa2a.ordering), outside a capture only: a capture may not wait for work
+    # outside it, so ordering a graph's launch after the producers of its inputs is the caller's part.
     def _follow(self, stream) -> None:
-        """Queue the coming call on `stream` behind the last one. Calls of one object hand the
-        device's epoch and their buffers on in queue order, so when the caller changes streams,
-        the new stream waits (an event recorded now on the last stream) for everything queued
-        there; on the same stream nothing is done. Not while capturing: capture() did it first.
-        The call becomes the last one only once it is queued (_queued): a refused call is not."""
-        if self._capturing is None and self._last_stream is not None:
-            self._wait_for(self._last_stream, stream)
+        if self._capturing is None:
+            self._order.follow(stream)
 
     def _queued(self, stream) -> None:
-        """A call (or graph launch) went to `stream`: the next call on another stream waits for it."""
         if self._capturing is None:
-            self._last_stream = stream
+            self._order.queued(stream)
 
-    def _wait_for(self, other, stream) -> None:
-        """Work queued on `stream` from now on waits for what is queued on `other` now (nothing to
-        do when they are the same stream)."""
-        if self.backend.stream_handle(other) == self.backend.stream_handle(stream):
-            return
-        if self._order_event is None:
-            self._order_event = self.backend.event_create()
-        self.backend.event_record(self._order_event, other)  # each wait takes the record before it
-        self.backend.stream_wait_event(stream, self._order_event)
+    def _after_producer(self, obj, stream, cai: bool = False) -> None:
+        if self._capturing is None:
+            self._order.after_producer(obj, stream, cai)
 
     def _dlpack_stream(self, stream):
-        """How `__dlpack__(stream=...)` names the stream that reads an input: its handle, where
-        CUDA spells the null stream 1 (legacy default) and DLPack reserves 0; -1 (no wait) while
-        capturing, since a capture may not wait for work outside it."""
-        if self.backend.kind == "host":
-            return None
-        if self._capturing is not None:
-            return -1
-        handle = self.backend.stream_handle(stream)
-        return handle if handle or self.backend.kind != "cuda" else 1
+        """What __dlpack__ is told of the reading stream; -1 (do not wait) while capturing."""
+        return -1 if self._capturing is not None and self.backend.kind != "host" else self._order.dlpack_stream(stream)
 
     def _input(self, obj, name, want_shape, want_dtype, stage: str, stream):
         """Pointer to `obj` on the device: NumPy arrays are checked and copied into staging."""
@@ -374,26 +357,6 @@ class AllToAll:
             cached = self._device_inputs[name] = (obj, want_shape, view.ptr, view.keepalive, view.cai, view.dlpack)
         self._after_producer(obj, stream, cai=cached[4])
         return cached[2], cached[3]
-
-    def _after_producer(self, obj, stream, cai: bool = False) -> None:
-        """Queue our use of a device array after its producer's writes, outside a capture (there,
-        ordering the graph's launch after the producers is the caller's part): the stream that a
-        __cuda_array_interface__ array names now, or our own DeviceArray's stream. (A DLPack
-        producer made our stream wait when it exported the array.)"""
-        if self._capturing is not None:
-            return
-        if isinstance(obj, DeviceArray):
-            if obj.stream is not None:
-                self._wait_for(obj.stream, stream)
-        elif cai:
-            producer = producer_stream(obj)
-            if producer is not None:
-                self._wait_for(self.backend.stream_from_handle(self._cai_handle(producer)), stream)
-
-    def _cai_handle(self, value: int) -> int:
-        """A __cuda_array_interface__ stream value as this runtime's handle: CUDA's driver takes 1
-        (legacy default) and 2 (per-thread) as they are; HIP's null stream is 0."""
-        return 0 if value == 1 and self.backend.kind != "cuda" else value
 
     def _no_numpy_in_capture(self, name: str) -> None:
         if self._capturing is not None:
@@ -586,17 +549,13 @@ class AllToAll:
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
         waited = self._synchronized_stream(stream)
         self.backend.stream_synchronize(waited)
-        if self._last_stream is not None and \
-                self.backend.stream_handle(waited) == self.backend.stream_handle(self._last_stream):
-            self._last_stream = None  # every call is done: the next one need not wait, on any stream
+        self._order.synchronized(waited)
         if self.host_status[0]:
             self._raise_reported()
 
     def _synchronized_stream(self, stream):
-        """The stream given, else the last call's: every earlier call is queued before it (_follow)."""
-        if stream is not None:
-            return self._stream_outside_capture(stream)
-        return self._last_stream if self._last_stream is not None else self.stream
+        """The stream given, else the last call's (every earlier call is queued before it)."""
+        return self._stream_outside_capture(stream) if stream is not None else self._order.latest()
 
     # -- profiling ----------------------------------------------------------------
     def profile_events(self):
@@ -636,8 +595,7 @@ class AllToAll:
             if self.profile_buffer is not None:
                 self.profile_buffer.free()
             self.lib.close()
-            if self._order_event is not None:
-                self.backend.event_destroy(self._order_event)
+            self._order.close()
             self.backend.stream_destroy(self.stream)
             self._free_host_status()
 

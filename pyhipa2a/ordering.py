@@ -1,0 +1,83 @@
+"""The order of one AllToAll's calls across streams, and after their inputs' producers.
+
+Calls of one object hand the device's epoch and their buffers on in queue
+order, so a call on another stream than the last call's must wait for it;
+and a device input must be read only after the writes its producer queued.
+Both come down to "work on stream B waits for what is queued on stream A
+now": one event recorded on A and waited for on B, and nothing when A is B.
+Not for use while capturing (a capture may not wait for work outside it):
+the owner checks that.
+"""
+from __future__ import annotations
+
+from .array import DeviceArray
+from .inputs import producer_stream
+
+
+class StreamOrder:
+    def __init__(self, backend, default_stream):
+        self.backend, self.default = backend, default_stream
+        self.last = None     # the stream of the last call (or graph launch) queued; None: nothing pending
+        self._event = None   # made when a call first waits for another stream
+
+    def _same(self, a, b) -> bool:
+        return self.backend.stream_handle(a) == self.backend.stream_handle(b)
+
+    def wait_for(self, other, stream) -> None:
+        """Work queued on `stream` from now on waits for what is queued on `other` now."""
+        if self._same(other, stream):
+            return
+        if self._event is None:
+            self._event = self.backend.event_create()
+        self.backend.event_record(self._event, other)  # each wait takes the record before it
+        self.backend.stream_wait_event(stream, self._event)
+
+    def follow(self, stream) -> None:
+        """Queue the coming call on `stream` behind the last one. It becomes the last one only once
+        it is queued (`queued`): a call refused after this is not."""
+        if self.last is not None:
+            self.wait_for(self.last, stream)
+
+    def queued(self, stream) -> None:
+        """A call (or graph launch) went to `stream`: the next call on another stream waits for it."""
+        self.last = stream
+
+    def latest(self):
+        """The stream to synchronize for every call so far: the last call's (every earlier call is
+        queued before it), else the object's own."""
+        return self.last if self.last is not None else self.default
+
+    def synchronized(self, stream) -> None:
+        """The host waited for `stream`: when that was the last call's, nothing is left to wait for."""
+        if self.last is not None and self._same(stream, self.last):
+            self.last = None
+
+    def after_producer(self, obj, stream, cai: bool) -> None:
+        """Queue a use of device array `obj` on `stream` after its producer's writes: the stream
+        that a __cuda_array_interface__ array (`cai`) names now, or our own DeviceArray's stream.
+        (A DLPack producer made `stream` wait when it exported the array: see dlpack_stream.)"""
+        if isinstance(obj, DeviceArray):
+            if obj.stream is not None:
+                self.wait_for(obj.stream, stream)
+        elif cai:
+            producer = producer_stream(obj)
+            if producer is not None:
+                self.wait_for(self.backend.stream_from_handle(self._cai_handle(producer)), stream)
+
+    def _cai_handle(self, value: int) -> int:
+        """A __cuda_array_interface__ stream value as this runtime's handle: CUDA's driver takes 1
+        (legacy default) and 2 (per-thread) as they are; HIP's null stream is 0."""
+        return 0 if value == 1 and self.backend.kind != "cuda" else value
+
+    def dlpack_stream(self, stream):
+        """How `__dlpack__(stream=...)` names the stream that will read an input: its handle, where
+        CUDA spells the null stream 1 (legacy default) and DLPack reserves 0; None on the host."""
+        if self.backend.kind == "host":
+            return None
+        handle = self.backend.stream_handle(stream)
+        return handle if handle or self.backend.kind != "cuda" else 1
+
+    def close(self) -> None:
+        if self._event is not None:
+            self.backend.event_destroy(self._event)
+            self._event = None
