@@ -330,10 +330,6 @@ class AllToAll:
         if self._capturing is None:
             self._order.after_producer(obj, stream, cai)
 
-    def _dlpack_stream(self, stream):
-        """What __dlpack__ is told of the reading stream; -1 (do not wait) while capturing."""
-        return -1 if self._capturing is not None and self.backend.kind != "host" else self._order.dlpack_stream(stream)
-
     def _input(self, obj, name, want_shape, want_dtype, stage: str, stream):
         """Pointer to `obj` on the device: NumPy arrays are checked and copied into staging."""
         if isinstance(obj, np.ndarray):
@@ -349,14 +345,16 @@ class AllToAll:
         # DLPack arrays are exported at every use: the export is what orders our
         # stream after the producer's writes.
         cached = self._device_inputs.get(name)
-        if cached is None or cached[0] is not obj or cached[1] != want_shape or cached[5]:
+        if cached is None or cached[0] is not obj or cached[1] != want_shape or cached[2].dlpack:
             # (the replaced entry's keepalive, a DLPack capsule, lives until here: the last call
             # that read it was queued before this one)
-            view = device_view(obj, self.backend, self.heap.device.index, name, self._dlpack_stream(stream))
+            exported_to = self._order.dlpack_stream(stream, capturing=self._capturing is not None)
+            view = device_view(obj, self.backend, self.heap.device.index, name, exported_to)
             check_array(name, view.shape, view.dtype, want_shape, want_dtype)
-            cached = self._device_inputs[name] = (obj, want_shape, view.ptr, view.keepalive, view.cai, view.dlpack)
-        self._after_producer(obj, stream, cai=cached[4])
-        return cached[2], cached[3]
+            cached = self._device_inputs[name] = (obj, want_shape, view)
+        view = cached[2]
+        self._after_producer(obj, stream, cai=view.cai)
+        return view.ptr, view.keepalive
 
     def _no_numpy_in_capture(self, name: str) -> None:
         if self._capturing is not None:
@@ -445,8 +443,7 @@ class AllToAll:
         key = id(stream)
         if key not in self._output_views:
             def out(name):
-                a = self.buf[name]
-                return DeviceArray(self.backend, a.ptr, a.shape, a.dtype, owner=self.heap, stream=stream)
+                return self._naming(self.buf[name], stream)
             y = out("y")
             self._output_views[key] = (out("num_tokens"), out("recv_x"), out("recv_meta"),
                                        [y.rows(t) for t in range(self.max_tokens + 1)], stream)
@@ -493,9 +490,12 @@ class AllToAll:
             return base
         view = self._expert_y_views.get(handle)
         if view is None:
-            view = self._expert_y_views[handle] = DeviceArray(self.backend, base.ptr, base.shape, base.dtype,
-                                                              owner=self.heap, stream=stream)
+            view = self._expert_y_views[handle] = self._naming(base, stream)
         return view
+
+    def _naming(self, a: DeviceArray, stream) -> DeviceArray:
+        """A view of our buffer `a` that names `stream`, where it is written."""
+        return DeviceArray(self.backend, a.ptr, a.shape, a.dtype, owner=self.heap, stream=stream)
 
     def _keep(self, *objects) -> None:
         """Inputs stay referenced until the next call's replace them (the device may still read

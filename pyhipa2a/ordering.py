@@ -5,8 +5,8 @@ order, so a call on another stream than the last call's must wait for it;
 and a device input must be read only after the writes its producer queued.
 Both come down to "work on stream B waits for what is queued on stream A
 now": one event recorded on A and waited for on B, and nothing when A is B.
-Not for use while capturing (a capture may not wait for work outside it):
-the owner checks that.
+No waits while capturing (a capture may not wait for work outside it): the
+owner checks that, and dlpack_stream is told.
 """
 from __future__ import annotations
 
@@ -69,11 +69,14 @@ class StreamOrder:
         (legacy default) and 2 (per-thread) as they are; HIP's null stream is 0."""
         return 0 if value == 1 and self.backend.kind != "cuda" else value
 
-    def dlpack_stream(self, stream):
+    def dlpack_stream(self, stream, capturing: bool):
         """How `__dlpack__(stream=...)` names the stream that will read an input: its handle, where
-        CUDA spells the null stream 1 (legacy default) and DLPack reserves 0; None on the host."""
+        CUDA spells the null stream 1 (legacy default) and DLPack reserves 0; None on the host; -1
+        (do not wait) while capturing, since a capture may not wait for work outside it."""
         if self.backend.kind == "host":
             return None
+        if capturing:
+            return -1
         handle = self.backend.stream_handle(stream)
         return handle if handle or self.backend.kind != "cuda" else 1
 

@@ -118,14 +118,19 @@ def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None, sl
     return float(err.max()) if got.size else 0.0
 
 
-def upload_inputs(a2a, inputs: WorldInputs) -> list:
+_OWN_STREAM = object()
+
+
+def upload_inputs(a2a, inputs: WorldInputs, stream=_OWN_STREAM) -> list:
     """This rank's x, indices and weights copied once into device buffers of their own (DeviceArrays on
-    a2a's stream and device), as a loop or a captured graph takes them; free with free_inputs."""
+    a2a's device, labelled with a2a's stream unless `stream` is given: None for arrays that name no
+    stream), as a loop or a captured graph takes them; free with free_inputs."""
     from .array import DeviceArray
     b, r = a2a.backend, a2a.rank
+    stream = a2a.stream if stream is _OWN_STREAM else stream
     arrays = []
     for host in (inputs.xs[r], inputs.indices[r], inputs.weights[r]):
-        arr = DeviceArray(b, b.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype, stream=a2a.stream)
+        arr = DeviceArray(b, b.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype, stream=stream)
         arr.copy_from(host)
         arrays.append(arr)
     return arrays

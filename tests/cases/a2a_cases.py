@@ -395,7 +395,7 @@ def case_calls_on_different_streams(comm, H, M, rounds="4"):
     counted: one event recorded and waited for per change of stream, none otherwise; a refused
     call does not become the last one; after synchronize() nothing is left to wait for; a graph
     launch after a call on another stream is queued behind it too."""
-    from pyhipa2a.testing import check_call, poison
+    from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
     H, M, world = int(H), int(M), comm.Get_size()
     E, k = 256 // world * world, 8
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
@@ -407,15 +407,10 @@ def case_calls_on_different_streams(comm, H, M, rounds="4"):
         b.stream_wait_event = lambda s, ev: (handoffs.append(("wait", b.stream_handle(s))), wait(s, ev))[1]
         h, hA = [b.stream_handle(s) for s in streams], b.stream_handle(a2a.stream)
 
-        def device(host):  # inputs with no stream of their own (filled synchronously): no waits for them
-            arr = pyhipa2a.DeviceArray(b, b.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype)
-            arr.copy_from(host)
-            owned.append(arr)
-            return arr
-
-        def inputs_for(seed, T):
+        def inputs_for(seed, T):  # arrays that name no stream (filled synchronously): no waits for them
             inputs = draw_world(seed, world, E, k, H, M, token_counts=[T] * world)
-            return inputs, [device(a[me]) for a in (inputs.xs, inputs.indices, inputs.weights)]
+            owned.append(upload_inputs(a2a, inputs, stream=None))
+            return inputs, owned[-1]
 
         try:
             a2a.expert_y_buffer()
@@ -466,8 +461,8 @@ def case_calls_on_different_streams(comm, H, M, rounds="4"):
         finally:
             b.event_record, b.stream_wait_event = record, wait
             a2a.synchronize()
-            for arr in owned:
-                b.free(arr.ptr)
+            for arrays in owned:
+                free_inputs(a2a, arrays)
             for s in streams:
                 b.stream_destroy(s)
 
