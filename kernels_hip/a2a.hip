@@ -110,7 +110,7 @@ struct CombineCall {
   u64 weights;    // f32 [T][k]
   u64 out;        // [T][hidden]
   i32 num_tokens;
-  u32 pad;
+  float expert_scale;  // our expert rows count as expert_y * this (a fused elementwise epilogue; 1: none)
 };
 
 // The call's epoch lives on the device, not in the arguments, so a captured
@@ -687,6 +687,16 @@ struct BF16 {
 };
 
 
+// The 8 16-bit values in v, each times `scale`, rounded back to the format.
+template <typename Fmt>
+A2A_DEVICE vec16 scale8(vec16 v, float scale) {
+  u32* w = &v.x;
+  for (int i = 0; i < 4; ++i)
+    w[i] = (u32)Fmt::store(Fmt::load((u16)(w[i] & 0xffffu)) * scale) |
+           ((u32)Fmt::store(Fmt::load((u16)(w[i] >> 16)) * scale) << 16);
+  return v;
+}
+
 // acc[0..8) += w * the 8 16-bit values in v.
 template <typename Fmt>
 A2A_DEVICE void fma8v(float* acc, float w, const vec16& v) {
@@ -732,13 +742,13 @@ A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid&
   }
 }
 
-// acc += sum over the experts j in `bits` of w[j] * (8 * A2A_CHUNKS elements of
-// expert_y row slots[j] from e0 on, in steps of a warp's width). The next
-// expert's row is loaded before this one's is summed: one memory latency per
-// chunk, not one per expert.
+// acc += sum over the experts j in `bits` of w[j] * scale * (8 * A2A_CHUNKS
+// elements of expert_y row slots[j] from e0 on, in steps of a warp's width).
+// The next expert's row is loaded before this one's is summed: one memory
+// latency per chunk, not one per expert.
 template <typename Fmt>
 A2A_DEVICE void sum_rows(float (&acc)[A2A_CHUNKS][8], const u16* expert_y, const i32* slots, u32 bits,
-                         const float* w, u32 H, u32 e0, u32 e_end) {
+                         const float* w, float scale, u32 H, u32 e0, u32 e_end) {
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
   vec16 cur[U], nxt[U];
   u32 j = lowest_bit(bits);
@@ -751,7 +761,7 @@ A2A_DEVICE void sum_rows(float (&acc)[A2A_CHUNKS][8], const u16* expert_y, const
       if (bits && e0 + u * STEP < e_end)
         nxt[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[jn] * H + e0 + u * STEP);
     for (u32 u = 0; u < U; ++u)
-      if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j], cur[u]);
+      if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j] * scale, cur[u]);
     if (!bits) break;
     for (u32 u = 0; u < U; ++u) cur[u] = nxt[u];
     j = jn;
@@ -760,9 +770,11 @@ A2A_DEVICE void sum_rows(float (&acc)[A2A_CHUNKS][8], const u16* expert_y, const
 
 // The same for one element e (rows whose length is not a multiple of 8).
 template <typename Fmt>
-A2A_DEVICE float sum_rows_at(const u16* expert_y, const i32* slots, u32 bits, const float* w, u32 H, u32 e) {
+A2A_DEVICE float sum_rows_at(const u16* expert_y, const i32* slots, u32 bits, const float* w, float scale, u32 H,
+                             u32 e) {
   float acc = 0.f;
-  for (; bits; bits &= bits - 1u) acc += w[lowest_bit(bits)] * Fmt::load(expert_y[(u64)slots[lowest_bit(bits)] * H + e]);
+  for (; bits; bits &= bits - 1u)
+    acc += w[lowest_bit(bits)] * scale * Fmt::load(expert_y[(u64)slots[lowest_bit(bits)] * H + e]);
   return acc;
 }
 
@@ -778,17 +790,38 @@ A2A_DEVICE bool load_slots(i32* slots, const i32* slot_of, u32 bits, u32 k, u32 
   return ok;
 }
 
+// One warp writes n 16-bit elements of src, each times `scale` and rounded
+// back to the format, to dst: an expert's row through the fused epilogue,
+// rounded as the expert's own output would be.
+template <typename Fmt>
+A2A_DEVICE void copy_row_scaled(u16* dst, const u16* src, u32 n, float scale, u32 lane) {
+  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  const u32 bulk = (((u64)dst | (u64)src) & 15u) == 0 ? n / 8u * 8u : 0u;
+  for (u32 e0 = lane * 8u; e0 < bulk; e0 += U * STEP) {
+    vec16 v[U];
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < bulk) v[u] = *reinterpret_cast<const vec16*>(src + e0 + u * STEP);
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < bulk) *reinterpret_cast<vec16*>(dst + e0 + u * STEP) = scale8<Fmt>(v[u], scale);
+  }
+  for (u32 e = bulk + lane; e < n; e += A2A_WARP_SIZE) dst[e] = Fmt::store(Fmt::load(src[e]) * scale);
+}
+
 // Elements [e_begin, e_end) of what rank `me` leaves for a token of a peer:
-// its one expert row as is (the owner applies the weight), or the fp32 sum of
-// w * row over its experts (narrow partials: that sum rounded to the output's
-// 16-bit format, a row like the raw one). `dst` is the token's contribution slot.
+// its one expert row (times the call's expert_scale, rounded to the row's
+// format) for the owner to weight, or the fp32 sum of w * scale * row over its
+// experts (narrow partials: that sum rounded to the output's 16-bit format, a
+// row like the raw one). `dst` is the token's contribution slot.
 template <typename Fmt>
 A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
-                           u8* dst, u32 e_begin, u32 e_end, u32 lane) {
+                           float scale, u8* dst, u32 e_begin, u32 e_end, u32 lane) {
   const u32 H = (u32)x.a.hidden;
   if ((here & (here - 1u)) == 0) {
     const u16* row = expert_y + (u64)slots[lowest_bit(here)] * H;
-    copy_row(dst + e_begin * 2u, reinterpret_cast<const u8*>(row + e_begin), (e_end - e_begin) * 2u, lane);
+    if (scale == 1.f)
+      copy_row(dst + e_begin * 2u, reinterpret_cast<const u8*>(row + e_begin), (e_end - e_begin) * 2u, lane);
+    else
+      copy_row_scaled<Fmt>(reinterpret_cast<u16*>(dst) + e_begin, row + e_begin, e_end - e_begin, scale, lane);
     return;
   }
   float* out = reinterpret_cast<float*>(dst);
@@ -797,7 +830,7 @@ A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, 
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
   for (u32 e0 = e_begin + lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
     float acc[U][8] = {};
-    sum_rows<Fmt>(acc, expert_y, slots, here, w, H, e0, e_end);
+    sum_rows<Fmt>(acc, expert_y, slots, here, w, scale, H, e0, e_end);
     for (u32 u = 0; u < U; ++u) {
       if (e0 + u * STEP >= e_end) continue;
       if (narrow)
@@ -807,7 +840,7 @@ A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, 
     }
   }
   for (u32 e = e_begin + lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
-    const float sum = sum_rows_at<Fmt>(expert_y, slots, here, w, H, e);
+    const float sum = sum_rows_at<Fmt>(expert_y, slots, here, w, scale, H, e);
     if (narrow)
       narrow[e] = Fmt::store(sum);
     else
@@ -845,14 +878,14 @@ A2A_DEVICE vec16 load8(const u16* p, bool vec) {
 // word (raw rows, narrow partials), fp32 sums one a word.
 template <typename Fmt>
 A2A_DEVICE void push_contribution(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
-                                  u64* dst, u32 e_begin, u32 e_end, u32 lane) {
+                                  float scale, u64* dst, u32 e_begin, u32 e_end, u32 lane) {
   const u32 H = (u32)x.a.hidden;
   const bool vec = ((u64)expert_y & 15u) == 0;
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
   if ((here & (here - 1u)) == 0) {
     const u16* row = expert_y + (u64)slots[lowest_bit(here)] * H;
     for (u32 e = e_begin + lane * 8u; e < e_end; e += STEP) {
-      const vec16 v = load8(row + e, vec);
+      const vec16 v = scale == 1.f ? load8(row + e, vec) : scale8<Fmt>(load8(row + e, vec), scale);
       const u32 words[4] = {v.x, v.y, v.z, v.w};
       u64* o = dst + pushed_pair_word(e);
       for (u32 q = 0; q < 4; ++q) a2a_store_relaxed_sys_u64(&o[q * A2A_WARP_SIZE], a2a_tag(words[q], x.epoch));
@@ -862,11 +895,12 @@ A2A_DEVICE void push_contribution(const Ctx& x, const u16* expert_y, const i32* 
   for (u32 e0 = e_begin + lane * 8u; e0 < e_end; e0 += U * STEP) {
     float acc[U][8] = {};
     if (vec) {
-      sum_rows<Fmt>(acc, expert_y, slots, here, w, H, e0, e_end);
+      sum_rows<Fmt>(acc, expert_y, slots, here, w, scale, H, e0, e_end);
     } else {
       for (u32 u = 0; u < U; ++u)
         for (u32 i = 0; i < 8; ++i)
-          if (e0 + u * STEP < e_end) acc[u][i] = sum_rows_at<Fmt>(expert_y, slots, here, w, H, e0 + u * STEP + i);
+          if (e0 + u * STEP < e_end)
+            acc[u][i] = sum_rows_at<Fmt>(expert_y, slots, here, w, scale, H, e0 + u * STEP + i);
     }
     for (u32 u = 0; u < U; ++u) {
       if (e0 + u * STEP >= e_end) continue;
@@ -932,11 +966,11 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     if (pushed >> src & 1u) {  // straight into the owner's inbox, no flag
       u64* inbox = sym<u64>(x.h, (int)src, x.a.off_push_contrib) +
                    ((u64)me * x.a.push_max_tokens + t) * x.a.push_row_words;
-      push_contribution<Fmt>(x, expert_y, sc.slots, here, w, inbox, e_begin, e_end, g.lane);
+      push_contribution<Fmt>(x, expert_y, sc.slots, here, w, c.expert_scale, inbox, e_begin, e_end, g.lane);
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
       continue;
     }
-    contribute<Fmt>(x, expert_y, sc.slots, here, w,
+    contribute<Fmt>(x, expert_y, sc.slots, here, w, c.expert_scale,
                     sym<u8>(x.h, (int)me, x.a.off_contrib) + ((u64)src * x.M + t) * stride, e_begin, e_end, g.lane);
     a2a_wave_sync();
     if (g.lane == 0)  // the data stays here, the flag goes to the owner
@@ -1012,7 +1046,7 @@ A2A_DEVICE bool add_peer_part_at(const Ctx& x, float& acc, u32 r, u32 t, u32 bit
   return true;
 }
 
-// y[t] = our own experts' rows of t times their weights, read straight from
+// y[t] = our own experts' rows of t times their weights (and expert_scale), read straight from
 // expert_y, plus each peer's part (add_peer_part); one warp per segment of a
 // token. Lane r works out which of t's slots live on rank r. Pulled parts
 // wait for their flags first; pushed ones are taken word by word.
@@ -1023,6 +1057,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const float* weights = reinterpret_cast<const float*>(c.weights);
   const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
+  const float scale = c.expert_scale;  // of our own rows; a peer's part comes scaled by the peer
   u16* out = reinterpret_cast<u16*>(c.out);
   const bool vec = H % 8u == 0 && (((u64)out | (u64)expert_y) & 15u) == 0;
   // Our dispatch's choice, from the header it left in our own inbox.
@@ -1049,7 +1084,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     // per lane) is summed before waiting, while the peers' parts are on the way.
     const u32 e_first = e_begin + g.lane * 8u;
     float acc[U][8] = {};
-    if (vec && mine && e_first < e_end) sum_rows<Fmt>(acc, expert_y, own, mine, w, H, e_first, e_end);
+    if (vec && mine && e_first < e_end) sum_rows<Fmt>(acc, expert_y, own, mine, w, scale, H, e_first, e_end);
     bool ok = true;
     for (u32 r = 0; r < x.W && ok && !pushed; ++r) {
       if (!here[r] || r == me) continue;
@@ -1063,7 +1098,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
       if (e0 != e_first) {
         for (u32 u = 0; u < U; ++u)
           for (u32 i = 0; i < 8; ++i) acc[u][i] = 0.f;
-        if (mine) sum_rows<Fmt>(acc, expert_y, own, mine, w, H, e0, e_end);
+        if (mine) sum_rows<Fmt>(acc, expert_y, own, mine, w, scale, H, e0, e_end);
       }
       for (u32 r = 0; r < x.W && ok; ++r)
         if (here[r] && r != me) ok = add_peer_part<Fmt>(x, acc, r, t, here[r], w, e0, e_end, pushed);
@@ -1071,7 +1106,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
         if (ok && e0 + u * STEP < e_end) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
     }
     for (u32 e = e_begin + g.lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
-      float acc = mine ? sum_rows_at<Fmt>(expert_y, own, mine, w, H, e) : 0.f;
+      float acc = mine ? sum_rows_at<Fmt>(expert_y, own, mine, w, scale, H, e) : 0.f;
       for (u32 r = 0; r < x.W && ok; ++r)
         if (here[r] && r != me) ok = add_peer_part_at<Fmt>(x, acc, r, t, here[r], w, e, pushed);
       if (ok) out[(u64)t * H + e] = Fmt::store(acc);
@@ -1154,14 +1189,8 @@ A2A_DEVICE void scale_rows(const u16* x, u16* y, const i32* counts, u32 L, u32 c
       vec16 v[U];
       for (u32 u = 0; u < U; ++u)
         if (c0 + u * STEP < vec_elems) v[u] = *reinterpret_cast<const vec16*>(x + row + c0 + u * STEP);
-      for (u32 u = 0; u < U; ++u) {
-        if (c0 + u * STEP >= vec_elems) continue;
-        u32* w = &v[u].x;
-        for (int i = 0; i < 4; ++i)
-          w[i] = (u32)Fmt::store(Fmt::load((u16)(w[i] & 0xffffu)) * scale) |
-                 ((u32)Fmt::store(Fmt::load((u16)(w[i] >> 16)) * scale) << 16);
-        *reinterpret_cast<vec16*>(y + row + c0 + u * STEP) = v[u];
-      }
+      for (u32 u = 0; u < U; ++u)
+        if (c0 + u * STEP < vec_elems) *reinterpret_cast<vec16*>(y + row + c0 + u * STEP) = scale8<Fmt>(v[u], scale);
     }
     for (u32 c = vec_elems + g.lane; c < hidden; c += A2A_WARP_SIZE)
       y[row + c] = Fmt::store(Fmt::load(x[row + c]) * scale);

@@ -29,7 +29,7 @@ from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
 from .graph import Graph
 from .heap import SymmetricHeap
-from .inputs import check_array, check_indices, check_numpy, device_view, require_array
+from .inputs import check_array, check_indices, check_numpy, check_scale, device_view, require_array
 from .ordering import StreamOrder
 from .kernels import A2AArgs, KernelLibrary
 from .profile import ProfileBuffer, clock_offset
@@ -395,11 +395,18 @@ class AllToAll:
         self._pending = result
         return result
 
-    def combine(self, expert_y, weights, *, out=None, stream=None) -> DeviceArray:
-        """Bring expert outputs back: y[t] = sum_j weights[t, j] * expert_y_row(t, j), fp32 accumulation."""
+    def combine(self, expert_y, weights, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
+        """Bring expert outputs back: y[t] = sum_j weights[t, j] * expert_y_row(t, j), fp32 accumulation.
+
+        `expert_scale` (this rank's; each rank passes its own) is a fused elementwise epilogue: this
+        rank's expert rows count as expert_y * expert_scale. A row that crosses to its token's owner
+        alone is scaled and rounded to out_dtype on the way, as an expert kernel's output would be;
+        every other row's scale joins its weight in fp32. gpu-mode's fake expert is
+        `combine(d.expert_x, w, expert_scale=1 + rank)`: no expert kernel at all."""
         self._usable()
         if self._pending is None:
             raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
+        scale = check_scale(expert_scale)
         T = self._pending.num_tokens
         s = self._stream(stream)
         self._follow(s)
@@ -429,6 +436,7 @@ class AllToAll:
 
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens = y_ptr, w_ptr, out_ptr, T
+        call.expert_scale = scale
         self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)
         self._keep(y_keep, w_keep, o_keep)

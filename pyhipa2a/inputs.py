@@ -144,3 +144,14 @@ def check_indices(indices: np.ndarray, num_experts: int) -> None:
         t = dup[0][0]
         raise ValueError(f"indices row {t} repeats expert {ordered[t, dup[0][1]]}: {indices[t].tolist()}; "
                          f"the experts of a token must be distinct")
+
+
+def check_scale(value) -> float:
+    """combine()'s expert_scale: a finite real number that float32 holds (the kernels multiply in fp32)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"expert_scale must be a real number, not {_describe(value)}")
+    with np.errstate(over="ignore"):  # too large for float32 becomes inf, refused below
+        as_f32 = np.float32(value)
+    if not np.isfinite(as_f32):
+        raise ValueError(f"expert_scale={value!r} is not a finite float32")
+    return float(as_f32)

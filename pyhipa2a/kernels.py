@@ -47,7 +47,7 @@ class DispatchCall(ctypes.Structure):
 
 
 class CombineCall(ctypes.Structure):
-    _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("pad", u32)]
+    _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("expert_scale", f32)]
 
 
 # kernel name -> (code object, argument types)

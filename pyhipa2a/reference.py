@@ -37,9 +37,21 @@ def dispatch(xs: list[np.ndarray], indices: list[np.ndarray], num_experts: int) 
     return out
 
 
-def fake_expert(x_row: np.ndarray, expert_rank: int) -> np.ndarray:
-    """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to x's dtype."""
+def fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
+    """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to x's dtype.
+
+    Every expert of the oracle is called with `alone`: whether this row is the only one of its token
+    on expert_rank and crosses to another rank (see fused_fake_expert)."""
     return (x_row.astype(np.float32) * np.float32(1 + expert_rank)).astype(x_row.dtype)
+
+
+def fused_fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
+    """The fake expert fused into combine (combine(d.expert_x, w, expert_scale=1 + rank)): the scale
+    joins the weight in fp32, so the row is x * (1 + rank) unrounded, except a row that crosses to
+    its token's owner alone, which is scaled and rounded to x's dtype on its way."""
+    if alone:
+        return fake_expert(x_row, expert_rank)
+    return x_row.astype(np.float64) * (1 + expert_rank)
 
 
 def for_sources(count: int, ranks, per_source) -> list:
@@ -56,7 +68,7 @@ def parts_by_rank(xs, indices, weights, num_experts: int, src: int, t: int, expe
     for r in range(world):
         slots = [j for j in range(indices[src].shape[1]) if int(indices[src][t, j]) // L == r]
         if slots:
-            row = expert(xs[src][t], r).astype(np.float64)
+            row = expert(xs[src][t], r, r != src and len(slots) == 1).astype(np.float64)
             out.append((r, slots, sum(float(weights[src][t, j]) * row for j in slots)))
     return out
 
@@ -71,7 +83,8 @@ def crosses_narrow(src: int, r: int, slots) -> bool:
 def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=None,
             partials_dtype=None) -> list[np.ndarray]:
     """Expected y per rank in float64 (round it to the output dtype once), given
-    `expert(x_row, expert_rank) -> y_row`.
+    `expert(x_row, expert_rank, alone) -> y_row` (fake_expert, or fused_fake_expert for the fake
+    expert fused into combine).
 
     `partials_dtype`: the contract of AllToAll(narrow_partials=True), where each partial sum that
     crosses narrow (see crosses_narrow) is rounded to this dtype on its way. `ranks` limits the work

@@ -146,19 +146,31 @@ def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
     check_dispatch(result, reference.dispatch(inputs.xs, inputs.indices, a2a.num_experts)[a2a.rank], a2a.rank)
 
 
-def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None) -> float:
-    """This rank's finished combine output `y` against the oracle; the largest error (raises outside
-    the tolerance)."""
-    rank = a2a.rank
-    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, ranks=[rank])[rank]
+def oracle_expert(fused: bool):
+    """The oracle's fake expert: a kernel of its own (fake_expert), or fused into combine as
+    combine(d.expert_x, w, expert_scale=1 + rank) (fused_fake_expert)."""
+    return reference.fused_fake_expert if fused else reference.fake_expert
+
+
+def fused_combine(a2a, result, weights, **kw):
+    """gpu-mode's fake expert fused into combine: no expert kernel, the scale applied by combine."""
+    return a2a.combine(result.expert_x, weights, expert_scale=1 + a2a.rank, **kw)
+
+
+def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None, fused: bool = False) -> float:
+    """This rank's finished combine output `y` against the oracle (of the fake expert, fused into
+    combine when `fused`); the largest error (raises outside the tolerance)."""
+    rank, expert = a2a.rank, oracle_expert(fused)
+    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, expert,
+                                 ranks=[rank])[rank]
     slack = None
     if a2a.narrow_partials and tolerance is None:  # a tolerance given (gpu-mode's) holds as it is
         slack = reference.narrow_partials_slack(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts,
-                                                UNIT_ROUNDOFF[a2a.out_dtype.name], ranks=[rank])[rank]
+                                                UNIT_ROUNDOFF[a2a.out_dtype.name], expert, ranks=[rank])[rank]
     return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance, slack)
 
 
-def check_combine_exact(a2a, inputs: WorldInputs, y) -> int:
+def check_combine_exact(a2a, inputs: WorldInputs, y, fused: bool = False) -> int:
     """For inputs drawn with exact=True: this rank's combine output `y` must equal the oracle of a2a's
     partials mode (fp32, or narrow_partials) rounded once to the output dtype, value for value; any
     other rounding (of the owner's own part, toward zero, twice) shows. Returns how many of this
@@ -167,8 +179,8 @@ def check_combine_exact(a2a, inputs: WorldInputs, y) -> int:
     rank, dtype = a2a.rank, a2a.out_dtype
 
     def oracle(partials_dtype):
-        return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, ranks=[rank],
-                                 partials_dtype=partials_dtype)[rank].astype(dtype)
+        return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, oracle_expert(fused),
+                                 ranks=[rank], partials_dtype=partials_dtype)[rank].astype(dtype)
 
     wide, narrow = oracle(None), oracle(dtype)
     want, got = (narrow if a2a.narrow_partials else wide), y.numpy()
@@ -183,26 +195,30 @@ def check_combine_exact(a2a, inputs: WorldInputs, y) -> int:
     return int(np.count_nonzero(wide.astype(np.float64) != narrow.astype(np.float64)))
 
 
-def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None) -> float:
+def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None, fused: bool = False) -> float:
     """Check a finished call (its DispatchResult views and combine output `y`) against the oracle on this
     rank; returns the largest combine error."""
     check_dispatch_against_oracle(a2a, inputs, result)
-    return combine_error_against_oracle(a2a, inputs, y, tolerance)
+    return combine_error_against_oracle(a2a, inputs, y, tolerance, fused)
 
 
-def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None) -> float:
-    """Poison, dispatch, fake expert, combine, check. Returns the largest combine error on this rank."""
+def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, fused: bool = False) -> float:
+    """Poison, dispatch, fake expert (fused into combine when `fused`), combine, check. Returns the
+    largest combine error on this rank."""
     rank = a2a.rank
     if check:
         poison(a2a)
     result = a2a.dispatch(inputs.xs[rank], inputs.indices[rank])
-    expert_y = a2a.fake_expert(result)
+    expert_y = None if fused else a2a.fake_expert(result)
     if check:
         a2a.synchronize()
         check_dispatch_against_oracle(a2a, inputs, result)
-    y = a2a.combine(expert_y, inputs.weights[rank])
+    if fused:
+        y = fused_combine(a2a, result, inputs.weights[rank])
+    else:
+        y = a2a.combine(expert_y, inputs.weights[rank])
     a2a.synchronize()
-    return combine_error_against_oracle(a2a, inputs, y, tolerance) if check else float("nan")
+    return combine_error_against_oracle(a2a, inputs, y, tolerance, fused) if check else float("nan")
 
 
 def failure_line(rank: int, error: BaseException, what: str = "") -> str:

@@ -13,6 +13,9 @@ per rank 1..256 at E=256 k=8 H=7168 M=256 instead of the default shapes
 (add --shape to get both). Device times: median per rank, max over ranks.
 `--narrow-partials` runs AllToAll(narrow_partials=True): partial sums cross
 in fp16 instead of fp32 (half of combine's partial-sum bytes, one more rounding).
+`--fused-expert` fuses the fake expert into combine (combine(d.expert_x, w,
+expert_scale=1 + rank)), as gpu-mode's fastest entries did: two kernels a call
+instead of three, and no pass over expert_x; the GEMM column is then empty.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, draw_world, free_inputs, poison,  # noqa: E402
-                              failure_line, run_round, upload_inputs)
+                              failure_line, fused_combine, run_round, upload_inputs)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -104,24 +107,25 @@ def peer_bandwidth(comm, backend) -> dict:
 
 
 # -- one call, and its timings ------------------------------------------------------
-def call(a2a, arrays, events=None):
-    """dispatch -> fake expert -> combine, with an event before, between and after when given."""
+def call(a2a, arrays, events=None, fused=False):
+    """dispatch -> fake expert -> combine, with an event before, between and after when given; `fused`:
+    the fake expert fused into combine (its scale applied there; no expert kernel, a GEMM phase of 0)."""
     mark = (lambda i: a2a.backend.event_record(events[i], a2a.stream)) if events else (lambda i: None)
     x, idx, w = arrays
     mark(0)
     d = a2a.dispatch(x, idx)
     mark(1)
-    ey = a2a.fake_expert(d)
+    ey = None if fused else a2a.fake_expert(d)
     mark(2)
-    y = a2a.combine(ey, w)
+    y = fused_combine(a2a, d, w) if fused else a2a.combine(ey, w)
     mark(3)
     return d, y
 
 
-def capture(a2a, arrays, events=None):
+def capture(a2a, arrays, events=None, fused=False):
     """The same call as one graph (events inside it are recorded at every launch); (graph, (d, y))."""
     out = []
-    graph = a2a.capture(lambda: out.extend(call(a2a, arrays, events)))
+    graph = a2a.capture(lambda: out.extend(call(a2a, arrays, events, fused)))
     return graph, tuple(out)
 
 
@@ -135,13 +139,13 @@ def collective_check(comm, check, what: str = "") -> str:
     return "; ".join(m for m in comm.allgather(msg) if m)
 
 
-def check_graph(comm, a2a, inputs, graph, outputs) -> str:
+def check_graph(comm, a2a, inputs, graph, outputs, fused) -> str:
     """One launch of the graph on poisoned outputs against the oracle."""
     def check():
         poison(a2a)
         graph.launch()
         a2a.synchronize()
-        check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE)
+        check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE, fused=fused)
     return collective_check(comm, check, " (graph)")
 
 
@@ -177,9 +181,9 @@ def wall_time(comm, a2a, body, flush_ptr: int, iters: int) -> float:
     return statistics.median(times) * 1e6  # only rank 0's figure is reported
 
 
-def check_once(comm, a2a, inputs) -> str:
+def check_once(comm, a2a, inputs, fused) -> str:
     """One eager call on poisoned outputs against the oracle."""
-    return collective_check(comm, lambda: run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE))
+    return collective_check(comm, lambda: run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused))
 
 
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
@@ -188,23 +192,25 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs])),
          "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks},
          "pushed_ranks": sum(len(x) <= a2a.push_max_tokens for x in inputs.xs)}
-    error = check_once(comm, a2a, inputs)
+    fused = args.fused_expert
+    error = check_once(comm, a2a, inputs, fused)
     if error:
         return {**r, "ok": False, "error": error}
     arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
     b = a2a.backend
     events = [b.event_create() for _ in range(4)]
-    timed, timed_out = capture(a2a, arrays, events)
-    bare, bare_out = capture(a2a, arrays)
-    error = check_graph(comm, a2a, inputs, timed, timed_out) or check_graph(comm, a2a, inputs, bare, bare_out)
+    timed, timed_out = capture(a2a, arrays, events, fused)
+    bare, bare_out = capture(a2a, arrays, fused=fused)
+    error = (check_graph(comm, a2a, inputs, timed, timed_out, fused)
+             or check_graph(comm, a2a, inputs, bare, bare_out, fused))
     if error:
         return {**r, "ok": False, "error": error}
     r.update(device_times(comm, a2a, timed.launch, events, args.warmup, args.iters))
-    eager = device_times(comm, a2a, lambda: call(a2a, arrays, events), events, args.warmup, args.iters)
+    eager = device_times(comm, a2a, lambda: call(a2a, arrays, events, fused), events, args.warmup, args.iters)
     r.update({"eager_" + p: v for p, v in eager.items()})
     if flush_ptr is not None:
         r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
-        r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, arrays), flush_ptr, args.iters)
+        r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, arrays, fused=fused), flush_ptr, args.iters)
         r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
     for graph in (timed, bare):
         graph.close()
@@ -349,8 +355,10 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     world = MPI.COMM_WORLD.Get_size()
     command = shlex.join(["python", *sys.argv])
     partials = "fp16 (--narrow-partials)" if args.narrow_partials else "fp32"
+    expert = ("fused into combine (--fused-expert: no expert kernel)" if args.fused_expert
+              else "a kernel of its own")
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
-          f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}")
+          f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}")
     print(f"command ({world} ranks): {command}")
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
           f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
@@ -368,7 +376,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
         machine = {"backend": backend.kind, "device": bw["device"], "world_size": world}
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
-                       "narrow_partials": args.narrow_partials,
+                       "narrow_partials": args.narrow_partials, "fused_expert": args.fused_expert,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
     if args.plot:
@@ -399,6 +407,9 @@ def main() -> int:
     p.add_argument("--plot", help="write a PNG (needs matplotlib)")
     p.add_argument("--narrow-partials", action="store_true",
                    help="AllToAll(narrow_partials=True): partial sums cross in fp16, not fp32")
+    p.add_argument("--fused-expert", action="store_true",
+                   help="the fake expert fused into combine (combine(d.expert_x, w, expert_scale=1 + rank)): "
+                        "no expert kernel")
     args = p.parse_args()
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")

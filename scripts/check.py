@@ -31,7 +31,7 @@ def load_shapes(which: str) -> list[dict]:
 
 
 def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float,
-                narrow_partials: bool = False) -> tuple[bool, float, str]:
+                narrow_partials: bool = False, fused: bool = False) -> tuple[bool, float, str]:
     """(ok on this rank, largest combine error, message)."""
     world = comm.Get_size()
     try:
@@ -42,7 +42,7 @@ def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float,
             for r in range(rounds):
                 inputs = draw_world(s["seed"] + 7919 * r, world, s["num_experts"], s["experts_per_token"],
                                     s["hidden_dim"], s["max_num_tokens"], dtype)
-                worst = max(worst, run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE))
+                worst = max(worst, run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused))
             return True, worst, ""
     except Exception as e:  # reported in the table; the other ranks time out instead of hanging
         if os.environ.get("PYHIPA2A_DEBUG"):
@@ -58,6 +58,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--narrow-partials", action="store_true",
                    help="AllToAll(narrow_partials=True): partial sums cross in the output dtype")
+    p.add_argument("--fused-expert", action="store_true",
+                   help="the fake expert fused into combine: combine(d.expert_x, w, expert_scale=1 + rank)")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     world, rank = comm.Get_size(), comm.Get_rank()
@@ -67,7 +69,8 @@ def main() -> int:
         if s["num_experts"] % world:
             rows.append((name, "SKIP", "", f"{s['num_experts']} experts do not divide over {world} ranks"))
             continue
-        ok, err, msg = check_shape(comm, s, args.rounds, args.dtype, args.timeout, args.narrow_partials)
+        ok, err, msg = check_shape(comm, s, args.rounds, args.dtype, args.timeout, args.narrow_partials,
+                                   args.fused_expert)
         ok = comm.allreduce(ok, op=MPI.LAND)
         worst = comm.allreduce(err if err == err else float("inf"), op=MPI.MAX)
         msgs = [m for m in comm.allgather(msg) if m]
@@ -76,7 +79,8 @@ def main() -> int:
     if rank == 0:
         print(f"pyhipa2a check: {world} ranks, {args.dtype}, {args.rounds} rounds per shape, "
               f"allclose(rtol={GPU_MODE_TOLERANCE[0]}, atol={GPU_MODE_TOLERANCE[1]})"
-              + (", narrow partials" if args.narrow_partials else ""))
+              + (", narrow partials" if args.narrow_partials else "")
+              + (", fake expert fused into combine" if args.fused_expert else ""))
         print(f"{'shape':<34} {'result':<6} {'max err':<9} note")
         for name, verdict, err, note in rows:
             print(f"{name:<34} {verdict:<6} {err:<9} {note}")

@@ -4,11 +4,12 @@ Three AllToAll objects of different shapes and dtypes stay alive and are
 called in a random order (the same on every rank). Token counts are random,
 including 0 and M, and routing is skewed: uniform, one hot expert, or whole
 ranks sending nothing. Every output is checked against pyhipa2a.reference
-with poisoned outputs. Calls are made three ways: NumPy inputs on the
-object's stream; device inputs with the call split over two streams
-(dispatch on one, the expert and combine on the other); and device inputs
-after a burst of unchecked back-to-back calls (no host synchronisation in
-between), the checked call last. Every `--churn` calls one object is closed and built
+with poisoned outputs. Calls are made four ways: NumPy inputs on the
+object's stream; the same with the fake expert fused into combine
+(combine(d.expert_x, w, expert_scale=1 + rank)); device inputs with the call
+split over two streams (dispatch on one, the expert and combine on the other);
+and device inputs after a burst of unchecked back-to-back calls (no host
+synchronisation in between), the checked call last. Every `--churn` calls one object is closed and built
 again, so teardown is exercised too. Device memory in use is reported after
 warm-up and at the end, and must not grow. Exits non-zero on any mismatch,
 error or growth.
@@ -29,7 +30,7 @@ from pyhipa2a import AllToAll  # noqa: E402
 from pyhipa2a.testing import (check_call, draw_world, failure_line, free_inputs, poison, run_round,  # noqa: E402
                               upload_inputs)
 
-WAYS = ("numpy", "two_streams", "after_burst")
+WAYS = ("numpy", "fused", "two_streams", "after_burst")
 
 
 def device_round(a2a, inputs, way: str, streams) -> float:
@@ -98,8 +99,8 @@ def main() -> int:
                                 s["hidden_dim"], s["max_num_tokens"], s["in_dtype"], counts, routing)
             way = WAYS[int(rng.integers(0, len(WAYS)))]
             ways[way] += 1
-            if way == "numpy":
-                return run_round(a2as[which], inputs)
+            if way in ("numpy", "fused"):
+                return run_round(a2as[which], inputs, fused=way == "fused")
             return device_round(a2as[which], inputs, way, streams)
 
         for i in range(3 * len(a2as)):              # warm-up: every object's kernels loaded, buffers touched

@@ -103,6 +103,22 @@ def test_narrow_partials(mode, H, dtype, values, backend):
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values))
 
 
+# (mode, narrow partials, H, dtype, values) for the fake expert fused into combine: every transfer mode,
+# fp32 and narrow partials, on exact inputs (value for value); gpu-mode's inputs; bf16; and H=1001,
+# whose rows take the element-wise paths (pulled only).
+FUSED_CASES = ([(m, n, 1024, "float16", "exact") for m in sorted(TRANSFER_MODES) for n in ("0", "1")]
+               + [("mixed", "0", 1024, "float16", "normal"), ("mixed", "1", 1000, "bfloat16", "normal"),
+                  ("pull", "0", 1001, "float16", "exact")])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode,narrow,H,dtype,values", FUSED_CASES)
+def test_fused_expert(mode, narrow, H, dtype, values, backend):
+    """combine(d.expert_x, w, expert_scale=1 + rank): gpu-mode's fake expert with no kernel of its own."""
+    run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values, narrow))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_checks_between_back_to_back_replays(backend):
     # On the GPU at the sweep's size, where the buffers are large enough for a fill to outlast a

@@ -168,6 +168,7 @@ def _combine(backend, a, c, dtype) -> None:
     W, M, k, L, me, p, H = v.W, v.M, v.k, v.L, v.me, v.parity, a.hidden
     T, P = c.num_tokens, a.push_max_tokens
     narrow = bool(a.narrow_partials)  # partial sums travel in the output's 16-bit format
+    scale = np.float32(c.expert_scale)  # our expert rows count as expert_y * scale (a fused epilogue)
     weights = mem(c.weights, (T, k), np.float32)
     expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
@@ -202,12 +203,14 @@ def _combine(backend, a, c, dtype) -> None:
         inbox = v.buf(src, "push_contrib", (W, P, a.push_row_words), np.uint64)[me]  # the owner's
         for t in tokens:
             js = np.flatnonzero(here[t])
-            if len(js) == 1:  # the raw row; the owner applies the weight
+            if len(js) == 1:  # the raw row (scaled, rounded to its format); the owner applies the weight
                 part = expert_y[slot_of[src, t, js[0]]]
+                if scale != 1:
+                    part = (part.astype(np.float32) * scale).astype(dtype)
             else:
                 part = np.zeros(H, np.float32)
                 for j in js:
-                    part += w[t, j] * expert_y[slot_of[src, t, j]].astype(np.float32)
+                    part += (w[t, j] * scale) * expert_y[slot_of[src, t, j]].astype(np.float32)
                 if narrow:
                     part = part.astype(dtype)
             if src_pushed:  # straight into the owner's inbox as tagged words, no flag
@@ -228,7 +231,7 @@ def _combine(backend, a, c, dtype) -> None:
     t0 = time.monotonic_ns()
     for t, j in zip(*np.nonzero(valid & (rows // L == me))):
         if slot_of[me, t, j] >= 0:  # a lost slot was reported already
-            acc[t] += weights[t, j] * expert_y[slot_of[me, t, j]].astype(np.float32)
+            acc[t] += (weights[t, j] * scale) * expert_y[slot_of[me, t, j]].astype(np.float32)
     v.rec.record(12, t0, me)
     for r in range(W):
         if r == me:

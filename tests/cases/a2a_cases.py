@@ -87,6 +87,48 @@ def case_narrow_partials(comm, H, dtype="float16", values="normal", rounds="2"):
                            else "narrow and fp32 partials gave identical results everywhere")
 
 
+def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rounds="2"):
+    """The fake expert fused into combine (combine(d.expert_x, w, expert_scale=1 + rank): no expert
+    kernel) against the oracle of that contract (reference.fused_fake_expert):
+    - values="exact" (every product and fp32 sum exact, and x * (1 + rank) exact in the format): value
+      for value, so a scale missing or doubled on any path (own rows, partial sums, a single raw row,
+      pulled or pushed) shows;
+    - values="normal" (gpu-mode's inputs): within the usual tolerance, and with 3 or more ranks the
+      result must differ from the unfused call's somewhere (the fused scale joins the weight
+      unrounded: if it did not, the expert rows were rounded as the kernel path rounds them; with
+      1 or 2 ranks every scale, 1 or 2, is a power of two and the rounding changes nothing).
+    The transfer mode comes from PYHIPA2A_PUSH_MAX_TOKENS; `narrow` is AllToAll(narrow_partials=)."""
+    from pyhipa2a.testing import (check_combine_exact, check_dispatch_against_oracle,
+                                  combine_error_against_oracle, fused_combine, poison)
+    H, rounds, exact, world = int(H), int(rounds), values == "exact", comm.Get_size()
+    E, k, M = 4 * world, 4, 32  # several of a token's experts on one rank, and single ones
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype=dtype,
+                  narrow_partials=narrow == "1") as a2a:
+        me, differing = a2a.rank, 0
+        for i in range(rounds):
+            rng = np.random.default_rng(700 + i)
+            inputs = draw_world(700 + i, world, E, k, H, M, dtype, token_counts("staggered", world, M, rng),
+                                exact=exact)
+            ys = []
+            for fused in (True, False):
+                poison(a2a)
+                d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+                y = fused_combine(a2a, d, inputs.weights[me]) if fused else a2a.combine(a2a.fake_expert(d),
+                                                                                        inputs.weights[me])
+                a2a.synchronize()
+                check_dispatch_against_oracle(a2a, inputs, d)
+                if exact:
+                    check_combine_exact(a2a, inputs, y, fused=fused)
+                else:
+                    combine_error_against_oracle(a2a, inputs, y, fused=fused)
+                ys.append(y.numpy().copy())
+            differing += int(np.count_nonzero(ys[0] != ys[1]))
+            print(f"rank {me} round {i}: T={len(inputs.xs[me])} pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} "
+                  f"fused and unfused differ in {int(np.count_nonzero(ys[0] != ys[1]))} elements")
+        if not exact and world >= 3:
+            assert comm.allreduce(differing) > 0, "fused and unfused calls gave identical results everywhere"
+
+
 def case_alternating(comm, calls="200"):
     """Two AllToAll objects of different shapes used alternately, token counts changing every call."""
     world = comm.Get_size()
@@ -266,6 +308,10 @@ def case_bad_inputs(comm):
             a2a.combine(expert_y, w.astype(np.float64))
         with pytest.raises(TypeError, match="out must be a device array"):
             a2a.combine(expert_y, w, out=np.zeros((4, H), np.float16))
+        with pytest.raises(TypeError, match="expert_scale must be a real number, not builtins.str"):
+            a2a.combine(expert_y, w, expert_scale="2")
+        with pytest.raises(ValueError, match="expert_scale=inf is not a finite float32"):
+            a2a.combine(expert_y, w, expert_scale=float("inf"))
         y = a2a.combine(expert_y, w)
         a2a.synchronize()
         from pyhipa2a import reference
