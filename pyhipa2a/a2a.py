@@ -53,6 +53,33 @@ MIN_WARP, MAX_WARP = 32, 64
 DEFAULT_PUSH_BYTES = 768 * 1024
 
 
+def check_block_threads(threads: int, warp: int) -> None:
+    most = min(MAX_BLOCK_THREADS, MAX_WARPS_PER_BLOCK * warp)
+    if threads % warp or not warp <= threads <= most:
+        raise ValueError(f"block_threads={threads} must be a multiple of the warp size ({warp}) "
+                         f"between {warp} and {most}")
+
+
+def launch_geometry(threads: int, multiprocessors: int, per_mp: int, grid_blocks: int | None,
+                    ranks_on_device: int = 1) -> int:
+    """Blocks per launch. Blocks wait on flags that other blocks of the same launch set, so every
+    block must be resident at once, and so must every block of the ranks that drive the same device
+    (several ranks share one GPU under MPS): the device holds per_mp blocks of `threads` threads of
+    our kernels on each multiprocessor (the runtime's occupancy figure), and the ranks on it share
+    them. Default: DEFAULT_BLOCKS_PER_MP a multiprocessor, divided among those ranks."""
+    if per_mp < 1:
+        raise ValueError(f"block_threads={threads}: the kernels' registers do not fit that many threads "
+                         "in one block on this device")
+    most = multiprocessors * per_mp // ranks_on_device
+    blocks = grid_blocks or max(1, multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp) // ranks_on_device)
+    if not 1 <= blocks <= most:
+        shared = f", shared by the {ranks_on_device} ranks that drive this device" if ranks_on_device > 1 else ""
+        raise ValueError(f"grid_blocks={blocks} must be between 1 and {most} (all blocks of a launch resident "
+                         f"at once: {multiprocessors} multiprocessors x {per_mp} blocks of {threads} threads"
+                         f"{shared})")
+    return blocks
+
+
 @dataclass
 class DispatchResult:
     expert_num_tokens: DeviceArray  # int32 [L]
@@ -226,28 +253,15 @@ class AllToAll:
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
     def _launch_geometry(self, device) -> tuple[int, int]:
-        """(threads per block, blocks per launch). Blocks wait on flags that other blocks of the same
-        launch set, so every block must be resident at once: the runtime's occupancy figure for our
-        kernels bounds the grid."""
+        """(threads per block, blocks per launch) for this device (see launch_geometry)."""
         threads, warp = self._block_threads, device.warp_size
         if warp == 1:  # host twins: one "thread"
             return 1, 1
-        most_threads = min(MAX_BLOCK_THREADS, MAX_WARPS_PER_BLOCK * warp)
-        if threads % warp or not warp <= threads <= most_threads:
-            raise ValueError(f"block_threads={threads} must be a multiple of the warp size ({warp}) "
-                             f"between {warp} and {most_threads}")
+        check_block_threads(threads, warp)
         per_mp = min(self.backend.resident_blocks(k.function, threads)
                      for k in (self._dispatch_kernel, self._combine_kernel))
-        if per_mp < 1:
-            raise ValueError(f"block_threads={threads}: the kernels' registers do not fit that many threads "
-                             "in one block on this device")
-        most = device.multiprocessors * per_mp
-        blocks = self._grid_blocks or device.multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp)
-        if not 1 <= blocks <= most:
-            raise ValueError(f"grid_blocks={blocks} must be between 1 and {most} (all blocks of a launch resident "
-                             f"at once: {device.multiprocessors} multiprocessors x {per_mp} blocks of {threads} "
-                             "threads)")
-        return threads, blocks
+        return threads, launch_geometry(threads, device.multiprocessors, per_mp, self._grid_blocks,
+                                        self.heap.ranks_on_device)
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,

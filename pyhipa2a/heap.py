@@ -38,6 +38,9 @@ class SymmetricHeap:
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
         self.device = self.backend.open_device(select_device(self.backend, self.rank, device))
+        # How many of the node's ranks drive this device (more than one when ranks share a GPU, as
+        # under MPS): kernels whose blocks wait on each other need every such rank's blocks resident.
+        self.ranks_on_device = self.comm.allgather(self.device.index).count(self.device.index)
         self.timeout = timeout
         self._fingerprint = hashlib.sha256()
         self._allocations = 0

@@ -33,7 +33,9 @@ def heap_self_test(comm=None, *, words: int = 1 << 16, rounds: int = 3, timeout:
             a.off_status, a.off_result = heap.offset_of(status.ptr), heap.offset_of(result.ptr)
             a.words, a.timeout_ns = words, int(timeout * 1e9)
             stream = heap.backend.stream_create()
-            grid = blocks or max(1, min(heap.device.multiprocessors, (words + THREADS - 1) // THREADS))
+            # (one block a multiprocessor, shared among the ranks that drive this device: blocks wait on flags)
+            per_rank = heap.device.multiprocessors // heap.ranks_on_device
+            grid = blocks or max(1, min(per_rank, (words + THREADS - 1) // THREADS))
             for epoch in range(1, rounds + 1):
                 # A fast rank must not overwrite a slow rank's slots (or its
                 # flag) with the next epoch while it is still verifying.

@@ -13,11 +13,14 @@ N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 MPIRUN=${MPIRUN:-"mpirun --allow-run-as-root --bind-to none --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none"}
 bash scripts/gpu_validate.sh "$N" > "$OUT/validate.txt" 2>&1; validate=$?
 timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; bench=$?
+timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --fused-expert --json "$OUT/bench_fused.json" > "$OUT/bench_fused.txt" 2>&1
+fused=$?
 timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --sweep --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1; sweep=$?
 timeout 600 $MPIRUN -n "$N" python3 scripts/stress.py --calls 2000 > "$OUT/stress.txt" 2>&1; stress=$?
 sed -n '/^== summary/,$p' "$OUT/validate.txt"
 tail -n 3 "$OUT/stress.txt"
 sed -n '/^pyhipa2a bench/,$p' "$OUT/bench.txt"
+sed -n '/^shape /,$p' "$OUT/bench_fused.txt"
 sed -n '/^sweep /,$p' "$OUT/sweep.txt"
-printf '%-10s %s\n' validate "$validate" bench "$bench" sweep "$sweep" stress "$stress"
-[ "$validate$bench$sweep$stress" = 0000 ]
+printf '%-12s %s\n' validate "$validate" bench "$bench" bench_fused "$fused" sweep "$sweep" stress "$stress"
+[ "$validate$bench$fused$sweep$stress" = 00000 ]

@@ -8,11 +8,21 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+# More ranks than GPUs (8 ranks on one GPU, say): ranks then share a GPU, and since the blocks of
+# each rank's kernels wait on the other ranks' kernels, these must run at once. MPS=1 starts
+# NVIDIA's MPS daemon for this run and stops it at the end; AllToAll divides the GPU among its ranks.
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/pyhipa2a-mps} CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/pyhipa2a-mps-log}
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || exit 1
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 MPIRUN=${MPIRUN:-"mpirun --allow-run-as-root --bind-to none --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none"}
 declare -A RESULT
 step() { local name=$1; shift; echo "== $name: $*"; timeout 900 "$@" >"$OUT/$name.log" 2>&1; RESULT[$name]=$?; tail -n 25 "$OUT/$name.log"; }
 step heap_check $MPIRUN -n "$N" python3 scripts/heap_check.py
 step check $MPIRUN -n "$N" python3 scripts/check.py
+step check_fused $MPIRUN -n "$N" python3 scripts/check.py --fused-expert
 python3 -c "import cupy" 2>/dev/null && step cupy_moe $MPIRUN -n "$N" python3 scripts/cupy_moe.py
 step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu tests
 [ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu tests

@@ -1,0 +1,44 @@
+"""Launch geometry: every block of every rank on a device resident at once (no GPU needed)."""
+from __future__ import annotations
+
+import pytest
+
+from pyhipa2a.a2a import DEFAULT_BLOCKS_PER_MP, check_block_threads, launch_geometry
+
+
+def test_default_is_two_blocks_per_multiprocessor():
+    assert DEFAULT_BLOCKS_PER_MP == 2
+    assert launch_geometry(256, 132, 2, None) == 264
+    assert launch_geometry(256, 132, 1, None) == 132        # registers allow one block per multiprocessor
+    assert launch_geometry(256, 304, 4, None) == 608        # more would fit; two is the default
+
+
+@pytest.mark.parametrize("ranks,blocks", [(2, 132), (4, 66), (8, 33), (132, 2), (264, 1)])
+def test_ranks_sharing_a_device_divide_it(ranks, blocks):
+    """Under MPS several ranks run kernels on one GPU at once: their blocks must all fit together."""
+    assert launch_geometry(256, 132, 2, None, ranks) == blocks
+
+
+def test_more_ranks_on_a_device_than_it_holds_blocks():
+    with pytest.raises(ValueError, match="grid_blocks=1 must be between 1 and 0 .* shared by the 300 ranks"):
+        launch_geometry(256, 132, 2, None, 300)
+
+
+def test_explicit_grid_within_the_device():
+    assert launch_geometry(128, 132, 4, 3) == 3
+    assert launch_geometry(256, 132, 2, 264) == 264
+    with pytest.raises(ValueError, match=r"grid_blocks=265 must be between 1 and 264 \(all blocks of a launch "
+                                         r"resident at once: 132 multiprocessors x 2 blocks of 256 threads\)"):
+        launch_geometry(256, 132, 2, 265)
+    with pytest.raises(ValueError, match="grid_blocks=67 must be between 1 and 66 .* shared by the 4 ranks"):
+        launch_geometry(256, 132, 2, 67, 4)
+
+
+def test_threads_that_do_not_fit():
+    with pytest.raises(ValueError, match="block_threads=512: the kernels' registers do not fit"):
+        launch_geometry(512, 132, 0, None)
+    with pytest.raises(ValueError, match="block_threads=100 must be a multiple of the warp size \\(32\\)"):
+        check_block_threads(100, 32)
+    with pytest.raises(ValueError, match="between 64 and 512"):
+        check_block_threads(32, 64)
+    check_block_threads(512, 64)
