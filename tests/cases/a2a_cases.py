@@ -44,6 +44,25 @@ def case_shape(comm, E, k, H, M, dtype="float16", counts="random", routing="rand
             print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
 
 
+def checked_call(a2a, inputs, exact: bool, fused: bool = False) -> tuple[np.ndarray, int, str]:
+    """One call on poisoned outputs (the fake expert fused into combine when `fused`), checked against
+    the oracle of a2a's mode: value for value on exact inputs (draw_world(exact=True)), within the
+    tolerance otherwise. (This rank's y, for exact inputs how many of its elements the fp32 and narrow
+    oracles give differently (check_combine_exact), the largest error as text.)"""
+    from pyhipa2a.testing import (check_combine_exact, check_dispatch_against_oracle,
+                                  combine_error_against_oracle, fused_combine, poison)
+    me = a2a.rank
+    poison(a2a)
+    d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+    y = (fused_combine(a2a, d, inputs.weights[me]) if fused
+         else a2a.combine(a2a.fake_expert(d), inputs.weights[me]))
+    a2a.synchronize()
+    check_dispatch_against_oracle(a2a, inputs, d)
+    if exact:
+        return y.numpy().copy(), check_combine_exact(a2a, inputs, y, fused), "0 (exact)"
+    return y.numpy().copy(), 0, f"{combine_error_against_oracle(a2a, inputs, y, fused=fused):.3g}"
+
+
 def case_narrow_partials(comm, H, dtype="float16", values="normal", rounds="2"):
     """narrow_partials=True and False on the same inputs, each against the oracle of its own mode:
     - values="exact" (pyhipa2a.testing.draw_world(exact=True): every fp32 sum is exact): value for
@@ -52,8 +71,6 @@ def case_narrow_partials(comm, H, dtype="float16", values="normal", rounds="2"):
     - values="normal" (gpu-mode's inputs): within the tolerance widened by narrow partials' slack
       (reference.narrow_partials_slack), and the two results must differ somewhere.
     The transfer mode (pull, push, mixed) comes from PYHIPA2A_PUSH_MAX_TOKENS."""
-    from pyhipa2a.testing import (check_combine_exact, check_dispatch_against_oracle,
-                                  combine_error_against_oracle, poison)
     H, rounds, exact = int(H), int(rounds), values == "exact"
     world = comm.Get_size()
     if world == 1:
@@ -68,17 +85,8 @@ def case_narrow_partials(comm, H, dtype="float16", values="normal", rounds="2"):
                                 exact=exact)
             ys = []
             for a2a in (narrow, wide):
-                poison(a2a)
-                d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
-                y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
-                a2a.synchronize()
-                check_dispatch_against_oracle(a2a, inputs, d)
-                if exact:
-                    told_apart = check_combine_exact(a2a, inputs, y)
-                    err = "0 (exact)"
-                else:
-                    err = f"{combine_error_against_oracle(a2a, inputs, y):.3g}"
-                ys.append(y.numpy().copy())
+                y, told_apart, err = checked_call(a2a, inputs, exact)
+                ys.append(y)
                 print(f"rank {me} round {i}: narrow={a2a.narrow_partials} T={len(inputs.xs[me])} "
                       f"pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} max err {err}")
             differing += told_apart if exact else int(np.count_nonzero(ys[0] != ys[1]))
@@ -98,8 +106,6 @@ def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rou
       unrounded: if it did not, the expert rows were rounded as the kernel path rounds them; with
       1 or 2 ranks every scale, 1 or 2, is a power of two and the rounding changes nothing).
     The transfer mode comes from PYHIPA2A_PUSH_MAX_TOKENS; `narrow` is AllToAll(narrow_partials=)."""
-    from pyhipa2a.testing import (check_combine_exact, check_dispatch_against_oracle,
-                                  combine_error_against_oracle, fused_combine, poison)
     H, rounds, exact, world = int(H), int(rounds), values == "exact", comm.Get_size()
     E, k, M = 4 * world, 4, 32  # several of a token's experts on one rank, and single ones
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype=dtype,
@@ -109,19 +115,7 @@ def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rou
             rng = np.random.default_rng(700 + i)
             inputs = draw_world(700 + i, world, E, k, H, M, dtype, token_counts("staggered", world, M, rng),
                                 exact=exact)
-            ys = []
-            for fused in (True, False):
-                poison(a2a)
-                d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
-                y = fused_combine(a2a, d, inputs.weights[me]) if fused else a2a.combine(a2a.fake_expert(d),
-                                                                                        inputs.weights[me])
-                a2a.synchronize()
-                check_dispatch_against_oracle(a2a, inputs, d)
-                if exact:
-                    check_combine_exact(a2a, inputs, y, fused=fused)
-                else:
-                    combine_error_against_oracle(a2a, inputs, y, fused=fused)
-                ys.append(y.numpy().copy())
+            ys = [checked_call(a2a, inputs, exact, fused)[0] for fused in (True, False)]
             differing += int(np.count_nonzero(ys[0] != ys[1]))
             print(f"rank {me} round {i}: T={len(inputs.xs[me])} pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} "
                   f"fused and unfused differ in {int(np.count_nonzero(ys[0] != ys[1]))} elements")
