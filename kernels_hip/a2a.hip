@@ -21,8 +21,9 @@
 //   1. block 0 sends this rank's weights to every peer as tagged words;
 //   2. for every peer's token with experts here: one contribution for the
 //      owner, segment by segment: the raw expert row when the token has one
-//      expert here (the owner weights it), else the fp32 sum of w * row over
-//      its experts here (rounded to the output's format when the caller
+//      expert here (times the call's expert_scale, rounded to its format; the
+//      owner weights it), else the fp32 sum of w * scale * row over its
+//      experts here (rounded to the output's format when the caller
 //      asked for narrow partials: half the bytes, one more rounding); left
 //      in our own memory with a flag released into the owner's memory, or
 //      pushed into the owner's inbox;
@@ -1180,20 +1181,9 @@ A2A_DEVICE void scale_rows(const u16* x, u16* y, const i32* counts, u32 L, u32 c
   __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
   exclusive_prefix(prefix, counts, L);
   const WarpGrid g = warp_grid();
-  const bool vec = (((u64)x | (u64)y | (hidden * 2u)) & 15u) == 0;
-  const u32 vec_elems = vec ? hidden / 8u * 8u : 0u;
   for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
     const u64 row = received_row(prefix, L, capacity, q) * hidden;
-    constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
-    for (u32 c0 = g.lane * 8u; c0 < vec_elems; c0 += U * STEP) {
-      vec16 v[U];
-      for (u32 u = 0; u < U; ++u)
-        if (c0 + u * STEP < vec_elems) v[u] = *reinterpret_cast<const vec16*>(x + row + c0 + u * STEP);
-      for (u32 u = 0; u < U; ++u)
-        if (c0 + u * STEP < vec_elems) *reinterpret_cast<vec16*>(y + row + c0 + u * STEP) = scale8<Fmt>(v[u], scale);
-    }
-    for (u32 c = vec_elems + g.lane; c < hidden; c += A2A_WARP_SIZE)
-      y[row + c] = Fmt::store(Fmt::load(x[row + c]) * scale);
+    copy_row_scaled<Fmt>(y + row, x + row, hidden, scale, g.lane);
   }
 }
 

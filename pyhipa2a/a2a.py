@@ -71,6 +71,9 @@ def launch_geometry(threads: int, multiprocessors: int, per_mp: int, grid_blocks
         raise ValueError(f"block_threads={threads}: the kernels' registers do not fit that many threads "
                          "in one block on this device")
     most = multiprocessors * per_mp // ranks_on_device
+    if most < 1:
+        raise ValueError(f"{ranks_on_device} ranks drive this device, which holds {multiprocessors * per_mp} blocks "
+                         f"of {threads} threads of our kernels at once: fewer than one a rank")
     blocks = grid_blocks or max(1, multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp) // ranks_on_device)
     if not 1 <= blocks <= most:
         shared = f", shared by the {ranks_on_device} ranks that drive this device" if ranks_on_device > 1 else ""

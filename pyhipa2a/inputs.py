@@ -7,6 +7,8 @@ rank before a kernel runs: dtype, shape, C-contiguity and the device.
 """
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,11 +149,18 @@ def check_indices(indices: np.ndarray, num_experts: int) -> None:
 
 
 def check_scale(value) -> float:
-    """combine()'s expert_scale: a finite real number that float32 holds (the kernels multiply in fp32)."""
+    """combine()'s expert_scale as the float32 the kernels multiply by: a finite real number that
+    float32 holds, not rounded to 0 unless it is 0. In plain Python: it is checked at every call."""
+    if type(value) is float and value == 1.0:  # the default, with nothing to check
+        return 1.0
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"expert_scale must be a real number, not {_describe(value)}")
-    with np.errstate(over="ignore"):  # too large for float32 becomes inf, refused below
-        as_f32 = np.float32(value)
-    if not np.isfinite(as_f32):
+    try:
+        as_f32 = struct.unpack("f", struct.pack("f", float(value)))[0]
+    except OverflowError:  # beyond float32 (or beyond any float, for a huge int)
+        as_f32 = math.inf
+    if not math.isfinite(as_f32):
         raise ValueError(f"expert_scale={value!r} is not a finite float32")
-    return float(as_f32)
+    if as_f32 == 0.0 and value != 0:
+        raise ValueError(f"expert_scale={value!r} is too small for float32 (it would be 0)")
+    return as_f32

@@ -41,17 +41,22 @@ def fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.
     """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to x's dtype.
 
     Every expert of the oracle is called with `alone`: whether this row is the only one of its token
-    on expert_rank and crosses to another rank (see fused_fake_expert)."""
+    on expert_rank and crosses to another rank (see fused_expert)."""
     return (x_row.astype(np.float32) * np.float32(1 + expert_rank)).astype(x_row.dtype)
 
 
-def fused_fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
-    """The fake expert fused into combine (combine(d.expert_x, w, expert_scale=1 + rank)): the scale
-    joins the weight in fp32, so the row is x * (1 + rank) unrounded, except a row that crosses to
-    its token's owner alone, which is scaled and rounded to x's dtype on its way."""
-    if alone:
-        return fake_expert(x_row, expert_rank)
-    return x_row.astype(np.float64) * (1 + expert_rank)
+def fused_expert(scales):
+    """The expert of combine(expert_y=x, w, expert_scale=scales[r]) on each rank r, a fused epilogue:
+    the scale joins the weight in fp32, so a row is x * scale unrounded, except a row that crosses
+    to its token's owner alone, which is scaled in fp32 and rounded to x's dtype on its way (as an
+    expert kernel would round it). gpu-mode's fake expert fused into combine is
+    fused_expert([1 + r for r in range(world)])."""
+    def expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
+        scale = np.float32(scales[expert_rank])
+        if alone:
+            return (x_row.astype(np.float32) * scale).astype(x_row.dtype)
+        return x_row.astype(np.float64) * float(scale)
+    return expert
 
 
 def for_sources(count: int, ranks, per_source) -> list:
@@ -83,8 +88,8 @@ def crosses_narrow(src: int, r: int, slots) -> bool:
 def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=None,
             partials_dtype=None) -> list[np.ndarray]:
     """Expected y per rank in float64 (round it to the output dtype once), given
-    `expert(x_row, expert_rank, alone) -> y_row` (fake_expert, or fused_fake_expert for the fake
-    expert fused into combine).
+    `expert(x_row, expert_rank, alone) -> y_row` (fake_expert, or fused_expert(scales) for an
+    expert_scale fused into combine).
 
     `partials_dtype`: the contract of AllToAll(narrow_partials=True), where each partial sum that
     crosses narrow (see crosses_narrow) is rounded to this dtype on its way. `ranks` limits the work

@@ -146,21 +146,23 @@ def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
     check_dispatch(result, reference.dispatch(inputs.xs, inputs.indices, a2a.num_experts)[a2a.rank], a2a.rank)
 
 
-def oracle_expert(fused: bool):
-    """The oracle's fake expert: a kernel of its own (fake_expert), or fused into combine as
-    combine(d.expert_x, w, expert_scale=1 + rank) (fused_fake_expert)."""
-    return reference.fused_fake_expert if fused else reference.fake_expert
+def oracle_expert(a2a, fused: bool):
+    """The oracle's fake expert: a kernel of its own (reference.fake_expert), or fused into combine as
+    fused_combine does."""
+    return reference.fused_expert([1 + r for r in range(a2a.world)]) if fused else reference.fake_expert
 
 
 def fused_combine(a2a, result, weights, **kw):
-    """gpu-mode's fake expert fused into combine: no expert kernel, the scale applied by combine."""
+    """gpu-mode's fake expert fused into combine: combine(expert_x, w, expert_scale=1 + rank), no expert
+    kernel (expert_x stands in for expert_y, so in_dtype must be out_dtype)."""
     return a2a.combine(result.expert_x, weights, expert_scale=1 + a2a.rank, **kw)
 
 
-def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None, fused: bool = False) -> float:
-    """This rank's finished combine output `y` against the oracle (of the fake expert, fused into
-    combine when `fused`); the largest error (raises outside the tolerance)."""
-    rank, expert = a2a.rank, oracle_expert(fused)
+def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None,
+                                 expert=reference.fake_expert) -> float:
+    """This rank's finished combine output `y` against the oracle of `expert` (see reference.combine); the
+    largest error (raises outside the tolerance)."""
+    rank = a2a.rank
     expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, expert,
                                  ranks=[rank])[rank]
     slack = None
@@ -170,16 +172,17 @@ def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None, fu
     return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance, slack)
 
 
-def check_combine_exact(a2a, inputs: WorldInputs, y, fused: bool = False) -> int:
-    """For inputs drawn with exact=True: this rank's combine output `y` must equal the oracle of a2a's
-    partials mode (fp32, or narrow_partials) rounded once to the output dtype, value for value; any
+def check_combine_exact(a2a, inputs: WorldInputs, y, expert=reference.fake_expert) -> int:
+    """For inputs drawn with exact=True: this rank's combine output `y` must equal the oracle (of
+    `expert`, see reference.combine) of a2a's partials mode (fp32, or narrow_partials) rounded once to
+    the output dtype, value for value; any
     other rounding (of the owner's own part, toward zero, twice) shows. Returns how many of this
     rank's elements the two modes' oracles give differently: 0 means these inputs cannot tell a
     narrow call from an fp32 one here."""
     rank, dtype = a2a.rank, a2a.out_dtype
 
     def oracle(partials_dtype):
-        return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, oracle_expert(fused),
+        return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, expert,
                                  ranks=[rank], partials_dtype=partials_dtype)[rank].astype(dtype)
 
     wide, narrow = oracle(None), oracle(dtype)
@@ -196,10 +199,10 @@ def check_combine_exact(a2a, inputs: WorldInputs, y, fused: bool = False) -> int
 
 
 def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None, fused: bool = False) -> float:
-    """Check a finished call (its DispatchResult views and combine output `y`) against the oracle on this
-    rank; returns the largest combine error."""
+    """Check a finished call (its DispatchResult views and combine output `y`, the fake expert fused into
+    combine when `fused`) against the oracle on this rank; returns the largest combine error."""
     check_dispatch_against_oracle(a2a, inputs, result)
-    return combine_error_against_oracle(a2a, inputs, y, tolerance, fused)
+    return combine_error_against_oracle(a2a, inputs, y, tolerance, oracle_expert(a2a, fused))
 
 
 def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, fused: bool = False) -> float:
@@ -218,7 +221,9 @@ def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, f
     else:
         y = a2a.combine(expert_y, inputs.weights[rank])
     a2a.synchronize()
-    return combine_error_against_oracle(a2a, inputs, y, tolerance, fused) if check else float("nan")
+    if not check:
+        return float("nan")
+    return combine_error_against_oracle(a2a, inputs, y, tolerance, oracle_expert(a2a, fused))
 
 
 def failure_line(rank: int, error: BaseException, what: str = "") -> str:

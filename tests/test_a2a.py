@@ -103,18 +103,19 @@ def test_narrow_partials(mode, H, dtype, values, backend):
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values))
 
 
-# (mode, narrow partials, H, dtype, values) for the fake expert fused into combine: every transfer mode,
-# fp32 and narrow partials, on exact inputs (value for value); gpu-mode's inputs; bf16; and H=1001,
-# whose rows take the element-wise paths (pulled only).
+# (mode, narrow partials, H, dtype, values) for an expert fused into combine (expert_scale): every
+# transfer mode, fp32 and narrow partials, on exact inputs (value for value); gpu-mode's inputs; bf16;
+# and H=1001, whose rows take the element-wise paths (pulled only). Misaligned expert_y with a scale:
+# test_misaligned_device_arrays.
 FUSED_CASES = ([(m, n, 1024, "float16", "exact") for m in sorted(TRANSFER_MODES) for n in ("0", "1")]
-               + [("mixed", "0", 1024, "float16", "normal"), ("mixed", "1", 1000, "bfloat16", "normal"),
-                  ("pull", "0", 1001, "float16", "exact")])
+               + [("mixed", "0", 1024, "float16", "normal"), ("mixed", "1", 1000, "bfloat16", "exact"),
+                  ("pull", "0", 1001, "float16", "exact"), ("pull", "1", 1001, "bfloat16", "exact")])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode,narrow,H,dtype,values", FUSED_CASES)
 def test_fused_expert(mode, narrow, H, dtype, values, backend):
-    """combine(d.expert_x, w, expert_scale=1 + rank): gpu-mode's fake expert with no kernel of its own."""
+    """combine(d.expert_x, w, expert_scale=s): an expert with no kernel of its own, against its oracle."""
     run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values, narrow))
 

@@ -20,7 +20,8 @@ def test_ranks_sharing_a_device_divide_it(ranks, blocks):
 
 
 def test_more_ranks_on_a_device_than_it_holds_blocks():
-    with pytest.raises(ValueError, match="grid_blocks=1 must be between 1 and 0 .* shared by the 300 ranks"):
+    with pytest.raises(ValueError, match="300 ranks drive this device, which holds 264 blocks of 256 threads of "
+                                         "our kernels at once: fewer than one a rank"):
         launch_geometry(256, 132, 2, None, 300)
 
 

@@ -55,3 +55,18 @@ def test_dlpack_export_names_the_reading_stream():
     with pytest.raises(Stop):
         device_view(arr, FAKE_CUDA, 0, "x", dlpack_stream=0x5000)
     assert arr.asked == [0x5000]
+
+
+def test_expert_scale_is_checked_as_the_float32_the_kernels_use():
+    from pyhipa2a.inputs import check_scale
+    assert check_scale(1.0) == 1.0 and check_scale(2) == 2.0 and check_scale(np.float16(1.5)) == 1.5
+    assert check_scale(0) == 0.0 and check_scale(-3.25) == -3.25
+    assert check_scale(0.1) == float(np.float32(0.1))  # what the kernel multiplies by
+    for bad in (True, np.bool_(False), "2", None, 1j, np.array([1.0])):
+        with pytest.raises(TypeError, match="expert_scale must be a real number"):
+            check_scale(bad)
+    for bad in (float("nan"), float("inf"), -1e39, 10**400):
+        with pytest.raises(ValueError, match="is not a finite float32"):
+            check_scale(bad)
+    with pytest.raises(ValueError, match="too small for float32"):
+        check_scale(1e-46)
