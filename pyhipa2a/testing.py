@@ -175,10 +175,9 @@ def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None,
 def check_combine_exact(a2a, inputs: WorldInputs, y, expert=reference.fake_expert) -> int:
     """For inputs drawn with exact=True: this rank's combine output `y` must equal the oracle (of
     `expert`, see reference.combine) of a2a's partials mode (fp32, or narrow_partials) rounded once to
-    the output dtype, value for value; any
-    other rounding (of the owner's own part, toward zero, twice) shows. Returns how many of this
-    rank's elements the two modes' oracles give differently: 0 means these inputs cannot tell a
-    narrow call from an fp32 one here."""
+    the output dtype, value for value; any other rounding (of the owner's own part, toward zero,
+    twice) shows. Returns how many of this rank's elements the two modes' oracles give differently:
+    0 means these inputs cannot tell a narrow call from an fp32 one here."""
     rank, dtype = a2a.rank, a2a.out_dtype
 
     def oracle(partials_dtype):
