@@ -37,12 +37,17 @@ def dispatch(xs: list[np.ndarray], indices: list[np.ndarray], num_experts: int) 
     return out
 
 
+def fake_expert_scale(expert_rank: int) -> int:
+    """The factor of gpu-mode's fake expert on each rank."""
+    return 1 + expert_rank
+
+
 def fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
     """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to x's dtype.
 
     Every expert of the oracle is called with `alone`: whether this row is the only one of its token
     on expert_rank and crosses to another rank (see fused_expert)."""
-    return (x_row.astype(np.float32) * np.float32(1 + expert_rank)).astype(x_row.dtype)
+    return (x_row.astype(np.float32) * np.float32(fake_expert_scale(expert_rank))).astype(x_row.dtype)
 
 
 def fused_expert(scales):
@@ -50,7 +55,7 @@ def fused_expert(scales):
     the scale joins the weight in fp32, so a row is x * scale unrounded, except a row that crosses
     to its token's owner alone, which is scaled in fp32 and rounded to x's dtype on its way (as an
     expert kernel would round it). gpu-mode's fake expert fused into combine is
-    fused_expert([1 + r for r in range(world)])."""
+    fused_expert([fake_expert_scale(r) for r in range(world)])."""
     def expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
         scale = np.float32(scales[expert_rank])
         if alone:

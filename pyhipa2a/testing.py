@@ -149,13 +149,15 @@ def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
 def oracle_expert(a2a, fused: bool):
     """The oracle's fake expert: a kernel of its own (reference.fake_expert), or fused into combine as
     fused_combine does."""
-    return reference.fused_expert([1 + r for r in range(a2a.world)]) if fused else reference.fake_expert
+    if not fused:
+        return reference.fake_expert
+    return reference.fused_expert([reference.fake_expert_scale(r) for r in range(a2a.world)])
 
 
 def fused_combine(a2a, result, weights, **kw):
     """gpu-mode's fake expert fused into combine: combine(expert_x, w, expert_scale=1 + rank), no expert
     kernel (expert_x stands in for expert_y, so in_dtype must be out_dtype)."""
-    return a2a.combine(result.expert_x, weights, expert_scale=1 + a2a.rank, **kw)
+    return a2a.combine(result.expert_x, weights, expert_scale=reference.fake_expert_scale(a2a.rank), **kw)
 
 
 def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None,
@@ -215,10 +217,7 @@ def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, f
     if check:
         a2a.synchronize()
         check_dispatch_against_oracle(a2a, inputs, result)
-    if fused:
-        y = fused_combine(a2a, result, inputs.weights[rank])
-    else:
-        y = a2a.combine(expert_y, inputs.weights[rank])
+    y = fused_combine(a2a, result, inputs.weights[rank]) if fused else a2a.combine(expert_y, inputs.weights[rank])
     a2a.synchronize()
     if not check:
         return float("nan")
