@@ -82,6 +82,7 @@ struct A2AArgs {
   u64 off_arrived;         // u32 [1]                      warps that made their reservations (dispatch)
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
+  u64 off_done;            // u32 [2]                      blocks done: [0] dispatch, [1] combine
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
   u64 prof;                // ProfBuffer*                  timelines (profiling build; 0 = off)
   i32 num_experts;
@@ -96,6 +97,8 @@ struct A2AArgs {
   u32 push_max_tokens;     // P: a call of at most this many tokens pushes (0: never)
   u32 push_row_words;      // a pushed contribution's row: hidden rounded up to whole segments
   u32 narrow_partials;     // 1: partial sums cross in the output's 16-bit format, not fp32
+  u32 trap_on_timeout;     // 1: a timeout aborts the kernel (on_timeout="trap")
+  u32 pad;
   u64 timeout_ns;
 };
 
@@ -161,12 +164,38 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, u32 epoch) {
           (u32)a.local_experts, (u32)(a.heap.world * a.max_tokens), epoch & 1u, epoch};
 }
 
+// Every error a kernel of this file sees goes through here: the first one is
+// kept (protocol.h), and with on_timeout="trap" a timeout then aborts the
+// kernel, which leaves the process's device context unusable: every later
+// device operation fails loudly, for callers that never synchronize.
+A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
+  a2a_report(x.status, x.mirror, code, peer, what, detail);
+  if (code == A2A_ERR_TIMEOUT && x.a.trap_on_timeout) a2a_trap();
+}
+
+// Every block calls this last, with its call's outputs. The last block to
+// finish sees every other block's writes; when this rank's status holds an
+// error (this call's, or an earlier one's that this call could not repair),
+// it overwrites the outputs with all-ones bytes: NaN in every float format we
+// write, -1 in the counts and the meta. A consumer that reads without asking
+// then sees poison, not plausible data.
+struct Poison {
+  u8* p;
+  u64 bytes;
+};
+template <u32 N>
+A2A_DEVICE void poison_if_failed(const Ctx& x, u32 which, const Poison (&outputs)[N]) {
+  if (!a2a_last_block(sym<u32>(x.h, x.h.rank, x.a.off_done) + which, false)) return;
+  if (a2a_load_relaxed_sys(&x.status[0]) == A2A_OK) return;
+  for (u32 i = 0; i < N; ++i) a2a_fill_bytes(outputs[i].p, outputs[i].bytes, 0xffu);
+}
+
 // Lane 0 polls, the warp follows: true once *flag == epoch; on timeout the
 // report names `peer` and what was awaited.
 A2A_DEVICE bool warp_wait(const Ctx& x, const u32* flag, u32 peer, u32 what, u32 detail, u32 lane) {
   int ok = 1;
   if (lane == 0 && !a2a_wait_flag(flag, x.epoch, x.deadline, x.status)) {
-    a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, peer, what, detail);
+    report(x, A2A_ERR_TIMEOUT, peer, what, detail);
     ok = 0;
   }
   ok = a2a_shfl(ok, 0);
@@ -384,7 +413,7 @@ A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u
     if (all) return true;
     if ((spins & 63u) == 0) {
       if (a2a_clock_ns() > x.deadline) {
-        a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, peer, what, detail);
+        report(x, A2A_ERR_TIMEOUT, peer, what, detail);
         return false;
       }
       if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
@@ -443,7 +472,7 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
         if (!wait) {
           n = (u32)a2a_load_relaxed_sys_u64(count);  // dispatch saw it arrive
         } else if (!a2a_wait_tagged(count, x.epoch, x.deadline, x.status, n)) {
-          a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, lane, A2A_WAIT_DISPATCH, x.epoch);
+          report(x, A2A_ERR_TIMEOUT, lane, A2A_WAIT_DISPATCH, x.epoch);
           n = 0;
         }
         if (wait) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, lane);
@@ -527,7 +556,7 @@ A2A_DEVICE bool reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
         A2A_PROF_START(t0);
         u32 v = 0;
         ok = a2a_wait_tagged(&inbox[at + g.lane], x.epoch, x.deadline, x.status, v);
-        if (!ok) a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, src, A2A_WAIT_DISPATCH, x.epoch);
+        if (!ok) report(x, A2A_ERR_TIMEOUT, src, A2A_WAIT_DISPATCH, x.epoch);
         e = (i32)v;
         if (g.lane == 0) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, src | t << 8);
       }
@@ -538,7 +567,7 @@ A2A_DEVICE bool reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
     const u32 here = slots_on(lane_slot, x.k, x.L, me);
     if (g.lane < x.k) {
       if (src == me && !lane_slot.valid)
-        a2a_report(x.status, x.mirror, A2A_ERR_BAD_INDEX, me, t * x.k + g.lane, (u32)e);
+        report(x, A2A_ERR_BAD_INDEX, me, t * x.k + g.lane, (u32)e);
       i32 slot = -1;
       if (here >> g.lane & 1u) {
         const u32 l = (u32)e % x.L;
@@ -549,7 +578,7 @@ A2A_DEVICE bool reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
           meta[(u64)slot * 3u + 1u] = (i32)t;
           meta[(u64)slot * 3u + 2u] = (i32)g.lane;
         } else {
-          a2a_report(x.status, x.mirror, A2A_ERR_CAPACITY, me, l, s);
+          report(x, A2A_ERR_CAPACITY, me, l, s);
         }
       }
       slot_of[at + g.lane] = slot;  // for combine (the next kernel)
@@ -673,6 +702,11 @@ extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A
   if (ok) publish_counts_if_last(x, g, pre, reserved);
   if (ok) fan_out(x, c, g, pre);
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
+  const u64 rows = (u64)x.L * x.capacity;
+  const Poison outputs[3] = {{sym<u8>(x.h, x.h.rank, a.off_recv_x), rows * a.x_row_bytes},
+                             {sym<u8>(x.h, x.h.rank, a.off_recv_meta), rows * 12u},
+                             {sym<u8>(x.h, x.h.rank, a.off_num_tokens), (u64)x.L * 4u}};
+  poison_if_failed(x, 0u, outputs);
 }
 
 // -------------------------------------------------------------- combine ----
@@ -955,7 +989,7 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
       if (g.lane < x.k && (here >> g.lane & 1u)) {
         u32 bits = 0;
         ok = a2a_wait_tagged(&w_in[((u64)src * x.M + t) * x.k + g.lane], x.epoch, x.deadline, x.status, bits);
-        if (!ok) a2a_report(x.status, x.mirror, A2A_ERR_TIMEOUT, src, A2A_WAIT_WEIGHTS, x.epoch);
+        if (!ok) report(x, A2A_ERR_TIMEOUT, src, A2A_WAIT_WEIGHTS, x.epoch);
         sc.w[g.lane] = __builtin_bit_cast(float, bits);
       }
       if (warp_any(!ok, g.lane, x.k)) break;
@@ -1134,6 +1168,8 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   a2a_wave_sync();
   reduce_tokens<Fmt>(x, c, g, sc);
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
+  const Poison outputs[1] = {{reinterpret_cast<u8*>(c.out), (u64)c.num_tokens * a.y_row_bytes}};
+  poison_if_failed(x, 1u, outputs);
 }
 
 extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }

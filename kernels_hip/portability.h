@@ -90,6 +90,8 @@ A2A_DEVICE void a2a_fence_dev() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agen
 // s_memrealtime runs at a constant 100 MHz on gfx90a/gfx942.
 A2A_DEVICE u64 a2a_clock_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
 A2A_DEVICE void a2a_pause() { __builtin_amdgcn_s_sleep(1); }
+// Abort the kernel: the queue is torn down and later device operations fail.
+A2A_DEVICE void a2a_trap() { __builtin_trap(); }
 A2A_DEVICE int a2a_shfl(int v, int src_lane) {
   return __builtin_amdgcn_ds_bpermute(src_lane << 2, v);
 }
@@ -146,6 +148,8 @@ A2A_DEVICE void a2a_fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
 A2A_DEVICE void a2a_fence_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 A2A_DEVICE u64 a2a_clock_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 A2A_DEVICE void a2a_pause() { __nanosleep(32); }
+// Abort the kernel: the context is left with a sticky error, later device operations fail.
+A2A_DEVICE void a2a_trap() { asm volatile("trap;"); }
 A2A_DEVICE int a2a_shfl(int v, int src_lane) { return __shfl_sync(0xffffffffu, v, src_lane); }
 A2A_DEVICE u32 a2a_ctz(u32 v) { return (u32)(__ffs((int)v) - 1); }
 A2A_DEVICE float a2a_half_to_float(u16 h) {

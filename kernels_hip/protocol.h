@@ -117,3 +117,16 @@ A2A_DEVICE bool a2a_last_block(u32* counter, bool for_peers) {
   a2a_block_sync();
   return is_last != 0u;
 }
+
+// All threads of a block set `bytes` bytes at `p` to `value`: 16-byte stores
+// for the aligned middle, single bytes for the ends.
+A2A_DEVICE void a2a_fill_bytes(u8* p, u64 bytes, u8 value) {
+  const u64 head = ((16u - ((u64)p & 15u)) & 15u) < bytes ? (16u - ((u64)p & 15u)) & 15u : bytes;
+  const u64 body = (bytes - head) / 16u;
+  const u32 v4 = value * 0x01010101u;
+  const vec16 v{v4, v4, v4, v4};
+  for (u64 i = a2a_thread(); i < head; i += a2a_block_dim()) p[i] = value;
+  vec16* q = reinterpret_cast<vec16*>(p + head);
+  for (u64 i = a2a_thread(); i < body; i += a2a_block_dim()) q[i] = v;
+  for (u64 i = head + body * 16u + a2a_thread(); i < bytes; i += a2a_block_dim()) p[i] = value;
+}

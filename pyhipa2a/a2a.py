@@ -26,12 +26,13 @@ import numpy as np
 from .array import DeviceArray
 from .bootstrap import bounded_barrier, world_size
 from .dtypes import check_supported
-from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, status_error
+from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, Health
 from .graph import Graph
 from .heap import SymmetricHeap
-from .inputs import check_array, check_indices, check_numpy, check_scale, device_view, require_array
-from .ordering import StreamOrder
+from .inputs import Boundary, check_array, check_indices, check_numpy, check_scale, require_array
 from .kernels import A2AArgs, KernelLibrary
+from .ordering import StreamOrder
+from .runtime.base import RuntimeFailure
 from .profile import ProfileBuffer, clock_offset
 
 MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
@@ -96,7 +97,8 @@ class AllToAll:
                  max_num_tokens: int, in_dtype="float16", out_dtype=None, timeout: float = 10.0,
                  backend=None, device: int | None = None, profile: bool = False,
                  block_threads: int | None = None, grid_blocks: int | None = None,
-                 push_max_tokens: int | None = None, narrow_partials: bool = False):
+                 push_max_tokens: int | None = None, narrow_partials: bool = False,
+                 producer_order: str = "protocol", on_timeout: str = "report"):
         self.in_dtype = check_supported(in_dtype, "in_dtype")
         self.out_dtype = check_supported(out_dtype if out_dtype is not None else self.in_dtype, "out_dtype")
         self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
@@ -110,6 +112,12 @@ class AllToAll:
         if not isinstance(narrow_partials, (bool, np.bool_)):
             raise TypeError(f"narrow_partials must be a bool, not {type(narrow_partials).__name__}")
         self.narrow_partials = bool(narrow_partials)
+        # on_timeout="trap": a kernel that times out aborts, so the process cannot use the device any
+        # more and every later device operation fails loudly (for callers that never synchronize).
+        if on_timeout not in ("report", "trap"):
+            raise ValueError(f"on_timeout must be 'report' or 'trap', not {on_timeout!r}")
+        self.on_timeout = on_timeout
+        self.producer_order = producer_order  # checked by Boundary (pyhipa2a.inputs)
         # Launch geometry (tuning knobs; the environment variables let scripts sweep them).
         self._block_threads = block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS))
         self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
@@ -183,6 +191,7 @@ class AllToAll:
             ("arrived", (1,), np.uint32),
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
+            ("done", (2,), np.uint32),   # blocks finished, per kernel: the last one poisons a failed call
             # staging: NumPy inputs are copied here; y lands here unless out= is given
             ("x_stage", (M, H), self.in_dtype),
             ("indices_stage", (M, k), np.int32),
@@ -217,6 +226,7 @@ class AllToAll:
         host, device = self.backend.malloc_host_mapped(16)
         self._free_host_status = weakref.finalize(self, self.backend.free_host_mapped, host)
         self.host_status = np.frombuffer((ctypes.c_uint32 * 4).from_address(host), np.uint32)
+        self.health = Health(self.host_status, self.rank)  # outputs ask it before handing data out
         self._host_status_device = device
         self.stream = self.backend.stream_create()
         # The profiling build records per-warp timelines; the normal one compiles that away.
@@ -249,9 +259,9 @@ class AllToAll:
         self._broken: str | None = None
         self._expert_y_buffer: DeviceArray | None = None
         self._output_views: dict = {}
-        self._device_inputs: dict = {}
         self._foreign_streams: dict = {}
         self._order = StreamOrder(self.backend, self.stream)  # calls across streams, inputs after producers
+        self._boundary = Boundary(self.backend, heap.device.index, self._order, self.producer_order)
         self._expert_y_views: dict = {}  # expert_y_buffer() naming other streams (see _expert_y_on)
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
@@ -293,6 +303,7 @@ class AllToAll:
         a.seg_elems, a.nseg = self.seg_elems, self.nseg
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
+        a.trap_on_timeout = int(self.on_timeout == "trap")
         a.timeout_ns = int(self.timeout * 1e9)
 
     # -- calls ------------------------------------------------------------------
@@ -304,12 +315,12 @@ class AllToAll:
         if self.host_status[0]:
             self._raise_reported()
 
-    def _raise_reported(self) -> None:
+    def _raise_reported(self, cause: BaseException | None = None) -> None:
         """A kernel reported an error: this object refuses further calls (peers may be mid-protocol)."""
-        error = status_error(self.host_status.copy(), self.rank, "AllToAll")
+        error = self.health.error()
         if error is not None:
             self._broken = str(error)
-            raise error
+            raise error from cause
 
     def _stream(self, stream):
         if self._capturing is not None:
@@ -343,35 +354,11 @@ class AllToAll:
         if self._capturing is None:
             self._order.queued(stream)
 
-    def _after_producer(self, obj, stream, cai: bool = False) -> None:
-        if self._capturing is None:
-            self._order.after_producer(obj, stream, cai)
-
-    def _input(self, obj, name, want_shape, want_dtype, stage: str, stream):
-        """Pointer to `obj` on the device: NumPy arrays are checked and copied into staging."""
-        if isinstance(obj, np.ndarray):
-            check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)
-            check_numpy(name, obj)
-            self._no_numpy_in_capture(name)
-            if obj.size:
-                self.backend.copy_to_device(self.buf[stage].ptr, obj, stream)
-            return self.buf[stage].ptr, obj
-        # The same object passed again (the usual loop) is not described and
-        # checked again: this assumes a device array never changes its memory
-        # (true of CuPy, JAX and our own arrays; not of a tensor resized in place).
-        # DLPack arrays are exported at every use: the export is what orders our
-        # stream after the producer's writes.
-        cached = self._device_inputs.get(name)
-        if cached is None or cached[0] is not obj or cached[1] != want_shape or cached[2].dlpack:
-            # (the replaced entry's keepalive, a DLPack capsule, lives until here: the last call
-            # that read it was queued before this one)
-            exported_to = self._order.dlpack_stream(stream, capturing=self._capturing is not None)
-            view = device_view(obj, self.backend, self.heap.device.index, name, exported_to)
-            check_array(name, view.shape, view.dtype, want_shape, want_dtype)
-            cached = self._device_inputs[name] = (obj, want_shape, view)
-        view = cached[2]
-        self._after_producer(obj, stream, cai=view.cai)
-        return view.ptr, view.keepalive
+    def _input(self, obj, name, want_shape, want_dtype, stage: str | None, stream):
+        """(pointer, keepalive) of argument `name` on the device (pyhipa2a.inputs: described once,
+        checked, ordered after its producer; NumPy arrays are copied into staging buffer `stage`)."""
+        return self._boundary.take(name, obj, want_shape, want_dtype, stream, capturing=self._capturing is not None,
+                                   stage_ptr=self.buf[stage].ptr if stage else None)
 
     def _no_numpy_in_capture(self, name: str) -> None:
         if self._capturing is not None:
@@ -498,7 +485,7 @@ class AllToAll:
         if out is None:
             out = self._expert_y_on(s)
         else:
-            self._after_producer(out, s)
+            self._input(out, "fake_expert out", out.shape, self.out_dtype, None, s)
         self._scale_pack[1].value = out.ptr  # the rest was filled at construction (result views our buffers)
         self._scale_kernel.launch(self._scale_pack, self.blocks, self.block_threads, s)
         self._queued(s)
@@ -520,7 +507,7 @@ class AllToAll:
 
     def _naming(self, a: DeviceArray, stream) -> DeviceArray:
         """A view of our buffer `a` that names `stream`, where it is written."""
-        return DeviceArray(self.backend, a.ptr, a.shape, a.dtype, owner=self.heap, stream=stream)
+        return DeviceArray(self.backend, a.ptr, a.shape, a.dtype, owner=self.heap, stream=stream, health=self.health)
 
     def _keep(self, *objects) -> None:
         """Inputs stay referenced until the next call's replace them (the device may still read
@@ -573,7 +560,11 @@ class AllToAll:
         if self._capturing is not None:
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
         waited = self._synchronized_stream(stream)
-        self.backend.stream_synchronize(waited)
+        try:
+            self.backend.stream_synchronize(waited)
+        except RuntimeFailure as e:  # a kernel that trapped (on_timeout="trap") said why first
+            self._raise_reported(cause=e)
+            raise
         self._order.synchronized(waited)
         if self.host_status[0]:
             self._raise_reported()
@@ -620,7 +611,6 @@ class AllToAll:
             if self.profile_buffer is not None:
                 self.profile_buffer.free()
             self.lib.close()
-            self._order.close()
             self.backend.stream_destroy(self.stream)
             self._free_host_status()
 

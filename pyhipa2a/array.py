@@ -3,7 +3,9 @@
 It owns nothing: `owner` keeps the memory's owner (a heap) alive. It speaks
 `__cuda_array_interface__` (CUDA backend) and DLPack (every backend; the host
 backend's arrays are kDLCPU, so `numpy.from_dlpack` takes them without a
-copy), and `.numpy()` copies to the host.
+copy), and `.numpy()` copies to the host. An output of an AllToAll carries
+its `health`: every way out (`.numpy()`, DLPack, the interface) raises the
+call's error instead of handing out the data of a failed call.
 """
 from __future__ import annotations
 
@@ -13,14 +15,16 @@ from . import dlpack
 
 
 class DeviceArray:
-    __slots__ = ("backend", "ptr", "shape", "dtype", "owner", "stream", "device_id", "__weakref__")
+    __slots__ = ("backend", "ptr", "shape", "dtype", "owner", "stream", "device_id", "health", "__weakref__")
 
-    def __init__(self, backend, ptr: int, shape, dtype, owner=None, stream=None, device_id: int | None = None):
+    def __init__(self, backend, ptr: int, shape, dtype, owner=None, stream=None, device_id: int | None = None,
+                 health=None):
         self.backend, self.ptr = backend, int(ptr)
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.owner, self.stream = owner, stream
         self.device_id = backend.current_device if device_id is None else device_id
+        self.health = health  # None, or what check()s the failures of the call that wrote this array
 
     # -- NumPy-like description ----------------------------------------------
     @property
@@ -51,7 +55,8 @@ class DeviceArray:
 
     def view(self, shape, dtype=None) -> "DeviceArray":
         """The same memory with another shape (and dtype); must not be larger."""
-        out = DeviceArray(self.backend, self.ptr, shape, dtype or self.dtype, self.owner, self.stream, self.device_id)
+        out = DeviceArray(self.backend, self.ptr, shape, dtype or self.dtype, self.owner, self.stream, self.device_id,
+                          self.health)
         if out.nbytes > self.nbytes:
             raise ValueError(f"view {out.shape} {out.dtype} is larger than {self.shape} {self.dtype}")
         return out
@@ -64,10 +69,18 @@ class DeviceArray:
 
     # -- host copies ------------------------------------------------------------
     def numpy(self) -> np.ndarray:
-        """A host copy; waits for the work queued on this array's stream."""
+        """A host copy; waits for the work queued on this array's stream, then raises the error of
+        the call that wrote it, if that call failed."""
         out = np.empty(self.shape, self.dtype)
-        if out.nbytes:
-            self.backend.copy_to_host(out, self.ptr, self.stream)
+        try:
+            if out.nbytes:
+                self.backend.copy_to_host(out, self.ptr, self.stream)
+        except Exception as e:  # a trapped kernel fails the copy: say why, when we know
+            if self.health is not None:
+                self.health.check(cause=e)
+            raise
+        if self.health is not None:
+            self.health.check()
         return out
 
     def copy_from(self, host: np.ndarray) -> None:
@@ -85,6 +98,8 @@ class DeviceArray:
     def __cuda_array_interface__(self) -> dict:
         if self.backend.kind != "cuda":
             raise AttributeError("__cuda_array_interface__ is only for arrays on an NVIDIA GPU")
+        if self.health is not None:
+            self.health.check()  # a failure known now; later ones show as poisoned data
         cai = {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
                "strides": None, "version": 3}
         if self.dtype.name == "bfloat16":
@@ -100,8 +115,12 @@ class DeviceArray:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         if copy:
             raise BufferError("pyhipa2a arrays are exported without copies")
-        if stream is not None and stream != -1 and self.stream is not None and self.backend.kind != "host":
-            # The consumer will use `stream`: our queued work must be finished first.
-            self.backend.stream_synchronize(self.stream)
+        if self.health is not None:
+            self.health.check()  # a failure known now; later ones show as poisoned data
+        if stream != -1 and self.stream is not None and self.backend.kind != "host":
+            # The consumer reads on `stream` (None: the legacy default stream, as DLPack says): it waits
+            # on the device for the work queued on ours, and the host does not wait at all.
+            handle = (1 if self.backend.kind == "cuda" else 0) if stream is None else stream
+            self.backend.stream_wait_stream(self.backend.stream_from_handle(handle), self.stream)
         return dlpack.make_capsule(self.ptr, self.shape, self.dtype, self.backend.dlpack_device_type,
                                    self.device_id, owner=self, max_version=max_version)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import operator
+import struct
 import warnings
 from dataclasses import dataclass, field
 
@@ -120,24 +121,26 @@ _NUMPY_TO_DLPACK = {
     np.dtype(np.bool_): (kDLBool, 8),
 }
 _DLPACK_TO_NUMPY = {code_bits: dt for dt, code_bits in _NUMPY_TO_DLPACK.items()}
-_BFLOAT16 = "bfloat16"
-_BFLOAT16_CODE = (kDLBfloat, 16)
-_SUPPORTED_NAMES = ", ".join([dt.name for dt in _NUMPY_TO_DLPACK] + [_BFLOAT16])
+# Element types NumPy has no dtype for, by the name ml_dtypes gives them (DLPack 1.1 codes for fp8).
+_NAMED_TO_DLPACK = {"bfloat16": (kDLBfloat, 16), "float8_e4m3fn": (10, 8), "float8_e4m3fnuz": (11, 8),
+                    "float8_e5m2": (12, 8), "float8_e5m2fnuz": (13, 8)}
+_DLPACK_TO_NAMED = {code_bits: name for name, code_bits in _NAMED_TO_DLPACK.items()}
+_SUPPORTED_NAMES = ", ".join([dt.name for dt in _NUMPY_TO_DLPACK] + list(_NAMED_TO_DLPACK))
 
 
 def _dlpack_dtype(dtype) -> tuple[int, int]:
-    """(code, bits) for a NumPy dtype, a scalar type, a dtype name, or "bfloat16"."""
-    # NumPy has no bfloat16: accept the name, or ml_dtypes' dtype (whose name it
+    """(code, bits) for a NumPy dtype, a scalar type, a dtype name, "bfloat16" or an fp8 name."""
+    # NumPy has no bfloat16 or fp8: accept the name, or ml_dtypes' dtype (whose name it
     # is) without importing ml_dtypes ourselves.
     name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
-    if name == _BFLOAT16:
-        return _BFLOAT16_CODE
+    if name in _NAMED_TO_DLPACK:
+        return _NAMED_TO_DLPACK[name]
     try:
         dt = np.dtype(dtype)
     except (TypeError, ValueError) as e:
         raise TypeError(f"DLPack export: unsupported dtype {dtype!r} (supported: {_SUPPORTED_NAMES})") from e
-    if dt.name == _BFLOAT16:
-        return _BFLOAT16_CODE
+    if dt.name in _NAMED_TO_DLPACK:
+        return _NAMED_TO_DLPACK[dt.name]
     if not dt.isnative:
         raise TypeError(f"DLPack export: dtype {dt.str!r} is not in native byte order; DLPack has no byte order")
     try:
@@ -147,12 +150,13 @@ def _dlpack_dtype(dtype) -> tuple[int, int]:
 
 
 def _numpy_dtype(dl: DLDataType) -> np.dtype | str:
-    """The NumPy dtype for a DLDataType, or the string "bfloat16" (NumPy has none)."""
+    """The NumPy dtype for a DLDataType, or the ml_dtypes name ("bfloat16", "float8_e4m3fn", ...) of one
+    NumPy lacks."""
     if dl.lanes != 1:
         raise TypeError(f"DLPack import: vector dtypes (lanes={dl.lanes}) are not supported")
     key = (dl.code, dl.bits)
-    if key == _BFLOAT16_CODE:
-        return _BFLOAT16
+    if key in _DLPACK_TO_NAMED:
+        return _DLPACK_TO_NAMED[key]
     try:
         return _DLPACK_TO_NUMPY[key]
     except KeyError:
@@ -275,10 +279,10 @@ def _release_export(managed_addr):
 def _destroy_capsule(capsule_addr):
     """PyCapsule destructor: a capsule nobody consumed (its name unchanged) frees its tensor."""
     pending = _take_pending_exception()
-    for name, struct in ((_NAME, DLManagedTensor), (_VERSIONED_NAME, DLManagedTensorVersioned)):
+    for name, layout in ((_NAME, DLManagedTensor), (_VERSIONED_NAME, DLManagedTensorVersioned)):
         if _PyCapsule_IsValid_at(capsule_addr, name):
             managed_addr = _PyCapsule_GetPointer_at(capsule_addr, name)
-            deleter = struct.from_address(managed_addr).deleter
+            deleter = layout.from_address(managed_addr).deleter
             if deleter:
                 _call_deleter(ctypes.cast(deleter, ctypes.c_void_p).value)(managed_addr)
             break
@@ -406,6 +410,13 @@ class DLPackView:
     readonly: bool = False
 
 
+# The structs as flat byte layouts, read with one ctypes.string_at and one unpack: field access
+# through ctypes Structures cost several microseconds a capsule, and inputs are read at every call.
+_MANAGED = struct.Struct("=QiiiBBHQQQQQ")            # DLManagedTensor: dl_tensor, manager_ctx, deleter
+_VERSIONED = struct.Struct("=IIQQQQiiiBBHQQQ")       # DLManagedTensorVersioned: version, ctx, deleter, flags, dl_tensor
+assert _MANAGED.size == ctypes.sizeof(DLManagedTensor) and _VERSIONED.size == ctypes.sizeof(DLManagedTensorVersioned)
+
+
 def read_capsule(capsule) -> DLPackView:
     """Consume a "dltensor" (or "dltensor_versioned") capsule.
 
@@ -428,31 +439,26 @@ def read_capsule(capsule) -> DLPackView:
     managed_addr = _PyCapsule_GetPointer(capsule, name)
     readonly = False
     if name == _VERSIONED_NAME:
-        managed = DLManagedTensorVersioned.from_address(managed_addr)
-        if managed.version.major != _DLPACK_MAJOR:
-            raise BufferError(f"DLPack {managed.version.major}.{managed.version.minor} capsule; "
-                              f"this reader understands {_DLPACK_MAJOR}.x")
-        readonly = bool(managed.flags & _FLAG_READ_ONLY)
+        (major, minor, _, deleter_addr, flags, data, device_type, device_id, ndim, code, bits, lanes, shape_ptr,
+         strides_ptr, byte_offset) = _VERSIONED.unpack(ctypes.string_at(managed_addr, _VERSIONED.size))
+        if major != _DLPACK_MAJOR:
+            raise BufferError(f"DLPack {major}.{minor} capsule; this reader understands {_DLPACK_MAJOR}.x")
+        readonly = bool(flags & _FLAG_READ_ONLY)
     else:
-        managed = DLManagedTensor.from_address(managed_addr)
+        (data, device_type, device_id, ndim, code, bits, lanes, shape_ptr, strides_ptr, byte_offset, _,
+         deleter_addr) = _MANAGED.unpack(ctypes.string_at(managed_addr, _MANAGED.size))
 
-    tensor = managed.dl_tensor
-    dtype = _numpy_dtype(tensor.dtype)
-    ndim = tensor.ndim
-    if ndim < 0 or (ndim > 0 and not tensor.shape):
-        raise BufferError(f"malformed DLTensor: ndim={ndim} with shape pointer {'set' if tensor.shape else 'NULL'}")
-    shape = tuple(tensor.shape[i] for i in range(ndim))
+    dtype = _numpy_dtype(DLDataType(code, bits, lanes))
+    if ndim < 0 or (ndim > 0 and not shape_ptr):
+        raise BufferError(f"malformed DLTensor: ndim={ndim} with shape pointer {'set' if shape_ptr else 'NULL'}")
+    shape = struct.unpack(f"={ndim}q", ctypes.string_at(shape_ptr, 8 * ndim)) if ndim else ()
     # NULL strides mean compact row-major; a 0-d tensor has nothing to stride.
-    strides = tuple(tensor.strides[i] for i in range(ndim)) if (ndim and tensor.strides) else None
-    ptr = (tensor.data or 0) + tensor.byte_offset
-    # Copy the deleter's address now: the struct may be gone once it has run.
-    deleter_addr = ctypes.cast(managed.deleter, ctypes.c_void_p).value
+    strides = struct.unpack(f"={ndim}q", ctypes.string_at(strides_ptr, 8 * ndim)) if (ndim and strides_ptr) else None
 
     _PyCapsule_SetName(capsule, used_name)  # we own it now
-    keepalive = _ConsumedTensor(capsule, managed_addr, deleter_addr)
-    return DLPackView(ptr=ptr, shape=shape, strides=strides, dtype=dtype,
-                      device_type=tensor.device.device_type, device_id=tensor.device.device_id,
-                      keepalive=keepalive, readonly=readonly)
+    keepalive = _ConsumedTensor(capsule, managed_addr, deleter_addr or None)
+    return DLPackView(ptr=data + byte_offset, shape=shape, strides=strides, dtype=dtype,
+                      device_type=device_type, device_id=device_id, keepalive=keepalive, readonly=readonly)
 
 
 def view_from_object(obj, stream=None) -> DLPackView:

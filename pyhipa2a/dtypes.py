@@ -6,18 +6,29 @@ import numpy as np
 SUPPORTED = ("float16", "bfloat16")
 
 
-def bfloat16():
+# Element types NumPy lacks, by their ml_dtypes names (DLPack can spell these; the CUDA array
+# interface cannot).
+ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+
+
+def ml_dtype(name: str) -> np.dtype:
     try:
         import ml_dtypes
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("bfloat16 needs the ml_dtypes package: pip install ml_dtypes") from e
-    return np.dtype(ml_dtypes.bfloat16)
+        raise ImportError(f"{name} needs the ml_dtypes package: pip install ml_dtypes") from e
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def bfloat16():
+    return ml_dtype("bfloat16")
 
 
 def resolve(dtype) -> np.dtype:
-    """A NumPy dtype for "float16", "bfloat16", np.float16, ml_dtypes.bfloat16, ..."""
-    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+    """A NumPy dtype for "float16", "bfloat16", "float8_e4m3fn", np.float16, ml_dtypes.bfloat16, ..."""
+    if isinstance(dtype, str) and dtype.lower() == "bf16":
         return bfloat16()
+    if isinstance(dtype, str) and dtype.lower() in ML_DTYPES:
+        return ml_dtype(dtype.lower())
     if isinstance(dtype, str) and dtype.lower() in ("fp16", "half"):
         return np.dtype(np.float16)
     return np.dtype(dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from .runtime.base import RuntimeFailure
 
 __all__ = [
-    "A2AError", "A2ATimeoutError", "A2ADeviceError", "ConfigMismatchError",
+    "Health", "A2AError", "A2ATimeoutError", "A2ADeviceError", "ConfigMismatchError",
     "AllocationMismatchError", "CodeObjectNotFound", "RuntimeFailure",
 ]
 
@@ -74,3 +74,22 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
     if code == STATUS_MISMATCH:
         return A2ADeviceError(f"{context}: rank {rank}: {detail} words did not match the expected pattern")
     return A2ADeviceError(f"{context}: rank {rank}: unknown device status {code} ({peer}, {what}, {detail})")
+
+
+class Health:
+    """What one AllToAll's kernels reported: the four status words, mirrored by the kernels into
+    pinned host memory, so the host reads them without a copy or a wait. Calls check it before
+    launching, and the outputs check it before handing their data out (pyhipa2a.array)."""
+
+    def __init__(self, host_status, rank: int, context: str = "AllToAll"):
+        self.host_status, self.rank, self.context = host_status, rank, context
+
+    def error(self) -> A2AError | None:
+        """The reported failure as an exception (a fresh one each time), or None."""
+        return status_error(self.host_status.copy(), self.rank, self.context) if self.host_status[0] else None
+
+    def check(self, cause: BaseException | None = None) -> None:
+        """Raise the reported failure, if any (chained to `cause`, what it made fail)."""
+        error = self.error()
+        if error is not None:
+            raise error from cause

@@ -1,44 +1,73 @@
-"""Turning user arrays into (pointer, shape, dtype) with clear errors.
+"""The array boundary: whatever a caller passes becomes a kernel argument, in one pass.
 
-Accepted: NumPy arrays (copied by the caller into device staging), our own
-DeviceArray, and any device array exposing `__cuda_array_interface__` or
-DLPack `__dlpack__` (used in place). Everything is checked on the calling
-rank before a kernel runs: dtype, shape, C-contiguity and the device.
+Accepted: NumPy arrays (copied into the library's device staging), our own
+DeviceArray, and any device array that speaks the CUDA array interface or
+DLPack (PyTorch, CuPy, JAX, Numba, ...; used in place). One `Boundary` per
+AllToAll turns each argument into a device pointer: element type from the
+protocol that describes it (the interface's `typestr`, DLPack's type code, a
+NumPy array's dtype; never a foreign object's own `.dtype`), shape,
+C-contiguity, the device it lives on, and the producer's writes ordered
+before the call's stream. Everything is checked on the calling rank before a
+kernel runs.
+
+Which protocol, and how the producer is ordered (producer_order="protocol",
+the default):
+- our DeviceArray: the stream it names is waited for on the device;
+- an interface array that names a stream (version 3: CuPy, Numba): that
+  stream is waited for on the device, read again at every call (CuPy names
+  its current stream); `stream: None` means the producer needs no wait;
+- otherwise DLPack where the object has it (PyTorch's and JAX's interfaces
+  name no stream): exported at every call naming the reading stream, so the
+  producer makes that stream wait for its pending writes;
+- an interface array with neither (version 2 only): used as it is, with a
+  warning: its producer cannot be waited for.
+With producer_order="stream" the caller promises that every device input was
+written on the call's stream or ordered before it, and no producer is asked:
+a cached input costs one identity check.
+
+Arrays seen before (the usual loop passes the same buffers every call) are
+not described again: the cache of each argument keeps the object itself (so
+its address cannot be reused by another) and its description. A description
+stands while what the protocol says at this call matches it (interface: data
+pointer, shape, typestr, strides; DLPack: pointer, shape, strides, type and
+device of the new export); with producer_order="stream" nothing is asked, so
+an object that changes its memory in place (a tensor resized in place) must
+not be passed again as the same object.
 """
 from __future__ import annotations
 
 import math
 import struct
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import dlpack
 from .array import DeviceArray
-from .dtypes import resolve
+from .dtypes import ML_DTYPES, resolve
 
 DLPACK_NAMES = {1: "cpu", 2: "cuda", 10: "rocm"}
+PRODUCER_ORDERS = ("protocol", "stream")
+
+OWN, CAI, DLPACK = "own", "cai", "dlpack"
 
 
-@dataclass
-class DeviceInput:
+@dataclass(frozen=True)
+class Described:
+    """One device argument as the kernels see it, and what a later use must find to trust it."""
     ptr: int
     shape: tuple
     dtype: np.dtype
-    keepalive: object = None
-    # Described by __cuda_array_interface__: each use must wait for the stream that it names then
-    # (producer_stream), since the producer may have queued new writes to it since.
-    cai: bool = False
-    # Exported by __dlpack__, which made the reading stream wait for the producer's writes so far:
-    # a later use must export again.
-    dlpack: bool = False
+    protocol: str            # OWN, CAI or DLPACK
+    key: tuple               # what the protocol said (compared at a later use)
+    keepalive: object = None  # a consumed DLPack capsule: the producer's memory stays ours until released
 
 
-def producer_stream(obj) -> int | None:
+def producer_stream(cai: dict) -> int | None:
     """The stream (a handle: 1 and 2 are CUDA's legacy and per-thread default streams) on which the
-    producer of a __cuda_array_interface__ array queued its writes, or None when it needs no wait.
-    Read at each use: CuPy, for one, names its current stream."""
-    stream = obj.__cuda_array_interface__.get("stream")
+    producer of a __cuda_array_interface__ array queued its writes, or None when it needs no wait."""
+    stream = cai.get("stream")
     if stream is None:
         return None
     if isinstance(stream, bool) or not isinstance(stream, int) or stream <= 0:
@@ -47,7 +76,7 @@ def producer_stream(obj) -> int | None:
     return stream
 
 
-def _describe(obj) -> str:
+def _describe_type(obj) -> str:
     return type(obj).__module__ + "." + type(obj).__name__
 
 
@@ -66,55 +95,179 @@ def require_array(obj, name: str) -> None:
     if not (isinstance(obj, (np.ndarray, DeviceArray)) or hasattr(obj, "__cuda_array_interface__")
             or hasattr(obj, "__dlpack__")):
         raise TypeError(f"{name} must be a NumPy array or a device array (__cuda_array_interface__ or "
-                        f"__dlpack__), not {_describe(obj)}")
+                        f"__dlpack__), not {_describe_type(obj)}")
 
 
-def device_view(obj, backend, device_index: int, name: str, dlpack_stream=None) -> DeviceInput:
-    """Describe a device-resident array, or raise TypeError/ValueError saying what is wrong.
-    `dlpack_stream`: the stream handle that will read the array, passed to `__dlpack__` (its
-    producer makes that stream wait for its pending writes)."""
-    if isinstance(obj, DeviceArray):
-        if obj.backend.kind != backend.kind or obj.device_id != device_index:
-            raise ValueError(f"{name} lives on {obj.backend.kind} device {obj.device_id}; this AllToAll runs "
-                             f"on {backend.kind} device {device_index}")
-        return DeviceInput(obj.ptr, obj.shape, obj.dtype, obj)
-    cai = getattr(obj, "__cuda_array_interface__", None) if backend.kind != "host" else None
-    if cai is not None:
+def cai_dtype(typestr: str, want_dtype, name: str) -> np.dtype:
+    """The element type an interface's typestr names. The interface cannot spell bfloat16 or fp8:
+    producers write them as void of their size ('<V2', PyTorch and pyhipa2a for bfloat16), which
+    is taken as the argument's required type when that is one of those, and refused otherwise."""
+    dtype = np.dtype(typestr)
+    if dtype.kind != "V":
+        return dtype
+    want = np.dtype(want_dtype)
+    if want.name in ML_DTYPES and want.itemsize == dtype.itemsize:
+        return want
+    raise TypeError(f"{name}: __cuda_array_interface__ typestr {typestr!r} names no element type (a {dtype.itemsize}"
+                    f"-byte void); {name} must be {want.name}")
+
+
+def _read_cai(obj):
+    """The interface's dict, or None when the object has none or refuses it for this array (JAX
+    does for bfloat16): then DLPack describes it."""
+    try:
+        return obj.__cuda_array_interface__
+    except Exception:  # AttributeError, or the producer's own refusal
+        return None
+
+
+def _dlpack_device(view, backend, device_index: int, name: str) -> None:
+    """Refuse an export that lives elsewhere than this rank's device."""
+    if view.device_type != backend.dlpack_device_type or (view.device_type != 1 and view.device_id != device_index):
+        raise ValueError(f"{name} lives on {DLPACK_NAMES.get(view.device_type, view.device_type)} device "
+                         f"{view.device_id}; this AllToAll runs on {backend.kind} device {device_index}")
+
+
+def _dlpack_key(view) -> tuple:
+    return (view.ptr, tuple(view.shape), view.strides, view.dtype, view.device_type, view.device_id)
+
+
+_warned_types: set = set()
+
+
+def _warn_unordered(obj, why: str) -> None:
+    kind = type(obj)
+    if kind not in _warned_types:
+        _warned_types.add(kind)
+        warnings.warn(f"{kind.__name__} {why}: pyhipa2a cannot wait for its producer's writes; pass the "
+                      "producer's stream as stream= or synchronize it before the call", RuntimeWarning, stacklevel=5)
+
+
+class Boundary:
+    """The array boundary of one AllToAll: `take` turns an argument into a kernel pointer.
+
+    `order` is the object's StreamOrder (pyhipa2a.ordering): device waits for producers go through
+    it. `producer_order` is "protocol" or "stream" (module docstring)."""
+
+    def __init__(self, backend, device_index: int, order, producer_order: str = "protocol"):
+        if producer_order not in PRODUCER_ORDERS:
+            raise ValueError(f"producer_order must be one of {PRODUCER_ORDERS}, not {producer_order!r}")
+        self.backend, self.device_index, self.order = backend, device_index, order
+        self.ask_producers = producer_order == "protocol"
+        self._cache: dict[str, tuple[object, Described]] = {}
+
+    def take(self, name: str, obj, want_shape, want_dtype, stream, *, capturing: bool = False,
+             stage_ptr: int | None = None):
+        """(device pointer, keepalive) of argument `name`, shape `want_shape` (None: any) and dtype
+        `want_dtype`, to be read on `stream`. NumPy arrays are copied into `stage_ptr` (refused
+        when there is none, or while capturing); the keepalive must outlive the kernel's reads."""
+        if isinstance(obj, np.ndarray):
+            check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)
+            check_numpy(name, obj)
+            if stage_ptr is None:
+                raise TypeError(f"{name} must be a device array")
+            if capturing:
+                raise TypeError(f"inside capture(), {name} must be a device array: a NumPy array would be copied "
+                                "once while capturing, not at each launch of the graph")
+            if obj.size:
+                self.backend.copy_to_device(stage_ptr, obj, stream)
+            return stage_ptr, obj
+        d, producer = self.describe(name, obj, want_dtype, stream, capturing)
+        check_array(name, d.shape, d.dtype, want_shape, want_dtype)
+        if producer is not None:
+            self.order.wait_for_producer(producer, stream)
+        return d.ptr, (obj if d.keepalive is None else d.keepalive)
+
+    def describe(self, name: str, obj, want_dtype, stream, capturing: bool):
+        """(description, producer) of a device array, from the cache when it still stands. The
+        producer is what the use must wait for on the device: a stream of ours, a foreign stream
+        handle, or None (nothing, or a DLPack export that ordered it already)."""
+        cached = self._cache.get(name)
+        if cached is not None and cached[0] is obj:
+            d, producer = self._still(name, cached[1], obj, want_dtype, stream, capturing)
+        else:
+            d = None
+        if d is None:
+            d, producer = self._describe(name, obj, want_dtype, stream, capturing)
+        self._cache[name] = (obj, d)  # (a replaced entry's capsule lives until here: its call was queued)
+        if capturing or not self.ask_producers:
+            return d, None  # a capture may not wait for work outside it; "stream": the caller vouches
+        return d, producer
+
+    # -- a cached description, checked against what the protocol says now ----------------------
+    def _still(self, name, d: Described, obj, want_dtype, stream, capturing):
+        """(`d`, or `d` with this use's capsule, and the producer) when `d` still describes `obj`;
+        (None, None): describe anew."""
+        if d.protocol == OWN:
+            return d, obj.stream  # our arrays never change their memory
+        if not self.ask_producers:
+            return d, None  # the caller vouches for the producer and for the memory
+        if d.protocol == CAI:
+            cai = _read_cai(obj)
+            if cai is None or _cai_key(cai) != d.key:
+                return None, None
+            return d, producer_stream(cai)
+        view = dlpack.view_from_object(obj, stream=self.order.dlpack_stream(stream, capturing))
+        if _dlpack_key(view) != d.key:
+            return self._from_dlpack(view, name, want_dtype), None  # checked afresh, from this export
+        return Described(d.ptr, d.shape, d.dtype, DLPACK, d.key, view.keepalive), None
+
+    # -- a first description -------------------------------------------------------------------
+    def _describe(self, name: str, obj, want_dtype, stream, capturing):
+        """(description, producer) of an array not seen in this argument before (or changed)."""
+        backend = self.backend
+        if isinstance(obj, DeviceArray):
+            if obj.backend.kind != backend.kind or obj.device_id != self.device_index:
+                raise ValueError(f"{name} lives on {obj.backend.kind} device {obj.device_id}; this AllToAll runs "
+                                 f"on {backend.kind} device {self.device_index}")
+            return Described(obj.ptr, obj.shape, obj.dtype, OWN, ()), obj.stream
+        cai = _read_cai(obj) if backend.kind != "host" else None
+        use_cai = cai is not None and (not self.ask_producers or "stream" in cai or not hasattr(obj, "__dlpack__"))
+        if use_cai:
+            if self.ask_producers and "stream" not in cai:
+                _warn_unordered(obj, "exposes a __cuda_array_interface__ that names no stream and no __dlpack__")
+            return self._from_cai(cai, name, want_dtype), producer_stream(cai)
+        if hasattr(obj, "__dlpack__"):
+            if hasattr(obj, "__dlpack_device__"):  # refuse before exporting (an export may copy or wait)
+                dev_type, dev_id = obj.__dlpack_device__()
+                if dev_type != backend.dlpack_device_type or (dev_type != 1 and dev_id != self.device_index):
+                    raise ValueError(f"{name} lives on {DLPACK_NAMES.get(dev_type, dev_type)} device {dev_id}; this "
+                                     f"AllToAll runs on {backend.kind} device {self.device_index}")
+            # Asking producers: export naming the reading stream (the producer orders itself before it).
+            # Not asking: -1, "do not synchronize" (the caller vouches).
+            exported_to = self.order.dlpack_stream(stream, capturing or not self.ask_producers)
+            return self._from_dlpack(dlpack.view_from_object(obj, stream=exported_to), name, want_dtype), None
+        raise TypeError(f"{name} must be a NumPy array or a device array (__cuda_array_interface__ or "
+                        f"__dlpack__), not {_describe_type(obj)}")
+
+    def _from_cai(self, cai: dict, name: str, want_dtype) -> Described:
         shape = tuple(cai["shape"])
-        dtype = np.dtype(cai["typestr"])
+        dtype = cai_dtype(cai["typestr"], want_dtype, name)
         if not _contiguous(shape, cai.get("strides"), dtype.itemsize):
             raise ValueError(f"{name} must be C-contiguous (strides {cai.get('strides')} for shape {shape})")
         ptr = int(cai["data"][0])
-        owner = backend.pointer_device(ptr) if ptr else device_index
-        if owner is not None and owner != device_index:
+        owner = self.backend.pointer_device(ptr) if ptr else self.device_index
+        if owner is not None and owner != self.device_index:
             where = f"device {owner}" if owner >= 0 else "another device"
-            raise ValueError(f"{name} lives on {backend.kind} {where}; this rank uses device {device_index}")
-        if hasattr(obj, "dtype") and resolve(obj.dtype).itemsize == dtype.itemsize:
-            dtype = resolve(obj.dtype)  # CAI cannot spell bfloat16
-        return DeviceInput(ptr, shape, dtype, obj, cai=True)
-    if hasattr(obj, "__dlpack__"):
-        if hasattr(obj, "__dlpack_device__"):
-            dev_type, dev_id = obj.__dlpack_device__()
-            if dev_type != backend.dlpack_device_type or (dev_type != 1 and dev_id != device_index):
-                raise ValueError(
-                    f"{name} lives on {DLPACK_NAMES.get(dev_type, dev_type)} device {dev_id}; this AllToAll "
-                    f"runs on {backend.kind} device {device_index}")
-        view = dlpack.view_from_object(obj, stream=dlpack_stream)
-        if view.device_type != backend.dlpack_device_type or (view.device_type != 1 and view.device_id != device_index):
-            raise ValueError(f"{name} lives on {DLPACK_NAMES.get(view.device_type, view.device_type)} device "
-                             f"{view.device_id}; this AllToAll runs on {backend.kind} device {device_index}")
+            raise ValueError(f"{name} lives on {self.backend.kind} {where}; this rank uses device {self.device_index}")
+        return Described(ptr, shape, dtype, CAI, _cai_key(cai))
+
+    def _from_dlpack(self, view, name: str, want_dtype) -> Described:
+        _dlpack_device(view, self.backend, self.device_index, name)
         dtype = resolve(view.dtype)
         strides = None if view.strides is None else tuple(s * dtype.itemsize for s in view.strides)
         if not _contiguous(view.shape, strides, dtype.itemsize):
             raise ValueError(f"{name} must be C-contiguous (element strides {view.strides} for shape {view.shape})")
-        return DeviceInput(view.ptr, tuple(view.shape), dtype, view, dlpack=True)
-    raise TypeError(f"{name} must be a NumPy array or a device array (__cuda_array_interface__ or "
-                    f"__dlpack__), not {_describe(obj)}")
+        return Described(view.ptr, tuple(view.shape), dtype, DLPACK, _dlpack_key(view), view.keepalive)
+
+
+def _cai_key(cai: dict) -> tuple:
+    return (cai["data"][0], tuple(cai["shape"]), cai["typestr"], cai.get("strides"))
 
 
 def check_array(name: str, shape, dtype, want_shape, want_dtype) -> None:
     """`want_shape` may hold None for a free dimension."""
-    if np.dtype(dtype) != np.dtype(want_dtype):
+    if dtype != want_dtype and np.dtype(dtype) != np.dtype(want_dtype):
         raise TypeError(f"{name} must have dtype {np.dtype(want_dtype).name}, got {np.dtype(dtype).name}")
     if len(shape) != len(want_shape):
         raise ValueError(f"{name} must have {len(want_shape)} dimensions {_spell(want_shape)}, got shape {tuple(shape)}")
@@ -154,7 +307,7 @@ def check_scale(value) -> float:
     if type(value) is float and value == 1.0:  # the default, with nothing to check
         return 1.0
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"expert_scale must be a real number, not {_describe(value)}")
+        raise TypeError(f"expert_scale must be a real number, not {_describe_type(value)}")
     try:
         as_f32 = struct.unpack("f", struct.pack("f", float(value)))[0]
     except OverflowError:  # beyond float32 (or beyond any float, for a huge int)

@@ -34,12 +34,12 @@ class A2AArgs(ctypes.Structure):
                 ("off_push_tok", u64), ("off_push_contrib", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_counters", u64), ("off_num_tokens", u64),
                 ("off_rows", u64), ("off_slot_of", u64), ("off_slot_tag", u64), ("off_arrived", u64), ("off_epoch", u64),
-                ("off_status", u64),
+                ("off_status", u64), ("off_done", u64),
                 ("host_status", u64), ("prof", u64),
                 ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
                 ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("seg_elems", u32), ("nseg", u32),
                 ("push_max_tokens", u32), ("push_row_words", u32), ("narrow_partials", u32),
-                ("timeout_ns", u64)]
+                ("trap_on_timeout", u32), ("pad", u32), ("timeout_ns", u64)]
 
 
 class DispatchCall(ctypes.Structure):

@@ -10,27 +10,18 @@ owner checks that, and dlpack_stream is told.
 """
 from __future__ import annotations
 
-from .array import DeviceArray
-from .inputs import producer_stream
-
 
 class StreamOrder:
     def __init__(self, backend, default_stream):
         self.backend, self.default = backend, default_stream
         self.last = None     # the stream of the last call (or graph launch) queued; None: nothing pending
-        self._event = None   # made when a call first waits for another stream
 
     def _same(self, a, b) -> bool:
         return self.backend.stream_handle(a) == self.backend.stream_handle(b)
 
     def wait_for(self, other, stream) -> None:
         """Work queued on `stream` from now on waits for what is queued on `other` now."""
-        if self._same(other, stream):
-            return
-        if self._event is None:
-            self._event = self.backend.event_create()
-        self.backend.event_record(self._event, other)  # each wait takes the record before it
-        self.backend.stream_wait_event(stream, self._event)
+        self.backend.stream_wait_stream(stream, other)
 
     def follow(self, stream) -> None:
         """Queue the coming call on `stream` behind the last one. It becomes the last one only once
@@ -52,17 +43,12 @@ class StreamOrder:
         if self.last is not None and self._same(stream, self.last):
             self.last = None
 
-    def after_producer(self, obj, stream, cai: bool) -> None:
-        """Queue a use of device array `obj` on `stream` after its producer's writes: the stream
-        that a __cuda_array_interface__ array (`cai`) names now, or our own DeviceArray's stream.
-        (A DLPack producer made `stream` wait when it exported the array: see dlpack_stream.)"""
-        if isinstance(obj, DeviceArray):
-            if obj.stream is not None:
-                self.wait_for(obj.stream, stream)
-        elif cai:
-            producer = producer_stream(obj)
-            if producer is not None:
-                self.wait_for(self.backend.stream_from_handle(self._cai_handle(producer)), stream)
+    def wait_for_producer(self, producer, stream) -> None:
+        """Queue the use of an input on `stream` after its producer's writes: `producer` is one of our
+        streams (a DeviceArray's) or a foreign stream handle (an int a __cuda_array_interface__ names)."""
+        if isinstance(producer, int):
+            producer = self.backend.stream_from_handle(self._cai_handle(producer))
+        self.wait_for(producer, stream)
 
     def _cai_handle(self, value: int) -> int:
         """A __cuda_array_interface__ stream value as this runtime's handle: CUDA's driver takes 1
@@ -79,8 +65,3 @@ class StreamOrder:
             return -1
         handle = self.backend.stream_handle(stream)
         return handle if handle or self.backend.kind != "cuda" else 1
-
-    def close(self) -> None:
-        if self._event is not None:
-            self.backend.event_destroy(self._event)
-            self._event = None

@@ -135,6 +135,14 @@ def test_inputs_written_on_another_stream(via):
     run_case(CASE + "case_inputs_written_on_another_stream", ranks_for("gpu"), env_backend("gpu"), args=(via,))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("producer_order", ["protocol", "stream"])
+@pytest.mark.parametrize("lib", ["torch", "cupy", "jax"])
+def test_framework_arrays_in_and_out(lib, producer_order):
+    run_case(CASE + "case_framework_arrays", ranks_for("gpu"), env_backend("gpu"), args=(lib, producer_order),
+             timeout=600)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_calls_on_different_streams(backend):
     H, M = (7168, 256) if backend == "gpu" else (64, 16)  # on the GPU, calls long enough to overlap

@@ -1,64 +1,199 @@
-"""Device inputs and the streams their producers wrote them on (no GPU needed: fake arrays)."""
-import types
+"""The array boundary (pyhipa2a.inputs) with fake producers: no GPU needed.
 
+The fakes mimic what each library hands over, as seen on the H200 machine:
+PyTorch (a dtype object NumPy cannot read, a version-2 interface with no
+stream, typestr '<V2' for bfloat16, DLPack that orders itself on the stream
+it is given), JAX (DLPack only here; versioned or unversioned capsules) and
+CuPy (a version-3 interface naming the stream it last wrote on).
+"""
 import numpy as np
 import pytest
 
-from pyhipa2a.inputs import device_view, producer_stream
+from pyhipa2a import dlpack
+from pyhipa2a.array import DeviceArray
+from pyhipa2a.dtypes import bfloat16
+from pyhipa2a.errors import A2ATimeoutError, Health
+from pyhipa2a.inputs import Boundary, check_scale, producer_stream
+from pyhipa2a.ordering import StreamOrder
+
+OURS = 0x5000  # the stream the calls run on
 
 
-class CAIArray:
-    def __init__(self, stream="absent"):
-        self.__cuda_array_interface__ = {"shape": (2, 4), "typestr": "<f2", "data": (0, False), "version": 3}
-        if stream != "absent":
-            self.__cuda_array_interface__["stream"] = stream
-
-
-class Stop(Exception):
-    pass
-
-
-class DLPackArray:
-    """Records the stream __dlpack__ was asked for, then stops (no capsule is needed to check that)."""
+class FakeCuda:
+    """The backend calls the boundary makes, recorded."""
+    kind, dlpack_device_type, current_device = "cuda", 2, 0
 
     def __init__(self):
+        self.waits, self.pointer_queries = [], 0
+
+    def pointer_device(self, ptr):
+        self.pointer_queries += 1
+        return 0
+
+    def stream_handle(self, stream):
+        return 0 if stream is None else int(stream)
+
+    def stream_from_handle(self, handle):
+        return handle
+
+    def stream_wait_stream(self, waiter, producer):
+        if self.stream_handle(waiter) != self.stream_handle(producer):
+            self.waits.append((self.stream_handle(producer), self.stream_handle(waiter)))
+
+
+class Unreadable:
+    """A dtype object as torch's: np.dtype() cannot read it, and the boundary must not try."""
+
+    def __getattr__(self, name):
+        raise AssertionError("the boundary read a foreign object's own dtype")
+
+
+class TorchLike:
+    def __init__(self, ptr, shape, dtype="float16"):
+        self.ptr, self.shape, self.np_dtype = ptr, shape, np.dtype(bfloat16() if dtype == "bfloat16" else dtype)
+        self.asked, self.cai_reads = [], 0
+
+    @property
+    def dtype(self):
+        return Unreadable()
+
+    @property
+    def __cuda_array_interface__(self):
+        self.cai_reads += 1
+        typestr = "<V2" if self.np_dtype.name == "bfloat16" else self.np_dtype.str
+        return {"typestr": typestr, "shape": self.shape, "strides": None, "data": (self.ptr, False), "version": 2}
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.asked.append(stream)
+        return dlpack.make_capsule(self.ptr, self.shape, self.np_dtype, 2, 0, owner=self)
+
+
+class JaxLike:
+    def __init__(self, ptr, shape, dtype="float16", versioned=False):
+        self.ptr, self.shape, self.np_dtype, self.versioned = ptr, shape, np.dtype(dtype), versioned
         self.asked = []
 
     def __dlpack_device__(self):
         return (2, 0)
 
-    def __dlpack__(self, stream=None):
+    def __dlpack__(self, stream=None, max_version=None):
         self.asked.append(stream)
-        raise Stop
+        return dlpack.make_capsule(self.ptr, self.shape, self.np_dtype, 2, 0, owner=self,
+                                   max_version=(1, 0) if self.versioned else None)
 
 
-FAKE_CUDA = types.SimpleNamespace(kind="cuda", dlpack_device_type=2, pointer_device=lambda ptr: 0)
+class CupyLike:
+    def __init__(self, ptr, shape, typestr="<f2", stream=1):
+        self.cai = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3, "strides": None,
+                    "stream": stream}
+
+    @property
+    def __cuda_array_interface__(self):
+        return dict(self.cai)
+
+
+def boundary(order="protocol"):
+    backend = FakeCuda()
+    return Boundary(backend, 0, StreamOrder(backend, OURS), order), backend
+
+
+def test_torch_tensors_are_described_by_dlpack_and_ordered_by_their_export():
+    b, backend = boundary()
+    for dtype in ("float16", "bfloat16"):
+        t = TorchLike(0x1000, (2, 4), dtype)
+        want = bfloat16() if dtype == "bfloat16" else np.float16
+        for _ in range(3):
+            ptr, keep = b.take("x", t, (2, 4), want, OURS)
+            assert ptr == 0x1000 and keep is not t  # the consumed capsule keeps the tensor's memory
+        assert t.asked == [OURS] * 3  # exported at every call, naming the reading stream
+    assert backend.waits == [] and backend.pointer_queries == 0
+
+
+def test_torch_tensors_with_producer_order_stream_cost_nothing_once_seen():
+    b, backend = boundary("stream")
+    t = TorchLike(0x1000, (2, 4), "bfloat16")  # typestr '<V2': the interface cannot spell bfloat16
+    for _ in range(3):
+        assert b.take("x", t, (2, 4), bfloat16(), OURS)[0] == 0x1000
+    assert t.cai_reads == 1 and t.asked == [] and backend.waits == []
+    with pytest.raises(TypeError, match="names no element type"):  # '<V2' is not float16
+        boundary("stream")[0].take("x", TorchLike(0x1000, (2, 4), "bfloat16"), (2, 4), np.float16, OURS)
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_jax_arrays_through_dlpack_only(versioned):
+    b, backend = boundary()
+    a = JaxLike(0x2000, (3, 8), "int32", versioned)
+    assert b.take("indices", a, (3, 8), np.int32, OURS)[0] == 0x2000
+    a.ptr = 0x2400  # new memory behind the same object: described again from the new export
+    assert b.take("indices", a, (3, 8), np.int32, OURS)[0] == 0x2400
+    assert a.asked == [OURS, OURS]
+    with pytest.raises(TypeError, match="must have dtype float32"):
+        b.take("weights", a, (3, 8), np.float32, OURS)
+
+
+def test_cupy_arrays_wait_for_the_stream_they_name_at_each_call():
+    b, backend = boundary()
+    a = CupyLike(0x3000, (2, 4), stream=7)
+    b.take("x", a, (2, 4), np.float16, OURS)
+    a.cai["stream"] = 9  # CuPy names its current stream: read again at every use
+    b.take("x", a, (2, 4), np.float16, OURS)
+    a.cai["stream"] = None  # "no synchronization needed"
+    b.take("x", a, (2, 4), np.float16, OURS)
+    assert backend.waits == [(7, OURS), (9, OURS)]
+    assert backend.pointer_queries == 1  # the device check ran once: the description stood
+
+
+def test_the_cache_never_mistakes_one_array_for_another():
+    b, backend = boundary()
+    first, second = CupyLike(0x4000, (2, 4)), CupyLike(0x4000, (4, 2))  # one address, two arrays
+    b.take("x", first, (2, 4), np.float16, OURS)
+    with pytest.raises(ValueError, match=r"must have shape \(2, 4\), got \(4, 2\)"):
+        b.take("x", second, (2, 4), np.float16, OURS)
+    first.cai["typestr"] = "<i4"  # the same object now says another type: described again
+    with pytest.raises(TypeError, match="must have dtype float16, got int32"):
+        b.take("x", first, (2, 4), np.float16, OURS)
+    first.cai["typestr"], first.cai["shape"] = "<f2", (1, 4)
+    with pytest.raises(ValueError, match=r"got \(1, 4\)"):
+        b.take("x", first, (2, 4), np.float16, OURS)
+    assert backend.pointer_queries == 4  # every array, and every change, described afresh
+
+
+def test_interface_without_stream_or_dlpack_warns_once():
+    class NumbaV2:
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (0x10, False), "version": 2}
+    b, _ = boundary()
+    with pytest.warns(RuntimeWarning, match="cannot wait for its producer"):
+        b.take("weights", NumbaV2(), (2,), np.float32, OURS)
 
 
 def test_producer_stream_as_the_interface_names_it():
-    assert producer_stream(CAIArray()) is None                  # v2 arrays: no stream, nothing to wait for
-    assert producer_stream(CAIArray(None)) is None              # "no synchronization needed"
-    assert producer_stream(CAIArray(1)) == 1                    # the legacy default stream
-    assert producer_stream(CAIArray(0x7F00_1234)) == 0x7F00_1234
+    assert producer_stream({}) is None                      # version 2: no stream key
+    assert producer_stream({"stream": None}) is None        # "no synchronization needed"
+    assert producer_stream({"stream": 1}) == 1              # the legacy default stream
     for bad in ("7", True, -1, 0, 1.5):  # 0 is ambiguous: version 3 forbids it
         with pytest.raises(ValueError, match="stream must be None or a stream handle"):
-            producer_stream(CAIArray(bad))
+            producer_stream({"stream": bad})
 
 
-def test_cai_inputs_are_marked_for_a_wait_at_each_use():
-    view = device_view(CAIArray(5), FAKE_CUDA, 0, "x")
-    assert view.cai and view.shape == (2, 4) and view.dtype == np.float16
-
-
-def test_dlpack_export_names_the_reading_stream():
-    arr = DLPackArray()
-    with pytest.raises(Stop):
-        device_view(arr, FAKE_CUDA, 0, "x", dlpack_stream=0x5000)
-    assert arr.asked == [0x5000]
+def test_our_outputs_hand_over_on_the_device_and_refuse_after_a_failure():
+    backend = FakeCuda()
+    status = np.zeros(4, np.uint32)
+    out = DeviceArray(backend, 0x9000, (2, 4), np.float16, stream=OURS, health=Health(status, rank=0))
+    out.__dlpack__(stream=0x77)   # the consumer's stream waits for ours, on the device
+    out.__dlpack__(stream=None)   # DLPack's None: the legacy default stream (1)
+    out.__dlpack__(stream=-1)     # "do not synchronize"
+    assert backend.waits == [(OURS, 0x77), (OURS, 1)]
+    status[:] = (1, 1, 1, 0)      # a kernel reported: timed out waiting for rank 1
+    for read in (lambda: out.__dlpack__(stream=0x77), lambda: out.__cuda_array_interface__):
+        with pytest.raises(A2ATimeoutError, match="rank 1 never arrived"):
+            read()
+    assert backend.waits == [(OURS, 0x77), (OURS, 1)]
 
 
 def test_expert_scale_is_checked_as_the_float32_the_kernels_use():
-    from pyhipa2a.inputs import check_scale
     assert check_scale(1.0) == 1.0 and check_scale(2) == 2.0 and check_scale(np.float16(1.5)) == 1.5
     assert check_scale(0) == 0.0 and check_scale(-3.25) == -3.25
     assert check_scale(0.1) == float(np.float32(0.1))  # what the kernel multiplies by

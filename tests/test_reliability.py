@@ -35,6 +35,20 @@ def test_device_checks_indices(backend):
     run_case(CASE + "case_device_checks_indices", ranks_for(backend), env_backend(backend))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("leg", ["dispatch", "combine"])
+@pytest.mark.parametrize("on_timeout", ["report", "trap"])
+def test_a_skipped_call_leaves_no_readable_output(backend, leg, on_timeout):
+    ranks = ranks_for(backend)
+    if ranks < 2:
+        pytest.skip("needs two ranks")
+    dead_context = on_timeout == "trap" and backend != "host"  # those ranks leave without MPI_Finalize
+    run = run_case(CASE + "case_skipped_call", ranks, env_backend(backend), timeout=120, args=(leg, on_timeout),
+                   allow_rank_death=dead_context)
+    if dead_context:  # the exit code is not to be trusted then: every rank must say it got through
+        assert run.stdout.count("LEFT-AFTER-TRAP") == ranks, run.stdout
+
+
 def test_foreign_non_contiguous():
     """Host arrays stand in for another framework's, so this runs on the host backend only."""
     run_case(CASE + "case_foreign_non_contiguous", ranks_for("host"), "host")

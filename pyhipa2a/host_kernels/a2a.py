@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_CAPACITY, Recorder, Status, bases, mem, tag, wait_flags, wait_tagged
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_OK, STATUS_TIMEOUT, Recorder, Status, bases, mem, tag, wait_flags, wait_tagged
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
 PUSHED = 0x80000000  # count header bit: the source pushed its tokens (A2A_PUSHED)
@@ -63,8 +63,30 @@ def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
     return ok
 
 
+def finish(backend, a, v: View, outputs) -> None:
+    """The end of every exchange kernel (poison_if_failed and report in a2a.hip): when this rank's
+    status holds an error, the call's outputs become all-ones bytes (NaN rows, -1 counts and meta);
+    with on_timeout="trap" a timeout then leaves the device unusable, as the GPU's trap does."""
+    code = int(v.status.words[0])
+    if code == STATUS_OK:
+        return
+    for out in outputs:
+        out.view(np.uint8)[...] = 0xFF
+    if a.trap_on_timeout and code == STATUS_TIMEOUT:
+        backend.trap(f"a kernel of rank {v.me} timed out with on_timeout='trap'")
+
+
 def a2a_dispatch(backend, a, c) -> None:
     v = View(a, take_epoch(a, dispatch=True))
+    try:
+        _dispatch(backend, a, c, v)
+    finally:
+        finish(backend, a, v, (v.buf(v.me, "recv_x", (v.L, v.cap, a.x_row_bytes), np.uint8),
+                               v.buf(v.me, "recv_meta", (v.L, v.cap, 3), np.int32),
+                               v.buf(v.me, "num_tokens", (v.L,), np.int32)))
+
+
+def _dispatch(backend, a, c, v: View) -> None:
     W, M, k, L, me, p = v.W, v.M, v.k, v.L, v.me, v.parity
     T, rb = c.num_tokens, a.x_row_bytes
     indices = mem(c.indices, (T, k), np.int32)
@@ -165,6 +187,13 @@ def a2a_dispatch(backend, a, c) -> None:
 
 def _combine(backend, a, c, dtype) -> None:
     v = View(a, take_epoch(a, dispatch=False))
+    try:
+        _combine_body(backend, a, c, dtype, v)
+    finally:
+        finish(backend, a, v, (mem(c.out, (c.num_tokens, a.hidden), dtype),))
+
+
+def _combine_body(backend, a, c, dtype, v: View) -> None:
     W, M, k, L, me, p, H = v.W, v.M, v.k, v.L, v.me, v.parity, a.hidden
     T, P = c.num_tokens, a.push_max_tokens
     narrow = bool(a.narrow_partials)  # partial sums travel in the output's 16-bit format

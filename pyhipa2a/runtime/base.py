@@ -7,6 +7,7 @@ runtime's own error string when the underlying call fails.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,6 +134,19 @@ class Backend:
     def event_elapsed_ms(self, start, end) -> float:
         raise NotImplementedError
 
+    def stream_wait_stream(self, waiter, producer) -> None:
+        """Work queued on `waiter` from now on waits, on the device, for what is queued on `producer`
+        now: an event recorded there and waited for here (nothing when they are one stream). Each
+        thread records its own event, so a wait never takes another thread's record."""
+        if self.stream_handle(waiter) == self.stream_handle(producer):
+            return
+        local = self.__dict__.setdefault("_handoff", threading.local())
+        event = getattr(local, "event", None)
+        if event is None:
+            event = local.event = self.event_create()
+        self.event_record(event, producer)
+        self.stream_wait_event(waiter, event)
+
     # -- graphs -------------------------------------------------------------
     # Stream capture: launches and event records on a capturing stream are
     # recorded, not run, and replay together with one launch call.
@@ -172,6 +186,10 @@ class Backend:
         (the ctypes argument objects themselves).
         """
         raise NotImplementedError
+
+    def trap(self, reason: str) -> None:
+        """A kernel aborted the device (AllToAll(..., on_timeout="trap")). GPU runtimes are left
+        unusable by the abort itself; the host backend has to be told (HostBackend.trap)."""
 
     def close(self) -> None:
         """Release per-process runtime state (streams the backend created)."""

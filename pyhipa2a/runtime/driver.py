@@ -214,6 +214,9 @@ class DriverBackend(Backend):
                    self._LAUNCH_EXTRA)
 
     def close(self) -> None:
+        event = getattr(self.__dict__.get("_handoff"), "event", None)  # this thread's (stream_wait_stream)
+        if event is not None:
+            getattr(self._api(), self._CALLS["event_destroy"])(event)  # best effort, as below
         streams, self._streams = getattr(self, "_streams", set()), set()
         for stream in streams:
             # Best effort, unchecked: a failure here must not mask shutdown.

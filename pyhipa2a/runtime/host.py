@@ -65,6 +65,16 @@ class HostBackend(Backend):
         self._maps: dict[int, _Mapping] = {}
         self._streams: dict[int, HostStream] = {}
         self._host_buffers: dict[int, ctypes.Array] = {}
+        self._trapped: str | None = None
+
+    def trap(self, reason: str) -> None:
+        """A kernel aborted (on_timeout="trap"): as a GPU context after a trap, this backend fails
+        every later launch, copy, memset, allocation and synchronize. Freeing still works."""
+        self._trapped = reason
+
+    def _alive(self) -> None:
+        if self._trapped is not None:
+            raise RuntimeFailure(f"host: the device is unusable after a kernel aborted ({self._trapped})")
 
     # -- device -------------------------------------------------------------
     def device_count(self) -> int:
@@ -95,6 +105,7 @@ class HostBackend(Backend):
         return ptr
 
     def malloc_ipc(self, nbytes: int) -> int:
+        self._alive()
         # A fresh file is zero-filled, as the GPU backends' allocations are after their memset.
         return self._map(f"pyhipa2a-{os.getpid()}-{secrets.token_hex(8)}", max(nbytes, 1), create=True)
 
@@ -166,18 +177,22 @@ class HostBackend(Backend):
             raise RuntimeFailure(f"host: {what} on a capturing stream is not supported")
 
     def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
+        self._alive()
         self._not_capturing(stream, "copy_to_device")
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
 
     def copy_to_host(self, dst: np.ndarray, src: int, stream=None) -> None:
+        self._alive()
         self._not_capturing(stream, "copy_to_host")
         ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
 
     def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        self._alive()
         self._not_capturing(stream, "copy_device")
         ctypes.memmove(dst, src, nbytes)
 
     def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
+        self._alive()
         self._not_capturing(stream, "memset")
         ctypes.memset(ptr, byte, nbytes)
 
@@ -210,7 +225,7 @@ class HostBackend(Backend):
         return self._streams.get(handle)
 
     def stream_synchronize(self, stream) -> None:
-        pass
+        self._alive()
 
     def event_create(self):
         return HostEvent()
@@ -253,6 +268,7 @@ class HostBackend(Backend):
         return fn
 
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
+        self._alive()
         if isinstance(stream, HostStream) and stream.captured is not None:
             # The arguments as they are now: the pack is rewritten by later calls.
             args = tuple(type(a).from_buffer_copy(a) for a in pack.arguments)
@@ -276,6 +292,7 @@ class HostBackend(Backend):
         return HostGraph(steps) if keep else None
 
     def graph_launch(self, graph, stream) -> None:
+        self._alive()
         for step in graph.steps:
             step()
 

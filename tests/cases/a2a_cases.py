@@ -661,3 +661,100 @@ def case_launch_geometry(comm):
     with AllToAll(comm, **shape, block_threads=128, grid_blocks=3) as a2a:
         assert (a2a.block_threads, a2a.blocks) == (128, 3)
         run_round(a2a, draw_world(9, world, world, 1, 64, 4))
+
+
+def _framework(lib, device_index):
+    """(to_device, fill_later, consume, finish, current) for one producer library: to_device(numpy)
+    makes its array; fill_later(dst, src) queues dst = src behind several milliseconds of other work
+    on a stream of the library's own (None for JAX, whose arrays are immutable: to_device queues a
+    computation instead); consume(our_array) takes one of our outputs through DLPack (the library
+    names its stream, we make it wait on the device) and queues work on it; finish(array) brings a
+    library array to the host; current() makes the library's producer stream current."""
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        torch.cuda.set_device(device_index)
+        producer = torch.cuda.Stream()
+        busy = torch.zeros(1 << 27, device="cuda")
+
+        def fill_later(dst, src):
+            with torch.cuda.stream(producer):
+                for _ in range(16):
+                    busy.add_(1.0)
+                dst.copy_(src)
+        return (lambda a: torch.from_numpy(a).cuda(), fill_later, lambda ours: torch.from_dlpack(ours) * 1,
+                lambda t: t.cpu().numpy(), lambda: torch.cuda.stream(producer))
+    if lib == "cupy":
+        cp = pytest.importorskip("cupy")
+        cp.cuda.Device(device_index).use()
+        producer = cp.cuda.Stream(non_blocking=True)
+        busy = cp.zeros(1 << 27, cp.float32)
+
+        def fill_later(dst, src):
+            with producer:
+                for _ in range(16):
+                    busy.__iadd__(1.0)
+                dst[...] = src
+        return (cp.asarray, fill_later, lambda ours: cp.from_dlpack(ours) * 1, cp.asnumpy, lambda: producer)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    dev = [d for d in jax.devices() if d.platform == "gpu"][device_index]
+    busy = jax.device_put(np.zeros(1 << 27, np.float32), dev)
+
+    def produce(a):  # JAX arrays are immutable: the "late write" is a computation still queued
+        nonlocal busy
+        for _ in range(16):
+            busy = busy + 1.0
+        return jax.device_put(a, dev) + (busy[0] * 0).astype(a.dtype)
+    import contextlib
+    return (produce, None, lambda ours: jnp.from_dlpack(ours) * 1, np.asarray, contextlib.nullcontext)
+
+
+def case_framework_arrays(comm, lib, producer_order="protocol"):
+    """x, indices and weights from torch, CuPy or JAX, written late on the library's own stream; the
+    library's arrays are passed as they are (no wrapper), the calls name no stream, and the outputs
+    are consumed by the same library through DLPack with no host wait in between. Inputs read too
+    early are zeros and an output read too early is poison: either fails. Checked against the oracle
+    with gpu-mode's tolerance (allclose rtol=1e-2, atol=5e-3). producer_order="stream": the caller
+    orders the producer before the call itself (here: a synchronize of the producer's stream)."""
+    from pyhipa2a.testing import check_dispatch_against_oracle, poison
+    from pyhipa2a import reference
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 64
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  producer_order=producer_order) as a2a:
+        me = a2a.rank
+        to_device, fill_later, consume, finish, current = _framework(lib, a2a.heap.device.index)
+        T = M // 2
+        zeros = [np.zeros((T, H), np.float16), np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)]
+        arrays = [to_device(z) for z in zeros]  # the same objects every round (cached descriptions)
+        for i in range(3):
+            inputs = draw_world(500 + i, world, E, k, H, M, token_counts=[T] * world)
+            host = (inputs.xs[me], inputs.indices[me], inputs.weights[me])
+            poison(a2a)
+            with current():
+                if fill_later is None:
+                    arrays = [to_device(h) for h in host]  # new JAX arrays each round
+                else:
+                    for dst, h in zip(arrays, host):
+                        fill_later(dst, to_device(h))
+                if producer_order == "stream":
+                    comm.Barrier()
+                    a2a.backend.stream_synchronize(None)  # the caller's own ordering: everything done
+                    if lib == "torch":
+                        __import__("torch").cuda.synchronize()
+                    elif lib == "cupy":
+                        __import__("cupy").cuda.Device().synchronize()
+                    else:
+                        [a.block_until_ready() for a in arrays]
+                d = a2a.dispatch(arrays[0], arrays[1])
+                y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me)
+                y_lib, counts_lib = consume(y), consume(d.expert_num_tokens)
+            got = finish(y_lib).astype(np.float64)
+            expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E,
+                                         reference.fused_expert([1 + r for r in range(world)]), ranks=[me])[me]
+            assert np.allclose(got, expected, rtol=1e-2, atol=5e-3), (lib, i, np.abs(got - expected).max())
+            a2a.synchronize()
+            assert (finish(counts_lib) == d.expert_num_tokens.numpy()).all()
+            check_dispatch_against_oracle(a2a, inputs, d)
+        print(f"rank {me} {lib} ({producer_order}): 3 rounds match the oracle")

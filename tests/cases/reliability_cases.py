@@ -74,29 +74,18 @@ def case_device_checks_indices(comm):
         bad[2, 1] = bad[2, 0]        # repeated in its row
         dev = DeviceArray(a2a.backend, a2a.buf["weights_stage"].ptr, bad.shape, np.int32, owner=a2a.heap)
         dev.view(bad.shape).copy_from(bad)
-        a2a.dispatch(inputs.xs[a2a.rank], dev)
+        result = a2a.dispatch(inputs.xs[a2a.rank], dev)
         # Both entries are reported by concurrent warps on a GPU; the first report wins.
         with pytest.raises(A2ADeviceError, match=rf"expert index ({E + 5} at flat position 2|"
                                                  rf"{bad[2, 0]} at flat position 5)"):
             a2a.synchronize()
-        # Only valid entries were delivered. A GPU stops waiting once its rank reported an error, so
-        # fewer may have landed, never more, and every delivered row names a real (rank, token, slot).
-        valid = np.zeros(a2a.local_experts, np.int64)
-        for r in range(world):
-            idx = inputs.indices[r].copy()
-            idx[1, 0], idx[2, 1] = E + 5, idx[2, 0]
-            for t in range(idx.shape[0]):
-                seen = set()
-                for e in idx[t]:
-                    if 0 <= e < E and e not in seen and e // a2a.local_experts == a2a.rank:
-                        valid[e % a2a.local_experts] += 1
-                    seen.add(e)
-        counts = a2a.buf["num_tokens"].numpy()
-        assert (counts >= 0).all() and (counts <= valid).all(), (counts, valid)
-        meta = a2a.buf["recv_meta"].numpy()
-        for l, n in enumerate(counts):
-            src, tok, slot = meta[l, :n, 0], meta[l, :n, 1], meta[l, :n, 2]
-            assert ((src >= 0) & (src < world) & (tok >= 0) & (tok < 4) & (slot >= 0) & (slot < k)).all()
+        # The call failed, so its outputs are poisoned on the device for consumers that read without
+        # asking (-1 counts and meta, NaN rows: all-ones bytes), and our own arrays refuse to be read.
+        assert (a2a.buf["num_tokens"].numpy() == -1).all()
+        assert (a2a.buf["recv_meta"].numpy() == -1).all()
+        assert (a2a.buf["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
+        with pytest.raises(A2ADeviceError, match="expert index"):
+            result.expert_num_tokens.numpy()
         with pytest.raises(A2AError, match="unusable after an earlier failure"):
             a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
 
@@ -120,3 +109,63 @@ def case_foreign_non_contiguous(comm):
         with pytest.raises(ValueError, match="x must be C-contiguous"):
             a2a.dispatch(Foreign(), np.zeros((4, 1), np.int32))
         assert pyhipa2a.AllToAll is AllToAll
+
+
+def case_skipped_call(comm, leg, on_timeout):
+    """The last rank skips one leg (dispatch, or the combine after it). On every other rank the
+    outputs of that call never read as data: `.numpy()`, DLPack and the CUDA array interface raise the
+    timeout naming the skipper, the buffers hold poison (NaN rows, -1 counts and meta) for consumers
+    that read without asking, synchronize() raises, and so does the next call. With
+    on_timeout="trap" the process cannot use its device any more: every later device operation fails."""
+    world = comm.Get_size()
+    if world == 1:
+        pytest.skip("needs a peer that skips")
+    skipper, E, k, H, M, T = world - 1, 2 * world, 2, 64, 8, 5
+    a2a = AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=1.5,
+                   on_timeout=on_timeout)
+    inputs = draw_world(11, world, E, k, H, M, token_counts=[T] * world)
+    x, idx, w = inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank]
+    skips = a2a.rank == skipper
+    # A GPU context that trapped cannot free anything, so those ranks leave without closing, saying so.
+    dead_context = on_timeout == "trap" and a2a.backend.kind != "host"
+
+    def leave():
+        comm.Barrier()  # MPI only: no device work
+        if dead_context:
+            print(f"[rank {comm.Get_rank()}] LEFT-AFTER-TRAP", flush=True)
+            os._exit(0)
+        a2a.close()
+
+    if not (skips and leg == "dispatch"):
+        d = a2a.dispatch(x, idx)
+    if skips:
+        return leave()
+    y = a2a.combine(d.expert_x, w) if leg == "combine" else None
+    failed = [d.expert_num_tokens, d.expert_x, d.expert_meta] if leg == "dispatch" else [y]
+    named = rf"rank {skipper} never arrived"
+    for out in failed:
+        with pytest.raises(A2ATimeoutError, match=named):
+            out.numpy()
+        with pytest.raises(A2ATimeoutError, match=named):
+            out.__dlpack__()
+        if a2a.backend.kind == "cuda":
+            with pytest.raises(A2ATimeoutError, match=named):
+                out.__cuda_array_interface__
+    with pytest.raises(A2ATimeoutError, match=named):
+        a2a.synchronize()
+    with pytest.raises(A2AError, match="unusable|timed out"):
+        a2a.dispatch(x, idx)
+    if on_timeout == "trap":
+        # The device is gone for this process: a plain memset (nothing of ours) fails too.
+        with pytest.raises(pyhipa2a.RuntimeFailure):
+            a2a.backend.memset(a2a.buf["y"].ptr, 0, 16)
+            a2a.backend.stream_synchronize(None)
+        return leave()
+    # Poison, read past the outputs' checks (the heap's own views carry none).
+    if leg == "dispatch":
+        assert (a2a.buf["num_tokens"].numpy() == -1).all()
+        assert (a2a.buf["recv_meta"].numpy() == -1).all()
+        assert np.isnan(a2a.buf["recv_x"].numpy().astype(np.float32)).all()
+    else:
+        assert np.isnan(a2a.buf["y"].numpy()[:T].astype(np.float32)).all()
+    leave()
