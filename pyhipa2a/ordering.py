@@ -26,7 +26,7 @@ class StreamOrder:
     def follow(self, stream) -> None:
         """Queue the coming call on `stream` behind the last one. It becomes the last one only once
         it is queued (`queued`): a call refused after this is not."""
-        if self.last is not None:
+        if self.last is not None and self.last is not stream:  # (the same object: nothing to order)
             self.wait_for(self.last, stream)
 
     def queued(self, stream) -> None:

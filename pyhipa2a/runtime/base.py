@@ -140,7 +140,7 @@ class Backend:
         thread records its own event, so a wait never takes another thread's record."""
         if self.stream_handle(waiter) == self.stream_handle(producer):
             return
-        local = self.__dict__.setdefault("_handoff", threading.local())
+        local = self.__dict__.get("_handoff") or self.__dict__.setdefault("_handoff", threading.local())
         event = getattr(local, "event", None)
         if event is None:
             event = local.event = self.event_create()

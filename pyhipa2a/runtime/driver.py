@@ -210,8 +210,12 @@ class DriverBackend(Backend):
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
         # kernelParams: the binding reads a buffer-protocol object as the void**
         # array itself, so the ctypes array goes in as is (no per-launch packing).
-        self._call("launch_kernel", function, grid, 1, 1, block, 1, 1, 0, stream, pack.kernel_params,
-                   self._LAUNCH_EXTRA)
+        launch = self.__dict__.get("_launch_kernel")  # looked up once: this is every call's path
+        if launch is None:
+            launch = self._launch_kernel = getattr(self._api(), self._CALLS["launch_kernel"])
+        result = launch(function, grid, 1, 1, block, 1, 1, 0, stream, pack.kernel_params, self._LAUNCH_EXTRA)
+        if result[0]:
+            self._check(result, self._CALLS["launch_kernel"])
 
     def close(self) -> None:
         event = getattr(self.__dict__.get("_handoff"), "event", None)  # this thread's (stream_wait_stream)
