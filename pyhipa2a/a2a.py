@@ -259,6 +259,7 @@ class AllToAll:
         self._broken: str | None = None
         self._expert_y_buffer: DeviceArray | None = None
         self._output_views: dict = {}
+        self._last_scale = (1.0, 1.0)  # combine's expert_scale as given, and as checked (float32)
         self._foreign_streams: dict = {}
         self._order = StreamOrder(self.backend, self.stream)  # calls across streams, inputs after producers
         self._boundary = Boundary(self.backend, heap.device.index, self._order, self.producer_order)
@@ -410,7 +411,9 @@ class AllToAll:
         self._usable()
         if self._pending is None:
             raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
-        scale = check_scale(expert_scale)
+        if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then
+            self._last_scale = (expert_scale, check_scale(expert_scale))
+        scale = self._last_scale[1]
         T = self._pending.num_tokens
         s = self._stream(stream)
         self._follow(s)

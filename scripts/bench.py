@@ -16,6 +16,12 @@ in fp16 instead of fp32 (half of combine's partial-sum bytes, one more rounding)
 `--fused-expert` fuses the fake expert into combine (combine(d.expert_x, w,
 expert_scale=1 + rank)), as gpu-mode's fastest entries did: two kernels a call
 instead of three, and no pass over expert_x; the GEMM column is then empty.
+`--inputs own|numpy|cupy|torch|jax` hands the eager calls x, indices and
+weights as that library's arrays (default: our own device arrays; a graph
+replays the pointers it captured, so the graph columns always use ours), with
+`--producer-order` passed to AllToAll. The host column is the median host time
+of one eager dispatch() + combine() (until both returned; the fake expert's
+launch between them is not counted), and eag/gr the eager wall over the graph's.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ COPY_BYTES = 256 * MiB    # per bandwidth repetition
 COPY_REPS = 20
 SWEEP_TOKENS = (1, 8, 32, 64, 128, 256)
 PHASES = ("dispatch", "gemm", "combine", "e2e")
+INPUT_KINDS = ("own", "numpy", "cupy", "torch", "jax")
 
 
 def parse_shape(text: str) -> dict:
@@ -149,6 +156,53 @@ def check_graph(comm, a2a, inputs, graph, outputs, fused) -> str:
     return collective_check(comm, check, " (graph)")
 
 
+def framework_arrays(kind: str, a2a, inputs) -> list:
+    """This rank's x, indices and weights as `kind`'s arrays on a2a's device, written and finished
+    (numpy: host arrays, copied at each call; ours come from upload_inputs)."""
+    hosts = [inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank]]
+    dev = a2a.heap.device.index
+    if kind == "numpy":
+        return hosts
+    if kind == "cupy":
+        import cupy
+        with cupy.cuda.Device(dev):
+            arrays = [cupy.asarray(h) for h in hosts]
+            cupy.cuda.Device(dev).synchronize()
+        return arrays
+    if kind == "torch":
+        import torch
+        arrays = [torch.from_numpy(h).to(f"cuda:{dev}") for h in hosts]
+        torch.cuda.synchronize(dev)
+        return arrays
+    import jax  # kind == "jax"
+    device = [d for d in jax.devices() if d.platform == "gpu"][dev]
+    arrays = [jax.device_put(h, device) for h in hosts]
+    for a in arrays:
+        a.block_until_ready()
+    return arrays
+
+
+def host_time(comm, a2a, arrays, fused: bool, iters: int) -> float:
+    """Median host time of one eager dispatch() + combine() (us), max over ranks; the fake expert's launch
+    between them (when not fused) is not counted."""
+    x, idx, w = arrays
+    times = []
+    for i in range(iters + 10):
+        a2a.synchronize()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        d = a2a.dispatch(x, idx)
+        t1 = time.perf_counter()
+        ey = None if fused else a2a.fake_expert(d)
+        t2 = time.perf_counter()
+        fused_combine(a2a, d, w) if fused else a2a.combine(ey, w)
+        t3 = time.perf_counter()
+        if i >= 10:
+            times.append((t1 - t0) + (t3 - t2))
+    a2a.synchronize()
+    return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
+
+
 def device_times(comm, a2a, run, events, warmup: int, iters: int) -> dict:
     """Median per rank of each phase (us), then the max over ranks: the slowest rank sets the pace.
     `run()` makes one call that records `events` before, between and after its phases."""
@@ -186,6 +240,16 @@ def check_once(comm, a2a, inputs, fused) -> str:
     return collective_check(comm, lambda: run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused))
 
 
+def check_eager(comm, a2a, inputs, arrays, fused, kind: str) -> str:
+    """One eager call with these arrays (--inputs) on poisoned outputs against the oracle."""
+    def check():
+        poison(a2a)
+        outputs = call(a2a, arrays, fused=fused)
+        a2a.synchronize()
+        check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE, fused=fused)
+    return collective_check(comm, check, f" (eager, {kind} inputs)")
+
+
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     """Check, then time one shape, as one graph per call and as eager calls (wall times too when
     flush_ptr is given). The main columns are the graph's; eager_* are the same call, three launches."""
@@ -197,21 +261,25 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     if error:
         return {**r, "ok": False, "error": error}
     arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
+    given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
     b = a2a.backend
     events = [b.event_create() for _ in range(4)]
     timed, timed_out = capture(a2a, arrays, events, fused)
     bare, bare_out = capture(a2a, arrays, fused=fused)
     error = (check_graph(comm, a2a, inputs, timed, timed_out, fused)
-             or check_graph(comm, a2a, inputs, bare, bare_out, fused))
+             or check_graph(comm, a2a, inputs, bare, bare_out, fused)
+             or check_eager(comm, a2a, inputs, given, fused, args.inputs))
     if error:
         return {**r, "ok": False, "error": error}
     r.update(device_times(comm, a2a, timed.launch, events, args.warmup, args.iters))
-    eager = device_times(comm, a2a, lambda: call(a2a, arrays, events, fused), events, args.warmup, args.iters)
+    eager = device_times(comm, a2a, lambda: call(a2a, given, events, fused), events, args.warmup, args.iters)
     r.update({"eager_" + p: v for p, v in eager.items()})
+    r["host"] = host_time(comm, a2a, given, fused, args.iters)
     if flush_ptr is not None:
         r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
-        r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, arrays, fused=fused), flush_ptr, args.iters)
+        r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, fused=fused), flush_ptr, args.iters)
         r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
+        r["eager_over_graph"] = r["eager_wall"] / r["wall"]
     for graph in (timed, bare):
         graph.close()
     for ev in events:
@@ -232,7 +300,7 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
 def make_a2a(comm, backend, s: dict, args) -> AllToAll:
     keys = ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens")
     return AllToAll(comm, **{k: s[k] for k in keys}, timeout=10.0, backend=backend,
-                    narrow_partials=args.narrow_partials)
+                    narrow_partials=args.narrow_partials, producer_order=args.producer_order)
 
 
 def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
@@ -287,35 +355,39 @@ def geomean(values) -> float | None:
 
 def print_shapes(rows) -> None:
     print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
-          "launched one by one")
+          "launched one by one; host: eager dispatch() + combine() host time; eag/gr: eager wall / graph wall")
     print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'wall':>9} "
-          f"{'eag e2e':>9} {'eag wall':>9} {'floor':>9} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
+          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'eag/gr':>6} {'floor':>9} {'push':>5} {'link MB':>8} "
+          f"{'GB/s':>7} {'SOL':>8} {'ratio':>6}")
     for r in rows:
         if not r["ok"]:
             verdict = "SKIP" if r["error"].startswith("SKIP") else "FAIL"
             print(f"{r['shape']:<30} {verdict}  {r['error'].removeprefix('SKIP: ')}")
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
-              + f" {r['wall']:>9.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['floor']:>9.1f} "
+              + f" {r['wall']:>9.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
+              f"{r['eager_over_graph']:>6.2f} {r['floor']:>9.1f} "
               f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
     ok = [r for r in rows if r["ok"]]
     print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us, "
           f"wall {fmt(geomean(r['wall'] for r in ok))} us (eager: e2e {fmt(geomean(r['eager_e2e'] for r in ok))}, "
-          f"wall {fmt(geomean(r['eager_wall'] for r in ok))}; floor {fmt(geomean(r['floor'] for r in ok))} us), "
+          f"wall {fmt(geomean(r['eager_wall'] for r in ok))}, host {fmt(geomean(r['host'] for r in ok))}, "
+          f"eager/graph wall max {fmt(max((r['eager_over_graph'] for r in ok), default=None), '.2f')}; "
+          f"floor {fmt(geomean(r['floor'] for r in ok))} us), "
           f"ratio to SOL {fmt(geomean(r['ratio'] for r in ok), '.2f')}")
 
 
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'eag disp':>9} {'eag comb':>9} "
-          f"{'eag e2e':>9} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
+          f"{'eag e2e':>9} {'host':>7} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
     for r in rows:
         if not r["ok"]:
             print(f"{r['tokens']:>7} FAIL  {r['error']}")
             continue
         print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
               + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
-              + f" {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
+              + f" {r['host']:>7.1f} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
 
 
 def plot(path: str, shapes, sweep) -> None:
@@ -358,7 +430,8 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     expert = ("fused into combine (--fused-expert: no expert kernel)" if args.fused_expert
               else "a kernel of its own")
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
-          f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}")
+          f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}, "
+          f"eager inputs {args.inputs} (producer_order={args.producer_order})")
     print(f"command ({world} ranks): {command}")
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
           f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
@@ -377,6 +450,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
                        "narrow_partials": args.narrow_partials, "fused_expert": args.fused_expert,
+                       "inputs": args.inputs, "producer_order": args.producer_order,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
     if args.plot:
@@ -410,7 +484,14 @@ def main() -> int:
     p.add_argument("--fused-expert", action="store_true",
                    help="the fake expert fused into combine (combine(d.expert_x, w, expert_scale=1 + rank)): "
                         "no expert kernel")
+    p.add_argument("--inputs", choices=INPUT_KINDS, default="own",
+                   help="the eager calls' x, indices and weights: our device arrays, NumPy (copied), CuPy, PyTorch "
+                        "or JAX arrays")
+    p.add_argument("--producer-order", choices=("protocol", "stream"), default="protocol",
+                   help="AllToAll(producer_order=): how device inputs are ordered after their producers")
     args = p.parse_args()
+    if args.inputs == "jax":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave the device's memory to the heap
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
     comm = MPI.COMM_WORLD

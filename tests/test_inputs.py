@@ -205,3 +205,26 @@ def test_expert_scale_is_checked_as_the_float32_the_kernels_use():
             check_scale(bad)
     with pytest.raises(ValueError, match="too small for float32"):
         check_scale(1e-46)
+
+
+def test_a_settled_array_is_taken_again_only_for_the_same_use():
+    """The fast path of a loop (the same array again) holds only while nothing about the use changed:
+    a producer on another stream is waited for at every use, a new stream or shape is looked at anew."""
+    b, backend = boundary()
+    mine = DeviceArray(backend, 0x6000, (2, 4), np.float16, stream=OURS)
+    elsewhere = DeviceArray(backend, 0x7000, (2, 4), np.float16, stream=0x77)
+    for _ in range(3):
+        assert b.take("x", mine, (2, 4), np.float16, OURS)[0] == 0x6000
+        assert b.take("y", elsewhere, (2, 4), np.float16, OURS)[0] == 0x7000
+    assert backend.waits == [(0x77, OURS)] * 3  # its producer's stream, at every use
+    b.take("x", mine, (2, 4), np.float16, 0x88)  # another calling stream: ordered after the producer
+    assert backend.waits[-1] == (OURS, 0x88)
+    with pytest.raises(ValueError, match=r"must have shape \(3, 4\), got \(2, 4\)"):
+        b.take("x", mine, (3, 4), np.float16, OURS)  # (a call with more tokens)
+    with pytest.raises(TypeError, match="must have dtype float32"):
+        b.take("x", mine, (2, 4), np.float32, OURS)
+    t = TorchLike(0x1000, (2, 4))
+    for _ in range(2):
+        b.take("w", t, (2, 4), np.float16, OURS)
+        b.take("w", t, (2, 4), np.float16, OURS, capturing=True)
+    assert t.asked == [OURS, -1, OURS, -1]  # asked at every use: the export is what orders it
