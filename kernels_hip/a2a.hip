@@ -169,8 +169,10 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, u32 epoch) {
 // kernel, which leaves the process's device context unusable: every later
 // device operation fails loudly, for callers that never synchronize.
 A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
-  a2a_report(x.status, x.mirror, code, peer, what, detail);
-  if (code == A2A_ERR_TIMEOUT && x.a.trap_on_timeout) a2a_trap();
+  // Only the first reporter traps, once its report is in the host's mirror: a thread that traps
+  // while another is still writing the mirror would leave the host an error it cannot name.
+  if (a2a_report(x.status, x.mirror, code, peer, what, detail) && code == A2A_ERR_TIMEOUT && x.a.trap_on_timeout)
+    a2a_trap();
 }
 
 // Every block calls this last, with its call's outputs. The last block to

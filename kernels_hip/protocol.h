@@ -36,8 +36,8 @@ A2A_DEVICE T* sym(const HeapView& h, int peer, u64 offset) {
 // report names the root cause, not its consequences. The winner also copies
 // the report into `mirror` (pinned host memory, may be null) with plain
 // stores, so the host reads it without a device copy; the race for "first"
-// stays in device memory, where atomics are reliable.
-A2A_DEVICE void a2a_report(u32* status, u32* mirror, u32 code, u32 peer, u32 what, u32 detail) {
+// stays in device memory, where atomics are reliable. True for the winner.
+A2A_DEVICE bool a2a_report(u32* status, u32* mirror, u32 code, u32 peer, u32 what, u32 detail) {
   if (a2a_cas_sys(&status[0], A2A_OK, code) == A2A_OK) {
     status[1] = peer;
     status[2] = what;
@@ -50,7 +50,9 @@ A2A_DEVICE void a2a_report(u32* status, u32* mirror, u32 code, u32 peer, u32 wha
       mirror[0] = code;
     }
     a2a_fence_sys();
+    return true;
   }
+  return false;
 }
 
 // Waits call this after each try that found nothing: a short sleep, and
