@@ -29,7 +29,7 @@ from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, Health
 from .graph import Graph
 from .heap import SymmetricHeap
-from .inputs import Boundary, check_array, check_indices, check_numpy, check_scale, require_array
+from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array
 from .kernels import A2AArgs, KernelLibrary
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
@@ -361,11 +361,6 @@ class AllToAll:
         return self._boundary.take(name, obj, want_shape, want_dtype, stream, capturing=self._capturing is not None,
                                    stage_ptr=self.buf[stage].ptr if stage else None)
 
-    def _no_numpy_in_capture(self, name: str) -> None:
-        if self._capturing is not None:
-            raise TypeError(f"inside capture(), {name} must be a device array: a NumPy array would be copied "
-                            "once while capturing, not at each launch of the graph")
-
     def dispatch(self, x, indices, *, stream=None) -> DispatchResult:
         """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M."""
         self._usable()
@@ -419,9 +414,7 @@ class AllToAll:
         self._follow(s)
         y_shape = (self.local_experts, self.capacity, self.hidden)
         if isinstance(expert_y, np.ndarray):  # checked now, copied last: a refused call overwrites nothing
-            check_array("expert_y", expert_y.shape, expert_y.dtype, y_shape, self.out_dtype)
-            check_numpy("expert_y", expert_y)
-            self._no_numpy_in_capture("expert_y")
+            check_numpy_input("expert_y", expert_y, y_shape, self.out_dtype, self._capturing is not None)
         else:
             y_ptr, y_keep = self._input(expert_y, "expert_y", y_shape, self.out_dtype, None, s)
         wshape = getattr(weights, "shape", None)

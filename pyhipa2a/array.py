@@ -76,12 +76,15 @@ class DeviceArray:
             if out.nbytes:
                 self.backend.copy_to_host(out, self.ptr, self.stream)
         except Exception as e:  # a trapped kernel fails the copy: say why, when we know
-            if self.health is not None:
-                self.health.check(cause=e)
+            self._refuse_if_failed(cause=e)
             raise
-        if self.health is not None:
-            self.health.check()
+        self._refuse_if_failed()
         return out
+
+    def _refuse_if_failed(self, cause: BaseException | None = None) -> None:
+        """Raise the error of the call that wrote this array, when it failed (and is known to have)."""
+        if self.health is not None:
+            self.health.check(cause)
 
     def copy_from(self, host: np.ndarray) -> None:
         host = np.ascontiguousarray(host, dtype=self.dtype)
@@ -98,8 +101,7 @@ class DeviceArray:
     def __cuda_array_interface__(self) -> dict:
         if self.backend.kind != "cuda":
             raise AttributeError("__cuda_array_interface__ is only for arrays on an NVIDIA GPU")
-        if self.health is not None:
-            self.health.check()  # a failure known now; later ones show as poisoned data
+        self._refuse_if_failed()  # a failure known now; later ones show as poisoned data
         cai = {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
                "strides": None, "version": 3}
         if self.dtype.name == "bfloat16":
@@ -115,8 +117,7 @@ class DeviceArray:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         if copy:
             raise BufferError("pyhipa2a arrays are exported without copies")
-        if self.health is not None:
-            self.health.check()  # a failure known now; later ones show as poisoned data
+        self._refuse_if_failed()  # a failure known now; later ones show as poisoned data
         if stream != -1 and self.stream is not None and self.backend.kind != "host":
             # The consumer reads on `stream` (None: the legacy default stream, as DLPack says): it waits
             # on the device for the work queued on ours, and the host does not wait at all.

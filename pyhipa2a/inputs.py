@@ -121,11 +121,11 @@ def _read_cai(obj):
         return None
 
 
-def _dlpack_device(view, backend, device_index: int, name: str) -> None:
-    """Refuse an export that lives elsewhere than this rank's device."""
-    if view.device_type != backend.dlpack_device_type or (view.device_type != 1 and view.device_id != device_index):
-        raise ValueError(f"{name} lives on {DLPACK_NAMES.get(view.device_type, view.device_type)} device "
-                         f"{view.device_id}; this AllToAll runs on {backend.kind} device {device_index}")
+def _dlpack_device(device_type: int, device_id: int, backend, device_index: int, name: str) -> None:
+    """Refuse a DLPack array that lives elsewhere than this rank's device."""
+    if device_type != backend.dlpack_device_type or (device_type != 1 and device_id != device_index):
+        raise ValueError(f"{name} lives on {DLPACK_NAMES.get(device_type, device_type)} device {device_id}; "
+                         f"this AllToAll runs on {backend.kind} device {device_index}")
 
 
 def _dlpack_key(view) -> tuple:
@@ -170,13 +170,9 @@ class Boundary:
                 and settled[3] is want_dtype and not capturing):
             return settled[4], settled[5]
         if isinstance(obj, np.ndarray):
-            check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)
-            check_numpy(name, obj)
+            check_numpy_input(name, obj, want_shape, want_dtype, capturing and stage_ptr is not None)
             if stage_ptr is None:
                 raise TypeError(f"{name} must be a device array")
-            if capturing:
-                raise TypeError(f"inside capture(), {name} must be a device array: a NumPy array would be copied "
-                                "once while capturing, not at each launch of the graph")
             if obj.size:
                 self.backend.copy_to_device(stage_ptr, obj, stream)
             return stage_ptr, obj
@@ -248,10 +244,7 @@ class Boundary:
             return self._from_cai(cai, name, want_dtype), producer_stream(cai)
         if hasattr(obj, "__dlpack__"):
             if hasattr(obj, "__dlpack_device__"):  # refuse before exporting (an export may copy or wait)
-                dev_type, dev_id = obj.__dlpack_device__()
-                if dev_type != backend.dlpack_device_type or (dev_type != 1 and dev_id != self.device_index):
-                    raise ValueError(f"{name} lives on {DLPACK_NAMES.get(dev_type, dev_type)} device {dev_id}; this "
-                                     f"AllToAll runs on {backend.kind} device {self.device_index}")
+                _dlpack_device(*obj.__dlpack_device__(), backend, self.device_index, name)
             # Asking producers: export naming the reading stream (the producer orders itself before it).
             # Not asking: -1, "do not synchronize" (the caller vouches).
             exported_to = self.order.dlpack_stream(stream, capturing or not self.ask_producers)
@@ -272,7 +265,7 @@ class Boundary:
         return Described(ptr, shape, dtype, CAI, _cai_key(cai))
 
     def _from_dlpack(self, view, name: str, want_dtype) -> Described:
-        _dlpack_device(view, self.backend, self.device_index, name)
+        _dlpack_device(view.device_type, view.device_id, self.backend, self.device_index, name)
         dtype = resolve(view.dtype)
         strides = None if view.strides is None else tuple(s * dtype.itemsize for s in view.strides)
         if not _contiguous(view.shape, strides, dtype.itemsize):
@@ -282,6 +275,16 @@ class Boundary:
 
 def _cai_key(cai: dict) -> tuple:
     return (cai["data"][0], tuple(cai["shape"]), cai["typestr"], cai.get("strides"))
+
+
+def check_numpy_input(name: str, obj: np.ndarray, want_shape, want_dtype, capturing: bool) -> None:
+    """A NumPy argument, which the call copies to the device: its shape, dtype and layout, and no
+    capture (the copy would happen once while capturing, not at each launch of the graph)."""
+    check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)
+    check_numpy(name, obj)
+    if capturing:
+        raise TypeError(f"inside capture(), {name} must be a device array: a NumPy array would be copied "
+                        "once while capturing, not at each launch of the graph")
 
 
 def check_array(name: str, shape, dtype, want_shape, want_dtype) -> None:

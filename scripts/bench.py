@@ -146,14 +146,15 @@ def collective_check(comm, check, what: str = "") -> str:
     return "; ".join(m for m in comm.allgather(msg) if m)
 
 
-def check_graph(comm, a2a, inputs, graph, outputs, fused) -> str:
-    """One launch of the graph on poisoned outputs against the oracle."""
+def check_run(comm, a2a, inputs, run, fused, what: str) -> str:
+    """One call (`run()` makes it and returns its (dispatch result, y)) on poisoned outputs against the
+    oracle."""
     def check():
         poison(a2a)
-        graph.launch()
+        outputs = run()
         a2a.synchronize()
         check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE, fused=fused)
-    return collective_check(comm, check, " (graph)")
+    return collective_check(comm, check, what)
 
 
 def framework_arrays(kind: str, a2a, inputs) -> list:
@@ -240,16 +241,6 @@ def check_once(comm, a2a, inputs, fused) -> str:
     return collective_check(comm, lambda: run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused))
 
 
-def check_eager(comm, a2a, inputs, arrays, fused, kind: str) -> str:
-    """One eager call with these arrays (--inputs) on poisoned outputs against the oracle."""
-    def check():
-        poison(a2a)
-        outputs = call(a2a, arrays, fused=fused)
-        a2a.synchronize()
-        check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE, fused=fused)
-    return collective_check(comm, check, f" (eager, {kind} inputs)")
-
-
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     """Check, then time one shape, as one graph per call and as eager calls (wall times too when
     flush_ptr is given). The main columns are the graph's; eager_* are the same call, three launches."""
@@ -266,9 +257,10 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     events = [b.event_create() for _ in range(4)]
     timed, timed_out = capture(a2a, arrays, events, fused)
     bare, bare_out = capture(a2a, arrays, fused=fused)
-    error = (check_graph(comm, a2a, inputs, timed, timed_out, fused)
-             or check_graph(comm, a2a, inputs, bare, bare_out, fused)
-             or check_eager(comm, a2a, inputs, given, fused, args.inputs))
+    error = (check_run(comm, a2a, inputs, lambda: (timed.launch(), timed_out)[1], fused, " (graph)")
+             or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], fused, " (graph)")
+             or check_run(comm, a2a, inputs, lambda: call(a2a, given, fused=fused), fused,
+                          f" (eager, {args.inputs} inputs)"))
     if error:
         return {**r, "ok": False, "error": error}
     r.update(device_times(comm, a2a, timed.launch, events, args.warmup, args.iters))

@@ -5,6 +5,7 @@ runs the library and checks this rank's outputs against pyhipa2a.reference.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -664,12 +665,13 @@ def case_launch_geometry(comm):
 
 
 def _framework(lib, device_index):
-    """(to_device, fill_later, consume, finish, current) for one producer library: to_device(numpy)
+    """(to_device, fill_later, consume, finish, current, drain) for one producer library: to_device(numpy)
     makes its array; fill_later(dst, src) queues dst = src behind several milliseconds of other work
     on a stream of the library's own (None for JAX, whose arrays are immutable: to_device queues a
     computation instead); consume(our_array) takes one of our outputs through DLPack (the library
     names its stream, we make it wait on the device) and queues work on it; finish(array) brings a
-    library array to the host; current() makes the library's producer stream current."""
+    library array to the host; current() makes the library's producer stream current; drain(arrays)
+    waits on the host until the library's queued work, these arrays' included, is done."""
     if lib == "torch":
         torch = pytest.importorskip("torch")
         torch.cuda.set_device(device_index)
@@ -682,7 +684,7 @@ def _framework(lib, device_index):
                     busy.add_(1.0)
                 dst.copy_(src)
         return (lambda a: torch.from_numpy(a).cuda(), fill_later, lambda ours: torch.from_dlpack(ours) * 1,
-                lambda t: t.cpu().numpy(), lambda: torch.cuda.stream(producer))
+                lambda t: t.cpu().numpy(), lambda: torch.cuda.stream(producer), lambda arrays: torch.cuda.synchronize())
     if lib == "cupy":
         cp = pytest.importorskip("cupy")
         cp.cuda.Device(device_index).use()
@@ -694,7 +696,8 @@ def _framework(lib, device_index):
                 for _ in range(16):
                     busy.__iadd__(1.0)
                 dst[...] = src
-        return (cp.asarray, fill_later, lambda ours: cp.from_dlpack(ours) * 1, cp.asnumpy, lambda: producer)
+        return (cp.asarray, fill_later, lambda ours: cp.from_dlpack(ours) * 1, cp.asnumpy, lambda: producer,
+                lambda arrays: cp.cuda.Device().synchronize())
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
@@ -706,8 +709,8 @@ def _framework(lib, device_index):
         for _ in range(16):
             busy = busy + 1.0
         return jax.device_put(a, dev) + (busy[0] * 0).astype(a.dtype)
-    import contextlib
-    return (produce, None, lambda ours: jnp.from_dlpack(ours) * 1, np.asarray, contextlib.nullcontext)
+    return (produce, None, lambda ours: jnp.from_dlpack(ours) * 1, np.asarray, contextlib.nullcontext,
+            lambda arrays: [a.block_until_ready() for a in arrays])
 
 
 def case_framework_arrays(comm, lib, producer_order="protocol"):
@@ -724,7 +727,7 @@ def case_framework_arrays(comm, lib, producer_order="protocol"):
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   producer_order=producer_order) as a2a:
         me = a2a.rank
-        to_device, fill_later, consume, finish, current = _framework(lib, a2a.heap.device.index)
+        to_device, fill_later, consume, finish, current, drain = _framework(lib, a2a.heap.device.index)
         T = M // 2
         zeros = [np.zeros((T, H), np.float16), np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)]
         arrays = [to_device(z) for z in zeros]  # the same objects every round (cached descriptions)
@@ -741,12 +744,7 @@ def case_framework_arrays(comm, lib, producer_order="protocol"):
                 if producer_order == "stream":
                     comm.Barrier()
                     a2a.backend.stream_synchronize(None)  # the caller's own ordering: everything done
-                    if lib == "torch":
-                        __import__("torch").cuda.synchronize()
-                    elif lib == "cupy":
-                        __import__("cupy").cuda.Device().synchronize()
-                    else:
-                        [a.block_until_ready() for a in arrays]
+                    drain(arrays)
                 d = a2a.dispatch(arrays[0], arrays[1])
                 y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me)
                 # consumed and read back on the library's stream (its reads follow its own work there)
