@@ -35,19 +35,19 @@ from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
 from .profile import ProfileBuffer, clock_offset
 
-MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/a2a.hip
+MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/exchange.h
 MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
 MAX_WORLD = 32             # A2A_MAX_WORLD
 MAX_WARPS_PER_BLOCK = 32   # A2A_MAX_WARPS_PER_BLOCK
 MAX_BLOCK_THREADS = 512    # A2A_MAX_BLOCK_THREADS: the kernels' register budget assumes it
 DEFAULT_BLOCK_THREADS = 256
 DEFAULT_BLOCKS_PER_MP = 2  # two blocks per CU/SM: more warps to hide the link's latency (PERFORMANCE.md)
-SEGMENT_LANE_ELEMS = 32    # 4 chunks of 8 elements per lane (A2A_CHUNKS in kernels_hip/a2a.hip)
+SEGMENT_LANE_ELEMS = 32    # 4 chunks of 8 elements per lane (A2A_CHUNKS in kernels_hip/exchange.h)
 MIN_WARP, MAX_WARP = 32, 64
 # A call pushes its tokens as tagged words (one link crossing, no flags, twice
 # the bytes) instead of staging them for peers to pull when at most this many
 # bytes of token copies leave the rank, a token counted once per peer it can
-# reach (min(top_k, ranks - 1)); see "Pushed calls" in kernels_hip/a2a.hip.
+# reach (min(top_k, ranks - 1)); see "Pushed calls" in kernels_hip/exchange.h.
 # PERFORMANCE.md: with 2 ranks pushing won up to ~0.75 MB and lost at 1.3 MB;
 # with 4 ranks a 0.47 MB call (E=128 k=4 H=2880), whose copies go to 2-3
 # peers, lost (combine 27 us pushed, 23 pulled).
@@ -163,7 +163,7 @@ class AllToAll:
         return math.ceil(self.hidden / seg) * seg
 
     def _layout(self, world: int) -> list[tuple[str, tuple, object]]:
-        """Every symmetric buffer, in allocation order (identical on all ranks). See kernels_hip/a2a.hip."""
+        """Every symmetric buffer, in allocation order (identical on all ranks). See kernels_hip/exchange.h."""
         L, M, k, H, S = self.num_experts // world, self.max_tokens, self.top_k, self.hidden, self.nseg
         P = self.push_max_tokens
         return [
@@ -384,7 +384,7 @@ class AllToAll:
         x_ptr, x_keep = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
         i_ptr, i_keep = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
 
-        call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in a2a.hip)
+        call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in kernels_hip/exchange.h)
         call.x, call.indices, call.num_tokens = x_ptr, i_ptr, T
         self._dispatch_kernel.launch(self._dispatch_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)

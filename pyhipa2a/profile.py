@@ -48,7 +48,7 @@ def events_offset(warps: int) -> int:
 
 
 class ProfileBuffer:
-    """Device buffer of events, a region per warp (the layout of kernels_hip/profile.h)."""
+    """Device buffer of events, a ring per warp (the layout of kernels_hip/profile.h)."""
 
     def __init__(self, backend, warps: int, per_warp: int = 256):
         self.backend, self.warps, self.per_warp = backend, int(warps), int(per_warp)
@@ -63,7 +63,8 @@ class ProfileBuffer:
         self.backend.copy_to_device(self.ptr, head, stream)
 
     def read(self, stream=None) -> tuple[np.ndarray, int]:
-        """(events, dropped): the events recorded since the last reset, warp by warp."""
+        """(events, dropped): the events recorded since the last reset, warp by warp; dropped counts the
+        events a warp's ring overwrote (and is at least 1 when a warp beyond the buffer's tried)."""
         head = np.empty(self.offset // 4, np.uint32)
         self.backend.copy_to_host(head, self.ptr, stream)
         counts = head[HEADER_BYTES // 4:HEADER_BYTES // 4 + self.warps].astype(np.int64)

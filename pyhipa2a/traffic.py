@@ -1,6 +1,6 @@
 """Bytes each rank sends over links in one dispatch + combine, as the kernels move them.
 
-Mirrors kernels_hip/a2a.hip: dispatch sends every peer a header (routing rows
+Mirrors kernels_hip/dispatch.hip and combine.hip: dispatch sends every peer a header (routing rows
 and the count), and each token crosses once to every other rank hosting one
 of its experts (that rank pulls it); combine sends every peer the weights,
 and one contribution per (token, expert rank) crosses back to the owner (it

@@ -19,7 +19,8 @@ instead of three, and no pass over expert_x; the GEMM column is then empty.
 `--inputs own|numpy|cupy|torch|jax` hands the eager calls x, indices and
 weights as that library's arrays (default: our own device arrays; a graph
 replays the pointers it captured, so the graph columns always use ours), with
-`--producer-order` passed to AllToAll. The host column is the median host time
+`--producer-order` passed to AllToAll. `--profile` times the profiling build
+(AllToAll(profile=True)): beside a run without it, what recording costs. The host column is the median host time
 of one eager dispatch() + combine() (until both returned; the fake expert's
 launch between them is not counted), and eag/gr the eager wall over the graph's.
 """
@@ -134,6 +135,26 @@ def capture(a2a, arrays, events=None, fused=False):
     out = []
     graph = a2a.capture(lambda: out.extend(call(a2a, arrays, events, fused)))
     return graph, tuple(out)
+
+
+def capture_empty(a2a, events, fused=False):
+    """A graph of empty kernels in place of the call's (launched with the exchange kernels' geometry,
+    between the same event nodes): what the call costs over bare launches."""
+    b, s = a2a.backend, a2a.stream
+    kernel = a2a.lib.kernel("nothing")
+    pack = kernel.pack()
+    launch = lambda: kernel.launch(pack, a2a.exchange_blocks, a2a.block_threads, s)  # noqa: E731
+    a2a.synchronize()
+    b.capture_begin(s)
+    try:
+        for i, phase in enumerate(PHASES[:3]):
+            b.event_record(events[i], s)
+            if phase != "gemm" or not fused:
+                launch()
+        b.event_record(events[3], s)
+    finally:
+        graph = b.capture_end(s)
+    return graph
 
 
 def collective_check(comm, check, what: str = "") -> str:
@@ -264,6 +285,9 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     if error:
         return {**r, "ok": False, "error": error}
     r.update(device_times(comm, a2a, timed.launch, events, args.warmup, args.iters))
+    empty = capture_empty(a2a, events, fused)
+    launch_empty = lambda: b.graph_launch(empty, a2a.stream)  # noqa: E731
+    r["empty"] = device_times(comm, a2a, launch_empty, events, args.warmup, args.iters)["dispatch"]
     eager = device_times(comm, a2a, lambda: call(a2a, given, events, fused), events, args.warmup, args.iters)
     r.update({"eager_" + p: v for p, v in eager.items()})
     r["host"] = host_time(comm, a2a, given, fused, args.iters)
@@ -271,9 +295,11 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
         r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
         r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, fused=fused), flush_ptr, args.iters)
         r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
+        r["empty_wall"] = wall_time(comm, a2a, launch_empty, flush_ptr, args.iters)
         r["eager_over_graph"] = r["eager_wall"] / r["wall"]
     for graph in (timed, bare):
         graph.close()
+    b.graph_destroy(empty)
     for ev in events:
         b.event_destroy(ev)
     free_inputs(a2a, arrays)  # every rank frees in the same order; device_times/wall_time ended synchronized
@@ -292,7 +318,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
 def make_a2a(comm, backend, s: dict, args) -> AllToAll:
     keys = ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens")
     return AllToAll(comm, **{k: s[k] for k in keys}, timeout=10.0, backend=backend,
-                    narrow_partials=args.narrow_partials, producer_order=args.producer_order)
+                    narrow_partials=args.narrow_partials, producer_order=args.producer_order,
+                    profile=args.profile)
 
 
 def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
@@ -347,8 +374,9 @@ def geomean(values) -> float | None:
 
 def print_shapes(rows) -> None:
     print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
-          "launched one by one; host: eager dispatch() + combine() host time; eag/gr: eager wall / graph wall")
-    print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'wall':>9} "
+          "launched one by one; host: eager dispatch() + combine() host time; eag/gr: eager wall / graph wall; "
+          "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels")
+    print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'wall':>9} {'+nop':>6} "
           f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'eag/gr':>6} {'floor':>9} {'push':>5} {'link MB':>8} "
           f"{'GB/s':>7} {'SOL':>8} {'ratio':>6}")
     for r in rows:
@@ -357,12 +385,13 @@ def print_shapes(rows) -> None:
             print(f"{r['shape']:<30} {verdict}  {r['error'].removeprefix('SKIP: ')}")
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
-              + f" {r['wall']:>9.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
+              + f" {r['empty']:>5.1f} {r['wall']:>9.1f} {r['wall'] - r['empty_wall']:>6.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
               f"{r['eager_over_graph']:>6.2f} {r['floor']:>9.1f} "
               f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
     ok = [r for r in rows if r["ok"]]
     print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us, "
-          f"wall {fmt(geomean(r['wall'] for r in ok))} us (eager: e2e {fmt(geomean(r['eager_e2e'] for r in ok))}, "
+          f"wall {fmt(geomean(r['wall'] for r in ok))} us (empty kernels' graph "
+          f"{fmt(geomean(r['empty_wall'] for r in ok))}; eager: e2e {fmt(geomean(r['eager_e2e'] for r in ok))}, "
           f"wall {fmt(geomean(r['eager_wall'] for r in ok))}, host {fmt(geomean(r['host'] for r in ok))}, "
           f"eager/graph wall max {fmt(max((r['eager_over_graph'] for r in ok), default=None), '.2f')}; "
           f"floor {fmt(geomean(r['floor'] for r in ok))} us), "
@@ -371,13 +400,13 @@ def print_shapes(rows) -> None:
 
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
-    print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'eag disp':>9} {'eag comb':>9} "
+    print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'eag disp':>9} {'eag comb':>9} "
           f"{'eag e2e':>9} {'host':>7} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
     for r in rows:
         if not r["ok"]:
             print(f"{r['tokens']:>7} FAIL  {r['error']}")
             continue
-        print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
+        print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES) + f" {r['empty']:>5.1f}"
               + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
               + f" {r['host']:>7.1f} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
 
@@ -479,6 +508,8 @@ def main() -> int:
     p.add_argument("--inputs", choices=INPUT_KINDS, default="own",
                    help="the eager calls' x, indices and weights: our device arrays, NumPy (copied), CuPy, PyTorch "
                         "or JAX arrays")
+    p.add_argument("--profile", action="store_true",
+                   help="run the profiling build (every warp records its timeline): what profiling costs")
     p.add_argument("--producer-order", choices=("protocol", "stream"), default="protocol",
                    help="AllToAll(producer_order=): how device inputs are ordered after their producers")
     args = p.parse_args()

@@ -11,7 +11,7 @@ from pyhipa2a import build
 from pyhipa2a.errors import CodeObjectNotFound
 from pyhipa2a.kernels import available_code_objects, select_code_object
 
-FLAG_KERNELS = {"heap_check": ["heap_check"], "a2a": ["a2a_dispatch", "a2a_combine_f16", "a2a_combine_bf16"]}
+FLAG_KERNELS = {"heap_check": ["heap_check"], "dispatch": ["a2a_dispatch"], "combine": ["a2a_combine_f16", "a2a_combine_bf16"]}
 WINDOW = 3  # instructions allowed between the cache operation and the flag access
 
 
@@ -73,14 +73,14 @@ def test_gfx90a_builds(tmp_path):
     if build.find_clang() is None:
         pytest.skip("no hipcc or clang >= 17")
     built = build.build(tmp_path, amd_archs=("gfx90a",), targets=("amd",), log=lambda *_: None)
-    assert {p.name for p in built} >= {"a2a.gfx90a.hsaco", "heap_check.gfx90a.hsaco"}
+    assert {p.name for p in built} >= {"dispatch.gfx90a.hsaco", "combine.gfx90a.hsaco", "heap_check.gfx90a.hsaco"}
 
 
 def test_nvidia_fatbin_builds(tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc")
     built = build.build(tmp_path, targets=("nvidia",), log=lambda *_: None)
-    assert {p.name for p in built} >= {"a2a.sm_90.fatbin", "heap_check.sm_90.fatbin"}
+    assert {p.name for p in built} >= {"dispatch.sm_90.fatbin", "combine.sm_90.fatbin", "heap_check.sm_90.fatbin"}
     assert all(p.stat().st_size > 0 for p in built)
 
 

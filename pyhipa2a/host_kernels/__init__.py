@@ -101,21 +101,22 @@ def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: in
 
 
 class Recorder:
-    """The host twin of kernels_hip/profile.h: events into the same buffer layout, host clock in ns."""
+    """The host twin of kernels_hip/profile.h: events into the same buffer layout (warp 0's ring), host
+    clock in ns."""
 
     def __init__(self, buffer_ptr: int):
         self.ptr = int(buffer_ptr)
         if self.ptr:
             from ..profile import EVENT, HEADER_BYTES, events_offset
             warps, per_warp = (int(v) for v in mem(self.ptr, (4,), np.uint32)[:2])
-            # The host grid is one warp: warp 0's count and its region of events.
+            # The host grid is one warp: warp 0's count and its ring of events.
             self.count = mem(self.ptr + HEADER_BYTES, (1,), np.uint32)
             self.events = mem(self.ptr + events_offset(warps), (per_warp,), EVENT)
 
     def record(self, tag: int, start_ns: int, detail: int = 0) -> None:
         if not self.ptr:
             return
+        end = time.monotonic_ns()
         i = int(self.count[0])
         self.count[0] = i + 1
-        if i < len(self.events):
-            self.events[i] = (start_ns, time.monotonic_ns(), tag, 0, 0, detail)
+        self.events[i % len(self.events)] = (start_ns, end, tag, 0, 0, detail)

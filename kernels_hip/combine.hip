@@ -1,0 +1,405 @@
+// Expert-parallel combine over the symmetric heap (protocol: exchange.h).
+//
+//      zeroes the counters for the next call, while the others fan out.
+// combine (one kernel):
+//   1. block 0 sends this rank's weights to every peer as tagged words;
+//   2. for every peer's token with experts here: one contribution for the
+//      owner, segment by segment: the raw expert row when the token has one
+//      expert here (times the call's expert_scale, rounded to its format; the
+//      owner weights it), else the fp32 sum of w * scale * row over its
+//      experts here (rounded to the output's format when the caller
+//      asked for narrow partials: half the bytes, one more rounding); left
+//      in our own memory with a flag released into the owner's memory, or
+//      pushed into the owner's inbox;
+//   3. every token of ours is reduced as soon as its contributions are in:
+//      our own experts' rows straight from expert_y, each peer's
+//      contribution read from that peer's memory or from our inbox; fp32
+//      accumulation, one rounding to the output dtype.
+#include "exchange.h"
+#include "formats.h"
+
+// Block 0 writes our weights into every peer's inbox as tagged words.
+A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid& g) {
+  const u32* weights = reinterpret_cast<const u32*>(c.weights);  // the float's bits travel
+  const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k;
+  for (u32 r = 0; r < x.W; ++r) {
+    if (r == me) continue;
+    A2A_PROF_START(t0);
+    u64* w = sym<u64>(x.h, (int)r, x.a.off_w_in) + (u64)me * x.M * x.k;
+    for (u32 i = a2a_thread(); i < n; i += a2a_block_dim()) a2a_store_relaxed_sys_u64(&w[i], a2a_tag(weights[i], x.epoch));
+    A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WEIGHTS, t0, r);
+  }
+}
+
+// acc += sum over the experts j in `bits` of w[j] * scale * (8 * A2A_CHUNKS
+// elements of expert_y row slots[j] from e0 on, in steps of a warp's width).
+// The next expert's row is loaded before this one's is summed: one memory
+// latency per chunk, not one per expert.
+template <typename Fmt>
+A2A_DEVICE void sum_rows(float (&acc)[A2A_CHUNKS][8], const u16* expert_y, const i32* slots, u32 bits,
+                         const float* w, float scale, u32 H, u32 e0, u32 e_end) {
+  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  vec16 cur[U], nxt[U];
+  u32 j = lowest_bit(bits);
+  for (u32 u = 0; u < U; ++u)
+    if (e0 + u * STEP < e_end) cur[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j] * H + e0 + u * STEP);
+  for (;;) {
+    bits &= bits - 1u;
+    const u32 jn = bits ? lowest_bit(bits) : j;
+    for (u32 u = 0; u < U; ++u)
+      if (bits && e0 + u * STEP < e_end)
+        nxt[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[jn] * H + e0 + u * STEP);
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j] * scale, cur[u]);
+    if (!bits) break;
+    for (u32 u = 0; u < U; ++u) cur[u] = nxt[u];
+    j = jn;
+  }
+}
+
+// The same for one element e (rows whose length is not a multiple of 8).
+template <typename Fmt>
+A2A_DEVICE float sum_rows_at(const u16* expert_y, const i32* slots, u32 bits, const float* w, float scale, u32 H,
+                             u32 e) {
+  float acc = 0.f;
+  for (; bits; bits &= bits - 1u)
+    acc += w[lowest_bit(bits)] * scale * Fmt::load(expert_y[(u64)slots[lowest_bit(bits)] * H + e]);
+  return acc;
+}
+
+// Lane j (< k) loads row j of `slot_of` (the token's expert rows here) into
+// slots[j] (the warp's shared copy, which the sums read); true in every lane
+// when every expert in `bits` got a row (a slot lost to a reported capacity
+// error has none).
+A2A_DEVICE bool load_slots(i32* slots, const i32* slot_of, u32 bits, u32 k, u32 lane) {
+  const i32 slot = lane < k ? slot_of[lane] : 0;
+  if (lane < k) slots[lane] = slot;
+  const bool ok = warp_all(lane >= k || !(bits >> lane & 1u) || slot >= 0, lane);
+  a2a_wave_sync();
+  return ok;
+}
+
+// Elements [e_begin, e_end) of what rank `me` leaves for a token of a peer:
+// its one expert row (times the call's expert_scale, rounded to the row's
+// format) for the owner to weight, or the fp32 sum of w * scale * row over its
+// experts (narrow partials: that sum rounded to the output's 16-bit format, a
+// row like the raw one). `dst` is the token's contribution slot.
+template <typename Fmt>
+A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
+                           float scale, u8* dst, u32 e_begin, u32 e_end, u32 lane) {
+  const u32 H = (u32)x.a.hidden;
+  if ((here & (here - 1u)) == 0) {
+    const u16* row = expert_y + (u64)slots[lowest_bit(here)] * H;
+    if (scale == 1.f)
+      copy_row(dst + e_begin * 2u, reinterpret_cast<const u8*>(row + e_begin), (e_end - e_begin) * 2u, lane);
+    else
+      copy_row_scaled<Fmt>(reinterpret_cast<u16*>(dst) + e_begin, row + e_begin, e_end - e_begin, scale, lane);
+    return;
+  }
+  float* out = reinterpret_cast<float*>(dst);
+  u16* narrow = x.a.narrow_partials ? reinterpret_cast<u16*>(dst) : nullptr;
+  const bool vec = H % 8u == 0 && ((u64)expert_y & 15u) == 0;
+  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  for (u32 e0 = e_begin + lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
+    float acc[U][8] = {};
+    sum_rows<Fmt>(acc, expert_y, slots, here, w, scale, H, e0, e_end);
+    for (u32 u = 0; u < U; ++u) {
+      if (e0 + u * STEP >= e_end) continue;
+      if (narrow)
+        store8<Fmt>(narrow + e0 + u * STEP, acc[u]);
+      else
+        store8f(out + e0 + u * STEP, acc[u]);
+    }
+  }
+  for (u32 e = e_begin + lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
+    const float sum = sum_rows_at<Fmt>(expert_y, slots, here, w, scale, H, e);
+    if (narrow)
+      narrow[e] = Fmt::store(sum);
+    else
+      out[e] = sum;
+  }
+}
+
+// Where element e of a pushed contribution travels. Lane l sums elements
+// c + 8l .. c + 8l + 7 of each chunk c of A2A_WARP_SIZE * 8 elements (as
+// sum_rows does); their fp32 words go to c + i * warp + l (i < 8), or, two
+// 16-bit elements a word, to c / 2 + i * warp + l (i < 4): each of a warp's
+// stores, and each of the owner's loads, covers contiguous words.
+A2A_DEVICE u32 pushed_f32_word(u32 e) {
+  constexpr u32 STEP = A2A_WARP_SIZE * 8u;
+  return e - e % STEP + e % 8u * A2A_WARP_SIZE + e % STEP / 8u;
+}
+A2A_DEVICE u32 pushed_pair_word(u32 e) {  // e even
+  constexpr u32 STEP = A2A_WARP_SIZE * 8u;
+  return (e - e % STEP) / 2u + e / 2u % 4u * A2A_WARP_SIZE + e % STEP / 8u;
+}
+
+// contribute() for an owner that pushed its call: the same values, as tagged
+// words stored straight into the owner's inbox `dst` (hidden % 8 == 0 when
+// pushing, so a lane's 8 elements are all in the row); 16-bit values two a
+// word (raw rows, narrow partials), fp32 sums one a word.
+template <typename Fmt>
+A2A_DEVICE void push_contribution(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
+                                  float scale, u64* dst, u32 e_begin, u32 e_end, u32 lane) {
+  const u32 H = (u32)x.a.hidden;
+  const bool vec = ((u64)expert_y & 15u) == 0;
+  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  if ((here & (here - 1u)) == 0) {
+    const u16* row = expert_y + (u64)slots[lowest_bit(here)] * H;
+    for (u32 e = e_begin + lane * 8u; e < e_end; e += STEP) {
+      const vec16 v = scale == 1.f ? load8(row + e, vec) : scale8<Fmt>(load8(row + e, vec), scale);
+      const u32 words[4] = {v.x, v.y, v.z, v.w};
+      u64* o = dst + pushed_pair_word(e);
+      for (u32 q = 0; q < 4; ++q) a2a_store_relaxed_sys_u64(&o[q * A2A_WARP_SIZE], a2a_tag(words[q], x.epoch));
+    }
+    return;
+  }
+  for (u32 e0 = e_begin + lane * 8u; e0 < e_end; e0 += U * STEP) {
+    float acc[U][8] = {};
+    if (vec) {
+      sum_rows<Fmt>(acc, expert_y, slots, here, w, scale, H, e0, e_end);
+    } else {
+      for (u32 u = 0; u < U; ++u)
+        for (u32 i = 0; i < 8; ++i)
+          if (e0 + u * STEP < e_end)
+            acc[u][i] = sum_rows_at<Fmt>(expert_y, slots, here, w, scale, H, e0 + u * STEP + i);
+    }
+    for (u32 u = 0; u < U; ++u) {
+      if (e0 + u * STEP >= e_end) continue;
+      if (x.a.narrow_partials) {
+        u64* o = dst + pushed_pair_word(e0 + u * STEP);
+        for (u32 q = 0; q < 4; ++q)
+          a2a_store_relaxed_sys_u64(
+              &o[q * A2A_WARP_SIZE],
+              a2a_tag((u32)Fmt::store(acc[u][2 * q]) | (u32)Fmt::store(acc[u][2 * q + 1]) << 16, x.epoch));
+        continue;
+      }
+      u64* o = dst + pushed_f32_word(e0 + u * STEP);
+      for (u32 i = 0; i < 8; ++i)
+        a2a_store_relaxed_sys_u64(&o[i * A2A_WARP_SIZE], a2a_tag(__builtin_bit_cast(u32, acc[u][i]), x.epoch));
+    }
+  }
+}
+
+// A warp's scratch in shared memory: a token's expert rows and weights.
+struct WarpScratch {
+  i32* slots;
+  float* w;
+};
+
+template <typename Fmt>
+A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc) {
+  const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
+  const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
+  const i32* rows = sym<i32>(x.h, (int)me, x.a.off_rows);
+  const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
+  const u64* w_in = sym<u64>(x.h, (int)me, x.a.off_w_in);
+  const u64 stride = (u64)H * 4u;
+  __shared__ u32 pre[A2A_PREFIX_WORDS];
+  source_prefix(x, 0u, pre, false, g);  // the headers came with dispatch
+  const u32 pushed = pre[x.W + 1], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
+  for (u32 item = first_item(g, g.warps_per_block); item < pre[x.W + 2] * peers * S; item += g.warps) {
+    a2a_wave_sync();  // the scratch is rewritten for this item
+    u32 src, t;
+    if (!token_major(pre, x.W, me + 1u, peers, item / S, src, t)) continue;
+    const u32 seg = item % S;
+    const RowSlot lane_slot = load_row_slot(rows + ((u64)src * x.M + t) * x.k, g.lane, x.k, x.a.num_experts);
+    const u32 here = slots_on(lane_slot, x.k, x.L, me);
+    if (!here) continue;
+    if (!load_slots(sc.slots, slot_of + ((u64)src * x.M + t) * x.k, here, x.k, g.lane))
+      continue;  // the owner's wait ends on the reported error
+    const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
+    const float* w = nullptr;  // a single row goes back unweighted: no need to wait for the weights
+    if (here & (here - 1u)) {
+      A2A_PROF_START(t0);
+      bool ok = true;
+      if (g.lane < x.k && (here >> g.lane & 1u)) {
+        u32 bits = 0;
+        ok = a2a_wait_tagged(&w_in[((u64)src * x.M + t) * x.k + g.lane], x.epoch, x.deadline, x.status, bits);
+        if (!ok) report(x, A2A_ERR_TIMEOUT, src, A2A_WAIT_WEIGHTS, x.epoch);
+        sc.w[g.lane] = __builtin_bit_cast(float, bits);
+      }
+      if (warp_any(!ok, g.lane, x.k)) break;
+      a2a_wave_sync();
+      A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_WEIGHTS, t0, src | t << 8);
+      w = sc.w;
+    }
+    A2A_PROF_START(t1);
+    if (pushed >> src & 1u) {  // straight into the owner's inbox, no flag
+      u64* inbox = sym<u64>(x.h, (int)src, x.a.off_push_contrib) +
+                   ((u64)me * x.a.push_max_tokens + t) * x.a.push_row_words;
+      push_contribution<Fmt>(x, expert_y, sc.slots, here, w, c.expert_scale, inbox, e_begin, e_end, g.lane);
+      A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
+      continue;
+    }
+    contribute<Fmt>(x, expert_y, sc.slots, here, w, c.expert_scale,
+                    sym<u8>(x.h, (int)me, x.a.off_contrib) + ((u64)src * x.M + t) * stride, e_begin, e_end, g.lane);
+    a2a_wave_sync();
+    if (g.lane == 0)  // the data stays here, the flag goes to the owner
+      a2a_store_release_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg, x.epoch);
+    A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
+  }
+}
+
+// acc[u] += peer r's part of token t in chunk u (the lane's 8 elements from
+// e0 + u * STEP): a raw row times its weight when r hosts one of t's experts
+// (`bits`), else a partial sum (fp32, or a 16-bit row when narrow); read from
+// r's memory when pulled, from our inbox when pushed (false: its words never
+// came, reported). A 16-bit part is `raw` below; a narrow sum's weight is 1.
+template <typename Fmt>
+A2A_DEVICE bool add_peer_part(const Ctx& x, float (&acc)[A2A_CHUNKS][8], u32 r, u32 t, u32 bits, const float* w,
+                              u32 e0, u32 e_end, bool pushed) {
+  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  const u32 me = (u32)x.h.rank;
+  const bool single = (bits & (bits - 1u)) == 0, raw = single || x.a.narrow_partials;
+  const float wr = single ? w[lowest_bit(bits)] : 1.f;
+  if (pushed) {
+    const u64* in = sym<u64>(x.h, (int)me, x.a.off_push_contrib) + ((u64)r * x.a.push_max_tokens + t) * x.a.push_row_words;
+    for (u32 u = 0; u < U; ++u) {
+      if (e0 + u * STEP >= e_end) continue;
+      if (raw) {
+        u32 v[4];
+        if (!take_tagged(x, in + pushed_pair_word(e0 + u * STEP), A2A_WARP_SIZE, 4, v, r, A2A_WAIT_COMBINE_ROW, t))
+          return false;
+        fma8v<Fmt>(acc[u], wr, vec16{v[0], v[1], v[2], v[3]});
+      } else {
+        u32 v[8];
+        if (!take_tagged(x, in + pushed_f32_word(e0 + u * STEP), A2A_WARP_SIZE, 8, v, r, A2A_WAIT_COMBINE_ROW, t))
+          return false;
+        for (u32 i = 0; i < 8; ++i) acc[u][i] += __builtin_bit_cast(float, v[i]);
+      }
+    }
+    return true;
+  }
+  const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * x.a.hidden * 4u;
+  if (raw) {
+    const u16* row = reinterpret_cast<const u16*>(part);
+    vec16 v[U];
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < e_end) v[u] = *reinterpret_cast<const vec16*>(row + e0 + u * STEP);
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], wr, v[u]);
+  } else {
+    const vec16* f = reinterpret_cast<const vec16*>(reinterpret_cast<const float*>(part) + e0);
+    for (u32 u = 0; u < U; ++u)
+      if (e0 + u * STEP < e_end) add8v(acc[u], f[u * STEP / 4u], f[u * STEP / 4u + 1u]);
+  }
+  return true;
+}
+
+// The same for one element e (rows that are not 16-byte aligned).
+template <typename Fmt>
+A2A_DEVICE bool add_peer_part_at(const Ctx& x, float& acc, u32 r, u32 t, u32 bits, const float* w, u32 e,
+                                 bool pushed) {
+  const u32 me = (u32)x.h.rank;
+  const bool single = (bits & (bits - 1u)) == 0, raw = single || x.a.narrow_partials;
+  const float wr = single ? w[lowest_bit(bits)] : 1.f;
+  if (pushed) {
+    const u64* in = sym<u64>(x.h, (int)me, x.a.off_push_contrib) + ((u64)r * x.a.push_max_tokens + t) * x.a.push_row_words;
+    u32 v[1];
+    if (!take_tagged(x, in + (raw ? pushed_pair_word(e & ~1u) : pushed_f32_word(e)), 1u, 1u, v, r,
+                     A2A_WAIT_COMBINE_ROW, t))
+      return false;
+    acc += raw ? wr * Fmt::load((u16)(v[0] >> (e & 1u) * 16u)) : __builtin_bit_cast(float, v[0]);
+    return true;
+  }
+  const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * x.a.hidden * 4u;
+  acc += raw ? wr * Fmt::load(reinterpret_cast<const u16*>(part)[e]) : reinterpret_cast<const float*>(part)[e];
+  return true;
+}
+
+// y[t] = our own experts' rows of t times their weights (and expert_scale), read straight from
+// expert_y, plus each peer's part (add_peer_part); one warp per segment of a
+// token. Lane r works out which of t's slots live on rank r. Pulled parts
+// wait for their flags first; pushed ones are taken word by word.
+template <typename Fmt>
+A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc) {
+  __shared__ u32 here_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD];
+  u32* here = here_buf[g.warp_in_block];
+  const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
+  const float* weights = reinterpret_cast<const float*>(c.weights);
+  const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
+  const float scale = c.expert_scale;  // of our own rows; a peer's part comes scaled by the peer
+  u16* out = reinterpret_cast<u16*>(c.out);
+  const bool vec = H % 8u == 0 && (((u64)out | (u64)expert_y) & 15u) == 0;
+  // Our dispatch's choice, from the header it left in our own inbox.
+  const u64* own_header = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + me;
+  const bool pushed = ((u32)a2a_load_relaxed_sys_u64(own_header) & A2A_PUSHED) != 0;
+  for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S; item += g.warps) {
+    const u32 t = item / S, seg = item % S;
+    A2A_PROF_START(t1);
+    // The token's routing row, its rows here and its weights, loaded by all lanes at once.
+    const RowSlot lane_slot = load_row_slot(sym<i32>(x.h, (int)me, x.a.off_rows) + ((u64)me * x.M + t) * x.k, g.lane,
+                                            x.k, x.a.num_experts);
+    const u32 on_lane_rank = lane_rank_slots(lane_slot, x.k, x.L, g.lane);
+    if (g.lane < x.W) here[g.lane] = on_lane_rank;
+    if (g.lane < x.k) sc.w[g.lane] = weights[(u64)t * x.k + g.lane];
+    const u32 here_me = a2a_shfl((int)on_lane_rank, (int)me);
+    const bool own_rows = load_slots(sc.slots, sym<i32>(x.h, (int)me, x.a.off_slot_of) + ((u64)me * x.M + t) * x.k,
+                                     here_me, x.k, g.lane);
+    const u32 mine = own_rows ? here_me : 0u;  // a lost slot: reported already
+    const float* w = sc.w;
+    const i32* own = sc.slots;
+    const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
+    constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+    // Our own part of the lane's first chunk (on GPUs a segment is one chunk
+    // per lane) is summed before waiting, while the peers' parts are on the way.
+    const u32 e_first = e_begin + g.lane * 8u;
+    float acc[U][8] = {};
+    if (vec && mine && e_first < e_end) sum_rows<Fmt>(acc, expert_y, own, mine, w, scale, H, e_first, e_end);
+    bool ok = true;
+    for (u32 r = 0; r < x.W && ok && !pushed; ++r) {
+      if (!here[r] || r == me) continue;
+      A2A_PROF_START(t0);
+      const u32* flag = sym<u32>(x.h, (int)me, x.a.off_contrib_flag) + ((u64)r * x.M + t) * S + seg;
+      ok = warp_wait(x, flag, r, A2A_WAIT_COMBINE_ROW, t, g.lane);
+      A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_CONTRIB, t0, r | t << 8);
+    }
+    if (!ok) break;
+    for (u32 e0 = e_first; vec && e0 < e_end; e0 += U * STEP) {
+      if (e0 != e_first) {
+        for (u32 u = 0; u < U; ++u)
+          for (u32 i = 0; i < 8; ++i) acc[u][i] = 0.f;
+        if (mine) sum_rows<Fmt>(acc, expert_y, own, mine, w, scale, H, e0, e_end);
+      }
+      for (u32 r = 0; r < x.W && ok; ++r)
+        if (here[r] && r != me) ok = add_peer_part<Fmt>(x, acc, r, t, here[r], w, e0, e_end, pushed);
+      for (u32 u = 0; u < U; ++u)
+        if (ok && e0 + u * STEP < e_end) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
+    }
+    for (u32 e = e_begin + g.lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
+      float acc = mine ? sum_rows_at<Fmt>(expert_y, own, mine, w, scale, H, e) : 0.f;
+      for (u32 r = 0; r < x.W && ok; ++r)
+        if (here[r] && r != me) ok = add_peer_part_at<Fmt>(x, acc, r, t, here[r], w, e, pushed);
+      if (ok) out[(u64)t * H + e] = Fmt::store(acc);
+    }
+    if (!warp_all(ok, g.lane)) break;  // a pushed part never came: reported
+    a2a_wave_sync();  // here[] is rewritten for the warp's next item
+    A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_REDUCE, t1, me | t << 8);
+  }
+}
+
+template <typename Fmt>
+A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
+  A2A_PROF_BEGIN(a.prof);
+  const Ctx x = make_ctx(a, take_epoch(a, false));
+  const WarpGrid g = warp_grid();
+  A2A_PROF_START(t0);
+  __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
+  __shared__ float w_buf[A2A_MAX_WARPS_PER_BLOCK][32];
+  const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
+  if (a2a_block() == 0) send_weights(x, c, g);
+  send_contributions<Fmt>(x, c, g, sc);
+  // A lane may still read the warp's scratch (sc.slots, sc.w) for the last
+  // contribution it pushed (that path skips the loop's closing sync) when
+  // another lane starts rewriting it for its first token.
+  a2a_wave_sync();
+  reduce_tokens<Fmt>(x, c, g, sc);
+  A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
+  A2A_PROF_END(a.prof);
+  const Poison outputs[1] = {{reinterpret_cast<u8*>(c.out), (u64)c.num_tokens * a.y_row_bytes}};
+  poison_if_failed(x, 1u, outputs);
+}
+
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_combine_bf16(A2AArgs a, CombineCall c) { combine<BF16>(a, c); }

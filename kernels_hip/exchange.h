@@ -1,0 +1,422 @@
+// The protocol both exchange kernels share (kernels_hip/dispatch.hip and
+// kernels_hip/combine.hip): their arguments, the call's epoch, errors and
+// poisoning, warp-wide helpers, routing rows, row copies, and the table of
+// every source's token count.
+//
+// In calls that stage, bulk data is pulled, never pushed; flags are pushed.
+// A flag's release then waits only for writes to our own memory (a release
+// after bulk stores to a peer waits for every store queued on the link:
+// under load that cost tens of microseconds per flag in an earlier push
+// design), and every wait polls local memory, not the link.
+//
+// Pushed calls. Pulling costs a chain of dependent link crossings (a flag
+// release that waits for the staging copy, the flag's trip, then a read's
+// round trip), which sets the time of small calls. A rank whose call has at
+// most push_max_tokens tokens instead pushes its tokens, and later receives
+// its contributions, as tagged words (value and epoch in one 8-byte word,
+// like the headers): one crossing, no fence, no flag, at twice the bytes.
+// The sender's choice travels in its token-count header (A2A_PUSHED), so the
+// receivers of its tokens and the contributors to its tokens follow it.
+//
+// Flags and tagged words carry the call's epoch (never 0), so nothing is
+// reset between calls. Headers, staged and pushed tokens alternate by epoch
+// parity: a fast peer's next
+// call cannot overwrite what a slow rank is still reading, since that peer's
+// next-but-one dispatch needs our next header, which we send only after this
+// call's combine is done. The other buffers (weights, contributions, pushed
+// or not) are read by their readers before the barrier that the next call's
+// headers form.
+#pragma once
+#include "profile.h"
+#include "protocol.h"
+
+struct A2AArgs {
+  HeapView heap;
+  // written by peers
+  u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source
+  u64 off_tok_count;       // u64 [2][W]                   tagged T of every source
+  u64 off_w_in;            // u64 [W][M][k]                tagged weights of src's tokens (combine)
+  u64 off_stage_flag;      // u32 [2][W][M][S]             epoch: segment s of src's staged token t is in
+  u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution to our t is in
+  // read by peers
+  u64 off_stage;           // u8  [2][M][x_row_bytes]      our tokens, for peers to pull
+  u64 off_contrib;         // u8  [W][M][hidden * 4]       our contribution to token t of owner src
+  // written by peers, pushed calls (see "Pushed calls" below)
+  u64 off_push_tok;        // u64 [2][W][P][x_row_bytes/4] tagged words of src's token t
+  u64 off_push_contrib;    // u64 [W][P][push_row_words]   tagged words of r's contribution to our t
+  // local
+  u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]    expert_x
+  u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
+  u64 off_counters;        // u32 [L]
+  u64 off_num_tokens;      // i32 [L]                      expert_num_tokens
+  u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded, ours too
+  u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
+  u64 off_slot_tag;        // u64 [W][M][k]                slot_of as tagged words, for the fan-out (this kernel)
+  u64 off_arrived;         // u32 [1]                      warps that made their reservations (dispatch)
+  u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
+  u64 off_status;          // u32 [4]                      first error of this rank
+  u64 off_done;            // u32 [2]                      blocks done: [0] dispatch, [1] combine
+  u64 host_status;         // u32 [4]                      its mirror in pinned host memory
+  u64 prof;                // ProfBuffer*                  timelines (profiling build; 0 = off)
+  i32 num_experts;
+  i32 local_experts;
+  i32 top_k;
+  i32 max_tokens;
+  i32 hidden;
+  u32 x_row_bytes;
+  u32 y_row_bytes;
+  u32 seg_elems;           // a row moves as S = ceil(hidden / seg_elems) segments, one warp each
+  u32 nseg;
+  u32 push_max_tokens;     // P: a call of at most this many tokens pushes (0: never)
+  u32 push_row_words;      // a pushed contribution's row: hidden rounded up to whole segments
+  u32 narrow_partials;     // 1: partial sums cross in the output's 16-bit format, not fp32
+  u32 trap_on_timeout;     // 1: a timeout aborts the kernel (on_timeout="trap")
+  u32 pad;
+  u64 timeout_ns;
+};
+
+struct DispatchCall {
+  u64 x;          // [T][x_row_bytes]
+  u64 indices;    // i32 [T][k]
+  i32 num_tokens;
+  u32 pad;
+};
+
+struct CombineCall {
+  u64 expert_y;   // [L][W*M][y_row_bytes], local
+  u64 weights;    // f32 [T][k]
+  u64 out;        // [T][hidden]
+  i32 num_tokens;
+  float expert_scale;  // our expert rows count as expert_y * this (a fused elementwise epilogue; 1: none)
+};
+
+// The call's epoch lives on the device, not in the arguments, so a captured
+// graph replays with a fresh epoch each time. Dispatch takes the successor of
+// epoch[0] and leaves it in epoch[1]; its combine takes epoch[1] and leaves it
+// in epoch[0]. No kernel writes the word it reads, so every block of a launch
+// sees the same value (the previous launch wrote it). Never 0 (flags start
+// zeroed), and odd and even alternate even across the wrap (inbox parity).
+A2A_DEVICE u32 next_epoch(u32 e) { return e % 0xFFFFFFFEu + 1u; }
+
+A2A_DEVICE u32 take_epoch(const A2AArgs& a, bool dispatch) {
+  u32* words = sym<u32>(a.heap, a.heap.rank, a.off_epoch);
+  const u32 e = dispatch ? next_epoch(a2a_load_relaxed_sys(&words[0])) : a2a_load_relaxed_sys(&words[1]);
+  if (a2a_block() == 0 && a2a_thread() == 0) words[dispatch ? 1 : 0] = e;
+  return e;
+}
+
+#define A2A_MAX_LOCAL_EXPERTS 1024  // the fake expert's prefix of the counts, in shared memory
+#define A2A_MAX_WARPS_PER_BLOCK 32
+#define A2A_MAX_BLOCK_THREADS 512  // MAX_BLOCK_THREADS in pyhipa2a/a2a.py
+#define A2A_MAX_WORLD 32
+#define A2A_PREFIX_WORDS (A2A_MAX_WORLD + 3)  // source_prefix's table
+#define A2A_CHUNKS 4  // 8-element chunks per lane whose loads are issued together
+
+struct WarpGrid {
+  u32 lane, warp, warps, warp_in_block, warps_per_block;
+};
+
+A2A_DEVICE WarpGrid warp_grid() {
+  const u32 per_block = a2a_block_dim() / A2A_WARP_SIZE, in_block = a2a_thread() / A2A_WARP_SIZE;
+  return {a2a_lane(), a2a_block() * per_block + in_block, a2a_grid_dim() * per_block, in_block, per_block};
+}
+
+// Everything a kernel needs to know about this call, resolved once.
+struct Ctx {
+  const A2AArgs& a;
+  HeapView h;
+  u32 *status, *mirror;
+  u64 prof;
+  u64 deadline;
+  u32 W, M, k, L, capacity, parity, epoch;
+};
+
+A2A_DEVICE Ctx make_ctx(const A2AArgs& a, u32 epoch) {
+  return {a, a.heap, sym<u32>(a.heap, a.heap.rank, a.off_status), reinterpret_cast<u32*>(a.host_status),
+          a.prof, a2a_clock_ns() + a.timeout_ns, (u32)a.heap.world, (u32)a.max_tokens, (u32)a.top_k,
+          (u32)a.local_experts, (u32)(a.heap.world * a.max_tokens), epoch & 1u, epoch};
+}
+
+// Every error a kernel of this file sees goes through here: the first one is
+// kept (protocol.h), and with on_timeout="trap" a timeout then aborts the
+// kernel, which leaves the process's device context unusable: every later
+// device operation fails loudly, for callers that never synchronize.
+A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
+  // Only the first reporter traps, once its report is in the host's mirror: a thread that traps
+  // while another is still writing the mirror would leave the host an error it cannot name.
+  if (a2a_report(x.status, x.mirror, code, peer, what, detail) && code == A2A_ERR_TIMEOUT && x.a.trap_on_timeout)
+    a2a_trap();
+}
+
+// Every block calls this last, with its call's outputs. The last block to
+// finish sees every other block's writes; when this rank's status holds an
+// error (this call's, or an earlier one's that this call could not repair),
+// it overwrites the outputs with all-ones bytes: NaN in every float format we
+// write, -1 in the counts and the meta. A consumer that reads without asking
+// then sees poison, not plausible data.
+struct Poison {
+  u8* p;
+  u64 bytes;
+};
+template <u32 N>
+A2A_DEVICE void poison_if_failed(const Ctx& x, u32 which, const Poison (&outputs)[N]) {
+  if (!a2a_last_block(sym<u32>(x.h, x.h.rank, x.a.off_done) + which, false)) return;
+  if (a2a_load_relaxed_sys(&x.status[0]) == A2A_OK) return;
+  for (u32 i = 0; i < N; ++i) a2a_fill_bytes(outputs[i].p, outputs[i].bytes, 0xffu);
+}
+
+// Lane 0 polls, the warp follows: true once *flag == epoch; on timeout the
+// report names `peer` and what was awaited.
+A2A_DEVICE bool warp_wait(const Ctx& x, const u32* flag, u32 peer, u32 what, u32 detail, u32 lane) {
+  int ok = 1;
+  if (lane == 0 && !a2a_wait_flag(flag, x.epoch, x.deadline, x.status)) {
+    report(x, A2A_ERR_TIMEOUT, peer, what, detail);
+    ok = 0;
+  }
+  ok = a2a_shfl(ok, 0);
+  a2a_wave_sync();
+  return ok != 0;
+}
+
+// True in every lane when any lane below k has `flag` set.
+A2A_DEVICE bool warp_any(bool flag, u32 lane, u32 k) {
+  int any = 0;
+  for (u32 i = 0; i < k; ++i) any |= a2a_shfl(flag && lane < k ? 1 : 0, (int)i);
+  return any != 0;
+}
+
+// True in every lane when `ok` holds in every lane of the warp.
+A2A_DEVICE bool warp_all(bool ok, u32 lane) {
+  int all = ok ? 1 : 0;
+  for (u32 d = 1; d < A2A_WARP_SIZE; d <<= 1) all &= a2a_shfl(all, (int)(lane ^ d));
+  return all != 0;
+}
+
+// A routing row spread over a warp: lane j (< k) holds slot j's expert and
+// whether it is valid. The contract says a row's experts are distinct and in
+// [0, E); a slot that breaks it is skipped by senders and receivers alike
+// (and reported by the owner), never written: a repeated expert could
+// overflow its rows. All lanes load at once: one memory latency, not k.
+struct RowSlot {
+  i32 e;
+  bool valid;
+};
+
+A2A_DEVICE RowSlot row_slot(i32 e, u32 lane, u32 k, i32 num_experts) {
+  bool valid = lane < k && e >= 0 && e < num_experts;
+  for (u32 i = 0; i < k; ++i) {
+    const i32 other = a2a_shfl(e, (int)i);
+    if (i < lane && other == e) valid = false;
+  }
+  return {e, valid};
+}
+
+A2A_DEVICE RowSlot load_row_slot(const i32* row, u32 lane, u32 k, i32 num_experts) {
+  return row_slot(lane < k ? row[lane] : -1, lane, k, num_experts);
+}
+
+// Bit j set, in every lane: slot j is valid and lives on rank r.
+A2A_DEVICE u32 slots_on(const RowSlot& s, u32 k, u32 L, u32 r) {
+  u32 bits = 0;
+  for (u32 i = 0; i < k; ++i) bits |= (u32)a2a_shfl(s.valid && (u32)s.e / L == r ? 1 : 0, (int)i) << i;
+  return bits;
+}
+
+// Bit r set, in every lane: a valid slot lives on rank r.
+A2A_DEVICE u32 ranks_hosting(const RowSlot& s, u32 k, u32 L) {
+  u32 bits = 0;
+  for (u32 i = 0; i < k; ++i) bits |= (u32)a2a_shfl(s.valid ? (int)(1u << ((u32)s.e / L)) : 0, (int)i);
+  return bits;
+}
+
+// Lane r gets slots_on(s, k, L, r): every rank's slots at once.
+A2A_DEVICE u32 lane_rank_slots(const RowSlot& s, u32 k, u32 L, u32 lane) {
+  u32 bits = 0;
+  for (u32 i = 0; i < k; ++i) {
+    const i32 e = a2a_shfl(s.valid ? s.e : -1, (int)i);
+    if (e >= 0 && (u32)e / L == lane) bits |= 1u << i;
+  }
+  return bits;
+}
+
+A2A_DEVICE u32 lowest_bit(u32 bits) { return a2a_ctz(bits); }
+
+// Copy loops keep A2A_INFLIGHT 16-byte loads per lane in flight before the
+// first store: a load-store-load chain would wait one full memory (or NVLink)
+// latency per 512 bytes a warp moves, which the profiler showed dominating.
+#define A2A_INFLIGHT A2A_CHUNKS  // = the 16-byte accesses per lane in one segment
+
+// One warp copies `bytes` from `src` to each of `ndst` destinations
+// (dst_base + slots[d] * bytes), reading the source once.
+A2A_DEVICE void copy_row_fanout(u8* dst_base, u64 stride, const i32* slots, u32 ndst, const u8* src,
+                                u32 bytes, u32 lane) {
+  constexpr u32 W = A2A_WARP_SIZE, U = A2A_INFLIGHT;
+  u32 done = 0;
+  if ((((u64)dst_base | (u64)src | bytes | stride) & 15u) == 0) {
+    const vec16* s = reinterpret_cast<const vec16*>(src);
+    const u32 n = bytes / 16u;
+    u32 i = lane;
+    for (; i + (U - 1u) * W < n; i += U * W) {
+      vec16 v[U];
+      for (u32 u = 0; u < U; ++u) v[u] = s[i + u * W];
+      for (u32 d = 0; d < ndst; ++d) {
+        vec16* o = reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * stride);
+        for (u32 u = 0; u < U; ++u) o[i + u * W] = v[u];
+      }
+    }
+    for (; i < n; i += W) {
+      const vec16 v = s[i];
+      for (u32 d = 0; d < ndst; ++d) reinterpret_cast<vec16*>(dst_base + (u64)slots[d] * stride)[i] = v;
+    }
+    done = bytes;
+  }
+  for (u32 i = done + lane; i < bytes; i += W) {  // unaligned rows: byte by byte
+    const u8 v = src[i];
+    for (u32 d = 0; d < ndst; ++d) dst_base[(u64)slots[d] * stride + i] = v;
+  }
+}
+
+// One warp copies `bytes` (any size); 16-byte accesses for the aligned bulk,
+// 4-byte ones for a 4-byte-aligned tail (routing rows, weights).
+A2A_DEVICE void copy_row(u8* dst, const u8* src, u32 bytes, u32 lane) {
+  const i32 zero = 0;
+  const bool aligned = (((u64)dst | (u64)src) & 15u) == 0;
+  const u32 bulk = aligned ? bytes / 16u * 16u : 0u;
+  if (bulk) copy_row_fanout(dst, 0, &zero, 1, src, bulk, lane);
+  if ((((u64)dst | (u64)src | bytes) & 3u) == 0) {
+    for (u32 i = bulk / 4u + lane; i < bytes / 4u; i += A2A_WARP_SIZE)
+      reinterpret_cast<u32*>(dst)[i] = reinterpret_cast<const u32*>(src)[i];
+  } else {
+    for (u32 i = bulk + lane; i < bytes; i += A2A_WARP_SIZE) dst[i] = src[i];
+  }
+}
+
+// Byte range [first, first + bytes) of segment `seg` of a row of `row_bytes`
+// whose elements are `itemsize` bytes.
+struct Segment {
+  u32 first, bytes;
+};
+A2A_DEVICE Segment segment(const Ctx& x, u32 seg, u32 row_bytes, u32 itemsize) {
+  const u32 first = seg * x.a.seg_elems * itemsize;
+  const u32 end = first + x.a.seg_elems * itemsize;
+  return {first, (end < row_bytes ? end : row_bytes) - first};
+}
+
+
+// Count header bit: the source pushes this call's tokens (and receives its
+// contributions pushed); without it they are staged and pulled.
+#define A2A_PUSHED 0x80000000u
+
+// A step's items start at warp `first` and wrap around the grid. Steps start
+// at different warps, so on small calls they run side by side instead of
+// queueing in the same warps, and the warps that store to peers (block 0's
+// headers, the senders) are not the ones whose releases must wait for those
+// stores to land.
+A2A_DEVICE u32 first_item(const WarpGrid& g, u32 first) { return (g.warp + g.warps - first % g.warps) % g.warps; }
+
+// Pushed rows move as 32-bit words: a lane owns words w0 + lane + i * warp,
+// i < A2A_LANE_WORDS, of a segment starting at word w0 (a segment of a 16-bit
+// row is A2A_LANE_WORDS words per lane), so each of a warp's accesses covers
+// contiguous words. How many of them lie before `end`:
+#define A2A_LANE_WORDS (A2A_CHUNKS * 4u)
+A2A_DEVICE u32 lane_words(u32 first, u32 end) {
+  if (first >= end) return 0u;
+  const u32 n = (end - first + A2A_WARP_SIZE - 1u) / A2A_WARP_SIZE;
+  return n < A2A_LANE_WORDS ? n : A2A_LANE_WORDS;
+}
+
+// True once the lane's `count` tagged words p[i * stride] carry the call's
+// epoch (their values in v); false on timeout (reported, naming `peer`) or
+// when this rank already failed. A word is read whole, so seeing the epoch
+// is seeing the value: no fence, no flag.
+template <u32 N>
+A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u32 (&v)[N], u32 peer, u32 what,
+                            u32 detail) {
+  for (u32 spins = 1;; ++spins) {
+    bool all = true;
+    for (u32 i = 0; i < N; ++i) {
+      if (i >= count) break;
+      const u64 w = a2a_load_relaxed_sys_u64(p + (u64)i * stride);
+      v[i] = (u32)w;
+      all = all && (u32)(w >> 32) == x.epoch;
+    }
+    if (all) return true;
+    if ((spins & 63u) == 0) {
+      if (a2a_clock_ns() > x.deadline) {
+        report(x, A2A_ERR_TIMEOUT, peer, what, detail);
+        return false;
+      }
+      if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
+    }
+    a2a_pause();
+  }
+}
+
+// Token counts of every source as a prefix: pre[src] = tokens of sources
+// before src, pre[W] = all of them, pre[W + 1] the mask of sources that
+// push and pre[W + 2] the most tokens of any source; `pre` is the block's
+// (shared memory, A2A_PREFIX_WORDS), every warp of the block calls.
+// Warp 0's lane r waits for r's header (when `wait`: dispatch, where our own
+// is `my_header`; combine reads every header, ours too, as dispatch left
+// them): one poller per block, not per warp, on the words peers write. Item
+// spaces below are over tokens that exist, not over W * M slots (dense for
+// the reservations; sources times the most tokens of any source for the
+// token-major bulk steps): a call with one token per rank costs one item
+// (or segment) per rank.
+A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, const WarpGrid& g) {
+  const u32 me = (u32)x.h.rank, lane = g.lane;
+  if (g.warp_in_block == 0) {
+    if (lane < x.W) {
+      u32 n = 0;
+      if (wait && lane == me) {
+        n = my_header;
+      } else {
+        A2A_PROF_START(t0);
+        const u64* count = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + lane;
+        if (!wait) {
+          n = (u32)a2a_load_relaxed_sys_u64(count);  // dispatch saw it arrive
+        } else if (!a2a_wait_tagged(count, x.epoch, x.deadline, x.status, n)) {
+          report(x, A2A_ERR_TIMEOUT, lane, A2A_WAIT_DISPATCH, x.epoch);
+          n = 0;
+        }
+        if (wait) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, lane);
+      }
+      pre[lane + 1] = n;
+    }
+    a2a_wave_sync();
+    if (lane == 0) {
+      u32 pushed = 0, most = 0;
+      pre[0] = 0;
+      for (u32 r = 1; r <= x.W; ++r) {
+        const u32 n = (pre[r] & ~A2A_PUSHED) < x.M ? pre[r] & ~A2A_PUSHED : x.M;
+        if (pre[r] & A2A_PUSHED) pushed |= 1u << (r - 1u);
+        pre[r] = pre[r - 1] + n;
+        most = n > most ? n : most;
+      }
+      pre[x.W + 1] = pushed;
+      pre[x.W + 2] = most;
+    }
+  }
+  a2a_block_sync();
+  return a2a_shfl(lane == 0 ? (int)a2a_load_relaxed_sys(&x.status[0]) : 0, 0) == 0;
+}
+
+// Item q of a dense (source, token) space: its source and token.
+A2A_DEVICE void locate(const u32* pre, u32 W, u32 q, u32& src, u32& t) {
+  src = 0;
+  while (src + 1u < W && pre[src + 1u] <= q) ++src;
+  t = q - pre[src];
+}
+
+// Item q of a token-major space over n sources from `first` on (mod W): token
+// q / n of source first + q % n; false when that source has fewer tokens (a
+// gap: the space is n * the most tokens of any source). Bulk steps walk
+// their tokens this way: all sources at once, each rank starting with its
+// successor. Source-major order had every rank pulling from rank 0's memory
+// first, then rank 1's, so one rank's links carried the whole wave while the
+// others idled (it did not matter with two ranks).
+A2A_DEVICE bool token_major(const u32* pre, u32 W, u32 first, u32 n, u32 q, u32& src, u32& t) {
+  src = (first + q % n) % W;
+  t = q / n;
+  return t < pre[src + 1] - pre[src];
+}

@@ -1,0 +1,132 @@
+"""Host twin of kernels_hip/combine.hip: raw-row or fp32 (or narrow) contributions, pulled or
+pushed, reduced by each token's owner, in NumPy."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..dtypes import bfloat16
+from . import mem, tag, wait_flags, wait_tagged
+from .exchange import WAIT_COMBINE_ROW, WAIT_WEIGHTS, View, count_header, finish, take_epoch, valid_slots
+
+def _combine(backend, a, c, dtype) -> None:
+    v = View(a, take_epoch(a, dispatch=False))
+    try:
+        _combine_body(backend, a, c, dtype, v)
+    finally:
+        finish(backend, a, v, (mem(c.out, (c.num_tokens, a.hidden), dtype),))
+
+
+def _combine_body(backend, a, c, dtype, v: View) -> None:
+    W, M, k, L, me, p, H = v.W, v.M, v.k, v.L, v.me, v.parity, a.hidden
+    T, P = c.num_tokens, a.push_max_tokens
+    narrow = bool(a.narrow_partials)  # partial sums travel in the output's 16-bit format
+    scale = np.float32(c.expert_scale)  # our expert rows count as expert_y * scale (a fused epilogue)
+    weights = mem(c.weights, (T, k), np.float32)
+    expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
+    slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
+
+    decoded = v.buf(me, "rows", (W, M, k), np.int32)
+    headers = v.buf(me, "tok_count", (2, W), np.uint64)[p] & np.uint64(0xFFFFFFFF)  # every count, as dispatch left it
+    span = time.monotonic_ns()
+    for r in range(W):  # 1. our weights to every peer, as tagged words
+        if r != me:
+            t0 = time.monotonic_ns()
+            v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T] = tag(weights.view(np.uint32), v.epoch)
+            v.rec.record(8, t0, r)
+
+    for src in range(W):  # 2. one contribution per (peer's token, this rank) for its owner, left in our memory
+        if src == me:
+            continue  # our own tokens are reduced straight from expert_y
+        count, src_pushed = count_header(int(headers[src]), M)
+        rows = decoded[src, :count]
+        here = valid_slots(rows, v.E) & (rows // L == me)
+        tokens = np.flatnonzero(here.any(axis=1))
+        if len(tokens) == 0:
+            continue
+        t0 = time.monotonic_ns()
+        words = wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], v.epoch, v.deadline,
+                            v.status, WAIT_WEIGHTS, src)
+        if words is None:
+            return
+        v.rec.record(9, t0, src)
+        w = words.view(np.float32).reshape(count, k)
+        t0 = time.monotonic_ns()
+        contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[src]
+        inbox = v.buf(src, "push_contrib", (W, P, a.push_row_words), np.uint64)[me]  # the owner's
+        for t in tokens:
+            js = np.flatnonzero(here[t])
+            if len(js) == 1:  # the raw row (scaled, rounded to its format); the owner applies the weight
+                part = expert_y[slot_of[src, t, js[0]]]
+                if scale != 1:
+                    part = (part.astype(np.float32) * scale).astype(dtype)
+            else:
+                part = np.zeros(H, np.float32)
+                for j in js:
+                    part += (w[t, j] * scale) * expert_y[slot_of[src, t, j]].astype(np.float32)
+                if narrow:
+                    part = part.astype(dtype)
+            if src_pushed:  # straight into the owner's inbox as tagged words, no flag
+                bits = part.view(np.uint32)
+                inbox[t, :len(bits)] = tag(bits, v.epoch)
+                continue
+            contrib[t, :part.nbytes] = part.view(np.uint8)
+            for seg in range(v.S):
+                backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), v.epoch)
+        v.rec.record(10, t0, src)
+
+    # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their
+    # memory, or from our inbox when our dispatch pushed (its header in our own inbox says)
+    _, pushed = count_header(int(headers[me]), M)
+    rows = decoded[me, :T]
+    valid = valid_slots(rows, v.E)
+    acc = np.zeros((T, H), np.float32)
+    t0 = time.monotonic_ns()
+    for t, j in zip(*np.nonzero(valid & (rows // L == me))):
+        if slot_of[me, t, j] >= 0:  # a lost slot was reported already
+            acc[t] += (weights[t, j] * scale) * expert_y[slot_of[me, t, j]].astype(np.float32)
+    v.rec.record(12, t0, me)
+    for r in range(W):
+        if r == me:
+            continue
+        here = valid & (rows // L == r)
+        n = here.sum(axis=1)
+        tokens = np.flatnonzero(n)
+        t0 = time.monotonic_ns()
+        if pushed:  # rank r's contributions to our tokens, as tagged words in our inbox
+            theirs = np.zeros((M, 4 * H), np.uint8)
+            for width, pick in ((H // 2, tokens[n[tokens] == 1]), (H // 2 if narrow else H, tokens[n[tokens] > 1])):
+                ours = v.buf(me, "push_contrib", (W, P, a.push_row_words), np.uint64)[r, :, :width]
+                arrived = wait_tagged(ours, v.epoch, v.deadline, v.status, WAIT_COMBINE_ROW, r, rows=pick)
+                if arrived is None:
+                    return
+                theirs[pick, :4 * width] = arrived.view(np.uint8).reshape(len(pick), 4 * width)
+        else:  # rank r's contributions to our tokens, in its memory once their flags are in
+            needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
+            if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline,
+                              v.status, WAIT_COMBINE_ROW, peer_of=lambda _: r):
+                return
+            theirs = v.buf(r, "contrib", (W, M, 4 * H), np.uint8)[me]
+        v.rec.record(11, t0, r)
+        t0 = time.monotonic_ns()
+        single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]
+        if len(single):
+            j = here[single].argmax(axis=1)
+            raw = theirs[single, :2 * H].copy().view(dtype).astype(np.float32)
+            acc[single] += weights[single, j][:, None] * raw
+        if len(multi) and narrow:
+            acc[multi] += theirs[multi, :2 * H].copy().view(dtype).astype(np.float32)
+        elif len(multi):
+            acc[multi] += theirs[multi].copy().view(np.float32)
+        v.rec.record(12, t0, me)
+    mem(c.out, (T, H), dtype)[:] = acc.astype(dtype)
+    v.rec.record(13, span)
+
+
+def a2a_combine_f16(backend, a, c) -> None:
+    _combine(backend, a, c, np.dtype(np.float16))
+
+
+def a2a_combine_bf16(backend, a, c) -> None:
+    _combine(backend, a, c, bfloat16())

@@ -1,0 +1,123 @@
+"""Host twin of kernels_hip/dispatch.hip: the same inboxes, flags and steps, in NumPy.
+
+The device code spreads each step over warps; here each step is a loop over
+ranks with vectorised copies. The protocol (parity inboxes, epoch flags,
+one vector per (token, destination rank)) is the same, so the Python stack
+above is exercised as on a GPU.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, mem, tag, wait_flags, wait_tagged
+from .exchange import PUSHED, WAIT_DISPATCH, View, count_header, finish, take_epoch, valid_slots
+
+def a2a_dispatch(backend, a, c) -> None:
+    v = View(a, take_epoch(a, dispatch=True))
+    try:
+        _dispatch(backend, a, c, v)
+    finally:
+        finish(backend, a, v, (v.buf(v.me, "recv_x", (v.L, v.cap, a.x_row_bytes), np.uint8),
+                               v.buf(v.me, "recv_meta", (v.L, v.cap, 3), np.int32),
+                               v.buf(v.me, "num_tokens", (v.L,), np.int32)))
+
+
+def _dispatch(backend, a, c, v: View) -> None:
+    W, M, k, L, me, p = v.W, v.M, v.k, v.L, v.me, v.parity
+    T, rb = c.num_tokens, a.x_row_bytes
+    indices = mem(c.indices, (T, k), np.int32)
+    x = mem(c.x, (T, rb), np.uint8)
+    valid = valid_slots(indices, v.E)
+    if not valid.all():
+        pos = int(np.flatnonzero(~valid)[0])
+        v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
+
+    push = T <= a.push_max_tokens
+    P, words = a.push_max_tokens, rb // 4
+    span = time.monotonic_ns()
+    for r in range(W):  # 1. headers to every peer as tagged words; the count (and our choice) to us too
+        t0 = time.monotonic_ns()
+        if r != me:
+            v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(indices, v.epoch)
+        v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T | (PUSHED if push else 0), v.epoch)
+        if r != me:
+            v.rec.record(1, t0, r)
+    # 2. every token another rank needs: pushed into its inbox as tagged words, or staged in our
+    # own memory (peers pull it) with its flags sent to them
+    t0 = time.monotonic_ns()
+    needed_by = {r: np.flatnonzero((valid & (indices // L == r)).any(axis=1)) for r in range(W) if r != me}
+    if not push:
+        tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
+        v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
+    for r, tokens in needed_by.items():
+        if not push:
+            for t in tokens:
+                for seg in range(v.S):
+                    backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * v.S + seg), v.epoch)
+        elif len(tokens):  # (a call of no tokens pushes nothing; its rows need not be whole words)
+            inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
+            inbox[tokens] = tag(x[tokens].view(np.uint32), v.epoch)
+    v.rec.record(2, t0, me)
+
+    counters = v.buf(me, "counters", (L,), np.uint32)
+    expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
+    meta = v.buf(me, "recv_meta", (L, v.cap, 3), np.int32)
+    slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
+    decoded = v.buf(me, "rows", (W, M, k), np.int32)
+    for src in range(W):  # 3. fan each token with experts here out to its experts' rows
+        if src == me:
+            rows, vecs, count, pushed = indices, x, T, False
+        else:
+            t0 = time.monotonic_ns()
+            n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
+                            v.status, WAIT_DISPATCH, src)
+            count, pushed = count_header(int(n[0]), M) if n is not None else (0, False)
+            hdr = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
+                              v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
+            if hdr is None:
+                return
+            v.rec.record(3, t0, src)
+            rows = hdr.view(np.int32).reshape(count, k)
+            vecs = v.buf(src, "stage", (2, M, rb), np.uint8)[p]
+        decoded[src, :count] = rows  # combine reads the routing rows from here
+        here = valid_slots(rows, v.E) & (rows // L == me)
+        tokens, slots = np.nonzero(here)
+        wanted = np.unique(tokens)
+        t0 = time.monotonic_ns()
+        needed = (wanted[:, None] * v.S + np.arange(v.S)).ravel()
+        if src != me and pushed:  # the tokens' words in our inbox, once each carries the epoch
+            vecs = np.zeros((count, rb), np.uint8)
+            arrived = wait_tagged(v.buf(me, "push_tok", (2, W, P, words), np.uint64)[p, src], v.epoch,
+                                  v.deadline, v.status, WAIT_DISPATCH, src, rows=wanted)
+            if arrived is None:
+                return
+            vecs[wanted] = arrived.view(np.uint8).reshape(-1, rb)
+        elif src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * v.S), needed,
+                                          v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
+            return
+        if src != me:
+            v.rec.record(4, t0, src)
+        t0 = time.monotonic_ns()
+        for l in np.unique(rows[tokens, slots] % L):
+            pick = rows[tokens, slots] % L == l
+            t, j = tokens[pick], slots[pick]
+            first = int(counters[l])
+            row = first + np.arange(len(t))
+            fits = row < v.cap
+            if not fits.all():
+                v.status.report(STATUS_CAPACITY, me, int(l), int(row[~fits][0]))
+            counters[l] = first + len(t)
+            t, j, row = t[fits], j[fits], row[fits]
+            expert_x[l, row] = vecs[t]
+            meta[l, row] = np.stack([np.full_like(t, src), t, j], axis=1)
+            slot_of[src, t, j] = l * v.cap + row
+        v.rec.record(5, t0, src)
+
+    # 4. publish the counts, zero the counters for the next call
+    t0 = time.monotonic_ns()
+    v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(counters, v.cap)
+    counters[:] = 0
+    v.rec.record(6, t0)
+    v.rec.record(7, span)

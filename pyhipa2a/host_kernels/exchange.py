@@ -1,0 +1,70 @@
+"""Host twins of kernels_hip/exchange.h: what both exchange kernels share (the call's view of the
+heap, its epoch, valid routing slots, poisoning a failed call's outputs)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import STATUS_OK, STATUS_TIMEOUT, Recorder, Status, bases, mem
+
+WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
+PUSHED = 0x80000000  # count header bit: the source pushed its tokens (A2A_PUSHED)
+
+
+def count_header(value: int, max_tokens: int) -> tuple[int, bool]:
+    """A token-count header's value: (tokens, clamped to max_tokens; whether the source pushed)."""
+    return min(value & ~PUSHED, max_tokens), bool(value & PUSHED)
+
+
+class View:
+    """This call's geometry and NumPy views of a rank's symmetric buffers."""
+
+    def __init__(self, a, epoch: int):
+        h = a.heap
+        self.a, self.me, self.W, self.M, self.k = a, h.rank, h.world, a.max_tokens, a.top_k
+        self.L, self.E, self.cap = a.local_experts, a.num_experts, h.world * a.max_tokens
+        self.parity, self.epoch, self.S = epoch & 1, epoch, a.nseg
+        self.base = bases(h)
+        self.deadline = time.monotonic() + a.timeout_ns / 1e9
+        self.status = Status(self.base[self.me] + a.off_status, a.host_status)
+        self.rec = Recorder(a.prof)
+
+    def buf(self, rank: int, name: str, shape, dtype) -> np.ndarray:
+        return mem(self.base[rank] + getattr(self.a, "off_" + name), shape, dtype)
+
+    def addr(self, rank: int, name: str, index: int, itemsize: int = 4) -> int:
+        return int(self.base[rank] + getattr(self.a, "off_" + name) + int(index) * itemsize)
+
+
+def next_epoch(e: int) -> int:
+    return e % 0xFFFFFFFE + 1
+
+
+def take_epoch(a, dispatch: bool) -> int:
+    """The device's epoch words (see take_epoch in exchange.h): dispatch advances [0] into [1], combine hands [1] back."""
+    words = mem(bases(a.heap)[a.heap.rank] + a.off_epoch, (2,), np.uint32)
+    e = next_epoch(int(words[0])) if dispatch else int(words[1])
+    words[1 if dispatch else 0] = e
+    return e
+
+
+def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
+    """Mask of (token, slot) entries in [0, E) that do not repeat an earlier slot of their row."""
+    ok = (rows >= 0) & (rows < num_experts)
+    for j in range(1, rows.shape[1]):
+        ok[:, j] &= ~(rows[:, :j] == rows[:, j:j + 1]).any(axis=1)
+    return ok
+
+
+def finish(backend, a, v: View, outputs) -> None:
+    """The end of every exchange kernel (poison_if_failed and report in exchange.h): when this rank's
+    status holds an error, the call's outputs become all-ones bytes (NaN rows, -1 counts and meta);
+    with on_timeout="trap" a timeout then leaves the device unusable, as the GPU's trap does."""
+    code = int(v.status.words[0])
+    if code == STATUS_OK:
+        return
+    for out in outputs:
+        out.view(np.uint8)[...] = 0xFF
+    if a.trap_on_timeout and code == STATUS_TIMEOUT:
+        backend.trap(f"a kernel of rank {v.me} timed out with on_timeout='trap'")
