@@ -45,8 +45,8 @@ struct ProfHeader {
 };
 
 #ifdef A2A_PROFILE
-A2A_DEVICE u32* a2a_prof_next() {  // this block's warps' counts
-  __shared__ u32 next[32];
+A2A_DEVICE u32* a2a_prof_next() {  // this block's warps' counts, then the buffer's warps and per_warp
+  __shared__ u32 next[32 + 2];
   return next;
 }
 A2A_DEVICE u32* a2a_prof_counts(u64 buffer) { return reinterpret_cast<u32*>(buffer + sizeof(ProfHeader)); }
@@ -57,6 +57,10 @@ A2A_DEVICE void a2a_prof_begin(u64 buffer) {
     const ProfHeader* h = reinterpret_cast<const ProfHeader*>(buffer);
     const u32 w = a2a_prof_warp(t);
     a2a_prof_next()[t] = w < h->warps ? a2a_prof_counts(buffer)[w] : 0u;
+    if (t == 0) {
+      a2a_prof_next()[32] = h->warps;
+      a2a_prof_next()[33] = h->per_warp;
+    }
   }
   a2a_block_sync();
 }
@@ -72,15 +76,16 @@ A2A_DEVICE void a2a_prof_end(u64 buffer) {
 A2A_DEVICE void a2a_prof_record(u64 buffer, u32 tag, u64 start, u32 detail) {
   const u64 end = a2a_clock_ns();
   if (!buffer) return;
-  ProfHeader* h = reinterpret_cast<ProfHeader*>(buffer);
+  // The sizes come from shared memory: a load of the header was a global round trip per event.
+  const u32 warps = a2a_prof_next()[32], per_warp = a2a_prof_next()[33];
   const u32 in_block = a2a_thread() / A2A_WARP_SIZE, w = a2a_prof_warp(in_block);
-  if (w >= h->warps) {
-    h->beyond = 1u;
+  if (w >= warps) {
+    reinterpret_cast<ProfHeader*>(buffer)->beyond = 1u;
     return;
   }
-  const u32 i = a2a_add_shared(&a2a_prof_next()[in_block], 1u) % h->per_warp;
-  const u64 events = sizeof(ProfHeader) + ((4ull * h->warps + 31ull) & ~31ull);
-  ProfEvent& e = reinterpret_cast<ProfEvent*>(buffer + events)[(u64)w * h->per_warp + i];
+  const u32 i = a2a_add_shared(&a2a_prof_next()[in_block], 1u) % per_warp;
+  const u64 events = sizeof(ProfHeader) + ((4ull * warps + 31ull) & ~31ull);
+  ProfEvent& e = reinterpret_cast<ProfEvent*>(buffer + events)[(u64)w * per_warp + i];
   e.start = start;
   e.end = end;
   e.tag = tag;

@@ -8,9 +8,10 @@ copy, ...) for a few calls, maps each rank's device clock onto the host's
 monotonic clock, and writes one Chrome/Perfetto trace (process = rank,
 thread = block). Prints per kernel and rank: time waiting vs moving data
 (summed over warps), the slowest block and the most-waited-for peer.
-Open the file at ui.perfetto.dev or chrome://tracing. Recording costs each
-event an atomic (kernels_hip/profile.h), so the profiling build may run slower
-than the normal one: use it for order and overlap, bench.py for durations.
+Open the file at ui.perfetto.dev or chrome://tracing. Recording touches no
+global counter (kernels_hip/profile.h), but it still costs time (`bench.py
+--profile` measures how much): use the timelines for order and overlap, and
+bench.py for durations.
 """
 from __future__ import annotations
 

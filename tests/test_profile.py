@@ -54,3 +54,25 @@ def test_summary_adds_up():
     assert s["slowest_block"] == 1 and s["slowest_block_us"] == pytest.approx(0.15)
     assert s["most_waited_peer"] == 2 and s["most_waited_us"] == pytest.approx(0.04)
     assert s["events"] == 6
+
+
+def test_a_warps_ring_keeps_its_latest_events_and_counts_the_rest():
+    """Each warp records into a ring of per_warp events (no global counter): past per_warp, the
+    oldest are overwritten and read() says how many were lost. The host twin of kernels_hip/profile.h
+    writes the same layout."""
+    from pyhipa2a import get_backend
+    from pyhipa2a.host_kernels import Recorder
+    from pyhipa2a.profile import ProfileBuffer
+    backend = get_backend("host")
+    buffer = ProfileBuffer(backend, warps=3, per_warp=4)
+    try:
+        recorder = Recorder(buffer.ptr)
+        for tag in range(1, 7):
+            recorder.record(tag, start_ns=tag * 10, detail=tag)
+        events, dropped = buffer.read()
+        assert sorted(events["tag"].tolist()) == [3, 4, 5, 6] and dropped == 2
+        assert all(e["end"] >= e["start"] for e in events)
+        buffer.reset()
+        assert len(buffer.read()[0]) == 0 and buffer.read()[1] == 0
+    finally:
+        buffer.free()
