@@ -16,7 +16,12 @@
 //      its pushed words, and is fanned out to its experts' rows of the
 //      expert-major output;
 //   4. the last warp to finish reserving publishes expert_num_tokens and
-#include "exchange.h"
+//
+// The steps are templates on X, how x becomes expert_x (A2A_X_* in
+// exchange.h): 16-bit rows are copied as bytes; fp8 rows (given, or
+// quantized from 16-bit ones on the way) move as fp8.h's pieces with their
+// block scales. One kernel per X, so the 16-bit kernel is what it was.
+#include "fp8.h"
 
 // Block 0 writes our routing rows and token count (with A2A_PUSHED when we
 // push) into every peer's inbox as tagged words, all threads at once; the
@@ -40,19 +45,27 @@ A2A_DEVICE void send_headers(const Ctx& x, const DispatchCall& c, const WarpGrid
 // then releases the segment's flag in the memory of peer r when r needs the
 // token. The data stays here (the release waits only for our own memory) and
 // the flag goes there (the peer polls its own memory, not the link).
+template <u32 X>
 A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u8* tokens = reinterpret_cast<const u8*>(c.x);
-  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
-  u8* stage = sym<u8>(x.h, (int)me, x.a.off_stage) + (u64)x.parity * x.M * rb;
+  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
+  const u32 tb = x.a.token_bytes;
+  u8* stage = sym<u8>(x.h, (int)me, x.a.off_stage) + (u64)x.parity * x.M * tb;
   for (u32 item = first_item(g, g.warps_per_block); item < (u32)c.num_tokens * S; item += g.warps) {
     const u32 t = item / S, seg = item % S;
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);
     const u32 peers = ranks_hosting(lane_slot, x.k, x.L) & ~(1u << me);
     if (!peers) continue;
     A2A_PROF_START(t0);
-    const Segment sg = segment(x, seg, rb, itemsize);
-    copy_row(stage + (u64)t * rb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes, g.lane);
+    if constexpr (X == A2A_X_COPY) {
+      const Segment sg = segment(x, seg, rb, itemsize);
+      copy_row(stage + (u64)t * tb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes, g.lane);
+    } else {
+      u8* row = stage + (u64)t * tb;
+      store_piece(row, stage_scales(row, (u32)x.a.hidden), seg * x.a.x_seg_elems, g.lane,
+                  piece_of_input<X>(x, c, t, seg, g.lane));
+    }
     a2a_wave_sync();
     if (g.lane < x.W && (peers >> g.lane & 1u)) {  // (a 64-lane wave must not shift by 32 or more)
       u32* flag = sym<u32>(x.h, (int)g.lane, x.a.off_stage_flag) + (((u64)x.parity * x.W + me) * x.M + t) * S + seg;
@@ -64,15 +77,27 @@ A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid
 
 // A pushed call: each segment of each token some peer needs goes straight
 // into those peers' inboxes as tagged words; nothing is staged or flagged.
+template <u32 X>
 A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
-  const u32 me = (u32)x.h.rank, words = x.a.x_row_bytes / 4u, S = x.a.nseg, P = x.a.push_max_tokens;
+  const u32 me = (u32)x.h.rank, words = x.a.x_row_bytes / 4u, S = x.a.x_nseg, P = x.a.push_max_tokens;
+  const u32 stride = x.a.push_token_words;
   for (u32 item = first_item(g, g.warps_per_block); item < (u32)c.num_tokens * S; item += g.warps) {
     const u32 t = item / S, seg = item % S;
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);
     const u32 peers = ranks_hosting(lane_slot, x.k, x.L) & ~(1u << me);
     if (!peers) continue;
     A2A_PROF_START(t0);
+    if constexpr (X != A2A_X_COPY) {
+      const Fp8Piece p = piece_of_input<X>(x, c, t, seg, g.lane);
+      for (u32 bits = peers; bits; bits &= bits - 1u) {
+        const u32 r = lowest_bit(bits);
+        u64* token = sym<u64>(x.h, (int)r, x.a.off_push_tok) + (((u64)x.parity * x.W + me) * P + t) * stride;
+        push_piece(token, seg, x.a.x_seg_elems, g.lane, p, x.epoch);
+      }
+      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_STAGE, t0, me | t << 8);
+      continue;
+    }
     const u32 first = seg * A2A_LANE_WORDS * A2A_WARP_SIZE + g.lane, n = lane_words(first, words);
     const u32* token = reinterpret_cast<const u32*>(c.x) + (u64)t * words + first;
     u32 v[A2A_LANE_WORDS];
@@ -80,7 +105,7 @@ A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
       if (i < n) v[i] = token[i * A2A_WARP_SIZE];
     for (u32 bits = peers; bits; bits &= bits - 1u) {
       const u32 r = lowest_bit(bits);
-      u64* inbox = sym<u64>(x.h, (int)r, x.a.off_push_tok) + (((u64)x.parity * x.W + me) * P + t) * words + first;
+      u64* inbox = sym<u64>(x.h, (int)r, x.a.off_push_tok) + (((u64)x.parity * x.W + me) * P + t) * stride + first;
       for (u32 i = 0; i < A2A_LANE_WORDS; ++i)
         if (i < n) a2a_store_relaxed_sys_u64(&inbox[i * A2A_WARP_SIZE], a2a_tag(v[i], x.epoch));
     }
@@ -91,9 +116,8 @@ A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
 // The vector of token t of source src: ours straight from the caller, a
 // peer's from its stage, over the link.
 A2A_DEVICE const u8* token_vector(const Ctx& x, const DispatchCall& c, u32 src, u32 t) {
-  const u32 rb = x.a.x_row_bytes;
-  if (src == (u32)x.h.rank) return reinterpret_cast<const u8*>(c.x) + (u64)t * rb;
-  return sym<u8>(x.h, (int)src, x.a.off_stage) + ((u64)x.parity * x.M + t) * rb;
+  if (src == (u32)x.h.rank) return reinterpret_cast<const u8*>(c.x) + (u64)t * x.a.x_row_bytes;
+  return sym<u8>(x.h, (int)src, x.a.off_stage) + ((u64)x.parity * x.M + t) * x.a.token_bytes;
 }
 
 // One warp per (src, t): lane j waits for slot j of the routing row (a peer's
@@ -163,13 +187,15 @@ A2A_DEVICE bool reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid
 // all of its expert rows, as soon as the slots and the segment are in: a
 // staged segment is read over the link once its flag is here, a pushed one
 // from our inbox once its words carry the epoch.
+template <u32 X>
 A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
-  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.nseg, itemsize = rb / (u32)x.a.hidden;
-  const u32 pushed = pre[x.W + 1], words = rb / 4u;
+  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
+  const u32 pushed = pre[x.W + 1], words = rb / 4u, H = (u32)x.a.hidden;
   const u64* slot_tag = sym<u64>(x.h, (int)me, x.a.off_slot_tag);
   u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
+  float* expert_scales = sym<float>(x.h, (int)me, x.a.off_recv_scales);
   for (u32 item = first_item(g, g.warps / 2u); item < pre[x.W + 2] * x.W * S; item += g.warps) {
     u32 src, t;
     if (!token_major(pre, x.W, me + 1u, x.W, item / S, src, t)) continue;
@@ -192,10 +218,34 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
       }
     }
     if (!n) continue;
+    if constexpr (X != A2A_X_COPY) {
+      Fp8Piece p;
+      if (src == me) {
+        p = piece_of_input<X>(x, c, t, seg, g.lane);
+      } else if (pushed >> src & 1u) {
+        const u64* token = sym<u64>(x.h, (int)me, x.a.off_push_tok) +
+                           (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words;
+        if (!warp_all(take_piece(x, token, seg, g.lane, p, src, t), g.lane)) break;
+      } else {
+        const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
+        if (!warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) break;
+        const u8* row = token_vector(x, c, src, t);
+        p = load_piece(row, stage_scales(row, H), seg * x.a.x_seg_elems, H, g.lane);
+      }
+      if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
+      A2A_PROF_START(t2);
+      a2a_wave_sync();
+      for (u32 d = 0; d < n; ++d)
+        store_piece(expert_x + (u64)slots[d] * rb, expert_scales + (u64)slots[d] * x.a.scale_cols,
+                    seg * x.a.x_seg_elems, g.lane, p);
+      a2a_wave_sync();  // slots[] is reused by this warp's next item
+      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
+      continue;
+    }
     if (src != me && (pushed >> src & 1u)) {
       const u32 first = seg * A2A_LANE_WORDS * A2A_WARP_SIZE + g.lane, count = lane_words(first, words);
       const u64* inbox = sym<u64>(x.h, (int)me, x.a.off_push_tok) +
-                         (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * words + first;
+                         (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words + first;
       u32 v[A2A_LANE_WORDS];
       const bool ok = take_tagged(x, inbox, A2A_WARP_SIZE, count, v, src, A2A_WAIT_DISPATCH, t);
       if (!warp_all(ok, g.lane)) break;
@@ -264,29 +314,45 @@ A2A_DEVICE void publish_counts_if_last(const Ctx& x, const WarpGrid& g, const u3
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, 0);
 }
 
-extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A2AArgs a, DispatchCall c) {
+template <u32 X>
+A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   A2A_PROF_BEGIN(a.prof);
   const Ctx x = make_ctx(a, take_epoch(a, true));
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
   // Pushed words are read 4 bytes at a time (the host only enables pushing
   // for rows that are whole words).
-  const bool push = (u32)c.num_tokens <= a.push_max_tokens && (c.x & 3u) == 0;
+  const bool push = (u32)c.num_tokens <= a.push_max_tokens && (X != A2A_X_COPY || (c.x & 3u) == 0);
   if (a2a_block() == 0) send_headers(x, c, g, push);
   if (push)
-    push_tokens(x, c, g);
+    push_tokens<X>(x, c, g);
   else
-    stage_tokens(x, c, g);
+    stage_tokens<X>(x, c, g);
   __shared__ u32 pre[A2A_PREFIX_WORDS];
   const bool ok = source_prefix(x, (u32)c.num_tokens | (push ? A2A_PUSHED : 0u), pre, true, g);
   const bool reserved = ok && reserve_rows(x, c, g, pre);
   if (ok) publish_counts_if_last(x, g, pre, reserved);
-  if (ok) fan_out(x, c, g, pre);
+  if (ok) fan_out<X>(x, c, g, pre);
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   const u64 rows = (u64)x.L * x.capacity;
-  const Poison outputs[3] = {{sym<u8>(x.h, x.h.rank, a.off_recv_x), rows * a.x_row_bytes},
+  const Poison outputs[4] = {{sym<u8>(x.h, x.h.rank, a.off_recv_x), rows * a.x_row_bytes},
                              {sym<u8>(x.h, x.h.rank, a.off_recv_meta), rows * 12u},
-                             {sym<u8>(x.h, x.h.rank, a.off_num_tokens), (u64)x.L * 4u}};
+                             {sym<u8>(x.h, x.h.rank, a.off_num_tokens), (u64)x.L * 4u},
+                             {sym<u8>(x.h, x.h.rank, a.off_recv_scales), rows * a.scale_cols * 4u}};
   poison_if_failed(x, 0u, outputs);
+}
+
+// One kernel per way x becomes expert_x (pyhipa2a/a2a.py picks it).
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A2AArgs a, DispatchCall c) {
+  dispatch<A2A_X_COPY>(a, c);
+}
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch_fp8(A2AArgs a, DispatchCall c) {
+  dispatch<A2A_X_FP8>(a, c);
+}
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch_quantize_f16(A2AArgs a, DispatchCall c) {
+  dispatch<A2A_X_QUANTIZE_F16>(a, c);
+}
+extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch_quantize_bf16(A2AArgs a, DispatchCall c) {
+  dispatch<A2A_X_QUANTIZE_BF16>(a, c);
 }

@@ -39,14 +39,15 @@ struct A2AArgs {
   u64 off_stage_flag;      // u32 [2][W][M][S]             epoch: segment s of src's staged token t is in
   u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution to our t is in
   // read by peers
-  u64 off_stage;           // u8  [2][M][x_row_bytes]      our tokens, for peers to pull
+  u64 off_stage;           // u8  [2][M][token_bytes]      our tokens, for peers to pull
   u64 off_contrib;         // u8  [W][M][hidden * 4]       our contribution to token t of owner src
   // written by peers, pushed calls (see "Pushed calls" below)
-  u64 off_push_tok;        // u64 [2][W][P][x_row_bytes/4] tagged words of src's token t
+  u64 off_push_tok;        // u64 [2][W][P][push_token_words] tagged words of src's token t
   u64 off_push_contrib;    // u64 [W][P][push_row_words]   tagged words of r's contribution to our t
   // local
   u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]    expert_x
   u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
+  u64 off_recv_scales;     // f32 [L][W*M][scale_cols]     expert_x_scales (fp8 dispatch)
   u64 off_counters;        // u32 [L]
   u64 off_num_tokens;      // i32 [L]                      expert_num_tokens
   u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded, ours too
@@ -71,13 +72,26 @@ struct A2AArgs {
   u32 push_row_words;      // a pushed contribution's row: hidden rounded up to whole segments
   u32 narrow_partials;     // 1: partial sums cross in the output's 16-bit format, not fp32
   u32 trap_on_timeout;     // 1: a timeout aborts the kernel (on_timeout="trap")
-  u32 pad;
+  u32 token_bytes;         // a staged token: its expert_x row (fp8: then its scales, padded to 16 bytes)
+  u32 scale_cols;          // scales of a row (hidden / 128) in fp8 dispatch, else 0
+  u32 x_format;            // A2A_X_*: how x becomes expert_x
+  u32 fp8_fnuz;            // fp8 dispatch: 1 float8_e4m3fnuz (MI300X), 0 float8_e4m3fn
+  u32 push_token_words;    // a pushed token's words in a peer's inbox (fp8: fp8.h's layout)
+  u32 x_seg_elems;         // dispatch's segments: seg_elems, twice that in fp8 (as many bytes)
+  u32 x_nseg;              // ceil(hidden / x_seg_elems)
   u64 timeout_ns;
 };
 
+// How dispatch turns x into expert_x.
+#define A2A_X_COPY 0u            // 16-bit rows as they are
+#define A2A_X_FP8 1u             // fp8 rows with their block scales (x_scales), as they are
+#define A2A_X_QUANTIZE_F16 2u    // fp16 rows quantized to fp8 on the way (fp8.h)
+#define A2A_X_QUANTIZE_BF16 3u   // bf16 rows likewise
+
 struct DispatchCall {
-  u64 x;          // [T][x_row_bytes]
+  u64 x;          // [T][hidden] of in_dtype
   u64 indices;    // i32 [T][k]
+  u64 x_scales;   // f32 [T][scale_cols] (A2A_X_FP8 only)
   i32 num_tokens;
   u32 pad;
 };

@@ -1,7 +1,9 @@
 // The fake expert of gpu-mode's benchmark (expert_y = expert_x * scale), as
-// a kernel of its own: scripts and tests stand it in for a grouped GEMM.
+// a kernel of its own: scripts and tests stand it in for a grouped GEMM. In
+// fp8 dispatch it reads each fp8 row with its block scales and writes the
+// 16-bit expert_y, as an fp8 grouped GEMM would.
 #include "exchange.h"
-#include "formats.h"
+#include "fp8.h"
 
 // prefix[l] = sum of counts[0..l), for l in [0, L], for the whole block. The
 // counts are loaded by all threads at once into shared memory; warp 0 then
@@ -56,4 +58,48 @@ extern "C" __global__ void expert_scale_f16(u64 x, u64 y, u64 counts, u32 L, u32
 extern "C" __global__ void expert_scale_bf16(u64 x, u64 y, u64 counts, u32 L, u32 capacity, u32 hidden,
                                              float scale) {
   scale_rows<BF16>((const u16*)x, (u16*)y, (const i32*)counts, L, capacity, hidden, scale);
+}
+
+// The fp8 rows' fake expert: y = (code * block scale) * scale, each product
+// rounded once in float32, then rounded to the 16-bit output (as
+// pyhipa2a/reference.py's fake expert of an fp8 dispatch).
+template <typename Fmt>
+A2A_DEVICE void dequantize_rows(const u8* x, const float* scales, u16* y, const i32* counts, u32 L, u32 capacity,
+                                u32 hidden, float scale, Fp8Format f) {
+  __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
+  exclusive_prefix(prefix, counts, L);
+  const WarpGrid g = warp_grid();
+  const u32 cols = hidden / A2A_FP8_BLOCK;
+  for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
+    const u64 row = received_row(prefix, L, capacity, q);
+    const u8* codes = x + row * hidden;
+    for (u32 e0 = g.lane * 8u; e0 < hidden; e0 += A2A_WARP_SIZE * 8u) {  // 8 elements of one block a lane
+      const float block = scales[row * cols + e0 / A2A_FP8_BLOCK];
+      const u64 w = *reinterpret_cast<const u64*>(codes + e0);
+      float out[8];
+      for (u32 i = 0; i < 4; ++i) {
+        float lo, hi;
+        a2a_fp8x2_to_float((u32)(w >> (16u * i)) & 0xffffu, f, lo, hi);
+        out[2 * i] = lo * block * scale;
+        out[2 * i + 1] = hi * block * scale;
+      }
+      u16* dst = y + row * hidden + e0;
+      if (((u64)dst & 15u) == 0) {
+        store8<Fmt>(dst, out);
+      } else {  // a caller's `out` off 16-byte alignment
+        for (u32 i = 0; i < 8; ++i) dst[i] = Fmt::store(out[i]);
+      }
+    }
+  }
+}
+
+extern "C" __global__ void expert_dequantize_f16(u64 x, u64 scales, u64 y, u64 counts, u32 L, u32 capacity,
+                                                 u32 hidden, float scale, u32 fnuz) {
+  dequantize_rows<F16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts, L, capacity, hidden, scale,
+                       Fp8Format{fnuz != 0u});
+}
+extern "C" __global__ void expert_dequantize_bf16(u64 x, u64 scales, u64 y, u64 counts, u32 L, u32 capacity,
+                                                  u32 hidden, float scale, u32 fnuz) {
+  dequantize_rows<BF16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts, L, capacity, hidden,
+                        scale, Fp8Format{fnuz != 0u});
 }

@@ -23,6 +23,7 @@ struct __attribute__((aligned(16))) vec16 { u32 x, y, z, w; };
 #define __shared__ __attribute__((shared))
 #endif
 #define A2A_DEVICE __device__ __attribute__((always_inline)) inline
+#define A2A_DEVICE_CALLED __device__ __attribute__((noinline))  // one copy of its code, however many callers
 #define A2A_WARP_SIZE 64
 // Kernels are never launched with more than this many threads per block, so
 // the compiler may budget registers for it (two 256-thread blocks per CU/SM).
@@ -98,11 +99,13 @@ A2A_DEVICE int a2a_shfl(int v, int src_lane) {
 A2A_DEVICE u32 a2a_ctz(u32 v) { return (u32)__builtin_ctz(v); }
 A2A_DEVICE float a2a_half_to_float(u16 h) { return (float)__builtin_bit_cast(_Float16, h); }
 A2A_DEVICE u16 a2a_float_to_half(float f) { return __builtin_bit_cast(u16, (_Float16)f); }
+A2A_DEVICE float a2a_rint(float f) { return __builtin_rintf(f); }  // to nearest, ties to even
 
 #elif defined(__CUDACC__)
 // ------------------------------------------------------------- NVIDIA ----
 #define A2A_NVIDIA 1
 #define A2A_DEVICE __device__ __forceinline__
+#define A2A_DEVICE_CALLED __device__ __noinline__  // one copy of its code, however many callers
 #define A2A_WARP_SIZE 32
 #define A2A_MAX_THREADS(n) __launch_bounds__(n)
 
@@ -158,6 +161,24 @@ A2A_DEVICE float a2a_half_to_float(u16 h) {
 A2A_DEVICE u16 a2a_float_to_half(float f) {
   u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
+A2A_DEVICE float a2a_rint(float f) { return rintf(f); }  // to nearest, ties to even
+// sm_89 and newer convert to and from fp8 e4m3fn in hardware, two values at a time: to nearest
+// even, saturating finite values (a2a_float2_to_fp8 below); low byte: lo.
+#define A2A_HAS_E4M3FN_CVT 1
+A2A_DEVICE u32 a2a_cvt_e4m3fn_x2(float lo, float hi) {
+  u16 r; asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo)); return r;
+}
+A2A_DEVICE void a2a_cvt_e4m3fn_x2_to_float(u32 codes, float& lo, float& hi) {
+  u32 h2; asm("{.reg .b16 c; cvt.u16.u32 c, %1; cvt.rn.f16x2.e4m3x2 %0, c;}" : "=r"(h2) : "r"(codes));
+  lo = a2a_half_to_float((u16)(h2 & 0xffffu)); hi = a2a_half_to_float((u16)(h2 >> 16));
+}
+#elif defined(A2A_HOST_EMULATION)
+// ------------------------------------------------------- host C++ ----
+// Only the shared conversions below, compiled by a host compiler so that a
+// test can compare them with ml_dtypes on every input (tests/test_fp8.py).
+#define A2A_DEVICE inline
+#define A2A_DEVICE_CALLED inline
+A2A_DEVICE float a2a_rint(float f) { return __builtin_rintf(f); }
 #else
 #error "portability.h: compile with clang -x hip (AMD) or nvcc -x cu (NVIDIA)"
 #endif
@@ -170,4 +191,70 @@ A2A_DEVICE u16 a2a_float_to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return (u16)(u >> 16);
+}
+
+// fp8 e4m3 (4 exponent bits, 3 mantissa bits) in the two encodings MoE
+// kernels use: OCP float8_e4m3fn (NVIDIA sm_90; bias 7, largest 448, 0x7f
+// and 0xff are NaN, -0 is 0x80) and float8_e4m3fnuz (MI300X; bias 8,
+// largest 240, 0x80 is the only NaN, no -0). Written out in integer and
+// exact power-of-two arithmetic, so both vendors (and the host) round
+// alike: to nearest, ties to even, saturating at the largest finite value,
+// as ml_dtypes does after a clip to that value.
+struct Fp8Format {
+  bool fnuz;
+  A2A_DEVICE float largest() const { return fnuz ? 240.0f : 448.0f; }
+  A2A_DEVICE int min_exponent() const { return fnuz ? -7 : -6; }  // of the smallest normal
+  A2A_DEVICE u32 nan() const { return fnuz ? 0x80u : 0x7fu; }
+};
+
+// 2^n as a float, for n in [-126, 127].
+A2A_DEVICE float a2a_pow2(int n) { return __builtin_bit_cast(float, (u32)(n + 127) << 23); }
+
+A2A_DEVICE u32 a2a_float_to_fp8(float v, Fp8Format f) {
+  const u32 bits = __builtin_bit_cast(u32, v), sign = (bits >> 24) & 0x80u;
+  const float a = __builtin_bit_cast(float, bits & 0x7fffffffu);
+  if (a != a) return f.nan();
+  u32 code = f.fnuz ? 0x7fu : 0x7eu;  // the largest finite value (inf saturates too)
+  if (a < f.largest()) {
+    // Quanta of 2^(e - 3) for a value of exponent e, never finer than the
+    // subnormals'; m quanta past the exponent's first value, carrying into
+    // the next exponent when m rounds up to 16 (or up to 8 from below the
+    // normals), which the code's layout does by itself.
+    int e = (int)((bits >> 23) & 0xffu) - 127;
+    e = e < f.min_exponent() ? f.min_exponent() : e;
+    const u32 m = (u32)a2a_rint(a * a2a_pow2(3 - e));
+    const u32 rounded = ((u32)(e - f.min_exponent()) << 3) + m;
+    code = rounded < code ? rounded : code;
+  }
+  if (f.fnuz && code == 0u) return 0u;  // no -0
+  return code | sign;
+}
+
+A2A_DEVICE float a2a_fp8_to_float(u32 code, Fp8Format f) {
+  const u32 e = (code >> 3) & 0xfu, m = code & 7u;
+  if (f.fnuz ? code == 0x80u : (code & 0x7fu) == 0x7fu) return __builtin_bit_cast(float, 0x7fc00000u);
+  const float v = (float)(e ? 8u + m : m) * a2a_pow2((int)(e ? e : 1u) - 1 + f.min_exponent() - 3);
+  return code & 0x80u ? -v : v;
+}
+
+// Two at a time (low byte: lo), in hardware where the device has it for the format (out of
+// line where it has: a format the device does not use costs no code at every caller).
+#ifdef A2A_HAS_E4M3FN_CVT
+A2A_DEVICE_CALLED u32 a2a_float2_to_fp8_by_hand(float lo, float hi, Fp8Format f) {
+  return a2a_float_to_fp8(lo, f) | a2a_float_to_fp8(hi, f) << 8;
+}
+A2A_DEVICE u32 a2a_float2_to_fp8(float lo, float hi, Fp8Format f) {
+  return f.fnuz ? a2a_float2_to_fp8_by_hand(lo, hi, f) : a2a_cvt_e4m3fn_x2(lo, hi);
+}
+#else
+A2A_DEVICE u32 a2a_float2_to_fp8(float lo, float hi, Fp8Format f) {
+  return a2a_float_to_fp8(lo, f) | a2a_float_to_fp8(hi, f) << 8;
+}
+#endif
+A2A_DEVICE void a2a_fp8x2_to_float(u32 codes, Fp8Format f, float& lo, float& hi) {
+#ifdef A2A_HAS_E4M3FN_CVT
+  if (!f.fnuz) return a2a_cvt_e4m3fn_x2_to_float(codes, lo, hi);
+#endif
+  lo = a2a_fp8_to_float(codes & 0xffu, f);
+  hi = a2a_fp8_to_float((codes >> 8) & 0xffu, f);
 }

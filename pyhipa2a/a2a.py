@@ -5,6 +5,11 @@
         ...expert_y = experts(d.expert_x, d.expert_num_tokens)...
         y = a2a.combine(expert_y, weights)  # weights [T, k] float32 -> y [T, H]
 
+fp8 dispatch: AllToAll(..., in_dtype="bfloat16", dispatch_dtype="float8_e4m3") quantizes x on the
+way (one float32 scale per 128 elements of a row); AllToAll(..., in_dtype="float8_e4m3",
+out_dtype="bfloat16") takes x already in fp8 with dispatch(x, indices, x_scales=s). Either way
+expert_x is fp8 and d.expert_x_scales [L, W*M, H/128] float32 holds its scales; combine stays 16-bit.
+
 Every rank calls the same sequence. Nothing here waits for the device:
 counts stay on the device and the outputs are views of the symmetric heap,
 valid until the next dispatch (expert_x, expert_meta, expert_num_tokens) or
@@ -25,7 +30,7 @@ import numpy as np
 
 from .array import DeviceArray
 from .bootstrap import bounded_barrier, world_size
-from .dtypes import check_supported
+from .dtypes import FP8_BLOCK, fp8_for_arch, plan_dtypes
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, Health
 from .graph import Graph
 from .heap import SymmetricHeap
@@ -52,6 +57,10 @@ MIN_WARP, MAX_WARP = 32, 64
 # with 4 ranks a 0.47 MB call (E=128 k=4 H=2880), whose copies go to 2-3
 # peers, lost (combine 27 us pushed, 23 pulled).
 DEFAULT_PUSH_BYTES = 768 * 1024
+# How dispatch turns x into expert_x (A2A_X_* in kernels_hip/exchange.h), and its kernel for each.
+X_COPY, X_FP8, X_QUANTIZE_F16, X_QUANTIZE_BF16 = range(4)
+DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZE_F16: "a2a_dispatch_quantize_f16",
+                    X_QUANTIZE_BF16: "a2a_dispatch_quantize_bf16"}
 
 
 def check_block_threads(threads: int, warp: int) -> None:
@@ -90,19 +99,29 @@ class DispatchResult:
     expert_x: DeviceArray           # [L, W*M, H]
     expert_meta: DeviceArray        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
     num_tokens: int                 # T of this rank's call
+    expert_x_scales: DeviceArray | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch, else None
 
 
 class AllToAll:
     def __init__(self, comm=None, *, num_experts: int, experts_per_token: int, hidden_dim: int,
-                 max_num_tokens: int, in_dtype="float16", out_dtype=None, timeout: float = 10.0,
+                 max_num_tokens: int, in_dtype="float16", out_dtype=None, dispatch_dtype=None,
+                 timeout: float = 10.0,
                  backend=None, device: int | None = None, profile: bool = False,
                  block_threads: int | None = None, grid_blocks: int | None = None,
                  push_max_tokens: int | None = None, narrow_partials: bool = False,
                  producer_order: str = "protocol", on_timeout: str = "report"):
-        self.in_dtype = check_supported(in_dtype, "in_dtype")
-        self.out_dtype = check_supported(out_dtype if out_dtype is not None else self.in_dtype, "out_dtype")
+        # in_dtype: dispatch's x; dispatch_dtype: expert_x; out_dtype: combine's expert_y and y. In fp8
+        # dispatch (pyhipa2a.dtypes.plan_dtypes) the device settles e4m3fn or e4m3fnuz in _setup.
+        self.in_dtype, self.dispatch_dtype, self.out_dtype, self._fp8_request = plan_dtypes(
+            in_dtype, dispatch_dtype, out_dtype)
         self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
         self.hidden, self.max_tokens = int(hidden_dim), int(max_num_tokens)
+        self.scale_cols = 0  # float32 scales of an expert_x row (fp8 dispatch: one per FP8_BLOCK elements)
+        if self._fp8_request:
+            if self.hidden % FP8_BLOCK:
+                raise ValueError(f"fp8 dispatch needs hidden_dim to be a multiple of {FP8_BLOCK} (one scale per "
+                                 f"{FP8_BLOCK}-element block); got {self.hidden}")
+            self.scale_cols = self.hidden // FP8_BLOCK
         self.timeout = float(timeout)
         self.profiling = bool(profile)
         # Narrow partials: an expert rank's sum over its experts of a token crosses the link
@@ -151,7 +170,7 @@ class AllToAll:
             requested = int(env)
         if requested is None:
             peers_per_token = max(1, min(self.top_k, world - 1))
-            requested = DEFAULT_PUSH_BYTES // (self.hidden * self.in_dtype.itemsize * peers_per_token)
+            requested = DEFAULT_PUSH_BYTES // (self.hidden * self.dispatch_dtype.itemsize * peers_per_token)
         if requested < 0:
             raise ValueError(f"push_max_tokens={requested} must be >= 0")
         return min(int(requested), self.max_tokens) if self.hidden % 8 == 0 else 0
@@ -162,10 +181,24 @@ class AllToAll:
         seg = SEGMENT_LANE_ELEMS * MAX_WARP
         return math.ceil(self.hidden / seg) * seg
 
+    def _token_bytes(self) -> int:
+        """A staged token: its expert_x row, then in fp8 its scales, padded to 16 bytes (kernels_hip/fp8.h)."""
+        row = self.hidden * self.dispatch_dtype.itemsize
+        return row if not self.scale_cols else math.ceil((row + 4 * self.scale_cols) / 16) * 16
+
+    def _push_token_words(self) -> int:
+        """A pushed token's tagged words: one per 4 bytes of its row, or in fp8 fp8.h's segments (codes,
+        then scales) for the widest warp's segments, which hold any narrower warp's."""
+        if not self.scale_cols:
+            return self.hidden * self.dispatch_dtype.itemsize // 4
+        seg = 2 * SEGMENT_LANE_ELEMS * MAX_WARP
+        elems = math.ceil(self.hidden / seg) * seg
+        return elems // 4 + elems // FP8_BLOCK
+
     def _layout(self, world: int) -> list[tuple[str, tuple, object]]:
         """Every symmetric buffer, in allocation order (identical on all ranks). See kernels_hip/exchange.h."""
         L, M, k, H, S = self.num_experts // world, self.max_tokens, self.top_k, self.hidden, self.nseg
-        P = self.push_max_tokens
+        P, C = self.push_max_tokens, self.scale_cols
         return [
             # written by peers, as tagged words (value in the low half, epoch in the high
             # half); headers alternate by epoch parity
@@ -175,14 +208,15 @@ class AllToAll:
             ("stage_flag", (2, world, M, S), np.uint32),   # flags of the data below, in the reader's memory
             ("contrib_flag", (world, M, S), np.uint32),
             # read by peers (they pull): staged tokens by parity, contributions by owner
-            ("stage", (2, M, H), self.in_dtype),
+            ("stage", (2, M, self._token_bytes()), np.uint8),
             ("contrib", (world, M, 4 * H), np.uint8),   # a partial sum (fp32, or 16-bit if narrow), or one raw row
             # written by peers when a call pushes: tagged words of tokens, and of contributions
-            ("push_tok", (2, world, P, H * self.in_dtype.itemsize // 4), np.uint64),
+            ("push_tok", (2, world, P, self._push_token_words()), np.uint64),
             ("push_contrib", (world, P, self.push_row_words), np.uint64),
             # local
-            ("recv_x", (L, world * M, H), self.in_dtype),
+            ("recv_x", (L, world * M, H), self.dispatch_dtype),
             ("recv_meta", (L, world * M, 3), np.int32),
+            ("recv_scales", (L, world * M, C), np.float32),
             ("counters", (L,), np.uint32),
             ("num_tokens", (L,), np.int32),
             ("rows", (world, M, k), np.int32),
@@ -194,6 +228,7 @@ class AllToAll:
             ("done", (2,), np.uint32),   # blocks finished, per kernel: the last one poisons a failed call
             # staging: NumPy inputs are copied here; y lands here unless out= is given
             ("x_stage", (M, H), self.in_dtype),
+            ("x_scales_stage", (M, C), np.float32),
             ("indices_stage", (M, k), np.int32),
             ("weights_stage", (M, k), np.float32),
             ("y", (M, H), self.out_dtype),
@@ -217,6 +252,15 @@ class AllToAll:
         warp = heap.device.warp_size
         self.seg_elems = SEGMENT_LANE_ELEMS * warp if warp > 1 else self.hidden  # host: whole rows
         self.nseg = math.ceil(self.hidden / self.seg_elems)
+        # Dispatch's segments carry as many bytes in fp8 as in 16 bits: twice the elements.
+        self.x_seg_elems = self.seg_elems * (2 if self.scale_cols and warp > 1 else 1)
+        self.x_nseg = math.ceil(self.hidden / self.x_seg_elems)
+        if self._fp8_request:  # the device's own e4m3 (or a clear error where it has none)
+            self.dispatch_dtype = fp8_for_arch(self._fp8_request, heap.device.arch)
+            if self.in_dtype.itemsize == 1:
+                self.in_dtype = self.dispatch_dtype
+        self.x_format = (X_COPY if not self.scale_cols else X_FP8 if self.in_dtype.itemsize == 1
+                         else X_QUANTIZE_BF16 if self.in_dtype.name == "bfloat16" else X_QUANTIZE_F16)
         self._check_config_agrees()
         self.buf = {name: heap.alloc(shape, dtype) for name, shape, dtype in self._layout(self.world)}
         heap.verify()
@@ -231,10 +275,10 @@ class AllToAll:
         self.stream = self.backend.stream_create()
         # The profiling build records per-warp timelines; the normal one compiles that away.
         self.lib = KernelLibrary(self.backend, heap.device.arch, variant=".profile" if self.profiling else "")
-        self._dispatch_kernel = self.lib.kernel("a2a_dispatch")
+        self._dispatch_kernel = self.lib.kernel(DISPATCH_KERNELS[self.x_format])
         # Loaded now, not on first use: nothing may be loaded while a capture() records.
-        self._scale_kernel = self.lib.kernel("expert_scale_bf16" if self.out_dtype.name == "bfloat16"
-                                             else "expert_scale_f16")
+        out16 = "bf16" if self.out_dtype.name == "bfloat16" else "f16"
+        self._scale_kernel = self.lib.kernel(f"expert_dequantize_{out16}" if self.scale_cols else f"expert_scale_{out16}")
         self._combine_kernel = self.lib.kernel("a2a_combine_bf16" if self.out_dtype.name == "bfloat16"
                                                else "a2a_combine_f16")
         self.block_threads, self.blocks = self._launch_geometry(heap.device)
@@ -250,9 +294,16 @@ class AllToAll:
         self._scale_pack = self._scale_kernel.pack()
         for pack in (self._dispatch_pack, self._combine_pack):
             self._fill_args(pack[0])
-        # The fake expert reads our expert_x and counts and scales by 1 + rank: only `out` changes per call.
-        self._scale_pack.set_scalars(self.buf["recv_x"].ptr, 0, self.buf["num_tokens"].ptr, self.local_experts,
-                                     self.capacity, self.hidden, float(1 + self.rank))
+        # The fake expert reads our expert_x (and its scales) and counts and scales by 1 + rank: only
+        # `out` (argument _scale_out) changes per call.
+        fixed = (self.buf["num_tokens"].ptr, self.local_experts, self.capacity, self.hidden, float(1 + self.rank))
+        if self.scale_cols:
+            self._scale_out = 2
+            self._scale_pack.set_scalars(self.buf["recv_x"].ptr, self.buf["recv_scales"].ptr, 0, *fixed,
+                                         int(self.dispatch_dtype.name == "float8_e4m3fnuz"))
+        else:
+            self._scale_out = 1
+            self._scale_pack.set_scalars(self.buf["recv_x"].ptr, 0, *fixed)
         self._capturing = None  # the stream while capture() records a step
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
@@ -279,7 +330,8 @@ class AllToAll:
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
-                self.out_dtype.name, self.backend.kind, self.push_max_tokens, self.narrow_partials)
+                self.dispatch_dtype.name, self.out_dtype.name, self.backend.kind, self.push_max_tokens,
+                self.narrow_partials)
         everyone = self.heap.comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
         if len(set(everyone)) > 1:
             configs = self.heap.comm.allgather(mine)
@@ -287,7 +339,8 @@ class AllToAll:
             raise ConfigMismatchError(
                 f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
                 f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
-                f"max_num_tokens, in_dtype, out_dtype, backend, push_max_tokens, narrow_partials)", ranks=differ)
+                f"max_num_tokens, in_dtype, dispatch_dtype, out_dtype, backend, push_max_tokens, narrow_partials)",
+                ranks=differ)
 
     def _fill_args(self, a: A2AArgs) -> None:
         heap, off = self.heap, lambda name: heap.offset_of(self.buf[name].ptr)
@@ -297,11 +350,15 @@ class AllToAll:
                 setattr(a, "off_" + name, off(name))
         a.num_experts, a.local_experts, a.top_k = self.num_experts, self.local_experts, self.top_k
         a.max_tokens, a.hidden = self.max_tokens, self.hidden
-        a.x_row_bytes = self.hidden * self.in_dtype.itemsize
+        a.x_row_bytes = self.hidden * self.dispatch_dtype.itemsize
+        a.token_bytes, a.push_token_words = self._token_bytes(), self._push_token_words()
+        a.scale_cols, a.x_format = self.scale_cols, self.x_format
+        a.fp8_fnuz = int(self.dispatch_dtype.name == "float8_e4m3fnuz")
         a.y_row_bytes = self.hidden * self.out_dtype.itemsize
         a.host_status = self._host_status_device
         a.prof = self.profile_buffer.ptr if self.profile_buffer is not None else 0
         a.seg_elems, a.nseg = self.seg_elems, self.nseg
+        a.x_seg_elems, a.x_nseg = self.x_seg_elems, self.x_nseg
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
         a.trap_on_timeout = int(self.on_timeout == "trap")
@@ -361,8 +418,10 @@ class AllToAll:
         return self._boundary.take(name, obj, want_shape, want_dtype, stream, capturing=self._capturing is not None,
                                    stage_ptr=self.buf[stage].ptr if stage else None)
 
-    def dispatch(self, x, indices, *, stream=None) -> DispatchResult:
-        """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M."""
+    def dispatch(self, x, indices, *, x_scales=None, stream=None) -> DispatchResult:
+        """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M;
+        with fp8 x (in_dtype fp8), `x_scales` [T, H / 128] float32: element i of row t stands for
+        x[t, i] * x_scales[t, i // 128]."""
         self._usable()
         if self._pending is not None:
             # The device hands the call's epoch from dispatch to combine: a second
@@ -370,6 +429,14 @@ class AllToAll:
             raise A2AError("dispatch() called again before combine(): each dispatch is combined once")
         require_array(x, "x")
         require_array(indices, "indices")
+        if (x_scales is None) == (self.x_format == X_FP8):
+            if x_scales is None:
+                raise TypeError(f"x is {self.in_dtype.name}: pass its scales as x_scales [T, "
+                                f"{self.scale_cols}] float32 (one per {FP8_BLOCK} elements of a row)")
+            raise TypeError(f"x_scales is for fp8 x (AllToAll(in_dtype='float8_e4m3', ...)); this AllToAll takes "
+                            f"{self.in_dtype.name} x" + (" and quantizes it itself" if self.scale_cols else ""))
+        if x_scales is not None:
+            require_array(x_scales, "x_scales")
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) != 2:
             raise ValueError(f"x must have 2 dimensions (T, {self.hidden}), got shape {shape}")
@@ -383,15 +450,20 @@ class AllToAll:
         self._follow(s)
         x_ptr, x_keep = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
         i_ptr, i_keep = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
+        s_ptr, s_keep = 0, None
+        if x_scales is not None:
+            s_ptr, s_keep = self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s)
+            if s_ptr % 4:
+                raise ValueError(f"x_scales must be 4-byte aligned (its data is at 0x{s_ptr:x})")
 
         call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in kernels_hip/exchange.h)
-        call.x, call.indices, call.num_tokens = x_ptr, i_ptr, T
+        call.x, call.indices, call.x_scales, call.num_tokens = x_ptr, i_ptr, s_ptr, T
         self._dispatch_kernel.launch(self._dispatch_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)
-        self._keep(x_keep, i_keep)
+        self._keep(x_keep, i_keep, s_keep)
 
-        num_tokens, expert_x, expert_meta, *_ = self._outputs(s)
-        result = DispatchResult(num_tokens, expert_x, expert_meta, T)
+        num_tokens, expert_x, expert_meta, _, scales, _ = self._outputs(s)
+        result = DispatchResult(num_tokens, expert_x, expert_meta, T, scales)
         self._pending = result
         return result
 
@@ -454,7 +526,8 @@ class AllToAll:
                 return self._naming(self.buf[name], stream)
             y = out("y")
             self._output_views[key] = (out("num_tokens"), out("recv_x"), out("recv_meta"),
-                                       [y.rows(t) for t in range(self.max_tokens + 1)], stream)
+                                       [y.rows(t) for t in range(self.max_tokens + 1)],
+                                       out("recv_scales") if self.scale_cols else None, stream)
         return self._output_views[key]
 
     # -- helpers for callers ----------------------------------------------------
@@ -470,9 +543,10 @@ class AllToAll:
         return self._expert_y_buffer
 
     def fake_expert(self, result: DispatchResult, out: DeviceArray | None = None, *, stream=None) -> DeviceArray:
-        """gpu-mode's stand-in for the grouped GEMM: expert_y = expert_x * (1 + rank), received rows only."""
-        if self.in_dtype != self.out_dtype:
-            raise TypeError("fake_expert needs in_dtype == out_dtype")
+        """gpu-mode's stand-in for the grouped GEMM: expert_y = expert_x * (1 + rank), received rows only
+        (in fp8 dispatch, each fp8 row times its block scales, then times 1 + rank, in out_dtype)."""
+        if not self.scale_cols and self.dispatch_dtype != self.out_dtype:
+            raise TypeError("fake_expert needs in_dtype == out_dtype (or fp8 dispatch)")
         if out is None and self._expert_y_buffer is None and self._capturing is not None:
             raise A2AError("fake_expert() without out= inside capture() needs expert_y_buffer() called before "
                            "the capture (memory cannot be allocated while capturing)")
@@ -482,7 +556,7 @@ class AllToAll:
             out = self._expert_y_on(s)
         else:
             self._input(out, "fake_expert out", out.shape, self.out_dtype, None, s)
-        self._scale_pack[1].value = out.ptr  # the rest was filled at construction (result views our buffers)
+        self._scale_pack[self._scale_out].value = out.ptr  # the rest was filled at construction (result views our buffers)
         self._scale_kernel.launch(self._scale_pack, self.blocks, self.block_threads, s)
         self._queued(s)
         if self._capturing is not None:

@@ -32,18 +32,20 @@ class A2AArgs(ctypes.Structure):
                 ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_w_in", u64), ("off_stage_flag", u64),
                 ("off_contrib_flag", u64), ("off_stage", u64), ("off_contrib", u64),
                 ("off_push_tok", u64), ("off_push_contrib", u64),
-                ("off_recv_x", u64), ("off_recv_meta", u64), ("off_counters", u64), ("off_num_tokens", u64),
+                ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_counters", u64), ("off_num_tokens", u64),
                 ("off_rows", u64), ("off_slot_of", u64), ("off_slot_tag", u64), ("off_arrived", u64), ("off_epoch", u64),
                 ("off_status", u64), ("off_done", u64),
                 ("host_status", u64), ("prof", u64),
                 ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
                 ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("seg_elems", u32), ("nseg", u32),
                 ("push_max_tokens", u32), ("push_row_words", u32), ("narrow_partials", u32),
-                ("trap_on_timeout", u32), ("pad", u32), ("timeout_ns", u64)]
+                ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32), ("x_format", u32),
+                ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
+                ("timeout_ns", u64)]
 
 
 class DispatchCall(ctypes.Structure):
-    _fields_ = [("x", u64), ("indices", u64), ("num_tokens", i32), ("pad", u32)]
+    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("num_tokens", i32), ("pad", u32)]
 
 
 class CombineCall(ctypes.Structure):
@@ -54,10 +56,15 @@ class CombineCall(ctypes.Structure):
 SIGNATURES = {
     "heap_check": ("heap_check", (HeapCheckArgs,)),
     "a2a_dispatch": ("dispatch", (A2AArgs, DispatchCall)),
+    "a2a_dispatch_fp8": ("dispatch", (A2AArgs, DispatchCall)),
+    "a2a_dispatch_quantize_f16": ("dispatch", (A2AArgs, DispatchCall)),
+    "a2a_dispatch_quantize_bf16": ("dispatch", (A2AArgs, DispatchCall)),
     "a2a_combine_f16": ("combine", (A2AArgs, CombineCall)),
     "a2a_combine_bf16": ("combine", (A2AArgs, CombineCall)),
     "expert_scale_f16": ("expert", (u64, u64, u64, u32, u32, u32, f32)),
     "expert_scale_bf16": ("expert", (u64, u64, u64, u32, u32, u32, f32)),
+    "expert_dequantize_f16": ("expert", (u64, u64, u64, u64, u32, u32, u32, f32, u32)),
+    "expert_dequantize_bf16": ("expert", (u64, u64, u64, u64, u32, u32, u32, f32, u32)),
     "copy_bytes": ("copy", (u64, u64, u64)),
     "clock_probe": ("copy", (u64,)),
     "nothing": ("copy", ()),

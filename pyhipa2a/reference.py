@@ -8,6 +8,9 @@ slots, exactly as the contract below states it.
     dispatch: rank r's local expert l receives x[s][t] for every (s, t, j)
               with indices[s][t, j] == r * L + l, tagged (s, t, j)
     combine:  y[s][t] = sum_j weights[s][t, j] * expert_y_row(s, t, j)
+
+fp8 dispatch moves each row as e4m3 codes and one float32 scale per 128 elements
+(quantize_fp8 states the rule); the experts read code * scale.
 """
 from __future__ import annotations
 
@@ -16,17 +19,24 @@ from dataclasses import dataclass
 import numpy as np
 
 
+FP8_BLOCK = 128
+
+
 @dataclass
 class ExpectedDispatch:
     """One rank's expected dispatch output, order-free: rows keyed by (src_rank, src_token, src_k)."""
     expert_num_tokens: np.ndarray          # int32 [L]
     rows: list[dict[tuple[int, int, int], np.ndarray]]  # per local expert: meta -> token vector
+    scales: list[dict[tuple[int, int, int], np.ndarray]] | None = None  # fp8: meta -> the row's scales
 
 
-def dispatch(xs: list[np.ndarray], indices: list[np.ndarray], num_experts: int) -> list[ExpectedDispatch]:
+def dispatch(xs: list[np.ndarray], indices: list[np.ndarray], num_experts: int,
+             scales: list[np.ndarray] | None = None) -> list[ExpectedDispatch]:
+    """`scales`: in fp8 dispatch, every rank's [T, H / 128] scales of its fp8 rows `xs`."""
     world = len(xs)
     L = num_experts // world
-    out = [ExpectedDispatch(np.zeros(L, np.int32), [dict() for _ in range(L)]) for _ in range(world)]
+    out = [ExpectedDispatch(np.zeros(L, np.int32), [dict() for _ in range(L)],
+                            None if scales is None else [dict() for _ in range(L)]) for _ in range(world)]
     for src in range(world):
         for t in range(indices[src].shape[0]):
             for j in range(indices[src].shape[1]):
@@ -34,7 +44,49 @@ def dispatch(xs: list[np.ndarray], indices: list[np.ndarray], num_experts: int) 
                 dst, l = divmod(e, L)
                 out[dst].expert_num_tokens[l] += 1
                 out[dst].rows[l][(src, t, j)] = xs[src][t]
+                if scales is not None:
+                    out[dst].scales[l][(src, t, j)] = scales[src][t]
     return out
+
+
+def fp8_largest(dtype) -> np.float32:
+    import ml_dtypes
+    return np.float32(ml_dtypes.finfo(dtype).max)
+
+
+def to_fp8(values: np.ndarray, dtype) -> np.ndarray:
+    """float32 values in fp8 `dtype` (ml_dtypes): to nearest even, saturating at the largest finite value."""
+    largest = fp8_largest(dtype)
+    with np.errstate(invalid="ignore"):  # NaN stays NaN
+        return np.clip(np.asarray(values, np.float32), -largest, largest).astype(dtype)
+
+
+def quantize_fp8(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Rows x [T, H] (16-bit) as fp8 `dtype` codes [T, H] and float32 scales [T, H / 128], block by block:
+    amax = max |x| of the block; inv = largest / amax and scale = amax / largest, each in float32;
+    codes = fp8(x * inv) (to_fp8). A block of zeros or with amax below 2^-112 (where inv would overflow):
+    zeros, scale 0. A block holding a NaN or an infinity: every code NaN, scale NaN."""
+    dtype = np.dtype(dtype)
+    T, H = x.shape
+    blocks = x.astype(np.float32).reshape(T, H // FP8_BLOCK, FP8_BLOCK)
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(blocks).max(axis=2, initial=np.float32(0))  # NaN if the block holds one
+    finite = np.isfinite(amax)
+    used = finite & (amax >= np.float32(2.0 ** -112))
+    largest = fp8_largest(dtype)
+    safe = np.where(used, amax, np.float32(1)).astype(np.float32)
+    inv = np.where(used, largest / safe, np.float32(0)).astype(np.float32)
+    scales = np.where(used, safe / largest, np.float32(0)).astype(np.float32)
+    scales[~finite] = np.nan
+    with np.errstate(invalid="ignore"):
+        codes = to_fp8(blocks * inv[..., None], dtype)
+    codes[~finite] = np.array(np.nan, np.float32).astype(dtype)  # (one NaN code for the whole block)
+    return codes.reshape(T, H), scales
+
+
+def dequantize_fp8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """What the experts read from fp8 rows: code * its block's scale, in float32."""
+    return (codes.astype(np.float32) * np.repeat(scales.astype(np.float32), FP8_BLOCK, axis=-1)).astype(np.float32)
 
 
 def fake_expert_scale(expert_rank: int) -> int:
@@ -48,6 +100,16 @@ def fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.
     Every expert of the oracle is called with `alone`: whether this row is the only one of its token
     on expert_rank and crosses to another rank (see fused_expert)."""
     return (x_row.astype(np.float32) * np.float32(fake_expert_scale(expert_rank))).astype(x_row.dtype)
+
+
+def fp8_fake_expert(out_dtype):
+    """gpu-mode's fake expert on dequantized fp8 rows (dequantize_fp8, float32): x * (1 + rank) in
+    float32, rounded to the 16-bit out_dtype."""
+    out_dtype = np.dtype(out_dtype)
+
+    def expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
+        return (x_row.astype(np.float32) * np.float32(fake_expert_scale(expert_rank))).astype(out_dtype)
+    return expert
 
 
 def fused_expert(scales):

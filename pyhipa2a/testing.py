@@ -29,6 +29,36 @@ class WorldInputs:
     xs: list[np.ndarray]        # per rank [T_r, H]
     indices: list[np.ndarray]   # per rank [T_r, k] int32
     weights: list[np.ndarray]   # per rank [T_r, k] float32
+    x_scales: list[np.ndarray] | None = None  # fp8 xs: per rank [T_r, H / 128] float32
+
+    def quantized(self, fp8_dtype) -> "WorldInputs":
+        """The same tokens already in fp8 with their scales (reference.quantize_fp8), as a caller of
+        AllToAll(in_dtype=fp8) passes them: its outputs must equal those of quantizing on the way."""
+        pairs = [reference.quantize_fp8(x, fp8_dtype) for x in self.xs]
+        return WorldInputs([c for c, _ in pairs], self.indices, self.weights, [s for _, s in pairs])
+
+
+def dispatch(a2a, inputs: WorldInputs, **kw):
+    """a2a.dispatch of this rank's inputs (with their scales when they are fp8)."""
+    r = a2a.rank
+    scales = None if inputs.x_scales is None else inputs.x_scales[r]
+    return a2a.dispatch(inputs.xs[r], inputs.indices[r], x_scales=scales, **kw)
+
+
+def dispatched_tokens(a2a, inputs: WorldInputs):
+    """Every rank's tokens as a2a's dispatch delivers them: (rows, scales), scales None unless fp8."""
+    if not a2a.scale_cols:
+        return inputs.xs, None
+    if inputs.x_scales is not None:
+        return inputs.xs, inputs.x_scales
+    pairs = [reference.quantize_fp8(x, a2a.dispatch_dtype) for x in inputs.xs]
+    return [c for c, _ in pairs], [s for _, s in pairs]
+
+
+def expert_rows(a2a, inputs: WorldInputs) -> list[np.ndarray]:
+    """Every rank's tokens as the experts read them: the 16-bit rows, or fp8 rows times their scales."""
+    rows, scales = dispatched_tokens(a2a, inputs)
+    return rows if scales is None else [reference.dequantize_fp8(c, sc) for c, sc in zip(rows, scales)]
 
 
 def draw_routing(rng, T: int, k: int, E: int, routing: str = "random") -> np.ndarray:
@@ -76,7 +106,8 @@ def poison(a2a) -> None:
     still be pulling from our stage and contributions, and one after, before peers write to us."""
     a2a.synchronize()  # the last call's stream: every earlier call is queued before it
     bounded_barrier(a2a.heap.comm, a2a.timeout, "poison")
-    for name in ("recv_x", "recv_meta", "num_tokens", "y", "stage", "tok_hdr", "w_in", "contrib", "rows", "slot_of"):
+    for name in ("recv_x", "recv_meta", "recv_scales", "num_tokens", "y", "stage", "tok_hdr", "w_in", "contrib",
+                 "rows", "slot_of"):
         a2a.buf[name].fill_bytes(0xFF)  # no stream: done when it returns
     a2a.expert_y_buffer().fill_bytes(0xFF)  # on a2a.stream
     a2a.backend.stream_synchronize(a2a.stream)
@@ -89,6 +120,7 @@ def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> N
         raise AssertionError(f"rank {rank}: expert_num_tokens {counts.tolist()} != "
                              f"expected {expected.expert_num_tokens.tolist()}")
     xs, meta = result.expert_x.numpy(), result.expert_meta.numpy()
+    scales = None if expected.scales is None else result.expert_x_scales.numpy()
     for l, want in enumerate(expected.rows):
         n = int(counts[l])
         got = {tuple(int(v) for v in meta[l, i]): i for i in range(n)}
@@ -99,6 +131,9 @@ def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> N
         for key, i in got.items():
             if xs[l, i].tobytes() != want[key].tobytes():
                 raise AssertionError(f"rank {rank} expert {l} row {i} {key}: token vector differs")
+            if scales is not None and scales[l, i].tobytes() != expected.scales[l][key].tobytes():
+                raise AssertionError(f"rank {rank} expert {l} row {i} {key}: scales {scales[l, i][:4]}... differ "
+                                     f"from {expected.scales[l][key][:4]}...")
 
 
 def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None, slack=None) -> float:
@@ -108,6 +143,13 @@ def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None, sl
     got = y.astype(np.float64)
     if got.shape != expected.shape:
         raise AssertionError(f"combine output shape {got.shape} != expected {expected.shape}")
+    # Where the oracle itself is NaN (non-finite inputs), y must be NaN; everywhere else NaN poison fails.
+    nan_wanted = np.isnan(expected)
+    if not np.array_equal(np.isnan(got) & nan_wanted, nan_wanted):
+        at = tuple(np.argwhere(nan_wanted & ~np.isnan(got))[0])
+        raise AssertionError(f"combine at {at} is {got[at]}; the oracle says NaN (a NaN or inf input)")
+    expected = np.where(nan_wanted, 0.0, expected)
+    got = np.where(nan_wanted, 0.0, got)
     err = np.abs(got - expected)
     allowed = atol + rtol * np.abs(expected) + (0.0 if slack is None else slack)
     if got.size and not np.all(err <= allowed):  # NaN poison fails here too
@@ -122,14 +164,15 @@ _OWN_STREAM = object()
 
 
 def upload_inputs(a2a, inputs: WorldInputs, stream=_OWN_STREAM) -> list:
-    """This rank's x, indices and weights copied once into device buffers of their own (DeviceArrays on
-    a2a's device, labelled with a2a's stream unless `stream` is given: None for arrays that name no
-    stream), as a loop or a captured graph takes them; free with free_inputs."""
+    """This rank's x, indices and weights (and x's scales when x is fp8) copied once into device buffers
+    of their own (DeviceArrays on a2a's device, labelled with a2a's stream unless `stream` is given: None
+    for arrays that name no stream), as a loop or a captured graph takes them; free with free_inputs."""
     from .array import DeviceArray
     b, r = a2a.backend, a2a.rank
     stream = a2a.stream if stream is _OWN_STREAM else stream
     arrays = []
-    for host in (inputs.xs[r], inputs.indices[r], inputs.weights[r]):
+    hosts = [inputs.xs[r], inputs.indices[r], inputs.weights[r]]
+    for host in hosts + ([] if inputs.x_scales is None else [inputs.x_scales[r]]):
         arr = DeviceArray(b, b.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype, stream=stream)
         arr.copy_from(host)
         arrays.append(arr)
@@ -143,12 +186,15 @@ def free_inputs(a2a, arrays) -> None:
 
 def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
     """This rank's finished dispatch (its DispatchResult views) against the oracle."""
-    check_dispatch(result, reference.dispatch(inputs.xs, inputs.indices, a2a.num_experts)[a2a.rank], a2a.rank)
+    rows, scales = dispatched_tokens(a2a, inputs)
+    check_dispatch(result, reference.dispatch(rows, inputs.indices, a2a.num_experts, scales)[a2a.rank], a2a.rank)
 
 
 def oracle_expert(a2a, fused: bool):
-    """The oracle's fake expert: a kernel of its own (reference.fake_expert), or fused into combine as
-    fused_combine does."""
+    """The oracle's fake expert: a kernel of its own (reference.fake_expert; on fp8 rows
+    reference.fp8_fake_expert), or fused into combine as fused_combine does."""
+    if a2a.scale_cols and not fused:
+        return reference.fp8_fake_expert(a2a.out_dtype)
     if not fused:
         return reference.fake_expert
     return reference.fused_expert([reference.fake_expert_scale(r) for r in range(a2a.world)])
@@ -165,11 +211,11 @@ def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None,
     """This rank's finished combine output `y` against the oracle of `expert` (see reference.combine); the
     largest error (raises outside the tolerance)."""
     rank = a2a.rank
-    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, expert,
-                                 ranks=[rank])[rank]
+    xs = expert_rows(a2a, inputs)
+    expected = reference.combine(xs, inputs.indices, inputs.weights, a2a.num_experts, expert, ranks=[rank])[rank]
     slack = None
     if a2a.narrow_partials and tolerance is None:  # a tolerance given (gpu-mode's) holds as it is
-        slack = reference.narrow_partials_slack(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts,
+        slack = reference.narrow_partials_slack(xs, inputs.indices, inputs.weights, a2a.num_experts,
                                                 UNIT_ROUNDOFF[a2a.out_dtype.name], expert, ranks=[rank])[rank]
     return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance, slack)
 
@@ -212,7 +258,7 @@ def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, f
     rank = a2a.rank
     if check:
         poison(a2a)
-    result = a2a.dispatch(inputs.xs[rank], inputs.indices[rank])
+    result = dispatch(a2a, inputs)
     expert_y = None if fused else a2a.fake_expert(result)
     if check:
         a2a.synchronize()

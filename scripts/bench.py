@@ -20,7 +20,11 @@ instead of three, and no pass over expert_x; the GEMM column is then empty.
 weights as that library's arrays (default: our own device arrays; a graph
 replays the pointers it captured, so the graph columns always use ours), with
 `--producer-order` passed to AllToAll. `--profile` times the profiling build
-(AllToAll(profile=True)): beside a run without it, what recording costs. The host column is the median host time
+(AllToAll(profile=True)): beside a run without it, what recording costs.
+`--dispatch-dtype float8_e4m3` dispatches in fp8 (e4m3 with one scale per 128
+elements): quantized by the dispatch kernel from fp16 x (`--fp8-input
+quantize`, the default), or given in fp8 with its scales (`--fp8-input given`);
+combine stays fp16. Shapes whose hidden size is not a multiple of 128 are skipped. The host column is the median host time
 of one eager dispatch() + combine() (until both returned; the fake expert's
 launch between them is not counted), and eag/gr the eager wall over the graph's.
 """
@@ -117,11 +121,12 @@ def peer_bandwidth(comm, backend) -> dict:
 # -- one call, and its timings ------------------------------------------------------
 def call(a2a, arrays, events=None, fused=False):
     """dispatch -> fake expert -> combine, with an event before, between and after when given; `fused`:
-    the fake expert fused into combine (its scale applied there; no expert kernel, a GEMM phase of 0)."""
+    the fake expert fused into combine (its scale applied there; no expert kernel, a GEMM phase of 0).
+    `arrays`: x, indices, weights (and x's scales when x is fp8)."""
     mark = (lambda i: a2a.backend.event_record(events[i], a2a.stream)) if events else (lambda i: None)
-    x, idx, w = arrays
+    x, idx, w, *scales = arrays
     mark(0)
-    d = a2a.dispatch(x, idx)
+    d = a2a.dispatch(x, idx, x_scales=scales[0] if scales else None)
     mark(1)
     ey = None if fused else a2a.fake_expert(d)
     mark(2)
@@ -182,18 +187,26 @@ def framework_arrays(kind: str, a2a, inputs) -> list:
     """This rank's x, indices and weights as `kind`'s arrays on a2a's device, written and finished
     (numpy: host arrays, copied at each call; ours come from upload_inputs)."""
     hosts = [inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank]]
+    hosts += [] if inputs.x_scales is None else [inputs.x_scales[a2a.rank]]
     dev = a2a.heap.device.index
     if kind == "numpy":
         return hosts
     if kind == "cupy":
         import cupy
+        if hosts[0].dtype.itemsize == 1:
+            raise SystemExit("--inputs cupy: CuPy has no fp8 arrays")
         with cupy.cuda.Device(dev):
             arrays = [cupy.asarray(h) for h in hosts]
             cupy.cuda.Device(dev).synchronize()
         return arrays
     if kind == "torch":
         import torch
-        arrays = [torch.from_numpy(h).to(f"cuda:{dev}") for h in hosts]
+
+        def to_torch(h):  # torch reads no ml_dtypes array: fp8 goes over as bytes
+            if h.dtype.name.startswith("float8"):
+                return torch.from_numpy(h.view(np.uint8)).to(f"cuda:{dev}").view(getattr(torch, h.dtype.name))
+            return torch.from_numpy(h).to(f"cuda:{dev}")
+        arrays = [to_torch(h) for h in hosts]
         torch.cuda.synchronize(dev)
         return arrays
     import jax  # kind == "jax"
@@ -207,13 +220,14 @@ def framework_arrays(kind: str, a2a, inputs) -> list:
 def host_time(comm, a2a, arrays, fused: bool, iters: int) -> float:
     """Median host time of one eager dispatch() + combine() (us), max over ranks; the fake expert's launch
     between them (when not fused) is not counted."""
-    x, idx, w = arrays
+    x, idx, w, *scales = arrays
+    scales = scales[0] if scales else None
     times = []
     for i in range(iters + 10):
         a2a.synchronize()
         comm.Barrier()
         t0 = time.perf_counter()
-        d = a2a.dispatch(x, idx)
+        d = a2a.dispatch(x, idx, x_scales=scales)
         t1 = time.perf_counter()
         ey = None if fused else a2a.fake_expert(d)
         t2 = time.perf_counter()
@@ -269,6 +283,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
          "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks},
          "pushed_ranks": sum(len(x) <= a2a.push_max_tokens for x in inputs.xs)}
     fused = args.fused_expert
+    if args.fp8_input == "given" and a2a.scale_cols:
+        inputs = inputs.quantized(a2a.dispatch_dtype)  # the same tokens, handed over in fp8 with their scales
     error = check_once(comm, a2a, inputs, fused)
     if error:
         return {**r, "ok": False, "error": error}
@@ -303,7 +319,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     for ev in events:
         b.event_destroy(ev)
     free_inputs(a2a, arrays)  # every rank frees in the same order; device_times/wall_time ended synchronized
-    sizes = (inputs.indices, a2a.num_experts, a2a.hidden, a2a.in_dtype.itemsize, a2a.out_dtype.itemsize)
+    x_bytes = a2a.dispatch_dtype.itemsize + 4 * a2a.scale_cols / a2a.hidden  # per element, its scale's share too
+    sizes = (inputs.indices, a2a.num_experts, a2a.hidden, x_bytes, a2a.out_dtype.itemsize)
     dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens, narrow_partials=a2a.narrow_partials)
     total = float(dispatch.sum() + combine.sum())
     # The speed of light moves the data alone: a pushed call's tags are our overhead, not its floor.
@@ -317,7 +334,10 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
 # -- the two runs -----------------------------------------------------------------------
 def make_a2a(comm, backend, s: dict, args) -> AllToAll:
     keys = ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens")
-    return AllToAll(comm, **{k: s[k] for k in keys}, timeout=10.0, backend=backend,
+    dtypes = ({} if args.dispatch_dtype == "float16"
+              else dict(in_dtype="float16", dispatch_dtype=args.dispatch_dtype) if args.fp8_input == "quantize"
+              else dict(in_dtype=args.dispatch_dtype, out_dtype="float16"))
+    return AllToAll(comm, **{k: s[k] for k in keys}, **dtypes, timeout=10.0, backend=backend,
                     narrow_partials=args.narrow_partials, producer_order=args.producer_order,
                     profile=args.profile)
 
@@ -328,6 +348,9 @@ def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
         row = {"shape": shape_name(s), **s}
         if s["num_experts"] % world:
             rows.append({**row, "ok": False, "error": f"SKIP: experts do not divide over {world} ranks"})
+            continue
+        if args.dispatch_dtype != "float16" and s["hidden_dim"] % 128:
+            rows.append({**row, "ok": False, "error": "SKIP: fp8 dispatch needs H to be a multiple of 128"})
             continue
         inputs = draw_world(s["seed"], world, s["num_experts"], s["experts_per_token"], s["hidden_dim"],
                             s["max_num_tokens"])
@@ -450,7 +473,9 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     partials = "fp16 (--narrow-partials)" if args.narrow_partials else "fp32"
     expert = ("fused into combine (--fused-expert: no expert kernel)" if args.fused_expert
               else "a kernel of its own")
-    print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, fp16, "
+    dtypes = ("fp16" if args.dispatch_dtype == "float16"
+              else f"dispatch {args.dispatch_dtype} ({args.fp8_input} fp8 x), combine fp16")
+    print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, {dtypes}, "
           f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}, "
           f"eager inputs {args.inputs} (producer_order={args.producer_order})")
     print(f"command ({world} ranks): {command}")
@@ -472,6 +497,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
             json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
                        "narrow_partials": args.narrow_partials, "fused_expert": args.fused_expert,
                        "inputs": args.inputs, "producer_order": args.producer_order,
+                       "dispatch_dtype": args.dispatch_dtype, "fp8_input": args.fp8_input,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
     if args.plot:
@@ -512,7 +538,13 @@ def main() -> int:
                    help="run the profiling build (every warp records its timeline): what profiling costs")
     p.add_argument("--producer-order", choices=("protocol", "stream"), default="protocol",
                    help="AllToAll(producer_order=): how device inputs are ordered after their producers")
+    p.add_argument("--dispatch-dtype", choices=("float16", "float8_e4m3"), default="float16",
+                   help="expert_x's dtype: fp16 as x, or fp8 e4m3 with one float32 scale per 128 elements")
+    p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",
+                   help="fp8 dispatch: fp16 x quantized by the dispatch kernel, or x given in fp8 with x_scales")
     args = p.parse_args()
+    if args.dispatch_dtype != "float16" and args.fused_expert:
+        p.error("--fused-expert reads expert_x as expert_y, which is 16-bit: not with fp8 dispatch")
     if args.inputs == "jax":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave the device's memory to the heap
     if args.iters < 1 or args.warmup < 0:

@@ -5,6 +5,10 @@ replaced by the ranks running; shapes whose experts do not divide are
 skipped): fp16 in and out, num_tokens drawn per rank in [1, M), the fake
 grouped GEMM expert_y = expert_x * (1 + rank), dispatch checked exactly and
 combine checked with allclose(rtol=1e-2, atol=5e-3) against pyhipa2a.reference.
+`--dispatch-dtype float8_e4m3` dispatches in fp8 (e4m3, one float32 scale per
+128 elements; combine stays 16-bit): x quantized by the dispatch kernel
+(`--fp8-input quantize`) or given in fp8 with its scales (`given`); expert_x
+and its scales are checked bit for bit, and the fake expert reads code * scale.
 Prints a PASS/FAIL table with the largest error; exits non-zero on any FAIL.
 """
 from __future__ import annotations
@@ -22,6 +26,8 @@ from mpi4py import MPI  # noqa: E402
 from pyhipa2a import AllToAll  # noqa: E402
 from pyhipa2a.testing import GPU_MODE_TOLERANCE, draw_world, failure_line, run_round  # noqa: E402
 
+FP8_BLOCK = 128
+
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 
 
@@ -30,18 +36,31 @@ def load_shapes(which: str) -> list[dict]:
         return json.load(f)[which]
 
 
-def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float,
-                narrow_partials: bool = False, fused: bool = False) -> tuple[bool, float, str]:
+def dtypes(dtype: str, dispatch_dtype: str | None, fp8_input: str) -> dict:
+    """AllToAll's dtype arguments: 16-bit throughout, or fp8 dispatch quantized on the way or given."""
+    if dispatch_dtype is None:
+        return dict(in_dtype=dtype)
+    if fp8_input == "quantize":
+        return dict(in_dtype=dtype, dispatch_dtype=dispatch_dtype)
+    return dict(in_dtype=dispatch_dtype, out_dtype=dtype)
+
+
+def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float, narrow_partials: bool = False,
+                fused: bool = False, dispatch_dtype: str | None = None,
+                fp8_input: str = "quantize") -> tuple[bool, float, str]:
     """(ok on this rank, largest combine error, message)."""
     world = comm.Get_size()
     try:
         with AllToAll(comm, num_experts=s["num_experts"], experts_per_token=s["experts_per_token"],
-                      hidden_dim=s["hidden_dim"], max_num_tokens=s["max_num_tokens"], in_dtype=dtype,
-                      timeout=timeout, narrow_partials=narrow_partials) as a2a:
+                      hidden_dim=s["hidden_dim"], max_num_tokens=s["max_num_tokens"],
+                      **dtypes(dtype, dispatch_dtype, fp8_input), timeout=timeout,
+                      narrow_partials=narrow_partials) as a2a:
             worst = 0.0
             for r in range(rounds):
                 inputs = draw_world(s["seed"] + 7919 * r, world, s["num_experts"], s["experts_per_token"],
                                     s["hidden_dim"], s["max_num_tokens"], dtype)
+                if dispatch_dtype and fp8_input == "given":
+                    inputs = inputs.quantized(a2a.dispatch_dtype)
                 worst = max(worst, run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused))
             return True, worst, ""
     except Exception as e:  # reported in the table; the other ranks time out instead of hanging
@@ -60,7 +79,13 @@ def main() -> int:
                    help="AllToAll(narrow_partials=True): partial sums cross in the output dtype")
     p.add_argument("--fused-expert", action="store_true",
                    help="the fake expert fused into combine: combine(d.expert_x, w, expert_scale=1 + rank)")
+    p.add_argument("--dispatch-dtype", choices=("float8_e4m3",), default=None,
+                   help="dispatch in fp8 (e4m3 with block scales); default: --dtype throughout")
+    p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",
+                   help="fp8 dispatch: 16-bit x quantized by the dispatch kernel, or x given in fp8 with x_scales")
     args = p.parse_args()
+    if args.dispatch_dtype and args.fused_expert:
+        p.error("--fused-expert reads expert_x as expert_y, which is 16-bit: not with fp8 dispatch")
     comm = MPI.COMM_WORLD
     world, rank = comm.Get_size(), comm.Get_rank()
     rows, all_ok = [], True
@@ -69,8 +94,11 @@ def main() -> int:
         if s["num_experts"] % world:
             rows.append((name, "SKIP", "", f"{s['num_experts']} experts do not divide over {world} ranks"))
             continue
+        if args.dispatch_dtype and s["hidden_dim"] % FP8_BLOCK:
+            rows.append((name, "SKIP", "", f"fp8 dispatch needs H to be a multiple of {FP8_BLOCK}"))
+            continue
         ok, err, msg = check_shape(comm, s, args.rounds, args.dtype, args.timeout, args.narrow_partials,
-                                   args.fused_expert)
+                                   args.fused_expert, args.dispatch_dtype, args.fp8_input)
         ok = comm.allreduce(ok, op=MPI.LAND)
         worst = comm.allreduce(err if err == err else float("inf"), op=MPI.MAX)
         msgs = [m for m in comm.allgather(msg) if m]
@@ -79,6 +107,7 @@ def main() -> int:
     if rank == 0:
         print(f"pyhipa2a check: {world} ranks, {args.dtype}, {args.rounds} rounds per shape, "
               f"allclose(rtol={GPU_MODE_TOLERANCE[0]}, atol={GPU_MODE_TOLERANCE[1]})"
+              + (f", dispatch {args.dispatch_dtype} ({args.fp8_input} fp8 x)" if args.dispatch_dtype else "")
               + (", narrow partials" if args.narrow_partials else "")
               + (", fake expert fused into combine" if args.fused_expert else ""))
         print(f"{'shape':<34} {'result':<6} {'max err':<9} note")

@@ -160,6 +160,53 @@ def test_200_alternating_calls(backend):
                                   "case_config_mismatch", "case_default_push_threshold",
                                   "case_bf16_roundtrip_dtype", "case_peer_skips_call",
                                   "case_stream_handle_views_cached", "case_graph_replays",
-                                  "case_launch_geometry"])
+                                  "case_launch_geometry", "case_fp8_bad_inputs"])
 def test_api(case, backend):
     run_case(CASE + case, ranks_for(backend), env_backend(backend))
+
+
+# fp8 dispatch (e4m3 and block scales), both ways in. The host twins emulate both encodings; a GPU
+# takes its own ("float8_e4m3": e4m3fn on NVIDIA, e4m3fnuz on MI300X).
+FP8_SHAPES = [s for s in SHAPES["tests"] if s["hidden_dim"] % 128 == 0]
+FP8_WAYS = ["quantize", "given"]
+
+
+def fp8_name(fmt: str, backend: str) -> str:
+    return fmt if backend == "host" else "float8_e4m3"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("way", FP8_WAYS)
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=shape_id)
+def test_fp8_gpumode_test_shapes(shape, way, backend):
+    ranks = ranks_for(backend)
+    if shape["num_experts"] % ranks:
+        pytest.skip(f"{shape['num_experts']} experts do not divide over {ranks} ranks")
+    run_case(CASE + "case_fp8", ranks, env_backend(backend),
+             args=(way, "float8_e4m3", "bfloat16", shape["num_experts"] // ranks, shape["experts_per_token"],
+                   shape["hidden_dim"], shape["max_num_tokens"], "random", "random", "normal", 2, shape["seed"]))
+
+
+# (format, 16-bit dtype, E per rank, k, H, M, token counts, routing, values, transfer mode)
+FP8_EDGE_CASES = {
+    "some_ranks_empty": ("float8_e4m3fn", "bfloat16", 4, 3, 256, 16, "some_empty", "random", "normal", "mixed"),
+    "all_ranks_empty": ("float8_e4m3fn", "float16", 2, 2, 128, 8, "all_empty", "random", "normal", "pull"),
+    "T_equals_M": ("float8_e4m3fnuz", "bfloat16", 4, 4, 512, 32, "full", "random", "normal", "pull"),
+    "one_hot_expert_full_capacity": ("float8_e4m3fn", "float16", 4, 4, 256, 32, "full", "hot", "normal", "push"),
+    "k1": ("float8_e4m3fnuz", "float16", 4, 1, 384, 16, "random", "random", "normal", "mixed"),
+    "edges_fn": ("float8_e4m3fn", "float16", 4, 4, 1024, 12, "full", "random", "edges", "mixed"),
+    "edges_fnuz": ("float8_e4m3fnuz", "bfloat16", 4, 4, 1024, 12, "full", "random", "edges", "mixed"),
+    "nonfinite_fn": ("float8_e4m3fn", "bfloat16", 4, 4, 1152, 8, "full", "random", "nonfinite", "pull"),
+    "nonfinite_fnuz": ("float8_e4m3fnuz", "float16", 4, 4, 1152, 8, "full", "random", "nonfinite", "push"),
+    "partial_segment_pushed": ("float8_e4m3fn", "bfloat16", 4, 4, 1152, 8, "staggered", "random", "normal", "mixed"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("way", FP8_WAYS)
+@pytest.mark.parametrize("name", sorted(FP8_EDGE_CASES))
+def test_fp8_edge_cases(name, way, backend):
+    fmt, in16, per_rank, k, H, M, counts, routing, values, mode = FP8_EDGE_CASES[name]
+    run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]},
+             args=(way, fp8_name(fmt, backend), in16, per_rank, k, H, M, counts, routing, values, 2, 13))

@@ -11,7 +11,9 @@ from pyhipa2a import build
 from pyhipa2a.errors import CodeObjectNotFound
 from pyhipa2a.kernels import available_code_objects, select_code_object
 
-FLAG_KERNELS = {"heap_check": ["heap_check"], "dispatch": ["a2a_dispatch"], "combine": ["a2a_combine_f16", "a2a_combine_bf16"]}
+FLAG_KERNELS = {"heap_check": ["heap_check"],
+                "dispatch": ["a2a_dispatch", "a2a_dispatch_fp8", "a2a_dispatch_quantize_f16", "a2a_dispatch_quantize_bf16"],
+                "combine": ["a2a_combine_f16", "a2a_combine_bf16"]}
 WINDOW = 3  # instructions allowed between the cache operation and the flag access
 
 
@@ -67,6 +69,12 @@ def test_release_store_and_acquire_load(gfx942_objects, module):
                     and any(b == "buffer_inv sc0 sc1" for b in body[i + 1:i + 1 + WINDOW])]
         assert releases, f"{kernel}: no system-scope store preceded by buffer_wbl2 sc0 sc1"
         assert acquires, f"{kernel}: no system-scope load followed by buffer_inv sc0 sc1"
+
+
+def test_every_kernel_is_in_its_gfx942_code_object(gfx942_objects):
+    from pyhipa2a.kernels import SIGNATURES
+    for kernel, (module, _) in SIGNATURES.items():
+        assert kernel in disassemble(gfx942_objects / f"{module}.gfx942.hsaco"), f"{kernel} missing from {module}"
 
 
 def test_gfx90a_builds(tmp_path):

@@ -11,8 +11,13 @@ import time
 
 import numpy as np
 
+from ..dtypes import bfloat16
 from . import STATUS_BAD_INDEX, STATUS_CAPACITY, mem, tag, wait_flags, wait_tagged
 from .exchange import PUSHED, WAIT_DISPATCH, View, count_header, finish, take_epoch, valid_slots
+from .fp8 import quantize
+
+X_COPY, X_FP8, X_QUANTIZE_F16, X_QUANTIZE_BF16 = range(4)  # A2A_X_* in kernels_hip/exchange.h
+
 
 def a2a_dispatch(backend, a, c) -> None:
     v = View(a, take_epoch(a, dispatch=True))
@@ -21,21 +26,43 @@ def a2a_dispatch(backend, a, c) -> None:
     finally:
         finish(backend, a, v, (v.buf(v.me, "recv_x", (v.L, v.cap, a.x_row_bytes), np.uint8),
                                v.buf(v.me, "recv_meta", (v.L, v.cap, 3), np.int32),
-                               v.buf(v.me, "num_tokens", (v.L,), np.int32)))
+                               v.buf(v.me, "num_tokens", (v.L,), np.int32),
+                               v.buf(v.me, "recv_scales", (v.L, v.cap, a.scale_cols), np.float32)))
+
+
+# The fp8 kernels are the same steps on other bytes; one name each, as on the device.
+a2a_dispatch_fp8 = a2a_dispatch_quantize_f16 = a2a_dispatch_quantize_bf16 = a2a_dispatch
+
+
+def carried(a, c, T: int) -> np.ndarray:
+    """What each of the caller's T tokens carries across, [T, token_bytes] bytes: its 16-bit row, or its fp8
+    row then its scales (given, or quantized here as kernels_hip/fp8.h does)."""
+    if a.x_format == X_COPY:
+        return mem(c.x, (T, a.x_row_bytes), np.uint8)
+    H, C = a.hidden, a.scale_cols
+    if a.x_format == X_FP8:
+        codes, scales = mem(c.x, (T, H), np.uint8), mem(c.x_scales, (T, C), np.float32)
+    else:
+        dtype = bfloat16() if a.x_format == X_QUANTIZE_BF16 else np.dtype(np.float16)
+        codes, scales = quantize(mem(c.x, (T, H), dtype), bool(a.fp8_fnuz))
+    out = np.zeros((T, a.token_bytes), np.uint8)
+    out[:, :H] = codes
+    out[:, H:H + 4 * C] = np.ascontiguousarray(scales, np.float32).view(np.uint8).reshape(T, 4 * C)
+    return out
 
 
 def _dispatch(backend, a, c, v: View) -> None:
     W, M, k, L, me, p = v.W, v.M, v.k, v.L, v.me, v.parity
-    T, rb = c.num_tokens, a.x_row_bytes
+    T, rb, tb, S = c.num_tokens, a.x_row_bytes, a.token_bytes, a.x_nseg
     indices = mem(c.indices, (T, k), np.int32)
-    x = mem(c.x, (T, rb), np.uint8)
+    x = carried(a, c, T)
     valid = valid_slots(indices, v.E)
     if not valid.all():
         pos = int(np.flatnonzero(~valid)[0])
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
 
     push = T <= a.push_max_tokens
-    P, words = a.push_max_tokens, rb // 4
+    P, words = a.push_max_tokens, a.push_token_words
     span = time.monotonic_ns()
     for r in range(W):  # 1. headers to every peer as tagged words; the count (and our choice) to us too
         t0 = time.monotonic_ns()
@@ -50,20 +77,21 @@ def _dispatch(backend, a, c, v: View) -> None:
     needed_by = {r: np.flatnonzero((valid & (indices // L == r)).any(axis=1)) for r in range(W) if r != me}
     if not push:
         tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
-        v.buf(me, "stage", (2, M, rb), np.uint8)[p, tokens] = x[tokens]
+        v.buf(me, "stage", (2, M, tb), np.uint8)[p, tokens] = x[tokens]
     for r, tokens in needed_by.items():
         if not push:
             for t in tokens:
-                for seg in range(v.S):
-                    backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * v.S + seg), v.epoch)
+                for seg in range(S):
+                    backend.store_release_u32(v.addr(r, "stage_flag", ((p * W + me) * M + t) * S + seg), v.epoch)
         elif len(tokens):  # (a call of no tokens pushes nothing; its rows need not be whole words)
             inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
-            inbox[tokens] = tag(x[tokens].view(np.uint32), v.epoch)
+            inbox[tokens, :tb // 4] = tag(x[tokens].view(np.uint32), v.epoch)
     v.rec.record(2, t0, me)
 
     counters = v.buf(me, "counters", (L,), np.uint32)
     expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
     meta = v.buf(me, "recv_meta", (L, v.cap, 3), np.int32)
+    scales = v.buf(me, "recv_scales", (L, v.cap, a.scale_cols), np.float32)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     for src in range(W):  # 3. fan each token with experts here out to its experts' rows
@@ -80,21 +108,21 @@ def _dispatch(backend, a, c, v: View) -> None:
                 return
             v.rec.record(3, t0, src)
             rows = hdr.view(np.int32).reshape(count, k)
-            vecs = v.buf(src, "stage", (2, M, rb), np.uint8)[p]
+            vecs = v.buf(src, "stage", (2, M, tb), np.uint8)[p]
         decoded[src, :count] = rows  # combine reads the routing rows from here
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens, slots = np.nonzero(here)
         wanted = np.unique(tokens)
         t0 = time.monotonic_ns()
-        needed = (wanted[:, None] * v.S + np.arange(v.S)).ravel()
+        needed = (wanted[:, None] * S + np.arange(S)).ravel()
         if src != me and pushed:  # the tokens' words in our inbox, once each carries the epoch
-            vecs = np.zeros((count, rb), np.uint8)
-            arrived = wait_tagged(v.buf(me, "push_tok", (2, W, P, words), np.uint64)[p, src], v.epoch,
+            vecs = np.zeros((count, tb), np.uint8)
+            arrived = wait_tagged(v.buf(me, "push_tok", (2, W, P, words), np.uint64)[p, src, :, :tb // 4], v.epoch,
                                   v.deadline, v.status, WAIT_DISPATCH, src, rows=wanted)
             if arrived is None:
                 return
-            vecs[wanted] = arrived.view(np.uint8).reshape(-1, rb)
-        elif src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * v.S), needed,
+            vecs[wanted] = arrived.view(np.uint8).reshape(-1, tb)
+        elif src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * S), needed,
                                           v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
             return
         if src != me:
@@ -110,7 +138,9 @@ def _dispatch(backend, a, c, v: View) -> None:
                 v.status.report(STATUS_CAPACITY, me, int(l), int(row[~fits][0]))
             counters[l] = first + len(t)
             t, j, row = t[fits], j[fits], row[fits]
-            expert_x[l, row] = vecs[t]
+            expert_x[l, row] = vecs[t, :rb]
+            if a.scale_cols:
+                scales[l, row] = vecs[t, a.hidden:a.hidden + 4 * a.scale_cols].copy().view(np.float32)
             meta[l, row] = np.stack([np.full_like(t, src), t, j], axis=1)
             slot_of[src, t, j] = l * v.cap + row
         v.rec.record(5, t0, src)

@@ -1,0 +1,143 @@
+"""fp8 conversions and quantizing: the kernels' source (compiled for the host), the host twins and the
+oracle (ml_dtypes), held to each other on every input that matters; how AllToAll plans its dtypes."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from pyhipa2a import reference
+from pyhipa2a.dtypes import fp8_for_arch, plan_dtypes, resolve
+from pyhipa2a.host_kernels import fp8 as twin
+from tests.mpi_harness import REPO
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+FORMATS = {"float8_e4m3fn": False, "float8_e4m3fnuz": True}
+
+
+def probe_values() -> np.ndarray:
+    """Every fp16 value, every float32 next to an fp8 value and halfway between two, and a spread of
+    random float32 of any magnitude, with the specials."""
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    grid = []
+    for name in FORMATS:
+        v = np.arange(256, dtype=np.uint8).view(resolve(name)).astype(np.float32)
+        v = np.sort(v[np.isfinite(v)])
+        mid = (v[1:] + v[:-1]) / 2  # exact ties
+        grid += [v, mid, np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf))]
+    rng = np.random.default_rng(0)
+    spread = (rng.standard_normal(200_000) * np.exp2(rng.uniform(-140, 126, 200_000))).astype(np.float32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-45, -1e-45], np.float32)
+    values = np.concatenate([halves, *grid, spread, specials]).astype(np.float32)
+    return np.concatenate([values, -values])
+
+
+def oracle_codes(values: np.ndarray, name: str) -> np.ndarray:
+    return reference.to_fp8(values, resolve(name)).view(np.uint8)
+
+
+def check_codes(got: np.ndarray, values: np.ndarray, name: str) -> None:
+    """Bit for bit against ml_dtypes; NaN inputs give the format's NaN (its sign is ours to choose)."""
+    nan = np.isnan(values)
+    want = oracle_codes(values, name)
+    bad = np.flatnonzero((got != want) & ~nan)
+    assert not len(bad), f"{name}: {values[bad[:5]]} -> {got[bad[:5]]}, ml_dtypes says {want[bad[:5]]}"
+    assert np.all(np.isnan(got[nan].view(resolve(name)).astype(np.float32)))
+
+
+def compiler() -> str | None:
+    return next(filter(None, map(shutil.which, ("c++", "g++", "clang++", "clang++-19"))), None)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """tests/native/fp8_conversions.cpp built with the host's C++ compiler against kernels_hip/portability.h."""
+    cxx = compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler for the host")
+    exe = tmp_path_factory.mktemp("fp8") / "fp8_conversions"
+    subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-DA2A_HOST_EMULATION", f"-I{REPO / 'kernels_hip'}",
+                    "-o", str(exe), str(REPO / "tests" / "native" / "fp8_conversions.cpp")], check=True)
+    return exe
+
+
+def test_kernel_conversions_match_ml_dtypes(native):
+    """The kernels' own a2a_float_to_fp8 / a2a_fp8_to_float (portability.h), compiled for the host: e4m3fn
+    as NVIDIA runs it, e4m3fnuz as MI300X would (no AMD GPU here: this is the check of its encoding)."""
+    values = probe_values()
+    out = subprocess.run([str(native)], input=values.tobytes(), capture_output=True, check=True).stdout
+    n = len(values)
+    assert len(out) == 2 * n + 2 * 256 * 4
+    for i, name in enumerate(FORMATS):
+        check_codes(np.frombuffer(out[i * n:(i + 1) * n], np.uint8), values, name)
+        decoded = np.frombuffer(out[2 * n + i * 1024: 2 * n + (i + 1) * 1024], np.float32)
+        want = np.arange(256, dtype=np.uint8).view(resolve(name)).astype(np.float32)
+        assert np.array_equal(decoded, want, equal_nan=True), name
+        assert np.array_equal(decoded.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_twin_conversions_match_ml_dtypes(name):
+    values = probe_values()
+    check_codes(twin.to_fp8(values, FORMATS[name]), values, name)
+    want = np.arange(256, dtype=np.uint8).view(resolve(name)).astype(np.float32)
+    assert np.array_equal(twin.from_fp8(np.arange(256, dtype=np.uint8), FORMATS[name]), want, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("dtype16", ["float16", "bfloat16"])
+def test_twin_quantizes_as_the_oracle(name, dtype16):
+    """Blocks of every kind: normal, zeros, a wide range (fp8 subnormals), amax below 2^-112, the 16-bit
+    format's extremes, NaN and infinities; codes and scales bit for bit, and what the oracle says of them."""
+    rng = np.random.default_rng(7)
+    dt = resolve(dtype16)
+    x = (rng.standard_normal((24, 512)) * np.exp2(rng.integers(-20, 10, (24, 1)))).astype(np.float32)
+    x[1, :128] = 0
+    x[2, :] = -0.0
+    x[3, :128] = np.exp2(-rng.integers(0, 20, 128)) * rng.choice([-1, 1], 128)
+    x[4, :128] = 1e-38 if dtype16 == "bfloat16" else 6e-8
+    x[5, 3], x[6, 200], x[7, 400] = np.nan, np.inf, -np.inf
+    x[8, :] = float(np.finfo(np.float16).max) if dtype16 == "float16" else 3e38
+    x = x.astype(dt)
+    codes, scales = twin.quantize(x, FORMATS[name])
+    want_codes, want_scales = reference.quantize_fp8(x, resolve(name))
+    assert np.array_equal(codes, want_codes.view(np.uint8))
+    assert np.array_equal(scales.view(np.uint32), want_scales.view(np.uint32))
+    assert np.all(want_scales[1, 0] == 0) and np.all(want_codes.view(np.uint8)[1, :128] == 0)  # zeros: no NaN
+    nan_blocks = [(5, 0), (6, 1), (7, 3)]
+    for t, b in nan_blocks:
+        assert np.isnan(want_scales[t, b]) and np.all(np.isnan(want_codes[t, 128 * b:128 * (b + 1)].astype(np.float32)))
+    finite = np.isfinite(want_scales)
+    back = reference.dequantize_fp8(want_codes, want_scales)
+    block_max = np.abs(x.astype(np.float32)).reshape(24, 4, 128).max(axis=2)
+    err = np.abs(back - x.astype(np.float32)).reshape(24, 4, 128).max(axis=2)
+    # Round to nearest: half an fp8 step of the block's largest binade at most (2^-4 of amax), plus
+    # the flush of the tiny blocks.
+    assert np.all(err[finite] <= block_max[finite] * 2.0 ** -4 + 2.0 ** -112)
+
+
+def test_plan_dtypes():
+    assert [d.name for d in plan_dtypes("bfloat16", "float8_e4m3", None)[:3]] == ["bfloat16", "float8_e4m3fn", "bfloat16"]
+    ins, moved, out, asked = plan_dtypes("float8_e4m3fnuz", None, "float16")
+    assert (ins.name, moved.name, out.name, asked) == ("float8_e4m3fnuz", "float8_e4m3fnuz", "float16", "float8_e4m3fnuz")
+    assert plan_dtypes("float16", None, None)[3] is None
+    with pytest.raises(TypeError, match="give out_dtype"):
+        plan_dtypes("float8_e4m3", None, None)
+    with pytest.raises(TypeError, match="only to fp8"):
+        plan_dtypes("float16", "bfloat16", None)
+    with pytest.raises(TypeError, match="must be the same or None"):
+        plan_dtypes("float8_e4m3fn", "float8_e4m3fnuz", "float16")
+    with pytest.raises(TypeError, match="out_dtype must be one of"):
+        plan_dtypes("bfloat16", "float8_e4m3", "float8_e4m3fn")
+
+
+def test_fp8_by_device():
+    assert fp8_for_arch("float8_e4m3", "gfx942").name == "float8_e4m3fnuz"
+    assert fp8_for_arch("float8_e4m3", "sm_90").name == "float8_e4m3fn"
+    assert fp8_for_arch("float8_e4m3fnuz", "host").name == "float8_e4m3fnuz"
+    with pytest.raises(TypeError, match="gfx90a, which has none"):
+        fp8_for_arch("float8_e4m3", "gfx90a")
+    with pytest.raises(TypeError, match="gfx942 uses float8_e4m3fnuz"):
+        fp8_for_arch("float8_e4m3fn", "gfx942")
