@@ -61,6 +61,22 @@ def expert_rows(a2a, inputs: WorldInputs) -> list[np.ndarray]:
     return rows if scales is None else [reference.dequantize_fp8(c, sc) for c, sc in zip(rows, scales)]
 
 
+def dtype_arguments(dtype="float16", dispatch_dtype=None, fp8_input: str = "quantize") -> dict:
+    """AllToAll's dtype arguments for the scripts: `dtype` throughout, or fp8 dispatch (`dispatch_dtype`)
+    with x quantized by the dispatch kernel from `dtype` ("quantize") or given in fp8 with its scales
+    ("given"); combine stays `dtype` either way."""
+    if dispatch_dtype is None or dispatch_dtype == dtype:
+        return dict(in_dtype=dtype)
+    if fp8_input == "quantize":
+        return dict(in_dtype=dtype, dispatch_dtype=dispatch_dtype)
+    return dict(in_dtype=dispatch_dtype, out_dtype=dtype)
+
+
+def inputs_as_given(a2a, inputs: WorldInputs, fp8_input: str = "quantize") -> WorldInputs:
+    """The inputs as a2a takes them: with fp8 given, the same tokens quantized, with their scales."""
+    return inputs.quantized(a2a.dispatch_dtype) if a2a.scale_cols and fp8_input == "given" else inputs
+
+
 def draw_routing(rng, T: int, k: int, E: int, routing: str = "random") -> np.ndarray:
     """k distinct experts per token. 'hot': every token picks expert 0 first (one expert's worst case)."""
     if routing not in ("random", "hot"):

@@ -48,8 +48,8 @@ from mpi4py import MPI  # noqa: E402
 from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
-from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, draw_world, free_inputs, poison,  # noqa: E402
-                              failure_line, fused_combine, run_round, upload_inputs)
+from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, draw_world, dtype_arguments, free_inputs,  # noqa: E402
+                              failure_line, fused_combine, inputs_as_given, poison, run_round, upload_inputs)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -283,8 +283,7 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
          "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks},
          "pushed_ranks": sum(len(x) <= a2a.push_max_tokens for x in inputs.xs)}
     fused = args.fused_expert
-    if args.fp8_input == "given" and a2a.scale_cols:
-        inputs = inputs.quantized(a2a.dispatch_dtype)  # the same tokens, handed over in fp8 with their scales
+    inputs = inputs_as_given(a2a, inputs, args.fp8_input)
     error = check_once(comm, a2a, inputs, fused)
     if error:
         return {**r, "ok": False, "error": error}
@@ -334,9 +333,7 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
 # -- the two runs -----------------------------------------------------------------------
 def make_a2a(comm, backend, s: dict, args) -> AllToAll:
     keys = ("num_experts", "experts_per_token", "hidden_dim", "max_num_tokens")
-    dtypes = ({} if args.dispatch_dtype == "float16"
-              else dict(in_dtype="float16", dispatch_dtype=args.dispatch_dtype) if args.fp8_input == "quantize"
-              else dict(in_dtype=args.dispatch_dtype, out_dtype="float16"))
+    dtypes = dtype_arguments("float16", args.dispatch_dtype, args.fp8_input)
     return AllToAll(comm, **{k: s[k] for k in keys}, **dtypes, timeout=10.0, backend=backend,
                     narrow_partials=args.narrow_partials, producer_order=args.producer_order,
                     profile=args.profile)

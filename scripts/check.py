@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.testing import GPU_MODE_TOLERANCE, draw_world, failure_line, run_round  # noqa: E402
+from pyhipa2a.testing import (GPU_MODE_TOLERANCE, draw_world, dtype_arguments, failure_line,  # noqa: E402
+                              inputs_as_given, run_round)
 
 FP8_BLOCK = 128
 
@@ -36,15 +37,6 @@ def load_shapes(which: str) -> list[dict]:
         return json.load(f)[which]
 
 
-def dtypes(dtype: str, dispatch_dtype: str | None, fp8_input: str) -> dict:
-    """AllToAll's dtype arguments: 16-bit throughout, or fp8 dispatch quantized on the way or given."""
-    if dispatch_dtype is None:
-        return dict(in_dtype=dtype)
-    if fp8_input == "quantize":
-        return dict(in_dtype=dtype, dispatch_dtype=dispatch_dtype)
-    return dict(in_dtype=dispatch_dtype, out_dtype=dtype)
-
-
 def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float, narrow_partials: bool = False,
                 fused: bool = False, dispatch_dtype: str | None = None,
                 fp8_input: str = "quantize") -> tuple[bool, float, str]:
@@ -53,14 +45,13 @@ def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float, narrow_p
     try:
         with AllToAll(comm, num_experts=s["num_experts"], experts_per_token=s["experts_per_token"],
                       hidden_dim=s["hidden_dim"], max_num_tokens=s["max_num_tokens"],
-                      **dtypes(dtype, dispatch_dtype, fp8_input), timeout=timeout,
+                      **dtype_arguments(dtype, dispatch_dtype, fp8_input), timeout=timeout,
                       narrow_partials=narrow_partials) as a2a:
             worst = 0.0
             for r in range(rounds):
                 inputs = draw_world(s["seed"] + 7919 * r, world, s["num_experts"], s["experts_per_token"],
                                     s["hidden_dim"], s["max_num_tokens"], dtype)
-                if dispatch_dtype and fp8_input == "given":
-                    inputs = inputs.quantized(a2a.dispatch_dtype)
+                inputs = inputs_as_given(a2a, inputs, fp8_input)
                 worst = max(worst, run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused))
             return True, worst, ""
     except Exception as e:  # reported in the table; the other ranks time out instead of hanging

@@ -26,7 +26,8 @@ from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
 from pyhipa2a.profile import TAGS, stage_windows, summarize, to_trace_events, write_trace  # noqa: E402
-from pyhipa2a.testing import draw_world, free_inputs, run_round, upload_inputs  # noqa: E402
+from pyhipa2a.testing import (draw_world, dtype_arguments, free_inputs, inputs_as_given, run_round,  # noqa: E402
+                              upload_inputs)
 
 LARGEST_GPU_MODE_SHAPE = (256, 8, 7168, 256)
 
@@ -40,24 +41,29 @@ def main() -> int:
     p.add_argument("--out", default="trace.json")
     p.add_argument("--graph", action="store_true", help="record calls launched as one captured graph each "
                    "(device inputs), as bench.py times them")
+    p.add_argument("--dispatch-dtype", choices=("float8_e4m3",), help="dispatch in fp8 (combine stays fp16)")
+    p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",
+                   help="fp8 dispatch: fp16 x quantized by the dispatch kernel, or x given in fp8 with x_scales")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     E, k, H, M = (int(v) for v in args.shape.split(","))
     E = E // world * world or world  # keep the expert count divisible by the ranks running
 
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, profile=True) as a2a:
-        inputs = draw_world(args.seed, world, E, k, H, M,
-                            token_counts=None if args.tokens is None else [args.tokens] * world)
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, profile=True,
+                  **dtype_arguments("float16", args.dispatch_dtype, args.fp8_input)) as a2a:
+        inputs = inputs_as_given(a2a, draw_world(args.seed, world, E, k, H, M, token_counts=None if args.tokens
+                                                 is None else [args.tokens] * world), args.fp8_input)
         err = run_round(a2a, inputs)  # the profiling build against the oracle
         a2a.profile_events()           # drop the checked call's events
         offset = a2a.clock_offset_ns()
         recorded, dropped = [], 0
         graph = None
         if args.graph:  # the call captured once, with this rank's inputs in device buffers of its own
-            x, indices, weights = arrays = upload_inputs(a2a, inputs)
+            x, indices, weights, *scales = arrays = upload_inputs(a2a, inputs)
             a2a.expert_y_buffer()
-            graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(x, indices)), weights))
+            graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(
+                x, indices, x_scales=scales[0] if scales else None)), weights))
         for i in range(args.iters):
             comm.Barrier()
             if graph is not None:
