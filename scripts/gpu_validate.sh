@@ -23,6 +23,8 @@ step() { local name=$1; shift; echo "== $name: $*"; timeout 900 "$@" >"$OUT/$nam
 step heap_check $MPIRUN -n "$N" python3 scripts/heap_check.py
 step check $MPIRUN -n "$N" python3 scripts/check.py
 step check_fused $MPIRUN -n "$N" python3 scripts/check.py --fused-expert
+step check_fp8_quantize $MPIRUN -n "$N" python3 scripts/check.py --dispatch-dtype float8_e4m3 --fp8-input quantize
+step check_fp8_given $MPIRUN -n "$N" python3 scripts/check.py --dispatch-dtype float8_e4m3 --fp8-input given --dtype bfloat16
 python3 -c "import cupy" 2>/dev/null && step cupy_moe $MPIRUN -n "$N" python3 scripts/cupy_moe.py
 step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu tests
 [ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu tests
