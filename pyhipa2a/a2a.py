@@ -372,6 +372,7 @@ class AllToAll:
             raise A2AError(f"AllToAll is unusable after an earlier failure: {self._broken}")
         if self.host_status[0]:
             self._raise_reported()
+        self.backend.activate()
 
     def _raise_reported(self, cause: BaseException | None = None) -> None:
         """A kernel reported an error: this object refuses further calls (peers may be mid-protocol)."""
@@ -534,6 +535,7 @@ class AllToAll:
     def expert_y_buffer(self) -> DeviceArray:
         """A device buffer shaped like expert_y [L, W*M, H] (out_dtype), made once, freed by close()."""
         if self._expert_y_buffer is None:
+            self.backend.activate()  # cuMemAlloc allocates on the current device
             shape = (self.local_experts, self.capacity, self.hidden)
             nbytes = math.prod(shape) * self.out_dtype.itemsize
             ptr = self.backend.malloc_ipc(nbytes)
@@ -547,6 +549,7 @@ class AllToAll:
         (in fp8 dispatch, each fp8 row times its block scales, then times 1 + rank, in out_dtype)."""
         if not self.scale_cols and self.dispatch_dtype != self.out_dtype:
             raise TypeError("fake_expert needs in_dtype == out_dtype (or fp8 dispatch)")
+        self.backend.activate()
         if out is None and self._expert_y_buffer is None and self._capturing is not None:
             raise A2AError("fake_expert() without out= inside capture() needs expert_y_buffer() called before "
                            "the capture (memory cannot be allocated while capturing)")
@@ -629,6 +632,7 @@ class AllToAll:
         which every earlier call is queued); raise what the kernels reported."""
         if self._capturing is not None:
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
+        self.backend.activate()
         waited = self._synchronized_stream(stream)
         try:
             self.backend.stream_synchronize(waited)
@@ -648,6 +652,7 @@ class AllToAll:
         """(events, dropped) recorded since the last read (profile=True only); waits for the stream."""
         if self.profile_buffer is None:
             raise A2AError("profile_events() needs AllToAll(..., profile=True)")
+        self.backend.activate()
         self.backend.stream_synchronize(self._synchronized_stream(None))
         events, dropped = self.profile_buffer.read(self.stream)
         self.profile_buffer.reset(self.stream)
@@ -655,6 +660,7 @@ class AllToAll:
 
     def clock_offset_ns(self) -> int:
         """Host monotonic clock minus this device's clock, in ns (aligns timelines across ranks)."""
+        self.backend.activate()
         return clock_offset(self.backend, self.lib, self.stream)
 
     # -- teardown -----------------------------------------------------------------
@@ -663,6 +669,7 @@ class AllToAll:
         if self.heap.closed:
             return
         try:
+            self.backend.activate()
             self.backend.stream_synchronize(self._synchronized_stream(None))
         except Exception:
             pass

@@ -72,6 +72,7 @@ class DeviceArray:
         """A host copy; waits for the work queued on this array's stream, then raises the error of
         the call that wrote it, if that call failed."""
         out = np.empty(self.shape, self.dtype)
+        self.backend.activate()
         try:
             if out.nbytes:
                 self.backend.copy_to_host(out, self.ptr, self.stream)
@@ -91,9 +92,11 @@ class DeviceArray:
         if host.shape != self.shape:
             raise ValueError(f"shape {host.shape} does not match {self.shape}")
         if host.nbytes:
+            self.backend.activate()
             self.backend.copy_to_device(self.ptr, host, self.stream)
 
     def fill_bytes(self, byte: int) -> None:
+        self.backend.activate()
         self.backend.memset(self.ptr, byte, self.nbytes, self.stream)
 
     # -- interchange ------------------------------------------------------------
@@ -122,6 +125,7 @@ class DeviceArray:
             # The consumer reads on `stream` (None: the legacy default stream, as DLPack says): it waits
             # on the device for the work queued on ours, and the host does not wait at all.
             handle = (1 if self.backend.kind == "cuda" else 0) if stream is None else stream
+            self.backend.activate()
             self.backend.stream_wait_stream(self.backend.stream_from_handle(handle), self.stream)
         return dlpack.make_capsule(self.ptr, self.shape, self.dtype, self.backend.dlpack_device_type,
                                    self.device_id, owner=self, max_version=max_version)

@@ -143,6 +143,11 @@ def test_framework_arrays_in_and_out(lib, producer_order):
              timeout=600)
 
 
+@pytest.mark.gpu
+def test_calls_switch_back_to_their_gpu():
+    run_case(CASE + "case_another_device_current", ranks_for("gpu"), env_backend("gpu"), timeout=300)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_calls_on_different_streams(backend):
     H, M = (7168, 256) if backend == "gpu" else (64, 16)  # on the GPU, calls long enough to overlap

@@ -33,6 +33,9 @@ class FakeCuda:
     def stream_handle(self, stream):
         return 0 if stream is None else int(stream)
 
+    def activate(self):  # one device, one context: nothing to switch
+        pass
+
     def stream_from_handle(self, handle):
         return handle
 

@@ -131,6 +131,31 @@ def test_calls_without_a_stream_finish_before_returning(rt):
     assert [role for role, _ in calls] == ["memset_d8_async"], calls
 
 
+def test_activate_switches_back_only_when_another_device_is_current(rt, monkeypatch):
+    """Another library may leave its own device current on our thread (JAX did on two H200s, and
+    cuEventRecord on our stream then failed): every public entry calls activate(), which must make
+    ours current again, and cost one query when it already is."""
+    mod, binding, ok, _ = rt
+    backend, calls = _bare_backend(mod), []
+    ours, theirs = (binding.CUcontext(0x1000), binding.CUcontext(0x2000)) if mod is cuda_rt else (1, 0)
+    current = [theirs]
+    if mod is cuda_rt:
+        backend._context = ours
+        fake = types.SimpleNamespace(cuCtxGetCurrent=lambda: (ok, current[0]),
+                                     cuCtxSetCurrent=lambda c: (calls.append(int(c)), current.__setitem__(0, c),
+                                                                (ok,))[-1])
+        monkeypatch.setattr(mod, "driver", fake)
+    else:
+        backend.current_device = ours
+        fake = types.SimpleNamespace(hipGetDevice=lambda: (ok, current[0]),
+                                     hipSetDevice=lambda d: (calls.append(d), current.__setitem__(0, d), (ok,))[-1])
+        monkeypatch.setattr(mod, "hip", fake)
+    backend.activate()
+    assert calls == [int(ours)] and int(current[0]) == int(ours)
+    backend.activate()  # already ours: no switch
+    assert calls == [int(ours)]
+
+
 def _library_missing_error(mod, binding):
     """The exception the binding raises when its native library is absent, or None."""
     try:

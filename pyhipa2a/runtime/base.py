@@ -48,6 +48,12 @@ class Backend:
         """Make device `index` current for this process and describe it."""
         raise NotImplementedError
 
+    def activate(self) -> None:
+        """Make the opened device current again on the calling thread, where another library (JAX,
+        PyTorch on another device) or another thread left a different one: on a GPU whose process sees
+        several, launches and events on our streams then fail, and allocations would land on that
+        device. Every public entry calls this first; the host backend has nothing to switch."""
+
     # -- memory -------------------------------------------------------------
     def malloc_ipc(self, nbytes: int) -> int:
         """Allocate memory peers can map (fine-grained on AMD), zero-filled."""

@@ -42,7 +42,7 @@ _CALLS = {
 # assert they all exist, since this code cannot run on a machine without an
 # NVIDIA driver.
 _USED_CALLS = (
-    "cuInit", "cuDeviceGetCount", "cuCtxGetDevice_v2", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetAttribute",
+    "cuInit", "cuDeviceGetCount", "cuCtxGetDevice_v2", "cuCtxGetCurrent", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuGetErrorName", "cuGetErrorString",
     "cuMemAlloc", "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE",
     "cuIpcGetMemHandle", "cuIpcOpenMemHandle", "cuPointerGetAttribute", "cuEventCreate",
@@ -142,6 +142,13 @@ class CudaBackend(DriverBackend):
             multiprocessors=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             warp_size=32,  # every NVIDIA architecture so far
         )
+
+    def activate(self) -> None:
+        if self._context is None:  # no device opened yet: nothing of ours to make current
+            return
+        current = driver.cuCtxGetCurrent()
+        if current[0] or int(current[1]) != int(self._context):
+            _check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
     # -- memory -------------------------------------------------------------
     def malloc_ipc(self, nbytes: int) -> int:

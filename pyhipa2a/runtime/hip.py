@@ -42,7 +42,7 @@ _CALLS = {
 # assert they all exist, since this code cannot run without ROCm's
 # libamdhip64.so and an AMD GPU.
 _USED_CALLS = (
-    "hipInit", "hipGetDeviceCount", "hipSetDevice", "hipGetDeviceProperties", "hipGetErrorString",
+    "hipInit", "hipGetDeviceCount", "hipSetDevice", "hipGetDevice", "hipGetDeviceProperties", "hipGetErrorString",
     "hipExtMallocWithFlags", "hipHostMallocMapped", "hipHostMallocCoherent", "hipHostMallocPortable",
     "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipPointerGetAttributes", "hipEventCreate",
     "hipError_t", "hipIpcMemHandle_t", "ihipStream_t", "hipMemoryType",
@@ -135,6 +135,11 @@ class HipBackend(DriverBackend):
             multiprocessors=int(props.multiProcessorCount),
             warp_size=int(props.warpSize),
         )
+
+    def activate(self) -> None:
+        current = hip.hipGetDevice()
+        if current[0] or current[1] != self.current_device:
+            _check(hip.hipSetDevice(self.current_device), "hipSetDevice")
 
     # -- memory -------------------------------------------------------------
     def malloc_ipc(self, nbytes: int) -> int:

@@ -880,3 +880,81 @@ def case_fp8_bad_inputs(comm):
             assert np.array_equal(m0[l, :n][order0], m1[l, :n][order1])
             assert np.array_equal(x0[l, :n][order0], x1[l, :n][order1])
             assert np.array_equal(s0[l, :n][order0].view(np.uint32), s1[l, :n][order1].view(np.uint32))
+
+
+def case_another_device_current(comm, rounds="3"):
+    """Another library leaves a different context current on our thread between our calls (JAX did, with
+    two GPUs visible to each rank: cuEventRecord on our stream then failed with an invalid handle).
+    Before every public call here another context is made current: the next GPU's primary context where
+    the process sees two, else a second context on our GPU. Each call must switch back, the results
+    must match the oracle, a captured step must replay, and memory allocated after the switch must be
+    in our context (on our GPU)."""
+    from pyhipa2a.testing import (check_call, check_dispatch_against_oracle, combine_error_against_oracle,
+                                  free_inputs, oracle_expert, poison, upload_inputs)
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 32
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        if a2a.backend.kind != "cuda":
+            pytest.skip("contexts are the CUDA driver's")
+        from cuda.bindings import driver
+
+        def ok(result):
+            assert not result[0], result[0]
+            return result[1] if len(result) > 1 else None
+        ours = ok(driver.cuCtxGetCurrent())
+        other = ok(driver.cuDeviceGet((a2a.heap.device.index + 1) % a2a.heap.device.count))
+        if a2a.heap.device.count > 1:
+            theirs = ok(driver.cuDevicePrimaryCtxRetain(other))
+            release = lambda: ok(driver.cuDevicePrimaryCtxRelease(other))  # noqa: E731
+        else:
+            try:  # CUDA 13's signature, then 12's
+                theirs = ok(driver.cuCtxCreate(None, 0, other))
+            except TypeError:
+                theirs = ok(driver.cuCtxCreate(0, other))
+            ok(driver.cuCtxSetCurrent(ours))
+            release = lambda: ok(driver.cuCtxDestroy(theirs))  # noqa: E731
+        assert int(theirs) != int(ours)
+
+        def elsewhere():
+            ok(driver.cuCtxSetCurrent(theirs))
+        elsewhere()
+        buffer = a2a.expert_y_buffer()  # the first allocation after construction: in our context all the same
+        assert int(ok(driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT,
+                                                   buffer.ptr))) == int(ours)
+        me = a2a.rank
+        for i in range(int(rounds)):
+            inputs = draw_world(900 + i, world, E, k, H, M)
+            poison(a2a)
+            elsewhere()
+            d = dispatch(a2a, inputs)
+            elsewhere()
+            expert_y = a2a.fake_expert(d)
+            elsewhere()
+            a2a.synchronize()
+            elsewhere()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            elsewhere()
+            y = a2a.combine(expert_y, inputs.weights[me])
+            elsewhere()
+            a2a.synchronize()
+            elsewhere()
+            err = combine_error_against_oracle(a2a, inputs, y, None, oracle_expert(a2a, False))
+            print(f"rank {me} round {i}: max err {err:.3g}")
+        inputs = draw_world(999, world, E, k, H, M)
+        elsewhere()
+        x, idx, w = arrays = upload_inputs(a2a, inputs)
+        outputs = {}
+
+        def step():
+            outputs["d"] = a2a.dispatch(x, idx)
+            outputs["y"] = a2a.combine(a2a.fake_expert(outputs["d"]), w)
+        graph = a2a.capture(step)
+        poison(a2a)
+        elsewhere()
+        graph.launch()
+        elsewhere()
+        a2a.synchronize()
+        check_call(a2a, inputs, outputs["d"], outputs["y"])
+        graph.close()
+        free_inputs(a2a, arrays)
+        release()
