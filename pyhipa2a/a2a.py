@@ -35,7 +35,8 @@ from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, Health
 from .graph import Graph
 from .heap import SymmetricHeap
 from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array
-from .kernels import A2AArgs, KernelLibrary
+from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTIZE_F16, A2AArgs,
+                      KernelLibrary)
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
 from .profile import ProfileBuffer, clock_offset
@@ -57,10 +58,6 @@ MIN_WARP, MAX_WARP = 32, 64
 # with 4 ranks a 0.47 MB call (E=128 k=4 H=2880), whose copies go to 2-3
 # peers, lost (combine 27 us pushed, 23 pulled).
 DEFAULT_PUSH_BYTES = 768 * 1024
-# How dispatch turns x into expert_x (A2A_X_* in kernels_hip/exchange.h), and its kernel for each.
-X_COPY, X_FP8, X_QUANTIZE_F16, X_QUANTIZE_BF16 = range(4)
-DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZE_F16: "a2a_dispatch_quantize_f16",
-                    X_QUANTIZE_BF16: "a2a_dispatch_quantize_bf16"}
 
 
 def check_block_threads(threads: int, warp: int) -> None:

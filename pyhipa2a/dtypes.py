@@ -47,10 +47,6 @@ def check_supported(dtype, what: str) -> np.dtype:
     return d
 
 
-def is_fp8(dtype) -> bool:
-    return dtype is not None and resolve(dtype).name in FP8
-
-
 def _fp8_request(dtype, what: str) -> str | None:
     """The fp8 name asked for ("float8_e4m3", or one of FP8), or None for a dtype that is no fp8."""
     if isinstance(dtype, str) and dtype.lower() == FP8_ANY:

@@ -44,6 +44,13 @@ class A2AArgs(ctypes.Structure):
                 ("timeout_ns", u64)]
 
 
+# How dispatch turns x into expert_x (A2A_X_* in kernels_hip/exchange.h; the host twins read it from
+# A2AArgs.x_format), and the device kernel for each.
+X_COPY, X_FP8, X_QUANTIZE_F16, X_QUANTIZE_BF16 = range(4)
+DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZE_F16: "a2a_dispatch_quantize_f16",
+                    X_QUANTIZE_BF16: "a2a_dispatch_quantize_bf16"}
+
+
 class DispatchCall(ctypes.Structure):
     _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("num_tokens", i32), ("pad", u32)]
 

@@ -14,12 +14,12 @@ fp8 dispatch moves each row as e4m3 codes and one float32 scale per 128 elements
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
-
-FP8_BLOCK = 128
+from .dtypes import FP8_BLOCK
 
 
 @dataclass
@@ -94,22 +94,19 @@ def fake_expert_scale(expert_rank: int) -> int:
     return 1 + expert_rank
 
 
-def fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
-    """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to x's dtype.
+def fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False, out_dtype=None) -> np.ndarray:
+    """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to out_dtype (default: x's dtype).
 
     Every expert of the oracle is called with `alone`: whether this row is the only one of its token
     on expert_rank and crosses to another rank (see fused_expert)."""
-    return (x_row.astype(np.float32) * np.float32(fake_expert_scale(expert_rank))).astype(x_row.dtype)
+    out_dtype = x_row.dtype if out_dtype is None else out_dtype
+    return (x_row.astype(np.float32) * np.float32(fake_expert_scale(expert_rank))).astype(out_dtype)
 
 
 def fp8_fake_expert(out_dtype):
     """gpu-mode's fake expert on dequantized fp8 rows (dequantize_fp8, float32): x * (1 + rank) in
     float32, rounded to the 16-bit out_dtype."""
-    out_dtype = np.dtype(out_dtype)
-
-    def expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
-        return (x_row.astype(np.float32) * np.float32(fake_expert_scale(expert_rank))).astype(out_dtype)
-    return expert
+    return functools.partial(fake_expert, out_dtype=np.dtype(out_dtype))
 
 
 def fused_expert(scales):

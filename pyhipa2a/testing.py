@@ -49,10 +49,8 @@ def dispatched_tokens(a2a, inputs: WorldInputs):
     """Every rank's tokens as a2a's dispatch delivers them: (rows, scales), scales None unless fp8."""
     if not a2a.scale_cols:
         return inputs.xs, None
-    if inputs.x_scales is not None:
-        return inputs.xs, inputs.x_scales
-    pairs = [reference.quantize_fp8(x, a2a.dispatch_dtype) for x in inputs.xs]
-    return [c for c, _ in pairs], [s for _, s in pairs]
+    fp8 = inputs if inputs.x_scales is not None else inputs.quantized(a2a.dispatch_dtype)
+    return fp8.xs, fp8.x_scales
 
 
 def expert_rows(a2a, inputs: WorldInputs) -> list[np.ndarray]:
@@ -194,6 +192,12 @@ def upload_inputs(a2a, inputs: WorldInputs, stream=_OWN_STREAM) -> list:
         arr.copy_from(host)
         arrays.append(arr)
     return arrays
+
+
+def dispatch_uploaded(a2a, arrays, **kw):
+    """a2a.dispatch of upload_inputs' arrays: x, indices, weights, and x's scales when x is fp8."""
+    x, indices, _, *scales = arrays
+    return a2a.dispatch(x, indices, x_scales=scales[0] if scales else None, **kw)
 
 
 def free_inputs(a2a, arrays) -> None:

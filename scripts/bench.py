@@ -46,10 +46,12 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
+from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
-from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, draw_world, dtype_arguments, free_inputs,  # noqa: E402
-                              failure_line, fused_combine, inputs_as_given, poison, run_round, upload_inputs)
+from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, dispatch_uploaded, draw_world,  # noqa: E402
+                              dtype_arguments, failure_line, free_inputs, fused_combine, inputs_as_given, poison,
+                              run_round, upload_inputs)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -124,9 +126,9 @@ def call(a2a, arrays, events=None, fused=False):
     the fake expert fused into combine (its scale applied there; no expert kernel, a GEMM phase of 0).
     `arrays`: x, indices, weights (and x's scales when x is fp8)."""
     mark = (lambda i: a2a.backend.event_record(events[i], a2a.stream)) if events else (lambda i: None)
-    x, idx, w, *scales = arrays
+    w = arrays[2]
     mark(0)
-    d = a2a.dispatch(x, idx, x_scales=scales[0] if scales else None)
+    d = dispatch_uploaded(a2a, arrays)
     mark(1)
     ey = None if fused else a2a.fake_expert(d)
     mark(2)
@@ -220,14 +222,13 @@ def framework_arrays(kind: str, a2a, inputs) -> list:
 def host_time(comm, a2a, arrays, fused: bool, iters: int) -> float:
     """Median host time of one eager dispatch() + combine() (us), max over ranks; the fake expert's launch
     between them (when not fused) is not counted."""
-    x, idx, w, *scales = arrays
-    scales = scales[0] if scales else None
+    w = arrays[2]
     times = []
     for i in range(iters + 10):
         a2a.synchronize()
         comm.Barrier()
         t0 = time.perf_counter()
-        d = a2a.dispatch(x, idx, x_scales=scales)
+        d = dispatch_uploaded(a2a, arrays)
         t1 = time.perf_counter()
         ey = None if fused else a2a.fake_expert(d)
         t2 = time.perf_counter()
@@ -346,8 +347,8 @@ def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
         if s["num_experts"] % world:
             rows.append({**row, "ok": False, "error": f"SKIP: experts do not divide over {world} ranks"})
             continue
-        if args.dispatch_dtype != "float16" and s["hidden_dim"] % 128:
-            rows.append({**row, "ok": False, "error": "SKIP: fp8 dispatch needs H to be a multiple of 128"})
+        if args.dispatch_dtype != "float16" and s["hidden_dim"] % FP8_BLOCK:
+            rows.append({**row, "ok": False, "error": f"SKIP: fp8 dispatch needs H to be a multiple of {FP8_BLOCK}"})
             continue
         inputs = draw_world(s["seed"], world, s["num_experts"], s["experts_per_token"], s["hidden_dim"],
                             s["max_num_tokens"])

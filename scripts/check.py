@@ -26,8 +26,7 @@ from mpi4py import MPI  # noqa: E402
 from pyhipa2a import AllToAll  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, draw_world, dtype_arguments, failure_line,  # noqa: E402
                               inputs_as_given, run_round)
-
-FP8_BLOCK = 128
+from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 

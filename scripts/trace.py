@@ -26,8 +26,8 @@ from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
 from pyhipa2a.profile import TAGS, stage_windows, summarize, to_trace_events, write_trace  # noqa: E402
-from pyhipa2a.testing import (draw_world, dtype_arguments, free_inputs, inputs_as_given, run_round,  # noqa: E402
-                              upload_inputs)
+from pyhipa2a.testing import (dispatch_uploaded, draw_world, dtype_arguments, free_inputs,  # noqa: E402
+                              inputs_as_given, run_round, upload_inputs)
 
 LARGEST_GPU_MODE_SHAPE = (256, 8, 7168, 256)
 
@@ -60,10 +60,9 @@ def main() -> int:
         recorded, dropped = [], 0
         graph = None
         if args.graph:  # the call captured once, with this rank's inputs in device buffers of its own
-            x, indices, weights, *scales = arrays = upload_inputs(a2a, inputs)
+            arrays = upload_inputs(a2a, inputs)
             a2a.expert_y_buffer()
-            graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(
-                x, indices, x_scales=scales[0] if scales else None)), weights))
+            graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(dispatch_uploaded(a2a, arrays)), arrays[2]))
         for i in range(args.iters):
             comm.Barrier()
             if graph is not None:

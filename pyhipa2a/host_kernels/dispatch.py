@@ -14,9 +14,8 @@ import numpy as np
 from ..dtypes import bfloat16
 from . import STATUS_BAD_INDEX, STATUS_CAPACITY, mem, tag, wait_flags, wait_tagged
 from .exchange import PUSHED, WAIT_DISPATCH, View, count_header, finish, take_epoch, valid_slots
+from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16
 from .fp8 import quantize
-
-X_COPY, X_FP8, X_QUANTIZE_F16, X_QUANTIZE_BF16 = range(4)  # A2A_X_* in kernels_hip/exchange.h
 
 
 def a2a_dispatch(backend, a, c) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-BLOCK = 128
+from ..dtypes import FP8_BLOCK as BLOCK
 
 
 class Fp8Format:

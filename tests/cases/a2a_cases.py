@@ -15,7 +15,7 @@ import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
 from pyhipa2a.a2a import DEFAULT_PUSH_BYTES
 from pyhipa2a.dtypes import resolve
-from pyhipa2a.testing import dispatch, draw_world, run_round
+from pyhipa2a.testing import dispatch, draw_world, dtype_arguments, inputs_as_given, run_round
 
 
 def token_counts(mode: str, world: int, M: int, rng) -> list[int] | None:
@@ -813,17 +813,15 @@ def case_fp8(comm, way, fp8="float8_e4m3", in16="bfloat16", E_per_rank="4", k="4
     match its oracle. The transfer mode comes from PYHIPA2A_PUSH_MAX_TOKENS."""
     world = comm.Get_size()
     E, k, H, M, rounds, seed = int(E_per_rank) * world, int(k), int(H), int(M), int(rounds), int(seed)
-    dtypes = (dict(in_dtype=in16, dispatch_dtype=fp8) if way == "quantize"
-              else dict(in_dtype=fp8, out_dtype=in16))
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, **dtypes) as a2a:
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  **dtype_arguments(in16, fp8, way)) as a2a:
         assert a2a.dispatch_dtype.name in ("float8_e4m3fn", "float8_e4m3fnuz") and a2a.out_dtype == resolve(in16)
         for i in range(rounds):
             rng = np.random.default_rng(1000 * seed + i)
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, in16, token_counts(counts, world, M, rng),
                                 routing)
             fp8_values(inputs, values, 1000 * seed + i)
-            if way == "given":
-                inputs = inputs.quantized(a2a.dispatch_dtype)
+            inputs = inputs_as_given(a2a, inputs, way)
             err = run_round(a2a, inputs)
             print(f"rank {a2a.rank} round {i}: {way} {a2a.dispatch_dtype.name} T={len(inputs.xs[a2a.rank])} "
                   f"pushed={len(inputs.xs[a2a.rank]) <= a2a.push_max_tokens} max err {err:.3g}")
