@@ -1,6 +1,5 @@
 // Expert-parallel combine over the symmetric heap (protocol: exchange.h).
 //
-//      zeroes the counters for the next call, while the others fan out.
 // combine (one kernel):
 //   1. block 0 sends this rank's weights to every peer as tagged words;
 //   2. for every peer's token with experts here: one contribution for the

@@ -1,21 +1,31 @@
 // Expert-parallel dispatch over the symmetric heap (protocol: exchange.h).
 //
-// dispatch (one kernel):
-//   1. headers: block 0 writes this rank's routing rows and token count T
-//      into every peer's inbox as tagged words (protocol.h: value and epoch
-//      in one atomic 8-byte store, so no fence and no flag);
+// The sender decides where every row lands, so nothing stands between a
+// token's arrival and its copy into expert_x but the local copy itself:
+//   1. route (a block per chunk of our tokens, see route below): each valid
+//      slot (t, j) takes the next place among the rows its chunk sends to
+//      expert e (a counter in shared memory), and the row goes to every
+//      rank, us too, as tagged words packing e and that place (protocol.h:
+//      value and epoch in one atomic 8-byte store, so no fence and no
+//      flag); then each rank gets the chunk's count for each of its
+//      experts; block 0 also sends our token count;
 //   2. send: each token that another rank needs is either staged, segment
 //      by segment, in our own symmetric heap, each segment's flag released
 //      into the memory of every rank that needs it, or, in a pushed call
 //      (below), written straight into those ranks' inboxes;
-//   3. receive: every (source, token) waits for its routing row, keeps a
-//      decoded copy, reserves rows for its experts here with local atomics
-//      (meta: src_rank, src_token, src_k; and, as tagged words, where each
-//      slot went); each segment of the token then waits for its flag (in our
-//      memory) and is read ONCE over the link (not once per expert), or for
-//      its pushed words, and is fanned out to its experts' rows of the
-//      expert-major output;
-//   4. the last warp to finish reserving publishes expert_num_tokens and
+//   3. receive: one warp per segment of each (source, token) takes the
+//      routing row and the counts of the chunks before the token's (all
+//      sent at the start, so they are usually in), works out its rows --
+//      expert l's rows hold source 0's chunks first, in order, then source
+//      1's, each row at the place its sender chose -- then takes the segment (a staged one read
+//      ONCE over the link after its flag, a pushed one from our inbox) and
+//      copies it to each of its expert rows; the warp of segment 0 also
+//      writes the rows' meta (src_rank, src_token, src_k) and, for combine,
+//      the decoded routing row and where each slot went;
+//   4. a few warps sum every chunk's count of each of our experts into
+//      expert_num_tokens, while the others copy.
+// No receiver-side reservation, no hand-off between warps, no grid-wide step
+// but the poisoning tail.
 //
 // The steps are templates on X, how x becomes expert_x (A2A_X_* in
 // exchange.h): 16-bit rows are copied as bytes; fp8 rows (given, or
@@ -23,22 +33,87 @@
 // block scales. One kernel per X, so the 16-bit kernel is what it was.
 #include "fp8.h"
 
-// Block 0 writes our routing rows and token count (with A2A_PUSHED when we
-// push) into every peer's inbox as tagged words, all threads at once; the
-// count goes into our own inbox too, where combine finds our choice.
-A2A_DEVICE void send_headers(const Ctx& x, const DispatchCall& c, const WarpGrid& g, bool push) {
+// A routing slot as it travels: e + E * place (place: its index among the
+// rows its route chunk sends to expert e), or A2A_NO_SLOT for a slot that breaks
+// the contract (out of range, or repeating an earlier expert of its row),
+// which nobody writes. The host keeps E * M below 2^32 - 1.
+#define A2A_NO_SLOT 0xffffffffu
+// Routing goes by chunks of a call's tokens (route_chunk tokens, chosen by
+// the host: kernels.route_chunk), one block each, so that routing a large
+// call takes little longer than a small one. A chunk's places count from zero for
+// each expert: the receiver puts a chunk's rows after those of every chunk
+// before it (all chunks of the sources before, then the source's own
+// earlier chunks), from the counts each chunk sends. Work is in shared
+// memory: the chunk's routing rows (read with many loads in flight, so that
+// a slot's check against the earlier slots of its row is a few shared
+// reads, not a chain of global ones) and a counter per expert (an atomic
+// there costs tens of nanoseconds, one on global memory most of a
+// microsecond) for A2A_ROUTE_WINDOW experts at a time: more experts take
+// more passes.
+#define A2A_ROUTE_TILE 1024u  // slots read into shared memory at once (whole rows: a chunk may take several)
+#define A2A_ROUTE_WINDOW 1024u
+#define A2A_ROUTE_LOADS 8u  // loads of the chunk a thread has in flight at once
+
+// The chunks of a call of `tokens` tokens.
+A2A_DEVICE u32 route_chunks(const Ctx& x, u32 tokens) { return (tokens + x.a.route_chunk - 1u) / x.a.route_chunk; }
+// A source's count words of each chunk, for all our experts: [W][route_chunks(M)][L] by parity.
+A2A_DEVICE u64* chunk_counts(const Ctx& x, u32 rank) {
+  return sym<u64>(x.h, (int)rank, x.a.off_expert_counts) + (u64)x.parity * x.W * route_chunks(x, x.M) * x.L;
+}
+
+// One block, chunk `chunk` of our routing rows: every slot gets its place
+// (the next count of its expert's counter) and goes to every rank as a
+// tagged word, then the chunk's count for every expert goes to the rank that
+// hosts it. A chunk past our tokens (up to route_chunks(M)) sends zero
+// counts, so that every rank's counts are a dense table. Our own copies land
+// in our own inbox: the receiving steps read ours where they read the
+// peers'. A slot that breaks the contract (out of range, or repeating an
+// earlier expert of its row) travels as A2A_NO_SLOT, in the first pass.
+A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u32 chunk) {
+  __shared__ u32 counters[A2A_ROUTE_WINDOW];
+  __shared__ i32 tile[A2A_ROUTE_TILE];
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
-  const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k;
-  for (u32 r = 0; r < x.W; ++r) {
-    A2A_PROF_START(t0);
-    u64* rows = sym<u64>(x.h, (int)r, x.a.off_tok_hdr) + ((u64)x.parity * x.W + me) * x.M * x.k;
-    for (u32 i = a2a_thread(); r != me && i < n; i += a2a_block_dim())
-      a2a_store_relaxed_sys_u64(&rows[i], a2a_tag((u32)indices[i], x.epoch));
-    if (a2a_thread() == 0)
-      a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, x.a.off_tok_count) + x.parity * x.W + me,
-                                a2a_tag((u32)c.num_tokens | (push ? A2A_PUSHED : 0u), x.epoch));
-    if (r != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_HEADERS, t0, r);
+  const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k, E = (u32)x.a.num_experts;
+  const u32 start = chunk * x.a.route_chunk * x.k, size = x.a.route_chunk * x.k;
+  const u32 end = start >= n ? start : n - start < size ? n : start + size;  // the chunk's slots
+  const u32 tile_slots = A2A_ROUTE_TILE / x.k * x.k;  // whole rows
+  A2A_PROF_START(t0);
+  for (u32 first = 0; first < E; first += A2A_ROUTE_WINDOW) {
+    const u32 last = E - first < A2A_ROUTE_WINDOW ? E : first + A2A_ROUTE_WINDOW;
+    for (u32 i = a2a_thread(); i < last - first; i += a2a_block_dim()) counters[i] = 0u;
+    for (u32 base = start; base < end; base += tile_slots) {
+      const u32 count = end - base < tile_slots ? end - base : tile_slots;
+      for (u32 i0 = a2a_thread(); i0 < count; i0 += A2A_ROUTE_LOADS * a2a_block_dim()) {
+        i32 e[A2A_ROUTE_LOADS];  // every load issued before the first store: `indices` might be shared memory
+        for (u32 u = 0; u < A2A_ROUTE_LOADS; ++u)
+          if (i0 + u * a2a_block_dim() < count) e[u] = indices[base + i0 + u * a2a_block_dim()];
+        for (u32 u = 0; u < A2A_ROUTE_LOADS; ++u)
+          if (i0 + u * a2a_block_dim() < count) tile[i0 + u * a2a_block_dim()] = e[u];
+      }
+      a2a_block_sync();  // the tile is in (and, before the first tile, the counters are zero)
+      for (u32 i = a2a_thread(); i < count; i += a2a_block_dim()) {
+        const u32 j = (base + i) % x.k;
+        const i32 e = tile[i];
+        bool valid = e >= 0 && e < (i32)E;
+        for (u32 q = 1; q <= j; ++q) valid = valid && tile[i - q] != e;
+        if (!valid && first == 0) report(x, A2A_ERR_BAD_INDEX, me, base + i, (u32)e);
+        if (valid ? (u32)e < first || (u32)e >= last : first != 0) continue;  // another pass sends it
+        const u32 v = valid ? (u32)e + E * a2a_add_shared(&counters[(u32)e - first], 1u) : A2A_NO_SLOT;
+        for (u32 r = 0; r < x.W; ++r)
+          a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, x.a.off_tok_hdr) + ((u64)x.parity * x.W + me) * x.M * x.k + base + i,
+                                    a2a_tag(v, x.epoch));
+      }
+      a2a_block_sync();  // the tile is read before the next one overwrites it
+    }
+    if (start == end) a2a_block_sync();  // (no tile: the counters' zeroes must still be in)
+    for (u32 i = first + a2a_thread(); i < last; i += a2a_block_dim()) {
+      const u32 r = i / x.L, l = i % x.L;
+      a2a_store_relaxed_sys_u64(chunk_counts(x, r) + ((u64)me * route_chunks(x, x.M) + chunk) * x.L + l,
+                                a2a_tag(counters[i - first], x.epoch));
+    }
+    a2a_block_sync();  // the counts are out before the next window zeroes the counters
   }
+  A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_HEADERS, t0, me | chunk << 8);
 }
 
 // Each segment of each token some peer needs is copied into our stage; lane r
@@ -120,67 +195,82 @@ A2A_DEVICE const u8* token_vector(const Ctx& x, const DispatchCall& c, u32 src, 
   return sym<u8>(x.h, (int)src, x.a.off_stage) + ((u64)x.parity * x.M + t) * x.a.token_bytes;
 }
 
-// One warp per (src, t): lane j waits for slot j of the routing row (a peer's
-// arrives as tagged words), keeps the decoded row for the fan-out and for
-// combine, and reserves the expert row of slot j when that expert is ours
-// (local atomics), writing its meta and slot_of (-1: not ours). The copiers of
-// the token's segments poll a tagged copy of slot_of (value and epoch in one
-// word): no flag, so no release, which would wait for every store this warp
-// still has in flight, the headers' stores to peers included.
-A2A_DEVICE bool reserve_rows(const Ctx& x, const DispatchCall& c, const WarpGrid& g, const u32* pre) {
-  const u32 me = (u32)x.h.rank;
-  const i32* indices = reinterpret_cast<const i32*>(c.indices);
-  const u64* inbox = sym<u64>(x.h, (int)me, x.a.off_tok_hdr) + (u64)x.parity * x.W * x.M * x.k;
-  u32* counters = sym<u32>(x.h, (int)me, x.a.off_counters);
-  i32* meta = sym<i32>(x.h, (int)me, x.a.off_recv_meta);
-  i32* rows = sym<i32>(x.h, (int)me, x.a.off_rows);
-  i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
-  u64* slot_tag = sym<u64>(x.h, (int)me, x.a.off_slot_tag);
-  bool reserved = false;  // whether this warp wrote anything the counts' publisher reads
-  for (u32 item = first_item(g, g.warps / 4u); item < pre[x.W]; item += g.warps) {
-    reserved = true;
-    u32 src, t;
-    locate(pre, x.W, item, src, t);
-    const u64 at = ((u64)src * x.M + t) * x.k;
-    i32 e = -1;
-    bool ok = true;
-    if (g.lane < x.k) {
-      if (src == me) {
-        e = indices[(u64)t * x.k + g.lane];
-      } else {
-        A2A_PROF_START(t0);
-        u32 v = 0;
-        ok = a2a_wait_tagged(&inbox[at + g.lane], x.epoch, x.deadline, x.status, v);
-        if (!ok) report(x, A2A_ERR_TIMEOUT, src, A2A_WAIT_DISPATCH, x.epoch);
-        e = (i32)v;
-        if (g.lane == 0) A2A_PROF(x.prof, 0, A2A_TAG_DISPATCH_WAIT_HEADER, t0, src | t << 8);
+// The sum of the first `n` count words of our expert l in the dense table
+// (source-major, then chunk): A2A_ROUTE_LOADS loads in flight at a time,
+// each taken again until it carries the epoch; false on timeout (reported,
+// naming the source of the first word missing) or when this rank already
+// failed.
+A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 n, u32& sum) {
+  const u64* counts = chunk_counts(x, (u32)x.h.rank) + l;
+  sum = 0;
+  for (u32 q0 = 0; q0 < n; q0 += A2A_ROUTE_LOADS) {
+    for (u32 spins = 1;; ++spins) {
+      u64 w[A2A_ROUTE_LOADS];
+      for (u32 u = 0; u < A2A_ROUTE_LOADS; ++u)
+        if (q0 + u < n) w[u] = a2a_load_relaxed_sys_u64(counts + (u64)(q0 + u) * x.L);
+      u32 missing = n, part = 0;
+      for (u32 u = 0; u < A2A_ROUTE_LOADS; ++u) {
+        if (q0 + u >= n) break;
+        if ((u32)(w[u] >> 32) != x.epoch && missing == n) missing = q0 + u;
+        part += (u32)w[u];
       }
-      rows[at + g.lane] = e;
-    }
-    if (warp_any(!ok, g.lane, x.k)) break;
-    const RowSlot lane_slot = row_slot(e, g.lane, x.k, x.a.num_experts);
-    const u32 here = slots_on(lane_slot, x.k, x.L, me);
-    if (g.lane < x.k) {
-      if (src == me && !lane_slot.valid)
-        report(x, A2A_ERR_BAD_INDEX, me, t * x.k + g.lane, (u32)e);
-      i32 slot = -1;
-      if (here >> g.lane & 1u) {
-        const u32 l = (u32)e % x.L;
-        const u32 s = a2a_fetch_add_dev(&counters[l], 1u);
-        if (s < x.capacity) {
-          slot = (i32)(l * x.capacity + s);
-          meta[(u64)slot * 3u] = (i32)src;
-          meta[(u64)slot * 3u + 1u] = (i32)t;
-          meta[(u64)slot * 3u + 2u] = (i32)g.lane;
-        } else {
-          report(x, A2A_ERR_CAPACITY, me, l, s);
+      if (missing == n) {
+        sum += part;
+        break;
+      }
+      if ((spins & 63u) == 0) {
+        if (a2a_clock_ns() > x.deadline) {
+          report(x, A2A_ERR_TIMEOUT, missing / route_chunks(x, x.M), A2A_WAIT_DISPATCH, x.epoch);
+          return false;
         }
+        if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
       }
-      slot_of[at + g.lane] = slot;  // for combine (the next kernel)
-      a2a_store_relaxed_sys_u64(&slot_tag[at + g.lane], a2a_tag((u32)slot, x.epoch));
+      a2a_pause();
     }
   }
-  return reserved;
+  return true;
+}
+
+// Lane j (< k) of the warp on token t of source src gets the row of
+// expert_x that slot j fills here (-1: its expert is not ours, or the slot is
+// void): expert l's rows hold source 0's chunks first, then source 1's, each
+// row at the place its sender chose in its chunk, so the row is l's rows
+// from the chunks before t's plus that place. With `record` (the warp of the token's first
+// segment) the lane also writes the row's meta and, for combine, the decoded
+// routing slot and its row. False in every lane when a word never came
+// (reported).
+A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane, i32& row) {
+  const u32 me = (u32)x.h.rank, E = (u32)x.a.num_experts;
+  const u64 at = ((u64)src * x.M + t) * x.k + lane;
+  bool ok = true;
+  row = -1;
+  if (lane < x.k) {
+    u32 v[1] = {A2A_NO_SLOT};
+    ok = take_tagged(x, sym<u64>(x.h, (int)me, x.a.off_tok_hdr) + (u64)x.parity * x.W * x.M * x.k + at, 1u, 1u, v,
+                     src, A2A_WAIT_DISPATCH, t);
+    const i32 e = ok && v[0] != A2A_NO_SLOT ? (i32)(v[0] % E) : -1;
+    if (e >= 0 && (u32)e / x.L == me) {
+      const u32 l = (u32)e % x.L;
+      u32 before = 0;
+      ok = sum_counts(x, l, src * route_chunks(x, x.M) + t / x.a.route_chunk, before);
+      const u32 r = before + v[0] / E;  // below W * M while senders keep the protocol
+      if (ok && r < x.capacity)
+        row = (i32)(l * x.capacity + r);
+      else if (ok)
+        report(x, A2A_ERR_CAPACITY, me, l, r);
+    }
+    if (record) {
+      sym<i32>(x.h, (int)me, x.a.off_rows)[at] = e;
+      sym<i32>(x.h, (int)me, x.a.off_slot_of)[at] = row;
+      if (row >= 0) {
+        i32* meta = sym<i32>(x.h, (int)me, x.a.off_recv_meta) + (u64)row * 3u;
+        meta[0] = (i32)src;
+        meta[1] = (i32)t;
+        meta[2] = (i32)lane;
+      }
+    }
+  }
+  return warp_all(ok, lane);
 }
 
 // Each segment of each (src, t) with experts here is copied by one warp to
@@ -193,7 +283,6 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
   i32* slots = slot_buf[g.warp_in_block];
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
   const u32 pushed = pre[x.W + 1], words = rb / 4u, H = (u32)x.a.hidden;
-  const u64* slot_tag = sym<u64>(x.h, (int)me, x.a.off_slot_tag);
   u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
   float* expert_scales = sym<float>(x.h, (int)me, x.a.off_recv_scales);
   for (u32 item = first_item(g, g.warps / 2u); item < pre[x.W + 2] * x.W * S; item += g.warps) {
@@ -201,14 +290,10 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
     if (!token_major(pre, x.W, me + 1u, x.W, item / S, src, t)) continue;
     const u32 seg = item % S;
     A2A_PROF_START(t1);
-    // Lane j waits for slot j's row (-1: not an expert of ours, or lost to a reported error).
-    u32 slot_word[1] = {~0u};
-    const bool known = g.lane >= x.k || take_tagged(x, &slot_tag[((u64)src * x.M + t) * x.k + g.lane], 1u, 1u,
-                                                    slot_word, me, A2A_WAIT_DISPATCH, t);
-    if (!warp_all(known, g.lane)) break;
-    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_SLOT, t1, src | t << 8);
+    i32 slot;  // lane j: slot j's row here, or -1
+    if (!expert_rows(x, src, t, seg == 0, g.lane, slot)) break;
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_HEADER, t1, src | t << 8);
     A2A_PROF_START(t3);
-    const i32 slot = (i32)slot_word[0];
     u32 n = 0;
     for (u32 j = 0; j < x.k; ++j) {
       const i32 s = a2a_shfl(slot, (int)j);
@@ -274,44 +359,27 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
   }
 }
 
-// The warps that reserved rows (the first min(warps, tokens) from the
-// reservations' first warp on) check in once their reservations are made;
-// the last one publishes expert_num_tokens (every reservation is in by then)
-// and zeroes the counters and itself for the next call, while the others fan
-// out. With no token anywhere, the reservations' first warp publishes the
-// zeros. Warps without reservations stay off the counter: on small calls
-// thousands of them would queue on one address.
-A2A_DEVICE void publish_counts_if_last(const Ctx& x, const WarpGrid& g, const u32* pre, bool reserved) {
-  u32* arrived = sym<u32>(x.h, x.h.rank, x.a.off_arrived);
-  const u32 checkins = pre[x.W] < g.warps ? pre[x.W] : g.warps;
-  A2A_PROF_START(t0);
-  int last = 0;
-  if (checkins == 0) {
-    last = first_item(g, g.warps / 4u) == 0u;
-  } else {
-    if (!reserved) return;
-    a2a_wave_sync();  // the warp's reservations come before its check-in
-    if (g.lane == 0) last = a2a_fetch_add_acq_rel_dev(arrived, 1u) == checkins - 1u;
-  }
-  if (!a2a_shfl(last, 0)) return;
-  u32* counters = sym<u32>(x.h, x.h.rank, x.a.off_counters);
+// Warps from a quarter of the grid on sum each of our experts' counts over
+// every chunk of every source (lane q takes word q, q + 32, ...) into
+// expert_num_tokens, while the other warps copy.
+A2A_DEVICE void publish_counts(const Ctx& x, const WarpGrid& g) {
+  const u64* counts = chunk_counts(x, (u32)x.h.rank);
+  const u32 words = x.W * route_chunks(x, x.M);
   i32* num_tokens = sym<i32>(x.h, x.h.rank, x.a.off_num_tokens);
-  // Every counter is loaded before any store: a loop that loads, then stores, paid one memory round
-  // trip per 32 experts (2.4 us at 256 experts in a trace), since the compiler cannot tell the arrays apart.
-  constexpr u32 LANE_MAX = A2A_MAX_LOCAL_EXPERTS / A2A_WARP_SIZE;
-  u32 n[LANE_MAX];
-  for (u32 i = 0; i < LANE_MAX; ++i) {
-    const u32 l = g.lane + i * A2A_WARP_SIZE;
-    n[i] = l < x.L ? counters[l] : 0u;
+  for (u32 l = first_item(g, g.warps / 4u); l < x.L; l += g.warps) {
+    A2A_PROF_START(t0);
+    u32 n = 0;
+    bool ok = true;
+    for (u32 q = g.lane; q < words && ok; q += A2A_WARP_SIZE) {
+      u32 v[1] = {0u};
+      ok = take_tagged(x, counts + (u64)q * x.L + l, 1u, 1u, v, q / route_chunks(x, x.M), A2A_WAIT_DISPATCH, l);
+      n += v[0];
+    }
+    if (!warp_all(ok, g.lane)) return;
+    for (u32 d = 1; d < A2A_WARP_SIZE; d <<= 1) n += (u32)a2a_shfl((int)n, (int)(g.lane ^ d));
+    if (g.lane == 0) num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l);
   }
-  for (u32 i = 0; i < LANE_MAX; ++i) {
-    const u32 l = g.lane + i * A2A_WARP_SIZE;
-    if (l >= x.L) break;
-    num_tokens[l] = (i32)(n[i] < x.capacity ? n[i] : x.capacity);
-    counters[l] = 0u;
-  }
-  if (g.lane == 0) *arrived = 0u;  // nobody else touches it until the next launch
-  A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, 0);
 }
 
 template <u32 X>
@@ -323,15 +391,17 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   // Pushed words are read 4 bytes at a time (the host only enables pushing
   // for rows that are whole words).
   const bool push = (u32)c.num_tokens <= a.push_max_tokens && (X != A2A_X_COPY || (c.x & 3u) == 0);
-  if (a2a_block() == 0) send_headers(x, c, g, push);
+  if (a2a_block() == 0 && a2a_thread() < x.W)
+    a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,
+                              a2a_tag((u32)c.num_tokens | (push ? A2A_PUSHED : 0u), x.epoch));
+  for (u32 chunk = a2a_block(); chunk < route_chunks(x, x.M); chunk += a2a_grid_dim()) route(x, c, g, chunk);
   if (push)
     push_tokens<X>(x, c, g);
   else
     stage_tokens<X>(x, c, g);
   __shared__ u32 pre[A2A_PREFIX_WORDS];
   const bool ok = source_prefix(x, (u32)c.num_tokens | (push ? A2A_PUSHED : 0u), pre, true, g);
-  const bool reserved = ok && reserve_rows(x, c, g, pre);
-  if (ok) publish_counts_if_last(x, g, pre, reserved);
+  if (ok) publish_counts(x, g);
   if (ok) fan_out<X>(x, c, g, pre);
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
   A2A_PROF_END(a.prof);

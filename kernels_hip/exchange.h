@@ -33,8 +33,9 @@
 struct A2AArgs {
   HeapView heap;
   // written by peers
-  u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source
+  u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source, places packed in
   u64 off_tok_count;       // u64 [2][W]                   tagged T of every source
+  u64 off_expert_counts;   // u64 [2][W][C][L]             tagged count of the rows of src's route chunk c for our expert l
   u64 off_w_in;            // u64 [W][M][k]                tagged weights of src's tokens (combine)
   u64 off_stage_flag;      // u32 [2][W][M][S]             epoch: segment s of src's staged token t is in
   u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution to our t is in
@@ -48,12 +49,9 @@ struct A2AArgs {
   u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]    expert_x
   u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
   u64 off_recv_scales;     // f32 [L][W*M][scale_cols]     expert_x_scales (fp8 dispatch)
-  u64 off_counters;        // u32 [L]
   u64 off_num_tokens;      // i32 [L]                      expert_num_tokens
-  u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded, ours too
+  u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded (-1: void), ours too
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
-  u64 off_slot_tag;        // u64 [W][M][k]                slot_of as tagged words, for the fan-out (this kernel)
-  u64 off_arrived;         // u32 [1]                      warps that made their reservations (dispatch)
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 off_done;            // u32 [2]                      blocks done: [0] dispatch, [1] combine
@@ -79,6 +77,8 @@ struct A2AArgs {
   u32 push_token_words;    // a pushed token's words in a peer's inbox (fp8: fp8.h's layout)
   u32 x_seg_elems;         // dispatch's segments: seg_elems, twice that in fp8 (as many bytes)
   u32 x_nseg;              // ceil(hidden / x_seg_elems)
+  u32 route_chunk;         // tokens a block routes in dispatch (pyhipa2a/kernels.py: route_chunk)
+  u32 pad;
   u64 timeout_ns;
 };
 
@@ -145,8 +145,21 @@ struct Ctx {
   u32 W, M, k, L, capacity, parity, epoch;
 };
 
+// The heap's table of bases, copied into the block's shared memory (every
+// thread of the block calls this): a loop that stores through a peer's
+// pointer must load that peer's base again after each store (the store
+// might have changed it), and that load costs tens of cycles from shared
+// memory where from global memory it costs a round trip, in series with the
+// next store.
+A2A_DEVICE HeapView block_heap_view(const HeapView& h) {
+  __shared__ u64 bases[A2A_MAX_WORLD];
+  if (a2a_thread() < (u32)h.world) bases[a2a_thread()] = h.bases[a2a_thread()];
+  a2a_block_sync();
+  return {bases, h.rank, h.world};
+}
+
 A2A_DEVICE Ctx make_ctx(const A2AArgs& a, u32 epoch) {
-  return {a, a.heap, sym<u32>(a.heap, a.heap.rank, a.off_status), reinterpret_cast<u32*>(a.host_status),
+  return {a, block_heap_view(a.heap), sym<u32>(a.heap, a.heap.rank, a.off_status), reinterpret_cast<u32*>(a.host_status),
           a.prof, a2a_clock_ns() + a.timeout_ns, (u32)a.heap.world, (u32)a.max_tokens, (u32)a.top_k,
           (u32)a.local_experts, (u32)(a.heap.world * a.max_tokens), epoch & 1u, epoch};
 }
@@ -373,10 +386,9 @@ A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u
 // Warp 0's lane r waits for r's header (when `wait`: dispatch, where our own
 // is `my_header`; combine reads every header, ours too, as dispatch left
 // them): one poller per block, not per warp, on the words peers write. Item
-// spaces below are over tokens that exist, not over W * M slots (dense for
-// the reservations; sources times the most tokens of any source for the
-// token-major bulk steps): a call with one token per rank costs one item
-// (or segment) per rank.
+// spaces below are over tokens that exist, not over W * M slots (sources
+// times the most tokens of any source for the token-major bulk steps): a
+// call with one token per rank costs one item (or segment) per rank.
 A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, const WarpGrid& g) {
   const u32 me = (u32)x.h.rank, lane = g.lane;
   if (g.warp_in_block == 0) {

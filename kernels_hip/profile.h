@@ -13,12 +13,12 @@
 #pragma once
 #include "portability.h"
 
-#define A2A_TAG_DISPATCH_HEADERS 1u
+#define A2A_TAG_DISPATCH_HEADERS 1u  // route: places, routing rows and counts out
 #define A2A_TAG_DISPATCH_STAGE 2u
-#define A2A_TAG_DISPATCH_WAIT_HEADER 3u
+#define A2A_TAG_DISPATCH_WAIT_HEADER 3u  // token counts; then a token's routing row and counts before it
 #define A2A_TAG_DISPATCH_WAIT_TOKEN 4u
 #define A2A_TAG_DISPATCH_FANOUT 5u
-#define A2A_TAG_DISPATCH_COUNTS 6u
+#define A2A_TAG_DISPATCH_COUNTS 6u  // expert_num_tokens of one expert
 #define A2A_TAG_DISPATCH_WARP 7u
 #define A2A_TAG_COMBINE_WEIGHTS 8u
 #define A2A_TAG_COMBINE_WAIT_WEIGHTS 9u
@@ -26,7 +26,7 @@
 #define A2A_TAG_COMBINE_WAIT_CONTRIB 11u
 #define A2A_TAG_COMBINE_REDUCE 12u
 #define A2A_TAG_COMBINE_WARP 13u
-#define A2A_TAG_DISPATCH_WAIT_SLOT 14u
+// 14 was the fan-out's wait for its reserved slots; the number stays retired.
 
 struct ProfEvent {
   u64 start, end;  // device clock, ns

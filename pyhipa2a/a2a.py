@@ -36,7 +36,7 @@ from .graph import Graph
 from .heap import SymmetricHeap
 from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array
 from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTIZE_F16, A2AArgs,
-                      KernelLibrary)
+                      KernelLibrary, route_chunk, route_chunks)
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
 from .profile import ProfileBuffer, clock_offset
@@ -139,6 +139,9 @@ class AllToAll:
         self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
         if min(self.num_experts, self.top_k, self.hidden, self.max_tokens) < 1:
             raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
+        if self.num_experts * self.max_tokens >= 2**32 - 1:  # a routing slot travels as e + E * place in 32 bits
+            raise ValueError(f"num_experts * max_num_tokens must be below 2**32 - 1; got "
+                             f"{self.num_experts} * {self.max_tokens}")
         if self.top_k > min(self.num_experts, MAX_TOP_K):
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
         if self.timeout <= 0:
@@ -201,6 +204,7 @@ class AllToAll:
             # half); headers alternate by epoch parity
             ("tok_hdr", (2, world, M, k), np.uint64),
             ("tok_count", (2, world), np.uint64),
+            ("expert_counts", (2, world, route_chunks(k, M), L), np.uint64),  # by source and route chunk
             ("w_in", (world, M, k), np.uint64),
             ("stage_flag", (2, world, M, S), np.uint32),   # flags of the data below, in the reader's memory
             ("contrib_flag", (world, M, S), np.uint32),
@@ -214,12 +218,9 @@ class AllToAll:
             ("recv_x", (L, world * M, H), self.dispatch_dtype),
             ("recv_meta", (L, world * M, 3), np.int32),
             ("recv_scales", (L, world * M, C), np.float32),
-            ("counters", (L,), np.uint32),
             ("num_tokens", (L,), np.int32),
             ("rows", (world, M, k), np.int32),
             ("slot_of", (world, M, k), np.int32),
-            ("slot_tag", (world, M, k), np.uint64),  # slot_of as tagged words (dispatch's fan-out)
-            ("arrived", (1,), np.uint32),
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
             ("done", (2,), np.uint32),   # blocks finished, per kernel: the last one poisons a failed call
@@ -356,6 +357,7 @@ class AllToAll:
         a.prof = self.profile_buffer.ptr if self.profile_buffer is not None else 0
         a.seg_elems, a.nseg = self.seg_elems, self.nseg
         a.x_seg_elems, a.x_nseg = self.x_seg_elems, self.x_nseg
+        a.route_chunk = route_chunk(self.top_k, self.max_tokens)
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
         a.trap_on_timeout = int(self.on_timeout == "trap")

@@ -29,11 +29,11 @@ class HeapCheckArgs(ctypes.Structure):
 
 class A2AArgs(ctypes.Structure):
     _fields_ = [("heap", HeapView),
-                ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_w_in", u64), ("off_stage_flag", u64),
+                ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64),
                 ("off_contrib_flag", u64), ("off_stage", u64), ("off_contrib", u64),
                 ("off_push_tok", u64), ("off_push_contrib", u64),
-                ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_counters", u64), ("off_num_tokens", u64),
-                ("off_rows", u64), ("off_slot_of", u64), ("off_slot_tag", u64), ("off_arrived", u64), ("off_epoch", u64),
+                ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_num_tokens", u64),
+                ("off_rows", u64), ("off_slot_of", u64), ("off_epoch", u64),
                 ("off_status", u64), ("off_done", u64),
                 ("host_status", u64), ("prof", u64),
                 ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
@@ -41,7 +41,24 @@ class A2AArgs(ctypes.Structure):
                 ("push_max_tokens", u32), ("push_row_words", u32), ("narrow_partials", u32),
                 ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32), ("x_format", u32),
                 ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
-                ("timeout_ns", u64)]
+                ("route_chunk", u32), ("pad", u32), ("timeout_ns", u64)]
+
+
+# Dispatch routes a call in chunks of tokens, a block each (kernels_hip/dispatch.hip, route): chunks of
+# about ROUTE_CHUNK_SLOTS slots keep the time a block takes short, and at most MAX_ROUTE_CHUNKS of them
+# keep short the tables of counts per chunk that receivers add up.
+ROUTE_CHUNK_SLOTS = 512
+MAX_ROUTE_CHUNKS = 8
+
+
+def route_chunk(top_k: int, max_tokens: int) -> int:
+    """Tokens a block routes; a call of max_tokens tokens has at most MAX_ROUTE_CHUNKS chunks."""
+    return max(1, ROUTE_CHUNK_SLOTS // top_k, -(-max_tokens // MAX_ROUTE_CHUNKS))
+
+
+def route_chunks(top_k: int, max_tokens: int) -> int:
+    """Chunks of a call of max_tokens tokens: the rows of the per-chunk count tables."""
+    return -(-max_tokens // route_chunk(top_k, max_tokens))
 
 
 # How dispatch turns x into expert_x (A2A_X_* in kernels_hip/exchange.h; the host twins read it from

@@ -20,12 +20,12 @@ import numpy as np
 # time was spent on: "wait" (for a peer), "move" (copying / computing), "span"
 # (a warp's whole kernel), "sync" (grid-level bookkeeping).
 TAGS = {
-    1: ("dispatch.headers", "move"),
+    1: ("dispatch.route", "move"),
     2: ("dispatch.stage", "move"),
     3: ("dispatch.wait_header", "wait"),
     4: ("dispatch.wait_token", "wait"),
     5: ("dispatch.fanout", "move"),
-    6: ("dispatch.counts", "sync"),
+    6: ("dispatch.counts", "wait"),
     7: ("dispatch.warp", "span"),
     8: ("combine.weights", "move"),
     9: ("combine.wait_weights", "wait"),
@@ -33,7 +33,6 @@ TAGS = {
     11: ("combine.wait_contrib", "wait"),
     12: ("combine.reduce", "move"),
     13: ("combine.warp", "span"),
-    14: ("dispatch.wait_slot", "wait"),
 }
 KERNEL_OF_SPAN = {7: "dispatch", 13: "combine"}
 

@@ -1,7 +1,8 @@
 """Bytes each rank sends over links in one dispatch + combine, as the kernels move them.
 
 Mirrors kernels_hip/dispatch.hip and combine.hip: dispatch sends every peer a header (routing rows
-and the count), and each token crosses once to every other rank hosting one
+with their places, the token count, and for each route chunk its count for each of the peer's
+experts), and each token crosses once to every other rank hosting one
 of its experts (that rank pulls it); combine sends every peer the weights,
 and one contribution per (token, expert rank) crosses back to the owner (it
 pulls it): the raw row when that rank hosts one of the token's experts, a
@@ -20,8 +21,9 @@ TAGGED = 8  # bytes of one tagged word (value and epoch), how headers and weight
 
 def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_itemsize: int = 2,
                out_itemsize: int = 2, push_max_tokens: int = 0,
-               narrow_partials: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(dispatch, combine): bytes each rank sends to other ranks."""
+               narrow_partials: bool = False, count_chunks: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(dispatch, combine): bytes each rank sends to other ranks. `count_chunks`: the route chunks whose
+    counts every source sends (kernels.route_chunks)."""
     world = len(indices)
     per_rank = num_experts // world
     partial_itemsize = out_itemsize if narrow_partials else 4
@@ -30,7 +32,7 @@ def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_item
         T, k = idx.shape
         peers = world - 1
         widen = TAGGED // 4 if T <= push_max_tokens else 1  # pushed: 4 data bytes per tagged word
-        dispatch[src] += peers * (T * k + 1) * TAGGED     # headers: routing rows and the count
+        dispatch[src] += peers * (T * k + 1 + per_rank * count_chunks) * TAGGED  # routing rows, T, counts
         combine[src] += peers * T * k * TAGGED            # weights
         ranks = idx // per_rank                           # [T, k] rank of each slot's expert
         for r in range(world):

@@ -47,7 +47,7 @@ from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
 from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402
-from pyhipa2a.kernels import KernelLibrary  # noqa: E402
+from pyhipa2a.kernels import KernelLibrary, route_chunks  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, dispatch_uploaded, draw_world,  # noqa: E402
                               dtype_arguments, failure_line, free_inputs, fused_combine, inputs_as_given, poison,
@@ -321,10 +321,12 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     free_inputs(a2a, arrays)  # every rank frees in the same order; device_times/wall_time ended synchronized
     x_bytes = a2a.dispatch_dtype.itemsize + 4 * a2a.scale_cols / a2a.hidden  # per element, its scale's share too
     sizes = (inputs.indices, a2a.num_experts, a2a.hidden, x_bytes, a2a.out_dtype.itemsize)
-    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens, narrow_partials=a2a.narrow_partials)
+    chunks = route_chunks(a2a.top_k, a2a.max_tokens)
+    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens, narrow_partials=a2a.narrow_partials,
+                                   count_chunks=chunks)
     total = float(dispatch.sum() + combine.sum())
     # The speed of light moves the data alone: a pushed call's tags are our overhead, not its floor.
-    data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.narrow_partials))
+    data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.narrow_partials, count_chunks=chunks))
     sol = float(data.max()) / (bw["gbps"] * 1e9) * 1e6
     r.update(ok=True, link_bytes=total, gbps=total / (r["e2e"] * 1e-6) / 1e9,
              sol=sol, ratio=r["e2e"] / sol if sol > 0 else None)

@@ -50,6 +50,10 @@ EDGE_CASES = {
     "hidden_1001_some_empty": (4, 3, 1001, 8, "float16", "some_empty", "random"),
     "bf16": (8, 4, 2880, 16, "bfloat16", "random", "random"),
     "bf16_hot_full": (4, 2, 1000, 16, "bfloat16", "full", "hot"),
+    # from 2 ranks on, more experts than dispatch's route counts in one pass (A2A_ROUTE_WINDOW)
+    "experts_over_route_windows": (1024, 4, 128, 16, "float16", "full", "random"),
+    # dispatch routes by chunks of tokens (kernels.route_chunk: 256 here, 8 chunks at T = M)
+    "many_route_chunks": (4, 2, 64, 2048, "float16", "full", "random"),
 }
 
 

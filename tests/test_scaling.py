@@ -61,7 +61,7 @@ def test_the_counting_agrees_with_the_library_traffic_model():
     rng = np.random.default_rng(7)
     routing = [draw_routing(rng, T, k, E) for _ in range(ranks)]
     dispatch, combine = link_bytes(routing, E, H, in_itemsize=2, out_itemsize=2)
-    headers = (ranks - 1) * (T * k + 1) * 8
+    headers = (ranks - 1) * (T * k + 1 + E // ranks) * 8
     weights = (ranks - 1) * T * k * 8
     for src in range(ranks):
         sent = [counted_pair_bytes(routing, s, 1, src, dst) for dst in range(ranks) if dst != src]

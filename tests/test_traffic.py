@@ -10,11 +10,11 @@ def test_two_ranks_by_hand():
     idx1 = np.array([[1, 3]], np.int32)                   # rank 1's 1 token
     dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8)
     # Headers and weights travel as 8-byte tagged words (value and epoch).
-    # rank 0: header of 3*2 entries and the count; tokens 1 and 2 go to rank 1 once each (token 2 has
+    # rank 0: header of 3*2 entries, the count and its count for each of rank 1's 2 experts; tokens 1 and 2 go to rank 1 once each (token 2 has
     # two experts there)
-    assert dispatch[0] == (3 * 2 + 1) * 8 + 2 * 8 * 2
-    # rank 1: header of 1*2 entries and the count; its token goes to rank 0 once
-    assert dispatch[1] == (1 * 2 + 1) * 8 + 1 * 8 * 2
+    assert dispatch[0] == (3 * 2 + 1 + 2) * 8 + 2 * 8 * 2
+    # rank 1: header of 1*2 entries, the count and 2 expert counts; its token goes to rank 0 once
+    assert dispatch[1] == (1 * 2 + 1 + 2) * 8 + 1 * 8 * 2
     # combine: weights to the peer; rank 1 returns a raw row for token 1 of rank 0 and an
     # fp32 partial for token 2 (two experts there); rank 0 returns a raw row for rank 1's token
     assert combine[0] == 3 * 2 * 8 + 1 * 8 * 2
@@ -27,8 +27,8 @@ def test_pushed_calls_double_their_data():
     idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)
     idx1 = np.array([[1, 3]], np.int32)
     dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, push_max_tokens=1)
-    assert dispatch[0] == (3 * 2 + 1) * 8 + 2 * 8 * 2              # staged, as in the test above
-    assert dispatch[1] == (1 * 2 + 1) * 8 + 2 * (1 * 8 * 2)        # pushed: its token doubled
+    assert dispatch[0] == (3 * 2 + 1 + 2) * 8 + 2 * 8 * 2              # staged, as in the test above
+    assert dispatch[1] == (1 * 2 + 1 + 2) * 8 + 2 * (1 * 8 * 2)        # pushed: its token doubled
     assert combine[0] == 3 * 2 * 8 + 2 * (1 * 8 * 2)               # rank 0's raw row for rank 1's token
     assert combine[1] == 1 * 2 * 8 + 8 * 2 + 8 * 4                 # for rank 0's staged tokens, as above
 
@@ -54,3 +54,13 @@ def test_pushed_narrow_partials():
     for narrow, itemsize in ((False, 4), (True, 2)):
         _, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, push_max_tokens=1, narrow_partials=narrow)
         assert combine[0] == 3 * 2 * 8 + 2 * (8 * itemsize)          # weights, then the pushed partial
+
+
+def test_each_route_chunk_sends_its_counts():
+    # The first test's routing; a source sends its count for each of the peer's experts once per route
+    # chunk of the call (kernels.route_chunks: chunks of max_tokens), here 3: two more words per chunk.
+    idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)
+    idx1 = np.array([[1, 3]], np.int32)
+    one = link_bytes([idx0, idx1], num_experts=4, hidden=8)
+    dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, count_chunks=3)
+    assert np.array_equal(dispatch - one[0], [2 * 2 * 8, 2 * 2 * 8]) and np.array_equal(combine, one[1])

@@ -1,7 +1,7 @@
 """Python implementations of the device kernels for the host backend.
 
 Each module mirrors the `.hip` file of the same name and follows its protocol
-(epoch flags, slot reservation on the receiver's counters, the done barrier)
+(epoch flags and tagged words, places chosen by the sender, the poisoning tail)
 on the host backend's shared memory, so everything above the kernels is
 exercised on machines without GPUs. A host "grid" is one process, so the
 last-block hand-off is implicit.

@@ -14,7 +14,7 @@ import numpy as np
 from ..dtypes import bfloat16
 from . import STATUS_BAD_INDEX, STATUS_CAPACITY, mem, tag, wait_flags, wait_tagged
 from .exchange import PUSHED, WAIT_DISPATCH, View, count_header, finish, take_epoch, valid_slots
-from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16
+from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, route_chunk, route_chunks
 from .fp8 import quantize
 
 
@@ -50,12 +50,29 @@ def carried(a, c, T: int) -> np.ndarray:
     return out
 
 
+NO_SLOT = 0xFFFFFFFF  # a void routing slot as it travels (A2A_NO_SLOT)
+
+
+def places(rows: np.ndarray, valid: np.ndarray, num_experts: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each valid slot's place among its expert's rows from its route chunk (`chunk` tokens), and the
+    number of rows of each chunk for each expert [chunks, E]; the device takes places with shared-memory
+    atomics, in an order of its own, here they go token by token."""
+    chunks = -(-len(rows) // chunk)
+    key = np.where(valid, rows + num_experts * (np.arange(len(rows)) // chunk)[:, None], -1).ravel()
+    order = np.argsort(key, kind="stable")
+    first = np.searchsorted(key[order], key[order], side="left")
+    place = np.empty(key.shape, np.int64)
+    place[order] = np.arange(len(key)) - first
+    counts = np.bincount(key[key >= 0], minlength=chunks * num_experts).reshape(chunks, num_experts)
+    return place.reshape(rows.shape), counts
+
+
 def _dispatch(backend, a, c, v: View) -> None:
-    W, M, k, L, me, p = v.W, v.M, v.k, v.L, v.me, v.parity
+    W, M, k, L, E, me, p = v.W, v.M, v.k, v.L, v.E, v.me, v.parity
     T, rb, tb, S = c.num_tokens, a.x_row_bytes, a.token_bytes, a.x_nseg
     indices = mem(c.indices, (T, k), np.int32)
     x = carried(a, c, T)
-    valid = valid_slots(indices, v.E)
+    valid = valid_slots(indices, E)
     if not valid.all():
         pos = int(np.flatnonzero(~valid)[0])
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
@@ -63,13 +80,20 @@ def _dispatch(backend, a, c, v: View) -> None:
     push = T <= a.push_max_tokens
     P, words = a.push_max_tokens, a.push_token_words
     span = time.monotonic_ns()
-    for r in range(W):  # 1. headers to every peer as tagged words; the count (and our choice) to us too
-        t0 = time.monotonic_ns()
-        if r != me:
-            v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(indices, v.epoch)
+    # 1. route, by chunks of tokens: each slot's place in its chunk, the packed routing rows to every
+    # rank, us too, then the token count and each chunk's count for each of the rank's experts (zero
+    # for chunks past our tokens: the table is dense)
+    t0 = time.monotonic_ns()
+    chunk, C = route_chunk(k, M), route_chunks(k, M)
+    place, chunk_counts = places(indices, valid, E, chunk)
+    sent = np.zeros((C, E), np.int64)
+    sent[:len(chunk_counts)] = chunk_counts
+    packed = np.where(valid, indices + E * place, NO_SLOT)
+    for r in range(W):
+        v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(packed, v.epoch)
         v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T | (PUSHED if push else 0), v.epoch)
-        if r != me:
-            v.rec.record(1, t0, r)
+        v.buf(r, "expert_counts", (2, W, C, L), np.uint64)[p, me] = tag(sent[:, r * L:(r + 1) * L], v.epoch)
+    v.rec.record(1, t0, me)
     # 2. every token another rank needs: pushed into its inbox as tagged words, or staged in our
     # own memory (peers pull it) with its flags sent to them
     t0 = time.monotonic_ns()
@@ -87,30 +111,31 @@ def _dispatch(backend, a, c, v: View) -> None:
             inbox[tokens, :tb // 4] = tag(x[tokens].view(np.uint32), v.epoch)
     v.rec.record(2, t0, me)
 
-    counters = v.buf(me, "counters", (L,), np.uint32)
     expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
     meta = v.buf(me, "recv_meta", (L, v.cap, 3), np.int32)
     scales = v.buf(me, "recv_scales", (L, v.cap, a.scale_cols), np.float32)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
-    for src in range(W):  # 3. fan each token with experts here out to its experts' rows
-        if src == me:
-            rows, vecs, count, pushed = indices, x, T, False
-        else:
-            t0 = time.monotonic_ns()
-            n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
-                            v.status, WAIT_DISPATCH, src)
-            count, pushed = count_header(int(n[0]), M) if n is not None else (0, False)
-            hdr = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
-                              v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
-            if hdr is None:
-                return
-            v.rec.record(3, t0, src)
-            rows = hdr.view(np.int32).reshape(count, k)
-            vecs = v.buf(src, "stage", (2, M, tb), np.uint8)[p]
+    counts = v.buf(me, "expert_counts", (2, W, C, L), np.uint64)[p]
+    before = np.zeros(L, np.int64)  # rows of each of our experts from the sources already placed
+    for src in range(W):  # 3. each source's tokens with experts here, copied to the rows its places give
+        t0 = time.monotonic_ns()
+        n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
+                        v.status, WAIT_DISPATCH, src)
+        count, pushed = count_header(int(n[0]), M) if n is not None else (0, False)
+        hdr = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
+                          v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
+        src_counts = wait_tagged(counts[src], v.epoch, v.deadline, v.status, WAIT_DISPATCH, src) \
+            if hdr is not None else None
+        if src_counts is None:
+            return
+        v.rec.record(3, t0, src)
+        void = hdr == NO_SLOT
+        rows = np.where(void, -1, hdr % E).astype(np.int32).reshape(count, k)
+        place = (hdr // E).astype(np.int64).reshape(count, k)
+        vecs = x if src == me else v.buf(src, "stage", (2, M, tb), np.uint8)[p]
         decoded[src, :count] = rows  # combine reads the routing rows from here
-        here = valid_slots(rows, v.E) & (rows // L == me)
-        tokens, slots = np.nonzero(here)
+        tokens, slots = np.nonzero((rows >= 0) & (rows // L == me))
         wanted = np.unique(tokens)
         t0 = time.monotonic_ns()
         needed = (wanted[:, None] * S + np.arange(S)).ravel()
@@ -127,26 +152,25 @@ def _dispatch(backend, a, c, v: View) -> None:
         if src != me:
             v.rec.record(4, t0, src)
         t0 = time.monotonic_ns()
-        for l in np.unique(rows[tokens, slots] % L):
-            pick = rows[tokens, slots] % L == l
-            t, j = tokens[pick], slots[pick]
-            first = int(counters[l])
-            row = first + np.arange(len(t))
-            fits = row < v.cap
-            if not fits.all():
-                v.status.report(STATUS_CAPACITY, me, int(l), int(row[~fits][0]))
-            counters[l] = first + len(t)
-            t, j, row = t[fits], j[fits], row[fits]
-            expert_x[l, row] = vecs[t, :rb]
-            if a.scale_cols:
-                scales[l, row] = vecs[t, a.hidden:a.hidden + 4 * a.scale_cols].copy().view(np.float32)
-            meta[l, row] = np.stack([np.full_like(t, src), t, j], axis=1)
-            slot_of[src, t, j] = l * v.cap + row
+        l = rows[tokens, slots] % L
+        src_counts = src_counts.astype(np.int64)  # [C, L]: the rows of each of src's chunks
+        chunk_start = before + np.cumsum(src_counts, axis=0) - src_counts  # where each chunk's rows begin
+        row = chunk_start[tokens // chunk, l] + place[tokens, slots]
+        fits = row < v.cap
+        if not fits.all():
+            v.status.report(STATUS_CAPACITY, me, int(l[~fits][0]), int(row[~fits][0]))
+        t, j, l, row = tokens[fits], slots[fits], l[fits], row[fits]
+        slot_of[src, :count] = -1
+        expert_x[l, row] = vecs[t, :rb]
+        if a.scale_cols:
+            scales[l, row] = vecs[t, a.hidden:a.hidden + 4 * a.scale_cols].copy().view(np.float32)
+        meta[l, row] = np.stack([np.full_like(t, src), t, j], axis=1)
+        slot_of[src, t, j] = l * v.cap + row
+        before += src_counts.sum(axis=0)
         v.rec.record(5, t0, src)
 
-    # 4. publish the counts, zero the counters for the next call
+    # 4. expert_num_tokens: every source's count of each of our experts
     t0 = time.monotonic_ns()
-    v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(counters, v.cap)
-    counters[:] = 0
+    v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(before, v.cap)
     v.rec.record(6, t0)
     v.rec.record(7, span)
