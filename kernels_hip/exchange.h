@@ -427,13 +427,6 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
   return a2a_shfl(lane == 0 ? (int)a2a_load_relaxed_sys(&x.status[0]) : 0, 0) == 0;
 }
 
-// Item q of a dense (source, token) space: its source and token.
-A2A_DEVICE void locate(const u32* pre, u32 W, u32 q, u32& src, u32& t) {
-  src = 0;
-  while (src + 1u < W && pre[src + 1u] <= q) ++src;
-  t = q - pre[src];
-}
-
 // Item q of a token-major space over n sources from `first` on (mod W): token
 // q / n of source first + q % n; false when that source has fewer tokens (a
 // gap: the space is n * the most tokens of any source). Bulk steps walk

@@ -61,9 +61,6 @@ A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
 A2A_DEVICE u32 a2a_load_relaxed_sys(const u32* p) {
   return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
-A2A_DEVICE u32 a2a_fetch_add_sys(u32* p, u32 v) {
-  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
-}
 // Single-copy-atomic 8-byte words, no ordering: a reader sees all of a word or none of it.
 A2A_DEVICE void a2a_store_relaxed_sys_u64(u64* p, u64 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
@@ -73,9 +70,6 @@ A2A_DEVICE u64 a2a_load_relaxed_sys_u64(const u64* p) {
 }
 A2A_DEVICE u32 a2a_add_shared(u32* p, u32 v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
-}
-A2A_DEVICE u32 a2a_fetch_add_dev(u32* p, u32 v) {
-  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
 // Device-scope acq_rel counter for "last block done" detection.
 A2A_DEVICE u32 a2a_fetch_add_acq_rel_dev(u32* p, u32 v) {
@@ -125,10 +119,6 @@ A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
 A2A_DEVICE u32 a2a_load_relaxed_sys(const u32* p) {
   u32 v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
-A2A_DEVICE u32 a2a_fetch_add_sys(u32* p, u32 v) {
-  u32 old; asm volatile("atom.relaxed.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
 A2A_DEVICE void a2a_store_relaxed_sys_u64(u64* p, u64 v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -136,10 +126,6 @@ A2A_DEVICE u64 a2a_load_relaxed_sys_u64(const u64* p) {
   u64 v; asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v;
 }
 A2A_DEVICE u32 a2a_add_shared(u32* p, u32 v) { return atomicAdd(p, v); }
-A2A_DEVICE u32 a2a_fetch_add_dev(u32* p, u32 v) {
-  u32 old; asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
 A2A_DEVICE u32 a2a_fetch_add_acq_rel_dev(u32* p, u32 v) {
   u32 old; asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
