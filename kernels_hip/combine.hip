@@ -1,7 +1,9 @@
 // Expert-parallel combine over the symmetric heap (protocol: exchange.h).
 //
 // combine (one kernel):
-//   1. block 0 sends this rank's weights to every peer as tagged words;
+//   1. block 0 sends this rank's weights to every peer as tagged words,
+//      unless dispatch sent them with its routing (then they are in: no
+//      contribution waits for a trip of its own);
 //   2. for every peer's token with experts here: one contribution for the
 //      owner, segment by segment: the raw expert row when the token has one
 //      expert here (times the call's expert_scale, rounded to its format; the
@@ -30,29 +32,35 @@ A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid&
   }
 }
 
-// acc += sum over the experts j in `bits` of w[j] * scale * (8 * A2A_CHUNKS
-// elements of expert_y row slots[j] from e0 on, in steps of a warp's width).
-// The next expert's row is loaded before this one's is summed: one memory
-// latency per chunk, not one per expert.
+// acc[u] += sum over the experts j in `bits` of w[j] * scale * (8 elements
+// of expert_y row slots[j] at e0 + u * STEP, u < A2A_CHUNKS, while before
+// e_end; STEP is a warp's width of 8-element chunks). Two experts at a time,
+// all their loads issued before the first sum: one memory latency per two
+// experts. (Loading the next expert while summing this one, as before, cost
+// one latency per expert: at one rank and k = 8 a token's reduction took
+// eight round trips, 6.6 us.) The sums keep the experts' order, so the
+// result is the same to the bit.
 template <typename Fmt>
 A2A_DEVICE void sum_rows(float (&acc)[A2A_CHUNKS][8], const u16* expert_y, const i32* slots, u32 bits,
                          const float* w, float scale, u32 H, u32 e0, u32 e_end) {
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
-  vec16 cur[U], nxt[U];
-  u32 j = lowest_bit(bits);
-  for (u32 u = 0; u < U; ++u)
-    if (e0 + u * STEP < e_end) cur[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j] * H + e0 + u * STEP);
-  for (;;) {
+  while (bits) {
+    const u32 j0 = lowest_bit(bits);
     bits &= bits - 1u;
-    const u32 jn = bits ? lowest_bit(bits) : j;
-    for (u32 u = 0; u < U; ++u)
-      if (bits && e0 + u * STEP < e_end)
-        nxt[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[jn] * H + e0 + u * STEP);
-    for (u32 u = 0; u < U; ++u)
-      if (e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j] * scale, cur[u]);
-    if (!bits) break;
-    for (u32 u = 0; u < U; ++u) cur[u] = nxt[u];
-    j = jn;
+    const bool two = bits != 0u;
+    const u32 j1 = two ? lowest_bit(bits) : j0;
+    bits &= bits - 1u;  // (0 stays 0)
+    vec16 a[U], b[U];
+    for (u32 u = 0; u < U; ++u) {
+      if (e0 + u * STEP >= e_end) continue;
+      a[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j0] * H + e0 + u * STEP);
+      if (two) b[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j1] * H + e0 + u * STEP);
+    }
+    for (u32 u = 0; u < U; ++u) {
+      if (e0 + u * STEP >= e_end) continue;
+      fma8v<Fmt>(acc[u], w[j0] * scale, a[u]);
+      if (two) fma8v<Fmt>(acc[u], w[j1] * scale, b[u]);
+    }
   }
 }
 
@@ -307,6 +315,14 @@ A2A_DEVICE bool add_peer_part_at(const Ctx& x, float& acc, u32 r, u32 t, u32 bit
   return true;
 }
 
+// Weight j of our token t: from the caller's array, or from our own w_in
+// where dispatch left it (c.weights == 0).
+A2A_DEVICE float own_weight(const Ctx& x, const float* weights, u32 t, u32 j) {
+  if (weights) return weights[(u64)t * x.k + j];
+  const u64* w_in = sym<u64>(x.h, x.h.rank, x.a.off_w_in) + ((u64)x.h.rank * x.M + t) * x.k;
+  return __builtin_bit_cast(float, (u32)w_in[j]);  // written by our dispatch, an earlier kernel
+}
+
 // y[t] = our own experts' rows of t times their weights (and expert_scale), read straight from
 // expert_y, plus each peer's part (add_peer_part); one warp per segment of a
 // token. Lane r works out which of t's slots live on rank r. Pulled parts
@@ -332,7 +348,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
                                             x.k, x.a.num_experts);
     const u32 on_lane_rank = lane_rank_slots(lane_slot, x.k, x.L, g.lane);
     if (g.lane < x.W) here[g.lane] = on_lane_rank;
-    if (g.lane < x.k) sc.w[g.lane] = weights[(u64)t * x.k + g.lane];
+    if (g.lane < x.k) sc.w[g.lane] = own_weight(x, weights, t, g.lane);
     const u32 here_me = a2a_shfl((int)on_lane_rank, (int)me);
     const bool own_rows = load_slots(sc.slots, sym<i32>(x.h, (int)me, x.a.off_slot_of) + ((u64)me * x.M + t) * x.k,
                                      here_me, x.k, g.lane);
@@ -387,8 +403,8 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   __shared__ float w_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
-  if (a2a_block() == 0) send_weights(x, c, g);
-  send_contributions<Fmt>(x, c, g, sc);
+  if (a2a_block() == 0 && c.weights) send_weights(x, c, g);
+  if (x.W > 1) send_contributions<Fmt>(x, c, g, sc);  // (alone, there are no peers' tokens: skip their headers)
   // A lane may still read the warp's scratch (sc.slots, sc.w) for the last
   // contribution it pushed (that path skips the loop's closing sync) when
   // another lane starts rewriting it for its first token.

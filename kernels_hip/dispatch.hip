@@ -8,7 +8,9 @@
 //      rank, us too, as tagged words packing e and that place (protocol.h:
 //      value and epoch in one atomic 8-byte store, so no fence and no
 //      flag); then each rank gets the chunk's count for each of its
-//      experts; block 0 also sends our token count;
+//      experts; block 0 also sends our token count; weights given to
+//      dispatch follow their slots' routing words (to the expert's rank and
+//      to our own w_in), so combine sends none;
 //   2. send: each token that another rank needs is either staged, segment
 //      by segment, in our own symmetric heap, each segment's flag released
 //      into the memory of every rank that needs it, or, in a pushed call
@@ -61,10 +63,23 @@ A2A_DEVICE u64* chunk_counts(const Ctx& x, u32 rank) {
   return sym<u64>(x.h, (int)rank, x.a.off_expert_counts) + (u64)x.parity * x.W * route_chunks(x, x.M) * x.L;
 }
 
+// Weight `w` (its bits) of our slot i = t * k + j, as a tagged word: to the
+// rank of its expert (`host`; our own rank for a void slot), whose
+// contribution to token t may need it, and to our own w_in, where combine
+// reads the weights of our own reduce (so nothing but dispatch reads the
+// caller's array).
+A2A_DEVICE void send_weight(const Ctx& x, u32 host, u32 i, u32 w) {
+  const u32 me = (u32)x.h.rank;
+  const u64 at = (u64)me * x.M * x.k + i, word = a2a_tag(w, x.epoch);
+  if (host != me) a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)host, x.a.off_w_in) + at, word);
+  a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)me, x.a.off_w_in) + at, word);
+}
+
 // One block, chunk `chunk` of our routing rows: every slot gets its place
 // (the next count of its expert's counter) and goes to every rank as a
 // tagged word, then the chunk's count for every expert goes to the rank that
-// hosts it. A chunk past our tokens (up to route_chunks(M)) sends zero
+// hosts it; with the caller's weights each slot's weight follows its routing
+// word (send_weight). A chunk past our tokens (up to route_chunks(M)) sends zero
 // counts, so that every rank's counts are a dense table. Our own copies land
 // in our own inbox: the receiving steps read ours where they read the
 // peers'. A slot that breaks the contract (out of range, or repeating an
@@ -73,6 +88,7 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
   __shared__ u32 counters[A2A_ROUTE_WINDOW];
   __shared__ i32 tile[A2A_ROUTE_TILE];
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
+  const u32* weights = reinterpret_cast<const u32*>(c.weights);  // the float's bits travel
   const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k, E = (u32)x.a.num_experts;
   const u32 start = chunk * x.a.route_chunk * x.k, size = x.a.route_chunk * x.k;
   const u32 end = start >= n ? start : n - start < size ? n : start + size;  // the chunk's slots
@@ -92,16 +108,20 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
       }
       a2a_block_sync();  // the tile is in (and, before the first tile, the counters are zero)
       for (u32 i = a2a_thread(); i < count; i += a2a_block_dim()) {
+        const bool weigh = weights && first == 0;  // loaded now, stored after the routing words
+        const u32 w = weigh ? weights[base + i] : 0u;
         const u32 j = (base + i) % x.k;
         const i32 e = tile[i];
         bool valid = e >= 0 && e < (i32)E;
         for (u32 q = 1; q <= j; ++q) valid = valid && tile[i - q] != e;
         if (!valid && first == 0) report(x, A2A_ERR_BAD_INDEX, me, base + i, (u32)e);
-        if (valid ? (u32)e < first || (u32)e >= last : first != 0) continue;  // another pass sends it
-        const u32 v = valid ? (u32)e + E * a2a_add_shared(&counters[(u32)e - first], 1u) : A2A_NO_SLOT;
-        for (u32 r = 0; r < x.W; ++r)
-          a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, x.a.off_tok_hdr) + ((u64)x.parity * x.W + me) * x.M * x.k + base + i,
-                                    a2a_tag(v, x.epoch));
+        if (valid ? (u32)e >= first && (u32)e < last : first == 0) {  // else another pass sends it
+          const u32 v = valid ? (u32)e + E * a2a_add_shared(&counters[(u32)e - first], 1u) : A2A_NO_SLOT;
+          for (u32 r = 0; r < x.W; ++r)
+            a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, x.a.off_tok_hdr) + ((u64)x.parity * x.W + me) * x.M * x.k + base + i,
+                                      a2a_tag(v, x.epoch));
+        }
+        if (weigh) send_weight(x, valid ? (u32)e / x.L : me, base + i, w);
       }
       a2a_block_sync();  // the tile is read before the next one overwrites it
     }

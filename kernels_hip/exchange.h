@@ -20,12 +20,14 @@
 //
 // Flags and tagged words carry the call's epoch (never 0), so nothing is
 // reset between calls. Headers, staged and pushed tokens alternate by epoch
-// parity: a fast peer's next
-// call cannot overwrite what a slow rank is still reading, since that peer's
-// next-but-one dispatch needs our next header, which we send only after this
-// call's combine is done. The other buffers (weights, contributions, pushed
-// or not) are read by their readers before the barrier that the next call's
-// headers form.
+// parity: a fast peer's next call cannot overwrite what a slow rank is still
+// reading, since that peer's next-but-one dispatch needs our next header,
+// which we send only after this call's combine is done. The other buffers
+// (weights, contributions, pushed or not) are read by their readers before
+// the barrier that the next call's headers form. Weights sent by dispatch
+// are no exception: a peer's next dispatch overwrites its weights in our
+// w_in only after its combine has every contribution we owe it, and we read
+// a token's weights before sending its contribution.
 #pragma once
 #include "profile.h"
 #include "protocol.h"
@@ -36,7 +38,7 @@ struct A2AArgs {
   u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source, places packed in
   u64 off_tok_count;       // u64 [2][W]                   tagged T of every source
   u64 off_expert_counts;   // u64 [2][W][C][L]             tagged count of the rows of src's route chunk c for our expert l
-  u64 off_w_in;            // u64 [W][M][k]                tagged weights of src's tokens (combine)
+  u64 off_w_in;            // u64 [W][M][k]                tagged weights of src's tokens: sent by combine, or by dispatch (ours too)
   u64 off_stage_flag;      // u32 [2][W][M][S]             epoch: segment s of src's staged token t is in
   u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution to our t is in
   // read by peers
@@ -92,13 +94,14 @@ struct DispatchCall {
   u64 x;          // [T][hidden] of in_dtype
   u64 indices;    // i32 [T][k]
   u64 x_scales;   // f32 [T][scale_cols] (A2A_X_FP8 only)
+  u64 weights;    // f32 [T][k] sent with the routing (combine then needs none), or 0: combine sends them
   i32 num_tokens;
   u32 pad;
 };
 
 struct CombineCall {
   u64 expert_y;   // [L][W*M][y_row_bytes], local
-  u64 weights;    // f32 [T][k]
+  u64 weights;    // f32 [T][k], or 0: dispatch sent them (our own are in our w_in)
   u64 out;        // [T][hidden]
   i32 num_tokens;
   float expert_scale;  // our expert rows count as expert_y * this (a fused elementwise epilogue; 1: none)

@@ -305,6 +305,7 @@ class AllToAll:
         self._capturing = None  # the stream while capture() records a step
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
+        self._pending_weights = None  # the weights given to that dispatch, which sent them
         self._broken: str | None = None
         self._expert_y_buffer: DeviceArray | None = None
         self._output_views: dict = {}
@@ -418,10 +419,14 @@ class AllToAll:
         return self._boundary.take(name, obj, want_shape, want_dtype, stream, capturing=self._capturing is not None,
                                    stage_ptr=self.buf[stage].ptr if stage else None)
 
-    def dispatch(self, x, indices, *, x_scales=None, stream=None) -> DispatchResult:
+    def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None) -> DispatchResult:
         """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M;
         with fp8 x (in_dtype fp8), `x_scales` [T, H / 128] float32: element i of row t stands for
-        x[t, i] * x_scales[t, i // 128]."""
+        x[t, i] * x_scales[t, i // 128].
+
+        `weights` [T, k] float32, the gate's weights, may come here instead of to combine: they then
+        travel with the routing, so combine waits for no weights of its peers (its fastest form). This
+        call reads them; combine takes none (or the same array)."""
         self._usable()
         if self._pending is not None:
             # The device hands the call's epoch from dispatch to combine: a second
@@ -437,6 +442,8 @@ class AllToAll:
                             f"{self.in_dtype.name} x" + (" and quantizes it itself" if self.scale_cols else ""))
         if x_scales is not None:
             require_array(x_scales, "x_scales")
+        if weights is not None:
+            require_array(weights, "weights")
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) != 2:
             raise ValueError(f"x must have 2 dimensions (T, {self.hidden}), got shape {shape}")
@@ -455,20 +462,34 @@ class AllToAll:
             s_ptr, s_keep = self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s)
             if s_ptr % 4:
                 raise ValueError(f"x_scales must be 4-byte aligned (its data is at 0x{s_ptr:x})")
+        w_ptr, w_keep = 0, None
+        if weights is not None:
+            w_ptr, w_keep = self._weights_input(weights, T, s)
 
         call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in kernels_hip/exchange.h)
-        call.x, call.indices, call.x_scales, call.num_tokens = x_ptr, i_ptr, s_ptr, T
+        call.x, call.indices, call.x_scales, call.weights, call.num_tokens = x_ptr, i_ptr, s_ptr, w_ptr, T
         self._dispatch_kernel.launch(self._dispatch_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)
-        self._keep(x_keep, i_keep, s_keep)
+        self._keep(x_keep, i_keep, s_keep, w_keep)
 
         num_tokens, expert_x, expert_meta, _, scales, _ = self._outputs(s)
         result = DispatchResult(num_tokens, expert_x, expert_meta, T, scales)
-        self._pending = result
+        self._pending, self._pending_weights = result, weights
         return result
 
-    def combine(self, expert_y, weights, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
+    def _weights_input(self, weights, T: int, stream):
+        """(pointer, keepalive) of the gate's weights [T, k] float32, for dispatch or combine."""
+        wshape = getattr(weights, "shape", None)
+        if wshape is not None and len(wshape) == 2 and wshape[0] != T:
+            raise ValueError(f"weights has {wshape[0]} rows but the call has {T} tokens")
+        w_ptr, w_keep = self._input(weights, "weights", (T, self.top_k), np.float32, "weights_stage", stream)
+        if w_ptr % 4:
+            raise ValueError(f"weights must be 4-byte aligned (its data is at 0x{w_ptr:x})")
+        return w_ptr, w_keep
+
+    def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
         """Bring expert outputs back: y[t] = sum_j weights[t, j] * expert_y_row(t, j), fp32 accumulation.
+        `weights` [T, k] float32, unless they were given to dispatch (then none, or the same array).
 
         `expert_scale` (this rank's; each rank passes its own) is a fused elementwise epilogue: this
         rank's expert rows count as expert_y * expert_scale. A row that crosses to its token's owner
@@ -478,6 +499,12 @@ class AllToAll:
         self._usable()
         if self._pending is None:
             raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
+        sent = self._pending_weights
+        if sent is None and weights is None:
+            raise TypeError("combine() needs the weights [T, k] float32: here, or given to dispatch(weights=)")
+        if sent is not None and weights is not None and weights is not sent:
+            raise ValueError("the weights were given to dispatch(), which sent them: combine() takes none "
+                             "(or the same array)")
         if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then
             self._last_scale = (expert_scale, check_scale(expert_scale))
         scale = self._last_scale[1]
@@ -489,10 +516,7 @@ class AllToAll:
             check_numpy_input("expert_y", expert_y, y_shape, self.out_dtype, self._capturing is not None)
         else:
             y_ptr, y_keep = self._input(expert_y, "expert_y", y_shape, self.out_dtype, None, s)
-        wshape = getattr(weights, "shape", None)
-        if wshape is not None and len(wshape) == 2 and wshape[0] != T:
-            raise ValueError(f"weights has {wshape[0]} rows but the preceding dispatch sent {T} tokens")
-        w_ptr, w_keep = self._input(weights, "weights", (T, self.top_k), np.float32, "weights_stage", s)
+        w_ptr, w_keep = (0, None) if sent is not None else self._weights_input(weights, T, s)
         if out is None:
             out_arr = self._outputs(s)[3][T]
             out_ptr, o_keep = out_arr.ptr, out_arr
@@ -512,7 +536,7 @@ class AllToAll:
         self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)
         self._keep(y_keep, w_keep, o_keep)
-        self._pending = None
+        self._pending = self._pending_weights = None
         return out_arr
 
     def _outputs(self, stream):
@@ -615,7 +639,7 @@ class AllToAll:
                 raise A2AError("the captured step left a dispatch without its combine")
         except BaseException:
             # Nothing captured ran, so the object is as it was before the capture.
-            self._pending = None
+            self._pending = self._pending_weights = None
             self.backend.capture_end(s, keep=False)
             raise
         finally:

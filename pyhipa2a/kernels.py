@@ -69,7 +69,8 @@ DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZ
 
 
 class DispatchCall(ctypes.Structure):
-    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("num_tokens", i32), ("pad", u32)]
+    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32),
+                ("pad", u32)]
 
 
 class CombineCall(ctypes.Structure):

@@ -273,18 +273,30 @@ def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None, fused: bool 
     return combine_error_against_oracle(a2a, inputs, y, tolerance, oracle_expert(a2a, fused))
 
 
-def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, fused: bool = False) -> float:
-    """Poison, dispatch, fake expert (fused into combine when `fused`), combine, check. Returns the
-    largest combine error on this rank."""
+WEIGHTS_AT = ("combine", "dispatch")  # where a call hands over the gate's weights
+
+
+def weights_where(weights, weights_at: str) -> tuple[dict, object]:
+    """(dispatch's keyword arguments, combine's weights) for weights handed over at `weights_at`."""
+    if weights_at not in WEIGHTS_AT:
+        raise ValueError(f"weights_at must be one of {WEIGHTS_AT}, got {weights_at!r}")
+    return ({"weights": weights}, None) if weights_at == "dispatch" else ({}, weights)
+
+
+def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, fused: bool = False,
+              weights_at: str = "combine") -> float:
+    """Poison, dispatch, fake expert (fused into combine when `fused`), combine, check; the weights
+    given to combine or to dispatch (`weights_at`). Returns the largest combine error on this rank."""
     rank = a2a.rank
     if check:
         poison(a2a)
-    result = dispatch(a2a, inputs)
+    to_dispatch, w = weights_where(inputs.weights[rank], weights_at)
+    result = dispatch(a2a, inputs, **to_dispatch)
     expert_y = None if fused else a2a.fake_expert(result)
     if check:
         a2a.synchronize()
         check_dispatch_against_oracle(a2a, inputs, result)
-    y = fused_combine(a2a, result, inputs.weights[rank]) if fused else a2a.combine(expert_y, inputs.weights[rank])
+    y = fused_combine(a2a, result, w) if fused else a2a.combine(expert_y, w)
     a2a.synchronize()
     if not check:
         return float("nan")

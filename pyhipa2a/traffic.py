@@ -3,8 +3,9 @@
 Mirrors kernels_hip/dispatch.hip and combine.hip: dispatch sends every peer a header (routing rows
 with their places, the token count, and for each route chunk its count for each of the peer's
 experts), and each token crosses once to every other rank hosting one
-of its experts (that rank pulls it); combine sends every peer the weights,
-and one contribution per (token, expert rank) crosses back to the owner (it
+of its experts (that rank pulls it); combine sends every peer the weights
+(or, when dispatch takes them, dispatch sends each slot's weight to its
+expert's rank), and one contribution per (token, expert rank) crosses back to the owner (it
 pulls it): the raw row when that rank hosts one of the token's experts, a
 partial sum when it hosts several (fp32, or the output's format with
 narrow partials). A rank whose call has at most
@@ -21,9 +22,10 @@ TAGGED = 8  # bytes of one tagged word (value and epoch), how headers and weight
 
 def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_itemsize: int = 2,
                out_itemsize: int = 2, push_max_tokens: int = 0,
-               narrow_partials: bool = False, count_chunks: int = 1) -> tuple[np.ndarray, np.ndarray]:
+               narrow_partials: bool = False, count_chunks: int = 1,
+               weights_at: str = "combine") -> tuple[np.ndarray, np.ndarray]:
     """(dispatch, combine): bytes each rank sends to other ranks. `count_chunks`: the route chunks whose
-    counts every source sends (kernels.route_chunks)."""
+    counts every source sends (kernels.route_chunks); `weights_at`: the call that takes the weights."""
     world = len(indices)
     per_rank = num_experts // world
     partial_itemsize = out_itemsize if narrow_partials else 4
@@ -33,8 +35,11 @@ def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_item
         peers = world - 1
         widen = TAGGED // 4 if T <= push_max_tokens else 1  # pushed: 4 data bytes per tagged word
         dispatch[src] += peers * (T * k + 1 + per_rank * count_chunks) * TAGGED  # routing rows, T, counts
-        combine[src] += peers * T * k * TAGGED            # weights
         ranks = idx // per_rank                           # [T, k] rank of each slot's expert
+        if weights_at == "dispatch":                      # each slot's weight to its expert's rank
+            dispatch[src] += np.count_nonzero(ranks != src) * TAGGED
+        else:                                             # all of them to every peer
+            combine[src] += peers * T * k * TAGGED
         for r in range(world):
             if r == src:
                 continue

@@ -16,6 +16,8 @@ in fp16 instead of fp32 (half of combine's partial-sum bytes, one more rounding)
 `--fused-expert` fuses the fake expert into combine (combine(d.expert_x, w,
 expert_scale=1 + rank)), as gpu-mode's fastest entries did: two kernels a call
 instead of three, and no pass over expert_x; the GEMM column is then empty.
+`--weights-at dispatch` gives the weights to dispatch (dispatch(x, idx,
+weights=w)), which sends them with the routing, instead of to combine.
 `--inputs own|numpy|cupy|torch|jax` hands the eager calls x, indices and
 weights as that library's arrays (default: our own device arrays; a graph
 replays the pointers it captured, so the graph columns always use ours), with
@@ -39,6 +41,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -51,7 +54,7 @@ from pyhipa2a.kernels import KernelLibrary, route_chunks  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, dispatch_uploaded, draw_world,  # noqa: E402
                               dtype_arguments, failure_line, free_inputs, fused_combine, inputs_as_given, poison,
-                              run_round, upload_inputs)
+                              run_round, upload_inputs, weights_where)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -121,30 +124,40 @@ def peer_bandwidth(comm, backend) -> dict:
 
 
 # -- one call, and its timings ------------------------------------------------------
-def call(a2a, arrays, events=None, fused=False):
-    """dispatch -> fake expert -> combine, with an event before, between and after when given; `fused`:
-    the fake expert fused into combine (its scale applied there; no expert kernel, a GEMM phase of 0).
-    `arrays`: x, indices, weights (and x's scales when x is fp8)."""
+@dataclass(frozen=True)
+class Step:
+    """How the bench makes a call: the fake expert fused into combine (its scale applied there; no
+    expert kernel, a GEMM phase of 0) or a kernel of its own, and the call that takes the weights."""
+    fused: bool = False
+    weights_at: str = "combine"
+
+
+def call(a2a, arrays, step: Step, events=None, between=lambda: None):
+    """dispatch -> fake expert -> combine, with an event before, between and after when given.
+    `arrays`: x, indices, weights (and x's scales when x is fp8). `between()` runs after dispatch()
+    returned and again before combine() is called (the host-time column leaves out what lies between)."""
     mark = (lambda i: a2a.backend.event_record(events[i], a2a.stream)) if events else (lambda i: None)
-    w = arrays[2]
+    to_dispatch, w = weights_where(arrays[2], step.weights_at)
     mark(0)
-    d = dispatch_uploaded(a2a, arrays)
+    d = dispatch_uploaded(a2a, arrays, **to_dispatch)
+    between()
     mark(1)
-    ey = None if fused else a2a.fake_expert(d)
+    ey = None if step.fused else a2a.fake_expert(d)
     mark(2)
-    y = fused_combine(a2a, d, w) if fused else a2a.combine(ey, w)
+    between()
+    y = fused_combine(a2a, d, w) if step.fused else a2a.combine(ey, w)
     mark(3)
     return d, y
 
 
-def capture(a2a, arrays, events=None, fused=False):
+def capture(a2a, arrays, step: Step, events=None):
     """The same call as one graph (events inside it are recorded at every launch); (graph, (d, y))."""
     out = []
-    graph = a2a.capture(lambda: out.extend(call(a2a, arrays, events, fused)))
+    graph = a2a.capture(lambda: out.extend(call(a2a, arrays, step, events)))
     return graph, tuple(out)
 
 
-def capture_empty(a2a, events, fused=False):
+def capture_empty(a2a, events, step: Step):
     """A graph of empty kernels in place of the call's (launched with the exchange kernels' geometry,
     between the same event nodes): what the call costs over bare launches."""
     b, s = a2a.backend, a2a.stream
@@ -156,7 +169,7 @@ def capture_empty(a2a, events, fused=False):
     try:
         for i, phase in enumerate(PHASES[:3]):
             b.event_record(events[i], s)
-            if phase != "gemm" or not fused:
+            if phase != "gemm" or not step.fused:
                 launch()
         b.event_record(events[3], s)
     finally:
@@ -174,14 +187,14 @@ def collective_check(comm, check, what: str = "") -> str:
     return "; ".join(m for m in comm.allgather(msg) if m)
 
 
-def check_run(comm, a2a, inputs, run, fused, what: str) -> str:
+def check_run(comm, a2a, inputs, run, step: Step, what: str) -> str:
     """One call (`run()` makes it and returns its (dispatch result, y)) on poisoned outputs against the
     oracle."""
     def check():
         poison(a2a)
         outputs = run()
         a2a.synchronize()
-        check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE, fused=fused)
+        check_call(a2a, inputs, *outputs, tolerance=GPU_MODE_TOLERANCE, fused=step.fused)
     return collective_check(comm, check, what)
 
 
@@ -219,23 +232,18 @@ def framework_arrays(kind: str, a2a, inputs) -> list:
     return arrays
 
 
-def host_time(comm, a2a, arrays, fused: bool, iters: int) -> float:
+def host_time(comm, a2a, arrays, step: Step, iters: int) -> float:
     """Median host time of one eager dispatch() + combine() (us), max over ranks; the fake expert's launch
     between them (when not fused) is not counted."""
-    w = arrays[2]
     times = []
     for i in range(iters + 10):
         a2a.synchronize()
         comm.Barrier()
-        t0 = time.perf_counter()
-        d = dispatch_uploaded(a2a, arrays)
-        t1 = time.perf_counter()
-        ey = None if fused else a2a.fake_expert(d)
-        t2 = time.perf_counter()
-        fused_combine(a2a, d, w) if fused else a2a.combine(ey, w)
-        t3 = time.perf_counter()
+        stamps = [time.perf_counter()]
+        call(a2a, arrays, step, between=lambda: stamps.append(time.perf_counter()))
+        stamps.append(time.perf_counter())
         if i >= 10:
-            times.append((t1 - t0) + (t3 - t2))
+            times.append((stamps[1] - stamps[0]) + (stamps[3] - stamps[2]))
     a2a.synchronize()
     return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
 
@@ -272,9 +280,10 @@ def wall_time(comm, a2a, body, flush_ptr: int, iters: int) -> float:
     return statistics.median(times) * 1e6  # only rank 0's figure is reported
 
 
-def check_once(comm, a2a, inputs, fused) -> str:
+def check_once(comm, a2a, inputs, step: Step) -> str:
     """One eager call on poisoned outputs against the oracle."""
-    return collective_check(comm, lambda: run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused))
+    return collective_check(comm, lambda: run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=step.fused,
+                                                    weights_at=step.weights_at))
 
 
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
@@ -283,33 +292,33 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs])),
          "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks},
          "pushed_ranks": sum(len(x) <= a2a.push_max_tokens for x in inputs.xs)}
-    fused = args.fused_expert
+    step = Step(args.fused_expert, args.weights_at)
     inputs = inputs_as_given(a2a, inputs, args.fp8_input)
-    error = check_once(comm, a2a, inputs, fused)
+    error = check_once(comm, a2a, inputs, step)
     if error:
         return {**r, "ok": False, "error": error}
     arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
     given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
     b = a2a.backend
     events = [b.event_create() for _ in range(4)]
-    timed, timed_out = capture(a2a, arrays, events, fused)
-    bare, bare_out = capture(a2a, arrays, fused=fused)
-    error = (check_run(comm, a2a, inputs, lambda: (timed.launch(), timed_out)[1], fused, " (graph)")
-             or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], fused, " (graph)")
-             or check_run(comm, a2a, inputs, lambda: call(a2a, given, fused=fused), fused,
+    timed, timed_out = capture(a2a, arrays, step, events)
+    bare, bare_out = capture(a2a, arrays, step)
+    error = (check_run(comm, a2a, inputs, lambda: (timed.launch(), timed_out)[1], step, " (graph)")
+             or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], step, " (graph)")
+             or check_run(comm, a2a, inputs, lambda: call(a2a, given, step), step,
                           f" (eager, {args.inputs} inputs)"))
     if error:
         return {**r, "ok": False, "error": error}
     r.update(device_times(comm, a2a, timed.launch, events, args.warmup, args.iters))
-    empty = capture_empty(a2a, events, fused)
+    empty = capture_empty(a2a, events, step)
     launch_empty = lambda: b.graph_launch(empty, a2a.stream)  # noqa: E731
     r["empty"] = device_times(comm, a2a, launch_empty, events, args.warmup, args.iters)["dispatch"]
-    eager = device_times(comm, a2a, lambda: call(a2a, given, events, fused), events, args.warmup, args.iters)
+    eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), events, args.warmup, args.iters)
     r.update({"eager_" + p: v for p, v in eager.items()})
-    r["host"] = host_time(comm, a2a, given, fused, args.iters)
+    r["host"] = host_time(comm, a2a, given, step, args.iters)
     if flush_ptr is not None:
         r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
-        r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, fused=fused), flush_ptr, args.iters)
+        r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, step), flush_ptr, args.iters)
         r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
         r["empty_wall"] = wall_time(comm, a2a, launch_empty, flush_ptr, args.iters)
         r["eager_over_graph"] = r["eager_wall"] / r["wall"]
@@ -323,10 +332,11 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     sizes = (inputs.indices, a2a.num_experts, a2a.hidden, x_bytes, a2a.out_dtype.itemsize)
     chunks = route_chunks(a2a.top_k, a2a.max_tokens)
     dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens, narrow_partials=a2a.narrow_partials,
-                                   count_chunks=chunks)
+                                   count_chunks=chunks, weights_at=args.weights_at)
     total = float(dispatch.sum() + combine.sum())
     # The speed of light moves the data alone: a pushed call's tags are our overhead, not its floor.
-    data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.narrow_partials, count_chunks=chunks))
+    data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.narrow_partials, count_chunks=chunks,
+                          weights_at=args.weights_at))
     sol = float(data.max()) / (bw["gbps"] * 1e9) * 1e6
     r.update(ok=True, link_bytes=total, gbps=total / (r["e2e"] * 1e-6) / 1e9,
              sol=sol, ratio=r["e2e"] / sol if sol > 0 else None)
@@ -477,7 +487,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
               else f"dispatch {args.dispatch_dtype} ({args.fp8_input} fp8 x), combine fp16")
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, {dtypes}, "
           f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}, "
-          f"eager inputs {args.inputs} (producer_order={args.producer_order})")
+          f"weights to {args.weights_at}, eager inputs {args.inputs} (producer_order={args.producer_order})")
     print(f"command ({world} ranks): {command}")
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
           f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
@@ -496,6 +506,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
                        "narrow_partials": args.narrow_partials, "fused_expert": args.fused_expert,
+                       "weights_at": args.weights_at,
                        "inputs": args.inputs, "producer_order": args.producer_order,
                        "dispatch_dtype": args.dispatch_dtype, "fp8_input": args.fp8_input,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
@@ -531,6 +542,9 @@ def main() -> int:
     p.add_argument("--fused-expert", action="store_true",
                    help="the fake expert fused into combine (combine(d.expert_x, w, expert_scale=1 + rank)): "
                         "no expert kernel")
+    p.add_argument("--weights-at", choices=("combine", "dispatch"), default="combine",
+                   help="the call that takes the gate's weights: combine(expert_y, w), or dispatch(x, idx, "
+                        "weights=w), which sends them with the routing")
     p.add_argument("--inputs", choices=INPUT_KINDS, default="own",
                    help="the eager calls' x, indices and weights: our device arrays, NumPy (copied), CuPy, PyTorch "
                         "or JAX arrays")

@@ -38,7 +38,7 @@ def load_shapes(which: str) -> list[dict]:
 
 def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float, narrow_partials: bool = False,
                 fused: bool = False, dispatch_dtype: str | None = None,
-                fp8_input: str = "quantize") -> tuple[bool, float, str]:
+                fp8_input: str = "quantize", weights_at: str = "combine") -> tuple[bool, float, str]:
     """(ok on this rank, largest combine error, message)."""
     world = comm.Get_size()
     try:
@@ -51,7 +51,8 @@ def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float, narrow_p
                 inputs = draw_world(s["seed"] + 7919 * r, world, s["num_experts"], s["experts_per_token"],
                                     s["hidden_dim"], s["max_num_tokens"], dtype)
                 inputs = inputs_as_given(a2a, inputs, fp8_input)
-                worst = max(worst, run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused))
+                worst = max(worst, run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=fused,
+                                             weights_at=weights_at))
             return True, worst, ""
     except Exception as e:  # reported in the table; the other ranks time out instead of hanging
         if os.environ.get("PYHIPA2A_DEBUG"):
@@ -73,6 +74,8 @@ def main() -> int:
                    help="dispatch in fp8 (e4m3 with block scales); default: --dtype throughout")
     p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",
                    help="fp8 dispatch: 16-bit x quantized by the dispatch kernel, or x given in fp8 with x_scales")
+    p.add_argument("--weights-at", choices=("combine", "dispatch"), default="combine",
+                   help="the call that takes the weights: combine(expert_y, w) or dispatch(x, idx, weights=w)")
     args = p.parse_args()
     if args.dispatch_dtype and args.fused_expert:
         p.error("--fused-expert reads expert_x as expert_y, which is 16-bit: not with fp8 dispatch")
@@ -88,7 +91,7 @@ def main() -> int:
             rows.append((name, "SKIP", "", f"fp8 dispatch needs H to be a multiple of {FP8_BLOCK}"))
             continue
         ok, err, msg = check_shape(comm, s, args.rounds, args.dtype, args.timeout, args.narrow_partials,
-                                   args.fused_expert, args.dispatch_dtype, args.fp8_input)
+                                   args.fused_expert, args.dispatch_dtype, args.fp8_input, args.weights_at)
         ok = comm.allreduce(ok, op=MPI.LAND)
         worst = comm.allreduce(err if err == err else float("inf"), op=MPI.MAX)
         msgs = [m for m in comm.allgather(msg) if m]
@@ -99,7 +102,8 @@ def main() -> int:
               f"allclose(rtol={GPU_MODE_TOLERANCE[0]}, atol={GPU_MODE_TOLERANCE[1]})"
               + (f", dispatch {args.dispatch_dtype} ({args.fp8_input} fp8 x)" if args.dispatch_dtype else "")
               + (", narrow partials" if args.narrow_partials else "")
-              + (", fake expert fused into combine" if args.fused_expert else ""))
+              + (", fake expert fused into combine" if args.fused_expert else "")
+              + f", weights to {args.weights_at}")
         print(f"{'shape':<34} {'result':<6} {'max err':<9} note")
         for name, verdict, err, note in rows:
             print(f"{name:<34} {verdict:<6} {err:<9} {note}")

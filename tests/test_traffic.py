@@ -64,3 +64,15 @@ def test_each_route_chunk_sends_its_counts():
     one = link_bytes([idx0, idx1], num_experts=4, hidden=8)
     dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, count_chunks=3)
     assert np.array_equal(dispatch - one[0], [2 * 2 * 8, 2 * 2 * 8]) and np.array_equal(combine, one[1])
+
+
+def test_weights_given_to_dispatch_go_to_their_experts_ranks():
+    # The first test's routing with the weights given to dispatch: each slot's weight crosses once, to
+    # the rank of its expert, with dispatch (rank 0: slots (1, 1), (2, 0), (2, 1) live on rank 1;
+    # rank 1: slot (0, 0) on rank 0); combine sends no weights.
+    idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)
+    idx1 = np.array([[1, 3]], np.int32)
+    at_combine = link_bytes([idx0, idx1], num_experts=4, hidden=8)
+    dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, weights_at="dispatch")
+    assert np.array_equal(dispatch - at_combine[0], [3 * 8, 1 * 8])
+    assert np.array_equal(at_combine[1] - combine, [3 * 2 * 8, 1 * 2 * 8])

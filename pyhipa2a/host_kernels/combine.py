@@ -23,15 +23,18 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
     T, P = c.num_tokens, a.push_max_tokens
     narrow = bool(a.narrow_partials)  # partial sums travel in the output's 16-bit format
     scale = np.float32(c.expert_scale)  # our expert rows count as expert_y * scale (a fused epilogue)
-    weights = mem(c.weights, (T, k), np.float32)
+    if c.weights:
+        weights = mem(c.weights, (T, k), np.float32)
+    else:  # dispatch sent them, ours into our own w_in
+        weights = v.buf(me, "w_in", (W, M, k), np.uint64)[me, :T].astype(np.uint32).view(np.float32)
     expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
 
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     headers = v.buf(me, "tok_count", (2, W), np.uint64)[p] & np.uint64(0xFFFFFFFF)  # every count, as dispatch left it
     span = time.monotonic_ns()
-    for r in range(W):  # 1. our weights to every peer, as tagged words
-        if r != me:
+    for r in range(W):  # 1. our weights to every peer, as tagged words (unless dispatch sent them)
+        if r != me and c.weights:
             t0 = time.monotonic_ns()
             v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T] = tag(weights.view(np.uint32), v.epoch)
             v.rec.record(8, t0, r)
@@ -47,11 +50,12 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
             continue
         t0 = time.monotonic_ns()
         words = wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], v.epoch, v.deadline,
-                            v.status, WAIT_WEIGHTS, src)
+                            v.status, WAIT_WEIGHTS, src, rows=here)  # dispatch sends only these
         if words is None:
             return
         v.rec.record(9, t0, src)
-        w = words.view(np.float32).reshape(count, k)
+        w = np.zeros((count, k), np.float32)
+        w[here] = words.view(np.float32)
         t0 = time.monotonic_ns()
         contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[src]
         inbox = v.buf(src, "push_contrib", (W, P, a.push_row_words), np.uint64)[me]  # the owner's

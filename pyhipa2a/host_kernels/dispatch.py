@@ -82,7 +82,7 @@ def _dispatch(backend, a, c, v: View) -> None:
     span = time.monotonic_ns()
     # 1. route, by chunks of tokens: each slot's place in its chunk, the packed routing rows to every
     # rank, us too, then the token count and each chunk's count for each of the rank's experts (zero
-    # for chunks past our tokens: the table is dense)
+    # for chunks past our tokens: the table is dense), and the weights when the caller gave them
     t0 = time.monotonic_ns()
     chunk, C = route_chunk(k, M), route_chunks(k, M)
     place, chunk_counts = places(indices, valid, E, chunk)
@@ -93,6 +93,12 @@ def _dispatch(backend, a, c, v: View) -> None:
         v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(packed, v.epoch)
         v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T | (PUSHED if push else 0), v.epoch)
         v.buf(r, "expert_counts", (2, W, C, L), np.uint64)[p, me] = tag(sent[:, r * L:(r + 1) * L], v.epoch)
+    if c.weights:  # each slot's weight to its expert's rank, and all of them to our own w_in (combine's)
+        weights = tag(mem(c.weights, (T, k), np.float32).view(np.uint32), v.epoch)
+        host = np.where(valid, indices // L, me)
+        for r in range(W):
+            mine = np.ones_like(valid) if r == me else host == r
+            v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T][mine] = weights[mine]
     v.rec.record(1, t0, me)
     # 2. every token another rank needs: pushed into its inbox as tagged words, or staged in our
     # own memory (peers pull it) with its flags sent to them

@@ -15,7 +15,8 @@ import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
 from pyhipa2a.a2a import DEFAULT_PUSH_BYTES
 from pyhipa2a.dtypes import resolve
-from pyhipa2a.testing import dispatch, draw_world, dtype_arguments, inputs_as_given, run_round
+from pyhipa2a.testing import (WEIGHTS_AT, dispatch, draw_world, dtype_arguments, inputs_as_given, run_round,
+                              weights_where)
 
 
 def token_counts(mode: str, world: int, M: int, rng) -> list[int] | None:
@@ -41,14 +42,17 @@ def case_shape(comm, E, k, H, M, dtype="float16", counts="random", routing="rand
             rng = np.random.default_rng(1000 * seed + i)
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype,
                                 token_counts(counts, world, M, rng), routing)
-            err = run_round(a2a, inputs)
-            print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
+            weights_at = WEIGHTS_AT[i % 2]  # both ways in every case, and each after the other
+            err = run_round(a2a, inputs, weights_at=weights_at)
+            print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} weights to {weights_at} "
+                  f"max err {err:.3g}")
 
 
-def checked_call(a2a, inputs, exact: bool, scales=None) -> tuple[np.ndarray, int, str]:
+def checked_call(a2a, inputs, exact: bool, scales=None, weights_at="combine") -> tuple[np.ndarray, int, str]:
     """One call on poisoned outputs, checked against the oracle of a2a's mode: value for value on exact
     inputs (draw_world(exact=True)), within the tolerance otherwise. The fake expert is a kernel of
     its own, or with `scales` (one per rank) none: combine(expert_x, w, expert_scale=scales[rank]).
+    The weights go to combine or to dispatch (`weights_at`).
     (This rank's y, for exact inputs how many of its elements the fp32 and narrow oracles give
     differently (check_combine_exact), the largest error as text.)"""
     from pyhipa2a import reference
@@ -57,9 +61,10 @@ def checked_call(a2a, inputs, exact: bool, scales=None) -> tuple[np.ndarray, int
     me = a2a.rank
     expert = reference.fake_expert if scales is None else reference.fused_expert(scales)
     poison(a2a)
-    d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
-    y = (a2a.combine(a2a.fake_expert(d), inputs.weights[me]) if scales is None
-         else a2a.combine(d.expert_x, inputs.weights[me], expert_scale=scales[me]))
+    to_dispatch, w = weights_where(inputs.weights[me], weights_at)
+    d = a2a.dispatch(inputs.xs[me], inputs.indices[me], **to_dispatch)
+    y = (a2a.combine(a2a.fake_expert(d), w) if scales is None
+         else a2a.combine(d.expert_x, w, expert_scale=scales[me]))
     a2a.synchronize()
     check_dispatch_against_oracle(a2a, inputs, d)
     if exact:
@@ -89,7 +94,7 @@ def case_narrow_partials(comm, H, dtype="float16", values="normal", rounds="2"):
                                 exact=exact)
             ys = []
             for a2a in (narrow, wide):
-                y, told_apart, err = checked_call(a2a, inputs, exact)
+                y, told_apart, err = checked_call(a2a, inputs, exact, weights_at=WEIGHTS_AT[i % 2])
                 ys.append(y)
                 print(f"rank {me} round {i}: narrow={a2a.narrow_partials} T={len(inputs.xs[me])} "
                       f"pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} max err {err}")
@@ -124,7 +129,7 @@ def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rou
             rng = np.random.default_rng(700 + i)
             inputs = draw_world(700 + i, world, E, k, H, M, dtype, token_counts("staggered", world, M, rng),
                                 exact=exact)
-            _, _, err = checked_call(a2a, inputs, exact, fused_scales(world))
+            _, _, err = checked_call(a2a, inputs, exact, fused_scales(world), WEIGHTS_AT[i % 2])
             print(f"rank {me} round {i}: T={len(inputs.xs[me])} pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} "
                   f"max err {err}")
 
@@ -304,14 +309,22 @@ def case_bad_inputs(comm):
             a2a.dispatch(x, ForeignDevice(idx.shape, idx.dtype, 10, other))
         with pytest.raises(TypeError, match="x must be a NumPy array or a device array"):
             a2a.dispatch([[0.0] * H] * 4, idx)
+        with pytest.raises(TypeError, match="weights must have dtype float32, got float64"):
+            a2a.dispatch(x, idx, weights=w.astype(np.float64))
+        with pytest.raises(ValueError, match="weights has 3 rows but the call has 4 tokens"):
+            a2a.dispatch(x, idx, weights=w[:3].copy())
+        with pytest.raises(TypeError, match="weights must be a NumPy array or a device array"):
+            a2a.dispatch(x, idx, weights=w.tolist())
 
         d = a2a.dispatch(x, idx)                       # a good call after all the refusals
         expert_y = a2a.fake_expert(d)
+        with pytest.raises(TypeError, match="combine\\(\\) needs the weights"):
+            a2a.combine(expert_y)
         with pytest.raises(ValueError, match=r"expert_y must have shape"):
             a2a.combine(expert_y.view((L, cap, H // 2)), w)
         with pytest.raises(TypeError, match="expert_y must have dtype float16, got float32"):
             a2a.combine(np.zeros((L, cap, H), np.float32), w)
-        with pytest.raises(ValueError, match="weights has 3 rows but the preceding dispatch sent 4 tokens"):
+        with pytest.raises(ValueError, match="weights has 3 rows but the call has 4 tokens"):
             a2a.combine(expert_y, w[:3].copy())
         with pytest.raises(TypeError, match="weights must have dtype float32"):
             a2a.combine(expert_y, w.astype(np.float64))
@@ -321,12 +334,23 @@ def case_bad_inputs(comm):
             a2a.combine(expert_y, w, expert_scale="2")
         with pytest.raises(ValueError, match="expert_scale=inf is not a finite float32"):
             a2a.combine(expert_y, w, expert_scale=float("inf"))
+        from pyhipa2a import reference
+        from pyhipa2a.testing import combine_error, poison
+        expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, ranks=[a2a.rank])[a2a.rank]
         y = a2a.combine(expert_y, w)
         a2a.synchronize()
-        from pyhipa2a import reference
-        from pyhipa2a.testing import combine_error
-        expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, ranks=[a2a.rank])[a2a.rank]
         combine_error(y.numpy(), expected, np.float16)
+
+        # Weights given to dispatch: combine takes none, or the same array; another one is refused.
+        for again in (None, w):
+            poison(a2a)
+            d = a2a.dispatch(x, idx, weights=w)
+            expert_y = a2a.fake_expert(d)
+            with pytest.raises(ValueError, match="weights were given to dispatch"):
+                a2a.combine(expert_y, w.copy())
+            y = a2a.combine(expert_y, again)
+            a2a.synchronize()
+            combine_error(y.numpy(), expected, np.float16)
 
 
 def case_bad_config(comm):
@@ -426,8 +450,9 @@ def case_checks_between_back_to_back_replays(comm, H, M, rounds="3"):
             inputs = draw_world(900 + i, world, E, k, H, M, token_counts=[T] * world)
             arrays = upload_inputs(a2a, inputs)
             outs = []
+            to_dispatch, w = weights_where(arrays[2], WEIGHTS_AT[i % 2])
             graph = a2a.capture(lambda: outs.extend(
-                (d := a2a.dispatch(arrays[0], arrays[1]), a2a.combine(a2a.fake_expert(d), arrays[2]))))
+                (d := a2a.dispatch(arrays[0], arrays[1], **to_dispatch), a2a.combine(a2a.fake_expert(d), w))))
             try:
                 for j in range(3):
                     for _ in range(5):
