@@ -114,7 +114,7 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
         const i32 e = tile[i];
         bool valid = e >= 0 && e < (i32)E;
         for (u32 q = 1; q <= j; ++q) valid = valid && tile[i - q] != e;
-        if (!valid && first == 0) report(x, A2A_ERR_BAD_INDEX, me, base + i, (u32)e);
+        if (!valid && first == 0 && !(e < 0 && x.a.void_slots)) report(x, A2A_ERR_BAD_INDEX, me, base + i, (u32)e);
         if (valid ? (u32)e >= first && (u32)e < last : first == 0) {  // else another pass sends it
           const u32 v = valid ? (u32)e + E * a2a_add_shared(&counters[(u32)e - first], 1u) : A2A_NO_SLOT;
           for (u32 r = 0; r < x.W; ++r)
@@ -284,8 +284,9 @@ A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane,
       sym<i32>(x.h, (int)me, x.a.off_slot_of)[at] = row;
       if (row >= 0) {
         i32* meta = sym<i32>(x.h, (int)me, x.a.off_recv_meta) + (u64)row * 3u;
-        meta[0] = (i32)src;
-        meta[1] = (i32)t;
+        const u32 R = x.a.region_tokens;  // a node's part of a multi-node call: name the token's true source
+        meta[0] = (i32)(R ? t / R * x.W + src : src);
+        meta[1] = (i32)(R ? t % R : t);
         meta[2] = (i32)lane;
       }
     }
@@ -411,18 +412,24 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   // Pushed words are read 4 bytes at a time (the host only enables pushing
   // for rows that are whole words).
   const bool push = (u32)c.num_tokens <= a.push_max_tokens && (X != A2A_X_COPY || (c.x & 3u) == 0);
-  if (a2a_block() == 0 && a2a_thread() < x.W)
-    a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,
-                              a2a_tag((u32)c.num_tokens | (push ? A2A_PUSHED : 0u), x.epoch));
-  for (u32 chunk = a2a_block(); chunk < route_chunks(x, x.M); chunk += a2a_grid_dim()) route(x, c, g, chunk);
-  if (push)
-    push_tokens<X>(x, c, g);
-  else
-    stage_tokens<X>(x, c, g);
-  __shared__ u32 pre[A2A_PREFIX_WORDS];
-  const bool ok = source_prefix(x, (u32)c.num_tokens | (push ? A2A_PUSHED : 0u), pre, true, g);
-  if (ok) publish_counts(x, g);
-  if (ok) fan_out<X>(x, c, g, pre);
+  // A node's part of a multi-node call whose exchange between nodes timed out (reported before
+  // this kernel, by hier_localize) sends nothing: its node's ranks then time out naming this rank
+  // instead of taking a call that silently lacks another node's tokens.
+  const bool refused = a.void_slots && a2a_load_relaxed_sys(&x.status[0]) == A2A_ERR_TIMEOUT;
+  if (!refused) {
+    if (a2a_block() == 0 && a2a_thread() < x.W)
+      a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,
+                                a2a_tag((u32)c.num_tokens | (push ? A2A_PUSHED : 0u), x.epoch));
+    for (u32 chunk = a2a_block(); chunk < route_chunks(x, x.M); chunk += a2a_grid_dim()) route(x, c, g, chunk);
+    if (push)
+      push_tokens<X>(x, c, g);
+    else
+      stage_tokens<X>(x, c, g);
+    __shared__ u32 pre[A2A_PREFIX_WORDS];
+    const bool ok = source_prefix(x, (u32)c.num_tokens | (push ? A2A_PUSHED : 0u), pre, true, g);
+    if (ok) publish_counts(x, g);
+    if (ok) fan_out<X>(x, c, g, pre);
+  }
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   const u64 rows = (u64)x.L * x.capacity;

@@ -80,6 +80,11 @@ struct A2AArgs {
   u32 x_seg_elems;         // dispatch's segments: seg_elems, twice that in fp8 (as many bytes)
   u32 x_nseg;              // ceil(hidden / x_seg_elems)
   u32 route_chunk;         // tokens a block routes in dispatch (pyhipa2a/kernels.py: route_chunk)
+  u32 void_slots;          // 1: a negative index is a slot with no expert here (not an error); a node's part
+                           // of a multi-node call (pyhipa2a/hierarchy.py), and dispatch refuses to start
+                           // once this rank's status holds an error (a failed exchange between nodes)
+  u32 region_tokens;       // R > 0: token t of source s came from rank (t / R) * W + s, as its token t % R
+                           // (a node's part of a multi-node call: regions of R tokens, one per node)
   u32 pad;
   u64 timeout_ns;
 };

@@ -90,6 +90,51 @@ def launch_geometry(threads: int, multiprocessors: int, per_mp: int, grid_blocks
     return blocks
 
 
+def checked_dispatch(a2a, x, indices, weights, x_scales) -> int:
+    """Everything a dispatch() checks before any kernel runs, for AllToAll and HierarchicalAllToAll
+    alike (their shared configuration attributes); returns the call's tokens T."""
+    if a2a._pending is not None:
+        # The device hands the call's epoch from dispatch to combine: a second
+        # dispatch would reuse it, and peers would read the last call's data.
+        raise A2AError("dispatch() called again before combine(): each dispatch is combined once")
+    require_array(x, "x")
+    require_array(indices, "indices")
+    if (x_scales is None) == (a2a.x_format == X_FP8):
+        if x_scales is None:
+            raise TypeError(f"x is {a2a.in_dtype.name}: pass its scales as x_scales [T, "
+                            f"{a2a.scale_cols}] float32 (one per {FP8_BLOCK} elements of a row)")
+        raise TypeError(f"x_scales is for fp8 x (AllToAll(in_dtype='float8_e4m3', ...)); this AllToAll takes "
+                        f"{a2a.in_dtype.name} x" + (" and quantizes it itself" if a2a.scale_cols else ""))
+    if x_scales is not None:
+        require_array(x_scales, "x_scales")
+    if weights is not None:
+        require_array(weights, "weights")
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"x must have 2 dimensions (T, {a2a.hidden}), got shape {shape}")
+    T = int(shape[0])
+    if T > a2a.max_tokens:
+        raise ValueError(f"x has {T} tokens; this AllToAll was built for max_num_tokens={a2a.max_tokens}")
+    if isinstance(indices, np.ndarray):
+        check_array("indices", indices.shape, indices.dtype, (T, a2a.top_k), np.int32)
+        check_indices(indices, a2a.num_experts)
+    return T
+
+
+def checked_combine_weights(a2a, weights):
+    """combine()'s checks of the pending dispatch and of where the weights came: the weights that
+    dispatch sent (None: they come here)."""
+    if a2a._pending is None:
+        raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
+    sent = a2a._pending_weights
+    if sent is None and weights is None:
+        raise TypeError("combine() needs the weights [T, k] float32: here, or given to dispatch(weights=)")
+    if sent is not None and weights is not None and weights is not sent:
+        raise ValueError("the weights were given to dispatch(), which sent them: combine() takes none "
+                         "(or the same array)")
+    return sent
+
+
 @dataclass
 class DispatchResult:
     expert_num_tokens: DeviceArray  # int32 [L]
@@ -100,13 +145,32 @@ class DispatchResult:
 
 
 class AllToAll:
+    def __new__(cls, comm=None, *, ranks_per_node: int | None = None, **config):
+        """A communicator whose ranks span several nodes (real ones, or groups of `ranks_per_node`
+        ranks, also set by PYHIPA2A_RANKS_PER_NODE) gets a HierarchicalAllToAll: the same calls and
+        outputs, this class within each node and NCCL/RCCL (MPI on the host backend) between them."""
+        from .hierarchy import HierarchicalAllToAll, node_layout
+        layout = node_layout(comm, ranks_per_node)
+        if layout.nodes > 1:
+            return HierarchicalAllToAll(comm, layout, **config)
+        return super().__new__(cls)
+
     def __init__(self, comm=None, *, num_experts: int, experts_per_token: int, hidden_dim: int,
                  max_num_tokens: int, in_dtype="float16", out_dtype=None, dispatch_dtype=None,
                  timeout: float = 10.0,
                  backend=None, device: int | None = None, profile: bool = False,
                  block_threads: int | None = None, grid_blocks: int | None = None,
                  push_max_tokens: int | None = None, narrow_partials: bool = False,
-                 producer_order: str = "protocol", on_timeout: str = "report"):
+                 producer_order: str = "protocol", on_timeout: str = "report",
+                 ranks_per_node: int | None = None, _region_tokens: int = 0, _ranks_on_device: int = 0):
+        # ranks_per_node was resolved by __new__. _region_tokens > 0: this object is one node's part
+        # of a multi-node call (pyhipa2a.hierarchy): its tokens come in regions of that many, one per
+        # node, and an index of -1 is a slot whose expert is on another node.
+        # _ranks_on_device: every rank of the machine that drives our GPU, where some are in other
+        # (simulated) nodes than this object's communicator; 0: those of the communicator.
+        self._ranks_on_device = int(_ranks_on_device)
+        self._region_tokens = int(_region_tokens)
+        self._void_slots = self._region_tokens > 0
         # in_dtype: dispatch's x; dispatch_dtype: expert_x; out_dtype: combine's expert_y and y. In fp8
         # dispatch (pyhipa2a.dtypes.plan_dtypes) the device settles e4m3fn or e4m3fnuz in _setup.
         self.in_dtype, self.dispatch_dtype, self.out_dtype, self._fp8_request = plan_dtypes(
@@ -142,7 +206,8 @@ class AllToAll:
         if self.num_experts * self.max_tokens >= 2**32 - 1:  # a routing slot travels as e + E * place in 32 bits
             raise ValueError(f"num_experts * max_num_tokens must be below 2**32 - 1; got "
                              f"{self.num_experts} * {self.max_tokens}")
-        if self.top_k > min(self.num_experts, MAX_TOP_K):
+        # (A node's part of a multi-node call may hold fewer experts than a token has: the rest are void.)
+        if self.top_k > MAX_TOP_K or (self.top_k > self.num_experts and not self._void_slots):
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive (seconds)")
@@ -294,14 +359,7 @@ class AllToAll:
             self._fill_args(pack[0])
         # The fake expert reads our expert_x (and its scales) and counts and scales by 1 + rank: only
         # `out` (argument _scale_out) changes per call.
-        fixed = (self.buf["num_tokens"].ptr, self.local_experts, self.capacity, self.hidden, float(1 + self.rank))
-        if self.scale_cols:
-            self._scale_out = 2
-            self._scale_pack.set_scalars(self.buf["recv_x"].ptr, self.buf["recv_scales"].ptr, 0, *fixed,
-                                         int(self.dispatch_dtype.name == "float8_e4m3fnuz"))
-        else:
-            self._scale_out = 1
-            self._scale_pack.set_scalars(self.buf["recv_x"].ptr, 0, *fixed)
+        self._set_fake_expert_scale(float(1 + self.rank))
         self._capturing = None  # the stream while capture() records a step
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
@@ -316,6 +374,17 @@ class AllToAll:
         self._expert_y_views: dict = {}  # expert_y_buffer() naming other streams (see _expert_y_on)
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
+    def _set_fake_expert_scale(self, scale: float) -> None:
+        """gpu-mode's factor, 1 + rank (a multi-node call's node part is given its rank in the world)."""
+        fixed = (self.buf["num_tokens"].ptr, self.local_experts, self.capacity, self.hidden, scale)
+        if self.scale_cols:
+            self._scale_out = 2
+            self._scale_pack.set_scalars(self.buf["recv_x"].ptr, self.buf["recv_scales"].ptr, 0, *fixed,
+                                         int(self.dispatch_dtype.name == "float8_e4m3fnuz"))
+        else:
+            self._scale_out = 1
+            self._scale_pack.set_scalars(self.buf["recv_x"].ptr, 0, *fixed)
+
     def _launch_geometry(self, device) -> tuple[int, int]:
         """(threads per block, blocks per launch) for this device (see launch_geometry)."""
         threads, warp = self._block_threads, device.warp_size
@@ -325,12 +394,12 @@ class AllToAll:
         per_mp = min(self.backend.resident_blocks(k.function, threads)
                      for k in (self._dispatch_kernel, self._combine_kernel))
         return threads, launch_geometry(threads, device.multiprocessors, per_mp, self._grid_blocks,
-                                        self.heap.ranks_on_device)
+                                        self._ranks_on_device or self.heap.ranks_on_device)
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
                 self.dispatch_dtype.name, self.out_dtype.name, self.backend.kind, self.push_max_tokens,
-                self.narrow_partials)
+                self.narrow_partials, self._region_tokens)
         everyone = self.heap.comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
         if len(set(everyone)) > 1:
             configs = self.heap.comm.allgather(mine)
@@ -338,7 +407,8 @@ class AllToAll:
             raise ConfigMismatchError(
                 f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
                 f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
-                f"max_num_tokens, in_dtype, dispatch_dtype, out_dtype, backend, push_max_tokens, narrow_partials)",
+                f"max_num_tokens, in_dtype, dispatch_dtype, out_dtype, backend, push_max_tokens, narrow_partials, "
+                f"region_tokens)",
                 ranks=differ)
 
     def _fill_args(self, a: A2AArgs) -> None:
@@ -361,6 +431,7 @@ class AllToAll:
         a.route_chunk = route_chunk(self.top_k, self.max_tokens)
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
+        a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens
         a.trap_on_timeout = int(self.on_timeout == "trap")
         a.timeout_ns = int(self.timeout * 1e9)
 
@@ -428,31 +499,13 @@ class AllToAll:
         travel with the routing, so combine waits for no weights of its peers (its fastest form). This
         call reads them; combine takes none (or the same array)."""
         self._usable()
-        if self._pending is not None:
-            # The device hands the call's epoch from dispatch to combine: a second
-            # dispatch would reuse it, and peers would read the last call's data.
-            raise A2AError("dispatch() called again before combine(): each dispatch is combined once")
-        require_array(x, "x")
-        require_array(indices, "indices")
-        if (x_scales is None) == (self.x_format == X_FP8):
-            if x_scales is None:
-                raise TypeError(f"x is {self.in_dtype.name}: pass its scales as x_scales [T, "
-                                f"{self.scale_cols}] float32 (one per {FP8_BLOCK} elements of a row)")
-            raise TypeError(f"x_scales is for fp8 x (AllToAll(in_dtype='float8_e4m3', ...)); this AllToAll takes "
-                            f"{self.in_dtype.name} x" + (" and quantizes it itself" if self.scale_cols else ""))
-        if x_scales is not None:
-            require_array(x_scales, "x_scales")
-        if weights is not None:
-            require_array(weights, "weights")
-        shape = getattr(x, "shape", None)
-        if shape is None or len(shape) != 2:
-            raise ValueError(f"x must have 2 dimensions (T, {self.hidden}), got shape {shape}")
-        T = int(shape[0])
-        if T > self.max_tokens:
-            raise ValueError(f"x has {T} tokens; this AllToAll was built for max_num_tokens={self.max_tokens}")
-        if isinstance(indices, np.ndarray):
-            check_array("indices", indices.shape, indices.dtype, (T, self.top_k), np.int32)
-            check_indices(indices, self.num_experts)
+        return self._dispatch(x, indices, weights, x_scales, stream)
+
+    def _dispatch(self, x, indices, weights, x_scales, stream) -> DispatchResult:
+        """dispatch() once the object is known usable. A multi-node call's node part comes here
+        directly: an exchange between nodes that failed in this very call is the kernel's to handle
+        (it sends nothing and poisons the outputs; pyhipa2a.hierarchy)."""
+        T = checked_dispatch(self, x, indices, weights, x_scales)
         s = self._stream(stream)
         self._follow(s)
         x_ptr, x_keep = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
@@ -497,14 +550,11 @@ class AllToAll:
         every other row's scale joins its weight in fp32. gpu-mode's fake expert is
         `combine(d.expert_x, w, expert_scale=1 + rank)`: no expert kernel at all."""
         self._usable()
-        if self._pending is None:
-            raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
-        sent = self._pending_weights
-        if sent is None and weights is None:
-            raise TypeError("combine() needs the weights [T, k] float32: here, or given to dispatch(weights=)")
-        if sent is not None and weights is not None and weights is not sent:
-            raise ValueError("the weights were given to dispatch(), which sent them: combine() takes none "
-                             "(or the same array)")
+        return self._combine(expert_y, weights, out, stream, expert_scale)
+
+    def _combine(self, expert_y, weights, out, stream, expert_scale) -> DeviceArray:
+        """combine() once the object is known usable (see _dispatch)."""
+        sent = checked_combine_weights(self, weights)
         if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then
             self._last_scale = (expert_scale, check_scale(expert_scale))
         scale = self._last_scale[1]

@@ -74,6 +74,8 @@ class DeviceArray:
         out = np.empty(self.shape, self.dtype)
         self.backend.activate()
         try:
+            if self.health is not None:
+                self.health.settle(self.stream)
             if out.nbytes:
                 self.backend.copy_to_host(out, self.ptr, self.stream)
         except Exception as e:  # a trapped kernel fails the copy: say why, when we know

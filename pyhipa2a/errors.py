@@ -18,7 +18,8 @@ STATUS_CAPACITY = 3
 STATUS_MISMATCH = 4
 
 # 3 was v0's combine done barrier; the number stays retired.
-WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights"}
+WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights",
+             6: "tokens between nodes (dispatch)", 7: "sums between nodes (combine)"}
 
 
 class A2AError(RuntimeError):
@@ -87,6 +88,11 @@ class Health:
     def error(self) -> A2AError | None:
         """The reported failure as an exception (a fresh one each time), or None."""
         return status_error(self.host_status.copy(), self.rank, self.context) if self.host_status[0] else None
+
+    def settle(self, stream) -> None:
+        """Called before a host read waits for `stream`. One node's kernels bound every wait of
+        their own, so there is nothing to do; a multi-node call's exchange between nodes may wait
+        without bound (NCCL), and its health watches it here (pyhipa2a.hierarchy)."""
 
     def check(self, cause: BaseException | None = None) -> None:
         """Raise the reported failure, if any (chained to `cause`, what it made fail)."""

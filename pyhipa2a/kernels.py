@@ -41,7 +41,8 @@ class A2AArgs(ctypes.Structure):
                 ("push_max_tokens", u32), ("push_row_words", u32), ("narrow_partials", u32),
                 ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32), ("x_format", u32),
                 ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
-                ("route_chunk", u32), ("pad", u32), ("timeout_ns", u64)]
+                ("route_chunk", u32), ("void_slots", u32), ("region_tokens", u32), ("pad", u32),
+                ("timeout_ns", u64)]
 
 
 # Dispatch routes a call in chunks of tokens, a block each (kernels_hip/dispatch.hip, route): chunks of
@@ -77,6 +78,23 @@ class CombineCall(ctypes.Structure):
     _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("expert_scale", f32)]
 
 
+class HierArgs(ctypes.Structure):  # kernels_hip/hier.hip: the steps of a multi-node call around the node's exchange
+    _fields_ = [("x", u64), ("indices", u64), ("weights", u64), ("x_scales", u64),
+                ("regions_x", u64), ("regions_scales", u64), ("records", u64),
+                ("local_indices", u64), ("local_weights", u64), ("sequence", u64), ("status", u64), ("mirror", u64),
+                ("node", i32), ("nodes", i32), ("ranks_per_node", i32), ("place", i32),
+                ("tokens", i32), ("max_tokens", i32), ("top_k", i32), ("num_experts", i32),
+                ("node_experts", i32), ("x_row_bytes", u32), ("scale_bytes", u32), ("record_bytes", u32),
+                ("whole", u32), ("pad", u32)]
+
+
+class HierSumArgs(ctypes.Structure):
+    _fields_ = [("own", u64), ("partials", u64), ("seals", u64), ("out", u64), ("sequence", u64),
+                ("status", u64), ("mirror", u64),
+                ("node", i32), ("nodes", i32), ("ranks_per_node", i32), ("place", i32),
+                ("tokens", i32), ("max_tokens", i32), ("hidden", i32), ("pad", i32)]
+
+
 # kernel name -> (code object, argument types)
 SIGNATURES = {
     "heap_check": ("heap_check", (HeapCheckArgs,)),
@@ -90,6 +108,10 @@ SIGNATURES = {
     "expert_scale_bf16": ("expert", (u64, u64, u64, u32, u32, u32, f32)),
     "expert_dequantize_f16": ("expert", (u64, u64, u64, u64, u32, u32, u32, f32, u32)),
     "expert_dequantize_bf16": ("expert", (u64, u64, u64, u64, u32, u32, u32, f32, u32)),
+    "hier_stage": ("hier", (HierArgs,)),
+    "hier_localize": ("hier", (HierArgs,)),
+    "hier_sum_f16": ("hier", (HierSumArgs,)),
+    "hier_sum_bf16": ("hier", (HierSumArgs,)),
     "copy_bytes": ("copy", (u64, u64, u64)),
     "clock_probe": ("copy", (u64,)),
     "nothing": ("copy", ()),

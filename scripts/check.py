@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
+from pyhipa2a.hierarchy import node_layout  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, draw_world, dtype_arguments, failure_line,  # noqa: E402
                               inputs_as_given, run_round)
 from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402
@@ -38,14 +39,15 @@ def load_shapes(which: str) -> list[dict]:
 
 def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float, narrow_partials: bool = False,
                 fused: bool = False, dispatch_dtype: str | None = None,
-                fp8_input: str = "quantize", weights_at: str = "combine") -> tuple[bool, float, str]:
+                fp8_input: str = "quantize", weights_at: str = "combine",
+                ranks_per_node: int | None = None) -> tuple[bool, float, str]:
     """(ok on this rank, largest combine error, message)."""
     world = comm.Get_size()
     try:
         with AllToAll(comm, num_experts=s["num_experts"], experts_per_token=s["experts_per_token"],
                       hidden_dim=s["hidden_dim"], max_num_tokens=s["max_num_tokens"],
                       **dtype_arguments(dtype, dispatch_dtype, fp8_input), timeout=timeout,
-                      narrow_partials=narrow_partials) as a2a:
+                      narrow_partials=narrow_partials, ranks_per_node=ranks_per_node) as a2a:
             worst = 0.0
             for r in range(rounds):
                 inputs = draw_world(s["seed"] + 7919 * r, world, s["num_experts"], s["experts_per_token"],
@@ -76,14 +78,22 @@ def main() -> int:
                    help="fp8 dispatch: 16-bit x quantized by the dispatch kernel, or x given in fp8 with x_scales")
     p.add_argument("--weights-at", choices=("combine", "dispatch"), default="combine",
                    help="the call that takes the weights: combine(expert_y, w) or dispatch(x, idx, weights=w)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="split the ranks into simulated nodes of this many (default: PYHIPA2A_RANKS_PER_NODE, "
+                        "else the machines they run on); nodes exchange through NCCL (MPI on the host backend)")
+    p.add_argument("--max-hidden", type=int, default=None, help="only the shapes whose hidden_dim is at most this")
+    p.add_argument("--only", default="", help="only the shapes whose row name contains this (e.g. 'E=128  k=8')")
     args = p.parse_args()
     if args.dispatch_dtype and args.fused_expert:
         p.error("--fused-expert reads expert_x as expert_y, which is 16-bit: not with fp8 dispatch")
     comm = MPI.COMM_WORLD
     world, rank = comm.Get_size(), comm.Get_rank()
+    layout = node_layout(comm, args.ranks_per_node)
     rows, all_ok = [], True
     for s in load_shapes(args.shapes):
         name = f"E={s['num_experts']:<4d} k={s['experts_per_token']} H={s['hidden_dim']:<5d} M={s['max_num_tokens']:<4d}"
+        if (args.max_hidden is not None and s["hidden_dim"] > args.max_hidden) or args.only not in name:
+            continue
         if s["num_experts"] % world:
             rows.append((name, "SKIP", "", f"{s['num_experts']} experts do not divide over {world} ranks"))
             continue
@@ -91,14 +101,16 @@ def main() -> int:
             rows.append((name, "SKIP", "", f"fp8 dispatch needs H to be a multiple of {FP8_BLOCK}"))
             continue
         ok, err, msg = check_shape(comm, s, args.rounds, args.dtype, args.timeout, args.narrow_partials,
-                                   args.fused_expert, args.dispatch_dtype, args.fp8_input, args.weights_at)
+                                   args.fused_expert, args.dispatch_dtype, args.fp8_input, args.weights_at,
+                                   args.ranks_per_node)
         ok = comm.allreduce(ok, op=MPI.LAND)
         worst = comm.allreduce(err if err == err else float("inf"), op=MPI.MAX)
         msgs = [m for m in comm.allgather(msg) if m]
         all_ok &= ok
         rows.append((name, "PASS" if ok else "FAIL", f"{worst:.3g}" if ok else "", "; ".join(msgs)))
     if rank == 0:
-        print(f"pyhipa2a check: {world} ranks, {args.dtype}, {args.rounds} rounds per shape, "
+        nodes = f" ({layout.nodes} nodes of {layout.ranks_per_node} ranks)" if layout.nodes > 1 else ""
+        print(f"pyhipa2a check: {world} ranks{nodes}, {args.dtype}, {args.rounds} rounds per shape, "
               f"allclose(rtol={GPU_MODE_TOLERANCE[0]}, atol={GPU_MODE_TOLERANCE[1]})"
               + (f", dispatch {args.dispatch_dtype} ({args.fp8_input} fp8 x)" if args.dispatch_dtype else "")
               + (", narrow partials" if args.narrow_partials else "")

@@ -39,6 +39,9 @@ class Status:
         self.words = mem(status_ptr, (4,), np.uint32)
         self.mirror = mem(mirror_ptr, (4,), np.uint32) if mirror_ptr else None
 
+    def failed(self) -> bool:
+        return self.words[0] != STATUS_OK
+
     def report(self, code: int, peer: int, what: int, detail: int) -> None:
         """First error wins, as on the device."""
         if self.words[0] != STATUS_OK:

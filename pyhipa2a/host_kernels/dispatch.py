@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_CAPACITY, mem, tag, wait_flags, wait_tagged
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_TIMEOUT, mem, tag, wait_flags, wait_tagged
 from .exchange import PUSHED, WAIT_DISPATCH, View, count_header, finish, take_epoch, valid_slots
 from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, route_chunk, route_chunks
 from .fp8 import quantize
@@ -72,9 +72,12 @@ def _dispatch(backend, a, c, v: View) -> None:
     T, rb, tb, S = c.num_tokens, a.x_row_bytes, a.token_bytes, a.x_nseg
     indices = mem(c.indices, (T, k), np.int32)
     x = carried(a, c, T)
+    if a.void_slots and v.status.words[0] == STATUS_TIMEOUT:
+        return  # a node's part of a multi-node call whose exchange timed out sends nothing (see dispatch.hip)
     valid = valid_slots(indices, E)
-    if not valid.all():
-        pos = int(np.flatnonzero(~valid)[0])
+    bad = ~valid & ~((indices < 0) if a.void_slots else False)  # void slots of a node's part are no error
+    if bad.any():
+        pos = int(np.flatnonzero(bad)[0])
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
 
     push = T <= a.push_max_tokens
@@ -170,7 +173,8 @@ def _dispatch(backend, a, c, v: View) -> None:
         expert_x[l, row] = vecs[t, :rb]
         if a.scale_cols:
             scales[l, row] = vecs[t, a.hidden:a.hidden + 4 * a.scale_cols].copy().view(np.float32)
-        meta[l, row] = np.stack([np.full_like(t, src), t, j], axis=1)
+        R = a.region_tokens  # a node's part of a multi-node call names each token's true source
+        meta[l, row] = np.stack([t // R * W + src, t % R, j] if R else [np.full_like(t, src), t, j], axis=1)
         slot_of[src, t, j] = l * v.cap + row
         before += src_counts.sum(axis=0)
         v.rec.record(5, t0, src)

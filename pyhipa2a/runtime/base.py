@@ -121,6 +121,10 @@ class Backend:
     def stream_synchronize(self, stream) -> None:
         raise NotImplementedError
 
+    def stream_done(self, stream) -> bool:
+        """Whether everything queued on `stream` has finished, without waiting."""
+        raise NotImplementedError
+
     def event_create(self):
         raise NotImplementedError
 

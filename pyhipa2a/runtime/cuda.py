@@ -35,7 +35,7 @@ _CALLS = {
     "graph_instantiate": "cuGraphInstantiate", "graph_launch": "cuGraphLaunch",
     "graph_exec_destroy": "cuGraphExecDestroy", "graph_destroy": "cuGraphDestroy",
     "occupancy": "cuOccupancyMaxActiveBlocksPerMultiprocessor", "event_record_with_flags": "cuEventRecordWithFlags",
-    "stream_wait_event": "cuStreamWaitEvent",
+    "stream_wait_event": "cuStreamWaitEvent", "stream_query": "cuStreamQuery",
 }
 
 # Every attribute of `driver` used here, directly below or through _CALLS; tests

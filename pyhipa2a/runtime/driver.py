@@ -27,7 +27,7 @@ ROLES = (
     "event_destroy", "event_record", "event_synchronize", "event_elapsed_time",
     "module_load_data", "module_unload", "module_get_function", "launch_kernel", "mem_get_info",
     "stream_begin_capture", "stream_end_capture", "graph_instantiate", "graph_launch", "graph_exec_destroy",
-    "graph_destroy", "occupancy", "event_record_with_flags", "stream_wait_event",
+    "graph_destroy", "occupancy", "event_record_with_flags", "stream_wait_event", "stream_query",
 )
 
 
@@ -156,6 +156,17 @@ class DriverBackend(Backend):
 
     def stream_synchronize(self, stream) -> None:
         self._call("stream_synchronize", stream)
+
+    _NOT_READY = 600  # CUDA_ERROR_NOT_READY and hipErrorNotReady: work still queued
+
+    def stream_done(self, stream) -> bool:
+        """Whether everything queued on `stream` has finished; never waits (a watchdog polls it)."""
+        name = self._CALLS["stream_query"]
+        result = getattr(self._api(), name)(stream)
+        if int(result[0]) == self._NOT_READY:
+            return False
+        self._check(result, name)
+        return True
 
     def event_destroy(self, event) -> None:
         self._call("event_destroy", event)

@@ -35,7 +35,7 @@ _CALLS = {
     "graph_instantiate": "hipGraphInstantiateWithFlags", "graph_launch": "hipGraphLaunch",
     "graph_exec_destroy": "hipGraphExecDestroy", "graph_destroy": "hipGraphDestroy",
     "occupancy": "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
-    "event_record_with_flags": "hipEventRecordWithFlags", "stream_wait_event": "hipStreamWaitEvent",
+    "event_record_with_flags": "hipEventRecordWithFlags", "stream_wait_event": "hipStreamWaitEvent", "stream_query": "hipStreamQuery",
 }
 
 # Every attribute of `hip` used here, directly below or through _CALLS; tests

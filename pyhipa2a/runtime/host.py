@@ -227,6 +227,18 @@ class HostBackend(Backend):
     def stream_synchronize(self, stream) -> None:
         self._alive()
 
+    def stream_done(self, stream) -> bool:
+        return True  # work runs at launch
+
+    def enqueue(self, stream, step) -> None:
+        """Run `step()` now, or keep it in the graph a capturing stream records (as launch does):
+        host work that belongs to a call's sequence (the MPI exchange between nodes)."""
+        self._alive()
+        if isinstance(stream, HostStream) and stream.captured is not None:
+            stream.captured.append(step)
+            return
+        step()
+
     def event_create(self):
         return HostEvent()
 

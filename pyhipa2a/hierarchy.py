@@ -1,0 +1,373 @@
+"""Dispatch and combine over ranks on several nodes: within a node the symmetric heap, between nodes
+NCCL/RCCL (MPI on the host backend).
+
+`AllToAll(comm, ...)` returns a HierarchicalAllToAll when `comm` spans nodes, or when
+`ranks_per_node` (or PYHIPA2A_RANKS_PER_NODE) splits one machine into simulated nodes. Same
+calls, same outputs, same oracle. Ranks lie node by node (rank = node * G + place, G ranks a node):
+expert e lives on rank e // L as always, so node n holds experts [n * E/N, (n+1) * E/N).
+
+A rank's counterparts are the ranks in its place on the other nodes. A call (kernels_hip/hier.hip):
+  dispatch: our tokens go once to each counterpart as one region of max_num_tokens rows (rows,
+    routing, weights, count, the call's sequence number); each rank then runs its node's AllToAll
+    over all N regions, whose routing hier_localize made this node's (-1: another node's expert),
+    so a token crosses to each other node once and the node's ranks share it over the heap;
+    expert_meta names the token's true source rank (the node part's region_tokens).
+  combine: the node's AllToAll sums each region's rows over this node's experts (weighted,
+    fp32, rounded once to out_dtype: one rounding per node, as narrow_partials rounds per rank);
+    each region's sums go home; hier_sum adds a token's sums from every node.
+Regions move whole, so no call needs a host round trip and a step can be captured as a graph
+(NCCL's calls are capturable). Bytes between a pair of nodes per call: M rows each way, not T.
+"""
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from .a2a import AllToAll, DispatchResult, checked_combine_weights, checked_dispatch
+from .array import DeviceArray
+from .bootstrap import _mpi
+from .errors import A2AError, ConfigMismatchError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
+from .inputs import Boundary, check_scale
+from .internode import Transfer, make_engine
+from .kernels import X_FP8
+from .runtime import Backend, get_backend, select_device
+
+NODE_WAITS = (6, 7)  # status `what` of waits between nodes: their peer is already a world rank
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    nodes: int
+    ranks_per_node: int
+    node: int         # this rank's node
+    place: int        # this rank's place in its node
+    local_rank: int   # this rank among the ranks of its machine (picks its GPU)
+
+
+def node_layout(comm=None, ranks_per_node: int | None = None) -> NodeLayout:
+    """How `comm`'s ranks group into nodes (collective): the machines they run on, or groups of
+    `ranks_per_node` (else PYHIPA2A_RANKS_PER_NODE) consecutive ranks within them."""
+    MPI = _mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if ranks_per_node is None and os.environ.get("PYHIPA2A_RANKS_PER_NODE"):
+        ranks_per_node = int(os.environ["PYHIPA2A_RANKS_PER_NODE"])
+    rank, world = comm.Get_rank(), comm.Get_size()
+    machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, leader = machine.Get_rank(), machine.bcast(rank, root=0)
+    machine.Free()
+    leaders = comm.allgather(leader)
+    asked = comm.allgather(ranks_per_node)
+    if len(set(asked)) > 1:
+        raise ConfigMismatchError(f"ranks disagree on ranks_per_node: {asked} (rank by rank)")
+    if ranks_per_node is None:
+        sizes = {lead: leaders.count(lead) for lead in leaders}
+        if len(set(sizes.values())) > 1:
+            raise ConfigMismatchError(f"the machines hold different numbers of ranks ({sorted(sizes.values())}); "
+                                      "every node must hold as many")
+        G = sizes[leader]
+    else:
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, (int, np.integer)) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive integer, not {ranks_per_node!r}")
+        G = int(ranks_per_node)
+        if world % G:
+            raise ValueError(f"ranks_per_node={G} does not divide the {world} ranks into equal nodes")
+    groups = [leaders[n * G:(n + 1) * G] for n in range(world // G)]
+    if any(len(set(g)) > 1 for g in groups):
+        raise ValueError(f"nodes of {G} consecutive ranks must each lie on one machine (ranks by machine: "
+                         f"{leaders}); place the ranks machine by machine")
+    return NodeLayout(world // G, G, rank // G, rank % G, local_rank)
+
+
+class NodesHealth(Health):
+    """The node part's status words, read with world ranks, and a watch on the exchange between
+    nodes before any host read waits for the stream (NCCL's waits have no bound of their own)."""
+
+    def __init__(self, host_status, rank: int, layout: NodeLayout, engine):
+        super().__init__(host_status, rank)
+        self.layout, self.engine = layout, engine
+
+    def error(self):
+        if not self.host_status[0]:
+            return None
+        words = self.host_status.copy()
+        if words[0] in (STATUS_TIMEOUT, STATUS_CAPACITY) and words[2] not in NODE_WAITS:
+            words[1] += self.layout.node * self.layout.ranks_per_node  # a rank of our node, by its place
+        return status_error(words, self.rank, self.context)
+
+    def settle(self, stream) -> None:
+        self.engine.settle(stream)
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+class HierarchicalAllToAll:
+    """AllToAll's calls for a communicator that spans nodes (see the module's doc)."""
+
+    def __init__(self, comm, layout: NodeLayout, *, num_experts: int, experts_per_token: int, hidden_dim: int,
+                 max_num_tokens: int, timeout: float = 10.0, backend=None, device: int | None = None,
+                 engine: str | None = None, **node_config):
+        MPI = _mpi()
+        comm = MPI.COMM_WORLD if comm is None else comm
+        self.layout, self.rank, self.world = layout, comm.Get_rank(), comm.Get_size()
+        N = layout.nodes
+        self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
+        self.hidden, self.max_tokens, self.timeout = int(hidden_dim), int(max_num_tokens), float(timeout)
+        if self.num_experts % self.world:
+            raise ValueError(f"num_experts={self.num_experts} must be divisible by the number of ranks ({self.world})")
+        self.local_experts, self.capacity = self.num_experts // self.world, self.world * self.max_tokens
+        self.node_experts = self.num_experts // N
+        backend = backend if isinstance(backend, Backend) else get_backend(backend)
+        if device is None:  # by the rank's place on its machine, not in its (maybe simulated) node
+            device = select_device(backend, layout.local_rank)
+        # Ranks of other (simulated) nodes may drive the same GPU: the grid is shared among all of them.
+        machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        devices = machine.allgather(device)
+        machine.Free()
+        self.node_comm = comm.Split(color=layout.node, key=self.rank)
+        self.column_comm = comm.Split(color=layout.place, key=layout.node)  # its rank is the node's number
+        self.node = AllToAll(self.node_comm, num_experts=self.node_experts, experts_per_token=self.top_k,
+                             hidden_dim=self.hidden, max_num_tokens=N * self.max_tokens, timeout=timeout,
+                             backend=backend, device=device, _region_tokens=self.max_tokens,
+                             _ranks_on_device=devices.count(device), **node_config)
+        try:
+            self._setup(engine)
+        except BaseException:
+            self.node.close()
+            raise
+
+    def _setup(self, engine: str | None) -> None:
+        node, N, M, k, H = self.node, self.layout.nodes, self.max_tokens, self.top_k, self.hidden
+        self.backend, self.stream, self.heap = node.backend, node.stream, node.heap
+        for name in ("in_dtype", "dispatch_dtype", "out_dtype", "scale_cols", "narrow_partials", "x_format",
+                     "push_max_tokens", "block_threads", "blocks", "exchange_blocks", "lib", "profiling"):
+            setattr(self, name, getattr(node, name))
+        node._set_fake_expert_scale(float(1 + self.rank))  # gpu-mode's factor is 1 + the world rank
+        self.engine = make_engine(engine or os.environ.get("PYHIPA2A_INTERNODE") or None, self.backend,
+                                  self.column_comm, self.timeout)
+        self.health = NodesHealth(node.host_status, self.rank, self.layout, self.engine)
+
+        # One allocation of our own (the exchange's buffers are not symmetric: only the engine reads them).
+        row_bytes, out_row = H * self.in_dtype.itemsize, H * self.out_dtype.itemsize
+        scale_bytes = 4 * self.scale_cols if self.x_format == X_FP8 else 0
+        self.record_bytes = _align(8 * M * k + 8, 16)
+        parts = [("sequence", 16), ("seals", 16 * N), ("records", N * self.record_bytes),
+                 ("regions_x", N * M * row_bytes), ("regions_scales", N * M * scale_bytes),
+                 ("local_indices", 4 * N * M * k), ("local_weights", 4 * N * M * k),
+                 ("sums", N * M * out_row), ("partials", N * M * out_row), ("y", M * out_row)]
+        total = sum(_align(n) for _, n in parts)
+        base = self.backend.malloc_ipc(total)  # zero-filled: no region carries a sequence number yet
+        self._free = weakref.finalize(self, self.backend.free, base)
+        self.ptr, at = {}, base
+        for name, n in parts:
+            self.ptr[name], at = at, at + _align(n)
+        self.row_bytes, self.out_row, self.scale_bytes = row_bytes, out_row, scale_bytes
+
+        def own(name, shape, dtype):
+            return DeviceArray(self.backend, self.ptr[name], shape, dtype, owner=self, stream=self.stream)
+        self._regions_x = own("regions_x", (N * M, H), self.in_dtype)
+        self._regions_scales = own("regions_scales", (N * M, self.scale_cols), np.float32) if scale_bytes else None
+        self._local_indices = own("local_indices", (N * M, k), np.int32)
+        self._local_weights = own("local_weights", (N * M, k), np.float32)
+        self._sums = own("sums", (N * M, H), self.out_dtype)
+        # The node part's buffers, where y is ours (scripts and tests poison them by name).
+        self.buf = {**node.buf, "y": own("y", (M, H), self.out_dtype)}
+
+        lib = node.lib
+        self._stage, self._localize = lib.kernel("hier_stage"), lib.kernel("hier_localize")
+        self._sum = lib.kernel("hier_sum_bf16" if self.out_dtype.name == "bfloat16" else "hier_sum_f16")
+        self._hier_pack, self._sum_pack = self._stage.pack(), self._sum.pack()
+        a = self._hier_pack[0]
+        a.regions_x, a.regions_scales, a.records = self.ptr["regions_x"], self.ptr["regions_scales"] if scale_bytes else 0, self.ptr["records"]
+        a.local_indices, a.local_weights, a.sequence = self.ptr["local_indices"], self.ptr["local_weights"], self.ptr["sequence"]
+        a.status, a.mirror = node.buf["status"].ptr, node._host_status_device
+        a.node, a.nodes, a.ranks_per_node, a.place = self.layout.node, N, self.layout.ranks_per_node, self.layout.place
+        a.max_tokens, a.top_k, a.num_experts, a.node_experts = M, k, self.num_experts, self.node_experts
+        a.x_row_bytes, a.scale_bytes, a.record_bytes = row_bytes, scale_bytes, self.record_bytes
+        b = self._sum_pack[0]
+        b.own, b.partials, b.seals = self.ptr["sums"] + self.layout.node * M * out_row, self.ptr["partials"], self.ptr["seals"]
+        b.sequence, b.status, b.mirror = self.ptr["sequence"], node.buf["status"].ptr, node._host_status_device
+        b.node, b.nodes, b.ranks_per_node, b.place = self.layout.node, N, self.layout.ranks_per_node, self.layout.place
+        b.max_tokens, b.hidden = M, H
+
+        # What crosses between nodes: to and from each other node's rank in our place.
+        me, others = self.layout.node, [n for n in range(N) if n != self.layout.node]
+        def region(name, nbytes, to):
+            return [Transfer(m, self.ptr[name] + to(me) * nbytes, self.ptr[name] + to(m) * nbytes, nbytes)
+                    for m in others]
+        self._tokens_out = region("regions_x", M * row_bytes, lambda n: n) + region("records", self.record_bytes, lambda n: n)
+        if scale_bytes:
+            self._tokens_out += region("regions_scales", M * scale_bytes, lambda n: n)
+        self._records_out = region("records", self.record_bytes, lambda n: n)
+        self._sums_out = [Transfer(m, self.ptr["sums"] + m * M * out_row, self.ptr["partials"] + m * M * out_row,
+                                   M * out_row) for m in others]
+        self._sums_out += [Transfer(m, self.ptr["sequence"], self.ptr["seals"] + 16 * m, 16) for m in others]
+
+        self._boundary = Boundary(self.backend, self.heap.device.index, node._order, node.producer_order)
+        self._pending: DispatchResult | None = None
+        self._pending_weights = None
+        self._views: dict = {}
+
+    # -- calls ------------------------------------------------------------------
+    def _usable(self) -> None:
+        error = self.health.error()
+        if error is not None:
+            raise error
+        self.node._usable()
+
+    def _grid(self, items: int) -> int:
+        return max(1, min(self.blocks, math.ceil(items / self.block_threads)))
+
+    def _launch(self, kernel, pack, items: int, stream) -> None:
+        kernel.launch(pack, self._grid(items), self.block_threads, stream)
+
+    def _input(self, obj, name, shape, dtype, stage, stream):
+        return self._boundary.take(name, obj, shape, dtype, stream, capturing=self.node._capturing is not None,
+                                   stage_ptr=self.node.buf[stage].ptr if stage else None)
+
+    def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None) -> DispatchResult:
+        """As AllToAll.dispatch; the tokens cross to each other node once (the module's doc)."""
+        self._usable()
+        T = checked_dispatch(self, x, indices, weights, x_scales)
+        s = self.node._stream(stream)
+        self.node._follow(s)
+        a = self._hier_pack[0]
+        a.x, keep_x = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
+        a.indices, keep_i = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
+        a.x_scales, keep_s = (self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s)
+                              if x_scales is not None else (0, None))
+        a.weights, keep_w = self._weights(weights, T, s) if weights is not None else (0, None)
+        a.tokens, a.whole = T, 1
+        self._launch(self._stage, self._hier_pack, T * self.row_bytes // 16 + T * self.top_k, s)
+        self.engine.exchange(self._tokens_out, s)
+        self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
+        self._keep = (keep_x, keep_i, keep_s, keep_w)
+        self.node._dispatch(self._regions_x, self._local_indices, self._local_weights if weights is not None else None,
+                            self._regions_scales, s)
+        views = self._outputs(s)
+        self._pending, self._pending_weights = DispatchResult(views[0], views[1], views[2], T, views[3]), weights
+        return self._pending
+
+    def _weights(self, weights, T: int, stream):
+        wshape = getattr(weights, "shape", None)
+        if wshape is not None and len(wshape) == 2 and wshape[0] != T:
+            raise ValueError(f"weights has {wshape[0]} rows but the call has {T} tokens")
+        ptr, keep = self._input(weights, "weights", (T, self.top_k), np.float32, "weights_stage", stream)
+        if ptr % 4:
+            raise ValueError(f"weights must be 4-byte aligned (its data is at 0x{ptr:x})")
+        return ptr, keep
+
+    def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
+        """As AllToAll.combine; each node's sums of a token come home once (the module's doc)."""
+        self._usable()
+        sent = checked_combine_weights(self, weights)
+        check_scale(expert_scale)
+        T = self._pending.num_tokens
+        s = self.node._stream(stream)
+        self.node._follow(s)
+        if out is not None:
+            if isinstance(out, np.ndarray):
+                raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
+            out_ptr, keep_o = self._input(out, "out", (T, self.hidden), self.out_dtype, None, s)
+        else:
+            out = self._outputs(s)[4][T]
+            out_ptr, keep_o = out.ptr, None
+        keep_w = None
+        if sent is None:  # the weights cross to the experts' nodes first, as dispatch would have sent them
+            a = self._hier_pack[0]
+            a.weights, keep_w = self._weights(weights, T, s)
+            a.tokens, a.whole = T, 0
+            self._launch(self._stage, self._hier_pack, T * self.top_k, s)
+            self.engine.exchange(self._records_out, s)
+            self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
+        self.node._combine(expert_y, None if sent is not None else self._local_weights, self._sums, s, expert_scale)
+        self.engine.exchange(self._sums_out, s)
+        b = self._sum_pack[0]
+        b.out, b.tokens = out_ptr, T
+        self._launch(self._sum, self._sum_pack, T * self.hidden, s)
+        self._keep = (keep_o, keep_w, out)
+        self._pending = self._pending_weights = None
+        return out
+
+    def _outputs(self, stream):
+        """Views of the node part's outputs and of our y, naming `stream`, with this object's health."""
+        key = id(stream)
+        if key not in self._views:
+            def view(ptr, shape, dtype):
+                return DeviceArray(self.backend, ptr, shape, dtype, owner=self, stream=stream, health=self.health)
+            L, cap, H, b = self.local_experts, self.capacity, self.hidden, self.node.buf
+            y = view(self.ptr["y"], (self.max_tokens, H), self.out_dtype)
+            self._views[key] = (view(b["num_tokens"].ptr, (L,), np.int32),
+                                view(b["recv_x"].ptr, (L, cap, H), self.dispatch_dtype),
+                                view(b["recv_meta"].ptr, (L, cap, 3), np.int32),
+                                view(b["recv_scales"].ptr, (L, cap, self.scale_cols), np.float32) if self.scale_cols else None,
+                                [y.rows(t) for t in range(self.max_tokens + 1)])
+        return self._views[key]
+
+    # -- the rest, as AllToAll -------------------------------------------------
+    def expert_y_buffer(self) -> DeviceArray:
+        return self.node.expert_y_buffer()
+
+    def fake_expert(self, result: DispatchResult, out: DeviceArray | None = None, *, stream=None) -> DeviceArray:
+        return self.node.fake_expert(result, out, stream=stream)
+
+    def capture(self, step, *, stream=None):
+        """As AllToAll.capture (the engine between nodes must be capturable: NCCL, or MPI on the host)."""
+        if not self.engine.capturable:
+            raise A2AError("capture() between nodes needs the NCCL engine: the MPI engine stages regions "
+                           "through the host, which a graph cannot record")
+        self._usable()
+        try:
+            return self.node.capture(step, stream=stream)
+        finally:
+            self._pending = self._pending_weights = None
+
+    def synchronize(self, stream=None) -> None:
+        """As AllToAll.synchronize; an exchange between nodes that outlives the timeout is aborted and
+        reported (A2ATimeoutError naming the rank that never came)."""
+        self.backend.activate()
+        waited = self.node._synchronized_stream(stream)
+        self.health.settle(waited)
+        try:
+            self.node.synchronize(stream)
+        except A2AError as e:
+            error = self.health.error()
+            if error is None:
+                raise
+            raise error from e
+        self.health.check()
+
+    def profile_events(self):
+        return self.node.profile_events()
+
+    def clock_offset_ns(self) -> int:
+        return self.node.clock_offset_ns()
+
+    def close(self) -> None:
+        """Idempotent, as AllToAll.close."""
+        if self.heap.closed:
+            return
+        try:
+            try:
+                self.health.settle(self.node._synchronized_stream(None))
+            except Exception:
+                pass
+            self.engine.close()
+        finally:
+            try:
+                self.node.close()
+            finally:
+                self._free()
+                for c in (self.node_comm, self.column_comm):
+                    c.Free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,150 @@
+"""Engines that move a multi-node call's regions between nodes (pyhipa2a.hierarchy).
+
+An engine swaps buffers with this rank's counterparts on the other nodes (the
+ranks in the same place of their node), on the call's stream, in the call's
+order:
+- `NcclEngine`: NCCL on NVIDIA, RCCL on AMD (pyhipa2a.runtime.nccl), the
+  engine these users already run between nodes. Capturable in a graph. Its
+  waits are unbounded, so a watchdog (`settle`) aborts the communicator when
+  a call has not finished within the timeout.
+- `MpiEngine`: mpi4py. On the host backend it moves the host memory itself;
+  on a GPU it stages through host copies (no graph capture), for machines
+  without NCCL and for testing the hierarchy with ranks that share a GPU.
+
+Neither raises for a peer that never came: it gives up after the timeout and
+leaves that region as it was. Every region carries the call's sequence number,
+so the kernel that reads it reports the timeout, naming that peer, and the
+call's outputs are poisoned (kernels_hip/hier.hip).
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from .bootstrap import sleep_backoff
+from .errors import A2AError
+
+
+class Transfer(NamedTuple):
+    """`nbytes` from `send` to counterpart `peer` (a rank of the engine's communicator), and as many
+    from it into `recv`. Both sides list their transfers with each peer in the same order."""
+    peer: int
+    send: int
+    recv: int
+    nbytes: int
+
+
+class MpiEngine:
+    def __init__(self, backend, comm, timeout: float):
+        self.backend, self.comm, self.timeout = backend, comm, timeout
+        # On a GPU the host copies wait for the stream, which a graph cannot record; the host
+        # backend keeps the exchange itself as a step of its graphs.
+        self.capturable = backend.kind == "host"
+        self._unfinished: list = []  # sends to peers that never came: MPI may still read their buffers
+
+    def exchange(self, transfers: list[Transfer], stream) -> None:
+        if self.backend.kind == "host":
+            self.backend.enqueue(stream, lambda: self._swap_host(transfers))
+            return
+        self.backend.stream_synchronize(stream)  # what the stream wrote must be in before we copy it out
+        outgoing = []
+        for t in transfers:
+            outgoing.append(np.empty(t.nbytes, np.uint8))
+            self.backend.copy_to_host(outgoing[-1], t.send)
+        for t, data in zip(transfers, self._swap([(t.peer, buf) for t, buf in zip(transfers, outgoing)])):
+            if data is not None:
+                self.backend.copy_to_device(t.recv, data)
+
+    def _swap_host(self, transfers: list[Transfer]) -> None:
+        from .host_kernels import mem
+        arrived = self._swap([(t.peer, mem(t.send, (t.nbytes,), np.uint8).copy()) for t in transfers])
+        for t, data in zip(transfers, arrived):
+            if data is not None:
+                mem(t.recv, (t.nbytes,), np.uint8)[:] = data
+
+    def _swap(self, items: list[tuple[int, np.ndarray]]) -> list[np.ndarray | None]:
+        """Send each (peer, bytes) and receive as many bytes from that peer: the received arrays, None
+        for those that did not arrive within the timeout (their receives are cancelled)."""
+        received = [np.empty(data.nbytes, np.uint8) for _, data in items]
+        recvs = [self.comm.Irecv(buf, source=peer, tag=tag) for tag, ((peer, _), buf) in enumerate(zip(items, received))]
+        sends = [self.comm.Isend(data, dest=peer, tag=tag) for tag, (peer, data) in enumerate(items)]
+        done = [False] * len(recvs)
+        deadline, attempt = time.monotonic() + self.timeout, 0
+        while not all(done):
+            done = [d or r.Test() for d, r in zip(done, recvs)]
+            if not all(done) and time.monotonic() > deadline:
+                for d, r in zip(done, recvs):
+                    if not d:
+                        r.Cancel()
+                break
+            sleep_backoff(attempt)
+            attempt += 1
+        if all(done):  # every peer came, so every send is matched and ends soon
+            while not all(s.Test() for s in sends):
+                if time.monotonic() > deadline:
+                    break
+                sleep_backoff(attempt)
+                attempt += 1
+        self._unfinished = [(s, data) for s, (_, data) in zip(sends, items) if not s.Test()]
+        return [buf if d else None for buf, d in zip(received, done)]
+
+    def settle(self, stream) -> None:
+        """Nothing to watch: every exchange gave up by its own deadline."""
+
+    def close(self) -> None:
+        self._unfinished = []
+
+
+class NcclEngine:
+    capturable = True
+
+    def __init__(self, backend, comm, timeout: float):
+        from .runtime import nccl
+        self.backend, self.timeout = backend, timeout
+        self.nccl = nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
+        self._queued_at: float | None = None  # when the oldest exchange not known to be done was queued
+
+    def exchange(self, transfers: list[Transfer], stream) -> None:
+        if self.nccl.aborted:
+            raise A2AError("the NCCL communicator between nodes was aborted after an earlier timeout")
+        sends = [(t.peer, t.send, t.nbytes) for t in transfers]
+        recvs = [(t.peer, t.recv, t.nbytes) for t in transfers]
+        self.nccl.exchange(sends, recvs, self.backend.stream_handle(stream))
+        if self._queued_at is None:
+            self._queued_at = time.monotonic()
+
+    def settle(self, stream) -> None:
+        """Wait for `stream` without hanging: once its work has run for longer than the timeout since
+        the oldest exchange was queued, abort the communicator. NCCL's kernels then end, the regions
+        they never received keep an old sequence number, and the next kernels report the timeout."""
+        attempt = 0
+        while not self.backend.stream_done(stream):
+            self.nccl.poll()
+            started = self._queued_at if self._queued_at is not None else time.monotonic()
+            if time.monotonic() > started + self.timeout:
+                self.abort()
+                break
+            sleep_backoff(attempt)
+            attempt += 1
+        self._queued_at = None
+
+    def abort(self) -> None:
+        self.nccl.abort()
+
+    def close(self) -> None:
+        self.nccl.close()
+
+
+def make_engine(name: str | None, backend, comm, timeout: float):
+    """The engine `name` ("nccl", "mpi"; default: MPI on the host backend, else NCCL)."""
+    name = name or ("mpi" if backend.kind == "host" else "nccl")
+    if name == "mpi":
+        return MpiEngine(backend, comm, timeout)
+    if name == "nccl":
+        if backend.kind == "host":
+            raise ValueError("the host backend moves regions between nodes with MPI (engine='mpi')")
+        return NcclEngine(backend, comm, timeout)
+    raise ValueError(f"engine must be 'nccl' or 'mpi', not {name!r}")
+

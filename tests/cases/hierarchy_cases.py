@@ -1,0 +1,214 @@
+"""Multi-rank cases for calls across nodes (run by tests/test_hierarchy.py under mpiexec): the ranks
+split into simulated nodes of `G` ranks (AllToAll(..., ranks_per_node=G)), the exchange between them
+by MPI on the host backend and by NCCL (or PYHIPA2A_INTERNODE) on GPUs."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import pyhipa2a
+from pyhipa2a import A2AError, AllToAll
+from pyhipa2a.errors import ConfigMismatchError
+from pyhipa2a.hierarchy import HierarchicalAllToAll, node_layout
+from pyhipa2a.testing import WEIGHTS_AT, check_call, draw_world, poison, run_round
+
+
+def _nodes(comm, G: int) -> int:
+    if comm.Get_size() % G or comm.Get_size() // G < 2:
+        pytest.skip(f"needs at least two nodes of {G} ranks; {comm.Get_size()} ranks run")
+    return comm.Get_size() // G
+
+
+def _route(inputs, world: int, G: int, E: int, k: int, where: str, seed: int):
+    """Routing kept to some nodes: 'other' (every expert of a token on a node other than its rank's),
+    'own' (all on its own node: nothing crosses between nodes), or 'random' (as drawn)."""
+    if where == "random":
+        return inputs
+    rng = np.random.default_rng(seed)
+    per_node, N = E * G // world, world // G
+    for r in range(world):
+        home = r // G
+        nodes = [home] if where == "own" else [n for n in range(N) if n != home]
+        experts = np.concatenate([np.arange(n * per_node, (n + 1) * per_node) for n in nodes])
+        T = len(inputs.indices[r])
+        inputs.indices[r][:] = np.array([rng.choice(experts, k, replace=False) for _ in range(T)],
+                                        np.int32).reshape(T, k)
+    return inputs
+
+
+def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="random", fused="0", rounds="2",
+               seed="0"):
+    """Oracle equality for a call across nodes, the weights given to combine and to dispatch in turn."""
+    G, E, k, H, M, rounds, seed, fused = int(G), int(E), int(k), int(H), int(M), int(rounds), int(seed), fused == "1"
+    _nodes(comm, G)
+    world = comm.Get_size()
+    counts = {"random": None, "full": [M] * world, "empty": [0] * world,
+              "some_empty": [0 if r % 2 == 0 else M for r in range(world)]}[counts]
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype=dtype,
+                  ranks_per_node=G) as a2a:
+        assert isinstance(a2a, HierarchicalAllToAll)
+        for i in range(rounds):
+            inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype, counts)
+            inputs = _route(inputs, world, G, E, k, where, 77 + i)
+            err = run_round(a2a, inputs, weights_at=WEIGHTS_AT[i % 2], fused=fused)
+            print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
+
+
+def case_nodes_meta_names_true_source(comm, G="2"):
+    """expert_meta's source rank and token are the world's, whichever node the token came through."""
+    G = int(G)
+    _nodes(comm, G)
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 6
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=G) as a2a:
+        inputs = draw_world(9, world, E, k, H, M, token_counts=[M] * world)
+        d = a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
+        a2a.combine(a2a.fake_expert(d), inputs.weights[a2a.rank])
+        a2a.synchronize()
+        counts, meta = d.expert_num_tokens.numpy(), d.expert_meta.numpy()
+        for l in range(a2a.local_experts):
+            e = a2a.rank * a2a.local_experts + l
+            got = {tuple(m) for m in meta[l, :counts[l]]}
+            want = {(r, t, j) for r in range(world) for t in range(M) for j in range(k) if inputs.indices[r][t, j] == e}
+            assert got == want, f"rank {a2a.rank} expert {e}: meta {sorted(got)} != {sorted(want)}"
+
+
+def case_nodes_graph(comm, G="2", launches="3"):
+    """A captured step replays as a new call each launch, across nodes."""
+    from pyhipa2a import DeviceArray
+    G = int(G)
+    _nodes(comm, G)
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    counts = [(3 * r + 1) % (M + 1) for r in range(world)]
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=G) as a2a:
+        if not a2a.engine.capturable:
+            pytest.skip("the MPI engine on a GPU stages through the host: no graph capture")
+        me, b = a2a.rank, a2a.backend
+        T, buffers = counts[me], []
+
+        def device(shape, dtype):
+            arr = DeviceArray(b, b.malloc_ipc(max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)), shape, dtype,
+                              stream=a2a.stream, device_id=a2a.heap.device.index)
+            buffers.append(arr)
+            return arr
+
+        x, idx, w, y = device((T, H), np.float16), device((T, k), np.int32), device((T, k), np.float32), \
+            device((T, H), np.float16)
+        a2a.expert_y_buffer()
+        captured = {}
+
+        def step():
+            captured["d"] = d = a2a.dispatch(x, idx, weights=w)
+            a2a.combine(a2a.fake_expert(d), out=y)
+
+        try:
+            graph = a2a.capture(step)
+            for i in range(int(launches)):
+                inputs = draw_world(50 + i, world, E, k, H, M, token_counts=counts)
+                for arr, host in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                    arr.copy_from(host)
+                poison(a2a)
+                y.fill_bytes(0xFF)
+                graph.launch()
+                a2a.synchronize()
+                print(f"rank {me} launch {i}: max err {check_call(a2a, inputs, captured['d'], y):.3g}")
+                if i == 1:  # an eager call between launches
+                    run_round(a2a, draw_world(99, world, E, k, H, M))
+        finally:
+            a2a.synchronize()
+            for arr in buffers:
+                b.free(arr.ptr)
+
+
+def case_nodes_peer_never_arrives(comm, G="2", who="node"):
+    """The last node's ranks (who='node'), or only its last rank ('rank'), never call dispatch. Every
+    other rank raises A2ATimeoutError within the timeout, a rank whose counterpart on that node never
+    came names that rank, and no output of the failed call reads as data."""
+    G = int(G)
+    N = _nodes(comm, G)
+    world = comm.Get_size()
+    late = set(range((N - 1) * G, world)) if who == "node" else {world - 1}
+    E, k, H, M, timeout = 2 * world, 2, 64, 4, 2.0
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=timeout,
+                  ranks_per_node=G) as a2a:
+        me = a2a.rank
+        inputs = draw_world(5, world, E, k, H, M, token_counts=[M] * world)
+        if me not in late:
+            start = time.monotonic()
+            d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+            with pytest.raises(pyhipa2a.A2ATimeoutError) as info:
+                a2a.synchronize()
+            elapsed = time.monotonic() - start
+            counterpart = (N - 1) * G + me % G
+            if counterpart in late and me // G != N - 1:
+                assert counterpart in info.value.ranks, (me, str(info.value))
+                assert "between nodes" in str(info.value), str(info.value)
+            assert elapsed < 3 * timeout + 3.0, f"rank {me}: the timeout took {elapsed:.1f} s"
+            for out in (d.expert_num_tokens, d.expert_x, d.expert_meta):
+                with pytest.raises(pyhipa2a.A2ATimeoutError):
+                    out.numpy()
+            with pytest.raises(A2AError):
+                a2a.dispatch(inputs.xs[me], inputs.indices[me])
+            print(f"rank {me}: {info.value}")
+        comm.Barrier()  # the late ranks close only after the others saw the timeout
+
+
+def case_nodes_bad_config(comm):
+    """A ranks_per_node that cannot split the ranks, or that ranks disagree on: a clear error on every
+    rank before anything is allocated."""
+    world = comm.Get_size()
+    for bad, error in ((0, ValueError), (-2, ValueError), ("2", ValueError), (2.0, ValueError)):
+        with pytest.raises(error, match="ranks_per_node must be a positive integer"):
+            node_layout(comm, bad)
+    if world > 2:
+        with pytest.raises(ValueError, match=f"ranks_per_node={world - 1} does not divide the {world} ranks"):
+            AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=2,
+                     ranks_per_node=world - 1)
+    with pytest.raises(ConfigMismatchError, match="ranks disagree on ranks_per_node"):
+        node_layout(comm, 1 if comm.Get_rank() == 0 else world)
+    layout = node_layout(comm, 1)
+    assert (layout.nodes, layout.ranks_per_node, layout.node, layout.place) == (world, 1, comm.Get_rank(), 0)
+    assert node_layout(comm).nodes == 1  # one machine, nothing asked: one node
+
+
+def case_nodes_bad_inputs(comm, G="2"):
+    """Bad input raises on the calling rank before any kernel runs; indices handed over on the device
+    are checked by the kernels and reported by synchronize()."""
+    G = int(G)
+    _nodes(comm, G)
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 4
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=G) as a2a:
+        inputs = draw_world(3, world, E, k, H, M, token_counts=[M] * world)
+        me = a2a.rank
+        x, idx = inputs.xs[me], inputs.indices[me]
+        with pytest.raises(ValueError, match="x has 5 tokens"):
+            a2a.dispatch(np.zeros((M + 1, H), np.float16), np.zeros((M + 1, k), np.int32))
+        with pytest.raises(ValueError, match="outside"):
+            a2a.dispatch(x, np.full_like(idx, E))
+        with pytest.raises(ValueError, match="repeats expert"):
+            a2a.dispatch(x, np.repeat(idx[:, :1], k, axis=1))
+        with pytest.raises(TypeError, match="x_scales is for fp8 x"):
+            a2a.dispatch(x, idx, x_scales=np.ones((M, 1), np.float32))
+        with pytest.raises(A2AError, match="needs a preceding dispatch"):
+            a2a.combine(np.zeros((a2a.local_experts, a2a.capacity, H), np.float16), inputs.weights[me])
+        run_round(a2a, inputs)  # nothing above ran a kernel: the object is as good as new
+
+
+def case_nodes_rank_layout(comm):
+    """node_layout: nodes of consecutive ranks, the environment variable as the default."""
+    import os
+    world = comm.Get_size()
+    os.environ["PYHIPA2A_RANKS_PER_NODE"] = "2"
+    try:
+        layout = node_layout(comm)
+    finally:
+        del os.environ["PYHIPA2A_RANKS_PER_NODE"]
+    r = comm.Get_rank()
+    assert (layout.nodes, layout.ranks_per_node, layout.node, layout.place) == (world // 2, 2, r // 2, r % 2)
