@@ -28,9 +28,9 @@
 // A region's record: routing, weights, then the token count and the sequence
 // number of the call that wrote it (hier_record_bytes in hierarchy.py).
 struct HierRecord {
-  const i32* indices;  // [M][k]
-  const float* weights;
-  const u32* tail;     // [0] tokens, [1] sequence number
+  i32* indices;  // [M][k]
+  float* weights;
+  u32* tail;     // [0] tokens, [1] sequence number
 };
 
 struct HierArgs {
@@ -50,10 +50,10 @@ struct HierArgs {
 };
 
 A2A_DEVICE HierRecord record_of(const HierArgs& a, u32 region) {
-  const u8* base = reinterpret_cast<const u8*>(a.records) + (u64)region * a.record_bytes;
+  u8* base = reinterpret_cast<u8*>(a.records) + (u64)region * a.record_bytes;
   const u64 slots = (u64)a.max_tokens * a.top_k;
-  return {reinterpret_cast<const i32*>(base), reinterpret_cast<const float*>(base + 4 * slots),
-          reinterpret_cast<const u32*>(base + 8 * slots)};
+  return {reinterpret_cast<i32*>(base), reinterpret_cast<float*>(base + 4 * slots),
+          reinterpret_cast<u32*>(base + 8 * slots)};
 }
 
 A2A_DEVICE u64 global_thread() { return (u64)a2a_block() * a2a_block_dim() + a2a_thread(); }
@@ -81,15 +81,14 @@ extern "C" __global__ void hier_stage(HierArgs a) {
     if (a.regions_scales)
       copy_span(reinterpret_cast<u8*>(a.regions_scales) + (u64)me * a.max_tokens * a.scale_bytes,
                 reinterpret_cast<const u8*>(a.x_scales), (u64)T * a.scale_bytes);
-    copy_span((u8*)r.indices, reinterpret_cast<const u8*>(a.indices), 4ull * T * k);
+    copy_span(reinterpret_cast<u8*>(r.indices), reinterpret_cast<const u8*>(a.indices), 4ull * T * k);
   }
-  if (a.weights) copy_span((u8*)r.weights, reinterpret_cast<const u8*>(a.weights), 4ull * T * k);
+  if (a.weights) copy_span(reinterpret_cast<u8*>(r.weights), reinterpret_cast<const u8*>(a.weights), 4ull * T * k);
   if (global_thread() == 0) {
     u32* seq = reinterpret_cast<u32*>(a.sequence);
     seq[0] += 1u;  // this kernel's one thread writes it; the next kernels and the engine read it
-    u32* tail = const_cast<u32*>(r.tail);
-    tail[0] = T;
-    tail[1] = seq[0];
+    r.tail[0] = T;
+    r.tail[1] = seq[0];
   }
 }
 

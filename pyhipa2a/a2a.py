@@ -135,6 +135,18 @@ def checked_combine_weights(a2a, weights):
     return sent
 
 
+def weights_input(a2a, weights, T: int, stream):
+    """(pointer, keepalive) of the gate's weights [T, k] float32, for dispatch or combine, through
+    `a2a._input` (AllToAll's and HierarchicalAllToAll's alike)."""
+    wshape = getattr(weights, "shape", None)
+    if wshape is not None and len(wshape) == 2 and wshape[0] != T:
+        raise ValueError(f"weights has {wshape[0]} rows but the call has {T} tokens")
+    ptr, keep = a2a._input(weights, "weights", (T, a2a.top_k), np.float32, "weights_stage", stream)
+    if ptr % 4:
+        raise ValueError(f"weights must be 4-byte aligned (its data is at 0x{ptr:x})")
+    return ptr, keep
+
+
 @dataclass
 class DispatchResult:
     expert_num_tokens: DeviceArray  # int32 [L]
@@ -517,7 +529,7 @@ class AllToAll:
                 raise ValueError(f"x_scales must be 4-byte aligned (its data is at 0x{s_ptr:x})")
         w_ptr, w_keep = 0, None
         if weights is not None:
-            w_ptr, w_keep = self._weights_input(weights, T, s)
+            w_ptr, w_keep = weights_input(self, weights, T, s)
 
         call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in kernels_hip/exchange.h)
         call.x, call.indices, call.x_scales, call.weights, call.num_tokens = x_ptr, i_ptr, s_ptr, w_ptr, T
@@ -529,16 +541,6 @@ class AllToAll:
         result = DispatchResult(num_tokens, expert_x, expert_meta, T, scales)
         self._pending, self._pending_weights = result, weights
         return result
-
-    def _weights_input(self, weights, T: int, stream):
-        """(pointer, keepalive) of the gate's weights [T, k] float32, for dispatch or combine."""
-        wshape = getattr(weights, "shape", None)
-        if wshape is not None and len(wshape) == 2 and wshape[0] != T:
-            raise ValueError(f"weights has {wshape[0]} rows but the call has {T} tokens")
-        w_ptr, w_keep = self._input(weights, "weights", (T, self.top_k), np.float32, "weights_stage", stream)
-        if w_ptr % 4:
-            raise ValueError(f"weights must be 4-byte aligned (its data is at 0x{w_ptr:x})")
-        return w_ptr, w_keep
 
     def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
         """Bring expert outputs back: y[t] = sum_j weights[t, j] * expert_y_row(t, j), fp32 accumulation.
@@ -554,19 +556,26 @@ class AllToAll:
 
     def _combine(self, expert_y, weights, out, stream, expert_scale) -> DeviceArray:
         """combine() once the object is known usable (see _dispatch)."""
+        return self._launch_combine(self._prepare_combine(expert_y, weights, out, stream, expert_scale))
+
+    def _prepare_combine(self, expert_y, weights, out, stream, expert_scale):
+        """Every check of a combine and its arguments, with nothing copied or launched yet (a multi-node
+        call has its weights cross between nodes in between): (stream, out array, keepalives, the
+        NumPy expert_y still to copy, or None)."""
         sent = checked_combine_weights(self, weights)
         if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then
             self._last_scale = (expert_scale, check_scale(expert_scale))
-        scale = self._last_scale[1]
         T = self._pending.num_tokens
         s = self._stream(stream)
         self._follow(s)
         y_shape = (self.local_experts, self.capacity, self.hidden)
+        host_y, y_ptr, y_keep = None, 0, None
         if isinstance(expert_y, np.ndarray):  # checked now, copied last: a refused call overwrites nothing
             check_numpy_input("expert_y", expert_y, y_shape, self.out_dtype, self._capturing is not None)
+            host_y = expert_y
         else:
             y_ptr, y_keep = self._input(expert_y, "expert_y", y_shape, self.out_dtype, None, s)
-        w_ptr, w_keep = (0, None) if sent is not None else self._weights_input(weights, T, s)
+        w_ptr, w_keep = (0, None) if sent is not None else weights_input(self, weights, T, s)
         if out is None:
             out_arr = self._outputs(s)[3][T]
             out_ptr, o_keep = out_arr.ptr, out_arr
@@ -575,17 +584,20 @@ class AllToAll:
                 raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
             out_ptr, o_keep = self._input(out, "out", (T, self.hidden), self.out_dtype, None, s)
             out_arr = out
-        if isinstance(expert_y, np.ndarray):
-            staging = self.expert_y_buffer()
-            self.backend.copy_to_device(staging.ptr, expert_y, s)
-            y_ptr, y_keep = staging.ptr, expert_y
-
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens = y_ptr, w_ptr, out_ptr, T
-        call.expert_scale = scale
+        call.expert_scale = self._last_scale[1]
+        return s, out_arr, (y_keep, w_keep, o_keep), host_y
+
+    def _launch_combine(self, prepared) -> DeviceArray:
+        s, out_arr, keep, host_y = prepared
+        if host_y is not None:
+            staging = self.expert_y_buffer()
+            self.backend.copy_to_device(staging.ptr, host_y, s)
+            self._combine_pack[1].expert_y, keep = staging.ptr, (host_y, *keep[1:])
         self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)
-        self._keep(y_keep, w_keep, o_keep)
+        self._keep(*keep)
         self._pending = self._pending_weights = None
         return out_arr
 

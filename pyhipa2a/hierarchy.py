@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .a2a import AllToAll, DispatchResult, checked_combine_weights, checked_dispatch
+from .a2a import AllToAll, DispatchResult, checked_combine_weights, checked_dispatch, weights_input
 from .array import DeviceArray
 from .bootstrap import _mpi
 from .errors import A2AError, ConfigMismatchError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
-from .inputs import Boundary, check_scale
+from .inputs import Boundary
 from .internode import Transfer, make_engine
 from .kernels import X_FP8
 from .runtime import Backend, get_backend, select_device
@@ -138,6 +138,8 @@ class HierarchicalAllToAll:
         try:
             self._setup(engine)
         except BaseException:
+            if getattr(self, "engine", None) is not None:
+                self.engine.close()
             self.node.close()
             raise
 
@@ -183,27 +185,28 @@ class HierarchicalAllToAll:
         self._sum = lib.kernel("hier_sum_bf16" if self.out_dtype.name == "bfloat16" else "hier_sum_f16")
         self._hier_pack, self._sum_pack = self._stage.pack(), self._sum.pack()
         a = self._hier_pack[0]
-        a.regions_x, a.regions_scales, a.records = self.ptr["regions_x"], self.ptr["regions_scales"] if scale_bytes else 0, self.ptr["records"]
-        a.local_indices, a.local_weights, a.sequence = self.ptr["local_indices"], self.ptr["local_weights"], self.ptr["sequence"]
+        a.regions_x, a.records, a.sequence = self.ptr["regions_x"], self.ptr["records"], self.ptr["sequence"]
+        a.regions_scales = self.ptr["regions_scales"] if scale_bytes else 0
+        a.local_indices, a.local_weights = self.ptr["local_indices"], self.ptr["local_weights"]
         a.status, a.mirror = node.buf["status"].ptr, node._host_status_device
         a.node, a.nodes, a.ranks_per_node, a.place = self.layout.node, N, self.layout.ranks_per_node, self.layout.place
         a.max_tokens, a.top_k, a.num_experts, a.node_experts = M, k, self.num_experts, self.node_experts
         a.x_row_bytes, a.scale_bytes, a.record_bytes = row_bytes, scale_bytes, self.record_bytes
         b = self._sum_pack[0]
-        b.own, b.partials, b.seals = self.ptr["sums"] + self.layout.node * M * out_row, self.ptr["partials"], self.ptr["seals"]
+        b.own = self.ptr["sums"] + self.layout.node * M * out_row  # our own region's sums stay here
+        b.partials, b.seals = self.ptr["partials"], self.ptr["seals"]
         b.sequence, b.status, b.mirror = self.ptr["sequence"], node.buf["status"].ptr, node._host_status_device
         b.node, b.nodes, b.ranks_per_node, b.place = self.layout.node, N, self.layout.ranks_per_node, self.layout.place
         b.max_tokens, b.hidden = M, H
 
         # What crosses between nodes: to and from each other node's rank in our place.
         me, others = self.layout.node, [n for n in range(N) if n != self.layout.node]
-        def region(name, nbytes, to):
-            return [Transfer(m, self.ptr[name] + to(me) * nbytes, self.ptr[name] + to(m) * nbytes, nbytes)
-                    for m in others]
-        self._tokens_out = region("regions_x", M * row_bytes, lambda n: n) + region("records", self.record_bytes, lambda n: n)
+        def region(name, nbytes):  # our part of buffer `name` out, theirs in, `nbytes` a part
+            return [Transfer(m, self.ptr[name] + me * nbytes, self.ptr[name] + m * nbytes, nbytes) for m in others]
+        self._records_out = region("records", self.record_bytes)
+        self._tokens_out = region("regions_x", M * row_bytes) + self._records_out
         if scale_bytes:
-            self._tokens_out += region("regions_scales", M * scale_bytes, lambda n: n)
-        self._records_out = region("records", self.record_bytes, lambda n: n)
+            self._tokens_out += region("regions_scales", M * scale_bytes)
         self._sums_out = [Transfer(m, self.ptr["sums"] + m * M * out_row, self.ptr["partials"] + m * M * out_row,
                                    M * out_row) for m in others]
         self._sums_out += [Transfer(m, self.ptr["sequence"], self.ptr["seals"] + 16 * m, 16) for m in others]
@@ -241,32 +244,22 @@ class HierarchicalAllToAll:
         a.indices, keep_i = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
         a.x_scales, keep_s = (self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s)
                               if x_scales is not None else (0, None))
-        a.weights, keep_w = self._weights(weights, T, s) if weights is not None else (0, None)
+        a.weights, keep_w = weights_input(self, weights, T, s) if weights is not None else (0, None)
         a.tokens, a.whole = T, 1
         self._launch(self._stage, self._hier_pack, T * self.row_bytes // 16 + T * self.top_k, s)
         self.engine.exchange(self._tokens_out, s)
         self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
-        self._keep = (keep_x, keep_i, keep_s, keep_w)
+        self._keepalive = (keep_x, keep_i, keep_s, keep_w)  # until the next call: the device may still read them
         self.node._dispatch(self._regions_x, self._local_indices, self._local_weights if weights is not None else None,
                             self._regions_scales, s)
         views = self._outputs(s)
         self._pending, self._pending_weights = DispatchResult(views[0], views[1], views[2], T, views[3]), weights
         return self._pending
 
-    def _weights(self, weights, T: int, stream):
-        wshape = getattr(weights, "shape", None)
-        if wshape is not None and len(wshape) == 2 and wshape[0] != T:
-            raise ValueError(f"weights has {wshape[0]} rows but the call has {T} tokens")
-        ptr, keep = self._input(weights, "weights", (T, self.top_k), np.float32, "weights_stage", stream)
-        if ptr % 4:
-            raise ValueError(f"weights must be 4-byte aligned (its data is at 0x{ptr:x})")
-        return ptr, keep
-
     def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
         """As AllToAll.combine; each node's sums of a token come home once (the module's doc)."""
         self._usable()
         sent = checked_combine_weights(self, weights)
-        check_scale(expert_scale)
         T = self._pending.num_tokens
         s = self.node._stream(stream)
         self.node._follow(s)
@@ -277,20 +270,22 @@ class HierarchicalAllToAll:
         else:
             out = self._outputs(s)[4][T]
             out_ptr, keep_o = out.ptr, None
-        keep_w = None
+        a = self._hier_pack[0]
+        a.weights, keep_w = (0, None) if sent is not None else weights_input(self, weights, T, s)
+        # Every check of the node part's combine before anything is launched: bad input leaves peers untouched.
+        node_call = self.node._prepare_combine(expert_y, None if sent is not None else self._local_weights,
+                                               self._sums, s, expert_scale)
         if sent is None:  # the weights cross to the experts' nodes first, as dispatch would have sent them
-            a = self._hier_pack[0]
-            a.weights, keep_w = self._weights(weights, T, s)
             a.tokens, a.whole = T, 0
             self._launch(self._stage, self._hier_pack, T * self.top_k, s)
             self.engine.exchange(self._records_out, s)
             self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
-        self.node._combine(expert_y, None if sent is not None else self._local_weights, self._sums, s, expert_scale)
+        self.node._launch_combine(node_call)
         self.engine.exchange(self._sums_out, s)
         b = self._sum_pack[0]
         b.out, b.tokens = out_ptr, T
         self._launch(self._sum, self._sum_pack, T * self.hidden, s)
-        self._keep = (keep_o, keep_w, out)
+        self._keepalive = (keep_o, keep_w, out)
         self._pending = self._pending_weights = None
         return out
 
@@ -305,7 +300,8 @@ class HierarchicalAllToAll:
             self._views[key] = (view(b["num_tokens"].ptr, (L,), np.int32),
                                 view(b["recv_x"].ptr, (L, cap, H), self.dispatch_dtype),
                                 view(b["recv_meta"].ptr, (L, cap, 3), np.int32),
-                                view(b["recv_scales"].ptr, (L, cap, self.scale_cols), np.float32) if self.scale_cols else None,
+                                (view(b["recv_scales"].ptr, (L, cap, self.scale_cols), np.float32)
+                                 if self.scale_cols else None),
                                 [y.rows(t) for t in range(self.max_tokens + 1)])
         return self._views[key]
 

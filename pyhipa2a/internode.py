@@ -24,7 +24,6 @@ from typing import NamedTuple
 import numpy as np
 
 from .bootstrap import sleep_backoff
-from .errors import A2AError
 
 
 class Transfer(NamedTuple):
@@ -68,13 +67,13 @@ class MpiEngine:
         """Send each (peer, bytes) and receive as many bytes from that peer: the received arrays, None
         for those that did not arrive within the timeout (their receives are cancelled)."""
         received = [np.empty(data.nbytes, np.uint8) for _, data in items]
-        recvs = [self.comm.Irecv(buf, source=peer, tag=tag) for tag, ((peer, _), buf) in enumerate(zip(items, received))]
+        recvs = [self.comm.Irecv(buf, source=peer, tag=tag)
+                 for tag, ((peer, _), buf) in enumerate(zip(items, received))]
         sends = [self.comm.Isend(data, dest=peer, tag=tag) for tag, (peer, data) in enumerate(items)]
         done = [False] * len(recvs)
         deadline, attempt = time.monotonic() + self.timeout, 0
-        while not all(done):
-            done = [d or r.Test() for d, r in zip(done, recvs)]
-            if not all(done) and time.monotonic() > deadline:
+        while not all(done := [d or r.Test() for d, r in zip(done, recvs)]):
+            if time.monotonic() > deadline:
                 for d, r in zip(done, recvs):
                     if not d:
                         r.Cancel()
@@ -107,11 +106,17 @@ class NcclEngine:
         self._queued_at: float | None = None  # when the oldest exchange not known to be done was queued
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
+        """Queue the transfers; a peer that never comes is not raised here (nor after an abort): its
+        regions keep an old sequence number, and the kernels that read them report it."""
+        from .runtime.nccl import NcclTimeout
         if self.nccl.aborted:
-            raise A2AError("the NCCL communicator between nodes was aborted after an earlier timeout")
+            return
         sends = [(t.peer, t.send, t.nbytes) for t in transfers]
         recvs = [(t.peer, t.recv, t.nbytes) for t in transfers]
-        self.nccl.exchange(sends, recvs, self.backend.stream_handle(stream))
+        try:
+            self.nccl.exchange(sends, recvs, self.backend.stream_handle(stream))
+        except NcclTimeout:  # the group launch itself waited for a peer (its first call) past the timeout
+            return
         if self._queued_at is None:
             self._queued_at = time.monotonic()
 
@@ -121,7 +126,8 @@ class NcclEngine:
         they never received keep an old sequence number, and the next kernels report the timeout."""
         attempt = 0
         while not self.backend.stream_done(stream):
-            self.nccl.poll()
+            if not self.nccl.aborted:
+                self.nccl.poll()
             started = self._queued_at if self._queued_at is not None else time.monotonic()
             if time.monotonic() > started + self.timeout:
                 self.abort()

@@ -273,6 +273,39 @@ def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None, fused: bool 
     return combine_error_against_oracle(a2a, inputs, y, tolerance, oracle_expert(a2a, fused))
 
 
+def step_buffers(a2a, T: int):
+    """Device arrays of the caller's own for a captured step of T tokens on a2a's device and stream:
+    (x, indices, weights, y); free them with free_buffers."""
+    from .array import DeviceArray
+    H, k, b = a2a.hidden, a2a.top_k, a2a.backend
+
+    def device(shape, dtype):
+        nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        return DeviceArray(b, b.malloc_ipc(nbytes), shape, dtype, stream=a2a.stream, device_id=a2a.heap.device.index)
+    return (device((T, H), a2a.in_dtype), device((T, k), np.int32), device((T, k), np.float32),
+            device((T, H), a2a.out_dtype))
+
+
+def free_buffers(a2a, buffers) -> None:
+    a2a.synchronize()
+    for arr in buffers:
+        a2a.backend.free(arr.ptr)
+
+
+def replay_checked(a2a, graph, inputs: WorldInputs, buffers, result) -> float:
+    """Copy this rank's inputs into a captured step's buffers (step_buffers), poison every output,
+    replay the graph and check the call against the oracle; the largest combine error."""
+    x, idx, w, y = buffers
+    me = a2a.rank
+    for arr, host in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+        arr.copy_from(host)
+    poison(a2a)
+    y.fill_bytes(0xFF)
+    graph.launch()
+    a2a.synchronize()
+    return check_call(a2a, inputs, result, y)
+
+
 WEIGHTS_AT = ("combine", "dispatch")  # where a call hands over the gate's weights
 
 

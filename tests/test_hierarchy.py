@@ -71,3 +71,73 @@ def test_check_script_two_nodes_of_four_host():
     rows = [line for line in run.stdout.splitlines() if line.startswith("E=")]
     assert rows and all(" PASS " in r for r in rows), run.stdout
     assert "2 nodes of 4 ranks" in run.stdout and "check: PASS" in run.stdout, run.stdout
+
+
+class _FakeNccl:
+    """Stands in for runtime.nccl.NcclComm: `exchange` times out as a peer that never came makes it."""
+
+    def __init__(self, times_out: bool):
+        self.times_out, self.aborted, self.calls, self.polls = times_out, False, [], 0
+
+    def exchange(self, sends, recvs, stream):
+        from pyhipa2a.runtime.nccl import NcclTimeout
+        self.calls.append((sends, recvs, stream))
+        if self.times_out:
+            self.aborted = True
+            raise NcclTimeout("ncclGroupEnd still in progress")
+
+    def poll(self):
+        self.polls += 1
+
+    def abort(self):
+        self.aborted = True
+
+
+class _FakeStreams:
+    kind = "cuda"
+
+    def __init__(self, busy_polls: int):
+        self.busy = busy_polls
+
+    def stream_handle(self, stream):
+        return 7
+
+    def stream_done(self, stream):
+        self.busy -= 1
+        return self.busy < 0
+
+
+def _engine(nccl, backend, timeout=0.05):
+    from pyhipa2a.internode import NcclEngine
+    engine = NcclEngine.__new__(NcclEngine)  # no library: the fake stands in for the communicator
+    engine.backend, engine.timeout, engine.nccl, engine._queued_at = backend, timeout, nccl, None
+    return engine
+
+
+def test_nccl_engine_leaves_a_late_peer_to_the_kernels():
+    """A group launch that times out (a peer that never came) does not raise: the regions keep their old
+    sequence number for the kernels to report, and later exchanges of the aborted communicator queue nothing."""
+    from pyhipa2a.internode import Transfer
+    nccl = _FakeNccl(times_out=True)
+    engine = _engine(nccl, _FakeStreams(0))
+    transfers = [Transfer(1, 100, 200, 64)]
+    engine.exchange(transfers, stream=None)
+    assert nccl.calls == [([(1, 100, 64)], [(1, 200, 64)], 7)] and nccl.aborted
+    engine.exchange(transfers, stream=None)
+    assert len(nccl.calls) == 1
+    engine.settle(None)  # nothing left on the stream: returns, polls nothing of an aborted communicator
+    assert nccl.polls == 0
+
+
+def test_nccl_engine_watchdog_aborts_a_stream_past_the_timeout():
+    """settle() polls NCCL while the stream runs and, past the timeout since the exchange was queued,
+    aborts the communicator and returns instead of waiting for a stream that never finishes."""
+    import time
+    from pyhipa2a.internode import Transfer
+    nccl = _FakeNccl(times_out=False)
+    engine = _engine(nccl, _FakeStreams(busy_polls=10**9), timeout=0.05)
+    engine.exchange([Transfer(0, 1, 2, 8)], stream=None)
+    start = time.monotonic()
+    engine.settle(None)
+    assert nccl.aborted and nccl.polls > 0
+    assert 0.04 < time.monotonic() - start < 5

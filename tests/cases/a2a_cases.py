@@ -609,24 +609,14 @@ def case_graph_replays(comm, launches="4"):
     """A captured dispatch -> fake expert -> combine replays as a new call each launch: with fresh inputs
     copied into the same device buffers, every launch matches the oracle, eager calls interleave with
     launches, and misuse of capture() is refused without breaking the object."""
-    from pyhipa2a import DeviceArray
-    from pyhipa2a.testing import check_call, poison
+    from pyhipa2a.testing import free_buffers, replay_checked, step_buffers
     world = comm.Get_size()
     E, k, H, M = 3 * world, 2, 264, 8
     counts = [(3 * r) % (M + 1) for r in range(world)]  # differ per rank; T=0 on rank 0
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
-        me, b = a2a.rank, a2a.backend
+        me = a2a.rank
         T = counts[me]
-        buffers = []
-
-        def device(shape, dtype):
-            arr = DeviceArray(b, b.malloc_ipc(max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)), shape, dtype,
-                              stream=a2a.stream, device_id=a2a.heap.device.index)
-            buffers.append(arr)
-            return arr
-
-        x, idx, w, y = device((T, H), np.float16), device((T, k), np.int32), device((T, k), np.float32), \
-            device((T, H), np.float16)
+        buffers = x, idx, w, y = step_buffers(a2a, T)
         captured = {}
         with pytest.raises(A2AError, match="needs expert_y_buffer\\(\\) called before the capture"):
             a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(x, idx)), w, out=y))
@@ -640,13 +630,7 @@ def case_graph_replays(comm, launches="4"):
             graph = a2a.capture(step)
             for i in range(int(launches)):
                 inputs = draw_world(100 + i, world, E, k, H, M, token_counts=counts)
-                for arr, host in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
-                    arr.copy_from(host)
-                poison(a2a)
-                y.fill_bytes(0xFF)
-                graph.launch()
-                a2a.synchronize()
-                err = check_call(a2a, inputs, captured["d"], y)
+                err = replay_checked(a2a, graph, inputs, buffers, captured["d"])
                 print(f"rank {me} launch {i}: T={T} max err {err:.3g}")
                 if i == 1:  # an eager call between launches, with other token counts
                     run_round(a2a, draw_world(200, world, E, k, H, M))
@@ -669,9 +653,7 @@ def case_graph_replays(comm, launches="4"):
             with pytest.raises(A2AError, match="graph is closed"):
                 graph.launch()
         finally:
-            a2a.synchronize()
-            for arr in buffers:
-                b.free(arr.ptr)
+            free_buffers(a2a, buffers)
 
 
 def case_launch_geometry(comm):

@@ -12,7 +12,7 @@ import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
 from pyhipa2a.errors import ConfigMismatchError
 from pyhipa2a.hierarchy import HierarchicalAllToAll, node_layout
-from pyhipa2a.testing import WEIGHTS_AT, check_call, draw_world, poison, run_round
+from pyhipa2a.testing import WEIGHTS_AT, draw_world, free_buffers, replay_checked, run_round, step_buffers
 
 
 def _nodes(comm, G: int) -> int:
@@ -78,7 +78,6 @@ def case_nodes_meta_names_true_source(comm, G="2"):
 
 def case_nodes_graph(comm, G="2", launches="3"):
     """A captured step replays as a new call each launch, across nodes."""
-    from pyhipa2a import DeviceArray
     G = int(G)
     _nodes(comm, G)
     world = comm.Get_size()
@@ -88,17 +87,8 @@ def case_nodes_graph(comm, G="2", launches="3"):
                   ranks_per_node=G) as a2a:
         if not a2a.engine.capturable:
             pytest.skip("the MPI engine on a GPU stages through the host: no graph capture")
-        me, b = a2a.rank, a2a.backend
-        T, buffers = counts[me], []
-
-        def device(shape, dtype):
-            arr = DeviceArray(b, b.malloc_ipc(max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)), shape, dtype,
-                              stream=a2a.stream, device_id=a2a.heap.device.index)
-            buffers.append(arr)
-            return arr
-
-        x, idx, w, y = device((T, H), np.float16), device((T, k), np.int32), device((T, k), np.float32), \
-            device((T, H), np.float16)
+        me = a2a.rank
+        buffers = x, idx, w, y = step_buffers(a2a, counts[me])
         a2a.expert_y_buffer()
         captured = {}
 
@@ -110,19 +100,11 @@ def case_nodes_graph(comm, G="2", launches="3"):
             graph = a2a.capture(step)
             for i in range(int(launches)):
                 inputs = draw_world(50 + i, world, E, k, H, M, token_counts=counts)
-                for arr, host in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
-                    arr.copy_from(host)
-                poison(a2a)
-                y.fill_bytes(0xFF)
-                graph.launch()
-                a2a.synchronize()
-                print(f"rank {me} launch {i}: max err {check_call(a2a, inputs, captured['d'], y):.3g}")
+                print(f"rank {me} launch {i}: max err {replay_checked(a2a, graph, inputs, buffers, captured['d']):.3g}")
                 if i == 1:  # an eager call between launches
                     run_round(a2a, draw_world(99, world, E, k, H, M))
         finally:
-            a2a.synchronize()
-            for arr in buffers:
-                b.free(arr.ptr)
+            free_buffers(a2a, buffers)
 
 
 def case_nodes_peer_never_arrives(comm, G="2", who="node"):
@@ -177,8 +159,8 @@ def case_nodes_bad_config(comm):
 
 
 def case_nodes_bad_inputs(comm, G="2"):
-    """Bad input raises on the calling rank before any kernel runs; indices handed over on the device
-    are checked by the kernels and reported by synchronize()."""
+    """Bad input raises on the calling rank before any kernel runs, also a combine whose weights would
+    cross between nodes before its expert_y is looked at: the object stays as good as new."""
     G = int(G)
     _nodes(comm, G)
     world = comm.Get_size()
@@ -199,6 +181,17 @@ def case_nodes_bad_inputs(comm, G="2"):
         with pytest.raises(A2AError, match="needs a preceding dispatch"):
             a2a.combine(np.zeros((a2a.local_experts, a2a.capacity, H), np.float16), inputs.weights[me])
         run_round(a2a, inputs)  # nothing above ran a kernel: the object is as good as new
+        d = a2a.dispatch(x, idx)
+        expert_y = a2a.fake_expert(d)
+        if me == 0:  # on one rank only: a refusal that had sent the weights would pair with a peer's real call
+            for bad_y, error in ((np.zeros((1, 2, H), np.float16), ValueError), ([1.0], TypeError)):
+                with pytest.raises(error):
+                    a2a.combine(bad_y, inputs.weights[me])
+            with pytest.raises(ValueError, match="weights has 1 rows"):
+                a2a.combine(expert_y, inputs.weights[me][:1])
+        a2a.combine(expert_y, inputs.weights[me])  # the refusals sent nothing: this call meets its peers'
+        a2a.synchronize()
+        run_round(a2a, inputs)
 
 
 def case_nodes_rank_layout(comm):
