@@ -289,6 +289,19 @@ class HierarchicalAllToAll:
         self._pending = self._pending_weights = None
         return out
 
+    def exchange_between_nodes(self, stream=None) -> None:
+        """The bytes a call moves between nodes (dispatch's regions, then combine's sums), moved alone by
+        the same engine, with no kernel of ours: the bare exchange that benchmarks set a call beside.
+        Collective, as a call is; queued on `stream` (default ours), between calls (it overwrites
+        the exchanged regions, which the next call writes anew)."""
+        self._usable()
+        if self._pending is not None:
+            raise A2AError("exchange_between_nodes() between a dispatch and its combine would overwrite "
+                           "the call's regions")
+        s = self.node._stream(stream)
+        self.engine.exchange(self._tokens_out, s)
+        self.engine.exchange(self._sums_out, s)
+
     def _outputs(self, stream):
         """Views of the node part's outputs and of our y, naming `stream`, with this object's health."""
         key = id(stream)

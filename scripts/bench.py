@@ -322,6 +322,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
         r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
         r["empty_wall"] = wall_time(comm, a2a, launch_empty, flush_ptr, args.iters)
         r["eager_over_graph"] = r["eager_wall"] / r["wall"]
+        if hasattr(a2a, "exchange_between_nodes"):  # across nodes: the engine alone, the same bytes
+            r["bare_exchange_wall"] = wall_time(comm, a2a, a2a.exchange_between_nodes, flush_ptr, args.iters)
     for graph in (timed, bare):
         graph.close()
     b.graph_destroy(empty)
@@ -431,6 +433,20 @@ def print_shapes(rows) -> None:
           f"ratio to SOL {fmt(geomean(r['ratio'] for r in ok), '.2f')}")
 
 
+def print_between_nodes(rows) -> None:
+    """Across nodes: each call's wall beside a bare exchange of the same bytes by the same engine."""
+    rows = [r for r in rows if r["ok"] and "bare_exchange_wall" in r]
+    if not rows:
+        return
+    print("between nodes: wall of the call (graph) beside a bare exchange of the same bytes between nodes "
+          "(the engine alone: dispatch's regions and combine's sums); link MB, GB/s and SOL above count one node's "
+          "model, not the traffic between nodes")
+    print(f"{'shape':<30} {'wall':>9} {'bare':>9} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['shape']:<30} {r['wall']:>9.1f} {r['bare_exchange_wall']:>9.1f} "
+              f"{r['wall'] / r['bare_exchange_wall']:>6.2f}")
+
+
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'eag disp':>9} {'eag comb':>9} "
@@ -488,7 +504,9 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, {dtypes}, "
           f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}, "
           f"weights to {args.weights_at}, eager inputs {args.inputs} (producer_order={args.producer_order})")
-    print(f"command ({world} ranks): {command}")
+    per_node = os.environ.get("PYHIPA2A_RANKS_PER_NODE")
+    nodes = f", simulated nodes of {per_node} ranks (PYHIPA2A_RANKS_PER_NODE)" if per_node else ""
+    print(f"command ({world} ranks{nodes}): {command}")
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
           f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
     print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median; "
@@ -499,6 +517,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
               "(PYHIPA2A_GRID_BLOCKS, PYHIPA2A_BLOCK_THREADS)")
     if rows:
         print_shapes(rows)
+        print_between_nodes(rows)
     if sweep:
         print_sweep(sweep)
     if args.json:

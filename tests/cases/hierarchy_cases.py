@@ -192,6 +192,9 @@ def case_nodes_bad_inputs(comm, G="2"):
         a2a.combine(expert_y, inputs.weights[me])  # the refusals sent nothing: this call meets its peers'
         a2a.synchronize()
         run_round(a2a, inputs)
+        a2a.exchange_between_nodes()  # the benchmarks' bare exchange: calls after it are as good
+        a2a.synchronize()
+        run_round(a2a, inputs)
 
 
 def case_nodes_rank_layout(comm):
