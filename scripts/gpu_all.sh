@@ -17,10 +17,17 @@ timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --fused-expert --json "$OUT
 fused=$?
 timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --sweep --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1; sweep=$?
 timeout 600 $MPIRUN -n "$N" python3 scripts/stress.py --calls 2000 > "$OUT/stress.txt" 2>&1; stress=$?
+nodes=0  # across nodes (issue 21): 2 simulated nodes, each call beside a bare NCCL exchange of its bytes
+if [ "$N" -ge 2 ] && [ $((N % 2)) = 0 ]; then
+  PYHIPA2A_RANKS_PER_NODE=$((N / 2)) timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --fused-expert \
+    --json "$OUT/bench_nodes.json" > "$OUT/bench_nodes.txt" 2>&1; nodes=$?
+fi
 sed -n '/^== summary/,$p' "$OUT/validate.txt"
 tail -n 3 "$OUT/stress.txt"
 sed -n '/^pyhipa2a bench/,$p' "$OUT/bench.txt"
 sed -n '/^shape /,$p' "$OUT/bench_fused.txt"
 sed -n '/^sweep /,$p' "$OUT/sweep.txt"
-printf '%-12s %s\n' validate "$validate" bench "$bench" bench_fused "$fused" sweep "$sweep" stress "$stress"
-[ "$validate$bench$fused$sweep$stress" = 00000 ]
+sed -n '/^shape /,$p' "$OUT/bench_nodes.txt" 2>/dev/null
+printf '%-12s %s\n' validate "$validate" bench "$bench" bench_fused "$fused" sweep "$sweep" stress "$stress" \
+  bench_nodes "$nodes"
+[ "$validate$bench$fused$sweep$stress$nodes" = 000000 ]

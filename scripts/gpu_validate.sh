@@ -25,6 +25,12 @@ step check $MPIRUN -n "$N" python3 scripts/check.py
 step check_fused $MPIRUN -n "$N" python3 scripts/check.py --fused-expert
 step check_fp8_quantize $MPIRUN -n "$N" python3 scripts/check.py --dispatch-dtype float8_e4m3 --fp8-input quantize
 step check_fp8_given $MPIRUN -n "$N" python3 scripts/check.py --dispatch-dtype float8_e4m3 --fp8-input given --dtype bfloat16
+# Across nodes (issue 21): the ranks as 2 simulated nodes, NCCL between them (one GPU per rank; ranks
+# that share a GPU need PYHIPA2A_INTERNODE=mpi, as NCCL refuses two ranks on one GPU).
+if [ "$N" -ge 2 ] && [ $((N % 2)) = 0 ]; then
+  step check_nodes $MPIRUN -n "$N" python3 scripts/check.py --ranks-per-node $((N / 2))
+  step check_nodes_fused $MPIRUN -n "$N" python3 scripts/check.py --ranks-per-node $((N / 2)) --fused-expert --weights-at dispatch
+fi
 python3 -c "import cupy" 2>/dev/null && step cupy_moe $MPIRUN -n "$N" python3 scripts/cupy_moe.py
 step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu tests
 [ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu tests
