@@ -18,8 +18,10 @@ def layout_for(backend: str) -> tuple[int, int]:
     return (4, 2) if backend == "host" else (gpu_ranks(), max(1, gpu_ranks() // 2))
 
 
-# (E per rank, k, H, M, dtype, token counts, where the experts are, fused expert)
+# (E per rank, k, H, M, dtype, token counts, where the experts are, fused expert[, fp8 dispatch])
 CASES = {
+    "fp8_quantize_bf16": (4, 4, 256, 16, "bfloat16", "random", "random", "0", "quantize"),
+    "fp8_given": (2, 3, 384, 8, "float16", "full", "other", "0", "given"),
     "random": (4, 4, 256, 16, "float16", "random", "random", "0"),
     "bf16_full": (2, 3, 1000, 8, "bfloat16", "full", "random", "0"),
     "only_other_nodes": (4, 2, 128, 8, "float16", "full", "other", "0"),
@@ -36,9 +38,9 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_nodes_against_oracle(name, backend):
     ranks, G = layout_for(backend)
-    E_per_rank, k, H, M, dtype, counts, where, fused = CASES[name]
+    E_per_rank, k, H, M, dtype, counts, where, fused, *fp8 = CASES[name]
     run_case(CASE + "case_nodes", ranks, env_backend(backend),
-             args=(G, E_per_rank * ranks, k, H, M, dtype, counts, where, fused, 2, 1))
+             args=(G, E_per_rank * ranks, k, H, M, dtype, counts, where, fused, 2, 1, *fp8))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -12,7 +12,8 @@ import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
 from pyhipa2a.errors import ConfigMismatchError
 from pyhipa2a.hierarchy import HierarchicalAllToAll, node_layout
-from pyhipa2a.testing import WEIGHTS_AT, draw_world, free_buffers, replay_checked, run_round, step_buffers
+from pyhipa2a.testing import (WEIGHTS_AT, draw_world, dtype_arguments, free_buffers, inputs_as_given, replay_checked,
+                              run_round, step_buffers)
 
 
 def _nodes(comm, G: int) -> int:
@@ -39,19 +40,21 @@ def _route(inputs, world: int, G: int, E: int, k: int, where: str, seed: int):
 
 
 def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="random", fused="0", rounds="2",
-               seed="0"):
-    """Oracle equality for a call across nodes, the weights given to combine and to dispatch in turn."""
+               seed="0", fp8="none"):
+    """Oracle equality for a call across nodes, the weights given to combine and to dispatch in turn;
+    `fp8`: 'quantize' or 'given' dispatches in fp8 (x quantized by the kernels, or given with its scales)."""
     G, E, k, H, M, rounds, seed, fused = int(G), int(E), int(k), int(H), int(M), int(rounds), int(seed), fused == "1"
     _nodes(comm, G)
     world = comm.Get_size()
     counts = {"random": None, "full": [M] * world, "empty": [0] * world,
               "some_empty": [0 if r % 2 == 0 else M for r in range(world)]}[counts]
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype=dtype,
-                  ranks_per_node=G) as a2a:
+    types = dtype_arguments(dtype, None if fp8 == "none" else "float8_e4m3", fp8)
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, ranks_per_node=G,
+                  **types) as a2a:
         assert isinstance(a2a, HierarchicalAllToAll)
         for i in range(rounds):
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype, counts)
-            inputs = _route(inputs, world, G, E, k, where, 77 + i)
+            inputs = inputs_as_given(a2a, _route(inputs, world, G, E, k, where, 77 + i), fp8)
             err = run_round(a2a, inputs, weights_at=WEIGHTS_AT[i % 2], fused=fused)
             print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
 
