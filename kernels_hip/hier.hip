@@ -24,6 +24,7 @@
 // What a timeout between nodes was waiting for (WAIT_WHAT in pyhipa2a/errors.py).
 #define A2A_WAIT_NODES 6u          // dispatch: a node's region of tokens
 #define A2A_WAIT_NODES_COMBINE 7u  // combine: a node's sums of our tokens
+#define A2A_WAIT_NODES_RECORDS 8u  // combine: a node's routing and weights again
 
 // A region's record: routing, weights, then the token count and the sequence
 // number of the call that wrote it (hier_record_bytes in hierarchy.py).
@@ -40,7 +41,7 @@ struct HierArgs {
   u64 records;         // u8  [N][record_bytes]     HierRecord of each region
   u64 local_indices;   // i32 [N*M][k]              hier_localize: this node's expert of each slot, or -1
   u64 local_weights;   // f32 [N*M][k]
-  u64 sequence;        // u32 [4]                   [0] calls this rank staged
+  u64 sequence;        // u32 [4]                   [0] calls this rank staged, [1] the node part's status then
   u64 status, mirror;  // the node AllToAll's status words and their host mirror
   i32 node, nodes, ranks_per_node, place;  // place: our rank within our node
   i32 tokens, max_tokens, top_k, num_experts;
@@ -87,6 +88,9 @@ extern "C" __global__ void hier_stage(HierArgs a) {
   if (global_thread() == 0) {
     u32* seq = reinterpret_cast<u32*>(a.sequence);
     seq[0] += 1u;  // this kernel's one thread writes it; the next kernels and the engine read it
+    // Our status goes with the sequence number as combine's seal: a counterpart whose sums would be
+    // this rank's poison reports that instead of returning NaN as a result.
+    seq[1] = a2a_load_relaxed_sys(reinterpret_cast<const u32*>(a.status));
     r.tail[0] = T;
     r.tail[1] = seq[0];
   }
@@ -109,7 +113,8 @@ extern "C" __global__ void hier_localize(HierArgs a) {
     const HierRecord r = record_of(a, region);
     const bool arrived = region == me || r.tail[1] == seq;
     if (!arrived && slot == 0)  // the rank of that node in our place never sent this call's region
-      a2a_report(status, mirror, A2A_ERR_TIMEOUT, region * (u32)a.ranks_per_node + (u32)a.place, A2A_WAIT_NODES, seq);
+      a2a_report(status, mirror, A2A_ERR_TIMEOUT, region * (u32)a.ranks_per_node + (u32)a.place,
+                 a.whole ? A2A_WAIT_NODES : A2A_WAIT_NODES_RECORDS, seq);
     i32 local = -1;
     float w = 0.0f;
     if (arrived && t < r.tail[0]) {
@@ -138,7 +143,8 @@ struct HierSumArgs {
 
 // y[t] = the sum over nodes of their sums of token t, in fp32, rounded once.
 // A node whose sums never came is reported (a timeout naming its rank in our
-// place), and y is poisoned (NaN), as is y of a call that failed before.
+// place), as is one whose rank had failed its part (its sums are poison),
+// and y is poisoned (NaN), as is y of a call that failed before.
 template <typename Fmt>
 A2A_DEVICE void hier_sum(const HierSumArgs& a) {
   const u32 N = (u32)a.nodes, me = (u32)a.node, T = (u32)a.tokens, H = (u32)a.hidden;
@@ -147,11 +153,14 @@ A2A_DEVICE void hier_sum(const HierSumArgs& a) {
   u32* status = reinterpret_cast<u32*>(a.status);
   bool ok = true;
   for (u32 r = 0; r < N; ++r) {
-    if (r == me || seals[r * 4u] == seq) continue;
+    if (r == me || (seals[r * 4u] == seq && seals[r * 4u + 1u] == A2A_OK)) continue;
     ok = false;
-    if (global_thread() == 0)
-      a2a_report(status, reinterpret_cast<u32*>(a.mirror), A2A_ERR_TIMEOUT, r * (u32)a.ranks_per_node + (u32)a.place,
-                 A2A_WAIT_NODES_COMBINE, seq);
+    const u32 peer = r * (u32)a.ranks_per_node + (u32)a.place;
+    if (global_thread() == 0 && seals[r * 4u] != seq)  // its sums never came
+      a2a_report(status, reinterpret_cast<u32*>(a.mirror), A2A_ERR_TIMEOUT, peer, A2A_WAIT_NODES_COMBINE, seq);
+    else if (global_thread() == 0)  // they came from a rank whose call had failed: poison, not sums
+      a2a_report(status, reinterpret_cast<u32*>(a.mirror), A2A_ERR_PEER, peer, A2A_WAIT_NODES_COMBINE,
+                 seals[r * 4u + 1u]);
   }
   ok = ok && a2a_load_relaxed_sys(status) == A2A_OK;
   const u16* own = reinterpret_cast<const u16*>(a.own);

@@ -589,12 +589,19 @@ class AllToAll:
         call.expert_scale = self._last_scale[1]
         return s, out_arr, (y_keep, w_keep, o_keep), host_y
 
-    def _launch_combine(self, prepared) -> DeviceArray:
+    def _copy_host_expert_y(self, prepared):
+        """A NumPy expert_y copied into expert_y_buffer() (the host waits for the stream): the prepared
+        call, now with nothing left to copy."""
         s, out_arr, keep, host_y = prepared
-        if host_y is not None:
-            staging = self.expert_y_buffer()
-            self.backend.copy_to_device(staging.ptr, host_y, s)
-            self._combine_pack[1].expert_y, keep = staging.ptr, (host_y, *keep[1:])
+        if host_y is None:
+            return prepared
+        staging = self.expert_y_buffer()
+        self.backend.copy_to_device(staging.ptr, host_y, s)
+        self._combine_pack[1].expert_y = staging.ptr
+        return s, out_arr, (host_y, *keep[1:]), None
+
+    def _launch_combine(self, prepared) -> DeviceArray:
+        s, out_arr, keep, _ = self._copy_host_expert_y(prepared)
         self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)
         self._keep(*keep)

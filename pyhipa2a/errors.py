@@ -16,10 +16,12 @@ STATUS_TIMEOUT = 1
 STATUS_BAD_INDEX = 2
 STATUS_CAPACITY = 3
 STATUS_MISMATCH = 4
+STATUS_PEER = 5
 
 # 3 was v0's combine done barrier; the number stays retired.
 WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights",
-             6: "tokens between nodes (dispatch)", 7: "sums between nodes (combine)"}
+             6: "tokens between nodes (dispatch)", 7: "sums between nodes (combine)",
+             8: "routing and weights between nodes (combine)"}
 
 
 class A2AError(RuntimeError):
@@ -72,6 +74,10 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
         return A2ADeviceError(
             f"{context}: rank {rank}: local expert {what} of rank {peer} overflowed its rows "
             f"(slot {detail}); the row was not written")
+    if code == STATUS_PEER:
+        return A2ADeviceError(
+            f"{context}: rank {rank}: rank {peer}, on another node, failed its part of this call, so its sums "
+            f"of our tokens are poison; that rank's own error says why")
     if code == STATUS_MISMATCH:
         return A2ADeviceError(f"{context}: rank {rank}: {detail} words did not match the expected pattern")
     return A2ADeviceError(f"{context}: rank {rank}: unknown device status {code} ({peer}, {what}, {detail})")

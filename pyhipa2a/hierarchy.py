@@ -12,9 +12,12 @@ A rank's counterparts are the ranks in its place on the other nodes. A call (ker
     over all N regions, whose routing hier_localize made this node's (-1: another node's expert),
     so a token crosses to each other node once and the node's ranks share it over the heap;
     expert_meta names the token's true source rank (the node part's region_tokens).
-  combine: the node's AllToAll sums each region's rows over this node's experts (weighted,
-    fp32, rounded once to out_dtype: one rounding per node, as narrow_partials rounds per rank);
-    each region's sums go home; hier_sum adds a token's sums from every node.
+  combine: the regions' records cross again (weights given to combine, and each rank's status),
+    since counterparts may hand over their weights in different calls; the node's AllToAll sums
+    each region's rows over this node's experts (weighted, fp32, rounded once to out_dtype: one
+    rounding per node, as narrow_partials rounds per rank), taking every region's weights there;
+    each region's sums go home with the sender's status; hier_sum adds a token's sums from every
+    node, and reports a node whose sums never came or whose rank had failed.
 Regions move whole, so no call needs a host round trip and a step can be captured as a graph
 (NCCL's calls are capturable). Bytes between a pair of nodes per call: M rows each way, not T.
 """
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .a2a import AllToAll, DispatchResult, checked_combine_weights, checked_dispatch, weights_input
+from .a2a import MAX_TOP_K, AllToAll, DispatchResult, checked_combine_weights, checked_dispatch, weights_input
 from .array import DeviceArray
 from .bootstrap import _mpi
 from .errors import A2AError, ConfigMismatchError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
@@ -36,7 +39,7 @@ from .internode import Transfer, make_engine
 from .kernels import X_FP8
 from .runtime import Backend, get_backend, select_device
 
-NODE_WAITS = (6, 7)  # status `what` of waits between nodes: their peer is already a world rank
+NODE_WAITS = (6, 7, 8)  # status `what` of waits between nodes: their peer is already a world rank
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,9 @@ class NodesHealth(Health):
         if not self.host_status[0]:
             return None
         words = self.host_status.copy()
-        if words[0] in (STATUS_TIMEOUT, STATUS_CAPACITY) and words[2] not in NODE_WAITS:
-            words[1] += self.layout.node * self.layout.ranks_per_node  # a rank of our node, by its place
+        node_part_peer = words[0] == STATUS_CAPACITY or (words[0] == STATUS_TIMEOUT and words[2] not in NODE_WAITS)
+        if node_part_peer:  # the node part names a rank of our node by its place; the others are world ranks
+            words[1] += self.layout.node * self.layout.ranks_per_node
         return status_error(words, self.rank, self.context)
 
     def settle(self, stream) -> None:
@@ -114,12 +118,14 @@ class HierarchicalAllToAll:
                  engine: str | None = None, **node_config):
         MPI = _mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
-        self.layout, self.rank, self.world = layout, comm.Get_rank(), comm.Get_size()
+        self.comm, self.layout, self.rank, self.world = comm, layout, comm.Get_rank(), comm.Get_size()
         N = layout.nodes
         self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
         self.hidden, self.max_tokens, self.timeout = int(hidden_dim), int(max_num_tokens), float(timeout)
         if self.num_experts % self.world:
             raise ValueError(f"num_experts={self.num_experts} must be divisible by the number of ranks ({self.world})")
+        if not 1 <= self.top_k <= min(self.num_experts, MAX_TOP_K):  # the node part checks only its own experts
+            raise ValueError(f"experts_per_token={self.top_k} must be between 1 and num_experts and <= {MAX_TOP_K}")
         self.local_experts, self.capacity = self.num_experts // self.world, self.world * self.max_tokens
         self.node_experts = self.num_experts // N
         backend = backend if isinstance(backend, Backend) else get_backend(backend)
@@ -131,16 +137,23 @@ class HierarchicalAllToAll:
         machine.Free()
         self.node_comm = comm.Split(color=layout.node, key=self.rank)
         self.column_comm = comm.Split(color=layout.place, key=layout.node)  # its rank is the node's number
-        self.node = AllToAll(self.node_comm, num_experts=self.node_experts, experts_per_token=self.top_k,
-                             hidden_dim=self.hidden, max_num_tokens=N * self.max_tokens, timeout=timeout,
-                             backend=backend, device=device, _region_tokens=self.max_tokens,
-                             _ranks_on_device=devices.count(device), **node_config)
+        try:
+            self.node = AllToAll(self.node_comm, num_experts=self.node_experts, experts_per_token=self.top_k,
+                                 hidden_dim=self.hidden, max_num_tokens=N * self.max_tokens, timeout=timeout,
+                                 backend=backend, device=device, _region_tokens=self.max_tokens,
+                                 _ranks_on_device=devices.count(device), **node_config)
+        except BaseException:
+            self._free_comms()
+            raise
         try:
             self._setup(engine)
         except BaseException:
             if getattr(self, "engine", None) is not None:
                 self.engine.close()
+            if getattr(self, "_free", None) is not None:
+                self._free()
             self.node.close()
+            self._free_comms()
             raise
 
     def _setup(self, engine: str | None) -> None:
@@ -177,8 +190,10 @@ class HierarchicalAllToAll:
         self._local_indices = own("local_indices", (N * M, k), np.int32)
         self._local_weights = own("local_weights", (N * M, k), np.float32)
         self._sums = own("sums", (N * M, H), self.out_dtype)
-        # The node part's buffers, where y is ours (scripts and tests poison them by name).
+        # The node part's buffers, where y is ours (scripts and tests poison them by name), and what the
+        # exchange between nodes fills (tests poison it too; the sequence number is the protocol's own).
         self.buf = {**node.buf, "y": own("y", (M, H), self.out_dtype)}
+        self.exchange_buffers = [own(name, (n,), np.uint8) for name, n in parts if n and name not in ("sequence", "y")]
 
         lib = node.lib
         self._stage, self._localize = lib.kernel("hier_stage"), lib.kernel("hier_localize")
@@ -233,12 +248,29 @@ class HierarchicalAllToAll:
         return self._boundary.take(name, obj, shape, dtype, stream, capturing=self.node._capturing is not None,
                                    stage_ptr=self.node.buf[stage].ptr if stage else None)
 
+    def _keep(self, *objects) -> None:
+        """Inputs stay referenced until the next call (the device may still read them); a capture keeps
+        them for the graph's lifetime, as AllToAll's do."""
+        if self.node._capturing is not None:
+            self.node._captured_refs.extend(objects)
+        else:
+            self._keepalive = objects
+
+    def _settle_before_host_copy(self, stream, *inputs) -> None:
+        """A NumPy input is copied with the host waiting for `stream`, where an exchange between nodes
+        may still wait for a peer without bound (NCCL): watch it first."""
+        if any(isinstance(i, np.ndarray) for i in inputs):
+            self.health.settle(stream)
+
     def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None) -> DispatchResult:
-        """As AllToAll.dispatch; the tokens cross to each other node once (the module's doc)."""
+        """As AllToAll.dispatch; the tokens cross to each other node once (the module's doc). The
+        weights, given here, cross with them; the node part takes every region's in combine, since
+        each rank picks where it gives them."""
         self._usable()
         T = checked_dispatch(self, x, indices, weights, x_scales)
         s = self.node._stream(stream)
         self.node._follow(s)
+        self._settle_before_host_copy(s, x, indices, weights, x_scales)
         a = self._hier_pack[0]
         a.x, keep_x = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
         a.indices, keep_i = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
@@ -249,20 +281,24 @@ class HierarchicalAllToAll:
         self._launch(self._stage, self._hier_pack, T * self.row_bytes // 16 + T * self.top_k, s)
         self.engine.exchange(self._tokens_out, s)
         self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
-        self._keepalive = (keep_x, keep_i, keep_s, keep_w)  # until the next call: the device may still read them
-        self.node._dispatch(self._regions_x, self._local_indices, self._local_weights if weights is not None else None,
-                            self._regions_scales, s)
+        self._keep(keep_x, keep_i, keep_s, keep_w)
+        self.node._dispatch(self._regions_x, self._local_indices, None, self._regions_scales, s)
         views = self._outputs(s)
         self._pending, self._pending_weights = DispatchResult(views[0], views[1], views[2], T, views[3]), weights
         return self._pending
 
     def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
-        """As AllToAll.combine; each node's sums of a token come home once (the module's doc)."""
+        """As AllToAll.combine; each node's sums of a token come home once (the module's doc).
+
+        Every combine swaps the regions' records again (routing, weights, this rank's status) whether
+        the weights came here or to dispatch: counterparts may have chosen differently, and both must
+        move the same bytes in the same order."""
         self._usable()
         sent = checked_combine_weights(self, weights)
         T = self._pending.num_tokens
         s = self.node._stream(stream)
         self.node._follow(s)
+        self._settle_before_host_copy(s, expert_y, weights)
         if out is not None:
             if isinstance(out, np.ndarray):
                 raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
@@ -273,34 +309,35 @@ class HierarchicalAllToAll:
         a = self._hier_pack[0]
         a.weights, keep_w = (0, None) if sent is not None else weights_input(self, weights, T, s)
         # Every check of the node part's combine before anything is launched: bad input leaves peers untouched.
-        node_call = self.node._prepare_combine(expert_y, None if sent is not None else self._local_weights,
-                                               self._sums, s, expert_scale)
-        if sent is None:  # the weights cross to the experts' nodes first, as dispatch would have sent them
-            a.tokens, a.whole = T, 0
-            self._launch(self._stage, self._hier_pack, T * self.top_k, s)
-            self.engine.exchange(self._records_out, s)
-            self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
+        node_call = self.node._copy_host_expert_y(
+            self.node._prepare_combine(expert_y, self._local_weights, self._sums, s, expert_scale))
+        a.tokens, a.whole = T, 0
+        self._launch(self._stage, self._hier_pack, T * self.top_k, s)
+        self.engine.exchange(self._records_out, s)
+        self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
         self.node._launch_combine(node_call)
         self.engine.exchange(self._sums_out, s)
         b = self._sum_pack[0]
         b.out, b.tokens = out_ptr, T
         self._launch(self._sum, self._sum_pack, T * self.hidden, s)
-        self._keepalive = (keep_o, keep_w, out)
+        self._keep(keep_o, keep_w, out)
         self._pending = self._pending_weights = None
         return out
 
     def exchange_between_nodes(self, stream=None) -> None:
-        """The bytes a call moves between nodes (dispatch's regions, then combine's sums), moved alone by
-        the same engine, with no kernel of ours: the bare exchange that benchmarks set a call beside.
-        Collective, as a call is; queued on `stream` (default ours), between calls (it overwrites
-        the exchanged regions, which the next call writes anew)."""
+        """The bytes a call moves between nodes (dispatch's regions, then combine's records and sums),
+        moved alone by the same engine, with no kernel of ours: the bare exchange that benchmarks set a
+        call beside. Collective, as a call is, and ordered as one; between calls (it overwrites the
+        exchanged regions, which the next call writes anew)."""
         self._usable()
         if self._pending is not None:
             raise A2AError("exchange_between_nodes() between a dispatch and its combine would overwrite "
                            "the call's regions")
         s = self.node._stream(stream)
-        self.engine.exchange(self._tokens_out, s)
-        self.engine.exchange(self._sums_out, s)
+        self.node._follow(s)
+        for transfers in (self._tokens_out, self._records_out, self._sums_out):
+            self.engine.exchange(transfers, s)
+        self.node._queued(s)
 
     def _outputs(self, stream):
         """Views of the node part's outputs and of our y, naming `stream`, with this object's health."""
@@ -323,7 +360,10 @@ class HierarchicalAllToAll:
         return self.node.expert_y_buffer()
 
     def fake_expert(self, result: DispatchResult, out: DeviceArray | None = None, *, stream=None) -> DeviceArray:
-        return self.node.fake_expert(result, out, stream=stream)
+        """As AllToAll.fake_expert; its output carries this object's health (its reads are watched)."""
+        y = self.node.fake_expert(result, out, stream=stream)
+        return y if y.health is not None else DeviceArray(self.backend, y.ptr, y.shape, y.dtype, owner=y.owner,
+                                                          stream=y.stream, health=self.health)
 
     def capture(self, step, *, stream=None):
         """As AllToAll.capture (the engine between nodes must be capturable: NCCL, or MPI on the host)."""
@@ -339,6 +379,8 @@ class HierarchicalAllToAll:
     def synchronize(self, stream=None) -> None:
         """As AllToAll.synchronize; an exchange between nodes that outlives the timeout is aborted and
         reported (A2ATimeoutError naming the rank that never came)."""
+        if self.node._capturing is not None:
+            raise A2AError("synchronize() inside capture(): nothing captured has run yet")
         self.backend.activate()
         waited = self.node._synchronized_stream(stream)
         self.health.settle(waited)
@@ -352,9 +394,11 @@ class HierarchicalAllToAll:
         self.health.check()
 
     def profile_events(self):
+        self.health.settle(self.node._synchronized_stream(None))  # it waits for the stream
         return self.node.profile_events()
 
     def clock_offset_ns(self) -> int:
+        self.health.settle(self.node._synchronized_stream(None))
         return self.node.clock_offset_ns()
 
     def close(self) -> None:
@@ -366,14 +410,19 @@ class HierarchicalAllToAll:
                 self.health.settle(self.node._synchronized_stream(None))
             except Exception:
                 pass
+            for graph in list(self.node._graphs):  # graphs that captured NCCL's work go before its communicator
+                graph.close()
             self.engine.close()
         finally:
             try:
                 self.node.close()
             finally:
                 self._free()
-                for c in (self.node_comm, self.column_comm):
-                    c.Free()
+                self._free_comms()
+
+    def _free_comms(self) -> None:
+        for c in (self.node_comm, self.column_comm):
+            c.Free()
 
     def __enter__(self):
         return self

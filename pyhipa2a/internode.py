@@ -65,11 +65,12 @@ class MpiEngine:
 
     def _swap(self, items: list[tuple[int, np.ndarray]]) -> list[np.ndarray | None]:
         """Send each (peer, bytes) and receive as many bytes from that peer: the received arrays, None
-        for those that did not arrive within the timeout (their receives are cancelled)."""
+        for every transfer of a peer that did not deliver all of its own within the timeout (all or
+        nothing per peer: a region whose record came without its rows must not pass for this call's)."""
+        tags = _tags_per_peer([peer for peer, _ in items])
         received = [np.empty(data.nbytes, np.uint8) for _, data in items]
-        recvs = [self.comm.Irecv(buf, source=peer, tag=tag)
-                 for tag, ((peer, _), buf) in enumerate(zip(items, received))]
-        sends = [self.comm.Isend(data, dest=peer, tag=tag) for tag, (peer, data) in enumerate(items)]
+        recvs = [self.comm.Irecv(buf, source=peer, tag=tag) for (peer, _), buf, tag in zip(items, received, tags)]
+        sends = [self.comm.Isend(data, dest=peer, tag=tag) for (peer, data), tag in zip(items, tags)]
         done = [False] * len(recvs)
         deadline, attempt = time.monotonic() + self.timeout, 0
         while not all(done := [d or r.Test() for d, r in zip(done, recvs)]):
@@ -77,6 +78,7 @@ class MpiEngine:
                 for d, r in zip(done, recvs):
                     if not d:
                         r.Cancel()
+                        r.Wait()  # a cancel completes either way; after it MPI no longer writes the buffer
                 break
             sleep_backoff(attempt)
             attempt += 1
@@ -86,14 +88,28 @@ class MpiEngine:
                     break
                 sleep_backoff(attempt)
                 attempt += 1
-        self._unfinished = [(s, data) for s, (_, data) in zip(sends, items) if not s.Test()]
-        return [buf if d else None for buf, d in zip(received, done)]
+        # Sends to a peer that never came stay alive with their buffers: MPI may still read them.
+        self._unfinished = [(s, data) for s, data in self._unfinished if not s.Test()]
+        self._unfinished += [(s, data) for s, (_, data) in zip(sends, items) if not s.Test()]
+        late = {peer for (peer, _), d in zip(items, done) if not d}
+        return [None if peer in late else buf for (peer, _), buf in zip(items, received)]
 
     def settle(self, stream) -> None:
         """Nothing to watch: every exchange gave up by its own deadline."""
 
     def close(self) -> None:
-        self._unfinished = []
+        """The sends still pending (to a peer that never came) are left to MPI's finalization."""
+
+
+def _tags_per_peer(peers: list[int]) -> list[int]:
+    """Each transfer's MPI tag: its rank among the transfers with the same peer, which both sides list
+    in the same order (a position in the whole list differs from side to side with 3 nodes or more)."""
+    seen: dict[int, int] = {}
+    tags = []
+    for peer in peers:
+        tags.append(seen.get(peer, 0))
+        seen[peer] = tags[-1] + 1
+    return tags
 
 
 class NcclEngine:
@@ -103,7 +119,6 @@ class NcclEngine:
         from .runtime import nccl
         self.backend, self.timeout = backend, timeout
         self.nccl = nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
-        self._queued_at: float | None = None  # when the oldest exchange not known to be done was queued
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
         """Queue the transfers; a peer that never comes is not raised here (nor after an abort): its
@@ -117,24 +132,27 @@ class NcclEngine:
             self.nccl.exchange(sends, recvs, self.backend.stream_handle(stream))
         except NcclTimeout:  # the group launch itself waited for a peer (its first call) past the timeout
             return
-        if self._queued_at is None:
-            self._queued_at = time.monotonic()
 
     def settle(self, stream) -> None:
-        """Wait for `stream` without hanging: once its work has run for longer than the timeout since
-        the oldest exchange was queued, abort the communicator. NCCL's kernels then end, the regions
-        they never received keep an old sequence number, and the next kernels report the timeout."""
-        attempt = 0
+        """Wait for `stream` without hanging: when its work has not finished `timeout` seconds after
+        this wait began (eager calls and graph replays alike), or NCCL reports an error, abort the
+        communicator. NCCL's kernels then end, the regions they never received keep an old sequence
+        number, and the kernels after them report the timeout naming the rank."""
+        from .runtime.nccl import NcclFailure
+        deadline, attempt = time.monotonic() + self.timeout, 0
         while not self.backend.stream_done(stream):
-            if not self.nccl.aborted:
+            if self.nccl.aborted:
+                return  # nothing of ours can wait any more: what is left on the stream ends by itself
+            try:
                 self.nccl.poll()
-            started = self._queued_at if self._queued_at is not None else time.monotonic()
-            if time.monotonic() > started + self.timeout:
+            except NcclFailure:
                 self.abort()
-                break
+                return
+            if time.monotonic() > deadline:
+                self.abort()
+                return
             sleep_backoff(attempt)
             attempt += 1
-        self._queued_at = None
 
     def abort(self) -> None:
         self.nccl.abort()

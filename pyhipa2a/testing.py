@@ -119,13 +119,16 @@ def poison(a2a) -> None:
     """Set every output byte this rank can see to 0xFF. Collective: a barrier first, since peers may
     still be pulling from our stage and contributions, and one after, before peers write to us."""
     a2a.synchronize()  # the last call's stream: every earlier call is queued before it
-    bounded_barrier(a2a.heap.comm, a2a.timeout, "poison")
+    comm = getattr(a2a, "comm", None) or a2a.heap.comm  # across nodes: every rank of every node
+    bounded_barrier(comm, a2a.timeout, "poison")
     for name in ("recv_x", "recv_meta", "recv_scales", "num_tokens", "y", "stage", "tok_hdr", "w_in", "contrib",
                  "rows", "slot_of"):
         a2a.buf[name].fill_bytes(0xFF)  # no stream: done when it returns
+    for scratch in getattr(a2a, "exchange_buffers", ()):  # across nodes: regions, records, sums, seals
+        scratch.fill_bytes(0xFF)
     a2a.expert_y_buffer().fill_bytes(0xFF)  # on a2a.stream
     a2a.backend.stream_synchronize(a2a.stream)
-    bounded_barrier(a2a.heap.comm, a2a.timeout, "poison")
+    bounded_barrier(comm, a2a.timeout, "poison")
 
 
 def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> None:

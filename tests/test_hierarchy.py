@@ -21,7 +21,7 @@ def layout_for(backend: str) -> tuple[int, int]:
 # (E per rank, k, H, M, dtype, token counts, where the experts are, fused expert[, fp8 dispatch])
 CASES = {
     "fp8_quantize_bf16": (4, 4, 256, 16, "bfloat16", "random", "random", "0", "quantize"),
-    "fp8_given": (2, 3, 384, 8, "float16", "full", "other", "0", "given"),
+    "fp8_given": (4, 3, 384, 8, "float16", "full", "other", "0", "given"),
     "random": (4, 4, 256, 16, "float16", "random", "random", "0"),
     "bf16_full": (2, 3, 1000, 8, "bfloat16", "full", "random", "0"),
     "only_other_nodes": (4, 2, 128, 8, "float16", "full", "other", "0"),
@@ -50,9 +50,16 @@ def test_nodes_cases(case, backend):
     run_case(CASE + case, ranks, env_backend(backend), args=(G,))
 
 
-@pytest.mark.parametrize("who", ["node", "rank"])
-def test_node_that_never_arrives_host(who):
-    run_case(CASE + "case_nodes_peer_never_arrives", 4, "host", args=(2, who), timeout=240)
+@pytest.mark.parametrize("who,leg", [("node", "dispatch"), ("rank", "dispatch"), ("node", "combine")])
+def test_node_that_never_arrives_host(who, leg):
+    run_case(CASE + "case_nodes_peer_never_arrives", 4, "host", args=(2, who, leg), timeout=240)
+
+
+def test_three_nodes_host():
+    """Three nodes of one rank, and of two: every pair of nodes exchanges (tags and orders per peer)."""
+    run_case(CASE + "case_nodes", 3, "host", args=(1, 6, 3, 128, 8, "float16", "random", "random", "0", 2, 3))
+    run_case(CASE + "case_nodes", 3, "host", args=(1, 9, 3, 256, 8, "float16", "full", "other", "0", 2, 4, "given"))
+    run_case(CASE + "case_nodes", 6, "host", args=(2, 12, 4, 64, 4, "float16", "random", "random", "1", 1, 5))
 
 
 @pytest.mark.gpu
@@ -112,34 +119,90 @@ class _FakeStreams:
 def _engine(nccl, backend, timeout=0.05):
     from pyhipa2a.internode import NcclEngine
     engine = NcclEngine.__new__(NcclEngine)  # no library: the fake stands in for the communicator
-    engine.backend, engine.timeout, engine.nccl, engine._queued_at = backend, timeout, nccl, None
+    engine.backend, engine.timeout, engine.nccl = backend, timeout, nccl
     return engine
 
 
 def test_nccl_engine_leaves_a_late_peer_to_the_kernels():
     """A group launch that times out (a peer that never came) does not raise: the regions keep their old
-    sequence number for the kernels to report, and later exchanges of the aborted communicator queue nothing."""
+    sequence number for the kernels to report, and later exchanges of the aborted communicator queue nothing;
+    a wait on the stream after the abort polls nothing of it."""
     from pyhipa2a.internode import Transfer
     nccl = _FakeNccl(times_out=True)
-    engine = _engine(nccl, _FakeStreams(0))
+    engine = _engine(nccl, _FakeStreams(busy_polls=3))
     transfers = [Transfer(1, 100, 200, 64)]
     engine.exchange(transfers, stream=None)
     assert nccl.calls == [([(1, 100, 64)], [(1, 200, 64)], 7)] and nccl.aborted
     engine.exchange(transfers, stream=None)
     assert len(nccl.calls) == 1
-    engine.settle(None)  # nothing left on the stream: returns, polls nothing of an aborted communicator
+    engine.settle(None)
     assert nccl.polls == 0
 
 
-def test_nccl_engine_watchdog_aborts_a_stream_past_the_timeout():
-    """settle() polls NCCL while the stream runs and, past the timeout since the exchange was queued,
-    aborts the communicator and returns instead of waiting for a stream that never finishes."""
+@pytest.mark.parametrize("exchanged", [True, False], ids=["eager", "graph_replay"])
+def test_nccl_engine_watchdog_aborts_a_stream_past_the_timeout(exchanged):
+    """settle() polls NCCL while the stream runs and, `timeout` seconds after the wait began, aborts the
+    communicator and returns instead of waiting for a stream that never finishes: after eager calls and
+    after graph replays (which queue no exchange from the host) alike."""
     import time
     from pyhipa2a.internode import Transfer
     nccl = _FakeNccl(times_out=False)
     engine = _engine(nccl, _FakeStreams(busy_polls=10**9), timeout=0.05)
-    engine.exchange([Transfer(0, 1, 2, 8)], stream=None)
+    if exchanged:
+        engine.exchange([Transfer(0, 1, 2, 8)], stream=None)
     start = time.monotonic()
     engine.settle(None)
     assert nccl.aborted and nccl.polls > 0
     assert 0.04 < time.monotonic() - start < 5
+
+
+def test_nccl_engine_watchdog_spares_a_stream_that_finishes():
+    """Work queued long ago that finishes while the host waits is no reason to abort."""
+    nccl = _FakeNccl(times_out=False)
+    engine = _engine(nccl, _FakeStreams(busy_polls=3), timeout=0.05)
+    engine.settle(None)
+    assert not nccl.aborted and nccl.polls == 3
+
+
+class _FakeRequest:
+    def __init__(self, done: bool):
+        self.done, self.cancelled = done, False
+
+    def Test(self):
+        return self.done
+
+    def Cancel(self):
+        self.cancelled = True
+
+    def Wait(self):
+        self.done = True
+
+
+class _FakeComm:
+    """Sends complete at once; a receive completes unless its (source, tag) is in `missing`."""
+
+    def __init__(self, missing=()):
+        self.missing, self.recvs = set(missing), []
+
+    def Irecv(self, buf, source, tag):
+        buf[:] = source + 1
+        self.recvs.append((source, tag))
+        return _FakeRequest((source, tag) not in self.missing)
+
+    def Isend(self, data, dest, tag):
+        return _FakeRequest(True)
+
+
+def test_mpi_engine_tags_per_peer_and_all_or_nothing():
+    """Tags count each peer's transfers (both sides list them in the same order); a peer that delivers
+    only part of its transfers in time delivers none (its record must not pass for this call's)."""
+    import numpy as np
+    from pyhipa2a.internode import MpiEngine
+    comm = _FakeComm(missing={(2, 0)})  # peer 2's first transfer (the rows) never comes; its record does
+    engine = MpiEngine(_FakeStreams(0), comm, timeout=0.01)
+    items = [(1, np.zeros(4, np.uint8)), (2, np.zeros(4, np.uint8)), (1, np.zeros(2, np.uint8)),
+             (2, np.zeros(2, np.uint8))]
+    got = engine._swap(items)
+    assert comm.recvs == [(1, 0), (2, 0), (1, 1), (2, 1)]
+    assert [g is None for g in got] == [False, True, False, True]
+    assert (got[0] == 2).all() and (got[2] == 2).all()

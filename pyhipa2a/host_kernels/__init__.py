@@ -15,7 +15,7 @@ import numpy as np
 
 from ..bootstrap import sleep_backoff
 
-STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH = range(5)
+STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER = range(6)
 
 
 def mem(ptr: int, shape, dtype) -> np.ndarray:

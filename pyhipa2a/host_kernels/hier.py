@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_TIMEOUT, Status, mem
+from . import STATUS_BAD_INDEX, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT, Status, mem
 from .exchange import valid_slots
 
-WAIT_NODES, WAIT_NODES_COMBINE = 6, 7
+WAIT_NODES, WAIT_NODES_COMBINE, WAIT_NODES_RECORDS = 6, 7, 8
 
 
 def _record(a, region: int):
@@ -31,6 +31,7 @@ def hier_stage(backend, a) -> None:
         weights[:T] = mem(a.weights, (T, a.top_k), np.float32)
     sequence = mem(a.sequence, (4,), np.uint32)
     sequence[0] += 1
+    sequence[1] = mem(a.status, (4,), np.uint32)[0]  # our status travels with combine's seal (hier.hip)
     tail[0], tail[1] = T, sequence[0]
 
 
@@ -44,7 +45,8 @@ def hier_localize(backend, a) -> None:
     for region in range(a.nodes):
         indices, weights, tail = _record(a, region)
         if region != me and int(tail[1]) != seq:  # that node's rank in our place never sent this call's region
-            status.report(STATUS_TIMEOUT, region * a.ranks_per_node + a.place, WAIT_NODES, seq)
+            status.report(STATUS_TIMEOUT, region * a.ranks_per_node + a.place,
+                          WAIT_NODES if a.whole else WAIT_NODES_RECORDS, seq)
             continue
         T = int(tail[0])
         rows = indices[:T]
@@ -64,8 +66,11 @@ def _hier_sum(a, dtype) -> None:
     status = Status(a.status, a.mirror)
     out = mem(a.out, (T, H), dtype)
     for r in range(N):
-        if r != me and int(seals[r, 0]) != seq:
-            status.report(STATUS_TIMEOUT, r * a.ranks_per_node + a.place, WAIT_NODES_COMBINE, seq)
+        peer = r * a.ranks_per_node + a.place
+        if r != me and int(seals[r, 0]) != seq:  # its sums never came
+            status.report(STATUS_TIMEOUT, peer, WAIT_NODES_COMBINE, seq)
+        elif r != me and int(seals[r, 1]) != STATUS_OK:  # they came from a rank whose call had failed
+            status.report(STATUS_PEER, peer, WAIT_NODES_COMBINE, int(seals[r, 1]))
     if status.failed():
         out.view(np.uint8)[...] = 0xFF  # NaN rows: a failed call's y never reads as data
         return

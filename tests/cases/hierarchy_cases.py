@@ -41,7 +41,8 @@ def _route(inputs, world: int, G: int, E: int, k: int, where: str, seed: int):
 
 def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="random", fused="0", rounds="2",
                seed="0", fp8="none"):
-    """Oracle equality for a call across nodes, the weights given to combine and to dispatch in turn;
+    """Oracle equality for a call across nodes, the weights given to combine and to dispatch in turn,
+    each rank in its own turn (counterparts choose differently, and each one both ways);
     `fp8`: 'quantize' or 'given' dispatches in fp8 (x quantized by the kernels, or given with its scales)."""
     G, E, k, H, M, rounds, seed, fused = int(G), int(E), int(k), int(H), int(M), int(rounds), int(seed), fused == "1"
     _nodes(comm, G)
@@ -55,7 +56,7 @@ def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="ran
         for i in range(rounds):
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype, counts)
             inputs = inputs_as_given(a2a, _route(inputs, world, G, E, k, where, 77 + i), fp8)
-            err = run_round(a2a, inputs, weights_at=WEIGHTS_AT[i % 2], fused=fused)
+            err = run_round(a2a, inputs, weights_at=WEIGHTS_AT[(i + a2a.rank) % 2], fused=fused)
             print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
 
 
@@ -110,10 +111,19 @@ def case_nodes_graph(comm, G="2", launches="3"):
             free_buffers(a2a, buffers)
 
 
-def case_nodes_peer_never_arrives(comm, G="2", who="node"):
-    """The last node's ranks (who='node'), or only its last rank ('rank'), never call dispatch. Every
-    other rank raises A2ATimeoutError within the timeout, a rank whose counterpart on that node never
-    came names that rank, and no output of the failed call reads as data."""
+def _raw(a2a, arr):
+    """An output's memory as the device holds it, read without asking its health (a consumer that
+    reads without asking sees this)."""
+    from pyhipa2a import DeviceArray
+    return DeviceArray(a2a.backend, arr.ptr, arr.shape, arr.dtype, stream=a2a.stream).numpy()
+
+
+def case_nodes_peer_never_arrives(comm, G="2", who="node", leg="dispatch"):
+    """The last node's ranks (who='node'), or only its last rank ('rank'), never call dispatch (or
+    call it, then never combine: leg='combine'). Every other rank raises A2ATimeoutError within the
+    timeout naming a rank: the one in its place on that node when that one never came, else one that
+    is late or of its own node (whose part stopped, waiting itself); the failed call's outputs raise
+    when read, and the device memory behind them holds poison."""
     G = int(G)
     N = _nodes(comm, G)
     world = comm.Get_size()
@@ -123,20 +133,35 @@ def case_nodes_peer_never_arrives(comm, G="2", who="node"):
                   ranks_per_node=G) as a2a:
         me = a2a.rank
         inputs = draw_world(5, world, E, k, H, M, token_counts=[M] * world)
+        if me in late and leg == "combine":
+            a2a.dispatch(inputs.xs[me], inputs.indices[me])
         if me not in late:
             start = time.monotonic()
             d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+            if leg == "combine":
+                a2a.synchronize()  # the dispatch met every node
+                y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
             with pytest.raises(pyhipa2a.A2ATimeoutError) as info:
                 a2a.synchronize()
             elapsed = time.monotonic() - start
             counterpart = (N - 1) * G + me % G
+            named = set(info.value.ranks)
+            assert named, str(info.value)
             if counterpart in late and me // G != N - 1:
-                assert counterpart in info.value.ranks, (me, str(info.value))
-                assert "between nodes" in str(info.value), str(info.value)
+                assert counterpart in named and "between nodes" in str(info.value), (me, str(info.value))
+            else:
+                assert named <= late | set(range(me // G * G, me // G * G + G)), (me, str(info.value))
             assert elapsed < 3 * timeout + 3.0, f"rank {me}: the timeout took {elapsed:.1f} s"
-            for out in (d.expert_num_tokens, d.expert_x, d.expert_meta):
+            if leg == "combine":
                 with pytest.raises(pyhipa2a.A2ATimeoutError):
-                    out.numpy()
+                    y.numpy()
+                assert np.isnan(_raw(a2a, y).astype(np.float32)).all(), f"rank {me}: y is not poisoned"
+            else:
+                for out in (d.expert_num_tokens, d.expert_x, d.expert_meta):
+                    with pytest.raises(pyhipa2a.A2ATimeoutError):
+                        out.numpy()
+                assert (_raw(a2a, d.expert_num_tokens) == -1).all(), f"rank {me}: counts are not poisoned"
+                assert np.isnan(_raw(a2a, d.expert_x).astype(np.float32)).all(), f"rank {me}: rows not poisoned"
             with pytest.raises(A2AError):
                 a2a.dispatch(inputs.xs[me], inputs.indices[me])
             print(f"rank {me}: {info.value}")
