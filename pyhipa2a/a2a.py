@@ -683,7 +683,7 @@ class AllToAll:
             self._keepalive = objects
 
     # -- graphs -------------------------------------------------------------------
-    def capture(self, step, *, stream=None) -> Graph:
+    def capture(self, step, *, stream=None, _usable=None) -> Graph:  # _usable: a multi-node call's own check
         """Record `step()` as one graph that `Graph.launch()` replays with one call.
 
         `step` makes this object's calls (dispatch, your expert work on the
@@ -714,7 +714,8 @@ class AllToAll:
         finally:
             self._capturing, self._captured_refs = None, None  # the graph keeps `refs`
         graph = Graph(self.backend, self.backend.capture_end(s), s, refs,
-                      before_launch=lambda: (self._usable(), self._follow(s)), after_launch=lambda: self._queued(s))
+                      before_launch=lambda: ((_usable or self._usable)(), self._follow(s)),
+                      after_launch=lambda: self._queued(s))
         self._graphs.add(graph)
         self._queued(s)  # s waits for the calls before the capture
         return graph

@@ -372,7 +372,8 @@ class HierarchicalAllToAll:
                            "through the host, which a graph cannot record")
         self._usable()
         try:
-            return self.node.capture(step, stream=stream)
+            # A launch checks this object's health: its errors name world ranks.
+            return self.node.capture(step, stream=stream, _usable=self._usable)
         finally:
             self._pending = self._pending_weights = None
 
