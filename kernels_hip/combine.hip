@@ -16,6 +16,15 @@
 //      our own experts' rows straight from expert_y, each peer's
 //      contribution read from that peer's memory or from our inbox; fp32
 //      accumulation, one rounding to the output dtype.
+//
+// Two builds of the same steps, chosen by the host from the call's tokens
+// (AllToAll._combine_kernel_for): the bulk kernel gives a warp a whole
+// segment (A2A_CHUNKS 8-element chunks per lane, two experts' loads in
+// flight), the small kernel a warp per chunk with eight experts' loads in
+// flight: at few tokens a token's sum costs one memory latency instead of
+// four (k = 8), and there are warps enough for every chunk. The small kernel
+// has a register budget of its own (half the threads a block, up to 255
+// registers on sm_90), which the bulk kernel's 128 could not give both paths.
 #include "exchange.h"
 #include "formats.h"
 
@@ -33,33 +42,52 @@ A2A_DEVICE void send_weights(const Ctx& x, const CombineCall& c, const WarpGrid&
 }
 
 // acc[u] += sum over the experts j in `bits` of w[j] * scale * (8 elements
-// of expert_y row slots[j] at e0 + u * STEP, u < A2A_CHUNKS, while before
-// e_end; STEP is a warp's width of 8-element chunks). Two experts at a time,
-// all their loads issued before the first sum: one memory latency per two
-// experts. (Loading the next expert while summing this one, as before, cost
-// one latency per expert: at one rank and k = 8 a token's reduction took
-// eight round trips, 6.6 us.) The sums keep the experts' order, so the
-// result is the same to the bit.
-template <typename Fmt>
-A2A_DEVICE void sum_rows(float (&acc)[A2A_CHUNKS][8], const u16* expert_y, const i32* slots, u32 bits,
-                         const float* w, float scale, u32 H, u32 e0, u32 e_end) {
-  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
-  while (bits) {
-    const u32 j0 = lowest_bit(bits);
-    bits &= bits - 1u;
-    const bool two = bits != 0u;
-    const u32 j1 = two ? lowest_bit(bits) : j0;
-    bits &= bits - 1u;  // (0 stays 0)
-    vec16 a[U], b[U];
-    for (u32 u = 0; u < U; ++u) {
-      if (e0 + u * STEP >= e_end) continue;
-      a[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j0] * H + e0 + u * STEP);
-      if (two) b[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j1] * H + e0 + u * STEP);
+// of expert_y row slots[j] at e0 + u * STEP, u < U, while before e_end; STEP
+// is a warp's width of 8-element chunks). 8 / U experts at a time, all their
+// loads issued before the first sum: one memory latency per group. (Loading
+// the next expert while summing this one, as before, cost one latency per
+// expert: at one rank and k = 8 a token's reduction took eight round trips,
+// 6.6 us.) The sums keep the experts' order, so the result is the same to
+// the bit whatever U is.
+template <typename Fmt, u32 U>
+A2A_DEVICE void sum_rows(float (&acc)[U][8], const u16* expert_y, const i32* slots, u32 bits, const float* w,
+                         float scale, u32 H, u32 e0, u32 e_end) {
+  constexpr u32 P = 8u / U, STEP = A2A_WARP_SIZE * 8u;
+  if constexpr (P == 2u) {  // the bulk kernel: written out, its register budget is tight (128 on sm_90)
+    while (bits) {
+      const u32 j0 = lowest_bit(bits);
+      bits &= bits - 1u;
+      const bool two = bits != 0u;
+      const u32 j1 = two ? lowest_bit(bits) : j0;
+      bits &= bits - 1u;  // (0 stays 0)
+      vec16 a[U], b[U];
+      for (u32 u = 0; u < U; ++u) {
+        if (e0 + u * STEP >= e_end) continue;
+        a[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j0] * H + e0 + u * STEP);
+        if (two) b[u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j1] * H + e0 + u * STEP);
+      }
+      for (u32 u = 0; u < U; ++u) {
+        if (e0 + u * STEP >= e_end) continue;
+        fma8v<Fmt>(acc[u], w[j0] * scale, a[u]);
+        if (two) fma8v<Fmt>(acc[u], w[j1] * scale, b[u]);
+      }
     }
-    for (u32 u = 0; u < U; ++u) {
-      if (e0 + u * STEP >= e_end) continue;
-      fma8v<Fmt>(acc[u], w[j0] * scale, a[u]);
-      if (two) fma8v<Fmt>(acc[u], w[j1] * scale, b[u]);
+  } else {
+    while (bits) {
+      u32 j[P], n = 0;
+      for (u32 p = 0; p < P; ++p) {
+        j[p] = bits ? lowest_bit(bits) : 0u;
+        n += bits != 0u;
+        bits &= bits - 1u;  // (0 stays 0)
+      }
+      vec16 v[P][U];
+      for (u32 p = 0; p < P; ++p)
+        for (u32 u = 0; u < U; ++u)
+          if (p < n && e0 + u * STEP < e_end)
+            v[p][u] = *reinterpret_cast<const vec16*>(expert_y + (u64)slots[j[p]] * H + e0 + u * STEP);
+      for (u32 p = 0; p < P; ++p)
+        for (u32 u = 0; u < U; ++u)
+          if (p < n && e0 + u * STEP < e_end) fma8v<Fmt>(acc[u], w[j[p]] * scale, v[p][u]);
     }
   }
 }
@@ -74,12 +102,14 @@ A2A_DEVICE float sum_rows_at(const u16* expert_y, const i32* slots, u32 bits, co
   return acc;
 }
 
-// Lane j (< k) loads row j of `slot_of` (the token's expert rows here) into
-// slots[j] (the warp's shared copy, which the sums read); true in every lane
-// when every expert in `bits` got a row (a slot lost to a reported capacity
-// error has none).
-A2A_DEVICE bool load_slots(i32* slots, const i32* slot_of, u32 bits, u32 k, u32 lane) {
-  const i32 slot = lane < k ? slot_of[lane] : 0;
+// Lane j (< k) holds entry j of `slot_of` (the token's expert rows here),
+// loaded with the routing row so that the two loads share one latency:
+// load_slot_of. keep_slots puts them into slots[j] (the warp's shared copy,
+// which the sums read); true in every lane when every expert in `bits` got a
+// row (a slot lost to a reported capacity error has none).
+A2A_DEVICE i32 load_slot_of(const i32* slot_of, u32 lane, u32 k) { return lane < k ? slot_of[lane] : 0; }
+
+A2A_DEVICE bool keep_slots(i32* slots, i32 slot, u32 bits, u32 k, u32 lane) {
   if (lane < k) slots[lane] = slot;
   const bool ok = warp_all(lane >= k || !(bits >> lane & 1u) || slot >= 0, lane);
   a2a_wave_sync();
@@ -109,7 +139,7 @@ A2A_DEVICE void contribute(const Ctx& x, const u16* expert_y, const i32* slots, 
   constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
   for (u32 e0 = e_begin + lane * 8u; vec && e0 < e_end; e0 += U * STEP) {
     float acc[U][8] = {};
-    sum_rows<Fmt>(acc, expert_y, slots, here, w, scale, H, e0, e_end);
+    sum_rows<Fmt, U>(acc, expert_y, slots, here, w, scale, H, e0, e_end);
     for (u32 u = 0; u < U; ++u) {
       if (e0 + u * STEP >= e_end) continue;
       if (narrow)
@@ -144,13 +174,15 @@ A2A_DEVICE u32 pushed_pair_word(u32 e) {  // e even
 // contribute() for an owner that pushed its call: the same values, as tagged
 // words stored straight into the owner's inbox `dst` (hidden % 8 == 0 when
 // pushing, so a lane's 8 elements are all in the row); 16-bit values two a
-// word (raw rows, narrow partials), fp32 sums one a word.
-template <typename Fmt>
+// word (raw rows, narrow partials), fp32 sums one a word. U chunks a lane at
+// a time (the words land where they do whatever U is: the owner may reduce
+// with the other kernel).
+template <typename Fmt, u32 U>
 A2A_DEVICE void push_contribution(const Ctx& x, const u16* expert_y, const i32* slots, u32 here, const float* w,
                                   float scale, u64* dst, u32 e_begin, u32 e_end, u32 lane) {
   const u32 H = (u32)x.a.hidden;
   const bool vec = ((u64)expert_y & 15u) == 0;
-  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  constexpr u32 STEP = A2A_WARP_SIZE * 8u;
   if ((here & (here - 1u)) == 0) {
     const u16* row = expert_y + (u64)slots[lowest_bit(here)] * H;
     for (u32 e = e_begin + lane * 8u; e < e_end; e += STEP) {
@@ -164,7 +196,7 @@ A2A_DEVICE void push_contribution(const Ctx& x, const u16* expert_y, const i32* 
   for (u32 e0 = e_begin + lane * 8u; e0 < e_end; e0 += U * STEP) {
     float acc[U][8] = {};
     if (vec) {
-      sum_rows<Fmt>(acc, expert_y, slots, here, w, scale, H, e0, e_end);
+      sum_rows<Fmt, U>(acc, expert_y, slots, here, w, scale, H, e0, e_end);
     } else {
       for (u32 u = 0; u < U; ++u)
         for (u32 i = 0; i < 8; ++i)
@@ -194,8 +226,14 @@ struct WarpScratch {
   float* w;
 };
 
-template <typename Fmt>
+// Our contributions to the peers' tokens. Items are (token, peer, segment,
+// part): Q = A2A_CHUNKS / U parts a segment, U chunks a lane each, when the
+// owner pushed (its words are tagged, one each: any warp may write any of
+// them); when it pulls, one warp writes the whole segment and releases its
+// flag (part 0; the other parts have nothing to do).
+template <typename Fmt, u32 U>
 A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc) {
+  constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
   const i32* rows = sym<i32>(x.h, (int)me, x.a.off_rows);
@@ -205,17 +243,26 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   __shared__ u32 pre[A2A_PREFIX_WORDS];
   source_prefix(x, 0u, pre, false, g);  // the headers came with dispatch
   const u32 pushed = pre[x.W + 1], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
-  for (u32 item = first_item(g, g.warps_per_block); item < pre[x.W + 2] * peers * S; item += g.warps) {
+  for (u32 item = first_item(g, g.warps_per_block); item < pre[x.W + 2] * peers * S * Q; item += g.warps) {
     a2a_wave_sync();  // the scratch is rewritten for this item
     u32 src, t;
-    if (!token_major(pre, x.W, me + 1u, peers, item / S, src, t)) continue;
-    const u32 seg = item % S;
+    if (!token_major(pre, x.W, me + 1u, peers, item / Q / S, src, t)) continue;
+    const u32 seg = item / Q % S, part = item % Q;
+    const bool push = (pushed >> src & 1u) != 0;
+    if (!push && part) continue;
+    const u32 seg_end = seg * x.a.seg_elems + x.a.seg_elems < H ? seg * x.a.seg_elems + x.a.seg_elems : H;
+    const u32 e_begin = seg * x.a.seg_elems + (push ? part * U * STEP : 0u);
+    const u32 e_end = push && e_begin + U * STEP < seg_end ? e_begin + U * STEP : seg_end;
+    if (e_begin >= e_end) continue;  // the row ends before this part
+    // The small kernel loads the token's rows here with its routing row (one latency, not two); the
+    // bulk kernel, whose registers are tight, only once it knows the token has experts here.
+    const i32* token_slots = slot_of + ((u64)src * x.M + t) * x.k;
+    const i32 early_slot = U < A2A_CHUNKS ? load_slot_of(token_slots, g.lane, x.k) : 0;
     const RowSlot lane_slot = load_row_slot(rows + ((u64)src * x.M + t) * x.k, g.lane, x.k, x.a.num_experts);
     const u32 here = slots_on(lane_slot, x.k, x.L, me);
     if (!here) continue;
-    if (!load_slots(sc.slots, slot_of + ((u64)src * x.M + t) * x.k, here, x.k, g.lane))
-      continue;  // the owner's wait ends on the reported error
-    const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
+    const i32 lane_slot_of = U < A2A_CHUNKS ? early_slot : load_slot_of(token_slots, g.lane, x.k);
+    if (!keep_slots(sc.slots, lane_slot_of, here, x.k, g.lane)) continue;  // the owner's wait ends on the reported error
     const float* w = nullptr;  // a single row goes back unweighted: no need to wait for the weights
     if (here & (here - 1u)) {
       A2A_PROF_START(t0);
@@ -232,10 +279,10 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
       w = sc.w;
     }
     A2A_PROF_START(t1);
-    if (pushed >> src & 1u) {  // straight into the owner's inbox, no flag
+    if (push) {  // straight into the owner's inbox, no flag
       u64* inbox = sym<u64>(x.h, (int)src, x.a.off_push_contrib) +
                    ((u64)me * x.a.push_max_tokens + t) * x.a.push_row_words;
-      push_contribution<Fmt>(x, expert_y, sc.slots, here, w, c.expert_scale, inbox, e_begin, e_end, g.lane);
+      push_contribution<Fmt, U>(x, expert_y, sc.slots, here, w, c.expert_scale, inbox, e_begin, e_end, g.lane);
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
       continue;
     }
@@ -253,10 +300,10 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
 // (`bits`), else a partial sum (fp32, or a 16-bit row when narrow); read from
 // r's memory when pulled, from our inbox when pushed (false: its words never
 // came, reported). A 16-bit part is `raw` below; a narrow sum's weight is 1.
-template <typename Fmt>
-A2A_DEVICE bool add_peer_part(const Ctx& x, float (&acc)[A2A_CHUNKS][8], u32 r, u32 t, u32 bits, const float* w,
+template <typename Fmt, u32 U>
+A2A_DEVICE bool add_peer_part(const Ctx& x, float (&acc)[U][8], u32 r, u32 t, u32 bits, const float* w,
                               u32 e0, u32 e_end, bool pushed) {
-  constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
+  constexpr u32 STEP = A2A_WARP_SIZE * 8u;
   const u32 me = (u32)x.h.rank;
   const bool single = (bits & (bits - 1u)) == 0, raw = single || x.a.narrow_partials;
   const float wr = single ? w[lowest_bit(bits)] : 1.f;
@@ -324,11 +371,13 @@ A2A_DEVICE float own_weight(const Ctx& x, const float* weights, u32 t, u32 j) {
 }
 
 // y[t] = our own experts' rows of t times their weights (and expert_scale), read straight from
-// expert_y, plus each peer's part (add_peer_part); one warp per segment of a
-// token. Lane r works out which of t's slots live on rank r. Pulled parts
-// wait for their flags first; pushed ones are taken word by word.
-template <typename Fmt>
+// expert_y, plus each peer's part (add_peer_part); one warp per part of a
+// segment of a token (U chunks a lane; Q = A2A_CHUNKS / U parts a segment).
+// Lane r works out which of t's slots live on rank r. Pulled parts wait for
+// their segment's flag first; pushed ones are taken word by word.
+template <typename Fmt, u32 U>
 A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc) {
+  constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
   __shared__ u32 here_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD];
   u32* here = here_buf[g.warp_in_block];
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
@@ -340,28 +389,35 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   // Our dispatch's choice, from the header it left in our own inbox.
   const u64* own_header = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + me;
   const bool pushed = ((u32)a2a_load_relaxed_sys_u64(own_header) & A2A_PUSHED) != 0;
-  for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S; item += g.warps) {
-    const u32 t = item / S, seg = item % S;
+  for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S * Q; item += g.warps) {
+    const u32 t = item / Q / S, seg = item / Q % S;
+    const u32 seg_end = seg * x.a.seg_elems + x.a.seg_elems < H ? seg * x.a.seg_elems + x.a.seg_elems : H;
+    const u32 e_begin = seg * x.a.seg_elems + item % Q * U * STEP;
+    const u32 e_end = e_begin + U * STEP < seg_end ? e_begin + U * STEP : seg_end;
+    if (e_begin >= e_end) continue;  // the row ends before this part
     A2A_PROF_START(t1);
-    // The token's routing row, its rows here and its weights, loaded by all lanes at once.
+    // The token's routing row, its rows here and its weights: the small kernel loads all three
+    // at once (one latency); the bulk kernel, whose registers are tight, one after another.
+    constexpr bool early = U < A2A_CHUNKS;
+    const i32* token_slots = sym<i32>(x.h, (int)me, x.a.off_slot_of) + ((u64)me * x.M + t) * x.k;
+    const i32 early_slot = early ? load_slot_of(token_slots, g.lane, x.k) : 0;
+    const float early_w = early && g.lane < x.k ? own_weight(x, weights, t, g.lane) : 0.f;
     const RowSlot lane_slot = load_row_slot(sym<i32>(x.h, (int)me, x.a.off_rows) + ((u64)me * x.M + t) * x.k, g.lane,
                                             x.k, x.a.num_experts);
     const u32 on_lane_rank = lane_rank_slots(lane_slot, x.k, x.L, g.lane);
     if (g.lane < x.W) here[g.lane] = on_lane_rank;
-    if (g.lane < x.k) sc.w[g.lane] = own_weight(x, weights, t, g.lane);
+    if (g.lane < x.k) sc.w[g.lane] = early ? early_w : own_weight(x, weights, t, g.lane);
     const u32 here_me = a2a_shfl((int)on_lane_rank, (int)me);
-    const bool own_rows = load_slots(sc.slots, sym<i32>(x.h, (int)me, x.a.off_slot_of) + ((u64)me * x.M + t) * x.k,
-                                     here_me, x.k, g.lane);
+    const bool own_rows = keep_slots(sc.slots, early ? early_slot : load_slot_of(token_slots, g.lane, x.k), here_me,
+                                     x.k, g.lane);
     const u32 mine = own_rows ? here_me : 0u;  // a lost slot: reported already
     const float* w = sc.w;
     const i32* own = sc.slots;
-    const u32 e_begin = seg * x.a.seg_elems, e_end = e_begin + x.a.seg_elems < H ? e_begin + x.a.seg_elems : H;
-    constexpr u32 U = A2A_CHUNKS, STEP = A2A_WARP_SIZE * 8u;
-    // Our own part of the lane's first chunk (on GPUs a segment is one chunk
-    // per lane) is summed before waiting, while the peers' parts are on the way.
+    // Our own part of the lane's first chunks is summed before waiting, while
+    // the peers' parts are on the way (on GPUs an item is one pass a lane).
     const u32 e_first = e_begin + g.lane * 8u;
     float acc[U][8] = {};
-    if (vec && mine && e_first < e_end) sum_rows<Fmt>(acc, expert_y, own, mine, w, scale, H, e_first, e_end);
+    if (vec && mine && e_first < e_end) sum_rows<Fmt, U>(acc, expert_y, own, mine, w, scale, H, e_first, e_end);
     bool ok = true;
     for (u32 r = 0; r < x.W && ok && !pushed; ++r) {
       if (!here[r] || r == me) continue;
@@ -375,10 +431,10 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
       if (e0 != e_first) {
         for (u32 u = 0; u < U; ++u)
           for (u32 i = 0; i < 8; ++i) acc[u][i] = 0.f;
-        if (mine) sum_rows<Fmt>(acc, expert_y, own, mine, w, scale, H, e0, e_end);
+        if (mine) sum_rows<Fmt, U>(acc, expert_y, own, mine, w, scale, H, e0, e_end);
       }
       for (u32 r = 0; r < x.W && ok; ++r)
-        if (here[r] && r != me) ok = add_peer_part<Fmt>(x, acc, r, t, here[r], w, e0, e_end, pushed);
+        if (here[r] && r != me) ok = add_peer_part<Fmt, U>(x, acc, r, t, here[r], w, e0, e_end, pushed);
       for (u32 u = 0; u < U; ++u)
         if (ok && e0 + u * STEP < e_end) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
     }
@@ -394,7 +450,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   }
 }
 
-template <typename Fmt>
+template <typename Fmt, u32 U>
 A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   A2A_PROF_BEGIN(a.prof);
   const Ctx x = make_ctx(a, take_epoch(a, false));
@@ -404,17 +460,25 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   __shared__ float w_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
   if (a2a_block() == 0 && c.weights) send_weights(x, c, g);
-  if (x.W > 1) send_contributions<Fmt>(x, c, g, sc);  // (alone, there are no peers' tokens: skip their headers)
+  if (x.W > 1) send_contributions<Fmt, U>(x, c, g, sc);  // (alone, there are no peers' tokens: skip their headers)
   // A lane may still read the warp's scratch (sc.slots, sc.w) for the last
   // contribution it pushed (that path skips the loop's closing sync) when
   // another lane starts rewriting it for its first token.
   a2a_wave_sync();
-  reduce_tokens<Fmt>(x, c, g, sc);
+  reduce_tokens<Fmt, U>(x, c, g, sc);
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   const Poison outputs[1] = {{reinterpret_cast<u8*>(c.out), (u64)c.num_tokens * a.y_row_bytes}};
   poison_if_failed(x, 1u, outputs);
 }
 
-extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_combine_f16(A2AArgs a, CombineCall c) { combine<F16>(a, c); }
-extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_combine_bf16(A2AArgs a, CombineCall c) { combine<BF16>(a, c); }
+// The bulk kernels (a segment a warp) and the small ones (a chunk a warp),
+// launched with at most half the threads a block so that a block of either
+// takes no more of a multiprocessor's registers than the other
+// (AllToAll._combine_kernel_for checks that on the device).
+#define A2A_COMBINE(name, Fmt, U, threads) \
+  extern "C" __global__ void A2A_MAX_THREADS(threads) name(A2AArgs a, CombineCall c) { combine<Fmt, U>(a, c); }
+A2A_COMBINE(a2a_combine_f16, F16, A2A_CHUNKS, A2A_MAX_BLOCK_THREADS)
+A2A_COMBINE(a2a_combine_bf16, BF16, A2A_CHUNKS, A2A_MAX_BLOCK_THREADS)
+A2A_COMBINE(a2a_combine_small_f16, F16, 1u, A2A_MAX_BLOCK_THREADS / 2)
+A2A_COMBINE(a2a_combine_small_bf16, BF16, 1u, A2A_MAX_BLOCK_THREADS / 2)

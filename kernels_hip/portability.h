@@ -101,7 +101,9 @@ A2A_DEVICE float a2a_rint(float f) { return __builtin_rintf(f); }  // to nearest
 #define A2A_DEVICE __device__ __forceinline__
 #define A2A_DEVICE_CALLED __device__ __noinline__  // one copy of its code, however many callers
 #define A2A_WARP_SIZE 32
-#define A2A_MAX_THREADS(n) __launch_bounds__(n)
+// (min. one block: ptxas would otherwise budget a 256-thread kernel for two
+// resident blocks, 128 registers.)
+#define A2A_MAX_THREADS(n) __launch_bounds__(n, 1)
 
 A2A_DEVICE u32 a2a_thread() { return threadIdx.x; }
 A2A_DEVICE u32 a2a_block() { return blockIdx.x; }

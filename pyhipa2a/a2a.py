@@ -58,6 +58,12 @@ MIN_WARP, MAX_WARP = 32, 64
 # with 4 ranks a 0.47 MB call (E=128 k=4 H=2880), whose copies go to 2-3
 # peers, lost (combine 27 us pushed, 23 pulled).
 DEFAULT_PUSH_BYTES = 768 * 1024
+# Combine has two kernels (kernels_hip/combine.hip): the bulk one gives a warp a segment of a token,
+# the small one a chunk (8 elements a lane) with a token's experts loaded at once. The small one is
+# used when its warps take at most this many chunk items each (tokens * segments * chunks a segment,
+# over its warps); PYHIPA2A_COMBINE_KERNEL=small|bulk forces one (benchmarks, tests).
+SMALL_COMBINE_ITEMS_PER_WARP = 1
+COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
 
 
 def check_block_threads(threads: int, warp: int) -> None:
@@ -354,8 +360,7 @@ class AllToAll:
         # Loaded now, not on first use: nothing may be loaded while a capture() records.
         out16 = "bf16" if self.out_dtype.name == "bfloat16" else "f16"
         self._scale_kernel = self.lib.kernel(f"expert_dequantize_{out16}" if self.scale_cols else f"expert_scale_{out16}")
-        self._combine_kernel = self.lib.kernel("a2a_combine_bf16" if self.out_dtype.name == "bfloat16"
-                                               else "a2a_combine_f16")
+        self._combine_kernel = self.lib.kernel(f"a2a_combine_{out16}")
         self.block_threads, self.blocks = self._launch_geometry(heap.device)
         self.warps_per_block = max(1, self.block_threads // heap.device.warp_size)
         self.profile_buffer = (ProfileBuffer(self.backend, self.blocks * self.warps_per_block) if self.profiling
@@ -364,6 +369,7 @@ class AllToAll:
         # of them: no more blocks than that fills.
         self.exchange_blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world * self.nseg
                                                                  / self.warps_per_block)))
+        self._small_combine, self.small_combine_tokens = self._small_combine_kernel(heap.device, out16)
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
         self._scale_pack = self._scale_kernel.pack()
@@ -407,6 +413,34 @@ class AllToAll:
                      for k in (self._dispatch_kernel, self._combine_kernel))
         return threads, launch_geometry(threads, device.multiprocessors, per_mp, self._grid_blocks,
                                         self._ranks_on_device or self.heap.ranks_on_device)
+
+    def _small_combine_kernel(self, device, out16: str):
+        """(the small-call combine kernel, its threads a block) or None, and the most tokens a call
+        may have to take it (-1: none). It runs half the bulk kernels' threads a block with up to twice
+        their registers a thread; the blocks that launch_geometry counts as resident must stay so
+        whichever of the two a rank runs (ranks sharing a GPU run them side by side), so it is used
+        only where the device holds as many of its blocks a multiprocessor as of the bulk kernels'.
+        The host twin is one kernel for both."""
+        choice = os.environ.get("PYHIPA2A_COMBINE_KERNEL", "auto")
+        if choice not in COMBINE_KERNEL_CHOICES:
+            raise ValueError(f"PYHIPA2A_COMBINE_KERNEL must be one of {', '.join(COMBINE_KERNEL_CHOICES)}; "
+                             f"got {choice!r}")
+        warp, threads = device.warp_size, self.block_threads // 2
+        if warp == 1 or choice == "bulk":
+            return None, -1
+        kernel = self.lib.kernel(f"a2a_combine_small_{out16}")
+        bulk_per_mp = min(self.backend.resident_blocks(k.function, self.block_threads)
+                          for k in (self._dispatch_kernel, self._combine_kernel))
+        if threads < warp or threads % warp or self.backend.resident_blocks(kernel.function, threads) < bulk_per_mp:
+            if choice == "small":
+                raise ValueError(f"PYHIPA2A_COMBINE_KERNEL=small: the small combine kernel cannot run beside "
+                                 f"blocks of {self.block_threads} threads on this device")
+            return None, -1
+        chunks = self.nseg * (self.seg_elems // (8 * warp))  # a token's chunk items
+        # Its items are (token, rank, chunk): no more blocks than M * W * chunks fill.
+        blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world * chunks / (threads // warp))))
+        most = self.max_tokens if choice == "small" else SMALL_COMBINE_ITEMS_PER_WARP * blocks * (threads // warp) // chunks
+        return (kernel, blocks, threads), most
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
@@ -602,7 +636,11 @@ class AllToAll:
 
     def _launch_combine(self, prepared) -> DeviceArray:
         s, out_arr, keep, _ = self._copy_host_expert_y(prepared)
-        self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
+        if self._combine_pack[1].num_tokens <= self.small_combine_tokens:
+            kernel, blocks, threads = self._small_combine
+            kernel.launch(self._combine_pack, blocks, threads, s)
+        else:
+            self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)
         self._keep(*keep)
         self._pending = self._pending_weights = None

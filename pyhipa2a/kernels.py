@@ -104,6 +104,8 @@ SIGNATURES = {
     "a2a_dispatch_quantize_bf16": ("dispatch", (A2AArgs, DispatchCall)),
     "a2a_combine_f16": ("combine", (A2AArgs, CombineCall)),
     "a2a_combine_bf16": ("combine", (A2AArgs, CombineCall)),
+    "a2a_combine_small_f16": ("combine", (A2AArgs, CombineCall)),
+    "a2a_combine_small_bf16": ("combine", (A2AArgs, CombineCall)),
     "expert_scale_f16": ("expert", (u64, u64, u64, u32, u32, u32, f32)),
     "expert_scale_bf16": ("expert", (u64, u64, u64, u32, u32, u32, f32)),
     "expert_dequantize_f16": ("expert", (u64, u64, u64, u64, u32, u32, u32, f32, u32)),

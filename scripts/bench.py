@@ -290,7 +290,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     """Check, then time one shape, as one graph per call and as eager calls (wall times too when
     flush_ptr is given). The main columns are the graph's; eager_* are the same call, three launches."""
     r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs])),
-         "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks},
+         "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks,
+                    "small_combine_tokens": getattr(a2a, "small_combine_tokens", -1)},
          "pushed_ranks": sum(len(x) <= a2a.push_max_tokens for x in inputs.xs)}
     step = Step(args.fused_expert, args.weights_at)
     inputs = inputs_as_given(a2a, inputs, args.fp8_input)
@@ -513,8 +514,11 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
           "push: ranks whose call pushed its tokens (PYHIPA2A_PUSH_MAX_TOKENS), the others staged them")
     launch = next((r["launch"] for r in rows + sweep if "launch" in r), None)
     if launch:
+        small = launch.get("small_combine_tokens", -1)
         print(f"launch: {launch['blocks']} blocks of {launch['block_threads']} threads "
-              "(PYHIPA2A_GRID_BLOCKS, PYHIPA2A_BLOCK_THREADS)")
+              "(PYHIPA2A_GRID_BLOCKS, PYHIPA2A_BLOCK_THREADS); combine's small kernel "
+              + (f"for calls of up to {small} tokens (the first shape's)" if small >= 0 else "not used")
+              + f" (PYHIPA2A_COMBINE_KERNEL={os.environ.get('PYHIPA2A_COMBINE_KERNEL', 'auto')})")
     if rows:
         print_shapes(rows)
         print_between_nodes(rows)

@@ -124,6 +124,44 @@ def test_fused_expert(mode, narrow, H, dtype, values, backend):
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values, narrow))
 
 
+# Combine has a bulk kernel (a warp a segment) and a small one (a warp a chunk), chosen per call from
+# its tokens (AllToAll._small_combine_kernel); the test shapes are small, so the default takes the small
+# one almost everywhere. Each is forced here over the paths where they differ: pulled, pushed and mixed
+# contributions, partial sums in fp32 and narrow, the fused expert, element-wise rows (H=1001), bf16,
+# and a call large enough for several items a warp. The host twin is one kernel for both.
+COMBINE_KERNEL_CASES = {
+    "pull": ("case_shape", "0", (8, 4, 2048, 64, "float16", "full", "random", 2, 3)),
+    "push": ("case_shape", "64", (8, 4, 2048, 64, "float16", "full", "random", 2, 3)),
+    "mixed": ("case_shape", "8", (8, 4, 1000, 64, "float16", "staggered", "random", 2, 3)),
+    "k8_large": ("case_shape", None, (16, 8, 7168, 256, "bfloat16", "full", "random", 2, 4)),
+    "unaligned_rows": ("case_shape", None, (8, 3, 1001, 16, "float16", "random", "random", 2, 5)),
+    "narrow_push": ("case_narrow_partials", "64", (1024, "float16", "exact")),
+    "narrow_pull": ("case_narrow_partials", "0", (1000, "bfloat16", "exact")),
+    "fused_push_narrow": ("case_fused_expert", "64", (1024, "float16", "exact", "1")),
+    "fused_mixed": ("case_fused_expert", "8", (1024, "float16", "normal", "0")),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("choice", ["auto", "small", "bulk"])
+def test_combine_kernel_choice(choice, backend):
+    run_case(CASE + "case_combine_kernel_choice", ranks_for(backend), env_backend(backend), args=(choice,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["small", "bulk"])
+@pytest.mark.parametrize("name", sorted(COMBINE_KERNEL_CASES))
+def test_combine_kernels(name, kernel):
+    case, threshold, args = COMBINE_KERNEL_CASES[name]
+    ranks = ranks_for("gpu")
+    if case == "case_shape":  # (experts per rank, ...) -> (E, ...)
+        args = (args[0] * ranks, *args[1:])
+    env = {"PYHIPA2A_COMBINE_KERNEL": kernel}
+    if threshold is not None:
+        env["PYHIPA2A_PUSH_MAX_TOKENS"] = threshold
+    run_case(CASE + case, ranks, env_backend("gpu"), env=env, args=args, timeout=600)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_checks_between_back_to_back_replays(backend):
     # On the GPU at the sweep's size, where the buffers are large enough for a fill to outlast a

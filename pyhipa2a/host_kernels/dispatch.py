@@ -140,7 +140,8 @@ def _dispatch(backend, a, c, v: View) -> None:
             return
         v.rec.record(3, t0, src)
         void = hdr == NO_SLOT
-        rows = np.where(void, -1, hdr % E).astype(np.int32).reshape(count, k)
+        # (as int32 before -1 goes in: NumPy 2.5 refuses -1 in an unsigned array)
+        rows = np.where(void, -1, (hdr % E).astype(np.int32)).reshape(count, k)
         place = (hdr // E).astype(np.int64).reshape(count, k)
         vecs = x if src == me else v.buf(src, "stage", (2, M, tb), np.uint8)[p]
         decoded[src, :count] = rows  # combine reads the routing rows from here

@@ -72,6 +72,25 @@ def checked_call(a2a, inputs, exact: bool, scales=None, weights_at="combine") ->
     return y.numpy().copy(), 0, f"{combine_error_against_oracle(a2a, inputs, y, expert=expert):.3g}"
 
 
+def case_combine_kernel_choice(comm, choice):
+    """PYHIPA2A_COMBINE_KERNEL is obeyed: the most tokens a call may have to take the small kernel."""
+    import os
+    os.environ["PYHIPA2A_COMBINE_KERNEL"] = choice
+    try:
+        with AllToAll(comm, num_experts=4 * comm.Get_size(), experts_per_token=4, hidden_dim=7168,
+                      max_num_tokens=256) as a2a:
+            most = a2a.small_combine_tokens
+            print(f"rank {a2a.rank}: small combine up to {most} tokens ({choice})")
+            if a2a.backend.kind == "host" or choice == "bulk":
+                assert most == -1 and a2a._small_combine is None, most
+            elif choice == "small":
+                assert most == 256 and a2a._small_combine is not None, most
+            else:  # a token is 28 chunk items at H=7168: some calls small, the largest bulk
+                assert 1 <= most < 256, most
+    finally:
+        del os.environ["PYHIPA2A_COMBINE_KERNEL"]
+
+
 def case_narrow_partials(comm, H, dtype="float16", values="normal", rounds="2"):
     """narrow_partials=True and False on the same inputs, each against the oracle of its own mode:
     - values="exact" (pyhipa2a.testing.draw_world(exact=True): every fp32 sum is exact): value for
