@@ -171,6 +171,14 @@ def select_code_object(arch: str, available: dict[str, Path], module: str) -> Pa
         f"no code object of '{module}' for device architecture {arch}; available: {names}")
 
 
+# Modules shared by every library of a device context, loaded once and kept for the context's life
+# (the process's): on CUDA 13 a module loaded and unloaded for each AllToAll kept about 80 KB of
+# device memory every time (scripts/stress.py --churn), and loading cost each construction.
+# Keyed by the module's owner (Backend.module_owner), the code object's path and its file's
+# identity on disk, so a rebuilt code object is loaded afresh.
+_SHARED_MODULES: dict[tuple, object] = {}
+
+
 class KernelLibrary:
     """Loads code objects on first use and hands out `Kernel`s by name."""
 
@@ -178,16 +186,26 @@ class KernelLibrary:
         self.backend, self.arch, self.variant = backend, arch, variant
         self.code_dir = Path(code_dir or os.environ.get("PYHIPA2A_CODE_DIR") or CODE_DIR)
         self._modules: dict[str, object] = {}
+        self._own: list = []  # modules this library loaded for itself (no owner to share them with)
         self._kernels: dict[str, Kernel] = {}
 
     def module(self, name: str):
         if name not in self._modules:
             if self.backend.code_suffix is None:
-                image = name.encode()  # host backend: kernels are Python functions named by module
+                image, key = name.encode(), None  # host backend: kernels are Python functions named by module
             else:
                 path = select_code_object(self.arch, available_code_objects(self.code_dir, name, self.variant), name)
-                image = path.read_bytes()
-            self._modules[name] = self.backend.module_load(image)
+                owner, stat = self.backend.module_owner(), path.stat()
+                key = None if owner is None else (owner, str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+                image = path.read_bytes() if key not in _SHARED_MODULES else None
+            if key is None:
+                module = self.backend.module_load(image)
+                self._own.append(module)
+            else:
+                module = _SHARED_MODULES.get(key)
+                if module is None:
+                    module = _SHARED_MODULES[key] = self.backend.module_load(image)
+            self._modules[name] = module
         return self._modules[name]
 
     def kernel(self, name: str) -> Kernel:
@@ -198,7 +216,9 @@ class KernelLibrary:
         return self._kernels[name]
 
     def close(self) -> None:
-        for module in self._modules.values():
+        """Unloads the modules this library loaded for itself; shared ones stay for the next library."""
+        for module in self._own:
             self.backend.module_unload(module)
+        self._own.clear()
         self._modules.clear()
         self._kernels.clear()

@@ -177,6 +177,12 @@ class Backend:
     def module_load(self, image: bytes):
         raise NotImplementedError
 
+    def module_owner(self):
+        """What a loaded module belongs to, for sharing it among libraries: a device context that
+        lives as long as the process (the runtimes retain the primary context and never release it),
+        or None where each library loads and unloads its own (the host backend)."""
+        return None
+
     def module_unload(self, module) -> None:
         raise NotImplementedError
 

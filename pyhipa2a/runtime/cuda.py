@@ -143,6 +143,9 @@ class CudaBackend(DriverBackend):
             warp_size=32,  # every NVIDIA architecture so far
         )
 
+    def module_owner(self):
+        return ("cuda", int(self._context)) if self._context is not None else None
+
     def activate(self) -> None:
         if self._context is None:  # no device opened yet: nothing of ours to make current
             return

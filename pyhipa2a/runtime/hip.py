@@ -136,6 +136,10 @@ class HipBackend(DriverBackend):
             warp_size=int(props.warpSize),
         )
 
+    def module_owner(self):
+        # HIP modules belong to the device's primary context, which lives as long as the process.
+        return ("hip", self.current_device) if getattr(self, "current_device", None) is not None else None
+
     def activate(self) -> None:
         current = hip.hipGetDevice()
         if current[0] or current[1] != self.current_device:
