@@ -76,7 +76,8 @@ def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0,
 
 
 @lru_cache(maxsize=1)
-def gpu_count() -> int:
+def gpu_runtime() -> tuple[str | None, int]:
+    """(the GPU runtime this machine has, "hip" or "cuda", its device count), or (None, 0)."""
     from pyhipa2a.runtime import _make
     for name in ("hip", "cuda"):
         try:
@@ -84,8 +85,12 @@ def gpu_count() -> int:
         except Exception:
             continue
         if n:
-            return n
-    return 0
+            return name, n
+    return None, 0
+
+
+def gpu_count() -> int:
+    return gpu_runtime()[1]
 
 
 def host_ranks() -> int:
@@ -105,5 +110,7 @@ def ranks_for(backend: str) -> int:
 
 
 def env_backend(backend: str):
-    """PYHIPA2A_BACKEND for the job: 'host', or None to let the library find the GPU."""
-    return "host" if backend == "host" else None
+    """PYHIPA2A_BACKEND for the job: 'host', or the GPU's runtime by name. Named, not left to the
+    library's search: a rank that cannot open the GPU (an MPS server that a trapped kernel took down,
+    say) then fails instead of running a GPU test on the host backend, where it would pass unseen."""
+    return "host" if backend == "host" else gpu_runtime()[0]

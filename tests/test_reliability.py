@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
+from tests.mpi_harness import BACKENDS, REPO, env_backend, gpu_count, ranks_for, run_case, run_mpi
 
 CASE = "tests.cases.reliability_cases:"
 
@@ -43,6 +43,10 @@ def test_a_skipped_call_leaves_no_readable_output(backend, leg, on_timeout):
     if ranks < 2:
         pytest.skip("needs two ranks")
     dead_context = on_timeout == "trap" and backend != "host"  # those ranks leave without MPI_Finalize
+    if dead_context and ranks > gpu_count() and not os.environ.get("PYHIPA2A_TEST_TRAP_SHARED"):
+        # Under MPS a client whose kernel traps takes the MPS server down, and with it every later
+        # GPU test of the session. PYHIPA2A_TEST_TRAP_SHARED=1 runs it anyway (run it last, alone).
+        pytest.skip("ranks share a GPU (MPS): a trap would end the MPS server for the tests after it")
     run = run_case(CASE + "case_skipped_call", ranks, env_backend(backend), timeout=120, args=(leg, on_timeout),
                    allow_rank_death=dead_context)
     if dead_context:  # the exit code is not to be trusted then: every rank must say it got through
