@@ -135,6 +135,7 @@ class HierarchicalAllToAll:
         machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         devices = machine.allgather(device)
         machine.Free()
+        self._placement = (MPI.Get_processor_name(), device)  # which GPU: the engine's default needs it
         self.node_comm = comm.Split(color=layout.node, key=self.rank)
         self.column_comm = comm.Split(color=layout.place, key=layout.node)  # its rank is the node's number
         try:
@@ -164,7 +165,7 @@ class HierarchicalAllToAll:
             setattr(self, name, getattr(node, name))
         node._set_fake_expert_scale(float(1 + self.rank))  # gpu-mode's factor is 1 + the world rank
         self.engine = make_engine(engine or os.environ.get("PYHIPA2A_INTERNODE") or None, self.backend,
-                                  self.column_comm, self.timeout)
+                                  self.column_comm, self.timeout, self.column_comm.allgather(self._placement))
         self.health = NodesHealth(node.host_status, self.rank, self.layout, self.engine)
 
         # One allocation of our own (the exchange's buffers are not symmetric: only the engine reads them).

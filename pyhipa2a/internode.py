@@ -161,9 +161,20 @@ class NcclEngine:
         self.nccl.close()
 
 
-def make_engine(name: str | None, backend, comm, timeout: float):
-    """The engine `name` ("nccl", "mpi"; default: MPI on the host backend, else NCCL)."""
-    name = name or ("mpi" if backend.kind == "host" else "nccl")
+def default_engine(backend_kind: str, placements: list) -> str:
+    """The engine when none is named: MPI on the host backend, and where two ranks of the exchange
+    drive one GPU (`placements`: each rank's (host, device); simulated nodes whose ranks share a GPU
+    under MPS), since NCCL refuses a communicator with two ranks on one GPU; NCCL/RCCL otherwise.
+    (Devices are told apart by index, as the heap does: ranks of one host are assumed to see the same
+    devices.)"""
+    if backend_kind == "host" or len(set(placements)) < len(placements):
+        return "mpi"
+    return "nccl"
+
+
+def make_engine(name: str | None, backend, comm, timeout: float, placements: list | None = None):
+    """The engine `name` ("nccl", "mpi"; default: default_engine)."""
+    name = name or default_engine(backend.kind, placements or [])
     if name == "mpi":
         return MpiEngine(backend, comm, timeout)
     if name == "nccl":

@@ -206,3 +206,14 @@ def test_mpi_engine_tags_per_peer_and_all_or_nothing():
     assert comm.recvs == [(1, 0), (2, 0), (1, 1), (2, 1)]
     assert [g is None for g in got] == [False, True, False, True]
     assert (got[0] == 2).all() and (got[2] == 2).all()
+
+
+def test_default_engine_is_mpi_where_exchange_peers_share_a_gpu():
+    """NCCL refuses a communicator with two ranks on one GPU (simulated nodes sharing a GPU under MPS):
+    without an engine named, those exchanges go through MPI; distinct GPUs get NCCL/RCCL."""
+    from pyhipa2a.internode import default_engine
+    assert default_engine("cuda", [("h0", 0), ("h0", 1)]) == "nccl"
+    assert default_engine("hip", [("h0", 0), ("h1", 0)]) == "nccl"  # same index, other machines
+    assert default_engine("cuda", [("h0", 0), ("h0", 0)]) == "mpi"
+    assert default_engine("cuda", [("h0", 0), ("h1", 0), ("h0", 0)]) == "mpi"
+    assert default_engine("host", [("h0", 0), ("h0", 1)]) == "mpi"
