@@ -18,7 +18,7 @@
 //      accumulation, one rounding to the output dtype.
 //
 // Two builds of the same steps, chosen by the host from the call's tokens
-// (AllToAll._combine_kernel_for): the bulk kernel gives a warp a whole
+// (AllToAll._small_combine_kernel, _launch_combine): the bulk kernel gives a warp a whole
 // segment (A2A_CHUNKS 8-element chunks per lane, two experts' loads in
 // flight), the small kernel a warp per chunk with eight experts' loads in
 // flight: at few tokens a token's sum costs one memory latency instead of
@@ -226,11 +226,13 @@ struct WarpScratch {
   float* w;
 };
 
-// Our contributions to the peers' tokens. Items are (token, peer, segment,
-// part): Q = A2A_CHUNKS / U parts a segment, U chunks a lane each, when the
-// owner pushed (its words are tagged, one each: any warp may write any of
+// Our contributions to the peers' tokens. Items are (part, token, peer,
+// segment): Q = A2A_CHUNKS / U parts a segment, U chunks a lane each, when
+// the owner pushed (its words are tagged, one each: any warp may write any of
 // them); when it pulls, one warp writes the whole segment and releases its
-// flag (part 0; the other parts have nothing to do).
+// flag (part 0; the other parts have nothing to do). The part varies
+// slowest, so that part 0's items, the only ones a pulled segment has, go to
+// every warp of the grid (varying fastest, they fell to one warp a block).
 template <typename Fmt, u32 U>
 A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc) {
   constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
@@ -243,11 +245,13 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   __shared__ u32 pre[A2A_PREFIX_WORDS];
   source_prefix(x, 0u, pre, false, g);  // the headers came with dispatch
   const u32 pushed = pre[x.W + 1], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
-  for (u32 item = first_item(g, g.warps_per_block); item < pre[x.W + 2] * peers * S * Q; item += g.warps) {
+  const u32 per_part = pre[x.W + 2] * peers * S;
+  for (u32 item = first_item(g, g.warps_per_block); item < per_part * Q; item += g.warps) {
     a2a_wave_sync();  // the scratch is rewritten for this item
+    const u32 part = item / per_part, q = item % per_part;  // (Q = 1: part 0, q = item)
     u32 src, t;
-    if (!token_major(pre, x.W, me + 1u, peers, item / Q / S, src, t)) continue;
-    const u32 seg = item / Q % S, part = item % Q;
+    if (!token_major(pre, x.W, me + 1u, peers, q / S, src, t)) continue;
+    const u32 seg = q % S;
     const bool push = (pushed >> src & 1u) != 0;
     if (!push && part) continue;
     const u32 seg_end = seg * x.a.seg_elems + x.a.seg_elems < H ? seg * x.a.seg_elems + x.a.seg_elems : H;
@@ -391,10 +395,19 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   const bool pushed = ((u32)a2a_load_relaxed_sys_u64(own_header) & A2A_PUSHED) != 0;
   for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S * Q; item += g.warps) {
     const u32 t = item / Q / S, seg = item / Q % S;
-    const u32 seg_end = seg * x.a.seg_elems + x.a.seg_elems < H ? seg * x.a.seg_elems + x.a.seg_elems : H;
-    const u32 e_begin = seg * x.a.seg_elems + item % Q * U * STEP;
-    const u32 e_end = e_begin + U * STEP < seg_end ? e_begin + U * STEP : seg_end;
-    if (e_begin >= e_end) continue;  // the row ends before this part
+    // The item's elements [e_begin, e_end): the small kernel skips a part past the row's end before
+    // loading anything; the bulk kernel (a whole segment, never empty) works them out after its
+    // loads, as it did before the small kernel existed (earlier, it spilled more registers).
+    u32 e_begin = 0u, e_end = 0u;
+    const auto item_range = [&] {
+      const u32 seg_end = seg * x.a.seg_elems + x.a.seg_elems < H ? seg * x.a.seg_elems + x.a.seg_elems : H;
+      e_begin = seg * x.a.seg_elems + item % Q * U * STEP;
+      e_end = e_begin + U * STEP < seg_end ? e_begin + U * STEP : seg_end;
+    };
+    if constexpr (Q > 1) {
+      item_range();
+      if (e_begin >= e_end) continue;  // the row ends before this part
+    }
     A2A_PROF_START(t1);
     // The token's routing row, its rows here and its weights: the small kernel loads all three
     // at once (one latency); the bulk kernel, whose registers are tight, one after another.
@@ -413,6 +426,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     const u32 mine = own_rows ? here_me : 0u;  // a lost slot: reported already
     const float* w = sc.w;
     const i32* own = sc.slots;
+    if constexpr (Q == 1) item_range();
     // Our own part of the lane's first chunks is summed before waiting, while
     // the peers' parts are on the way (on GPUs an item is one pass a lane).
     const u32 e_first = e_begin + g.lane * 8u;
@@ -475,7 +489,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
 // The bulk kernels (a segment a warp) and the small ones (a chunk a warp),
 // launched with at most half the threads a block so that a block of either
 // takes no more of a multiprocessor's registers than the other
-// (AllToAll._combine_kernel_for checks that on the device).
+// (AllToAll._small_combine_kernel checks that on the device).
 #define A2A_COMBINE(name, Fmt, U, threads) \
   extern "C" __global__ void A2A_MAX_THREADS(threads) name(A2AArgs a, CombineCall c) { combine<Fmt, U>(a, c); }
 A2A_COMBINE(a2a_combine_f16, F16, A2A_CHUNKS, A2A_MAX_BLOCK_THREADS)

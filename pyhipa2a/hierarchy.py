@@ -134,8 +134,10 @@ class HierarchicalAllToAll:
         # Ranks of other (simulated) nodes may drive the same GPU: the grid is shared among all of them.
         machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         devices = machine.allgather(device)
+        # Which GPU, for the engine's default: the machine (named by its first rank, as MPI groups
+        # ranks that share memory, whatever the host names say) and the device index.
+        self._placement = (machine.bcast(self.rank, root=0), device)
         machine.Free()
-        self._placement = (MPI.Get_processor_name(), device)  # which GPU: the engine's default needs it
         self.node_comm = comm.Split(color=layout.node, key=self.rank)
         self.column_comm = comm.Split(color=layout.place, key=layout.node)  # its rank is the node's number
         try:
@@ -161,7 +163,8 @@ class HierarchicalAllToAll:
         node, N, M, k, H = self.node, self.layout.nodes, self.max_tokens, self.top_k, self.hidden
         self.backend, self.stream, self.heap = node.backend, node.stream, node.heap
         for name in ("in_dtype", "dispatch_dtype", "out_dtype", "scale_cols", "narrow_partials", "x_format",
-                     "push_max_tokens", "block_threads", "blocks", "exchange_blocks", "lib", "profiling"):
+                     "push_max_tokens", "block_threads", "blocks", "exchange_blocks", "lib", "profiling",
+                     "small_combine_tokens"):
             setattr(self, name, getattr(node, name))
         node._set_fake_expert_scale(float(1 + self.rank))  # gpu-mode's factor is 1 + the world rank
         self.engine = make_engine(engine or os.environ.get("PYHIPA2A_INTERNODE") or None, self.backend,

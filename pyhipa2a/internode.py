@@ -163,10 +163,10 @@ class NcclEngine:
 
 def default_engine(backend_kind: str, placements: list) -> str:
     """The engine when none is named: MPI on the host backend, and where two ranks of the exchange
-    drive one GPU (`placements`: each rank's (host, device); simulated nodes whose ranks share a GPU
+    drive one GPU (`placements`: each rank's (machine, device); simulated nodes whose ranks share a GPU
     under MPS), since NCCL refuses a communicator with two ranks on one GPU; NCCL/RCCL otherwise.
-    (Devices are told apart by index, as the heap does: ranks of one host are assumed to see the same
-    devices.)"""
+    (Devices are told apart by index, as the heap does: ranks of one machine are assumed to see the
+    same devices; where they do not, two GPUs may be taken for one, and MPI moves the regions.)"""
     if backend_kind == "host" or len(set(placements)) < len(placements):
         return "mpi"
     return "nccl"

@@ -139,6 +139,9 @@ COMBINE_KERNEL_CASES = {
     "narrow_pull": ("case_narrow_partials", "0", (1000, "bfloat16", "exact")),
     "fused_push_narrow": ("case_fused_expert", "64", (1024, "float16", "exact", "1")),
     "fused_mixed": ("case_fused_expert", "8", (1024, "float16", "normal", "0")),
+    # a last segment of 512 elements (parts past the row's end) and of 832 (a part of 64)
+    "hidden_2560": ("case_shape", None, (8, 4, 2560, 32, "float16", "random", "random", 2, 6)),
+    "hidden_2880_pull": ("case_shape", "0", (8, 4, 2880, 32, "bfloat16", "random", "random", 2, 7)),
 }
 
 
@@ -146,6 +149,33 @@ COMBINE_KERNEL_CASES = {
 @pytest.mark.parametrize("choice", ["auto", "small", "bulk"])
 def test_combine_kernel_choice(choice, backend):
     run_case(CASE + "case_combine_kernel_choice", ranks_for(backend), env_backend(backend), args=(choice,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_combine_kernel_per_call(backend):
+    run_case(CASE + "case_combine_kernel_per_call", ranks_for(backend), env_backend(backend))
+
+
+# Each rank picks its combine kernel for its own call: a pushed or pulled peer may run the other one.
+# (experts per rank, k, H, M, token counts); "staggered" gives ranks calls from 1 token to M.
+MIXED_KERNEL_CASES = {"push": (4, 4, 2048, 32, "full"), "pull_large": (4, 8, 7168, 256, "staggered"),
+                      "unaligned": (4, 3, 1001, 16, "random")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MIXED_KERNEL_CASES))
+def test_combine_kernels_mixed_across_ranks(name):
+    ranks = ranks_for("gpu")
+    if ranks < 2:
+        pytest.skip("needs two ranks")
+    run_case(CASE + "case_combine_kernels_mixed", ranks, env_backend("gpu"), args=MIXED_KERNEL_CASES[name],
+             timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,M", [(7168, 32), (2880, 64), (1001, 16)])
+def test_combine_kernels_agree_bit_for_bit(H, M):
+    run_case(CASE + "case_combine_kernels_agree", ranks_for("gpu"), env_backend("gpu"), args=(H, M), timeout=600)
 
 
 @pytest.mark.gpu

@@ -74,7 +74,6 @@ def checked_call(a2a, inputs, exact: bool, scales=None, weights_at="combine") ->
 
 def case_combine_kernel_choice(comm, choice):
     """PYHIPA2A_COMBINE_KERNEL is obeyed: the most tokens a call may have to take the small kernel."""
-    import os
     os.environ["PYHIPA2A_COMBINE_KERNEL"] = choice
     try:
         with AllToAll(comm, num_experts=4 * comm.Get_size(), experts_per_token=4, hidden_dim=7168,
@@ -89,6 +88,83 @@ def case_combine_kernel_choice(comm, choice):
                 assert 1 <= most < 256, most
     finally:
         del os.environ["PYHIPA2A_COMBINE_KERNEL"]
+
+
+def case_combine_kernels_mixed(comm, E_per_rank, k, H, M, counts):
+    """Even ranks combine with the small kernel, odd ranks with the bulk one (each rank chooses for
+    its own call; pushed words and segment flags must mean the same to either), against the oracle."""
+    os.environ["PYHIPA2A_COMBINE_KERNEL"] = "small" if comm.Get_rank() % 2 == 0 else "bulk"
+    try:
+        case_shape(comm, int(E_per_rank) * comm.Get_size(), k, H, M, "float16", counts, "random", 2, 9)
+    finally:
+        del os.environ["PYHIPA2A_COMBINE_KERNEL"]
+
+
+def case_combine_kernels_agree(comm, H, M, dtype="float16"):
+    """The small and the bulk combine kernel sum the same rows in the same order: bit-identical outputs
+    on the same inputs (fp32 partials, fused expert and not)."""
+    from pyhipa2a import reference
+    from pyhipa2a.testing import combine_error_against_oracle, poison
+    world, H, M = comm.Get_size(), int(H), int(M)
+    E, k = 8 * world, 8
+    objects = {}
+    try:
+        for choice in ("small", "bulk"):
+            os.environ["PYHIPA2A_COMBINE_KERNEL"] = choice
+            objects[choice] = AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                                       in_dtype=dtype)
+    finally:
+        os.environ.pop("PYHIPA2A_COMBINE_KERNEL", None)
+    try:
+        for i, counts in enumerate(("full", "staggered", "random")):
+            rng = np.random.default_rng(77 + i)
+            inputs = draw_world(77 + i, world, E, k, H, M, dtype, token_counts(counts, world, M, rng), "random")
+            me = comm.Get_rank()
+            results, outs = {}, {}
+            for choice, a2a in objects.items():
+                poison(a2a)
+                d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+                y = (a2a.combine(a2a.fake_expert(d), inputs.weights[me]) if i % 2 == 0
+                     else a2a.combine(d.expert_x, inputs.weights[me], expert_scale=1.5))
+                results[choice], outs[choice] = y, y.numpy().copy()
+            assert outs["small"].shape == outs["bulk"].shape
+            assert np.array_equal(outs["small"].view(np.uint16), outs["bulk"].view(np.uint16)), \
+                f"round {i}: the two combine kernels differ"
+            expert = reference.fake_expert if i % 2 == 0 else reference.fused_expert([1.5] * world)
+            combine_error_against_oracle(objects["small"], inputs, results["small"], expert=expert)
+            print(f"rank {me} round {i}: T={len(inputs.xs[me])} kernels agree bit for bit")
+    finally:
+        for a2a in objects.values():
+            a2a.close()
+
+
+class _RecordingKernel:
+    """A kernel that records its launches and runs the real one (the host twin)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def launch(self, pack, grid, block, stream=None):
+        self.launches += 1
+        self.kernel.launch(pack, grid, block, stream)
+
+
+def case_combine_kernel_per_call(comm):
+    """_launch_combine takes the small kernel for calls of up to small_combine_tokens tokens and the bulk
+    one above (recording kernels around the host twin, so the choice is seen on any backend)."""
+    world = comm.Get_size()
+    E, k, H, M = 4 * world, 2, 64, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        small, bulk = _RecordingKernel(a2a._combine_kernel), _RecordingKernel(a2a._combine_kernel)
+        a2a._small_combine, a2a.small_combine_tokens = (small, a2a.exchange_blocks, a2a.block_threads), 3
+        a2a._combine_kernel = bulk
+        for T, want in ((0, "small"), (3, "small"), (4, "bulk"), (M, "bulk")):
+            before = (small.launches, bulk.launches)
+            inputs = draw_world(5 + T, world, E, k, H, M, "float16", [T] * world, "random")
+            err = run_round(a2a, inputs)
+            took = "small" if small.launches > before[0] else "bulk" if bulk.launches > before[1] else None
+            assert took == want and small.launches + bulk.launches == sum(before) + 1, (T, took, want)
+            print(f"rank {a2a.rank}: T={T} took the {took} kernel, max err {err:.3g}")
 
 
 def case_narrow_partials(comm, H, dtype="float16", values="normal", rounds="2"):
