@@ -226,6 +226,18 @@ struct WarpScratch {
   float* w;
 };
 
+// Elements [begin, end) of part `part` of segment `seg`, parts `width` elements wide (a whole
+// segment: width seg_elems, part 0); empty when the row ends before the part.
+struct Elems {
+  u32 begin, end;
+};
+A2A_DEVICE Elems part_elems(const Ctx& x, u32 seg, u32 part, u32 width) {
+  const u32 H = (u32)x.a.hidden, seg_begin = seg * x.a.seg_elems;
+  const u32 seg_end = seg_begin + x.a.seg_elems < H ? seg_begin + x.a.seg_elems : H;
+  const u32 begin = seg_begin + part * width;
+  return {begin, begin + width < seg_end ? begin + width : seg_end};
+}
+
 // Our contributions to the peers' tokens. Items are (part, token, peer,
 // segment): Q = A2A_CHUNKS / U parts a segment, U chunks a lane each, when
 // the owner pushed (its words are tagged, one each: any warp may write any of
@@ -254,9 +266,8 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     const u32 seg = q % S;
     const bool push = (pushed >> src & 1u) != 0;
     if (!push && part) continue;
-    const u32 seg_end = seg * x.a.seg_elems + x.a.seg_elems < H ? seg * x.a.seg_elems + x.a.seg_elems : H;
-    const u32 e_begin = seg * x.a.seg_elems + (push ? part * U * STEP : 0u);
-    const u32 e_end = push && e_begin + U * STEP < seg_end ? e_begin + U * STEP : seg_end;
+    const Elems el = push ? part_elems(x, seg, part, U * STEP) : part_elems(x, seg, 0u, x.a.seg_elems);
+    const u32 e_begin = el.begin, e_end = el.end;
     if (e_begin >= e_end) continue;  // the row ends before this part
     // The small kernel loads the token's rows here with its routing row (one latency, not two); the
     // bulk kernel, whose registers are tight, only once it knows the token has experts here.
@@ -398,15 +409,10 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     // The item's elements [e_begin, e_end): the small kernel skips a part past the row's end before
     // loading anything; the bulk kernel (a whole segment, never empty) works them out after its
     // loads, as it did before the small kernel existed (earlier, it spilled more registers).
-    u32 e_begin = 0u, e_end = 0u;
-    const auto item_range = [&] {
-      const u32 seg_end = seg * x.a.seg_elems + x.a.seg_elems < H ? seg * x.a.seg_elems + x.a.seg_elems : H;
-      e_begin = seg * x.a.seg_elems + item % Q * U * STEP;
-      e_end = e_begin + U * STEP < seg_end ? e_begin + U * STEP : seg_end;
-    };
+    Elems el{0u, 0u};
     if constexpr (Q > 1) {
-      item_range();
-      if (e_begin >= e_end) continue;  // the row ends before this part
+      el = part_elems(x, seg, item % Q, U * STEP);
+      if (el.begin >= el.end) continue;  // the row ends before this part
     }
     A2A_PROF_START(t1);
     // The token's routing row, its rows here and its weights: the small kernel loads all three
@@ -426,7 +432,8 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     const u32 mine = own_rows ? here_me : 0u;  // a lost slot: reported already
     const float* w = sc.w;
     const i32* own = sc.slots;
-    if constexpr (Q == 1) item_range();
+    if constexpr (Q == 1) el = part_elems(x, seg, 0u, U * STEP);
+    const u32 e_begin = el.begin, e_end = el.end;
     // Our own part of the lane's first chunks is summed before waiting, while
     // the peers' parts are on the way (on GPUs an item is one pass a lane).
     const u32 e_first = e_begin + g.lane * 8u;

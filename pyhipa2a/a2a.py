@@ -361,15 +361,13 @@ class AllToAll:
         out16 = "bf16" if self.out_dtype.name == "bfloat16" else "f16"
         self._scale_kernel = self.lib.kernel(f"expert_dequantize_{out16}" if self.scale_cols else f"expert_scale_{out16}")
         self._combine_kernel = self.lib.kernel(f"a2a_combine_{out16}")
-        self.block_threads, self.blocks = self._launch_geometry(heap.device)
+        self.block_threads, self.blocks, bulk_per_mp = self._launch_geometry(heap.device)
         self.warps_per_block = max(1, self.block_threads // heap.device.warp_size)
         self.profile_buffer = (ProfileBuffer(self.backend, self.blocks * self.warps_per_block) if self.profiling
                                else None)
-        # Both exchange kernels walk items of (token, rank, segment) over up to M * W * S
-        # of them: no more blocks than that fills.
-        self.exchange_blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world * self.nseg
-                                                                 / self.warps_per_block)))
-        self._small_combine, self.small_combine_tokens = self._small_combine_kernel(heap.device, out16)
+        # Both exchange kernels walk items of (token, rank, segment) over up to M * W * S of them.
+        self.exchange_blocks = self._blocks_filled(self.nseg, self.warps_per_block)
+        self._small_combine, self.small_combine_tokens = self._small_combine_kernel(heap.device, out16, bulk_per_mp)
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
         self._scale_pack = self._scale_kernel.pack()
@@ -403,23 +401,31 @@ class AllToAll:
             self._scale_out = 1
             self._scale_pack.set_scalars(self.buf["recv_x"].ptr, 0, *fixed)
 
-    def _launch_geometry(self, device) -> tuple[int, int]:
-        """(threads per block, blocks per launch) for this device (see launch_geometry)."""
+    def _launch_geometry(self, device) -> tuple[int, int, int]:
+        """(threads per block, blocks per launch, blocks of the exchange kernels a multiprocessor
+        holds) for this device (see launch_geometry)."""
         threads, warp = self._block_threads, device.warp_size
         if warp == 1:  # host twins: one "thread"
-            return 1, 1
+            return 1, 1, 1
         check_block_threads(threads, warp)
         per_mp = min(self.backend.resident_blocks(k.function, threads)
                      for k in (self._dispatch_kernel, self._combine_kernel))
         return threads, launch_geometry(threads, device.multiprocessors, per_mp, self._grid_blocks,
-                                        self._ranks_on_device or self.heap.ranks_on_device)
+                                        self._ranks_on_device or self.heap.ranks_on_device), per_mp
 
-    def _small_combine_kernel(self, device, out16: str):
+    def _blocks_filled(self, items_per_token: int, warps_per_block: int) -> int:
+        """Blocks for a kernel whose items are (token, rank, one of items_per_token) over up to
+        M * W tokens, a warp an item: no more than those items fill, and at most self.blocks."""
+        items = self.max_tokens * self.world * items_per_token
+        return max(1, min(self.blocks, math.ceil(items / warps_per_block)))
+
+    def _small_combine_kernel(self, device, out16: str, bulk_per_mp: int):
         """(the small-call combine kernel, its threads a block) or None, and the most tokens a call
         may have to take it (-1: none). It runs half the bulk kernels' threads a block with up to twice
         their registers a thread; the blocks that launch_geometry counts as resident must stay so
         whichever of the two a rank runs (ranks sharing a GPU run them side by side), so it is used
-        only where the device holds as many of its blocks a multiprocessor as of the bulk kernels'.
+        only where the device holds as many of its blocks a multiprocessor as of the bulk kernels'
+        (bulk_per_mp).
         The host twin is one kernel for both."""
         choice = os.environ.get("PYHIPA2A_COMBINE_KERNEL", "auto")
         if choice not in COMBINE_KERNEL_CHOICES:
@@ -429,17 +435,14 @@ class AllToAll:
         if warp == 1 or choice == "bulk":
             return None, -1
         kernel = self.lib.kernel(f"a2a_combine_small_{out16}")
-        bulk_per_mp = min(self.backend.resident_blocks(k.function, self.block_threads)
-                          for k in (self._dispatch_kernel, self._combine_kernel))
         if threads < warp or threads % warp or self.backend.resident_blocks(kernel.function, threads) < bulk_per_mp:
             if choice == "small":
                 raise ValueError(f"PYHIPA2A_COMBINE_KERNEL=small: the small combine kernel cannot run beside "
                                  f"blocks of {self.block_threads} threads on this device")
             return None, -1
-        chunks = self.nseg * (self.seg_elems // (8 * warp))  # a token's chunk items
-        # Its items are (token, rank, chunk): no more blocks than M * W * chunks fill.
-        blocks = max(1, min(self.blocks, math.ceil(self.max_tokens * self.world * chunks / (threads // warp))))
-        most = self.max_tokens if choice == "small" else SMALL_COMBINE_ITEMS_PER_WARP * blocks * (threads // warp) // chunks
+        chunks, warps = self.nseg * (self.seg_elems // (8 * warp)), threads // warp  # a token's chunk items
+        blocks = self._blocks_filled(chunks, warps)
+        most = self.max_tokens if choice == "small" else SMALL_COMBINE_ITEMS_PER_WARP * blocks * warps // chunks
         return (kernel, blocks, threads), most
 
     def _check_config_agrees(self) -> None:

@@ -191,22 +191,28 @@ class KernelLibrary:
 
     def module(self, name: str):
         if name not in self._modules:
-            if self.backend.code_suffix is None:
-                image, key = name.encode(), None  # host backend: kernels are Python functions named by module
-            else:
-                path = select_code_object(self.arch, available_code_objects(self.code_dir, name, self.variant), name)
-                owner, stat = self.backend.module_owner(), path.stat()
-                key = None if owner is None else (owner, str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-                image = path.read_bytes() if key not in _SHARED_MODULES else None
-            if key is None:
-                module = self.backend.module_load(image)
-                self._own.append(module)
-            else:
-                module = _SHARED_MODULES.get(key)
-                if module is None:
-                    module = _SHARED_MODULES[key] = self.backend.module_load(image)
-            self._modules[name] = module
+            self._modules[name] = self._load(name)
         return self._modules[name]
+
+    def _load(self, name: str):
+        """Module `name`: the context's shared one, or, where there is no owner to share with (the host
+        backend, whose kernels are Python functions named by module), one of this library's own."""
+        if self.backend.code_suffix is None:
+            return self._own_module(name.encode())
+        path = select_code_object(self.arch, available_code_objects(self.code_dir, name, self.variant), name)
+        owner = self.backend.module_owner()
+        if owner is None:
+            return self._own_module(path.read_bytes())
+        stat = path.stat()
+        key = (owner, str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key not in _SHARED_MODULES:
+            _SHARED_MODULES[key] = self.backend.module_load(path.read_bytes())
+        return _SHARED_MODULES[key]
+
+    def _own_module(self, image: bytes):
+        module = self.backend.module_load(image)
+        self._own.append(module)
+        return module
 
     def kernel(self, name: str) -> Kernel:
         if name not in self._kernels:

@@ -3,6 +3,7 @@ split into simulated nodes of `G` ranks (AllToAll(..., ranks_per_node=G)), the e
 by MPI on the host backend and by NCCL (or PYHIPA2A_INTERNODE) on GPUs."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -60,15 +61,22 @@ def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="ran
             print(f"rank {a2a.rank} round {i}: T={len(inputs.xs[a2a.rank])} max err {err:.3g}")
 
 
-def case_nodes_meta_names_true_source(comm, G="2"):
-    """expert_meta's source rank and token are the world's, whichever node the token came through."""
-    G = int(G)
+@contextlib.contextmanager
+def _small_full_call(comm, G: str, M: int, seed: int):
+    """A small multi-node object (2 experts a rank, k=2, H=64, nodes of G ranks) and full calls'
+    inputs for it."""
+    G, world = int(G), comm.Get_size()
     _nodes(comm, G)
-    world = comm.Get_size()
-    E, k, H, M = 2 * world, 2, 64, 6
+    E, k, H = 2 * world, 2, 64
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   ranks_per_node=G) as a2a:
-        inputs = draw_world(9, world, E, k, H, M, token_counts=[M] * world)
+        yield a2a, draw_world(seed, world, E, k, H, M, token_counts=[M] * world)
+
+
+def case_nodes_meta_names_true_source(comm, G="2"):
+    """expert_meta's source rank and token are the world's, whichever node the token came through."""
+    world, k, M = comm.Get_size(), 2, 6
+    with _small_full_call(comm, G, M, 9) as (a2a, inputs):
         d = a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
         a2a.combine(a2a.fake_expert(d), inputs.weights[a2a.rank])
         a2a.synchronize()
@@ -189,13 +197,8 @@ def case_nodes_bad_config(comm):
 def case_nodes_bad_inputs(comm, G="2"):
     """Bad input raises on the calling rank before any kernel runs, also a combine whose weights would
     cross between nodes before its expert_y is looked at: the object stays as good as new."""
-    G = int(G)
-    _nodes(comm, G)
-    world = comm.Get_size()
-    E, k, H, M = 2 * world, 2, 64, 4
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  ranks_per_node=G) as a2a:
-        inputs = draw_world(3, world, E, k, H, M, token_counts=[M] * world)
+    E, k, H, M = 2 * comm.Get_size(), 2, 64, 4
+    with _small_full_call(comm, G, M, 3) as (a2a, inputs):
         me = a2a.rank
         x, idx = inputs.xs[me], inputs.indices[me]
         with pytest.raises(ValueError, match="x has 5 tokens"):
