@@ -474,7 +474,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
 template <typename Fmt, u32 U>
 A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   A2A_PROF_BEGIN(a.prof);
-  const Ctx x = make_ctx(a, take_epoch(a, false));
+  const Ctx x = make_ctx(a, false);
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
@@ -490,7 +490,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   const Poison outputs[1] = {{reinterpret_cast<u8*>(c.out), (u64)c.num_tokens * a.y_row_bytes}};
-  poison_if_failed(x, 1u, outputs);
+  finish(x, 1u, outputs);
 }
 
 // The bulk kernels (a segment a warp) and the small ones (a chunk a warp),

@@ -34,6 +34,7 @@
 
 struct A2AArgs {
   HeapView heap;
+  u64 local_base;          // heap.bases[heap.rank]: a kernel's first loads (epoch, status) need no table first
   // written by peers
   u64 off_tok_hdr;         // u64 [2][W][M][k]             tagged routing rows of every source, places packed in
   u64 off_tok_count;       // u64 [2][W]                   tagged T of every source
@@ -56,7 +57,7 @@ struct A2AArgs {
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
-  u64 off_done;            // u32 [2]                      blocks done: [0] dispatch, [1] combine
+  u64 off_done;            // u32 [2][A2A_MAX_GRID]         epoch: block b of the last dispatch [0] / combine [1] is done
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
   u64 prof;                // ProfBuffer*                  timelines (profiling build; 0 = off)
   i32 num_experts;
@@ -120,11 +121,16 @@ struct CombineCall {
 // zeroed), and odd and even alternate even across the wrap (inbox parity).
 A2A_DEVICE u32 next_epoch(u32 e) { return e % 0xFFFFFFFEu + 1u; }
 
-A2A_DEVICE u32 take_epoch(const A2AArgs& a, bool dispatch) {
-  u32* words = sym<u32>(a.heap, a.heap.rank, a.off_epoch);
-  const u32 e = dispatch ? next_epoch(a2a_load_relaxed_sys(&words[0])) : a2a_load_relaxed_sys(&words[1]);
-  if (a2a_block() == 0 && a2a_thread() == 0) words[dispatch ? 1 : 0] = e;
-  return e;
+// Our own copy of a symmetric object, from the arguments alone.
+template <typename T>
+A2A_DEVICE T* local(const A2AArgs& a, u64 offset) {
+  return reinterpret_cast<T*>(a.local_base + offset);
+}
+
+// The call's epoch as the launch finds it; make_ctx hands it on.
+A2A_DEVICE u32 read_epoch(const A2AArgs& a, bool dispatch) {
+  const u32* words = local<u32>(a, a.off_epoch);
+  return dispatch ? next_epoch(a2a_load_relaxed_sys(&words[0])) : a2a_load_relaxed_sys(&words[1]);
 }
 
 #define A2A_MAX_LOCAL_EXPERTS 1024  // the fake expert's prefix of the counts, in shared memory
@@ -132,6 +138,7 @@ A2A_DEVICE u32 take_epoch(const A2AArgs& a, bool dispatch) {
 #define A2A_MAX_BLOCK_THREADS 512  // MAX_BLOCK_THREADS in pyhipa2a/a2a.py
 #define A2A_MAX_WORLD 32
 #define A2A_PREFIX_WORDS (A2A_MAX_WORLD + 3)  // source_prefix's table
+#define A2A_MAX_GRID 4096u  // blocks of an exchange kernel's launch (MAX_GRID_BLOCKS in pyhipa2a/a2a.py)
 #define A2A_CHUNKS 4  // 8-element chunks per lane whose loads are issued together
 
 struct WarpGrid {
@@ -153,21 +160,38 @@ struct Ctx {
   u32 W, M, k, L, capacity, parity, epoch;
 };
 
-// The heap's table of bases, copied into the block's shared memory (every
-// thread of the block calls this): a loop that stores through a peer's
-// pointer must load that peer's base again after each store (the store
-// might have changed it), and that load costs tens of cycles from shared
-// memory where from global memory it costs a round trip, in series with the
-// next store.
-A2A_DEVICE HeapView block_heap_view(const HeapView& h) {
+// Set by report() in the block of the thread that reports, whoever wins the
+// race for the status words: that block poisons the call's outputs (finish).
+A2A_DEVICE u32* block_failed() {
+  __shared__ u32 failed;
+  return &failed;
+}
+
+// The block's shared state, set up by every thread of the block: the heap's
+// table of bases, copied into shared memory (a loop that stores through a
+// peer's pointer must load that peer's base again after each store (the
+// store might have changed it), and that load costs tens of cycles from
+// shared memory where from global memory it costs a round trip, in series
+// with the next store), and the block's failure flag, set when this rank's
+// status already holds an error (an earlier call's: this call's outputs are
+// poisoned too). Both loads are in flight with the epoch's.
+A2A_DEVICE HeapView block_heap_view(const HeapView& h, const u32* status) {
   __shared__ u64 bases[A2A_MAX_WORLD];
   if (a2a_thread() < (u32)h.world) bases[a2a_thread()] = h.bases[a2a_thread()];
+  if (a2a_thread() == 0) *block_failed() = a2a_load_relaxed_sys(status) != A2A_OK;
   a2a_block_sync();
   return {bases, h.rank, h.world};
 }
 
-A2A_DEVICE Ctx make_ctx(const A2AArgs& a, u32 epoch) {
-  return {a, block_heap_view(a.heap), sym<u32>(a.heap, a.heap.rank, a.off_status), reinterpret_cast<u32*>(a.host_status),
+// The first thing every exchange kernel does: its three first loads (the
+// epoch, the table of bases, this rank's status) are in flight together, and
+// the epoch is handed on (block 0) once they are in.
+A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
+  const u32 epoch = read_epoch(a, dispatch);
+  u32* status = local<u32>(a, a.off_status);
+  const HeapView h = block_heap_view(a.heap, status);
+  if (a2a_block() == 0 && a2a_thread() == 0) local<u32>(a, a.off_epoch)[dispatch ? 1 : 0] = epoch;
+  return {a, h, status, reinterpret_cast<u32*>(a.host_status),
           a.prof, a2a_clock_ns() + a.timeout_ns, (u32)a.heap.world, (u32)a.max_tokens, (u32)a.top_k,
           (u32)a.local_experts, (u32)(a.heap.world * a.max_tokens), epoch & 1u, epoch};
 }
@@ -177,26 +201,41 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, u32 epoch) {
 // kernel, which leaves the process's device context unusable: every later
 // device operation fails loudly, for callers that never synchronize.
 A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
+  *block_failed() = 1u;
   // Only the first reporter traps, once its report is in the host's mirror: a thread that traps
   // while another is still writing the mirror would leave the host an error it cannot name.
   if (a2a_report(x.status, x.mirror, code, peer, what, detail) && code == A2A_ERR_TIMEOUT && x.a.trap_on_timeout)
     a2a_trap();
 }
 
-// Every block calls this last, with its call's outputs. The last block to
-// finish sees every other block's writes; when this rank's status holds an
-// error (this call's, or an earlier one's that this call could not repair),
-// it overwrites the outputs with all-ones bytes: NaN in every float format we
-// write, -1 in the counts and the meta. A consumer that reads without asking
-// then sees poison, not plausible data.
+// Every block calls this last, with its call's outputs (all-ones bytes are
+// NaN in every float format we write and -1 in the counts and the meta). A
+// failed call's outputs must read as poison, and a healthy call must not
+// pay for that with a round trip at its end: every block releases its flag
+// done[leg][block] = epoch (thread 0, after the barrier, so the block's
+// writes are ordered before it) and leaves. A block that saw a failure (a
+// report from one of its threads, or this rank's status already failed as
+// the launch began: block_heap_view) then waits for every block's flag, so that every write
+// of the call to its outputs is visible, and overwrites the outputs: no
+// good row can land after the poison. Several such blocks poison alike.
+// Flags carry the epoch (each leg's launches have distinct epochs: the host
+// alternates dispatch and combine), so nothing is reset between calls.
 struct Poison {
   u8* p;
   u64 bytes;
 };
 template <u32 N>
-A2A_DEVICE void poison_if_failed(const Ctx& x, u32 which, const Poison (&outputs)[N]) {
-  if (!a2a_last_block(sym<u32>(x.h, x.h.rank, x.a.off_done) + which, false)) return;
-  if (a2a_load_relaxed_sys(&x.status[0]) == A2A_OK) return;
+A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N]) {
+  u32* done = local<u32>(x.a, x.a.off_done) + leg * A2A_MAX_GRID;
+  a2a_block_sync();
+  const bool poison = *block_failed() != 0u;
+  if (a2a_thread() == 0) a2a_store_release_dev(&done[a2a_block()], x.epoch);
+  if (!poison) return;
+  // Every other block is bounded by the call's deadline; past twice that, poison regardless.
+  const u64 give_up = x.deadline + x.a.timeout_ns;
+  for (u32 b = a2a_thread(); b < a2a_grid_dim(); b += a2a_block_dim())
+    while (a2a_load_acquire_dev(&done[b]) != x.epoch && a2a_clock_ns() < give_up) a2a_pause();
+  a2a_block_sync();
   for (u32 i = 0; i < N; ++i) a2a_fill_bytes(outputs[i].p, outputs[i].bytes, 0xffu);
 }
 
@@ -432,7 +471,9 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
     }
   }
   a2a_block_sync();
-  return a2a_shfl(lane == 0 ? (int)a2a_load_relaxed_sys(&x.status[0]) : 0, 0) == 0;
+  // This block's view of failure, no round trip: a header that never came (reported above), or
+  // this rank failed before the call. Another block's failure stops this one at its next wait.
+  return *block_failed() == 0u;
 }
 
 // Item q of a token-major space over n sources from `first` on (mod W): token

@@ -8,9 +8,13 @@
 // prefix[l] = sum of counts[0..l), for l in [0, L], for the whole block. The
 // counts are loaded by all threads at once into shared memory; warp 0 then
 // scans them a warp's width at a time with shuffles (a serial loop over
-// global loads cost a memory latency per count).
-A2A_DEVICE void exclusive_prefix(u32* prefix, const i32* counts, u32 L) {
-  for (u32 l = a2a_thread(); l < L; l += a2a_block_dim()) prefix[l + 1] = (u32)counts[l];
+// global loads cost a memory latency per count). A count outside [0,
+// capacity] (-1: a failed dispatch's poison) stands for all of its expert's
+// rows: the poisoned rows then turn into poisoned expert_y (NaN times the
+// scale is NaN), and nothing past the buffers is touched.
+A2A_DEVICE void exclusive_prefix(u32* prefix, const i32* counts, u32 L, u32 capacity) {
+  for (u32 l = a2a_thread(); l < L; l += a2a_block_dim())
+    prefix[l + 1] = counts[l] >= 0 && (u32)counts[l] <= capacity ? (u32)counts[l] : capacity;
   a2a_block_sync();
   if (a2a_thread() < A2A_WARP_SIZE) {
     const u32 lane = a2a_lane();
@@ -43,7 +47,7 @@ template <typename Fmt>
 A2A_DEVICE void scale_rows(const u16* x, u16* y, const i32* counts, u32 L, u32 capacity, u32 hidden,
                            float scale) {
   __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
-  exclusive_prefix(prefix, counts, L);
+  exclusive_prefix(prefix, counts, L, capacity);
   const WarpGrid g = warp_grid();
   for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
     const u64 row = received_row(prefix, L, capacity, q) * hidden;
@@ -67,7 +71,7 @@ template <typename Fmt>
 A2A_DEVICE void dequantize_rows(const u8* x, const float* scales, u16* y, const i32* counts, u32 L, u32 capacity,
                                 u32 hidden, float scale, Fp8Format f) {
   __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
-  exclusive_prefix(prefix, counts, L);
+  exclusive_prefix(prefix, counts, L, capacity);
   const WarpGrid g = warp_grid();
   const u32 cols = hidden / A2A_FP8_BLOCK;
   for (u32 q = g.warp; q < prefix[L]; q += g.warps) {

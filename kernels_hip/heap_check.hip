@@ -34,7 +34,7 @@ extern "C" __global__ void heap_check(HeapCheckArgs a) {
     for (u32 i = tid; i < a.words; i += threads)
       slot[i] = heap_check_pattern((u32)h.rank, (u32)peer, i, a.epoch);
   }
-  if (!a2a_last_block(sym<u32>(h, h.rank, a.off_counter), true)) return;
+  if (!a2a_last_block(sym<u32>(h, h.rank, a.off_counter))) return;
 
   // Last block: publish to every peer, then wait for every peer and verify.
   for (int peer = a2a_thread(); peer < h.world; peer += a2a_block_dim())

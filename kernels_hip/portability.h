@@ -58,6 +58,13 @@ A2A_DEVICE void a2a_store_release_sys(u32* p, u32 v) {
 A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
   return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+// Within this device only (a kernel's blocks handing over to each other).
+A2A_DEVICE void a2a_store_release_dev(u32* p, u32 v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+}
+A2A_DEVICE u32 a2a_load_acquire_dev(const u32* p) {
+  return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+}
 A2A_DEVICE u32 a2a_load_relaxed_sys(const u32* p) {
   return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
@@ -81,7 +88,6 @@ A2A_DEVICE u32 a2a_cas_sys(u32* p, u32 expected, u32 desired) {
   return expected;
 }
 A2A_DEVICE void a2a_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
-A2A_DEVICE void a2a_fence_dev() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
 // s_memrealtime runs at a constant 100 MHz on gfx90a/gfx942.
 A2A_DEVICE u64 a2a_clock_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
 A2A_DEVICE void a2a_pause() { __builtin_amdgcn_s_sleep(1); }
@@ -118,6 +124,12 @@ A2A_DEVICE void a2a_store_release_sys(u32* p, u32 v) {
 A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
   u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
+A2A_DEVICE void a2a_store_release_dev(u32* p, u32 v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+A2A_DEVICE u32 a2a_load_acquire_dev(const u32* p) {
+  u32 v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
 A2A_DEVICE u32 a2a_load_relaxed_sys(const u32* p) {
   u32 v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
@@ -136,7 +148,6 @@ A2A_DEVICE u32 a2a_cas_sys(u32* p, u32 expected, u32 desired) {
   return atomicCAS_system(p, expected, desired);
 }
 A2A_DEVICE void a2a_fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
-A2A_DEVICE void a2a_fence_dev() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 A2A_DEVICE u64 a2a_clock_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 A2A_DEVICE void a2a_pause() { __nanosleep(32); }
 // Abort the kernel: the context is left with a sticky error, later device operations fail.

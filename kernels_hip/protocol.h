@@ -99,18 +99,15 @@ A2A_DEVICE bool a2a_wait_tagged(const u64* word, u32 epoch, u64 deadline_ns, u32
   }
 }
 
-// Every block calls this once its writes are issued. Exactly one block (the
-// last to arrive) gets true, and by then it observes all other blocks' writes;
-// with `for_peers` it may publish them to peers with a system-scope release
-// (each thread's remote writes are fenced system-wide first), without it only
-// this device's blocks are ordered, which is much cheaper. The counter is
-// reset for the next launch by that block.
-A2A_DEVICE bool a2a_last_block(u32* counter, bool for_peers) {
+// Every block calls this once its writes are issued (the heap self-test).
+// Exactly one block (the last to arrive) gets true, and by then it observes
+// all other blocks' writes, and may publish them to peers with a
+// system-scope release (each thread's remote writes are fenced system-wide
+// first). The counter is reset for the next launch by that block. (The
+// exchange kernels end without such a round trip: finish in exchange.h.)
+A2A_DEVICE bool a2a_last_block(u32* counter) {
   __shared__ u32 is_last;
-  if (for_peers)
-    a2a_fence_sys();
-  else
-    a2a_fence_dev();
+  a2a_fence_sys();
   a2a_block_sync();
   if (a2a_thread() == 0) {
     u32 arrived = a2a_fetch_add_acq_rel_dev(counter, 1u);

@@ -46,6 +46,7 @@ MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (
 MAX_WORLD = 32             # A2A_MAX_WORLD
 MAX_WARPS_PER_BLOCK = 32   # A2A_MAX_WARPS_PER_BLOCK
 MAX_BLOCK_THREADS = 512    # A2A_MAX_BLOCK_THREADS: the kernels' register budget assumes it
+MAX_GRID_BLOCKS = 4096     # A2A_MAX_GRID: blocks of an exchange kernel's launch (a done flag each)
 DEFAULT_BLOCK_THREADS = 256
 DEFAULT_BLOCKS_PER_MP = 2  # two blocks per CU/SM: more warps to hide the link's latency (PERFORMANCE.md)
 SEGMENT_LANE_ELEMS = 32    # 4 chunks of 8 elements per lane (A2A_CHUNKS in kernels_hip/exchange.h)
@@ -83,16 +84,16 @@ def launch_geometry(threads: int, multiprocessors: int, per_mp: int, grid_blocks
     if per_mp < 1:
         raise ValueError(f"block_threads={threads}: the kernels' registers do not fit that many threads "
                          "in one block on this device")
-    most = multiprocessors * per_mp // ranks_on_device
+    most = min(MAX_GRID_BLOCKS, multiprocessors * per_mp // ranks_on_device)
     if most < 1:
         raise ValueError(f"{ranks_on_device} ranks drive this device, which holds {multiprocessors * per_mp} blocks "
                          f"of {threads} threads of our kernels at once: fewer than one a rank")
-    blocks = grid_blocks or max(1, multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp) // ranks_on_device)
+    blocks = grid_blocks or min(most, max(1, multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp) // ranks_on_device))
     if not 1 <= blocks <= most:
         shared = f", shared by the {ranks_on_device} ranks that drive this device" if ranks_on_device > 1 else ""
         raise ValueError(f"grid_blocks={blocks} must be between 1 and {most} (all blocks of a launch resident "
                          f"at once: {multiprocessors} multiprocessors x {per_mp} blocks of {threads} threads"
-                         f"{shared})")
+                         f"{shared}; at most {MAX_GRID_BLOCKS} in all)")
     return blocks
 
 
@@ -306,7 +307,7 @@ class AllToAll:
             ("slot_of", (world, M, k), np.int32),
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
-            ("done", (2,), np.uint32),   # blocks finished, per kernel: the last one poisons a failed call
+            ("done", (2, MAX_GRID_BLOCKS), np.uint32),  # epoch: block b of the last dispatch / combine is done
             # staging: NumPy inputs are copied here; y lands here unless out= is given
             ("x_stage", (M, H), self.in_dtype),
             ("x_scales_stage", (M, C), np.float32),
@@ -463,6 +464,7 @@ class AllToAll:
     def _fill_args(self, a: A2AArgs) -> None:
         heap, off = self.heap, lambda name: heap.offset_of(self.buf[name].ptr)
         a.heap.bases, a.heap.rank, a.heap.world = heap.bases_ptr, heap.rank, heap.world
+        a.local_base = heap.base
         for name, _, _ in self._layout(self.world):
             if hasattr(a, "off_" + name):
                 setattr(a, "off_" + name, off(name))
@@ -568,7 +570,7 @@ class AllToAll:
         if weights is not None:
             w_ptr, w_keep = weights_input(self, weights, T, s)
 
-        call = self._dispatch_pack[1]  # the epoch is the device's own (see take_epoch in kernels_hip/exchange.h)
+        call = self._dispatch_pack[1]  # the epoch is the device's own (see make_ctx in kernels_hip/exchange.h)
         call.x, call.indices, call.x_scales, call.weights, call.num_tokens = x_ptr, i_ptr, s_ptr, w_ptr, T
         self._dispatch_kernel.launch(self._dispatch_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)

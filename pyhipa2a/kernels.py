@@ -28,7 +28,7 @@ class HeapCheckArgs(ctypes.Structure):
 
 
 class A2AArgs(ctypes.Structure):
-    _fields_ = [("heap", HeapView),
+    _fields_ = [("heap", HeapView), ("local_base", u64),
                 ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64),
                 ("off_contrib_flag", u64), ("off_stage", u64), ("off_contrib", u64),
                 ("off_push_tok", u64), ("off_push_contrib", u64),

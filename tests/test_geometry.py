@@ -1,9 +1,13 @@
 """Launch geometry: every block of every rank on a device resident at once (no GPU needed)."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from pyhipa2a.a2a import DEFAULT_BLOCKS_PER_MP, check_block_threads, launch_geometry
+from pyhipa2a import a2a
+from pyhipa2a.a2a import DEFAULT_BLOCKS_PER_MP, MAX_GRID_BLOCKS, check_block_threads, launch_geometry
 
 
 def test_default_is_two_blocks_per_multiprocessor():
@@ -29,7 +33,7 @@ def test_explicit_grid_within_the_device():
     assert launch_geometry(128, 132, 4, 3) == 3
     assert launch_geometry(256, 132, 2, 264) == 264
     with pytest.raises(ValueError, match=r"grid_blocks=265 must be between 1 and 264 \(all blocks of a launch "
-                                         r"resident at once: 132 multiprocessors x 2 blocks of 256 threads\)"):
+                                         r"resident at once: 132 multiprocessors x 2 blocks of 256 threads; at most 4096 in all\)"):
         launch_geometry(256, 132, 2, 265)
     with pytest.raises(ValueError, match="grid_blocks=67 must be between 1 and 66 .* shared by the 4 ranks"):
         launch_geometry(256, 132, 2, 67, 4)
@@ -43,3 +47,23 @@ def test_threads_that_do_not_fit():
     with pytest.raises(ValueError, match="between 64 and 512"):
         check_block_threads(32, 64)
     check_block_threads(512, 64)
+
+
+def test_grid_at_most_the_kernels_done_flags():
+    """Each block of an exchange kernel releases its own done flag (finish in exchange.h): no launch
+    may have more blocks than there are flags, however many the device would hold."""
+    assert launch_geometry(32, 304, 32, None) == 608                   # the default stays two a multiprocessor
+    assert launch_geometry(32, 304, 32, MAX_GRID_BLOCKS) == MAX_GRID_BLOCKS
+    with pytest.raises(ValueError, match=f"grid_blocks={MAX_GRID_BLOCKS + 1} must be between 1 and {MAX_GRID_BLOCKS}"):
+        launch_geometry(32, 304, 32, MAX_GRID_BLOCKS + 1)
+
+
+@pytest.mark.parametrize("host,device", [("MAX_GRID_BLOCKS", "A2A_MAX_GRID"), ("MAX_WORLD", "A2A_MAX_WORLD"),
+                                         ("MAX_BLOCK_THREADS", "A2A_MAX_BLOCK_THREADS"),
+                                         ("MAX_WARPS_PER_BLOCK", "A2A_MAX_WARPS_PER_BLOCK"),
+                                         ("MAX_LOCAL_EXPERTS", "A2A_MAX_LOCAL_EXPERTS")])
+def test_limits_agree_with_the_kernels(host, device):
+    header = (Path(a2a.__file__).resolve().parent.parent / "kernels_hip" / "exchange.h").read_text()
+    found = re.search(rf"^#define {device} (\d+)u?\b", header, re.M)
+    assert found, f"{device} not defined in exchange.h"
+    assert int(found.group(1)) == getattr(a2a, host)

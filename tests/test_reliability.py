@@ -53,6 +53,11 @@ def test_a_skipped_call_leaves_no_readable_output(backend, leg, on_timeout):
         assert run.stdout.count("LEFT-AFTER-TRAP") == ranks, run.stdout
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_rank_poisons_later_calls(backend):
+    run_case(CASE + "case_failed_rank_poisons_later_calls", ranks_for(backend), env_backend(backend), timeout=120)
+
+
 def test_foreign_non_contiguous():
     """Host arrays stand in for another framework's, so this runs on the host backend only."""
     run_case(CASE + "case_foreign_non_contiguous", ranks_for("host"), "host")

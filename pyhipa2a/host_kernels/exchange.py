@@ -42,7 +42,7 @@ def next_epoch(e: int) -> int:
 
 
 def take_epoch(a, dispatch: bool) -> int:
-    """The device's epoch words (see take_epoch in exchange.h): dispatch advances [0] into [1], combine hands [1] back."""
+    """The device's epoch words (see read_epoch and make_ctx in exchange.h): dispatch advances [0] into [1], combine hands [1] back."""
     words = mem(bases(a.heap)[a.heap.rank] + a.off_epoch, (2,), np.uint32)
     e = next_epoch(int(words[0])) if dispatch else int(words[1])
     words[1 if dispatch else 0] = e
@@ -58,7 +58,7 @@ def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def finish(backend, a, v: View, outputs) -> None:
-    """The end of every exchange kernel (poison_if_failed and report in exchange.h): when this rank's
+    """The end of every exchange kernel (finish and report in exchange.h): when this rank's
     status holds an error, the call's outputs become all-ones bytes (NaN rows, -1 counts and meta);
     with on_timeout="trap" a timeout then leaves the device unusable, as the GPU's trap does."""
     code = int(v.status.words[0])

@@ -90,6 +90,36 @@ def case_device_checks_indices(comm):
             a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
 
 
+def case_failed_rank_poisons_later_calls(comm):
+    """A kernel that starts while its rank's status already holds an error (an earlier call failed on
+    the device, and the host has not seen it yet, as in a graph replayed blindly) poisons the outputs it
+    would have written, even where the call itself sees nothing go wrong."""
+    world = comm.Get_size()
+    E, k, H, M = 4 * world, 2, 256, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=5.0) as a2a:
+        inputs = draw_world(13, world, E, k, H, M)
+        x, idx, w = inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank]
+        T = x.shape[0]
+        d = a2a.dispatch(x, idx)
+        y = a2a.combine(a2a.fake_expert(d), w).numpy()[:T]
+        assert (a2a.buf["num_tokens"].numpy() >= 0).all() and not np.isnan(y.astype(np.float32)).any()
+        # Every rank's status says "failed" on the device only: the host's mirror stays clear, so the
+        # host launches the next call, and each of its kernels finds the error as it begins.
+        a2a.buf["status"].copy_from(np.array([pyhipa2a.errors.STATUS_TIMEOUT, 0, 0, 0], np.uint32))
+        comm.Barrier()
+        d = a2a.dispatch(x, idx)
+        a2a.synchronize()
+        assert (a2a.buf["num_tokens"].numpy() == -1).all()
+        assert (a2a.buf["recv_meta"].numpy() == -1).all()
+        assert (a2a.buf["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
+        # The fake expert reads poisoned counts (-1) as "all rows": poison in, poison out, nothing
+        # read or written past its buffers.
+        expert_y = a2a.fake_expert(d)
+        assert np.isnan(expert_y.numpy().astype(np.float32)).all()
+        y = a2a.combine(expert_y, w).numpy()
+        assert (y[:T].view(np.uint16) == 0xFFFF).all()
+
+
 def case_foreign_non_contiguous(comm):
     """A DLPack array with strides is refused with a clear error."""
     world = comm.Get_size()
