@@ -148,19 +148,36 @@ def weights_input(a2a, weights, T: int, stream):
     wshape = getattr(weights, "shape", None)
     if wshape is not None and len(wshape) == 2 and wshape[0] != T:
         raise ValueError(f"weights has {wshape[0]} rows but the call has {T} tokens")
-    ptr, keep = a2a._input(weights, "weights", (T, a2a.top_k), np.float32, "weights_stage", stream)
-    if ptr % 4:
-        raise ValueError(f"weights must be 4-byte aligned (its data is at 0x{ptr:x})")
-    return ptr, keep
+    return a2a._input(weights, "weights", (T, a2a.top_k), np.float32, "weights_stage", stream, align=4)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DispatchResult:
     expert_num_tokens: DeviceArray  # int32 [L]
     expert_x: DeviceArray           # [L, W*M, H]
     expert_meta: DeviceArray        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
     num_tokens: int                 # T of this rank's call
     expert_x_scales: DeviceArray | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch, else None
+
+
+class OutputViews:
+    """One stream's views of an object's outputs, made once. The views always show the same buffers,
+    so caching them, and the DispatchResult of each token count, keeps object construction off the
+    per-call path (AllToAll and HierarchicalAllToAll alike)."""
+
+    def __init__(self, num_tokens: DeviceArray, expert_x: DeviceArray, expert_meta: DeviceArray,
+                 expert_x_scales: DeviceArray | None, y: DeviceArray):
+        self.num_tokens, self.expert_x, self.expert_meta, self.expert_x_scales = (num_tokens, expert_x, expert_meta,
+                                                                                  expert_x_scales)
+        self.y_rows = [y.rows(t) for t in range(y.shape[0] + 1)]  # y [T, H] of a call of T tokens
+        self._results: list[DispatchResult | None] = [None] * len(self.y_rows)
+
+    def dispatch_result(self, tokens: int) -> DispatchResult:
+        result = self._results[tokens]
+        if result is None:
+            result = self._results[tokens] = DispatchResult(self.num_tokens, self.expert_x, self.expert_meta, tokens,
+                                                            self.expert_x_scales)
+        return result
 
 
 class AllToAll:
@@ -345,6 +362,7 @@ class AllToAll:
                          else X_QUANTIZE_BF16 if self.in_dtype.name == "bfloat16" else X_QUANTIZE_F16)
         self._check_config_agrees()
         self.buf = {name: heap.alloc(shape, dtype) for name, shape, dtype in self._layout(self.world)}
+        self._stage_ptrs = {name: b.ptr for name, b in self.buf.items() if name.endswith("_stage")}
         heap.verify()
 
         # Kernels mirror their first error into pinned host memory: the host
@@ -383,7 +401,7 @@ class AllToAll:
         self._pending_weights = None  # the weights given to that dispatch, which sent them
         self._broken: str | None = None
         self._expert_y_buffer: DeviceArray | None = None
-        self._output_views: dict = {}
+        self._output_views: dict = {}  # by id(stream): the views hold their stream, so no id is reused
         self._last_scale = (1.0, 1.0)  # combine's expert_scale as given, and as checked (float32)
         self._foreign_streams: dict = {}
         self._order = StreamOrder(self.backend, self.stream)  # calls across streams, inputs after producers
@@ -535,11 +553,11 @@ class AllToAll:
         if self._capturing is None:
             self._order.queued(stream)
 
-    def _input(self, obj, name, want_shape, want_dtype, stage: str | None, stream):
+    def _input(self, obj, name, want_shape, want_dtype, stage: str | None, stream, align: int = 1):
         """(pointer, keepalive) of argument `name` on the device (pyhipa2a.inputs: described once,
         checked, ordered after its producer; NumPy arrays are copied into staging buffer `stage`)."""
         return self._boundary.take(name, obj, want_shape, want_dtype, stream, capturing=self._capturing is not None,
-                                   stage_ptr=self.buf[stage].ptr if stage else None)
+                                   stage_ptr=self._stage_ptrs.get(stage), align=align)
 
     def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None) -> DispatchResult:
         """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M;
@@ -563,9 +581,8 @@ class AllToAll:
         i_ptr, i_keep = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
         s_ptr, s_keep = 0, None
         if x_scales is not None:
-            s_ptr, s_keep = self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s)
-            if s_ptr % 4:
-                raise ValueError(f"x_scales must be 4-byte aligned (its data is at 0x{s_ptr:x})")
+            s_ptr, s_keep = self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s,
+                                        align=4)
         w_ptr, w_keep = 0, None
         if weights is not None:
             w_ptr, w_keep = weights_input(self, weights, T, s)
@@ -576,8 +593,7 @@ class AllToAll:
         self._queued(s)
         self._keep(x_keep, i_keep, s_keep, w_keep)
 
-        num_tokens, expert_x, expert_meta, _, scales, _ = self._outputs(s)
-        result = DispatchResult(num_tokens, expert_x, expert_meta, T, scales)
+        result = self._outputs(s).dispatch_result(T)
         self._pending, self._pending_weights = result, weights
         return result
 
@@ -616,7 +632,7 @@ class AllToAll:
             y_ptr, y_keep = self._input(expert_y, "expert_y", y_shape, self.out_dtype, None, s)
         w_ptr, w_keep = (0, None) if sent is not None else weights_input(self, weights, T, s)
         if out is None:
-            out_arr = self._outputs(s)[3][T]
+            out_arr = self._outputs(s).y_rows[T]
             out_ptr, o_keep = out_arr.ptr, out_arr
         else:
             if isinstance(out, np.ndarray):
@@ -651,20 +667,16 @@ class AllToAll:
         self._pending = self._pending_weights = None
         return out_arr
 
-    def _outputs(self, stream):
-        """Output views for `stream`, made once: (expert_num_tokens, expert_x, expert_meta, y by T).
-
-        The views always show the same buffers; caching them keeps object
-        construction off the per-call path."""
-        key = id(stream)
-        if key not in self._output_views:
+    def _outputs(self, stream) -> OutputViews:
+        """The output views naming `stream` (made once per stream)."""
+        views = self._output_views.get(id(stream))
+        if views is None:
             def out(name):
                 return self._naming(self.buf[name], stream)
-            y = out("y")
-            self._output_views[key] = (out("num_tokens"), out("recv_x"), out("recv_meta"),
-                                       [y.rows(t) for t in range(self.max_tokens + 1)],
-                                       out("recv_scales") if self.scale_cols else None, stream)
-        return self._output_views[key]
+            views = self._output_views[id(stream)] = OutputViews(
+                out("num_tokens"), out("recv_x"), out("recv_meta"), out("recv_scales") if self.scale_cols else None,
+                out("y"))
+        return views
 
     # -- helpers for callers ----------------------------------------------------
     def expert_y_buffer(self) -> DeviceArray:

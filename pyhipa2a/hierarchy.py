@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .a2a import MAX_TOP_K, AllToAll, DispatchResult, checked_combine_weights, checked_dispatch, weights_input
+from .a2a import (MAX_TOP_K, AllToAll, DispatchResult, OutputViews, checked_combine_weights, checked_dispatch,
+                  weights_input)
 from .array import DeviceArray
 from .bootstrap import _mpi
 from .errors import A2AError, ConfigMismatchError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
@@ -248,9 +249,9 @@ class HierarchicalAllToAll:
     def _launch(self, kernel, pack, items: int, stream) -> None:
         kernel.launch(pack, self._grid(items), self.block_threads, stream)
 
-    def _input(self, obj, name, shape, dtype, stage, stream):
+    def _input(self, obj, name, shape, dtype, stage, stream, align: int = 1):
         return self._boundary.take(name, obj, shape, dtype, stream, capturing=self.node._capturing is not None,
-                                   stage_ptr=self.node.buf[stage].ptr if stage else None)
+                                   stage_ptr=self.node._stage_ptrs.get(stage), align=align)
 
     def _keep(self, *objects) -> None:
         """Inputs stay referenced until the next call (the device may still read them); a capture keeps
@@ -278,7 +279,8 @@ class HierarchicalAllToAll:
         a = self._hier_pack[0]
         a.x, keep_x = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
         a.indices, keep_i = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
-        a.x_scales, keep_s = (self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s)
+        a.x_scales, keep_s = (self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s,
+                                          align=4)
                               if x_scales is not None else (0, None))
         a.weights, keep_w = weights_input(self, weights, T, s) if weights is not None else (0, None)
         a.tokens, a.whole = T, 1
@@ -287,8 +289,7 @@ class HierarchicalAllToAll:
         self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
         self._keep(keep_x, keep_i, keep_s, keep_w)
         self.node._dispatch(self._regions_x, self._local_indices, None, self._regions_scales, s)
-        views = self._outputs(s)
-        self._pending, self._pending_weights = DispatchResult(views[0], views[1], views[2], T, views[3]), weights
+        self._pending, self._pending_weights = self._outputs(s).dispatch_result(T), weights
         return self._pending
 
     def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
@@ -308,7 +309,7 @@ class HierarchicalAllToAll:
                 raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
             out_ptr, keep_o = self._input(out, "out", (T, self.hidden), self.out_dtype, None, s)
         else:
-            out = self._outputs(s)[4][T]
+            out = self._outputs(s).y_rows[T]
             out_ptr, keep_o = out.ptr, None
         a = self._hier_pack[0]
         a.weights, keep_w = (0, None) if sent is not None else weights_input(self, weights, T, s)
@@ -343,21 +344,20 @@ class HierarchicalAllToAll:
             self.engine.exchange(transfers, s)
         self.node._queued(s)
 
-    def _outputs(self, stream):
-        """Views of the node part's outputs and of our y, naming `stream`, with this object's health."""
-        key = id(stream)
-        if key not in self._views:
+    def _outputs(self, stream) -> OutputViews:
+        """Views of the node part's outputs and of our y, naming `stream`, with this object's health
+        (made once per stream; the views hold their stream, so no id is reused)."""
+        views = self._views.get(id(stream))
+        if views is None:
             def view(ptr, shape, dtype):
                 return DeviceArray(self.backend, ptr, shape, dtype, owner=self, stream=stream, health=self.health)
             L, cap, H, b = self.local_experts, self.capacity, self.hidden, self.node.buf
-            y = view(self.ptr["y"], (self.max_tokens, H), self.out_dtype)
-            self._views[key] = (view(b["num_tokens"].ptr, (L,), np.int32),
-                                view(b["recv_x"].ptr, (L, cap, H), self.dispatch_dtype),
-                                view(b["recv_meta"].ptr, (L, cap, 3), np.int32),
-                                (view(b["recv_scales"].ptr, (L, cap, self.scale_cols), np.float32)
-                                 if self.scale_cols else None),
-                                [y.rows(t) for t in range(self.max_tokens + 1)])
-        return self._views[key]
+            views = self._views[id(stream)] = OutputViews(
+                view(b["num_tokens"].ptr, (L,), np.int32), view(b["recv_x"].ptr, (L, cap, H), self.dispatch_dtype),
+                view(b["recv_meta"].ptr, (L, cap, 3), np.int32),
+                view(b["recv_scales"].ptr, (L, cap, self.scale_cols), np.float32) if self.scale_cols else None,
+                view(self.ptr["y"], (self.max_tokens, H), self.out_dtype))
+        return views
 
     # -- the rest, as AllToAll -------------------------------------------------
     def expert_y_buffer(self) -> DeviceArray:

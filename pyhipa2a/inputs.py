@@ -161,10 +161,11 @@ class Boundary:
         self._settled: dict[str, tuple] = {}
 
     def take(self, name: str, obj, want_shape, want_dtype, stream, *, capturing: bool = False,
-             stage_ptr: int | None = None):
+             stage_ptr: int | None = None, align: int = 1):
         """(device pointer, keepalive) of argument `name`, shape `want_shape` (None: any) and dtype
-        `want_dtype`, to be read on `stream`. NumPy arrays are copied into `stage_ptr` (refused
-        when there is none, or while capturing); the keepalive must outlive the kernel's reads."""
+        `want_dtype`, its data `align`-byte aligned, to be read on `stream`. NumPy arrays are copied
+        into `stage_ptr` (refused when there is none, or while capturing); the keepalive must outlive
+        the kernel's reads."""
         settled = self._settled.get(name)  # the loop's usual case: the same array again (held: never an id reused)
         if (settled is not None and settled[0] is obj and settled[1] is stream and settled[2] == want_shape
                 and settled[3] is want_dtype and not capturing):
@@ -181,6 +182,8 @@ class Boundary:
         if self._checked.get(name) != checked:
             check_array(name, *checked)
             self._checked[name] = checked
+        if d.ptr % align:
+            raise ValueError(f"{name} must be {align}-byte aligned (its data is at 0x{d.ptr:x})")
         keep = obj if d.keepalive is None else d.keepalive
         if producer is not None:
             self.order.wait_for_producer(producer, stream)

@@ -231,3 +231,33 @@ def test_a_settled_array_is_taken_again_only_for_the_same_use():
         b.take("w", t, (2, 4), np.float16, OURS)
         b.take("w", t, (2, 4), np.float16, OURS, capturing=True)
     assert t.asked == [OURS, -1, OURS, -1]  # asked at every use: the export is what orders it
+
+
+def test_alignment_is_checked_before_an_array_settles():
+    """A misaligned array is refused at every use (a refused use never settles), an aligned one once
+    and then taken by identity."""
+    b, backend = boundary("stream")
+    odd = DeviceArray(backend, 0x6002, (2, 4), np.float32, stream=OURS)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"weights must be 4-byte aligned \(its data is at 0x6002\)"):
+            b.take("weights", odd, (2, 4), np.float32, OURS, align=4)
+    even = DeviceArray(backend, 0x6004, (2, 4), np.float32, stream=OURS)
+    for _ in range(2):
+        assert b.take("weights", even, (2, 4), np.float32, OURS, align=4)[0] == 0x6004
+
+
+def test_dispatch_results_are_made_once_per_stream_and_token_count():
+    """Repeated calls hand back the same (immutable) DispatchResult; another T or stream, another one."""
+    import dataclasses
+
+    from pyhipa2a.a2a import OutputViews
+    backend = FakeCuda()
+    def view(shape, dtype=np.int32):
+        return DeviceArray(backend, 0x1000, shape, dtype, stream=OURS)
+    views = OutputViews(view((2,)), view((2, 8, 4), np.float16), view((2, 8, 3)), None, view((4, 4), np.float16))
+    first = views.dispatch_result(3)
+    assert views.dispatch_result(3) is first and first.num_tokens == 3
+    assert views.dispatch_result(2) is not first and views.dispatch_result(2).num_tokens == 2
+    assert [r.shape for r in views.y_rows] == [(t, 4) for t in range(5)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.num_tokens = 4
