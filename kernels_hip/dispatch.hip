@@ -27,7 +27,7 @@
 //   4. a few warps sum every chunk's count of each of our experts into
 //      expert_num_tokens, while the others copy.
 // No receiver-side reservation, no hand-off between warps, no grid-wide step
-// but the poisoning tail.
+// (a failed call's poisoning waits for the grid: finish in exchange.h).
 //
 // The steps are templates on X, how x becomes expert_x (A2A_X_* in
 // exchange.h): 16-bit rows are copied as bytes; fp8 rows (given, or

@@ -57,7 +57,7 @@ struct A2AArgs {
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
-  u64 off_done;            // u32 [2][A2A_MAX_GRID]         epoch: block b of the last dispatch [0] / combine [1] is done
+  u64 off_done;            // u32 [2][A2A_MAX_GRID + 1]     epoch: block b of the last dispatch [0] / combine [1] is done; [.][A2A_MAX_GRID]: the poisoner's claim
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
   u64 prof;                // ProfBuffer*                  timelines (profiling build; 0 = off)
   i32 num_experts;
@@ -215,27 +215,35 @@ A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
 // done[leg][block] = epoch (thread 0, after the barrier, so the block's
 // writes are ordered before it) and leaves. A block that saw a failure (a
 // report from one of its threads, or this rank's status already failed as
-// the launch began: block_heap_view) then waits for every block's flag, so that every write
-// of the call to its outputs is visible, and overwrites the outputs: no
-// good row can land after the poison. Several such blocks poison alike.
-// Flags carry the epoch (each leg's launches have distinct epochs: the host
-// alternates dispatch and combine), so nothing is reset between calls.
+// the launch began: block_heap_view) then waits for every block's flag, so
+// that every write of the call to its outputs is visible, and the first
+// such block to claim the launch (done[leg][A2A_MAX_GRID]) overwrites the
+// outputs: no good row can land after the poison, and the outputs are
+// written once however many blocks failed (all of them, when the rank had
+// failed before). Flags carry the epoch (each leg's launches have distinct
+// epochs: the host alternates dispatch and combine, graph launches
+// included), so nothing is reset between calls.
 struct Poison {
   u8* p;
   u64 bytes;
 };
 template <u32 N>
 A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N]) {
-  u32* done = local<u32>(x.a, x.a.off_done) + leg * A2A_MAX_GRID;
+  u32* done = local<u32>(x.a, x.a.off_done) + leg * (A2A_MAX_GRID + 1u);
+  a2a_release_before_barrier_dev();
   a2a_block_sync();
   const bool poison = *block_failed() != 0u;
   if (a2a_thread() == 0) a2a_store_release_dev(&done[a2a_block()], x.epoch);
   if (!poison) return;
   // Every other block is bounded by the call's deadline; past twice that, poison regardless.
+  // (The host keeps timeout_ns below 2^62, so neither sum wraps.)
   const u64 give_up = x.deadline + x.a.timeout_ns;
   for (u32 b = a2a_thread(); b < a2a_grid_dim(); b += a2a_block_dim())
     while (a2a_load_acquire_dev(&done[b]) != x.epoch && a2a_clock_ns() < give_up) a2a_pause();
+  __shared__ u32 claimed;
+  if (a2a_thread() == 0) claimed = a2a_exchange_dev(&done[A2A_MAX_GRID], x.epoch) != x.epoch;
   a2a_block_sync();
+  if (!claimed) return;
   for (u32 i = 0; i < N; ++i) a2a_fill_bytes(outputs[i].p, outputs[i].bytes, 0xffu);
 }
 

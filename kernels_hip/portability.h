@@ -65,6 +65,15 @@ A2A_DEVICE void a2a_store_release_dev(u32* p, u32 v) {
 A2A_DEVICE u32 a2a_load_acquire_dev(const u32* p) {
   return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
 }
+A2A_DEVICE u32 a2a_exchange_dev(u32* p, u32 v) {
+  return __hip_atomic_exchange(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+// Each thread's writes released device-wide before a barrier after which one thread releases a
+// flag for the whole block. The PTX model makes the barrier and that one release cumulative; on
+// AMD we do not rely on the barrier's workgroup-scope fences carrying other waves' writes to an
+// agent-scope release (LLVM has had that transitivity wrong on some targets), so every thread
+// fences at agent scope, as the kernels' tails always did.
+A2A_DEVICE void a2a_release_before_barrier_dev() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "agent"); }
 A2A_DEVICE u32 a2a_load_relaxed_sys(const u32* p) {
   return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
@@ -130,6 +139,13 @@ A2A_DEVICE void a2a_store_release_dev(u32* p, u32 v) {
 A2A_DEVICE u32 a2a_load_acquire_dev(const u32* p) {
   u32 v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
+A2A_DEVICE u32 a2a_exchange_dev(u32* p, u32 v) {
+  u32 old; asm volatile("atom.relaxed.gpu.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+// Nothing here: a barrier, then one thread's st.release.gpu, orders the whole block's writes before
+// that release (PTX memory model: the barrier synchronizes, release is cumulative).
+A2A_DEVICE void a2a_release_before_barrier_dev() {}
 A2A_DEVICE u32 a2a_load_relaxed_sys(const u32* p) {
   u32 v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }

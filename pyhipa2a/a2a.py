@@ -324,7 +324,8 @@ class AllToAll:
             ("slot_of", (world, M, k), np.int32),
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
-            ("done", (2, MAX_GRID_BLOCKS), np.uint32),  # epoch: block b of the last dispatch / combine is done
+            # epoch: block b of the last dispatch / combine is done; last word: the block that poisons
+            ("done", (2, MAX_GRID_BLOCKS + 1), np.uint32),
             # staging: NumPy inputs are copied here; y lands here unless out= is given
             ("x_stage", (M, H), self.in_dtype),
             ("x_scales_stage", (M, C), np.float32),
@@ -502,7 +503,9 @@ class AllToAll:
         a.narrow_partials = int(self.narrow_partials)
         a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens
         a.trap_on_timeout = int(self.on_timeout == "trap")
-        a.timeout_ns = int(self.timeout * 1e9)
+        # At most 2^62 ns (146 years): the kernels add it to a clock twice (the deadline, and the
+        # poisoner's bound past it), and that must not wrap around a 64-bit word.
+        a.timeout_ns = int(min(self.timeout * 1e9, 2.0 ** 62))
 
     # -- calls ------------------------------------------------------------------
     def _usable(self) -> None:
@@ -557,7 +560,7 @@ class AllToAll:
         """(pointer, keepalive) of argument `name` on the device (pyhipa2a.inputs: described once,
         checked, ordered after its producer; NumPy arrays are copied into staging buffer `stage`)."""
         return self._boundary.take(name, obj, want_shape, want_dtype, stream, capturing=self._capturing is not None,
-                                   stage_ptr=self._stage_ptrs.get(stage), align=align)
+                                   stage_ptr=self._stage_ptrs[stage] if stage else None, align=align)
 
     def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None) -> DispatchResult:
         """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M;
@@ -768,8 +771,15 @@ class AllToAll:
             raise
         finally:
             self._capturing, self._captured_refs = None, None  # the graph keeps `refs`
-        graph = Graph(self.backend, self.backend.capture_end(s), s, refs,
-                      before_launch=lambda: ((_usable or self._usable)(), self._follow(s)),
+        def before_launch():
+            (_usable or self._usable)()
+            if self._pending is not None:
+                # The graph's dispatch would take the epoch the pending call's combine has not yet
+                # handed on: peers would read that call's words, and its kernels' done flags.
+                raise A2AError("a graph cannot launch while a dispatch() awaits its combine()")
+            self._follow(s)
+
+        graph = Graph(self.backend, self.backend.capture_end(s), s, refs, before_launch=before_launch,
                       after_launch=lambda: self._queued(s))
         self._graphs.add(graph)
         self._queued(s)  # s waits for the calls before the capture

@@ -251,7 +251,7 @@ class HierarchicalAllToAll:
 
     def _input(self, obj, name, shape, dtype, stage, stream, align: int = 1):
         return self._boundary.take(name, obj, shape, dtype, stream, capturing=self.node._capturing is not None,
-                                   stage_ptr=self.node._stage_ptrs.get(stage), align=align)
+                                   stage_ptr=self.node._stage_ptrs[stage] if stage else None, align=align)
 
     def _keep(self, *objects) -> None:
         """Inputs stay referenced until the next call (the device may still read them); a capture keeps

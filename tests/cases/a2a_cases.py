@@ -740,6 +740,8 @@ def case_graph_replays(comm, launches="4"):
             d = a2a.dispatch(x, idx)
             with pytest.raises(A2AError, match="dispatch\\(\\) called again before combine\\(\\)"):
                 a2a.dispatch(x, idx)
+            with pytest.raises(A2AError, match="graph cannot launch while a dispatch\\(\\) awaits its combine"):
+                graph.launch()  # its dispatch would reuse the pending call's epoch
             a2a.combine(a2a.fake_expert(d), w)
             run_round(a2a, draw_world(300, world, E, k, H, M))  # still usable after every refusal
             graph.launch()                                      # and so is the graph
