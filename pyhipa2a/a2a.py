@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import operator
 import os
 import weakref
 from dataclasses import dataclass
@@ -158,6 +159,36 @@ class DispatchResult:
     expert_meta: DeviceArray        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
     num_tokens: int                 # T of this rank's call
     expert_x_scales: DeviceArray | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch, else None
+
+
+class Repeat:
+    """A call that the next one may repeat without its checks. It holds the last call's arguments
+    (compared by identity) and what that call worked out, and exists only when every device argument
+    had settled at the boundary (pyhipa2a.inputs: nothing to ask, nothing to wait for). A loop that
+    hands over the same arrays again (the usual case) then costs a few identity checks and the
+    launch. Anything else takes the full path: another array, stream or scale, NumPy inputs (copied
+    at every call, never settled), or a capture (its arguments do not settle)."""
+
+    __slots__ = ("args", "names", "entries", "boundary", "stream", "tokens", "prepared")
+
+    def __init__(self, args: tuple, names: tuple, entries: tuple, boundary, stream, tokens: int, prepared):
+        self.args, self.names, self.entries, self.boundary = args, names, entries, boundary
+        self.stream, self.tokens, self.prepared = stream, tokens, prepared
+
+    @classmethod
+    def of(cls, args: tuple, names: tuple, boundary, stream, tokens: int, prepared=None):
+        """The record of a call just made with `args`, whose device arguments went through the
+        boundary as `names`; None when one of them has not settled."""
+        entries = tuple(boundary.settled(name) for name in names)
+        if any(entry is None for entry in entries):
+            return None
+        return cls(args, names, entries, boundary, stream, tokens, prepared)
+
+    def holds(self, args: tuple) -> bool:
+        """`args` are the recorded ones, object for object, and nothing about their use has changed."""
+        # (map with operator.is_ iterates in C: this is every repeated call's path)
+        return (all(map(operator.is_, args, self.args))
+                and all(map(operator.is_, map(self.boundary.settled, self.names), self.entries)))
 
 
 class OutputViews:
@@ -400,6 +431,8 @@ class AllToAll:
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
         self._pending_weights = None  # the weights given to that dispatch, which sent them
+        self._repeat_dispatch: Repeat | None = None  # the last call of each leg, when the next may repeat it
+        self._repeat_combine: Repeat | None = None
         self._broken: str | None = None
         self._expert_y_buffer: DeviceArray | None = None
         self._output_views: dict = {}  # by id(stream): the views hold their stream, so no id is reused
@@ -577,6 +610,13 @@ class AllToAll:
         """dispatch() once the object is known usable. A multi-node call's node part comes here
         directly: an exchange between nodes that failed in this very call is the kernel's to handle
         (it sends nothing and poisons the outputs; pyhipa2a.hierarchy)."""
+        args = (x, indices, weights, x_scales, stream)
+        repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
+        if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args):
+            self._follow(repeat.stream)
+            result = self._launch_dispatch(repeat.stream, repeat.tokens, weights)
+            self._repeat_dispatch = repeat
+            return result
         T = checked_dispatch(self, x, indices, weights, x_scales)
         s = self._stream(stream)
         self._follow(s)
@@ -592,10 +632,16 @@ class AllToAll:
 
         call = self._dispatch_pack[1]  # the epoch is the device's own (see make_ctx in kernels_hip/exchange.h)
         call.x, call.indices, call.x_scales, call.weights, call.num_tokens = x_ptr, i_ptr, s_ptr, w_ptr, T
+        self._keep(x_keep, i_keep, s_keep, w_keep)
+        result = self._launch_dispatch(s, T, weights)
+        names = ("x", "indices") + ("x_scales",) * (x_scales is not None) + ("weights",) * (weights is not None)
+        self._repeat_dispatch = Repeat.of(args, names, self._boundary, s, T)
+        return result
+
+    def _launch_dispatch(self, s, T: int, weights) -> DispatchResult:
+        """Launch the dispatch whose arguments are in the pack, on stream `s` (already ordered)."""
         self._dispatch_kernel.launch(self._dispatch_pack, self.exchange_blocks, self.block_threads, s)
         self._queued(s)
-        self._keep(x_keep, i_keep, s_keep, w_keep)
-
         result = self._outputs(s).dispatch_result(T)
         self._pending, self._pending_weights = result, weights
         return result
@@ -621,9 +667,15 @@ class AllToAll:
         call has its weights cross between nodes in between): (stream, out array, keepalives, the
         NumPy expert_y still to copy, or None)."""
         sent = checked_combine_weights(self, weights)
+        T = self._pending.num_tokens
+        args = (expert_y, weights, out, stream, expert_scale, sent)
+        repeat, self._repeat_combine = self._repeat_combine, None  # a call that fails records nothing
+        if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args):
+            self._follow(repeat.stream)
+            self._repeat_combine = repeat
+            return repeat.prepared
         if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then
             self._last_scale = (expert_scale, check_scale(expert_scale))
-        T = self._pending.num_tokens
         s = self._stream(stream)
         self._follow(s)
         y_shape = (self.local_experts, self.capacity, self.hidden)
@@ -645,7 +697,10 @@ class AllToAll:
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens = y_ptr, w_ptr, out_ptr, T
         call.expert_scale = self._last_scale[1]
-        return s, out_arr, (y_keep, w_keep, o_keep), host_y
+        prepared = s, out_arr, (y_keep, w_keep, o_keep), host_y
+        names = ("expert_y",) + ("weights",) * (sent is None) + ("out",) * (out is not None)
+        self._repeat_combine = Repeat.of(args, names, self._boundary, s, T, prepared) if host_y is None else None
+        return prepared
 
     def _copy_host_expert_y(self, prepared):
         """A NumPy expert_y copied into expert_y_buffer() (the host waits for the stream): the prepared

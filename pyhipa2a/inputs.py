@@ -196,6 +196,12 @@ class Boundary:
             self._settled.pop(name, None)
         return d.ptr, keep
 
+    def settled(self, name: str):
+        """The settled entry of argument `name` (None: its last use needed, or its next use will need,
+        more than an identity check). A caller may keep it and compare with `is` later: an entry is
+        replaced, never changed, so the same entry means nothing about the argument's use changed."""
+        return self._settled.get(name)
+
     def describe(self, name: str, obj, want_dtype, stream, capturing: bool):
         """(description, producer) of a device array, from the cache when it still stands. The
         producer is what the use must wait for on the device: a stream of ours, a foreign stream

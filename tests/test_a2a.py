@@ -236,7 +236,7 @@ def test_200_alternating_calls(backend):
 @pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
                                   "case_config_mismatch", "case_default_push_threshold",
                                   "case_bf16_roundtrip_dtype", "case_peer_skips_call",
-                                  "case_stream_handle_views_cached", "case_graph_replays",
+                                  "case_stream_handle_views_cached", "case_graph_replays", "case_repeated_calls",
                                   "case_launch_geometry", "case_fp8_bad_inputs"])
 def test_api(case, backend):
     run_case(CASE + case, ranks_for(backend), env_backend(backend))

@@ -271,6 +271,67 @@ def case_out_and_device_inputs(comm):
         combine_error(out.numpy(), expected, np.float16)
 
 
+def case_repeated_calls(comm):
+    """A loop that hands over the same device arrays again repeats the last call without taking its
+    arguments again (a2a.Repeat), and every such call is still right: new data in the same arrays, each
+    call checked against the oracle on poisoned outputs. Any change of an argument, the stream, the
+    scale, or a capture in between takes the full path."""
+    from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    counts = [5] * world
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        taken = []
+        take = a2a._boundary.take
+        def recording_take(name, *args, **kw):  # the fake expert (a test helper) is not a leg: not recorded
+            if name != "fake_expert out":
+                taken.append(name)
+            return take(name, *args, **kw)
+        a2a._boundary.take = recording_take
+        arrays = upload_inputs(a2a, draw_world(1, world, E, k, H, M, token_counts=counts))
+        x, idx, w = arrays[:3]
+        expert_y = a2a.expert_y_buffer()
+        try:
+            for i in range(4):
+                inputs = draw_world(10 + i, world, E, k, H, M, token_counts=counts)
+                for arr, host in zip((x, idx, w), (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
+                                                   inputs.weights[a2a.rank])):
+                    arr.copy_from(host)
+                poison(a2a)
+                taken.clear()
+                d = a2a.dispatch(x, idx)
+                a2a.fake_expert(d, out=expert_y)
+                y = a2a.combine(expert_y, w)
+                a2a.synchronize()
+                check_call(a2a, inputs, d, y)
+                assert taken == ([] if i else ["x", "indices", "expert_y", "weights"]), (i, taken)
+            # Each change takes the full path for the call it touches.
+            y_before = y.numpy().astype(np.float32)
+            for change, want in (("scale", ["expert_y", "weights"]), ("array", ["x", "indices"]),
+                                 ("numpy", ["expert_y", "weights"])):
+                a2a.combine(a2a.fake_expert(a2a.dispatch(x, idx), out=expert_y), w)  # the loop's call again
+                taken.clear()
+                d = a2a.dispatch(x.view(x.shape) if change == "array" else x, idx)
+                a2a.fake_expert(d, out=expert_y)
+                w_arg = inputs.weights[a2a.rank] if change == "numpy" else w
+                y = (a2a.combine(expert_y, w_arg, expert_scale=3.0) if change == "scale"
+                     else a2a.combine(expert_y, w_arg))
+                a2a.synchronize()
+                assert taken == want, (change, taken)
+                if change == "scale":  # every rank scales its expert rows by 3: so does y, within rounding
+                    np.testing.assert_allclose(y.numpy().astype(np.float32), 3 * y_before, rtol=1e-2, atol=1e-2)
+            graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(x, idx), out=expert_y), w))
+            graph.close()
+            taken.clear()
+            d = a2a.dispatch(x, idx)
+            a2a.combine(a2a.fake_expert(d, out=expert_y), w)
+            a2a.synchronize()
+            assert taken == ["x", "indices", "expert_y", "weights"], ("after a capture", taken)
+        finally:
+            a2a._boundary.take = take
+            free_inputs(a2a, arrays)
+
+
 def case_stream_handle_views_cached(comm):
     """stream= given as an int handle (as CuPy's .ptr is) makes no new output views per call."""
     world = comm.Get_size()
