@@ -167,7 +167,10 @@ class Repeat:
     had settled at the boundary (pyhipa2a.inputs: nothing to ask, nothing to wait for). A loop that
     hands over the same arrays again (the usual case) then costs a few identity checks and the
     launch. Anything else takes the full path: another array, stream or scale, NumPy inputs (copied
-    at every call, never settled), or a capture (its arguments do not settle)."""
+    at every call: their name's entry is dropped), or a capture (its arguments do not settle). The
+    token count is the recorded call's, as the arguments' shapes were: like the boundary's settled
+    entries, this trusts an array object not to change its shape or memory in place. A stream given
+    as an int handle is a new object at each call, so such calls are never repeated."""
 
     __slots__ = ("args", "names", "entries", "boundary", "stream", "tokens", "prepared")
 
@@ -789,7 +792,8 @@ class AllToAll:
 
     def _keep(self, *objects) -> None:
         """Inputs stay referenced until the next call's replace them (the device may still read
-        them); a capture keeps every one for the graph's lifetime."""
+        them; a repeated call's are held by its Repeat record); a capture keeps every one for the
+        graph's lifetime."""
         if self._capturing is not None:
             self._captured_refs.extend(objects)
         else:

@@ -171,6 +171,7 @@ class Boundary:
                 and settled[3] is want_dtype and not capturing):
             return settled[4], settled[5]
         if isinstance(obj, np.ndarray):
+            self._settled.pop(name, None)  # copied at every use: this name's last use is no longer settled
             check_numpy_input(name, obj, want_shape, want_dtype, capturing and stage_ptr is not None)
             if stage_ptr is None:
                 raise TypeError(f"{name} must be a device array")

@@ -291,6 +291,7 @@ def case_repeated_calls(comm):
         arrays = upload_inputs(a2a, draw_world(1, world, E, k, H, M, token_counts=counts))
         x, idx, w = arrays[:3]
         expert_y = a2a.expert_y_buffer()
+        scale = float(1 + a2a.rank)  # gpu-mode's fake expert fused into combine: one object, repeated
         try:
             for i in range(4):
                 inputs = draw_world(10 + i, world, E, k, H, M, token_counts=counts)
@@ -320,6 +321,38 @@ def case_repeated_calls(comm):
                 assert taken == want, (change, taken)
                 if change == "scale":  # every rank scales its expert rows by 3: so does y, within rounding
                     np.testing.assert_allclose(y.numpy().astype(np.float32), 3 * y_before, rtol=1e-2, atol=1e-2)
+            # Weights given to dispatch, and a caller's out=: repeated too, and right with new data.
+            out = a2a.expert_y_buffer().view((counts[a2a.rank], H))  # any device array of ours will do
+            for i in range(3):
+                inputs = draw_world(20 + i, world, E, k, H, M, token_counts=counts)
+                for arr, host in zip((x, idx, w), (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
+                                                   inputs.weights[a2a.rank])):
+                    arr.copy_from(host)
+                poison(a2a)
+                taken.clear()
+                d = a2a.dispatch(x, idx, weights=w)
+                y = a2a.combine(d.expert_x, out=out, expert_scale=scale)
+                a2a.synchronize()
+                assert y is out
+                check_call(a2a, inputs, d, y, fused=True)
+                assert taken == ([] if i else ["x", "indices", "weights", "expert_y", "out"]), ("to dispatch", i, taken)
+            # NumPy inputs are copied at every call, even the same object refilled in place after a
+            # device array held its argument's place: each call must follow the new data.
+            host_x, host_idx, host_w = (np.empty_like(a) for a in (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
+                                                                   inputs.weights[a2a.rank]))
+            for i in range(3):
+                inputs = draw_world(30 + i, world, E, k, H, M, token_counts=counts)
+                for host, fresh in zip((host_x, host_idx, host_w), (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
+                                                                    inputs.weights[a2a.rank])):
+                    host[...] = fresh
+                poison(a2a)
+                taken.clear()
+                d = a2a.dispatch(host_x, host_idx)
+                a2a.fake_expert(d, out=expert_y)
+                y = a2a.combine(expert_y, host_w)
+                a2a.synchronize()
+                check_call(a2a, inputs, d, y)
+                assert taken == ["x", "indices", "expert_y", "weights"], ("numpy", i, taken)
             graph = a2a.capture(lambda: a2a.combine(a2a.fake_expert(a2a.dispatch(x, idx), out=expert_y), w))
             graph.close()
             taken.clear()
