@@ -169,8 +169,8 @@ class Repeat:
     launch. Anything else takes the full path: another array, stream or scale, NumPy inputs (copied
     at every call: their name's entry is dropped), or a capture (its arguments do not settle). The
     token count is the recorded call's, as the arguments' shapes were: like the boundary's settled
-    entries, this trusts an array object not to change its shape or memory in place. A stream given
-    as an int handle is a new object at each call, so such calls are never repeated."""
+    entries, this trusts an array object not to change its shape or memory in place. Streams are
+    compared as the object's own view of them (one per handle), so a handle given as an int repeats."""
 
     __slots__ = ("args", "names", "entries", "boundary", "stream", "tokens", "prepared")
 
@@ -613,15 +613,15 @@ class AllToAll:
         """dispatch() once the object is known usable. A multi-node call's node part comes here
         directly: an exchange between nodes that failed in this very call is the kernel's to handle
         (it sends nothing and poisons the outputs; pyhipa2a.hierarchy)."""
-        args = (x, indices, weights, x_scales, stream)
+        s = self._stream(stream)  # (one object per stream, handles too: what a repeat compares)
+        args = (x, indices, weights, x_scales, s)
         repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
         if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args):
-            self._follow(repeat.stream)
-            result = self._launch_dispatch(repeat.stream, repeat.tokens, weights)
+            self._follow(s)
+            result = self._launch_dispatch(s, repeat.tokens, weights)
             self._repeat_dispatch = repeat
             return result
         T = checked_dispatch(self, x, indices, weights, x_scales)
-        s = self._stream(stream)
         self._follow(s)
         x_ptr, x_keep = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
         i_ptr, i_keep = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
@@ -671,15 +671,15 @@ class AllToAll:
         NumPy expert_y still to copy, or None)."""
         sent = checked_combine_weights(self, weights)
         T = self._pending.num_tokens
-        args = (expert_y, weights, out, stream, expert_scale, sent)
+        s = self._stream(stream)
+        args = (expert_y, weights, out, s, expert_scale, sent)
         repeat, self._repeat_combine = self._repeat_combine, None  # a call that fails records nothing
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args):
-            self._follow(repeat.stream)
+            self._follow(s)
             self._repeat_combine = repeat
             return repeat.prepared
         if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then
             self._last_scale = (expert_scale, check_scale(expert_scale))
-        s = self._stream(stream)
         self._follow(s)
         y_shape = (self.local_experts, self.capacity, self.hidden)
         host_y, y_ptr, y_keep = None, 0, None

@@ -321,6 +321,14 @@ def case_repeated_calls(comm):
                 assert taken == want, (change, taken)
                 if change == "scale":  # every rank scales its expert rows by 3: so does y, within rounding
                     np.testing.assert_allclose(y.numpy().astype(np.float32), 3 * y_before, rtol=1e-2, atol=1e-2)
+            # A stream given as a handle (an int, as CuPy's .ptr is: a new object each time) repeats too.
+            handle = a2a.backend.stream_handle(a2a.stream)
+            for i in range(2):
+                taken.clear()
+                d = a2a.dispatch(x, idx, stream=int(str(handle)))
+                a2a.combine(a2a.fake_expert(d, out=expert_y, stream=int(str(handle))), w, stream=int(str(handle)))
+                a2a.synchronize()
+                assert i == 0 or taken == [], ("handle", taken)  # (the first call may repeat the last one's)
             # Weights given to dispatch, and a caller's out=: repeated too, and right with new data.
             out = a2a.expert_y_buffer().view((counts[a2a.rank], H))  # any device array of ours will do
             for i in range(3):
