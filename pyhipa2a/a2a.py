@@ -172,20 +172,20 @@ class Repeat:
     entries, this trusts an array object not to change its shape or memory in place. Streams are
     compared as the object's own view of them (one per handle), so a handle given as an int repeats."""
 
-    __slots__ = ("args", "names", "entries", "boundary", "stream", "tokens", "prepared")
+    __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared")
 
-    def __init__(self, args: tuple, names: tuple, entries: tuple, boundary, stream, tokens: int, prepared):
+    def __init__(self, args: tuple, names: tuple, entries: tuple, boundary, tokens: int, prepared):
         self.args, self.names, self.entries, self.boundary = args, names, entries, boundary
-        self.stream, self.tokens, self.prepared = stream, tokens, prepared
+        self.tokens, self.prepared = tokens, prepared
 
     @classmethod
-    def of(cls, args: tuple, names: tuple, boundary, stream, tokens: int, prepared=None):
-        """The record of a call just made with `args`, whose device arguments went through the
-        boundary as `names`; None when one of them has not settled."""
+    def of(cls, args: tuple, names: tuple, boundary, tokens: int, prepared=None):
+        """The record of a call just made with `args` (its stream among them), whose device arguments
+        went through the boundary as `names`; None when one of them has not settled."""
         entries = tuple(boundary.settled(name) for name in names)
         if any(entry is None for entry in entries):
             return None
-        return cls(args, names, entries, boundary, stream, tokens, prepared)
+        return cls(args, names, entries, boundary, tokens, prepared)
 
     def holds(self, args: tuple) -> bool:
         """`args` are the recorded ones, object for object, and nothing about their use has changed."""
@@ -638,7 +638,7 @@ class AllToAll:
         self._keep(x_keep, i_keep, s_keep, w_keep)
         result = self._launch_dispatch(s, T, weights)
         names = ("x", "indices") + ("x_scales",) * (x_scales is not None) + ("weights",) * (weights is not None)
-        self._repeat_dispatch = Repeat.of(args, names, self._boundary, s, T)
+        self._repeat_dispatch = Repeat.of(args, names, self._boundary, T)
         return result
 
     def _launch_dispatch(self, s, T: int, weights) -> DispatchResult:
@@ -702,7 +702,7 @@ class AllToAll:
         call.expert_scale = self._last_scale[1]
         prepared = s, out_arr, (y_keep, w_keep, o_keep), host_y
         names = ("expert_y",) + ("weights",) * (sent is None) + ("out",) * (out is not None)
-        self._repeat_combine = Repeat.of(args, names, self._boundary, s, T, prepared) if host_y is None else None
+        self._repeat_combine = Repeat.of(args, names, self._boundary, T, prepared) if host_y is None else None
         return prepared
 
     def _copy_host_expert_y(self, prepared):

@@ -292,14 +292,23 @@ def case_repeated_calls(comm):
         x, idx, w = arrays[:3]
         expert_y = a2a.expert_y_buffer()
         scale = float(1 + a2a.rank)  # gpu-mode's fake expert fused into combine: one object, repeated
+
+        def refill(seed, arrays=(x, idx, w)):
+            """New inputs for this rank written into the same (device or NumPy) arrays, outputs poisoned,
+            the record of taken arguments cleared: the next call's inputs."""
+            inputs = draw_world(seed, world, E, k, H, M, token_counts=counts)
+            for arr, fresh in zip(arrays, (inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank])):
+                if isinstance(arr, np.ndarray):
+                    arr[...] = fresh
+                else:
+                    arr.copy_from(fresh)
+            poison(a2a)
+            taken.clear()
+            return inputs
+
         try:
             for i in range(4):
-                inputs = draw_world(10 + i, world, E, k, H, M, token_counts=counts)
-                for arr, host in zip((x, idx, w), (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
-                                                   inputs.weights[a2a.rank])):
-                    arr.copy_from(host)
-                poison(a2a)
-                taken.clear()
+                inputs = refill(10 + i)
                 d = a2a.dispatch(x, idx)
                 a2a.fake_expert(d, out=expert_y)
                 y = a2a.combine(expert_y, w)
@@ -332,12 +341,7 @@ def case_repeated_calls(comm):
             # Weights given to dispatch, and a caller's out=: repeated too, and right with new data.
             out = a2a.expert_y_buffer().view((counts[a2a.rank], H))  # any device array of ours will do
             for i in range(3):
-                inputs = draw_world(20 + i, world, E, k, H, M, token_counts=counts)
-                for arr, host in zip((x, idx, w), (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
-                                                   inputs.weights[a2a.rank])):
-                    arr.copy_from(host)
-                poison(a2a)
-                taken.clear()
+                inputs = refill(20 + i)
                 d = a2a.dispatch(x, idx, weights=w)
                 y = a2a.combine(d.expert_x, out=out, expert_scale=scale)
                 a2a.synchronize()
@@ -349,12 +353,7 @@ def case_repeated_calls(comm):
             host_x, host_idx, host_w = (np.empty_like(a) for a in (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
                                                                    inputs.weights[a2a.rank]))
             for i in range(3):
-                inputs = draw_world(30 + i, world, E, k, H, M, token_counts=counts)
-                for host, fresh in zip((host_x, host_idx, host_w), (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
-                                                                    inputs.weights[a2a.rank])):
-                    host[...] = fresh
-                poison(a2a)
-                taken.clear()
+                inputs = refill(30 + i, (host_x, host_idx, host_w))
                 d = a2a.dispatch(host_x, host_idx)
                 a2a.fake_expert(d, out=expert_y)
                 y = a2a.combine(expert_y, host_w)
