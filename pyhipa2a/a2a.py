@@ -440,7 +440,9 @@ class AllToAll:
         self._expert_y_buffer: DeviceArray | None = None
         self._output_views: dict = {}  # by id(stream): the views hold their stream, so no id is reused
         self._last_scale = (1.0, 1.0)  # combine's expert_scale as given, and as checked (float32)
-        self._foreign_streams: dict = {}
+        # Streams given as handles, one object each; our own stream's handle is our own stream (a call
+        # on it is ordered like one given no stream=, and repeats like one).
+        self._foreign_streams: dict = {self.backend.stream_handle(self.stream): self.stream}
         self._order = StreamOrder(self.backend, self.stream)  # calls across streams, inputs after producers
         self._boundary = Boundary(self.backend, heap.device.index, self._order, self.producer_order)
         self._expert_y_views: dict = {}  # expert_y_buffer() naming other streams (see _expert_y_on)
