@@ -30,9 +30,12 @@ not described again: the cache of each argument keeps the object itself (so
 its address cannot be reused by another) and its description. A description
 stands while what the protocol says at this call matches it (interface: data
 pointer, shape, typestr, strides; DLPack: pointer, shape, strides, type and
-device of the new export); with producer_order="stream" nothing is asked, so
-an object that changes its memory in place (a tensor resized in place) must
-not be passed again as the same object.
+device of the new export), or, for PyTorch and CuPy arrays, while their own
+attributes say the same pointer, shape, strides and type (pyhipa2a.producers:
+their protocols cost tens of microseconds a call; the probe asks the producer's
+current stream instead, which is what their protocols wait for). With
+producer_order="stream" nothing is asked, so an object that changes its memory
+in place (a tensor resized in place) must not be passed again as the same object.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dlpack
+from . import dlpack, producers
 from .array import DeviceArray
 from .dtypes import ML_DTYPES, resolve
 
@@ -62,6 +65,18 @@ class Described:
     protocol: str            # OWN, CAI or DLPACK
     key: tuple               # what the protocol said (compared at a later use)
     keepalive: object = None  # a consumed DLPack capsule: the producer's memory stays ours until released
+
+
+@dataclass(frozen=True)
+class Cached:
+    """An argument's last array and its description; with the producer's probe, the key it gave then
+    and whether the description was made outside a capture (its export then ordered the producer's
+    writes before the call: what a JAX array's probe relies on at later calls)."""
+    obj: object
+    described: Described
+    probe: object = None
+    probe_key: tuple = ()
+    ordered: bool = False
 
 
 def producer_stream(cai: dict) -> int | None:
@@ -92,7 +107,12 @@ def _contiguous(shape, strides_bytes, itemsize) -> bool:
 
 
 def require_array(obj, name: str) -> None:
-    if not (isinstance(obj, (np.ndarray, DeviceArray)) or hasattr(obj, "__cuda_array_interface__")
+    # The type's attributes first: hasattr on an instance evaluates a property, and PyTorch's
+    # __cuda_array_interface__ property costs microseconds (then the instance, for objects that carry
+    # the interface as an attribute of their own).
+    kind = type(obj)
+    if not (isinstance(obj, (np.ndarray, DeviceArray)) or hasattr(kind, "__dlpack__")
+            or hasattr(kind, "__cuda_array_interface__") or hasattr(obj, "__cuda_array_interface__")
             or hasattr(obj, "__dlpack__")):
         raise TypeError(f"{name} must be a NumPy array or a device array (__cuda_array_interface__ or "
                         f"__dlpack__), not {_describe_type(obj)}")
@@ -154,7 +174,7 @@ class Boundary:
             raise ValueError(f"producer_order must be one of {PRODUCER_ORDERS}, not {producer_order!r}")
         self.backend, self.device_index, self.order = backend, device_index, order
         self.ask_producers = producer_order == "protocol"
-        self._cache: dict[str, tuple[object, Described]] = {}
+        self._cache: dict[str, Cached] = {}
         self._checked: dict[str, tuple] = {}  # per argument: the last (shape, dtype, wants) that passed
         # per argument: (obj, stream, want_shape, want_dtype, ptr, keepalive) of a use that needs no
         # work at the next use with the same four: nothing to ask the producer, nothing to wait for
@@ -208,16 +228,37 @@ class Boundary:
         producer is what the use must wait for on the device: a stream of ours, a foreign stream
         handle, or None (nothing, or a DLPack export that ordered it already)."""
         cached = self._cache.get(name)
-        if cached is not None and cached[0] is obj:
-            d, producer = self._still(name, cached[1], obj, want_dtype, stream, capturing)
-        else:
-            d = None
+        d = None
+        if cached is not None and cached.obj is obj:
+            if cached.probe is not None:  # PyTorch, CuPy, JAX: their own attributes, not their protocols
+                if (cached.ordered or capturing) and cached.probe.key(obj) == cached.probe_key:
+                    d = cached.described
+                    producer = None if capturing or not self.ask_producers else cached.probe.stream(obj)
+            else:
+                d, producer = self._still(name, cached.described, obj, want_dtype, stream, capturing)
         if d is None:
             d, producer = self._describe(name, obj, want_dtype, stream, capturing)
-        self._cache[name] = (obj, d)  # (a replaced entry's capsule lives until here: its call was queued)
+            # (a replaced entry's capsule lives until here: its call was queued)
+            self._cache[name] = self._cached(obj, d, producer, capturing)
+        elif cached.described is not d:
+            self._cache[name] = Cached(obj, d)
         if capturing or not self.ask_producers:
             return d, None  # a capture may not wait for work outside it; "stream": the caller vouches
         return d, producer
+
+    def _cached(self, obj, d: Described, producer, capturing: bool) -> Cached:
+        """The cache entry of a new description, with the producer's probe when it answers as the
+        protocol did: the same pointer and shape, and, where the protocol named a stream, that one."""
+        probe = producers.probe_for(obj) if d.protocol != OWN else None
+        if probe is None:
+            return Cached(obj, d)
+        key = probe.key(obj)
+        named = d.protocol == CAI and self.ask_producers  # (a DLPack export orders itself, naming none)
+        shape = tuple(key[1]) if len(key) > 1 else d.shape  # (a JAX array's key is its pointer alone)
+        if key[0] != d.ptr or shape != d.shape or (named and probe.stream(obj) != producer):
+            producers.disown(obj)
+            return Cached(obj, d)
+        return Cached(obj, d, probe, key, not capturing)
 
     # -- a cached description, checked against what the protocol says now ----------------------
     def _still(self, name, d: Described, obj, want_dtype, stream, capturing):

@@ -15,6 +15,8 @@ class StreamOrder:
     def __init__(self, backend, default_stream):
         self.backend, self.default = backend, default_stream
         self.last = None     # the stream of the last call (or graph launch) queued; None: nothing pending
+        self._producers_waited = []  # (producer, stream) pairs the coming call waits for already
+        self._handles: dict = {}  # foreign stream handles, each as the backend's stream object
 
     def _same(self, a, b) -> bool:
         return self.backend.stream_handle(a) == self.backend.stream_handle(b)
@@ -25,7 +27,10 @@ class StreamOrder:
 
     def follow(self, stream) -> None:
         """Queue the coming call on `stream` behind the last one. It becomes the last one only once
-        it is queued (`queued`): a call refused after this is not."""
+        it is queued (`queued`): a call refused after this is not. A call starts here: its inputs'
+        producers are waited for afresh (wait_for_producer)."""
+        if self._producers_waited:
+            self._producers_waited.clear()
         if self.last is not None and self.last is not stream:  # (the same object: nothing to order)
             self.wait_for(self.last, stream)
 
@@ -45,9 +50,20 @@ class StreamOrder:
 
     def wait_for_producer(self, producer, stream) -> None:
         """Queue the use of an input on `stream` after its producer's writes: `producer` is one of our
-        streams (a DeviceArray's) or a foreign stream handle (an int a __cuda_array_interface__ names)."""
+        streams (a DeviceArray's) or a foreign stream handle (an int a __cuda_array_interface__ names).
+        Once per producer and stream in a call: its inputs usually share one producer, and nothing can
+        be queued on it between them."""
+        for p, s in self._producers_waited:
+            if s is stream and (p is producer or p == producer):
+                return
+        self._producers_waited.append((producer, stream))
         if isinstance(producer, int):
-            producer = self.backend.stream_from_handle(self._cai_handle(producer))
+            handle = self._cai_handle(producer)
+            if handle == self.backend.stream_handle(stream):  # the call's own stream: in order already
+                return
+            producer = self._handles.get(handle)
+            if producer is None:  # (a wrapper holds nothing but the handle: kept, not made at every call)
+                producer = self._handles[handle] = self.backend.stream_from_handle(handle)
         self.wait_for(producer, stream)
 
     def _cai_handle(self, value: int) -> int:

@@ -216,6 +216,13 @@ def test_framework_arrays_in_and_out(lib, producer_order):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["torch", "jax"])
+def test_producer_arrays_seen_before(lib):
+    run_case(CASE + "case_producer_arrays_seen_before", ranks_for("gpu"), env_backend("gpu"), args=(lib,),
+             timeout=600)
+
+
+@pytest.mark.gpu
 def test_calls_switch_back_to_their_gpu():
     run_case(CASE + "case_another_device_current", ranks_for("gpu"), env_backend("gpu"), timeout=300)
 

@@ -141,12 +141,18 @@ def test_cupy_arrays_wait_for_the_stream_they_name_at_each_call():
     b, backend = boundary()
     a = CupyLike(0x3000, (2, 4), stream=7)
     b.take("x", a, (2, 4), np.float16, OURS)
+    b.take("w", CupyLike(0x3800, (2, 4), stream=7), (2, 4), np.float16, OURS)  # same producer, same call
+    b.order.follow(OURS)
     a.cai["stream"] = 9  # CuPy names its current stream: read again at every use
     b.take("x", a, (2, 4), np.float16, OURS)
+    b.order.follow(OURS)
     a.cai["stream"] = None  # "no synchronization needed"
     b.take("x", a, (2, 4), np.float16, OURS)
-    assert backend.waits == [(7, OURS), (9, OURS)]
-    assert backend.pointer_queries == 1  # the device check ran once: the description stood
+    b.order.follow(OURS)
+    a.cai["stream"] = OURS  # written on the call's own stream: in order already
+    b.take("x", a, (2, 4), np.float16, OURS)
+    assert backend.waits == [(7, OURS), (9, OURS)]  # once a call for a producer
+    assert backend.pointer_queries == 2  # the device check ran once an array: x's description stood
 
 
 def test_the_cache_never_mistakes_one_array_for_another():
@@ -217,9 +223,10 @@ def test_a_settled_array_is_taken_again_only_for_the_same_use():
     mine = DeviceArray(backend, 0x6000, (2, 4), np.float16, stream=OURS)
     elsewhere = DeviceArray(backend, 0x7000, (2, 4), np.float16, stream=0x77)
     for _ in range(3):
+        b.order.follow(OURS)  # a call starts
         assert b.take("x", mine, (2, 4), np.float16, OURS)[0] == 0x6000
         assert b.take("y", elsewhere, (2, 4), np.float16, OURS)[0] == 0x7000
-    assert backend.waits == [(0x77, OURS)] * 3  # its producer's stream, at every use
+    assert backend.waits == [(0x77, OURS)] * 3  # its producer's stream, at every call
     b.take("x", mine, (2, 4), np.float16, 0x88)  # another calling stream: ordered after the producer
     assert backend.waits[-1] == (OURS, 0x88)
     with pytest.raises(ValueError, match=r"must have shape \(3, 4\), got \(2, 4\)"):
@@ -261,3 +268,167 @@ def test_dispatch_results_are_made_once_per_stream_and_token_count():
     assert [r.shape for r in views.y_rows] == [(t, 4) for t in range(5)]
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.num_tokens = 4
+
+
+# -- producer probes (pyhipa2a.producers): PyTorch and CuPy asked through their own attributes ---------
+def fake_producer_module(monkeypatch, name: str, array_type: type, **attributes):
+    """`name` as an imported library whose arrays are `array_type`, for the probes to find."""
+    import sys
+    import types
+
+    from pyhipa2a import producers
+    module = types.ModuleType(name)
+    array_type.__module__ = name
+    setattr(module, array_type.__name__, array_type)
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(producers, "_by_type", {})  # nothing remembered from other tests
+
+
+class Tensor(TorchLike):
+    """TorchLike with what PyTorch's own attributes say; its dtype one object, as torch's are."""
+
+    def __init__(self, ptr, shape, dtype="float16"):
+        super().__init__(ptr, shape, dtype)
+        self.torch_dtype = "torch." + dtype
+
+    dtype = property(lambda self: self.torch_dtype)
+
+    def data_ptr(self):
+        return self.ptr
+
+    def stride(self):
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+    def get_device(self):
+        return 0
+
+
+def fake_torch(monkeypatch, current: list):
+    from types import SimpleNamespace
+    fake_producer_module(monkeypatch, "torch", Tensor,
+                         _C=SimpleNamespace(_cuda_getCurrentRawStream=lambda device: current[0]))
+
+
+def test_torch_tensors_are_exported_once_then_asked_their_current_stream(monkeypatch):
+    current = [0x55]
+    fake_torch(monkeypatch, current)
+    b, backend = boundary()
+    x, w = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4))
+    for stream in (0x55, 0, OURS, 0x55):
+        current[0] = stream
+        b.order.follow(OURS)  # a call starts
+        assert b.take("x", x, (2, 4), np.float16, OURS)[0] == 0x1000
+        assert b.take("w", w, (2, 4), np.float16, OURS)[0] == 0x1800
+    assert x.asked == [OURS] and w.asked == [OURS]  # one export each: it ordered the first call
+    # Later calls wait once for the producer's current stream (0 is the legacy default stream, 1),
+    # and not at all when that is the call's own.
+    assert backend.waits == [(1, OURS), (0x55, OURS)]
+
+
+def test_a_torch_tensor_changed_in_place_is_described_again(monkeypatch):
+    fake_torch(monkeypatch, [OURS])
+    b, backend = boundary()
+    t = Tensor(0x1000, (2, 4))
+    b.take("x", t, (2, 4), np.float16, OURS)
+    t.ptr = 0x2000  # new memory behind the same tensor (t.set_(), t.data = ...)
+    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000
+    t.shape = (4, 2)  # one address, another shape
+    with pytest.raises(ValueError, match=r"must have shape \(2, 4\), got \(4, 2\)"):
+        b.take("x", t, (2, 4), np.float16, OURS)
+    t.shape, t.torch_dtype, t.np_dtype = (2, 4), "torch.int16", np.dtype(np.int16)  # another type, same bytes
+    with pytest.raises(TypeError, match="must have dtype float16, got int16"):
+        b.take("x", t, (2, 4), np.float16, OURS)
+    assert len(t.asked) == 4  # every change exported afresh
+
+
+def test_torch_tensors_are_exported_at_every_call_without_the_probe(monkeypatch):
+    fake_torch(monkeypatch, [OURS])
+    import sys
+    monkeypatch.setattr(sys.modules["torch"], "_C", object())  # a build without the raw stream query
+    b, _ = boundary()
+    t = Tensor(0x1000, (2, 4))
+    for _ in range(3):
+        b.take("x", t, (2, 4), np.float16, OURS)
+    assert t.asked == [OURS] * 3
+
+
+class ndarray(CupyLike):  # noqa: N801 (CuPy's name)
+    def __init__(self, ptr, shape, stream):
+        super().__init__(ptr, shape, stream=stream)
+        self.cai_reads = 0
+
+    @property
+    def __cuda_array_interface__(self):
+        self.cai_reads += 1
+        return dict(self.cai)
+
+    data = property(lambda self: type("Memory", (), {"ptr": self.cai["data"][0]})())
+    shape = property(lambda self: self.cai["shape"])
+    strides = property(lambda self: (8, 2))
+    dtype = property(lambda self: np.dtype(self.cai["typestr"]))
+
+
+def fake_cupy(monkeypatch, current: list):
+    from types import SimpleNamespace
+    stream = SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=current[0]))
+    fake_producer_module(monkeypatch, "cupy", ndarray, cuda=stream)
+
+
+def test_cupy_arrays_read_their_interface_once_then_their_current_stream(monkeypatch):
+    current = [7]
+    fake_cupy(monkeypatch, current)
+    b, backend = boundary()
+    a = ndarray(0x3000, (2, 4), stream=7)
+    for stream in (7, 9, 0):
+        current[0] = stream
+        b.order.follow(OURS)
+        assert b.take("x", a, (2, 4), np.float16, OURS)[0] == 0x3000
+    assert a.cai_reads == 1 and backend.waits == [(7, OURS), (9, OURS), (1, OURS)]
+    a.cai["data"] = (0x3400, False)  # new memory: the interface is read again
+    assert b.take("x", a, (2, 4), np.float16, OURS)[0] == 0x3400 and a.cai_reads == 2
+
+
+def test_a_probe_that_disagrees_with_the_protocol_is_not_used(monkeypatch):
+    fake_cupy(monkeypatch, [9])  # CuPy's current stream says 9 where the interface names 7
+    b, backend = boundary()
+    a = ndarray(0x3000, (2, 4), stream=7)
+    for _ in range(3):
+        b.order.follow(OURS)
+        b.take("x", a, (2, 4), np.float16, OURS)
+    assert a.cai_reads == 3 and backend.waits == [(7, OURS)] * 3  # the protocol's answer, every call
+    from pyhipa2a import producers
+    assert producers.probe_for(ndarray(0x3000, (2, 4), stream=7)) is None  # the type goes without
+
+
+class ArrayImpl(JaxLike):
+    """JaxLike with what a JAX array's own attributes say."""
+    deleted = False
+    dtype = property(lambda self: self.np_dtype)
+
+    def unsafe_buffer_pointer(self):
+        if self.deleted:
+            raise RuntimeError("Array has been deleted")
+        return self.ptr
+
+
+def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_again(monkeypatch):
+    import sys
+    import types
+    fake_producer_module(monkeypatch, "jaxlib.xla_extension", ArrayImpl)
+    jax = types.ModuleType("jax")
+    jax.Array = ArrayImpl
+    monkeypatch.setitem(sys.modules, "jax", jax)
+    b, backend = boundary()
+    a = ArrayImpl(0x2000, (3, 8), "int32")
+    b.take("indices", a, (3, 8), np.int32, OURS, capturing=True)  # a capture's export orders nothing
+    for _ in range(3):
+        b.order.follow(OURS)
+        assert b.take("indices", a, (3, 8), np.int32, OURS)[0] == 0x2000
+    # Exported again at the first use outside the capture, which ordered its write; never after (a JAX
+    # array does not change once written).
+    assert a.asked == [-1, OURS] and backend.waits == []
+    a.deleted = True  # donated: its memory is no longer the array's
+    with pytest.raises(RuntimeError, match="deleted"):
+        b.take("indices", a, (3, 8), np.int32, OURS)

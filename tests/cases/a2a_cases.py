@@ -964,6 +964,40 @@ def case_framework_arrays(comm, lib, producer_order="protocol"):
         print(f"rank {me} {lib} ({producer_order}): 3 rounds match the oracle")
 
 
+def case_producer_arrays_seen_before(comm, lib):
+    """The arrays a boundary has seen before are asked through their own attributes
+    (pyhipa2a.producers), not their protocols. PyTorch: the same tensors every round, round 2's x
+    moved to new memory in place (`set_`, as `t.data = ...` does) and the others refilled late on
+    PyTorch's current stream; a call that kept x's old pointer, or did not wait for that stream,
+    reads the last round's data or zeros. JAX: the same arrays (their computation still queued at
+    the first call) passed to three calls. Each call on poisoned outputs against the oracle."""
+    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 64
+    T = M // 2
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        me = a2a.rank
+        to_device, fill_later, _, _, current, _ = _framework(lib, a2a.heap.device.index)
+        arrays = None
+        for i in range(3):
+            inputs = draw_world(700 + (i if lib == "torch" else 0), world, E, k, H, M, token_counts=[T] * world)
+            host = (inputs.xs[me], inputs.indices[me], inputs.weights[me])
+            poison(a2a)
+            with current():
+                if arrays is None:
+                    arrays = [to_device(h) for h in host]
+                elif lib == "torch":
+                    arrays[0].set_(to_device(np.zeros_like(host[0])))  # new memory behind the same tensor
+                    for dst, h in zip(arrays, host):
+                        fill_later(dst, to_device(h))
+                d = a2a.dispatch(arrays[0], arrays[1])
+                y = a2a.combine(a2a.fake_expert(d), arrays[2])
+            a2a.synchronize()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            err = combine_error_against_oracle(a2a, inputs, y)
+            print(f"rank {me} {lib} round {i}: max err {err:.3g}")
+
+
 # -- fp8 dispatch --------------------------------------------------------------------------------------
 
 def fp8_values(inputs, kind: str, seed: int) -> None:
