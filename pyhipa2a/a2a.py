@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import producers
 from .array import DeviceArray
 from .bootstrap import bounded_barrier, world_size
 from .dtypes import FP8_BLOCK, fp8_for_arch, plan_dtypes
@@ -66,6 +67,7 @@ DEFAULT_PUSH_BYTES = 768 * 1024
 # over its warps); PYHIPA2A_COMBINE_KERNEL=small|bulk forces one (benchmarks, tests).
 SMALL_COMBINE_ITEMS_PER_WARP = 1
 COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
+STREAM_CHOICES = ("own", "current")  # AllToAll(stream=...): where calls given no stream= run
 
 
 def check_block_threads(threads: int, warp: int) -> None:
@@ -231,7 +233,7 @@ class AllToAll:
                  backend=None, device: int | None = None, profile: bool = False,
                  block_threads: int | None = None, grid_blocks: int | None = None,
                  push_max_tokens: int | None = None, narrow_partials: bool = False,
-                 producer_order: str = "protocol", on_timeout: str = "report",
+                 producer_order: str = "protocol", on_timeout: str = "report", stream: str = "own",
                  ranks_per_node: int | None = None, _region_tokens: int = 0, _ranks_on_device: int = 0):
         # ranks_per_node was resolved by __new__. _region_tokens > 0: this object is one node's part
         # of a multi-node call (pyhipa2a.hierarchy): its tokens come in regions of that many, one per
@@ -268,6 +270,13 @@ class AllToAll:
             raise ValueError(f"on_timeout must be 'report' or 'trap', not {on_timeout!r}")
         self.on_timeout = on_timeout
         self.producer_order = producer_order  # checked by Boundary (pyhipa2a.inputs)
+        # Where a call given no stream= runs: "own", the object's own stream; "current", the current
+        # stream of its inputs' library (PyTorch's, CuPy's), as that library's own operations do: then
+        # neither their inputs nor our outputs handed to them wait across streams (_stream).
+        if stream not in STREAM_CHOICES:
+            raise ValueError(f"stream must be one of {STREAM_CHOICES} (a call's own stream= takes a stream "
+                             f"object or handle), not {stream!r}")
+        self._on_current_stream = stream == "current"
         # Launch geometry (tuning knobs; the environment variables let scripts sweep them).
         self._block_threads = block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS))
         self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
@@ -562,12 +571,28 @@ class AllToAll:
             self._broken = str(error)
             raise error from cause
 
-    def _stream(self, stream):
+    def _stream(self, stream, inputs=()):
+        """The stream a call runs on: the capturing one, the one given, or for none the object's own
+        (stream="own") or the current stream of the library of the first of `inputs` that has one
+        (stream="current"; the last call's stream where none has)."""
         if self._capturing is not None:
             if stream is not None and self._stream_outside_capture(stream) is not self._capturing:
                 raise A2AError("inside capture(), every call must use the capturing stream (pass no stream=)")
             return self._capturing
+        if stream is None and self._on_current_stream:
+            stream = self._current_stream_of(inputs)
         return self._stream_outside_capture(stream)
+
+    def _current_stream_of(self, inputs):
+        """stream="current": the current stream, as a handle, of the library of the first input that
+        names one (pyhipa2a.producers: PyTorch's, CuPy's); else the last call's stream (our own before
+        the first), so that calls on our own arrays stay in the order of the calls around them."""
+        for obj in inputs:
+            probe = producers.probe_for(obj)
+            handle = probe.stream(obj) if probe is not None else None
+            if handle is not None:
+                return self._order.runtime_handle(handle)
+        return self._order.latest()
 
     def _stream_outside_capture(self, stream):
         if stream is None:
@@ -615,7 +640,7 @@ class AllToAll:
         """dispatch() once the object is known usable. A multi-node call's node part comes here
         directly: an exchange between nodes that failed in this very call is the kernel's to handle
         (it sends nothing and poisons the outputs; pyhipa2a.hierarchy)."""
-        s = self._stream(stream)  # (one object per stream, handles too: what a repeat compares)
+        s = self._stream(stream, (x, indices))  # (one object per stream, handles too: what a repeat compares)
         args = (x, indices, weights, x_scales, s)
         repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
         if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args):
@@ -673,7 +698,7 @@ class AllToAll:
         NumPy expert_y still to copy, or None)."""
         sent = checked_combine_weights(self, weights)
         T = self._pending.num_tokens
-        s = self._stream(stream)
+        s = self._stream(stream, (expert_y, weights, out))
         args = (expert_y, weights, out, s, expert_scale, sent)
         repeat, self._repeat_combine = self._repeat_combine, None  # a call that fails records nothing
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args):
@@ -763,7 +788,7 @@ class AllToAll:
         if out is None and self._expert_y_buffer is None and self._capturing is not None:
             raise A2AError("fake_expert() without out= inside capture() needs expert_y_buffer() called before "
                            "the capture (memory cannot be allocated while capturing)")
-        s = self._stream(stream)
+        s = self._stream(stream, (out,))
         self._follow(s)
         if out is None:
             out = self._expert_y_on(s)

@@ -273,7 +273,7 @@ class HierarchicalAllToAll:
         each rank picks where it gives them."""
         self._usable()
         T = checked_dispatch(self, x, indices, weights, x_scales)
-        s = self.node._stream(stream)
+        s = self.node._stream(stream, (x, indices))
         self.node._follow(s)
         self._settle_before_host_copy(s, x, indices, weights, x_scales)
         a = self._hier_pack[0]
@@ -301,7 +301,7 @@ class HierarchicalAllToAll:
         self._usable()
         sent = checked_combine_weights(self, weights)
         T = self._pending.num_tokens
-        s = self.node._stream(stream)
+        s = self.node._stream(stream, (expert_y, weights, out))
         self.node._follow(s)
         self._settle_before_host_copy(s, expert_y, weights)
         if out is not None:

@@ -58,7 +58,7 @@ class StreamOrder:
                 return
         self._producers_waited.append((producer, stream))
         if isinstance(producer, int):
-            handle = self._cai_handle(producer)
+            handle = self.runtime_handle(producer)
             if handle == self.backend.stream_handle(stream):  # the call's own stream: in order already
                 return
             producer = self._handles.get(handle)
@@ -66,7 +66,7 @@ class StreamOrder:
                 producer = self._handles[handle] = self.backend.stream_from_handle(handle)
         self.wait_for(producer, stream)
 
-    def _cai_handle(self, value: int) -> int:
+    def runtime_handle(self, value: int) -> int:
         """A __cuda_array_interface__ stream value as this runtime's handle: CUDA's driver takes 1
         (legacy default) and 2 (per-thread) as they are; HIP's null stream is 0."""
         return 0 if value == 1 and self.backend.kind != "cuda" else value

@@ -136,7 +136,9 @@ def call(a2a, arrays, step: Step, events=None, between=lambda: None):
     """dispatch -> fake expert -> combine, with an event before, between and after when given.
     `arrays`: x, indices, weights (and x's scales when x is fp8). `between()` runs after dispatch()
     returned and again before combine() is called (the host-time column leaves out what lies between)."""
-    mark = (lambda i: a2a.backend.event_record(events[i], a2a.stream)) if events else (lambda i: None)
+    # (the stream the calls run on: the object's own, or with --calls-on current that of the arrays' library)
+    s = a2a._stream(None, tuple(arrays)) if events else None
+    mark = (lambda i: a2a.backend.event_record(events[i], s)) if events else (lambda i: None)
     to_dispatch, w = weights_where(arrays[2], step.weights_at)
     mark(0)
     d = dispatch_uploaded(a2a, arrays, **to_dispatch)
@@ -352,7 +354,7 @@ def make_a2a(comm, backend, s: dict, args) -> AllToAll:
     dtypes = dtype_arguments("float16", args.dispatch_dtype, args.fp8_input)
     return AllToAll(comm, **{k: s[k] for k in keys}, **dtypes, timeout=10.0, backend=backend,
                     narrow_partials=args.narrow_partials, producer_order=args.producer_order,
-                    profile=args.profile)
+                    stream=args.calls_on, profile=args.profile)
 
 
 def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
@@ -504,7 +506,8 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
               else f"dispatch {args.dispatch_dtype} ({args.fp8_input} fp8 x), combine fp16")
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, {dtypes}, "
           f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}, "
-          f"weights to {args.weights_at}, eager inputs {args.inputs} (producer_order={args.producer_order})")
+          f"weights to {args.weights_at}, eager inputs {args.inputs} (producer_order={args.producer_order}, "
+          f"calls on {args.calls_on} stream)")
     per_node = os.environ.get("PYHIPA2A_RANKS_PER_NODE")
     nodes = f", simulated nodes of {per_node} ranks (PYHIPA2A_RANKS_PER_NODE)" if per_node else ""
     print(f"command ({world} ranks{nodes}): {command}")
@@ -530,7 +533,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
             json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
                        "narrow_partials": args.narrow_partials, "fused_expert": args.fused_expert,
                        "weights_at": args.weights_at,
-                       "inputs": args.inputs, "producer_order": args.producer_order,
+                       "inputs": args.inputs, "producer_order": args.producer_order, "calls_on": args.calls_on,
                        "dispatch_dtype": args.dispatch_dtype, "fp8_input": args.fp8_input,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
@@ -575,6 +578,9 @@ def main() -> int:
                    help="run the profiling build (every warp records its timeline): what profiling costs")
     p.add_argument("--producer-order", choices=("protocol", "stream"), default="protocol",
                    help="AllToAll(producer_order=): how device inputs are ordered after their producers")
+    p.add_argument("--calls-on", choices=("own", "current"), default="own",
+                   help="AllToAll(stream=): eager calls on the object's own stream, or on the current stream of "
+                        "their inputs' library (--inputs torch|cupy)")
     p.add_argument("--dispatch-dtype", choices=("float16", "float8_e4m3"), default="float16",
                    help="expert_x's dtype: fp16 as x, or fp8 e4m3 with one float32 scale per 128 elements")
     p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",

@@ -208,11 +208,11 @@ def test_inputs_written_on_another_stream(via):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("producer_order", ["protocol", "stream"])
+@pytest.mark.parametrize("producer_order,calls_on", [("protocol", "own"), ("stream", "own"), ("protocol", "current")])
 @pytest.mark.parametrize("lib", ["torch", "cupy", "jax"])
-def test_framework_arrays_in_and_out(lib, producer_order):
-    run_case(CASE + "case_framework_arrays", ranks_for("gpu"), env_backend("gpu"), args=(lib, producer_order),
-             timeout=600)
+def test_framework_arrays_in_and_out(lib, producer_order, calls_on):
+    run_case(CASE + "case_framework_arrays", ranks_for("gpu"), env_backend("gpu"),
+             args=(lib, producer_order, calls_on), timeout=600)
 
 
 @pytest.mark.gpu

@@ -432,3 +432,24 @@ def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_aga
     a.deleted = True  # donated: its memory is no longer the array's
     with pytest.raises(RuntimeError, match="deleted"):
         b.take("indices", a, (3, 8), np.int32, OURS)
+
+
+def test_calls_on_the_current_stream_take_the_first_input_that_names_one(monkeypatch):
+    """AllToAll(stream="current"): a call given no stream= runs on the current stream of its first input
+    whose library names one; where none does, on the last call's (the object's own before any)."""
+    from types import SimpleNamespace
+
+    from pyhipa2a.a2a import AllToAll
+    current = [0x55]
+    fake_torch(monkeypatch, current)
+    order = StreamOrder(FakeCuda(), OURS)
+
+    def pick(*inputs):
+        return AllToAll._current_stream_of(SimpleNamespace(_order=order), inputs)
+    mine = DeviceArray(FakeCuda(), 0x6000, (2, 4), np.float16, stream=0x99)
+    assert pick(np.zeros(2), mine, Tensor(0x1000, (2, 4))) == 0x55
+    current[0] = 0
+    assert pick(Tensor(0x1000, (2, 4))) == 1  # PyTorch's default stream: the legacy one, which CUDA spells 1
+    assert pick(np.zeros(2), mine, None) == OURS  # none names one, no call yet: our own
+    order.queued(0x77)
+    assert pick(mine) == 0x77  # the last call's, so that calls on our own arrays keep their order

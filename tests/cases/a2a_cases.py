@@ -564,6 +564,8 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, push_max_tokens=-1)
     with pytest.raises(TypeError, match="narrow_partials must be a bool, not str"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, narrow_partials="no")
+    with pytest.raises(ValueError, match=r"stream must be one of \('own', 'current'\)"):
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, stream="torch")
 
 
 def case_default_push_threshold(comm):
@@ -870,13 +872,14 @@ def case_launch_geometry(comm):
 
 
 def _framework(lib, device_index):
-    """(to_device, fill_later, consume, finish, current, drain) for one producer library: to_device(numpy)
+    """(to_device, fill_later, consume, finish, current, drain, handle) for one producer library: to_device(numpy)
     makes its array; fill_later(dst, src) queues dst = src behind several milliseconds of other work
     on a stream of the library's own (None for JAX, whose arrays are immutable: to_device queues a
     computation instead); consume(our_array) takes one of our outputs through DLPack (the library
     names its stream, we make it wait on the device) and queues work on it; finish(array) brings a
     library array to the host; current() makes the library's producer stream current; drain(arrays)
-    waits on the host until the library's queued work, these arrays' included, is done."""
+    waits on the host until the library's queued work, these arrays' included, is done; handle() is the
+    library's current stream's handle (None: JAX names none)."""
     if lib == "torch":
         torch = pytest.importorskip("torch")
         torch.cuda.set_device(device_index)
@@ -889,7 +892,8 @@ def _framework(lib, device_index):
                     busy.add_(1.0)
                 dst.copy_(src)
         return (lambda a: torch.from_numpy(a).cuda(), fill_later, lambda ours: torch.from_dlpack(ours) * 1,
-                lambda t: t.cpu().numpy(), lambda: torch.cuda.stream(producer), lambda arrays: torch.cuda.synchronize())
+                lambda t: t.cpu().numpy(), lambda: torch.cuda.stream(producer), lambda arrays: torch.cuda.synchronize(),
+                lambda: torch.cuda.current_stream().cuda_stream)
     if lib == "cupy":
         cp = pytest.importorskip("cupy")
         cp.cuda.Device(device_index).use()
@@ -902,7 +906,7 @@ def _framework(lib, device_index):
                     busy.__iadd__(1.0)
                 dst[...] = src
         return (cp.asarray, fill_later, lambda ours: cp.from_dlpack(ours) * 1, cp.asnumpy, lambda: producer,
-                lambda arrays: cp.cuda.Device().synchronize())
+                lambda arrays: cp.cuda.Device().synchronize(), lambda: cp.cuda.get_current_stream().ptr)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
@@ -915,24 +919,26 @@ def _framework(lib, device_index):
             busy = busy + 1.0
         return jax.device_put(a, dev) + (busy[0] * 0).astype(a.dtype)
     return (produce, None, lambda ours: jnp.from_dlpack(ours) * 1, np.asarray, contextlib.nullcontext,
-            lambda arrays: [a.block_until_ready() for a in arrays])
+            lambda arrays: [a.block_until_ready() for a in arrays], lambda: None)
 
 
-def case_framework_arrays(comm, lib, producer_order="protocol"):
+def case_framework_arrays(comm, lib, producer_order="protocol", calls_on="own"):
     """x, indices and weights from torch, CuPy or JAX, written late on the library's own stream; the
     library's arrays are passed as they are (no wrapper), the calls name no stream, and the outputs
     are consumed by the same library through DLPack with no host wait in between. Inputs read too
     early are zeros and an output read too early is poison: either fails. Checked against the oracle
     with gpu-mode's tolerance (allclose rtol=1e-2, atol=5e-3). producer_order="stream": the caller
-    orders the producer before the call itself (here: a synchronize of the producer's stream)."""
+    orders the producer before the call itself (here: a synchronize of the producer's stream).
+    calls_on="current" (AllToAll(stream="current")): the calls run on the library's current stream
+    (JAX names none: our own), which the outputs name."""
     from pyhipa2a.testing import check_dispatch_against_oracle, poison
     from pyhipa2a import reference
     world = comm.Get_size()
     E, k, H, M = 8 * world, 4, 2048, 64
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  producer_order=producer_order) as a2a:
+                  producer_order=producer_order, stream=calls_on) as a2a:
         me = a2a.rank
-        to_device, fill_later, consume, finish, current, drain = _framework(lib, a2a.heap.device.index)
+        to_device, fill_later, consume, finish, current, drain, handle = _framework(lib, a2a.heap.device.index)
         T = M // 2
         zeros = [np.zeros((T, H), np.float16), np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)]
         arrays = [to_device(z) for z in zeros]  # the same objects every round (cached descriptions)
@@ -952,6 +958,10 @@ def case_framework_arrays(comm, lib, producer_order="protocol"):
                     drain(arrays)
                 d = a2a.dispatch(arrays[0], arrays[1])
                 y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me)
+                theirs = handle() if calls_on == "current" else None
+                ran_on = a2a.backend.stream_handle(a2a.stream) if theirs is None else (theirs or 1)  # (0: legacy, 1)
+                assert a2a.backend.stream_handle(d.expert_x.stream) == ran_on, (lib, calls_on)
+                assert a2a.backend.stream_handle(y.stream) == ran_on, (lib, calls_on)
                 # consumed and read back on the library's stream (its reads follow its own work there)
                 got = finish(consume(y)).astype(np.float64)
                 counts = finish(consume(d.expert_num_tokens))
@@ -977,7 +987,7 @@ def case_producer_arrays_seen_before(comm, lib):
     T = M // 2
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
         me = a2a.rank
-        to_device, fill_later, _, _, current, _ = _framework(lib, a2a.heap.device.index)
+        to_device, fill_later, _, _, current, _, _ = _framework(lib, a2a.heap.device.index)
         arrays = None
         for i in range(3):
             inputs = draw_world(700 + (i if lib == "torch" else 0), world, E, k, H, M, token_counts=[T] * world)
