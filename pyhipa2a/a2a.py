@@ -171,14 +171,19 @@ class Repeat:
     launch. Anything else takes the full path: another array, stream or scale, NumPy inputs (copied
     at every call: their name's entry is dropped), or a capture (its arguments do not settle). The
     token count is the recorded call's, as the arguments' shapes were: like the boundary's settled
-    entries, this trusts an array object not to change its shape or memory in place. Streams are
-    compared as the object's own view of them (one per handle), so a handle given as an int repeats."""
+    entries, this trusts our own arrays (and any, under producer_order="stream") not to change their
+    shape or memory in place; a PyTorch, CuPy or JAX argument is asked again what its probe answered
+    (pyhipa2a.producers: pointer, shape, strides, type, and a producer stream that is still none or
+    the call's). Streams are compared as the object's own view of them (one per handle), so a handle
+    given as an int repeats."""
 
-    __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared")
+    __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks")
 
     def __init__(self, args: tuple, names: tuple, entries: tuple, boundary, tokens: int, prepared):
         self.args, self.names, self.entries, self.boundary = args, names, entries, boundary
         self.tokens, self.prepared = tokens, prepared
+        # PyTorch, CuPy and JAX arguments: their producers' answers, asked again at every repeat
+        self.rechecks = tuple((entry[6], entry[0]) for entry in entries if entry[6] is not None)
 
     @classmethod
     def of(cls, args: tuple, names: tuple, boundary, tokens: int, prepared=None):
@@ -193,7 +198,8 @@ class Repeat:
         """`args` are the recorded ones, object for object, and nothing about their use has changed."""
         # (map with operator.is_ iterates in C: this is every repeated call's path)
         return (all(map(operator.is_, args, self.args))
-                and all(map(operator.is_, map(self.boundary.settled, self.names), self.entries)))
+                and all(map(operator.is_, map(self.boundary.settled, self.names), self.entries))
+                and all(recheck.holds(obj) for recheck, obj in self.rechecks))
 
 
 class OutputViews:

@@ -67,6 +67,19 @@ class Described:
     keepalive: object = None  # a consumed DLPack capsule: the producer's memory stays ours until released
 
 
+class Recheck:
+    """What a settled PyTorch, CuPy or JAX array must still answer at its next use (pyhipa2a.producers):
+    the key of its description, and the producer stream it had then (None, or the call's own stream:
+    a settled use waits for nothing)."""
+    __slots__ = ("probe", "key", "stream")
+
+    def __init__(self, probe, key: tuple, stream):
+        self.probe, self.key, self.stream = probe, key, stream
+
+    def holds(self, obj) -> bool:
+        return self.probe.key(obj) == self.key and self.probe.stream(obj) == self.stream
+
+
 @dataclass(frozen=True)
 class Cached:
     """An argument's last array and its description; with the producer's probe, the key it gave then
@@ -176,8 +189,9 @@ class Boundary:
         self.ask_producers = producer_order == "protocol"
         self._cache: dict[str, Cached] = {}
         self._checked: dict[str, tuple] = {}  # per argument: the last (shape, dtype, wants) that passed
-        # per argument: (obj, stream, want_shape, want_dtype, ptr, keepalive) of a use that needs no
-        # work at the next use with the same four: nothing to ask the producer, nothing to wait for
+        # per argument: (obj, stream, want_shape, want_dtype, ptr, keepalive, recheck) of a use that needs
+        # no work at the next use with the same four (and, with a Recheck, its producer's same answers):
+        # nothing to ask the producer's protocol, nothing to wait for
         self._settled: dict[str, tuple] = {}
 
     def take(self, name: str, obj, want_shape, want_dtype, stream, *, capturing: bool = False,
@@ -188,7 +202,7 @@ class Boundary:
         the kernel's reads."""
         settled = self._settled.get(name)  # the loop's usual case: the same array again (held: never an id reused)
         if (settled is not None and settled[0] is obj and settled[1] is stream and settled[2] == want_shape
-                and settled[3] is want_dtype and not capturing):
+                and settled[3] is want_dtype and not capturing and (settled[6] is None or settled[6].holds(obj))):
             return settled[4], settled[5]
         if isinstance(obj, np.ndarray):
             self._settled.pop(name, None)  # copied at every use: this name's last use is no longer settled
@@ -208,11 +222,16 @@ class Boundary:
         keep = obj if d.keepalive is None else d.keepalive
         if producer is not None:
             self.order.wait_for_producer(producer, stream)
-        # Settled: the next use of the same object on the same stream needs nothing asked and no wait.
+        # Settled: the next use of the same object on the same stream needs nothing asked and no wait
+        # (a PyTorch, CuPy or JAX array: nothing but its probe's answers, which must be the same again).
         # Not a DLPack export asked each call for its ordering, nor an array whose producer is another stream.
-        no_wait = producer is None or producer is stream
-        if not capturing and (not self.ask_producers or (d.protocol == OWN and no_wait)):
-            self._settled[name] = (obj, stream, want_shape, want_dtype, d.ptr, keep)
+        no_wait = producer is None or self.order.same_stream(producer, stream)
+        recheck = None
+        if not capturing and self.ask_producers and no_wait and d.protocol != OWN:
+            cached = self._cache[name]
+            recheck = Recheck(cached.probe, cached.probe_key, producer) if cached.probe is not None else None
+        if not capturing and (not self.ask_producers or (no_wait and (d.protocol == OWN or recheck is not None))):
+            self._settled[name] = (obj, stream, want_shape, want_dtype, d.ptr, keep, recheck)
         else:
             self._settled.pop(name, None)
         return d.ptr, keep

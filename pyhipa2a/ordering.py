@@ -57,14 +57,20 @@ class StreamOrder:
             if s is stream and (p is producer or p == producer):
                 return
         self._producers_waited.append((producer, stream))
+        if self.same_stream(producer, stream):  # the call's own stream: in order already
+            return
         if isinstance(producer, int):
             handle = self.runtime_handle(producer)
-            if handle == self.backend.stream_handle(stream):  # the call's own stream: in order already
-                return
             producer = self._handles.get(handle)
             if producer is None:  # (a wrapper holds nothing but the handle: kept, not made at every call)
                 producer = self._handles[handle] = self.backend.stream_from_handle(handle)
         self.wait_for(producer, stream)
+
+    def same_stream(self, producer, stream) -> bool:
+        """Whether `producer` (one of our streams, or a __cuda_array_interface__ handle) is `stream`."""
+        if producer is stream:
+            return True
+        return isinstance(producer, int) and self.runtime_handle(producer) == self.backend.stream_handle(stream)
 
     def runtime_handle(self, value: int) -> int:
         """A __cuda_array_interface__ stream value as this runtime's handle: CUDA's driver takes 1

@@ -216,9 +216,10 @@ def test_framework_arrays_in_and_out(lib, producer_order, calls_on):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("calls_on", ["own", "current"])
 @pytest.mark.parametrize("lib", ["torch", "jax"])
-def test_producer_arrays_seen_before(lib):
-    run_case(CASE + "case_producer_arrays_seen_before", ranks_for("gpu"), env_backend("gpu"), args=(lib,),
+def test_producer_arrays_seen_before(lib, calls_on):
+    run_case(CASE + "case_producer_arrays_seen_before", ranks_for("gpu"), env_backend("gpu"), args=(lib, calls_on),
              timeout=600)
 
 

@@ -453,3 +453,24 @@ def test_calls_on_the_current_stream_take_the_first_input_that_names_one(monkeyp
     assert pick(np.zeros(2), mine, None) == OURS  # none names one, no call yet: our own
     order.queued(0x77)
     assert pick(mine) == 0x77  # the last call's, so that calls on our own arrays keep their order
+
+
+def test_a_probed_array_that_needs_no_wait_settles_and_is_asked_again_at_every_use(monkeypatch):
+    """A PyTorch tensor written on the call's own stream (AllToAll(stream="current")) settles: its next
+    use costs its probe's answers, and a changed answer (new memory, another current stream) takes the
+    full path again."""
+    current = [OURS]
+    fake_torch(monkeypatch, current)
+    b, backend = boundary()
+    t = Tensor(0x1000, (2, 4))
+    for _ in range(3):
+        b.order.follow(OURS)
+        assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x1000
+    assert t.asked == [OURS] and b.settled("x") is not None and b.settled("x")[6].holds(t)
+    t.ptr = 0x2000  # new memory behind the same tensor: the settled entry no longer holds
+    assert not b.settled("x")[6].holds(t)
+    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000 and len(t.asked) == 2
+    current[0] = 0x55  # PyTorch's current stream is no longer the call's: a wait, and nothing settled
+    b.order.follow(OURS)
+    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000
+    assert backend.waits == [(0x55, OURS)] and b.settled("x") is None

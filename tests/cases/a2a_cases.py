@@ -974,18 +974,20 @@ def case_framework_arrays(comm, lib, producer_order="protocol", calls_on="own"):
         print(f"rank {me} {lib} ({producer_order}): 3 rounds match the oracle")
 
 
-def case_producer_arrays_seen_before(comm, lib):
+def case_producer_arrays_seen_before(comm, lib, calls_on="own"):
     """The arrays a boundary has seen before are asked through their own attributes
     (pyhipa2a.producers), not their protocols. PyTorch: the same tensors every round, round 2's x
     moved to new memory in place (`set_`, as `t.data = ...` does) and the others refilled late on
     PyTorch's current stream; a call that kept x's old pointer, or did not wait for that stream,
     reads the last round's data or zeros. JAX: the same arrays (their computation still queued at
-    the first call) passed to three calls. Each call on poisoned outputs against the oracle."""
+    the first call) passed to three calls. Each call on poisoned outputs against the oracle.
+    calls_on="current": the calls run on PyTorch's current stream, so the arrays need no wait and a call
+    repeats the last one (round 3) unless what the arrays say has changed (round 2)."""
     from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
     world = comm.Get_size()
     E, k, H, M = 8 * world, 4, 2048, 64
     T = M // 2
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on) as a2a:
         me = a2a.rank
         to_device, fill_later, _, _, current, _, _ = _framework(lib, a2a.heap.device.index)
         arrays = None
