@@ -199,7 +199,7 @@ class Repeat:
         # (map with operator.is_ iterates in C: this is every repeated call's path)
         return (all(map(operator.is_, args, self.args))
                 and all(map(operator.is_, map(self.boundary.settled, self.names), self.entries))
-                and all(recheck.holds(obj) for recheck, obj in self.rechecks))
+                and (not self.rechecks or all(recheck.holds(obj) for recheck, obj in self.rechecks)))
 
 
 class OutputViews:
@@ -590,12 +590,17 @@ class AllToAll:
         return self._stream_outside_capture(stream)
 
     def _current_stream_of(self, inputs):
-        """stream="current": the current stream, as a handle, of the library of the first input that
-        names one (pyhipa2a.producers: PyTorch's, CuPy's); else the last call's stream (our own before
-        the first), so that calls on our own arrays stay in the order of the calls around them."""
+        """stream="current": the current stream on our device, as a handle, of the library of the first
+        input on our device that names one (pyhipa2a.producers: PyTorch's, CuPy's); else the last call's
+        stream (our own before the first), so that calls on our own arrays stay in the order of the
+        calls around them."""
+        device = self.heap.device.index
         for obj in inputs:
-            probe = producers.probe_for(obj)
-            handle = probe.stream(obj) if probe is not None else None
+            probe = producers.probe_for(obj) if self.backend.kind != "host" else None
+            try:
+                handle = probe.current_stream(obj, device) if probe is not None else None
+            except Exception:  # (the call's own checks then say what is wrong with obj)
+                handle = None
             if handle is not None:
                 return self._order.runtime_handle(handle)
         return self._order.latest()

@@ -77,19 +77,23 @@ class Recheck:
         self.probe, self.key, self.stream = probe, key, stream
 
     def holds(self, obj) -> bool:
-        return self.probe.key(obj) == self.key and self.probe.stream(obj) == self.stream
+        try:
+            return self.probe.key(obj) == self.key and self.probe.stream(obj) == self.stream
+        except Exception:  # (a deleted JAX array, say: the full path lets its protocol say what is wrong)
+            return False
 
 
 @dataclass(frozen=True)
 class Cached:
     """An argument's last array and its description; with the producer's probe, the key it gave then
-    and whether the description was made outside a capture (its export then ordered the producer's
-    writes before the call: what a JAX array's probe relies on at later calls)."""
+    and the stream the description's use was to run on, outside a capture (a DLPack export made that
+    stream wait for the producer's writes: a JAX array, which never changes, needs no other wait
+    on it, and a use on another stream waits for it)."""
     obj: object
     described: Described
     probe: object = None
     probe_key: tuple = ()
-    ordered: bool = False
+    ordered_on: object = None
 
 
 def producer_stream(cai: dict) -> int | None:
@@ -250,34 +254,54 @@ class Boundary:
         d = None
         if cached is not None and cached.obj is obj:
             if cached.probe is not None:  # PyTorch, CuPy, JAX: their own attributes, not their protocols
-                if (cached.ordered or capturing) and cached.probe.key(obj) == cached.probe_key:
-                    d = cached.described
-                    producer = None if capturing or not self.ask_producers else cached.probe.stream(obj)
+                d, producer = self._probed(cached, obj, stream, capturing)
             else:
                 d, producer = self._still(name, cached.described, obj, want_dtype, stream, capturing)
         if d is None:
             d, producer = self._describe(name, obj, want_dtype, stream, capturing)
             # (a replaced entry's capsule lives until here: its call was queued)
-            self._cache[name] = self._cached(obj, d, producer, capturing)
+            self._cache[name] = self._cached(obj, d, producer, None if capturing else stream)
         elif cached.described is not d:
             self._cache[name] = Cached(obj, d)
         if capturing or not self.ask_producers:
             return d, None  # a capture may not wait for work outside it; "stream": the caller vouches
         return d, producer
 
-    def _cached(self, obj, d: Described, producer, capturing: bool) -> Cached:
+    def _probed(self, cached: Cached, obj, stream, capturing: bool):
+        """(description, producer) from the probe, when its answers are still those of the cached
+        description; (None, None): describe anew (a changed answer, a probe that raised, or a
+        description made inside a capture, whose export ordered nothing)."""
+        if cached.ordered_on is None and not capturing:
+            return None, None
+        try:
+            if cached.probe.key(obj) != cached.probe_key:
+                return None, None
+            producer = None if capturing or not self.ask_producers else cached.probe.stream(obj)
+        except Exception:
+            return None, None
+        if producer is None and not capturing and cached.ordered_on is not stream:
+            producer = cached.ordered_on  # (a JAX array) its first export made that stream wait for it
+        return cached.described, producer
+
+    def _cached(self, obj, d: Described, producer, ordered_on) -> Cached:
         """The cache entry of a new description, with the producer's probe when it answers as the
-        protocol did: the same pointer and shape, and, where the protocol named a stream, that one."""
-        probe = producers.probe_for(obj) if d.protocol != OWN else None
-        if probe is None:
+        protocol did: the same pointer and shape, and, where the protocol named a stream, that one.
+        None on the host backend (its arrays live in host memory, where no probe's stream means
+        anything) and for an empty array (whose pointer producers spell differently)."""
+        probe = producers.probe_for(obj) if d.protocol != OWN and self.backend.kind != "host" else None
+        if probe is None or 0 in d.shape:
             return Cached(obj, d)
-        key = probe.key(obj)
         named = d.protocol == CAI and self.ask_producers  # (a DLPack export orders itself, naming none)
-        shape = tuple(key[1]) if len(key) > 1 else d.shape  # (a JAX array's key is its pointer alone)
-        if key[0] != d.ptr or shape != d.shape or (named and probe.stream(obj) != producer):
+        try:
+            key = probe.key(obj)
+            shape = tuple(key[1]) if len(key) > 1 else d.shape  # (a JAX array's key is its pointer alone)
+            agrees = key[0] == d.ptr and shape == d.shape and (not named or probe.stream(obj) == producer)
+        except Exception:
+            agrees = False
+        if not agrees:
             producers.disown(obj)
             return Cached(obj, d)
-        return Cached(obj, d, probe, key, not capturing)
+        return Cached(obj, d, probe, key, ordered_on)
 
     # -- a cached description, checked against what the protocol says now ----------------------
     def _still(self, name, d: Described, obj, want_dtype, stream, capturing):

@@ -12,13 +12,17 @@ later calls only what can have changed:
   description stands while the key is the one recorded with it;
 - `stream(obj)`: the stream the producer queues its writes on now, spelled as
   the CUDA array interface spells it (1: the legacy default stream), which the
-  call's stream waits for on the device; None: nothing to wait for.
+  call's stream waits for on the device; None: nothing to wait for;
+- `current_stream(obj, device)`: the library's current stream on our device,
+  for AllToAll(stream="current"); None where obj is not on that device.
 That is what the protocols do: PyTorch's `__dlpack__(stream=s)` makes `s` wait
 for its current stream; CuPy's interface names its current stream; a JAX array
 never changes once written, and its first export made the stream of its first
 use wait for that write, which every later call on any stream follows. So a
 probe changes the cost, not the order. A probe whose answers differ from the
-protocol's when an array is first described is not used for its type again.
+protocol's when an array is first described, or that raises, is not used for
+its type again; PyTorch's subclasses get none (a tensor wrapper, DTensor say,
+may answer otherwise).
 No producer is imported here: a probe exists only for a library the caller has
 already imported (it is in sys.modules when one of its arrays is passed).
 """
@@ -40,10 +44,13 @@ class TorchProbe:
     def stream(self, t) -> int:
         return self._current(t.get_device()) or 1  # 0: the default stream, which is the legacy one
 
+    def current_stream(self, t, device: int) -> int | None:
+        return (self._current(device) or 1) if t.is_cuda and t.get_device() == device else None
+
 
 class CupyProbe:
     def __init__(self, cupy):
-        self._current = cupy.cuda.get_current_stream
+        self._current, self._device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
 
     @staticmethod
     def key(a) -> tuple:
@@ -52,6 +59,9 @@ class CupyProbe:
     def stream(self, a) -> int:
         # As CuPy's interface names it: the current stream of the current device, 1 for the null one.
         return self._current().ptr or 1
+
+    def current_stream(self, a, device: int) -> int | None:
+        return (self._current().ptr or 1) if self._device() == device and a.device.id == device else None
 
 
 class JaxProbe:
@@ -68,10 +78,18 @@ class JaxProbe:
     def stream(a) -> None:
         return None
 
+    @staticmethod
+    def current_stream(a, device: int) -> None:
+        return None  # JAX names no stream
 
-# The top module of a producer's array type -> (the library's module, its array type there, the probe).
-_KNOWN = {"torch": ("torch", "Tensor", TorchProbe), "cupy": ("cupy", "ndarray", CupyProbe),
-          "jaxlib": ("jax", "Array", JaxProbe)}
+
+# The top module of a producer's array type -> (the library's module, whether obj is one of its own
+# arrays, the probe).
+_KNOWN = {"torch": ("torch", lambda torch, obj: type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter,
+                    TorchProbe),
+          "cupy": ("cupy", lambda cupy, obj: isinstance(obj, cupy.ndarray), CupyProbe),  # (CuPy's own arrays are of
+          # a subclass of cupy.ndarray: an exact-type check found none on the H100 machine)
+          "jaxlib": ("jax", lambda jax, obj: isinstance(obj, jax.Array), JaxProbe)}
 _by_type: dict[type, object] = {}  # every type asked about: its probe, or None
 
 
@@ -85,15 +103,15 @@ def probe_for(obj):
     probe = None
     known = _KNOWN.get(kind.__module__.partition(".")[0])
     module = sys.modules.get(known[0]) if known else None
-    if module is not None and isinstance(obj, getattr(module, known[1], ())):
-        try:
+    try:
+        if module is not None and known[1](module, obj):
             probe = known[2](module)
-        except AttributeError:  # a build or version without what the probe reads
-            probe = None
+    except AttributeError:  # a build or version without what the probe reads
+        probe = None
     _by_type[kind] = probe
     return probe
 
 
 def disown(obj) -> None:
-    """The probe for obj's type answered otherwise than the protocol: the type goes without one."""
+    """The probe for obj's type answered otherwise than the protocol, or raised: the type goes without one."""
     _by_type[type(obj)] = None

@@ -137,7 +137,7 @@ def call(a2a, arrays, step: Step, events=None, between=lambda: None):
     `arrays`: x, indices, weights (and x's scales when x is fp8). `between()` runs after dispatch()
     returned and again before combine() is called (the host-time column leaves out what lies between)."""
     # (the stream the calls run on: the object's own, or with --calls-on current that of the arrays' library)
-    s = a2a._stream(None, tuple(arrays)) if events else None
+    s = getattr(a2a, "node", a2a)._stream(None, tuple(arrays)) if events else None  # (across nodes: its node's)
     mark = (lambda i: a2a.backend.event_record(events[i], s)) if events else (lambda i: None)
     to_dispatch, w = weights_where(arrays[2], step.weights_at)
     mark(0)

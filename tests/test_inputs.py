@@ -298,11 +298,15 @@ class Tensor(TorchLike):
     def data_ptr(self):
         return self.ptr
 
+    strides = None  # (None: compact)
+
     def stride(self):
-        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+        return self.strides or tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
 
     def get_device(self):
         return 0
+
+    is_cuda = True
 
 
 def fake_torch(monkeypatch, current: list):
@@ -334,13 +338,17 @@ def test_a_torch_tensor_changed_in_place_is_described_again(monkeypatch):
     b.take("x", t, (2, 4), np.float16, OURS)
     t.ptr = 0x2000  # new memory behind the same tensor (t.set_(), t.data = ...)
     assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000
+    t.strides = (1, 2)  # the same memory seen transposed (t.as_strided_()): described again
+    b.take("x", t, (2, 4), np.float16, OURS)
+    assert len(t.asked) == 3
+    t.strides = None
     t.shape = (4, 2)  # one address, another shape
     with pytest.raises(ValueError, match=r"must have shape \(2, 4\), got \(4, 2\)"):
         b.take("x", t, (2, 4), np.float16, OURS)
     t.shape, t.torch_dtype, t.np_dtype = (2, 4), "torch.int16", np.dtype(np.int16)  # another type, same bytes
     with pytest.raises(TypeError, match="must have dtype float16, got int16"):
         b.take("x", t, (2, 4), np.float16, OURS)
-    assert len(t.asked) == 4  # every change exported afresh
+    assert len(t.asked) == 5  # every change exported afresh
 
 
 def test_torch_tensors_are_exported_at_every_call_without_the_probe(monkeypatch):
@@ -372,8 +380,9 @@ class ndarray(CupyLike):  # noqa: N801 (CuPy's name)
 
 def fake_cupy(monkeypatch, current: list):
     from types import SimpleNamespace
-    stream = SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=current[0]))
-    fake_producer_module(monkeypatch, "cupy", ndarray, cuda=stream)
+    cuda = SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=current[0]),
+                           runtime=SimpleNamespace(getDevice=lambda: 0))
+    fake_producer_module(monkeypatch, "cupy", ndarray, cuda=cuda)
 
 
 def test_cupy_arrays_read_their_interface_once_then_their_current_stream(monkeypatch):
@@ -412,6 +421,11 @@ class ArrayImpl(JaxLike):
             raise RuntimeError("Array has been deleted")
         return self.ptr
 
+    def __dlpack__(self, stream=None, max_version=None):
+        if self.deleted:
+            raise RuntimeError("Array has been deleted with shape=int32[3,8].")
+        return super().__dlpack__(stream, max_version)
+
 
 def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_again(monkeypatch):
     import sys
@@ -429,7 +443,10 @@ def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_aga
     # Exported again at the first use outside the capture, which ordered its write; never after (a JAX
     # array does not change once written).
     assert a.asked == [-1, OURS] and backend.waits == []
-    a.deleted = True  # donated: its memory is no longer the array's
+    b.order.follow(0x88)
+    assert b.take("indices", a, (3, 8), np.int32, 0x88)[0] == 0x2000  # on another stream: after the first
+    assert a.asked == [-1, OURS] and backend.waits == [(OURS, 0x88)]
+    a.deleted = True  # donated: its memory is no longer the array's, and its export says so
     with pytest.raises(RuntimeError, match="deleted"):
         b.take("indices", a, (3, 8), np.int32, OURS)
 
@@ -444,13 +461,18 @@ def test_calls_on_the_current_stream_take_the_first_input_that_names_one(monkeyp
     fake_torch(monkeypatch, current)
     order = StreamOrder(FakeCuda(), OURS)
 
+    me = SimpleNamespace(_order=order, heap=SimpleNamespace(device=SimpleNamespace(index=0)), backend=FakeCuda())
+
     def pick(*inputs):
-        return AllToAll._current_stream_of(SimpleNamespace(_order=order), inputs)
+        return AllToAll._current_stream_of(me, inputs)
     mine = DeviceArray(FakeCuda(), 0x6000, (2, 4), np.float16, stream=0x99)
     assert pick(np.zeros(2), mine, Tensor(0x1000, (2, 4))) == 0x55
     current[0] = 0
     assert pick(Tensor(0x1000, (2, 4))) == 1  # PyTorch's default stream: the legacy one, which CUDA spells 1
     assert pick(np.zeros(2), mine, None) == OURS  # none names one, no call yet: our own
+    elsewhere = Tensor(0x1000, (2, 4))
+    elsewhere.get_device = lambda: 1
+    assert pick(elsewhere) == OURS  # on another device: not its stream (the call's checks refuse it)
     order.queued(0x77)
     assert pick(mine) == 0x77  # the last call's, so that calls on our own arrays keep their order
 
@@ -474,3 +496,22 @@ def test_a_probed_array_that_needs_no_wait_settles_and_is_asked_again_at_every_u
     b.order.follow(OURS)
     assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000
     assert backend.waits == [(0x55, OURS)] and b.settled("x") is None
+
+
+def test_a_probe_that_raises_leaves_the_array_to_its_protocol(monkeypatch):
+    fake_torch(monkeypatch, [OURS])
+    b, _ = boundary()
+
+    class Odd(Tensor):  # a tensor whose attributes fail (a wrapper subclass would be skipped: exact types only)
+        def data_ptr(self):
+            raise RuntimeError("no storage")
+    Odd.__module__ = "torch"
+    import sys
+    sys.modules["torch"].Tensor = Odd  # (the fake library's own tensor type, for this test)
+    t = Odd(0x1000, (2, 4))
+    for _ in range(3):
+        b.order.follow(OURS)
+        assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x1000
+    assert t.asked == [OURS] * 3  # the protocol at every call
+    from pyhipa2a import producers
+    assert producers.probe_for(t) is None

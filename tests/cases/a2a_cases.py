@@ -959,7 +959,8 @@ def case_framework_arrays(comm, lib, producer_order="protocol", calls_on="own"):
                 d = a2a.dispatch(arrays[0], arrays[1])
                 y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me)
                 theirs = handle() if calls_on == "current" else None
-                ran_on = a2a.backend.stream_handle(a2a.stream) if theirs is None else (theirs or 1)  # (0: legacy, 1)
+                # (a library's default stream is the legacy one: 1 on CUDA, 0 on HIP)
+                ran_on = a2a.backend.stream_handle(a2a.stream) if theirs is None else a2a._order.runtime_handle(theirs or 1)
                 assert a2a.backend.stream_handle(d.expert_x.stream) == ran_on, (lib, calls_on)
                 assert a2a.backend.stream_handle(y.stream) == ran_on, (lib, calls_on)
                 # consumed and read back on the library's stream (its reads follow its own work there)
