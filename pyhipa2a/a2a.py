@@ -596,7 +596,7 @@ class AllToAll:
         calls around them."""
         device = self.heap.device.index
         for obj in inputs:
-            probe = producers.probe_for(obj) if self.backend.kind != "host" else None
+            probe = producers.stream_source(obj) if self.backend.kind != "host" else None
             try:
                 handle = probe.current_stream(obj, device) if probe is not None else None
             except Exception:  # (the call's own checks then say what is wrong with obj)

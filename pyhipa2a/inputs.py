@@ -30,12 +30,15 @@ not described again: the cache of each argument keeps the object itself (so
 its address cannot be reused by another) and its description. A description
 stands while what the protocol says at this call matches it (interface: data
 pointer, shape, typestr, strides; DLPack: pointer, shape, strides, type and
-device of the new export), or, for PyTorch and CuPy arrays, while their own
-attributes say the same pointer, shape, strides and type (pyhipa2a.producers:
+device of the new export), or, for PyTorch, CuPy and JAX arrays, while their
+own attributes say the same pointer, shape, strides and type (pyhipa2a.producers:
 their protocols cost tens of microseconds a call; the probe asks the producer's
-current stream instead, which is what their protocols wait for). With
-producer_order="stream" nothing is asked, so an object that changes its memory
-in place (a tensor resized in place) must not be passed again as the same object.
+current stream instead, which is what their protocols wait for). An argument
+whose use needs no wait settles: its next use with the same object, stream,
+shape and type costs an identity check (our own arrays), or that and its probe's
+same answers (a `Recheck`: PyTorch, CuPy, JAX). With producer_order="stream"
+nothing is asked, so an object that changes its memory in place (a tensor
+resized in place) must not be passed again as the same object.
 """
 from __future__ import annotations
 
@@ -232,13 +235,27 @@ class Boundary:
         no_wait = producer is None or self.order.same_stream(producer, stream)
         recheck = None
         if not capturing and self.ask_producers and no_wait and d.protocol != OWN:
-            cached = self._cache[name]
-            recheck = Recheck(cached.probe, cached.probe_key, producer) if cached.probe is not None else None
+            recheck = self._recheck(self._cache[name], obj, producer, stream)
         if not capturing and (not self.ask_producers or (no_wait and (d.protocol == OWN or recheck is not None))):
             self._settled[name] = (obj, stream, want_shape, want_dtype, d.ptr, keep, recheck)
         else:
             self._settled.pop(name, None)
         return d.ptr, keep
+
+    def _recheck(self, cached: Cached, obj, producer, stream):
+        """The Recheck under which a probed argument, used now with no wait, settles; None: it does not
+        (no probe; or a first description, whose DLPack export ordered the producer, while the
+        producer's stream is another than the call's: the next use must wait for it)."""
+        if cached.probe is None:
+            return None
+        if producer is None:  # (described afresh, or a JAX array): what its probe will answer next time
+            try:
+                producer = cached.probe.stream(obj)
+            except Exception:
+                return None
+            if producer is not None and not self.order.same_stream(producer, stream):
+                return None
+        return Recheck(cached.probe, cached.probe_key, producer)
 
     def settled(self, name: str):
         """The settled entry of argument `name` (None: its last use needed, or its next use will need,

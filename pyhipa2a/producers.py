@@ -91,10 +91,19 @@ _KNOWN = {"torch": ("torch", lambda torch, obj: type(obj) is torch.Tensor or typ
           # a subclass of cupy.ndarray: an exact-type check found none on the H100 machine)
           "jaxlib": ("jax", lambda jax, obj: isinstance(obj, jax.Array), JaxProbe)}
 _by_type: dict[type, object] = {}  # every type asked about: its probe, or None
+_disowned: set = set()  # types whose probe answered otherwise than their protocol, or raised
 
 
 def probe_for(obj):
     """The probe for obj's type, or None (a type no probe knows, or one a probe failed for)."""
+    kind = type(obj)
+    return None if kind in _disowned else stream_source(obj)
+
+
+def stream_source(obj):
+    """The probe that knows the current stream of obj's library, or None. Unlike probe_for, a probe
+    disowned for its descriptions still answers this (AllToAll(stream="current") follows the library
+    whatever one odd array of it did)."""
     kind = type(obj)
     try:
         return _by_type[kind]
@@ -113,5 +122,6 @@ def probe_for(obj):
 
 
 def disown(obj) -> None:
-    """The probe for obj's type answered otherwise than the protocol, or raised: the type goes without one."""
-    _by_type[type(obj)] = None
+    """The probe for obj's type answered otherwise than the protocol, or raised: the type's arrays are
+    described through their protocol from now on."""
+    _disowned.add(type(obj))

@@ -284,6 +284,7 @@ def fake_producer_module(monkeypatch, name: str, array_type: type, **attributes)
         setattr(module, key, value)
     monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(producers, "_by_type", {})  # nothing remembered from other tests
+    monkeypatch.setattr(producers, "_disowned", set())
 
 
 class Tensor(TorchLike):
@@ -446,8 +447,11 @@ def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_aga
     b.order.follow(0x88)
     assert b.take("indices", a, (3, 8), np.int32, 0x88)[0] == 0x2000  # on another stream: after the first
     assert a.asked == [-1, OURS] and backend.waits == [(OURS, 0x88)]
-    a.deleted = True  # donated: its memory is no longer the array's, and its export says so
-    with pytest.raises(RuntimeError, match="deleted"):
+    b.order.follow(OURS)
+    b.take("indices", a, (3, 8), np.int32, OURS)  # settled on our stream again
+    assert b.settled("indices") is not None
+    a.deleted = True  # donated: its memory is no longer the array's; its probe raises, its export says so
+    with pytest.raises(RuntimeError, match="deleted with shape"):
         b.take("indices", a, (3, 8), np.int32, OURS)
 
 
@@ -515,3 +519,39 @@ def test_a_probe_that_raises_leaves_the_array_to_its_protocol(monkeypatch):
     assert t.asked == [OURS] * 3  # the protocol at every call
     from pyhipa2a import producers
     assert producers.probe_for(t) is None
+
+
+def test_a_probe_that_starts_raising_sends_the_array_back_to_its_protocol(monkeypatch):
+    current = [OURS]
+    fake_torch(monkeypatch, current)
+    b, _ = boundary()
+    t = Tensor(0x1000, (2, 4))
+    for _ in range(2):
+        b.order.follow(OURS)
+        b.take("x", t, (2, 4), np.float16, OURS)
+    assert t.asked == [OURS]
+    t.data_ptr = lambda: (_ for _ in ()).throw(RuntimeError("storage gone"))
+    b.order.follow(OURS)
+    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x1000  # the protocol's answer
+    assert t.asked == [OURS, OURS]
+
+
+def test_a_repeated_call_asks_its_probed_arguments_again(monkeypatch):
+    """Repeat (the whole call's fast path) holds only while every probed argument answers as it did."""
+    from pyhipa2a.a2a import Repeat
+    current = [OURS]
+    fake_torch(monkeypatch, current)
+    b, _ = boundary()
+    t = Tensor(0x1000, (2, 4))
+    b.order.follow(OURS)
+    b.take("x", t, (2, 4), np.float16, OURS)  # first described, on PyTorch's current stream: settles
+    record = Repeat.of((t, OURS), ("x",), b, 2)
+    assert record is not None and record.holds((t, OURS))
+    t.ptr = 0x2000
+    assert not record.holds((t, OURS))  # new memory
+    t.ptr = 0x1000
+    current[0] = 0x55
+    assert not record.holds((t, OURS))  # another producer stream: the call must wait for it
+    current[0] = OURS
+    t.data_ptr = lambda: (_ for _ in ()).throw(RuntimeError("storage gone"))
+    assert not record.holds((t, OURS))  # a probe that raises holds nothing (and raises nothing)
