@@ -87,8 +87,8 @@ class JaxProbe:
 # arrays, the probe).
 _KNOWN = {"torch": ("torch", lambda torch, obj: type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter,
                     TorchProbe),
-          "cupy": ("cupy", lambda cupy, obj: isinstance(obj, cupy.ndarray), CupyProbe),  # (CuPy's own arrays are of
-          # a subclass of cupy.ndarray: an exact-type check found none on the H100 machine)
+          # (a subclass of CuPy's ndarray keeps its memory and stream attributes: no wrapper type there)
+          "cupy": ("cupy", lambda cupy, obj: isinstance(obj, cupy.ndarray), CupyProbe),
           "jaxlib": ("jax", lambda jax, obj: isinstance(obj, jax.Array), JaxProbe)}
 _by_type: dict[type, object] = {}  # every type asked about: its probe, or None
 _disowned: set = set()  # types whose probe answered otherwise than their protocol, or raised
