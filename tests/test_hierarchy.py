@@ -60,6 +60,9 @@ def test_three_nodes_host():
     run_case(CASE + "case_nodes", 3, "host", args=(1, 6, 3, 128, 8, "float16", "random", "random", "0", 2, 3))
     run_case(CASE + "case_nodes", 3, "host", args=(1, 9, 3, 256, 8, "float16", "full", "other", "0", 2, 4, "given"))
     run_case(CASE + "case_nodes", 6, "host", args=(2, 12, 4, 64, 4, "float16", "random", "random", "1", 1, 5))
+    # the node's object takes AllToAll(stream="current") (our own arrays: its calls stay on one stream)
+    run_case(CASE + "case_nodes", 4, "host", args=(2, 8, 2, 64, 8, "float16", "random", "random", "0", 2, 6,
+                                                 "none", "current"))
 
 
 @pytest.mark.gpu

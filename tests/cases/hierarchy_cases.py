@@ -41,10 +41,11 @@ def _route(inputs, world: int, G: int, E: int, k: int, where: str, seed: int):
 
 
 def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="random", fused="0", rounds="2",
-               seed="0", fp8="none"):
+               seed="0", fp8="none", calls_on="own"):
     """Oracle equality for a call across nodes, the weights given to combine and to dispatch in turn,
     each rank in its own turn (counterparts choose differently, and each one both ways);
-    `fp8`: 'quantize' or 'given' dispatches in fp8 (x quantized by the kernels, or given with its scales)."""
+    `fp8`: 'quantize' or 'given' dispatches in fp8 (x quantized by the kernels, or given with its scales);
+    `calls_on`: AllToAll(stream=...), which the node's object takes."""
     G, E, k, H, M, rounds, seed, fused = int(G), int(E), int(k), int(H), int(M), int(rounds), int(seed), fused == "1"
     _nodes(comm, G)
     world = comm.Get_size()
@@ -52,8 +53,9 @@ def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="ran
               "some_empty": [0 if r % 2 == 0 else M for r in range(world)]}[counts]
     types = dtype_arguments(dtype, None if fp8 == "none" else "float8_e4m3", fp8)
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, ranks_per_node=G,
-                  **types) as a2a:
+                  stream=calls_on, **types) as a2a:
         assert isinstance(a2a, HierarchicalAllToAll)
+        assert a2a.node._on_current_stream == (calls_on == "current")
         for i in range(rounds):
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype, counts)
             inputs = inputs_as_given(a2a, _route(inputs, world, G, E, k, where, 77 + i), fp8)
