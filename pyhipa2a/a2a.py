@@ -455,9 +455,6 @@ class AllToAll:
         self._expert_y_buffer: DeviceArray | None = None
         self._output_views: dict = {}  # by id(stream): the views hold their stream, so no id is reused
         self._last_scale = (1.0, 1.0)  # combine's expert_scale as given, and as checked (float32)
-        # Streams given as handles, one object each; our own stream's handle is our own stream (a call
-        # on it is ordered like one given no stream=, and repeats like one).
-        self._foreign_streams: dict = {self.backend.stream_handle(self.stream): self.stream}
         self._order = StreamOrder(self.backend, self.stream)  # calls across streams, inputs after producers
         self._boundary = Boundary(self.backend, heap.device.index, self._order, self.producer_order)
         self._expert_y_views: dict = {}  # expert_y_buffer() naming other streams (see _expert_y_on)
@@ -594,9 +591,11 @@ class AllToAll:
         input on our device that names one (pyhipa2a.producers: PyTorch's, CuPy's); else the last call's
         stream (our own before the first), so that calls on our own arrays stay in the order of the
         calls around them."""
+        if self.backend.kind == "host":  # (host arrays: no library's stream means anything there)
+            return self._order.latest()
         device = self.heap.device.index
         for obj in inputs:
-            probe = producers.stream_source(obj) if self.backend.kind != "host" else None
+            probe = producers.stream_source(obj)
             try:
                 handle = probe.current_stream(obj, device) if probe is not None else None
             except Exception:  # (the call's own checks then say what is wrong with obj)
@@ -605,20 +604,20 @@ class AllToAll:
                 return self._order.runtime_handle(handle)
         return self._order.latest()
 
+    def stream_for(self, *inputs):
+        """The stream a call given these inputs and no stream= runs on now (for the caller's own events:
+        with stream="current" it follows the inputs' library)."""
+        return self._stream(None, inputs)
+
     def _stream_outside_capture(self, stream):
         if stream is None:
             return self.stream
         handle = getattr(stream, "ptr", stream)  # CuPy streams carry their handle in .ptr
         if not isinstance(handle, int):
             return handle
-        # One wrapper per handle: the GPU backends make a new object each time, and
-        # _outputs caches its views by the stream object (one entry per call otherwise).
-        wrapped = self._foreign_streams.get(handle)
-        if wrapped is None:
-            wrapped = self.backend.stream_from_handle(int(handle))
-            if wrapped is not None:
-                self._foreign_streams[handle] = wrapped
-        return wrapped
+        # One object per handle (our own stream's is our own stream): _outputs caches its views by the
+        # stream object, and a repeated call compares it.
+        return self._order.stream_of(int(handle))
 
     # Ordering (pyhipa2a.ordering), outside a capture only: a capture may not wait for work
     # outside it, so ordering a graph's launch after the producers of its inputs is the caller's part.

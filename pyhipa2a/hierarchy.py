@@ -249,6 +249,10 @@ class HierarchicalAllToAll:
     def _launch(self, kernel, pack, items: int, stream) -> None:
         kernel.launch(pack, self._grid(items), self.block_threads, stream)
 
+    def stream_for(self, *inputs):
+        """As AllToAll.stream_for (the node part's calls run there)."""
+        return self.node.stream_for(*inputs)
+
     def _input(self, obj, name, shape, dtype, stage, stream, align: int = 1):
         return self._boundary.take(name, obj, shape, dtype, stream, capturing=self.node._capturing is not None,
                                    stage_ptr=self.node._stage_ptrs[stage] if stage else None, align=align)

@@ -16,7 +16,9 @@ class StreamOrder:
         self.backend, self.default = backend, default_stream
         self.last = None     # the stream of the last call (or graph launch) queued; None: nothing pending
         self._producers_waited = []  # (producer, stream) pairs the coming call waits for already
-        self._handles: dict = {}  # foreign stream handles, each as the backend's stream object
+        # Streams known by handle, one object each (the GPU backends make a new wrapper at every
+        # stream_from_handle; callers compare and cache by the object): our own stream's handle is it.
+        self._handles: dict = {backend.stream_handle(default_stream): default_stream}
 
     def _same(self, a, b) -> bool:
         return self.backend.stream_handle(a) == self.backend.stream_handle(b)
@@ -60,11 +62,18 @@ class StreamOrder:
         if self.same_stream(producer, stream):  # the call's own stream: in order already
             return
         if isinstance(producer, int):
-            handle = self.runtime_handle(producer)
-            producer = self._handles.get(handle)
-            if producer is None:  # (a wrapper holds nothing but the handle: kept, not made at every call)
-                producer = self._handles[handle] = self.backend.stream_from_handle(handle)
+            producer = self.stream_of(self.runtime_handle(producer))
         self.wait_for(producer, stream)
+
+    def stream_of(self, handle: int):
+        """The stream object of a runtime stream handle, the same one at every call (None where the
+        backend knows no such stream)."""
+        stream = self._handles.get(handle)
+        if stream is None:
+            stream = self.backend.stream_from_handle(handle)
+            if stream is not None:
+                self._handles[handle] = stream
+        return stream
 
     def same_stream(self, producer, stream) -> bool:
         """Whether `producer` (one of our streams, or a __cuda_array_interface__ handle) is `stream`."""

@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
+from pyhipa2a.a2a import STREAM_CHOICES  # noqa: E402
 from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary, route_chunks  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
@@ -136,8 +137,7 @@ def call(a2a, arrays, step: Step, events=None, between=lambda: None):
     """dispatch -> fake expert -> combine, with an event before, between and after when given.
     `arrays`: x, indices, weights (and x's scales when x is fp8). `between()` runs after dispatch()
     returned and again before combine() is called (the host-time column leaves out what lies between)."""
-    # (the stream the calls run on: the object's own, or with --calls-on current that of the arrays' library)
-    s = getattr(a2a, "node", a2a)._stream(None, tuple(arrays)) if events else None  # (across nodes: its node's)
+    s = a2a.stream_for(*arrays) if events else None  # (with --calls-on current, the arrays' library's)
     mark = (lambda i: a2a.backend.event_record(events[i], s)) if events else (lambda i: None)
     to_dispatch, w = weights_where(arrays[2], step.weights_at)
     mark(0)
@@ -578,7 +578,7 @@ def main() -> int:
                    help="run the profiling build (every warp records its timeline): what profiling costs")
     p.add_argument("--producer-order", choices=("protocol", "stream"), default="protocol",
                    help="AllToAll(producer_order=): how device inputs are ordered after their producers")
-    p.add_argument("--calls-on", choices=("own", "current"), default="own",
+    p.add_argument("--calls-on", choices=STREAM_CHOICES, default="own",
                    help="AllToAll(stream=): eager calls on the object's own stream, or on the current stream of "
                         "their inputs' library (--inputs torch|cupy)")
     p.add_argument("--dispatch-dtype", choices=("float16", "float8_e4m3"), default="float16",

@@ -98,6 +98,13 @@ class CupyLike:
         return dict(self.cai)
 
 
+def take_in_call(b, name, obj, shape, dtype, stream=OURS):
+    """One call's use of `obj` as argument `name`: the call starts (its producers are waited for
+    afresh: StreamOrder.follow), then takes it."""
+    b.order.follow(stream)
+    return b.take(name, obj, shape, dtype, stream)
+
+
 def boundary(order="protocol"):
     backend = FakeCuda()
     return Boundary(backend, 0, StreamOrder(backend, OURS), order), backend
@@ -223,8 +230,7 @@ def test_a_settled_array_is_taken_again_only_for_the_same_use():
     mine = DeviceArray(backend, 0x6000, (2, 4), np.float16, stream=OURS)
     elsewhere = DeviceArray(backend, 0x7000, (2, 4), np.float16, stream=0x77)
     for _ in range(3):
-        b.order.follow(OURS)  # a call starts
-        assert b.take("x", mine, (2, 4), np.float16, OURS)[0] == 0x6000
+        assert take_in_call(b, "x", mine, (2, 4), np.float16)[0] == 0x6000
         assert b.take("y", elsewhere, (2, 4), np.float16, OURS)[0] == 0x7000
     assert backend.waits == [(0x77, OURS)] * 3  # its producer's stream, at every call
     b.take("x", mine, (2, 4), np.float16, 0x88)  # another calling stream: ordered after the producer
@@ -323,8 +329,7 @@ def test_torch_tensors_are_exported_once_then_asked_their_current_stream(monkeyp
     x, w = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4))
     for stream in (0x55, 0, OURS, 0x55):
         current[0] = stream
-        b.order.follow(OURS)  # a call starts
-        assert b.take("x", x, (2, 4), np.float16, OURS)[0] == 0x1000
+        assert take_in_call(b, "x", x, (2, 4), np.float16)[0] == 0x1000
         assert b.take("w", w, (2, 4), np.float16, OURS)[0] == 0x1800
     assert x.asked == [OURS] and w.asked == [OURS]  # one export each: it ordered the first call
     # Later calls wait once for the producer's current stream (0 is the legacy default stream, 1),
@@ -393,8 +398,7 @@ def test_cupy_arrays_read_their_interface_once_then_their_current_stream(monkeyp
     a = ndarray(0x3000, (2, 4), stream=7)
     for stream in (7, 9, 0):
         current[0] = stream
-        b.order.follow(OURS)
-        assert b.take("x", a, (2, 4), np.float16, OURS)[0] == 0x3000
+        assert take_in_call(b, "x", a, (2, 4), np.float16)[0] == 0x3000
     assert a.cai_reads == 1 and backend.waits == [(7, OURS), (9, OURS), (1, OURS)]
     a.cai["data"] = (0x3400, False)  # new memory: the interface is read again
     assert b.take("x", a, (2, 4), np.float16, OURS)[0] == 0x3400 and a.cai_reads == 2
@@ -405,8 +409,7 @@ def test_a_probe_that_disagrees_with_the_protocol_is_not_used(monkeypatch):
     b, backend = boundary()
     a = ndarray(0x3000, (2, 4), stream=7)
     for _ in range(3):
-        b.order.follow(OURS)
-        b.take("x", a, (2, 4), np.float16, OURS)
+        take_in_call(b, "x", a, (2, 4), np.float16)
     assert a.cai_reads == 3 and backend.waits == [(7, OURS)] * 3  # the protocol's answer, every call
     from pyhipa2a import producers
     assert producers.probe_for(ndarray(0x3000, (2, 4), stream=7)) is None  # the type goes without
@@ -439,16 +442,13 @@ def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_aga
     a = ArrayImpl(0x2000, (3, 8), "int32")
     b.take("indices", a, (3, 8), np.int32, OURS, capturing=True)  # a capture's export orders nothing
     for _ in range(3):
-        b.order.follow(OURS)
-        assert b.take("indices", a, (3, 8), np.int32, OURS)[0] == 0x2000
+        assert take_in_call(b, "indices", a, (3, 8), np.int32)[0] == 0x2000
     # Exported again at the first use outside the capture, which ordered its write; never after (a JAX
     # array does not change once written).
     assert a.asked == [-1, OURS] and backend.waits == []
-    b.order.follow(0x88)
-    assert b.take("indices", a, (3, 8), np.int32, 0x88)[0] == 0x2000  # on another stream: after the first
+    assert take_in_call(b, "indices", a, (3, 8), np.int32, 0x88)[0] == 0x2000  # on another stream: after the first
     assert a.asked == [-1, OURS] and backend.waits == [(OURS, 0x88)]
-    b.order.follow(OURS)
-    b.take("indices", a, (3, 8), np.int32, OURS)  # settled on our stream again
+    take_in_call(b, "indices", a, (3, 8), np.int32)  # settled on our stream again
     assert b.settled("indices") is not None
     a.deleted = True  # donated: its memory is no longer the array's; its probe raises, its export says so
     with pytest.raises(RuntimeError, match="deleted with shape"):
@@ -490,15 +490,13 @@ def test_a_probed_array_that_needs_no_wait_settles_and_is_asked_again_at_every_u
     b, backend = boundary()
     t = Tensor(0x1000, (2, 4))
     for _ in range(3):
-        b.order.follow(OURS)
-        assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x1000
+        assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x1000
     assert t.asked == [OURS] and b.settled("x") is not None and b.settled("x")[6].holds(t)
     t.ptr = 0x2000  # new memory behind the same tensor: the settled entry no longer holds
     assert not b.settled("x")[6].holds(t)
     assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000 and len(t.asked) == 2
     current[0] = 0x55  # PyTorch's current stream is no longer the call's: a wait, and nothing settled
-    b.order.follow(OURS)
-    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000
+    assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x2000
     assert backend.waits == [(0x55, OURS)] and b.settled("x") is None
 
 
@@ -514,8 +512,7 @@ def test_a_probe_that_raises_leaves_the_array_to_its_protocol(monkeypatch):
     sys.modules["torch"].Tensor = Odd  # (the fake library's own tensor type, for this test)
     t = Odd(0x1000, (2, 4))
     for _ in range(3):
-        b.order.follow(OURS)
-        assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x1000
+        assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x1000
     assert t.asked == [OURS] * 3  # the protocol at every call
     from pyhipa2a import producers
     assert producers.probe_for(t) is None
@@ -527,12 +524,10 @@ def test_a_probe_that_starts_raising_sends_the_array_back_to_its_protocol(monkey
     b, _ = boundary()
     t = Tensor(0x1000, (2, 4))
     for _ in range(2):
-        b.order.follow(OURS)
-        b.take("x", t, (2, 4), np.float16, OURS)
+        take_in_call(b, "x", t, (2, 4), np.float16)
     assert t.asked == [OURS]
     t.data_ptr = lambda: (_ for _ in ()).throw(RuntimeError("storage gone"))
-    b.order.follow(OURS)
-    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x1000  # the protocol's answer
+    assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x1000  # the protocol's answer
     assert t.asked == [OURS, OURS]
 
 
@@ -543,8 +538,7 @@ def test_a_repeated_call_asks_its_probed_arguments_again(monkeypatch):
     fake_torch(monkeypatch, current)
     b, _ = boundary()
     t = Tensor(0x1000, (2, 4))
-    b.order.follow(OURS)
-    b.take("x", t, (2, 4), np.float16, OURS)  # first described, on PyTorch's current stream: settles
+    take_in_call(b, "x", t, (2, 4), np.float16)  # first described, on PyTorch's current stream: settles
     record = Repeat.of((t, OURS), ("x",), b, 2)
     assert record is not None and record.holds((t, OURS))
     t.ptr = 0x2000
