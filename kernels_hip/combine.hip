@@ -111,7 +111,7 @@ A2A_DEVICE i32 load_slot_of(const i32* slot_of, u32 lane, u32 k) { return lane <
 
 A2A_DEVICE bool keep_slots(i32* slots, i32 slot, u32 bits, u32 k, u32 lane) {
   if (lane < k) slots[lane] = slot;
-  const bool ok = warp_all(lane >= k || !(bits >> lane & 1u) || slot >= 0, lane);
+  const bool ok = warp_all(lane >= k || !(bits >> lane & 1u) || slot >= 0);
   a2a_wave_sync();
   return ok;
 }
@@ -260,10 +260,10 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   const u32 per_part = pre[x.W + 2] * peers * S;
   for (u32 item = first_item(g, g.warps_per_block); item < per_part * Q; item += g.warps) {
     a2a_wave_sync();  // the scratch is rewritten for this item
-    const u32 part = item / per_part, q = item % per_part;  // (Q = 1: part 0, q = item)
+    const u32 part = Q == 1u ? 0u : item / per_part, q = item - part * per_part;
     u32 src, t;
-    if (!token_major(pre, x.W, me + 1u, peers, q / S, src, t)) continue;
-    const u32 seg = q % S;
+    const u32 r = quot(x.a.div_nseg, q), seg = q - r * S;
+    if (!token_major(pre, x.W, me + 1u, x.a.div_peers, r, src, t)) continue;
     const bool push = (pushed >> src & 1u) != 0;
     if (!push && part) continue;
     const Elems el = push ? part_elems(x, seg, part, U * STEP) : part_elems(x, seg, 0u, x.a.seg_elems);
@@ -274,7 +274,7 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     const i32* token_slots = slot_of + ((u64)src * x.M + t) * x.k;
     const i32 early_slot = U < A2A_CHUNKS ? load_slot_of(token_slots, g.lane, x.k) : 0;
     const RowSlot lane_slot = load_row_slot(rows + ((u64)src * x.M + t) * x.k, g.lane, x.k, x.a.num_experts);
-    const u32 here = slots_on(lane_slot, x.k, x.L, me);
+    const u32 here = slots_on(lane_slot, x.a.div_L, me);
     if (!here) continue;
     const i32 lane_slot_of = U < A2A_CHUNKS ? early_slot : load_slot_of(token_slots, g.lane, x.k);
     if (!keep_slots(sc.slots, lane_slot_of, here, x.k, g.lane)) continue;  // the owner's wait ends on the reported error
@@ -405,7 +405,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   const u64* own_header = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + me;
   const bool pushed = ((u32)a2a_load_relaxed_sys_u64(own_header) & A2A_PUSHED) != 0;
   for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S * Q; item += g.warps) {
-    const u32 t = item / Q / S, seg = item / Q % S;
+    const u32 t = quot(x.a.div_nseg, item / Q), seg = item / Q - t * S;
     // The item's elements [e_begin, e_end): the small kernel skips a part past the row's end before
     // loading anything; the bulk kernel (a whole segment, never empty) works them out after its
     // loads, as it did before the small kernel existed (earlier, it spilled more registers).
@@ -423,7 +423,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     const float early_w = early && g.lane < x.k ? own_weight(x, weights, t, g.lane) : 0.f;
     const RowSlot lane_slot = load_row_slot(sym<i32>(x.h, (int)me, x.a.off_rows) + ((u64)me * x.M + t) * x.k, g.lane,
                                             x.k, x.a.num_experts);
-    const u32 on_lane_rank = lane_rank_slots(lane_slot, x.k, x.L, g.lane);
+    const u32 on_lane_rank = lane_rank_slots(lane_slot, x.k, x.a.div_L, g.lane);
     if (g.lane < x.W) here[g.lane] = on_lane_rank;
     if (g.lane < x.k) sc.w[g.lane] = early ? early_w : own_weight(x, weights, t, g.lane);
     const u32 here_me = a2a_shfl((int)on_lane_rank, (int)me);
@@ -465,7 +465,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
         if (here[r] && r != me) ok = add_peer_part_at<Fmt>(x, acc, r, t, here[r], w, e, pushed);
       if (ok) out[(u64)t * H + e] = Fmt::store(acc);
     }
-    if (!warp_all(ok, g.lane)) break;  // a pushed part never came: reported
+    if (!warp_all(ok)) break;  // a pushed part never came: reported
     a2a_wave_sync();  // here[] is rewritten for the warp's next item
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_REDUCE, t1, me | t << 8);
   }

@@ -57,10 +57,9 @@
 #define A2A_ROUTE_LOADS 8u  // loads of the chunk a thread has in flight at once
 
 // The chunks of a call of `tokens` tokens.
-A2A_DEVICE u32 route_chunks(const Ctx& x, u32 tokens) { return (tokens + x.a.route_chunk - 1u) / x.a.route_chunk; }
-// A source's count words of each chunk, for all our experts: [W][route_chunks(M)][L] by parity.
+// A source's count words of each chunk, for all our experts: [W][route_chunks][L] by parity.
 A2A_DEVICE u64* chunk_counts(const Ctx& x, u32 rank) {
-  return sym<u64>(x.h, (int)rank, x.a.off_expert_counts) + (u64)x.parity * x.W * route_chunks(x, x.M) * x.L;
+  return sym<u64>(x.h, (int)rank, x.a.off_expert_counts) + (u64)x.parity * x.W * x.a.route_chunks * x.L;
 }
 
 // Weight `w` (its bits) of our slot i = t * k + j, as a tagged word: to the
@@ -79,7 +78,7 @@ A2A_DEVICE void send_weight(const Ctx& x, u32 host, u32 i, u32 w) {
 // (the next count of its expert's counter) and goes to every rank as a
 // tagged word, then the chunk's count for every expert goes to the rank that
 // hosts it; with the caller's weights each slot's weight follows its routing
-// word (send_weight). A chunk past our tokens (up to route_chunks(M)) sends zero
+// word (send_weight). A chunk past our tokens (up to route_chunks) sends zero
 // counts, so that every rank's counts are a dense table. Our own copies land
 // in our own inbox: the receiving steps read ours where they read the
 // peers'. A slot that breaks the contract (out of range, or repeating an
@@ -92,7 +91,7 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
   const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k, E = (u32)x.a.num_experts;
   const u32 start = chunk * x.a.route_chunk * x.k, size = x.a.route_chunk * x.k;
   const u32 end = start >= n ? start : n - start < size ? n : start + size;  // the chunk's slots
-  const u32 tile_slots = A2A_ROUTE_TILE / x.k * x.k;  // whole rows
+  const u32 tile_slots = quot(x.a.div_k, A2A_ROUTE_TILE) * x.k;  // whole rows
   A2A_PROF_START(t0);
   for (u32 first = 0; first < E; first += A2A_ROUTE_WINDOW) {
     const u32 last = E - first < A2A_ROUTE_WINDOW ? E : first + A2A_ROUTE_WINDOW;
@@ -110,7 +109,7 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
       for (u32 i = a2a_thread(); i < count; i += a2a_block_dim()) {
         const bool weigh = weights && first == 0;  // loaded now, stored after the routing words
         const u32 w = weigh ? weights[base + i] : 0u;
-        const u32 j = (base + i) % x.k;
+        const u32 j = rem(x.a.div_k, base + i);
         const i32 e = tile[i];
         bool valid = e >= 0 && e < (i32)E;
         for (u32 q = 1; q <= j; ++q) valid = valid && tile[i - q] != e;
@@ -121,14 +120,14 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
             a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, x.a.off_tok_hdr) + ((u64)x.parity * x.W + me) * x.M * x.k + base + i,
                                       a2a_tag(v, x.epoch));
         }
-        if (weigh) send_weight(x, valid ? (u32)e / x.L : me, base + i, w);
+        if (weigh) send_weight(x, valid ? quot(x.a.div_L, (u32)e) : me, base + i, w);
       }
       a2a_block_sync();  // the tile is read before the next one overwrites it
     }
     if (start == end) a2a_block_sync();  // (no tile: the counters' zeroes must still be in)
     for (u32 i = first + a2a_thread(); i < last; i += a2a_block_dim()) {
-      const u32 r = i / x.L, l = i % x.L;
-      a2a_store_relaxed_sys_u64(chunk_counts(x, r) + ((u64)me * route_chunks(x, x.M) + chunk) * x.L + l,
+      const u32 r = quot(x.a.div_L, i), l = i - r * x.L;
+      a2a_store_relaxed_sys_u64(chunk_counts(x, r) + ((u64)me * x.a.route_chunks + chunk) * x.L + l,
                                 a2a_tag(counters[i - first], x.epoch));
     }
     a2a_block_sync();  // the counts are out before the next window zeroes the counters
@@ -148,9 +147,9 @@ A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid
   const u32 tb = x.a.token_bytes;
   u8* stage = sym<u8>(x.h, (int)me, x.a.off_stage) + (u64)x.parity * x.M * tb;
   for (u32 item = first_item(g, g.warps_per_block); item < (u32)c.num_tokens * S; item += g.warps) {
-    const u32 t = item / S, seg = item % S;
+    const u32 t = quot(x.a.div_x_nseg, item), seg = item - t * S;
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);
-    const u32 peers = ranks_hosting(lane_slot, x.k, x.L) & ~(1u << me);
+    const u32 peers = ranks_hosting(lane_slot, x.k, x.a.div_L) & ~(1u << me);
     if (!peers) continue;
     A2A_PROF_START(t0);
     if constexpr (X == A2A_X_COPY) {
@@ -178,9 +177,9 @@ A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
   const u32 me = (u32)x.h.rank, words = x.a.x_row_bytes / 4u, S = x.a.x_nseg, P = x.a.push_max_tokens;
   const u32 stride = x.a.push_token_words;
   for (u32 item = first_item(g, g.warps_per_block); item < (u32)c.num_tokens * S; item += g.warps) {
-    const u32 t = item / S, seg = item % S;
+    const u32 t = quot(x.a.div_x_nseg, item), seg = item - t * S;
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);
-    const u32 peers = ranks_hosting(lane_slot, x.k, x.L) & ~(1u << me);
+    const u32 peers = ranks_hosting(lane_slot, x.k, x.a.div_L) & ~(1u << me);
     if (!peers) continue;
     A2A_PROF_START(t0);
     if constexpr (X != A2A_X_COPY) {
@@ -240,7 +239,7 @@ A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 n, u32& sum) {
       }
       if ((spins & 63u) == 0) {
         if (a2a_clock_ns() > x.deadline) {
-          report(x, A2A_ERR_TIMEOUT, missing / route_chunks(x, x.M), A2A_WAIT_DISPATCH, x.epoch);
+          report(x, A2A_ERR_TIMEOUT, quot(x.a.div_chunks, missing), A2A_WAIT_DISPATCH, x.epoch);
           return false;
         }
         if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
@@ -268,12 +267,14 @@ A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane,
     u32 v[1] = {A2A_NO_SLOT};
     ok = take_tagged(x, sym<u64>(x.h, (int)me, x.a.off_tok_hdr) + (u64)x.parity * x.W * x.M * x.k + at, 1u, 1u, v,
                      src, A2A_WAIT_DISPATCH, t);
-    const i32 e = ok && v[0] != A2A_NO_SLOT ? (i32)(v[0] % E) : -1;
-    if (e >= 0 && (u32)e / x.L == me) {
-      const u32 l = (u32)e % x.L;
+    const u32 place = quot(x.a.div_E, v[0]);  // (v[0] = e + E * place)
+    const i32 e = ok && v[0] != A2A_NO_SLOT ? (i32)(v[0] - place * E) : -1;
+    const u32 host = quot(x.a.div_L, (u32)e);
+    if (e >= 0 && host == me) {
+      const u32 l = (u32)e - host * x.L;
       u32 before = 0;
-      ok = sum_counts(x, l, src * route_chunks(x, x.M) + t / x.a.route_chunk, before);
-      const u32 r = before + v[0] / E;  // below W * M while senders keep the protocol
+      ok = sum_counts(x, l, src * x.a.route_chunks + quot(x.a.div_chunk, t), before);
+      const u32 r = before + place;  // below W * M while senders keep the protocol
       if (ok && r < x.capacity)
         row = (i32)(l * x.capacity + r);
       else if (ok)
@@ -291,7 +292,7 @@ A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane,
       }
     }
   }
-  return warp_all(ok, lane);
+  return warp_all(ok);
 }
 
 // Each segment of each (src, t) with experts here is copied by one warp to
@@ -308,8 +309,8 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
   float* expert_scales = sym<float>(x.h, (int)me, x.a.off_recv_scales);
   for (u32 item = first_item(g, g.warps / 2u); item < pre[x.W + 2] * x.W * S; item += g.warps) {
     u32 src, t;
-    if (!token_major(pre, x.W, me + 1u, x.W, item / S, src, t)) continue;
-    const u32 seg = item % S;
+    const u32 q = quot(x.a.div_x_nseg, item), seg = item - q * S;
+    if (!token_major(pre, x.W, me + 1u, x.a.div_W, q, src, t)) continue;
     A2A_PROF_START(t1);
     i32 slot;  // lane j: slot j's row here, or -1
     if (!expert_rows(x, src, t, seg == 0, g.lane, slot)) break;
@@ -331,7 +332,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
       } else if (pushed >> src & 1u) {
         const u64* token = sym<u64>(x.h, (int)me, x.a.off_push_tok) +
                            (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words;
-        if (!warp_all(take_piece(x, token, seg, g.lane, p, src, t), g.lane)) break;
+        if (!warp_all(take_piece(x, token, seg, g.lane, p, src, t))) break;
       } else {
         const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
         if (!warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) break;
@@ -354,7 +355,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
                          (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words + first;
       u32 v[A2A_LANE_WORDS];
       const bool ok = take_tagged(x, inbox, A2A_WARP_SIZE, count, v, src, A2A_WAIT_DISPATCH, t);
-      if (!warp_all(ok, g.lane)) break;
+      if (!warp_all(ok)) break;
       A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
       A2A_PROF_START(t2);
       a2a_wave_sync();
@@ -385,7 +386,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
 // expert_num_tokens, while the other warps copy.
 A2A_DEVICE void publish_counts(const Ctx& x, const WarpGrid& g) {
   const u64* counts = chunk_counts(x, (u32)x.h.rank);
-  const u32 words = x.W * route_chunks(x, x.M);
+  const u32 words = x.W * x.a.route_chunks;
   i32* num_tokens = sym<i32>(x.h, x.h.rank, x.a.off_num_tokens);
   for (u32 l = first_item(g, g.warps / 4u); l < x.L; l += g.warps) {
     A2A_PROF_START(t0);
@@ -393,10 +394,10 @@ A2A_DEVICE void publish_counts(const Ctx& x, const WarpGrid& g) {
     bool ok = true;
     for (u32 q = g.lane; q < words && ok; q += A2A_WARP_SIZE) {
       u32 v[1] = {0u};
-      ok = take_tagged(x, counts + (u64)q * x.L + l, 1u, 1u, v, q / route_chunks(x, x.M), A2A_WAIT_DISPATCH, l);
+      ok = take_tagged(x, counts + (u64)q * x.L + l, 1u, 1u, v, quot(x.a.div_chunks, q), A2A_WAIT_DISPATCH, l);
       n += v[0];
     }
-    if (!warp_all(ok, g.lane)) return;
+    if (!warp_all(ok)) return;
     for (u32 d = 1; d < A2A_WARP_SIZE; d <<= 1) n += (u32)a2a_shfl((int)n, (int)(g.lane ^ d));
     if (g.lane == 0) num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l);
@@ -420,7 +421,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
     if (a2a_block() == 0 && a2a_thread() < x.W)
       a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,
                                 a2a_tag((u32)c.num_tokens | (push ? A2A_PUSHED : 0u), x.epoch));
-    for (u32 chunk = a2a_block(); chunk < route_chunks(x, x.M); chunk += a2a_grid_dim()) route(x, c, g, chunk);
+    for (u32 chunk = a2a_block(); chunk < x.a.route_chunks; chunk += a2a_grid_dim()) route(x, c, g, chunk);
     if (push)
       push_tokens<X>(x, c, g);
     else

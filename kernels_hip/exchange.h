@@ -86,8 +86,18 @@ struct A2AArgs {
                            // once this rank's status holds an error (a failed exchange between nodes)
   u32 region_tokens;       // R > 0: token t of source s came from rank (t / R) * W + s, as its token t % R
                            // (a node's part of a multi-node call: regions of R tokens, one per node)
-  u32 pad;
+  u32 route_chunks;        // route chunks of a call of max_tokens tokens: the rows of the count tables
   u64 timeout_ns;
+  // The call's fixed divisors (pyhipa2a/kernels.py: divisor), for quot/rem below.
+  Divisor div_k;           // top_k
+  Divisor div_L;           // local_experts
+  Divisor div_E;           // num_experts
+  Divisor div_x_nseg;      // dispatch's segments of a row
+  Divisor div_chunk;       // route_chunk
+  Divisor div_chunks;      // route_chunks
+  Divisor div_W;           // heap.world
+  Divisor div_peers;       // heap.world - 1 (1 for a world of one)
+  Divisor div_nseg;        // combine's segments of a row
 };
 
 // How dispatch turns x into expert_x.
@@ -200,12 +210,18 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
 // kept (protocol.h), and with on_timeout="trap" a timeout then aborts the
 // kernel, which leaves the process's device context unusable: every later
 // device operation fails loudly, for callers that never synchronize.
-A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
+// Out of line (one copy, called only on failure), so that the dozens of places that may fail do
+// not each put its code on the paths of healthy calls, whose instructions are what a small call
+// waits for (docs/PERFORMANCE.md, seventeenth session).
+A2A_DEVICE_CALLED void report_failure(u32* status, u32* mirror, u32 trap_on_timeout, u32 code, u32 peer, u32 what,
+                                      u32 detail) {
   *block_failed() = 1u;
   // Only the first reporter traps, once its report is in the host's mirror: a thread that traps
   // while another is still writing the mirror would leave the host an error it cannot name.
-  if (a2a_report(x.status, x.mirror, code, peer, what, detail) && code == A2A_ERR_TIMEOUT && x.a.trap_on_timeout)
-    a2a_trap();
+  if (a2a_report(status, mirror, code, peer, what, detail) && code == A2A_ERR_TIMEOUT && trap_on_timeout) a2a_trap();
+}
+A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
+  report_failure(x.status, x.mirror, x.a.trap_on_timeout, code, peer, what, detail);
 }
 
 // Every block calls this last, with its call's outputs (all-ones bytes are
@@ -260,19 +276,12 @@ A2A_DEVICE bool warp_wait(const Ctx& x, const u32* flag, u32 peer, u32 what, u32
   return ok != 0;
 }
 
-// True in every lane when any lane below k has `flag` set.
-A2A_DEVICE bool warp_any(bool flag, u32 lane, u32 k) {
-  int any = 0;
-  for (u32 i = 0; i < k; ++i) any |= a2a_shfl(flag && lane < k ? 1 : 0, (int)i);
-  return any != 0;
-}
+// True in every lane when any lane below k has `flag` set. (These take one vote each: the
+// shuffle loops they replace were k and log2(warp) shuffles on every item's path.)
+A2A_DEVICE bool warp_any(bool flag, u32 lane, u32 k) { return a2a_ballot(flag && lane < k) != 0u; }
 
 // True in every lane when `ok` holds in every lane of the warp.
-A2A_DEVICE bool warp_all(bool ok, u32 lane) {
-  int all = ok ? 1 : 0;
-  for (u32 d = 1; d < A2A_WARP_SIZE; d <<= 1) all &= a2a_shfl(all, (int)(lane ^ d));
-  return all != 0;
-}
+A2A_DEVICE bool warp_all(bool ok) { return a2a_ballot(!ok) == 0u; }
 
 // A routing row spread over a warp: lane j (< k) holds slot j's expert and
 // whether it is valid. The contract says a row's experts are distinct and in
@@ -298,25 +307,24 @@ A2A_DEVICE RowSlot load_row_slot(const i32* row, u32 lane, u32 k, i32 num_expert
 }
 
 // Bit j set, in every lane: slot j is valid and lives on rank r.
-A2A_DEVICE u32 slots_on(const RowSlot& s, u32 k, u32 L, u32 r) {
-  u32 bits = 0;
-  for (u32 i = 0; i < k; ++i) bits |= (u32)a2a_shfl(s.valid && (u32)s.e / L == r ? 1 : 0, (int)i) << i;
-  return bits;
+A2A_DEVICE u32 slots_on(const RowSlot& s, const Divisor& L, u32 r) {
+  return (u32)a2a_ballot(s.valid && quot(L, (u32)s.e) == r);  // (valid only in lanes below k)
 }
 
 // Bit r set, in every lane: a valid slot lives on rank r.
-A2A_DEVICE u32 ranks_hosting(const RowSlot& s, u32 k, u32 L) {
+A2A_DEVICE u32 ranks_hosting(const RowSlot& s, u32 k, const Divisor& L) {
   u32 bits = 0;
-  for (u32 i = 0; i < k; ++i) bits |= (u32)a2a_shfl(s.valid ? (int)(1u << ((u32)s.e / L)) : 0, (int)i);
+  const int mine = s.valid ? (int)(1u << quot(L, (u32)s.e)) : 0;
+  for (u32 i = 0; i < k; ++i) bits |= (u32)a2a_shfl(mine, (int)i);
   return bits;
 }
 
-// Lane r gets slots_on(s, k, L, r): every rank's slots at once.
-A2A_DEVICE u32 lane_rank_slots(const RowSlot& s, u32 k, u32 L, u32 lane) {
+// Lane r gets slots_on(s, L, r): every rank's slots at once.
+A2A_DEVICE u32 lane_rank_slots(const RowSlot& s, u32 k, const Divisor& L, u32 lane) {
   u32 bits = 0;
+  const int rank = s.valid ? (int)quot(L, (u32)s.e) : -1;
   for (u32 i = 0; i < k; ++i) {
-    const i32 e = a2a_shfl(s.valid ? s.e : -1, (int)i);
-    if (e >= 0 && (u32)e / L == lane) bits |= 1u << i;
+    if (a2a_shfl(rank, (int)i) == (int)lane) bits |= 1u << i;
   }
   return bits;
 }
@@ -394,7 +402,12 @@ A2A_DEVICE Segment segment(const Ctx& x, u32 seg, u32 row_bytes, u32 itemsize) {
 // queueing in the same warps, and the warps that store to peers (block 0's
 // headers, the senders) are not the ones whose releases must wait for those
 // stores to land.
-A2A_DEVICE u32 first_item(const WarpGrid& g, u32 first) { return (g.warp + g.warps - first % g.warps) % g.warps; }
+// (No divide on this path: `first` is below the grid's warps but for a one-block grid, and the sum
+// below is under twice them.)
+A2A_DEVICE u32 first_item(const WarpGrid& g, u32 first) {
+  const u32 f = first < g.warps ? first : first % g.warps, q = g.warp + g.warps - f;
+  return q >= g.warps ? q - g.warps : q;
+}
 
 // Pushed rows move as 32-bit words: a lane owns words w0 + lane + i * warp,
 // i < A2A_LANE_WORDS, of a segment starting at word w0 (a segment of a 16-bit
@@ -491,8 +504,10 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
 // successor. Source-major order had every rank pulling from rank 0's memory
 // first, then rank 1's, so one rank's links carried the whole wave while the
 // others idled (it did not matter with two ranks).
-A2A_DEVICE bool token_major(const u32* pre, u32 W, u32 first, u32 n, u32 q, u32& src, u32& t) {
-  src = (first + q % n) % W;
-  t = q / n;
+// (`n` <= W comes as its divisor, and `first` <= W, so the source wraps at most once.)
+A2A_DEVICE bool token_major(const u32* pre, u32 W, u32 first, const Divisor& n, u32 q, u32& src, u32& t) {
+  t = quot(n, q);
+  src = first + (q - t * n.d);
+  src = src >= W ? src - W : src;
   return t < pre[src + 1] - pre[src];
 }

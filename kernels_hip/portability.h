@@ -105,6 +105,8 @@ A2A_DEVICE void a2a_trap() { __builtin_trap(); }
 A2A_DEVICE int a2a_shfl(int v, int src_lane) {
   return __builtin_amdgcn_ds_bpermute(src_lane << 2, v);
 }
+// Bit l set for each lane l of the wave whose p holds (a compare into a scalar register).
+A2A_DEVICE u64 a2a_ballot(bool p) { return __builtin_amdgcn_ballot_w64(p); }
 A2A_DEVICE u32 a2a_ctz(u32 v) { return (u32)__builtin_ctz(v); }
 A2A_DEVICE float a2a_half_to_float(u16 h) { return (float)__builtin_bit_cast(_Float16, h); }
 A2A_DEVICE u16 a2a_float_to_half(float f) { return __builtin_bit_cast(u16, (_Float16)f); }
@@ -169,6 +171,8 @@ A2A_DEVICE void a2a_pause() { __nanosleep(32); }
 // Abort the kernel: the context is left with a sticky error, later device operations fail.
 A2A_DEVICE void a2a_trap() { asm volatile("trap;"); }
 A2A_DEVICE int a2a_shfl(int v, int src_lane) { return __shfl_sync(0xffffffffu, v, src_lane); }
+// Bit l set for each lane l of the warp whose p holds (one vote instruction).
+A2A_DEVICE u64 a2a_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 A2A_DEVICE u32 a2a_ctz(u32 v) { return (u32)(__ffs((int)v) - 1); }
 A2A_DEVICE float a2a_half_to_float(u16 h) {
   float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
@@ -189,8 +193,9 @@ A2A_DEVICE void a2a_cvt_e4m3fn_x2_to_float(u32 codes, float& lo, float& hi) {
 }
 #elif defined(A2A_HOST_EMULATION)
 // ------------------------------------------------------- host C++ ----
-// Only the shared conversions below, compiled by a host compiler so that a
-// test can compare them with ml_dtypes on every input (tests/test_fp8.py).
+// Only the shared part below, compiled by a host compiler so that tests can
+// hold its text to ml_dtypes (tests/test_fp8.py) and to Python's integer
+// division (tests/test_kernel_arguments.py).
 #define A2A_DEVICE inline
 #define A2A_DEVICE_CALLED inline
 A2A_DEVICE float a2a_rint(float f) { return __builtin_rintf(f); }
@@ -207,6 +212,20 @@ A2A_DEVICE u16 a2a_float_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return (u16)(u >> 16);
 }
+
+// n / d and n % d for a divisor fixed when an object is built (k, L, E, a row's
+// segments, the route chunk, W). A divide by a run-time value is 15-20
+// instructions around a reciprocal on the special-function unit, and a
+// one-token call's path ran a dozen of them in series; this is a multiply and
+// a shift. The host picks mul = ceil(2^(32 + s) / d) with 2^s >= d, which is
+// exact for every n < 2^31 (pyhipa2a/kernels.py: divisor;
+// tests/native/divisors.cpp holds this text to Python's //).
+struct Divisor {
+  u64 mul;
+  u32 d, shift;
+};
+A2A_DEVICE u32 quot(const Divisor& v, u32 n) { return (u32)(((u64)n * v.mul) >> 32) >> v.shift; }
+A2A_DEVICE u32 rem(const Divisor& v, u32 n) { return n - quot(v, n) * v.d; }
 
 // fp8 e4m3 (4 exponent bits, 3 mantissa bits) in the two encodings MoE
 // kernels use: OCP float8_e4m3fn (NVIDIA sm_90; bias 7, largest 448, 0x7f

@@ -119,8 +119,9 @@ A2A_DEVICE bool a2a_last_block(u32* counter) {
 }
 
 // All threads of a block set `bytes` bytes at `p` to `value`: 16-byte stores
-// for the aligned middle, single bytes for the ends.
-A2A_DEVICE void a2a_fill_bytes(u8* p, u64 bytes, u8 value) {
+// for the aligned middle, single bytes for the ends. Out of line: only a
+// failed call runs it, and healthy calls should not fetch past its code.
+A2A_DEVICE_CALLED void a2a_fill_bytes(u8* p, u64 bytes, u8 value) {
   const u64 head = ((16u - ((u64)p & 15u)) & 15u) < bytes ? (16u - ((u64)p & 15u)) & 15u : bytes;
   const u64 body = (bytes - head) / 16u;
   const u32 v4 = value * 0x01010101u;

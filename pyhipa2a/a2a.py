@@ -38,7 +38,7 @@ from .graph import Graph
 from .heap import SymmetricHeap
 from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array
 from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTIZE_F16, A2AArgs,
-                      KernelLibrary, route_chunk, route_chunks)
+                      KernelLibrary, divisor, route_chunk, route_chunks)
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
 from .profile import ProfileBuffer, clock_offset
@@ -288,8 +288,9 @@ class AllToAll:
         self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
         if min(self.num_experts, self.top_k, self.hidden, self.max_tokens) < 1:
             raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
-        if self.num_experts * self.max_tokens >= 2**32 - 1:  # a routing slot travels as e + E * place in 32 bits
-            raise ValueError(f"num_experts * max_num_tokens must be below 2**32 - 1; got "
+        # A routing slot travels as e + E * place in 32 bits, which the kernels divide by E (exact below 2^31).
+        if self.num_experts * self.max_tokens >= 2**31:
+            raise ValueError(f"num_experts * max_num_tokens must be below 2**31; got "
                              f"{self.num_experts} * {self.max_tokens}")
         # (A node's part of a multi-node call may hold fewer experts than a token has: the rest are void.)
         if self.top_k > MAX_TOP_K or (self.top_k > self.num_experts and not self._void_slots):
@@ -549,6 +550,11 @@ class AllToAll:
         a.seg_elems, a.nseg = self.seg_elems, self.nseg
         a.x_seg_elems, a.x_nseg = self.x_seg_elems, self.x_nseg
         a.route_chunk = route_chunk(self.top_k, self.max_tokens)
+        a.route_chunks = route_chunks(self.top_k, self.max_tokens)
+        a.div_k, a.div_L, a.div_E = divisor(self.top_k), divisor(self.local_experts), divisor(self.num_experts)
+        a.div_x_nseg, a.div_nseg = divisor(self.x_nseg), divisor(self.nseg)
+        a.div_W, a.div_peers = divisor(self.world), divisor(max(1, self.world - 1))
+        a.div_chunk, a.div_chunks = divisor(a.route_chunk), divisor(a.route_chunks)
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
         a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens

@@ -27,6 +27,22 @@ class HeapCheckArgs(ctypes.Structure):
                 ("timeout_ns", u64)]
 
 
+class Divisor(ctypes.Structure):
+    """n / d on the device as a multiply and a shift (kernels_hip/exchange.h: quot, rem)."""
+    _fields_ = [("mul", u64), ("d", u32), ("shift", u32)]
+
+
+def divisor(d: int) -> Divisor:
+    """The Divisor of d (1 <= d < 2^31): with 2^s >= d and mul = ceil(2^(32 + s) / d), the device's
+    ((n * mul) >> 32) >> s is n // d for every n < 2^31: mul * d exceeds 2^(32 + s) by e < d, so the
+    product overshoots n / d by n * e / (d * 2^(32 + s)) < 1 / d, too little to reach the next integer,
+    and n * mul stays below 2^64."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} out of range [1, 2^31)")
+    shift = (d - 1).bit_length()
+    return Divisor(-(-(1 << (32 + shift)) // d), d, shift)
+
+
 class A2AArgs(ctypes.Structure):
     _fields_ = [("heap", HeapView), ("local_base", u64),
                 ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64),
@@ -41,8 +57,11 @@ class A2AArgs(ctypes.Structure):
                 ("push_max_tokens", u32), ("push_row_words", u32), ("narrow_partials", u32),
                 ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32), ("x_format", u32),
                 ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
-                ("route_chunk", u32), ("void_slots", u32), ("region_tokens", u32), ("pad", u32),
-                ("timeout_ns", u64)]
+                ("route_chunk", u32), ("void_slots", u32), ("region_tokens", u32), ("route_chunks", u32),
+                ("timeout_ns", u64),
+                ("div_k", Divisor), ("div_L", Divisor), ("div_E", Divisor), ("div_x_nseg", Divisor),
+                ("div_chunk", Divisor), ("div_chunks", Divisor), ("div_W", Divisor), ("div_peers", Divisor),
+                ("div_nseg", Divisor)]
 
 
 # Dispatch routes a call in chunks of tokens, a block each (kernels_hip/dispatch.hip, route): chunks of

@@ -2,7 +2,6 @@
 oracle (ml_dtypes), held to each other on every input that matters; how AllToAll plans its dtypes."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 from pyhipa2a import reference
 from pyhipa2a.dtypes import fp8_for_arch, plan_dtypes, resolve
 from pyhipa2a.host_kernels import fp8 as twin
-from tests.mpi_harness import REPO
+from tests.native_build import build_native
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 FORMATS = {"float8_e4m3fn": False, "float8_e4m3fnuz": True}
@@ -47,20 +46,10 @@ def check_codes(got: np.ndarray, values: np.ndarray, name: str) -> None:
     assert np.all(np.isnan(got[nan].view(resolve(name)).astype(np.float32)))
 
 
-def compiler() -> str | None:
-    return next(filter(None, map(shutil.which, ("c++", "g++", "clang++", "clang++-19"))), None)
-
-
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
     """tests/native/fp8_conversions.cpp built with the host's C++ compiler against kernels_hip/portability.h."""
-    cxx = compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler for the host")
-    exe = tmp_path_factory.mktemp("fp8") / "fp8_conversions"
-    subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-DA2A_HOST_EMULATION", f"-I{REPO / 'kernels_hip'}",
-                    "-o", str(exe), str(REPO / "tests" / "native" / "fp8_conversions.cpp")], check=True)
-    return exe
+    return build_native(tmp_path_factory.mktemp("fp8"), "fp8_conversions")
 
 
 def test_kernel_conversions_match_ml_dtypes(native):
