@@ -556,6 +556,10 @@ def case_bad_config(comm):
             AllToAll(comm, num_experts=world + 1, experts_per_token=1, hidden_dim=8, max_num_tokens=4)
     with pytest.raises(ValueError, match="must be >= 1"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=0, max_num_tokens=4)
+    # (the kernels divide a routing slot e + E * place by E exactly only below 2^31)
+    with pytest.raises(ValueError, match=r"num_experts \* max_num_tokens must be below 2\*\*31"):
+        E = world * 2**10
+        AllToAll(comm, num_experts=E, experts_per_token=1, hidden_dim=8, max_num_tokens=-(-2**31 // E))
     with pytest.raises(TypeError, match="in_dtype must be one of float16, bfloat16, not float32"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, in_dtype="float32")
     with pytest.raises(ValueError, match="experts_per_token=3 must be <= num_experts"):
