@@ -38,7 +38,7 @@
 // A routing slot as it travels: e + E * place (place: its index among the
 // rows its route chunk sends to expert e), or A2A_NO_SLOT for a slot that breaks
 // the contract (out of range, or repeating an earlier expert of its row),
-// which nobody writes. The host keeps E * M below 2^32 - 1.
+// which nobody writes. The host keeps E * M below 2^31 (quot by E is exact there).
 #define A2A_NO_SLOT 0xffffffffu
 // Routing goes by chunks of a call's tokens (route_chunk tokens, chosen by
 // the host: kernels.route_chunk), one block each, so that routing a large

@@ -288,10 +288,12 @@ class AllToAll:
         self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
         if min(self.num_experts, self.top_k, self.hidden, self.max_tokens) < 1:
             raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
-        # A routing slot travels as e + E * place in 32 bits, which the kernels divide by E (exact below 2^31).
-        if self.num_experts * self.max_tokens >= 2**31:
-            raise ValueError(f"num_experts * max_num_tokens must be below 2**31; got "
-                             f"{self.num_experts} * {self.max_tokens}")
+        # A routing slot travels as e + E * place in 32 bits, and the kernels divide it by E, and a slot's
+        # index t * k + j by k, exactly only below 2^31 (quot in kernels_hip/portability.h). Within a node
+        # k <= E bounds the second by the first; a node's part of a multi-node call may have k > E.
+        for name, n in (("num_experts", self.num_experts), ("experts_per_token", self.top_k)):
+            if n * self.max_tokens >= 2**31:
+                raise ValueError(f"{name} * max_num_tokens must be below 2**31; got {n} * {self.max_tokens}")
         # (A node's part of a multi-node call may hold fewer experts than a token has: the rest are void.)
         if self.top_k > MAX_TOP_K or (self.top_k > self.num_experts and not self._void_slots):
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")

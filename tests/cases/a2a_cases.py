@@ -560,6 +560,9 @@ def case_bad_config(comm):
     with pytest.raises(ValueError, match=r"num_experts \* max_num_tokens must be below 2\*\*31"):
         E = world * 2**10
         AllToAll(comm, num_experts=E, experts_per_token=1, hidden_dim=8, max_num_tokens=-(-2**31 // E))
+    # and a slot's index t * k + j by k: a node's part of a multi-node call (_region_tokens) may have k > E
+    with pytest.raises(ValueError, match=r"experts_per_token \* max_num_tokens must be below 2\*\*31"):
+        AllToAll(comm, num_experts=world, experts_per_token=32, hidden_dim=8, max_num_tokens=2**26, _region_tokens=1)
     with pytest.raises(TypeError, match="in_dtype must be one of float16, bfloat16, not float32"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, in_dtype="float32")
     with pytest.raises(ValueError, match="experts_per_token=3 must be <= num_experts"):
