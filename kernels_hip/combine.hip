@@ -261,9 +261,8 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   for (u32 item = first_item(g, g.warps_per_block); item < per_part * Q; item += g.warps) {
     a2a_wave_sync();  // the scratch is rewritten for this item
     const u32 part = Q == 1u ? 0u : item / per_part, q = item - part * per_part;
-    u32 src, t;
-    const u32 r = quot(x.a.div_nseg, q), seg = q - r * S;
-    if (!token_major(pre, x.W, me + 1u, x.a.div_peers, r, src, t)) continue;
+    u32 src, t, seg;
+    if (!token_major(pre, x.W, me + 1u, x.a.div_peers, quot_rem(x.a.div_nseg, q, seg), src, t)) continue;
     const bool push = (pushed >> src & 1u) != 0;
     if (!push && part) continue;
     const Elems el = push ? part_elems(x, seg, part, U * STEP) : part_elems(x, seg, 0u, x.a.seg_elems);
@@ -405,7 +404,8 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   const u64* own_header = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + me;
   const bool pushed = ((u32)a2a_load_relaxed_sys_u64(own_header) & A2A_PUSHED) != 0;
   for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S * Q; item += g.warps) {
-    const u32 t = quot(x.a.div_nseg, item / Q), seg = item / Q - t * S;
+    u32 seg;
+    const u32 t = quot_rem(x.a.div_nseg, item / Q, seg);
     // The item's elements [e_begin, e_end): the small kernel skips a part past the row's end before
     // loading anything; the bulk kernel (a whole segment, never empty) works them out after its
     // loads, as it did before the small kernel existed (earlier, it spilled more registers).

@@ -57,9 +57,11 @@
 #define A2A_ROUTE_LOADS 8u  // loads of the chunk a thread has in flight at once
 
 // The chunks of a call of `tokens` tokens.
+// The chunks of a call of max_tokens tokens: the rows of the count tables.
+A2A_DEVICE u32 route_chunks(const Ctx& x) { return x.a.div_chunks.d; }
 // A source's count words of each chunk, for all our experts: [W][route_chunks][L] by parity.
 A2A_DEVICE u64* chunk_counts(const Ctx& x, u32 rank) {
-  return sym<u64>(x.h, (int)rank, x.a.off_expert_counts) + (u64)x.parity * x.W * x.a.route_chunks * x.L;
+  return sym<u64>(x.h, (int)rank, x.a.off_expert_counts) + (u64)x.parity * x.W * route_chunks(x) * x.L;
 }
 
 // Weight `w` (its bits) of our slot i = t * k + j, as a tagged word: to the
@@ -126,8 +128,9 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
     }
     if (start == end) a2a_block_sync();  // (no tile: the counters' zeroes must still be in)
     for (u32 i = first + a2a_thread(); i < last; i += a2a_block_dim()) {
-      const u32 r = quot(x.a.div_L, i), l = i - r * x.L;
-      a2a_store_relaxed_sys_u64(chunk_counts(x, r) + ((u64)me * x.a.route_chunks + chunk) * x.L + l,
+      u32 l;
+      const u32 r = quot_rem(x.a.div_L, i, l);
+      a2a_store_relaxed_sys_u64(chunk_counts(x, r) + ((u64)me * route_chunks(x) + chunk) * x.L + l,
                                 a2a_tag(counters[i - first], x.epoch));
     }
     a2a_block_sync();  // the counts are out before the next window zeroes the counters
@@ -147,7 +150,8 @@ A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid
   const u32 tb = x.a.token_bytes;
   u8* stage = sym<u8>(x.h, (int)me, x.a.off_stage) + (u64)x.parity * x.M * tb;
   for (u32 item = first_item(g, g.warps_per_block); item < (u32)c.num_tokens * S; item += g.warps) {
-    const u32 t = quot(x.a.div_x_nseg, item), seg = item - t * S;
+    u32 seg;
+    const u32 t = quot_rem(x.a.div_x_nseg, item, seg);
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);
     const u32 peers = ranks_hosting(lane_slot, x.k, x.a.div_L) & ~(1u << me);
     if (!peers) continue;
@@ -177,7 +181,8 @@ A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
   const u32 me = (u32)x.h.rank, words = x.a.x_row_bytes / 4u, S = x.a.x_nseg, P = x.a.push_max_tokens;
   const u32 stride = x.a.push_token_words;
   for (u32 item = first_item(g, g.warps_per_block); item < (u32)c.num_tokens * S; item += g.warps) {
-    const u32 t = quot(x.a.div_x_nseg, item), seg = item - t * S;
+    u32 seg;
+    const u32 t = quot_rem(x.a.div_x_nseg, item, seg);
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);
     const u32 peers = ranks_hosting(lane_slot, x.k, x.a.div_L) & ~(1u << me);
     if (!peers) continue;
@@ -259,7 +264,7 @@ A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 n, u32& sum) {
 // routing slot and its row. False in every lane when a word never came
 // (reported).
 A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane, i32& row) {
-  const u32 me = (u32)x.h.rank, E = (u32)x.a.num_experts;
+  const u32 me = (u32)x.h.rank;
   const u64 at = ((u64)src * x.M + t) * x.k + lane;
   bool ok = true;
   row = -1;
@@ -267,13 +272,12 @@ A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane,
     u32 v[1] = {A2A_NO_SLOT};
     ok = take_tagged(x, sym<u64>(x.h, (int)me, x.a.off_tok_hdr) + (u64)x.parity * x.W * x.M * x.k + at, 1u, 1u, v,
                      src, A2A_WAIT_DISPATCH, t);
-    const u32 place = quot(x.a.div_E, v[0]);  // (v[0] = e + E * place)
-    const i32 e = ok && v[0] != A2A_NO_SLOT ? (i32)(v[0] - place * E) : -1;
-    const u32 host = quot(x.a.div_L, (u32)e);
-    if (e >= 0 && host == me) {
-      const u32 l = (u32)e - host * x.L;
+    u32 expert, l;
+    const u32 place = quot_rem(x.a.div_E, v[0], expert);  // (v[0] = e + E * place)
+    const i32 e = ok && v[0] != A2A_NO_SLOT ? (i32)expert : -1;
+    if (e >= 0 && quot_rem(x.a.div_L, (u32)e, l) == me) {
       u32 before = 0;
-      ok = sum_counts(x, l, src * x.a.route_chunks + quot(x.a.div_chunk, t), before);
+      ok = sum_counts(x, l, src * route_chunks(x) + quot(x.a.div_chunk, t), before);
       const u32 r = before + place;  // below W * M while senders keep the protocol
       if (ok && r < x.capacity)
         row = (i32)(l * x.capacity + r);
@@ -308,9 +312,8 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
   u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
   float* expert_scales = sym<float>(x.h, (int)me, x.a.off_recv_scales);
   for (u32 item = first_item(g, g.warps / 2u); item < pre[x.W + 2] * x.W * S; item += g.warps) {
-    u32 src, t;
-    const u32 q = quot(x.a.div_x_nseg, item), seg = item - q * S;
-    if (!token_major(pre, x.W, me + 1u, x.a.div_W, q, src, t)) continue;
+    u32 src, t, seg;
+    if (!token_major(pre, x.W, me + 1u, x.a.div_W, quot_rem(x.a.div_x_nseg, item, seg), src, t)) continue;
     A2A_PROF_START(t1);
     i32 slot;  // lane j: slot j's row here, or -1
     if (!expert_rows(x, src, t, seg == 0, g.lane, slot)) break;
@@ -386,7 +389,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
 // expert_num_tokens, while the other warps copy.
 A2A_DEVICE void publish_counts(const Ctx& x, const WarpGrid& g) {
   const u64* counts = chunk_counts(x, (u32)x.h.rank);
-  const u32 words = x.W * x.a.route_chunks;
+  const u32 words = x.W * route_chunks(x);
   i32* num_tokens = sym<i32>(x.h, x.h.rank, x.a.off_num_tokens);
   for (u32 l = first_item(g, g.warps / 4u); l < x.L; l += g.warps) {
     A2A_PROF_START(t0);
@@ -421,7 +424,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
     if (a2a_block() == 0 && a2a_thread() < x.W)
       a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,
                                 a2a_tag((u32)c.num_tokens | (push ? A2A_PUSHED : 0u), x.epoch));
-    for (u32 chunk = a2a_block(); chunk < x.a.route_chunks; chunk += a2a_grid_dim()) route(x, c, g, chunk);
+    for (u32 chunk = a2a_block(); chunk < route_chunks(x); chunk += a2a_grid_dim()) route(x, c, g, chunk);
     if (push)
       push_tokens<X>(x, c, g);
     else

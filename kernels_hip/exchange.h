@@ -86,7 +86,7 @@ struct A2AArgs {
                            // once this rank's status holds an error (a failed exchange between nodes)
   u32 region_tokens;       // R > 0: token t of source s came from rank (t / R) * W + s, as its token t % R
                            // (a node's part of a multi-node call: regions of R tokens, one per node)
-  u32 route_chunks;        // route chunks of a call of max_tokens tokens: the rows of the count tables
+  u32 pad;
   u64 timeout_ns;
   // The call's fixed divisors (pyhipa2a/kernels.py: divisor), for quot/rem below.
   Divisor div_k;           // top_k
@@ -94,7 +94,7 @@ struct A2AArgs {
   Divisor div_E;           // num_experts
   Divisor div_x_nseg;      // dispatch's segments of a row
   Divisor div_chunk;       // route_chunk
-  Divisor div_chunks;      // route_chunks
+  Divisor div_chunks;      // route chunks of a call of max_tokens tokens (d: their number)
   Divisor div_W;           // heap.world
   Divisor div_peers;       // heap.world - 1 (1 for a world of one)
   Divisor div_nseg;        // combine's segments of a row
@@ -506,8 +506,8 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
 // others idled (it did not matter with two ranks).
 // (`n` <= W comes as its divisor, and `first` <= W, so the source wraps at most once.)
 A2A_DEVICE bool token_major(const u32* pre, u32 W, u32 first, const Divisor& n, u32 q, u32& src, u32& t) {
-  t = quot(n, q);
-  src = first + (q - t * n.d);
+  t = quot_rem(n, q, src);
+  src += first;
   src = src >= W ? src - W : src;
   return t < pre[src + 1] - pre[src];
 }

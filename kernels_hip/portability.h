@@ -226,6 +226,12 @@ struct Divisor {
 };
 A2A_DEVICE u32 quot(const Divisor& v, u32 n) { return (u32)(((u64)n * v.mul) >> 32) >> v.shift; }
 A2A_DEVICE u32 rem(const Divisor& v, u32 n) { return n - quot(v, n) * v.d; }
+// Both: the quotient, and the remainder in r.
+A2A_DEVICE u32 quot_rem(const Divisor& v, u32 n, u32& r) {
+  const u32 q = quot(v, n);
+  r = n - q * v.d;
+  return q;
+}
 
 // fp8 e4m3 (4 exponent bits, 3 mantissa bits) in the two encodings MoE
 // kernels use: OCP float8_e4m3fn (NVIDIA sm_90; bias 7, largest 448, 0x7f

@@ -145,6 +145,15 @@ def checked_combine_weights(a2a, weights):
     return sent
 
 
+def take_input(boundary, node, obj, name, want_shape, want_dtype, stage: str | None, stream, align: int = 1):
+    """(pointer, keepalive) of argument `name` on the device through `boundary` (pyhipa2a.inputs:
+    described once, checked, ordered after its producer; NumPy arrays are copied into staging buffer
+    `stage`), for a call of `node`, the AllToAll whose capture and staging buffers it uses (AllToAll's
+    and HierarchicalAllToAll's `_input` alike)."""
+    return boundary.take(name, obj, want_shape, want_dtype, stream, capturing=node._capturing is not None,
+                         stage_ptr=node._stage_ptrs[stage] if stage else None, align=align)
+
+
 def weights_input(a2a, weights, T: int, stream):
     """(pointer, keepalive) of the gate's weights [T, k] float32, for dispatch or combine, through
     `a2a._input` (AllToAll's and HierarchicalAllToAll's alike)."""
@@ -183,7 +192,7 @@ class Repeat:
         self.args, self.names, self.entries, self.boundary = args, names, entries, boundary
         self.tokens, self.prepared = tokens, prepared
         # PyTorch, CuPy and JAX arguments: their producers' answers, asked again at every repeat
-        self.rechecks = tuple((entry[6], entry[0]) for entry in entries if entry[6] is not None)
+        self.rechecks = tuple((entry.recheck, entry.obj) for entry in entries if entry.recheck is not None)
 
     @classmethod
     def of(cls, args: tuple, names: tuple, boundary, tokens: int, prepared=None):
@@ -552,11 +561,10 @@ class AllToAll:
         a.seg_elems, a.nseg = self.seg_elems, self.nseg
         a.x_seg_elems, a.x_nseg = self.x_seg_elems, self.x_nseg
         a.route_chunk = route_chunk(self.top_k, self.max_tokens)
-        a.route_chunks = route_chunks(self.top_k, self.max_tokens)
         a.div_k, a.div_L, a.div_E = divisor(self.top_k), divisor(self.local_experts), divisor(self.num_experts)
         a.div_x_nseg, a.div_nseg = divisor(self.x_nseg), divisor(self.nseg)
         a.div_W, a.div_peers = divisor(self.world), divisor(max(1, self.world - 1))
-        a.div_chunk, a.div_chunks = divisor(a.route_chunk), divisor(a.route_chunks)
+        a.div_chunk, a.div_chunks = divisor(a.route_chunk), divisor(route_chunks(self.top_k, self.max_tokens))
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
         a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens
@@ -638,10 +646,7 @@ class AllToAll:
             self._order.queued(stream)
 
     def _input(self, obj, name, want_shape, want_dtype, stage: str | None, stream, align: int = 1):
-        """(pointer, keepalive) of argument `name` on the device (pyhipa2a.inputs: described once,
-        checked, ordered after its producer; NumPy arrays are copied into staging buffer `stage`)."""
-        return self._boundary.take(name, obj, want_shape, want_dtype, stream, capturing=self._capturing is not None,
-                                   stage_ptr=self._stage_ptrs[stage] if stage else None, align=align)
+        return take_input(self._boundary, self, obj, name, want_shape, want_dtype, stage, stream, align)
 
     def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None) -> DispatchResult:
         """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M;

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .a2a import (MAX_TOP_K, AllToAll, DispatchResult, OutputViews, checked_combine_weights, checked_dispatch,
-                  weights_input)
+                  take_input, weights_input)
 from .array import DeviceArray
 from .bootstrap import _mpi
 from .errors import A2AError, ConfigMismatchError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
@@ -254,8 +254,7 @@ class HierarchicalAllToAll:
         return self.node.stream_for(*inputs)
 
     def _input(self, obj, name, shape, dtype, stage, stream, align: int = 1):
-        return self._boundary.take(name, obj, shape, dtype, stream, capturing=self.node._capturing is not None,
-                                   stage_ptr=self.node._stage_ptrs[stage] if stage else None, align=align)
+        return take_input(self._boundary, self.node, obj, name, shape, dtype, stage, stream, align)
 
     def _keep(self, *objects) -> None:
         """Inputs stay referenced until the next call (the device may still read them); a capture keeps

@@ -46,6 +46,7 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,6 +69,19 @@ class Described:
     protocol: str            # OWN, CAI or DLPACK
     key: tuple               # what the protocol said (compared at a later use)
     keepalive: object = None  # a consumed DLPack capsule: the producer's memory stays ours until released
+
+
+class Settled(NamedTuple):
+    """A use of an argument that needs no work at the next use with the same object, stream, shape and
+    type (and, with a Recheck, its producer's same answers): nothing to ask the producer's protocol,
+    nothing to wait for."""
+    obj: object
+    stream: object
+    want_shape: tuple
+    want_dtype: object
+    ptr: int
+    keep: object
+    recheck: object  # a Recheck, or None
 
 
 class Recheck:
@@ -196,10 +210,7 @@ class Boundary:
         self.ask_producers = producer_order == "protocol"
         self._cache: dict[str, Cached] = {}
         self._checked: dict[str, tuple] = {}  # per argument: the last (shape, dtype, wants) that passed
-        # per argument: (obj, stream, want_shape, want_dtype, ptr, keepalive, recheck) of a use that needs
-        # no work at the next use with the same four (and, with a Recheck, its producer's same answers):
-        # nothing to ask the producer's protocol, nothing to wait for
-        self._settled: dict[str, tuple] = {}
+        self._settled: dict[str, Settled] = {}  # per argument
 
     def take(self, name: str, obj, want_shape, want_dtype, stream, *, capturing: bool = False,
              stage_ptr: int | None = None, align: int = 1):
@@ -208,9 +219,10 @@ class Boundary:
         into `stage_ptr` (refused when there is none, or while capturing); the keepalive must outlive
         the kernel's reads."""
         settled = self._settled.get(name)  # the loop's usual case: the same array again (held: never an id reused)
-        if (settled is not None and settled[0] is obj and settled[1] is stream and settled[2] == want_shape
-                and settled[3] is want_dtype and not capturing and (settled[6] is None or settled[6].holds(obj))):
-            return settled[4], settled[5]
+        if (settled is not None and settled.obj is obj and settled.stream is stream and settled.want_shape == want_shape
+                and settled.want_dtype is want_dtype and not capturing
+                and (settled.recheck is None or settled.recheck.holds(obj))):
+            return settled.ptr, settled.keep
         if isinstance(obj, np.ndarray):
             self._settled.pop(name, None)  # copied at every use: this name's last use is no longer settled
             check_numpy_input(name, obj, want_shape, want_dtype, capturing and stage_ptr is not None)
@@ -237,7 +249,7 @@ class Boundary:
         if not capturing and self.ask_producers and no_wait and d.protocol != OWN:
             recheck = self._recheck(self._cache[name], obj, producer, stream)
         if not capturing and (not self.ask_producers or (no_wait and (d.protocol == OWN or recheck is not None))):
-            self._settled[name] = (obj, stream, want_shape, want_dtype, d.ptr, keep, recheck)
+            self._settled[name] = Settled(obj, stream, want_shape, want_dtype, d.ptr, keep, recheck)
         else:
             self._settled.pop(name, None)
         return d.ptr, keep

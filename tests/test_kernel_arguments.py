@@ -43,7 +43,7 @@ def numerators(d: int, rng) -> list[int]:
 
 
 def test_the_kernels_quot_and_rem_are_exact(tmp_path):
-    """portability.h's quot and rem, compiled for the host, against // and % on the host's divisors,
+    """portability.h's quot, rem and quot_rem, compiled for the host, against // and % on the host's divisors,
     at the edges (0, multiples of d and their neighbours, the largest n) and at random."""
     exe = build_native(tmp_path, "divisors")
     rng = np.random.default_rng(11)
@@ -55,10 +55,10 @@ def test_the_kernels_quot_and_rem_are_exact(tmp_path):
         rows += [(v.mul, v.d, v.shift, n, 0) for n in numerators(d, rng)]
     records = np.array(rows, dtype=record)
     out = np.frombuffer(subprocess.run([str(exe)], input=records.tobytes(), capture_output=True, check=True).stdout,
-                        dtype="<u4").reshape(-1, 2)
+                        dtype="<u4").reshape(-1, 4)
     n, d = records["n"].astype(np.int64), records["d"].astype(np.int64)
     assert len(out) == len(records)
-    wrong = np.flatnonzero((out[:, 0] != n // d) | (out[:, 1] != n % d))
+    wrong = np.flatnonzero((out[:, 0] != n // d) | (out[:, 1] != n % d) | (out[:, 2] != n // d) | (out[:, 3] != n % d))
     assert not len(wrong), [(int(d[i]), int(n[i]), tuple(out[i])) for i in wrong[:5]]
 
 
