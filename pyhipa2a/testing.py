@@ -187,7 +187,6 @@ def upload_inputs(a2a, inputs: WorldInputs, stream=_OWN_STREAM) -> list:
     from .array import DeviceArray
     b, r = a2a.backend, a2a.rank
     stream = a2a.stream if stream is _OWN_STREAM else stream
-    b.activate()  # allocated in a2a's context, whatever another library left current
     arrays = []
     hosts = [inputs.xs[r], inputs.indices[r], inputs.weights[r]]
     for host in hosts + ([] if inputs.x_scales is None else [inputs.x_scales[r]]):

@@ -98,11 +98,13 @@ def test_ipc_handle_bytes_round_trip(rt):
         mod._handle_from_bytes(data[:63])
 
 
-def _bare_backend(mod):
-    # Skips __init__ (it would call cuInit/hipInit); the handle helpers need no device.
+def _bare_backend(mod, activate=None):
+    # Skips __init__ (it would call cuInit/hipInit); the handle helpers need no device. No device was
+    # opened, so activate() (which the allocating calls make first) is `activate` or does nothing.
     cls = mod.CudaBackend if mod is cuda_rt else mod.HipBackend
     backend = cls.__new__(cls)
     backend._streams, backend._capturing = set(), set()
+    backend.activate = activate or (lambda: None)
     return backend
 
 
@@ -137,6 +139,7 @@ def test_activate_switches_back_only_when_another_device_is_current(rt, monkeypa
     ours current again, and cost one query when it already is."""
     mod, binding, ok, _ = rt
     backend, calls = _bare_backend(mod), []
+    del backend.activate  # the real one, under test here
     ours, theirs = (binding.CUcontext(0x1000), binding.CUcontext(0x2000)) if mod is cuda_rt else (1, 0)
     current = [theirs]
     if mod is cuda_rt:
@@ -154,6 +157,27 @@ def test_activate_switches_back_only_when_another_device_is_current(rt, monkeypa
     assert calls == [int(ours)] and int(current[0]) == int(ours)
     backend.activate()  # already ours: no switch
     assert calls == [int(ours)]
+
+
+class _Activated(Exception):
+    """Raised by a fake activate(): the call under test reached it before touching the binding."""
+
+
+@pytest.mark.parametrize("call, args", [
+    ("malloc_ipc", (64,)), ("malloc_host_mapped", (64,)), ("ipc_open", (bytes(64),)), ("stream_create", ()),
+    ("event_create", ()), ("module_load", (b"image",)), ("memory_in_use", ())])
+def test_calls_that_make_device_bound_things_activate_first(rt, call, args):
+    """A caller's events, streams and memory from our backend must land in our context: the bench's
+    events, made after JAX had left the other GPU's context current on rank 1 of two H100s, were made in
+    that context, and recording them on our stream failed (CUDA_ERROR_INVALID_HANDLE)."""
+    mod, _, _, _ = rt
+
+    def activate():
+        raise _Activated
+
+    backend = _bare_backend(mod, activate)
+    with pytest.raises(_Activated):
+        getattr(backend, call)(*args)
 
 
 def _library_missing_error(mod, binding):

@@ -52,7 +52,9 @@ class Backend:
         """Make the opened device current again on the calling thread, where another library (JAX,
         PyTorch on another device) or another thread left a different one: on a GPU whose process sees
         several, launches and events on our streams then fail, and allocations would land on that
-        device. Every public entry calls this first; the host backend has nothing to switch."""
+        device. Every public entry of AllToAll calls this first, and so does each call of a backend that
+        makes something bound to a device (memory, streams, events, modules); the host backend has nothing
+        to switch."""
 
     # -- memory -------------------------------------------------------------
     def malloc_ipc(self, nbytes: int) -> int:

@@ -156,6 +156,7 @@ class CudaBackend(DriverBackend):
     # -- memory -------------------------------------------------------------
     def malloc_ipc(self, nbytes: int) -> int:
         # cuMemAlloc memory is what cuIpcGetMemHandle accepts (VMM allocations are not).
+        self.activate()
         ptr = int(_check(driver.cuMemAlloc(nbytes), "cuMemAlloc"))
         self.memset(ptr, 0, nbytes)
         return ptr
@@ -165,6 +166,7 @@ class CudaBackend(DriverBackend):
 
     def ipc_open(self, handle: bytes) -> int:
         flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        self.activate()
         ptr = _check(driver.cuIpcOpenMemHandle(_handle_from_bytes(handle), flags), "cuIpcOpenMemHandle")
         return int(ptr)
 
@@ -198,4 +200,5 @@ class CudaBackend(DriverBackend):
 
     def event_create(self):
         # Default flags keep timing on (CU_EVENT_DISABLE_TIMING would break event_elapsed_ms).
+        self.activate()
         return _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")

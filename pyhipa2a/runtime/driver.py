@@ -103,7 +103,11 @@ class DriverBackend(Backend):
                 self._call("stream_synchronize", stream)
 
     # -- memory -------------------------------------------------------------
+    # Calls that make something bound to a device (memory, streams, events, modules) or ask about "the
+    # current device" call activate() first: a caller's own events and streams from this backend must
+    # land in our context whatever another library left current (JAX does, at start-up and after).
     def memory_in_use(self) -> int:
+        self.activate()
         free, total = self._call("mem_get_info")
         return int(total) - int(free)
 
@@ -114,6 +118,7 @@ class DriverBackend(Backend):
         self._call("ipc_close_handle", ptr)
 
     def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
+        self.activate()
         host = int(self._call("host_alloc", nbytes, self._host_mapped_flags()))
         ctypes.memset(host, 0, nbytes)
         dev = int(self._call("host_get_device_pointer", host, 0))
@@ -143,6 +148,7 @@ class DriverBackend(Backend):
     # Stream None is the default (null) stream: both bindings turn None into handle 0.
     def stream_create(self):
         # Non-blocking: must not serialise against work other libraries put on the default stream.
+        self.activate()
         stream = self._call("stream_create", self._non_blocking_stream_flags())
         self._streams.add(stream)
         return stream
@@ -207,6 +213,7 @@ class DriverBackend(Backend):
 
     # -- code ---------------------------------------------------------------
     def module_load(self, image: bytes):
+        self.activate()
         return self._call("module_load_data", image)
 
     def module_unload(self, module) -> None:

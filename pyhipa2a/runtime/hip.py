@@ -149,6 +149,7 @@ class HipBackend(DriverBackend):
     def malloc_ipc(self, nbytes: int) -> int:
         # Fine-grained memory keeps peers' stores coherent while a kernel still
         # runs, which the all-to-all's flag polling depends on.
+        self.activate()
         ptr = _check(hip.hipExtMallocWithFlags(nbytes, hip.hipDeviceMallocFinegrained), "hipExtMallocWithFlags")
         ptr = int(ptr)
         self.memset(ptr, 0, nbytes)
@@ -162,6 +163,7 @@ class HipBackend(DriverBackend):
         return _handle_to_bytes(_check(hip.hipIpcGetMemHandle(ptr), "hipIpcGetMemHandle"))
 
     def ipc_open(self, handle: bytes) -> int:
+        self.activate()
         ptr = _check(hip.hipIpcOpenMemHandle(_handle_from_bytes(handle), hip.hipIpcMemLazyEnablePeerAccess),
                      "hipIpcOpenMemHandle")
         return int(ptr)
@@ -189,4 +191,5 @@ class HipBackend(DriverBackend):
 
     def event_create(self):
         # hipEventCreate uses default flags, so timing stays on for event_elapsed_ms.
+        self.activate()
         return _check(hip.hipEventCreate(), "hipEventCreate")

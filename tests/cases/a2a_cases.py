@@ -1144,8 +1144,8 @@ def case_another_device_current(comm, rounds="3"):
     two GPUs visible to each rank: cuEventRecord on our stream then failed with an invalid handle).
     Before every public call here another context is made current: the next GPU's primary context where
     the process sees two, else a second context on our GPU. Each call must switch back, the results
-    must match the oracle, a captured step must replay, and memory allocated after the switch must be
-    in our context (on our GPU)."""
+    must match the oracle, a captured step must replay, and memory, events and streams made after the
+    switch must be in our context (on our GPU)."""
     from pyhipa2a.testing import (check_call, check_dispatch_against_oracle, combine_error_against_oracle,
                                   free_inputs, oracle_expert, poison, upload_inputs)
     world = comm.Get_size()
@@ -1214,4 +1214,18 @@ def case_another_device_current(comm, rounds="3"):
         check_call(a2a, inputs, outputs["d"], outputs["y"])
         graph.close()
         free_inputs(a2a, arrays)
+        # A caller's own events and streams from our backend (the bench's timing events, made after JAX
+        # had switched contexts) must be ours too: recording them on our streams failed before.
+        elsewhere()
+        b = a2a.backend
+        start, end, stream = b.event_create(), b.event_create(), b.stream_create()
+        elsewhere()
+        b.event_record(start, a2a.stream)
+        b.stream_wait_event(stream, start)
+        b.event_record(end, stream)
+        b.event_synchronize(end)
+        assert b.event_elapsed_ms(start, end) >= 0
+        b.stream_destroy(stream)
+        b.event_destroy(start)
+        b.event_destroy(end)
         release()
