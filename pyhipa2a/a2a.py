@@ -175,24 +175,30 @@ class DispatchResult:
 class Repeat:
     """A call that the next one may repeat without its checks. It holds the last call's arguments
     (compared by identity) and what that call worked out, and exists only when every device argument
-    had settled at the boundary (pyhipa2a.inputs: nothing to ask, nothing to wait for). A loop that
-    hands over the same arrays again (the usual case) then costs a few identity checks and the
-    launch. Anything else takes the full path: another array, stream or scale, NumPy inputs (copied
+    had settled at the boundary (pyhipa2a.inputs: nothing to ask; at most a wait for a producer's
+    stream, made again at every repeat). A loop that hands over the same arrays again (the usual case)
+    then costs a few identity checks, those waits and the launch. Anything else takes the full path: another array, stream or scale, NumPy inputs (copied
     at every call: their name's entry is dropped), or a capture (its arguments do not settle). The
     token count is the recorded call's, as the arguments' shapes were: like the boundary's settled
     entries, this trusts our own arrays (and any, under producer_order="stream") not to change their
     shape or memory in place; a PyTorch, CuPy or JAX argument is asked again what its probe answered
-    (pyhipa2a.producers: pointer, shape, strides, type, and a producer stream that is still none or
-    the call's). Streams are compared as the object's own view of them (one per handle), so a handle
+    (pyhipa2a.producers: pointer, shape, strides, type, and the same producer stream as then). Streams are compared as the object's own view of them (one per handle), so a handle
     given as an int repeats."""
 
-    __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks")
+    __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks", "waits")
 
     def __init__(self, args: tuple, names: tuple, entries: tuple, boundary, tokens: int, prepared):
         self.args, self.names, self.entries, self.boundary = args, names, entries, boundary
         self.tokens, self.prepared = tokens, prepared
         # PyTorch, CuPy and JAX arguments: their producers' answers, asked again at every repeat
         self.rechecks = tuple((entry.recheck, entry.obj) for entry in entries if entry.recheck is not None)
+        # and the producer streams they named, other than the call's: waited for at every repeat
+        self.waits = tuple(dict.fromkeys(entry.wait for entry in entries if entry.wait is not None))
+
+    def wait_for_producers(self, order, stream) -> None:
+        """Queue the repeated call after its arguments' producers (after StreamOrder.follow)."""
+        for producer in self.waits:
+            order.wait_for_producer(producer, stream)
 
     @classmethod
     def of(cls, args: tuple, names: tuple, boundary, tokens: int, prepared=None):
@@ -668,6 +674,7 @@ class AllToAll:
         repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
         if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args):
             self._follow(s)
+            repeat.wait_for_producers(self._order, s)
             result = self._launch_dispatch(s, repeat.tokens, weights)
             self._repeat_dispatch = repeat
             return result
@@ -726,6 +733,7 @@ class AllToAll:
         repeat, self._repeat_combine = self._repeat_combine, None  # a call that fails records nothing
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args):
             self._follow(s)
+            repeat.wait_for_producers(self._order, s)
             self._repeat_combine = repeat
             return repeat.prepared
         if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then

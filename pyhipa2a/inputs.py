@@ -72,9 +72,10 @@ class Described:
 
 
 class Settled(NamedTuple):
-    """A use of an argument that needs no work at the next use with the same object, stream, shape and
-    type (and, with a Recheck, its producer's same answers): nothing to ask the producer's protocol,
-    nothing to wait for."""
+    """A use of an argument that the next use with the same object, stream, shape and type (and, with a
+    Recheck, its producer's same answers) repeats without asking the producer's protocol: at most a
+    wait for the producer's stream, `wait`, which a PyTorch or CuPy array written on another stream
+    than the call's needs at every use (AllToAll(stream="own"), the default)."""
     obj: object
     stream: object
     want_shape: tuple
@@ -82,12 +83,13 @@ class Settled(NamedTuple):
     ptr: int
     keep: object
     recheck: object  # a Recheck, or None
+    wait: object     # the stream (one of the order's objects) each use waits for, or None
 
 
 class Recheck:
     """What a settled PyTorch, CuPy or JAX array must still answer at its next use (pyhipa2a.producers):
-    the key of its description, and the producer stream it had then (None, or the call's own stream:
-    a settled use waits for nothing)."""
+    the key of its description, and the producer stream it named then (None, the call's own stream,
+    or the one the settled use waits for)."""
     __slots__ = ("probe", "key", "stream")
 
     def __init__(self, probe, key: tuple, stream):
@@ -222,6 +224,8 @@ class Boundary:
         if (settled is not None and settled.obj is obj and settled.stream is stream and settled.want_shape == want_shape
                 and settled.want_dtype is want_dtype and not capturing
                 and (settled.recheck is None or settled.recheck.holds(obj))):
+            if settled.wait is not None:
+                self.order.wait_for_producer(settled.wait, stream)
             return settled.ptr, settled.keep
         if isinstance(obj, np.ndarray):
             self._settled.pop(name, None)  # copied at every use: this name's last use is no longer settled
@@ -241,33 +245,39 @@ class Boundary:
         keep = obj if d.keepalive is None else d.keepalive
         if producer is not None:
             self.order.wait_for_producer(producer, stream)
-        # Settled: the next use of the same object on the same stream needs nothing asked and no wait
-        # (a PyTorch, CuPy or JAX array: nothing but its probe's answers, which must be the same again).
-        # Not a DLPack export asked each call for its ordering, nor an array whose producer is another stream.
-        no_wait = producer is None or self.order.same_stream(producer, stream)
-        recheck = None
-        if not capturing and self.ask_producers and no_wait and d.protocol != OWN:
-            recheck = self._recheck(self._cache[name], obj, producer, stream)
-        if not capturing and (not self.ask_producers or (no_wait and (d.protocol == OWN or recheck is not None))):
-            self._settled[name] = Settled(obj, stream, want_shape, want_dtype, d.ptr, keep, recheck)
+        # Settled: the next use of the same object on the same stream needs nothing asked: our own arrays
+        # whose stream is the call's; a PyTorch, CuPy or JAX array nothing but its probe's answers, which
+        # must be the same again, and the wait for the stream they name where that is not the call's.
+        # Not a DLPack export asked each call for its ordering, nor one of our arrays on another stream.
+        recheck = wait = None
+        if not capturing and self.ask_producers and d.protocol != OWN:
+            recheck, wait = self._recheck(self._cache[name], obj, producer, stream)
+        if not capturing and (not self.ask_producers or recheck is not None
+                              or (d.protocol == OWN and (producer is None or self.order.same_stream(producer, stream)))):
+            self._settled[name] = Settled(obj, stream, want_shape, want_dtype, d.ptr, keep, recheck, wait)
         else:
             self._settled.pop(name, None)
         return d.ptr, keep
 
     def _recheck(self, cached: Cached, obj, producer, stream):
-        """The Recheck under which a probed argument, used now with no wait, settles; None: it does not
-        (no probe; or a first description, whose DLPack export ordered the producer, while the
-        producer's stream is another than the call's: the next use must wait for it)."""
-        if cached.probe is None:
-            return None
-        if producer is None:  # (described afresh, or a JAX array): what its probe will answer next time
-            try:
-                producer = cached.probe.stream(obj)
-            except Exception:
-                return None
-            if producer is not None and not self.order.same_stream(producer, stream):
-                return None
-        return Recheck(cached.probe, cached.probe_key, producer)
+        """(Recheck, wait) under which a probed argument settles: what its probe must answer at the next
+        use, and the stream that use waits for (None: the call's own, or none); (None, None): it does
+        not settle (no probe; a probe that raises or names another stream than the protocol did; or a
+        JAX array used on another stream than its first export's, which names none to recheck)."""
+        if cached.probe is None or not (producer is None or isinstance(producer, int)):
+            return None, None
+        try:
+            named = cached.probe.stream(obj)  # (a first description's DLPack export: what it names from now on)
+        except Exception:
+            return None, None
+        if producer is not None and named != producer:
+            return None, None
+        wait = None
+        if named is not None and not self.order.same_stream(named, stream):
+            wait = self.order.stream_of(self.order.runtime_handle(named))
+            if wait is None:
+                return None, None
+        return Recheck(cached.probe, cached.probe_key, named), wait
 
     def settled(self, name: str):
         """The settled entry of argument `name` (None: its last use needed, or its next use will need,

@@ -495,9 +495,29 @@ def test_a_probed_array_that_needs_no_wait_settles_and_is_asked_again_at_every_u
     t.ptr = 0x2000  # new memory behind the same tensor: the settled entry no longer holds
     assert not b.settled("x")[6].holds(t)
     assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000 and len(t.asked) == 2
-    current[0] = 0x55  # PyTorch's current stream is no longer the call's: a wait, and nothing settled
+    current[0] = 0x55  # PyTorch's current stream is no longer the call's: a wait, settled with it
     assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x2000
-    assert backend.waits == [(0x55, OURS)] and b.settled("x") is None
+    assert backend.waits == [(0x55, OURS)] and b.settled("x").wait == 0x55
+
+
+def test_a_probed_array_on_another_stream_settles_with_a_wait_at_every_use(monkeypatch):
+    """A PyTorch tensor written on PyTorch's current stream, used by calls on our own stream (the default
+    AllToAll(stream="own")): every use waits for that stream on the device, and nothing else is asked
+    but the probe (the full path cost 20 us of Python a call on two H100s). A wait is made once a call
+    for a producer its arguments share, and a changed answer takes the full path again."""
+    current = [0x55]
+    fake_torch(monkeypatch, current)
+    b, backend = boundary()
+    x, w = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4))
+    for _ in range(4):
+        assert take_in_call(b, "x", x, (2, 4), np.float16)[0] == 0x1000
+        assert b.take("w", w, (2, 4), np.float16, OURS)[0] == 0x1800
+    assert x.asked == [OURS] and w.asked == [OURS]  # exported once each: that ordered the first call
+    assert backend.waits == [(0x55, OURS)] * 3  # then one wait a call, shared by x and w
+    assert b.settled("x").wait == 0x55 and b.settled("w").wait == 0x55
+    current[0] = OURS  # PyTorch now writes on the call's stream: nothing to wait for, settled without
+    assert take_in_call(b, "x", x, (2, 4), np.float16)[0] == 0x1000
+    assert b.settled("x").wait is None and len(backend.waits) == 3
 
 
 def test_a_probe_that_raises_leaves_the_array_to_its_protocol(monkeypatch):
@@ -549,3 +569,27 @@ def test_a_repeated_call_asks_its_probed_arguments_again(monkeypatch):
     current[0] = OURS
     t.data_ptr = lambda: (_ for _ in ()).throw(RuntimeError("storage gone"))
     assert not record.holds((t, OURS))  # a probe that raises holds nothing (and raises nothing)
+
+
+def test_a_repeated_call_waits_for_its_arguments_producers_again(monkeypatch):
+    """A repeat of a call whose PyTorch arguments were written on another stream than the call's makes
+    that stream's wait again (once for arguments that share it), and holds only while the probe still
+    names that stream."""
+    from pyhipa2a.a2a import Repeat
+    current = [0x55]
+    fake_torch(monkeypatch, current)
+    b, backend = boundary()
+    x, i = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32")
+    take_in_call(b, "x", x, (2, 4), np.float16)
+    b.take("indices", i, (2, 4), np.int32, OURS)
+    take_in_call(b, "x", x, (2, 4), np.float16)  # (the first use's export ordered it; this one waits)
+    b.take("indices", i, (2, 4), np.int32, OURS)
+    record = Repeat.of((x, i, OURS), ("x", "indices"), b, 2)
+    assert record is not None and record.holds((x, i, OURS)) and record.waits == (0x55,)
+    waited = len(backend.waits)
+    for _ in range(2):
+        b.order.follow(OURS)
+        record.wait_for_producers(b.order, OURS)
+    assert backend.waits[waited:] == [(0x55, OURS)] * 2
+    current[0] = 0x66
+    assert not record.holds((x, i, OURS))  # another producer stream: the full path, which waits for it
