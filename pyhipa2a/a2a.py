@@ -176,14 +176,15 @@ class Repeat:
     """A call that the next one may repeat without its checks. It holds the last call's arguments
     (compared by identity) and what that call worked out, and exists only when every device argument
     had settled at the boundary (pyhipa2a.inputs: nothing to ask; at most a wait for a producer's
-    stream, made again at every repeat). A loop that hands over the same arrays again (the usual case)
-    then costs a few identity checks, those waits and the launch. Anything else takes the full path: another array, stream or scale, NumPy inputs (copied
-    at every call: their name's entry is dropped), or a capture (its arguments do not settle). The
-    token count is the recorded call's, as the arguments' shapes were: like the boundary's settled
-    entries, this trusts our own arrays (and any, under producer_order="stream") not to change their
-    shape or memory in place; a PyTorch, CuPy or JAX argument is asked again what its probe answered
-    (pyhipa2a.producers: pointer, shape, strides, type, and the same producer stream as then). Streams are compared as the object's own view of them (one per handle), so a handle
-    given as an int repeats."""
+    stream, made again at every repeat). A loop that hands over the same arrays again (the usual
+    case) then costs a few identity checks, those waits and the launch. Anything else takes the full
+    path: another array, stream or scale, NumPy inputs (copied at every call: their name's entry is
+    dropped), or a capture (its arguments do not settle). The token count is the recorded call's, as
+    the arguments' shapes were: like the boundary's settled entries, this trusts our own arrays (and
+    any, under producer_order="stream") not to change their shape or memory in place; a PyTorch, CuPy
+    or JAX argument is asked again what its probe answered (pyhipa2a.producers: pointer, shape,
+    strides, type, and the same producer stream as then). Streams are compared as the object's own
+    view of them (one per handle), so a handle given as an int repeats."""
 
     __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks", "waits")
 

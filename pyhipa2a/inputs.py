@@ -34,9 +34,11 @@ device of the new export), or, for PyTorch, CuPy and JAX arrays, while their
 own attributes say the same pointer, shape, strides and type (pyhipa2a.producers:
 their protocols cost tens of microseconds a call; the probe asks the producer's
 current stream instead, which is what their protocols wait for). An argument
-whose use needs no wait settles: its next use with the same object, stream,
-shape and type costs an identity check (our own arrays), or that and its probe's
-same answers (a `Recheck`: PyTorch, CuPy, JAX). With producer_order="stream"
+settles when its next use with the same object, stream, shape and type needs
+nothing asked: an identity check (our own arrays on the call's stream), or that
+and its probe's same answers (a `Recheck`: PyTorch, CuPy, JAX), with the wait
+for the stream the probe names where that is not the call's (`Settled.wait`,
+made at every use). With producer_order="stream"
 nothing is asked, so an object that changes its memory in place (a tensor
 resized in place) must not be passed again as the same object.
 """
@@ -83,7 +85,7 @@ class Settled(NamedTuple):
     ptr: int
     keep: object
     recheck: object  # a Recheck, or None
-    wait: object     # the stream (one of the order's objects) each use waits for, or None
+    wait: object     # the producer's stream each use waits for, as its probe spells it (an int), or None
 
 
 class Recheck:
@@ -274,14 +276,14 @@ class Boundary:
             return None, None
         wait = None
         if named is not None and not self.order.same_stream(named, stream):
-            wait = self.order.stream_of(self.order.runtime_handle(named))
-            if wait is None:
+            if self.order.stream_of(self.order.runtime_handle(named)) is None:  # (a stream the backend cannot name)
                 return None, None
+            wait = named  # (spelled as the full path's producer, so that a call waits for it once: wait_for_producer)
         return Recheck(cached.probe, cached.probe_key, named), wait
 
     def settled(self, name: str):
         """The settled entry of argument `name` (None: its last use needed, or its next use will need,
-        more than an identity check). A caller may keep it and compare with `is` later: an entry is
+        more than an identity check, its probe's answers and its producer's wait). A caller may keep it and compare with `is` later: an entry is
         replaced, never changed, so the same entry means nothing about the argument's use changed."""
         return self._settled.get(name)
 

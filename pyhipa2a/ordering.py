@@ -52,7 +52,8 @@ class StreamOrder:
 
     def wait_for_producer(self, producer, stream) -> None:
         """Queue the use of an input on `stream` after its producer's writes: `producer` is one of our
-        streams (a DeviceArray's) or a foreign stream handle (an int a __cuda_array_interface__ names).
+        streams (a DeviceArray's) or a foreign stream handle (an int, as a __cuda_array_interface__ or a
+        producer's probe names it).
         Once per producer and stream in a call: its inputs usually share one producer, and nothing can
         be queued on it between them."""
         for p, s in self._producers_waited:

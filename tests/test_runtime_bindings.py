@@ -149,7 +149,7 @@ def test_activate_switches_back_only_when_another_device_is_current(rt, monkeypa
                                                                 (ok,))[-1])
         monkeypatch.setattr(mod, "driver", fake)
     else:
-        backend.current_device = ours
+        backend._opened = ours
         fake = types.SimpleNamespace(hipGetDevice=lambda: (ok, current[0]),
                                      hipSetDevice=lambda d: (calls.append(d), current.__setitem__(0, d), (ok,))[-1])
         monkeypatch.setattr(mod, "hip", fake)
@@ -178,6 +178,36 @@ def test_calls_that_make_device_bound_things_activate_first(rt, call, args):
     backend = _bare_backend(mod, activate)
     with pytest.raises(_Activated):
         getattr(backend, call)(*args)
+
+
+def test_a_kept_capture_is_instantiated_in_our_context(rt):
+    """The captured step may leave another library's context current (its own arrays' work): the
+    executable graph is made after activate()."""
+    mod, _, _, _ = rt
+    calls = []
+    backend = _bare_backend(mod, lambda: calls.append("activate"))
+    backend._call = lambda role, *args: calls.append(role)
+    stream = backend.stream_from_handle(0x1234)
+    backend.capture_end(stream)
+    assert calls == ["stream_end_capture", "activate", "graph_instantiate", "graph_destroy"], calls
+    calls.clear()
+    backend.capture_end(stream, keep=False)  # discarded: nothing made
+    assert calls == ["stream_end_capture", "graph_destroy"], calls
+
+
+def test_activate_before_a_device_is_opened_does_nothing(rt, monkeypatch):
+    """A direct user of the backend who chose a device before opening one is not switched to device 0
+    by the calls that activate."""
+    mod, _, _, _ = rt
+    backend = _bare_backend(mod)
+    del backend.activate  # the real one
+    if mod is cuda_rt:
+        backend._context = None
+        monkeypatch.setattr(mod, "driver", None)  # any binding call would fail
+    else:
+        backend._opened = None
+        monkeypatch.setattr(mod, "hip", None)
+    backend.activate()
 
 
 def _library_missing_error(mod, binding):

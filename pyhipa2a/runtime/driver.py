@@ -201,7 +201,10 @@ class DriverBackend(Backend):
         self._capturing.discard(self.stream_handle(stream))
         graph = self._call("stream_end_capture", stream)
         try:
-            return self._call("graph_instantiate", graph, 0) if keep else None
+            if not keep:
+                return None
+            self.activate()  # the executable graph is made in the current context: ours, whatever the step left
+            return self._call("graph_instantiate", graph, 0)
         finally:
             self._call("graph_destroy", graph)  # the executable graph does not need its template
 

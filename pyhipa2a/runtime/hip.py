@@ -117,6 +117,7 @@ class HipBackend(DriverBackend):
         super().__init__()
         _load()
         _check(hip.hipInit(0), "hipInit")
+        self._opened = None  # the device open_device made current: what activate() switches back to
 
     # -- device -------------------------------------------------------------
     def device_count(self) -> int:
@@ -125,6 +126,7 @@ class HipBackend(DriverBackend):
     def open_device(self, index: int) -> DeviceInfo:
         self.current_device = index
         _check(hip.hipSetDevice(index), "hipSetDevice")
+        self._opened = index
         props = _check(hip.hipGetDeviceProperties(index), "hipGetDeviceProperties")
         return DeviceInfo(
             name=_text(props.name),
@@ -141,9 +143,11 @@ class HipBackend(DriverBackend):
         return ("hip", self.current_device) if getattr(self, "current_device", None) is not None else None
 
     def activate(self) -> None:
+        if self._opened is None:  # no device opened yet: nothing of ours to make current
+            return
         current = hip.hipGetDevice()
-        if current[0] or current[1] != self.current_device:
-            _check(hip.hipSetDevice(self.current_device), "hipSetDevice")
+        if current[0] or current[1] != self._opened:
+            _check(hip.hipSetDevice(self._opened), "hipSetDevice")
 
     # -- memory -------------------------------------------------------------
     def malloc_ipc(self, nbytes: int) -> int:
