@@ -283,8 +283,9 @@ class Boundary:
 
     def settled(self, name: str):
         """The settled entry of argument `name` (None: its last use needed, or its next use will need,
-        more than an identity check, its probe's answers and its producer's wait). A caller may keep it and compare with `is` later: an entry is
-        replaced, never changed, so the same entry means nothing about the argument's use changed."""
+        more than an identity check, its probe's answers and its producer's wait). A caller may keep it
+        and compare with `is` later: an entry is replaced, never changed, so the same entry means
+        nothing about the argument's use changed."""
         return self._settled.get(name)
 
     def describe(self, name: str, obj, want_dtype, stream, capturing: bool):
