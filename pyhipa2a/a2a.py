@@ -476,6 +476,9 @@ class AllToAll:
         self._last_scale = (1.0, 1.0)  # combine's expert_scale as given, and as checked (float32)
         self._order = StreamOrder(self.backend, self.stream)  # calls across streams, inputs after producers
         self._boundary = Boundary(self.backend, heap.device.index, self._order, self.producer_order)
+        # stream="current": the device whose library streams a call follows; None on the host backend,
+        # whose arrays live in host memory, where no library's stream means anything
+        self._library_device = None if self.backend.kind == "host" else heap.device.index
         self._expert_y_views: dict = {}  # expert_y_buffer() naming other streams (see _expert_y_on)
         bounded_barrier(heap.comm, self.timeout, "AllToAll setup")
 
@@ -614,9 +617,9 @@ class AllToAll:
         input on our device that names one (pyhipa2a.producers: PyTorch's, CuPy's); else the last call's
         stream (our own before the first), so that calls on our own arrays stay in the order of the
         calls around them."""
-        if self.backend.kind == "host":  # (host arrays: no library's stream means anything there)
+        device = self._library_device
+        if device is None:
             return self._order.latest()
-        device = self.heap.device.index
         for obj in inputs:
             probe = producers.stream_source(obj)
             try:

@@ -465,7 +465,7 @@ def test_calls_on_the_current_stream_take_the_first_input_that_names_one(monkeyp
     fake_torch(monkeypatch, current)
     order = StreamOrder(FakeCuda(), OURS)
 
-    me = SimpleNamespace(_order=order, heap=SimpleNamespace(device=SimpleNamespace(index=0)), backend=FakeCuda())
+    me = SimpleNamespace(_order=order, _library_device=0)  # (what AllToAll sets up on device 0 of a GPU backend)
 
     def pick(*inputs):
         return AllToAll._current_stream_of(me, inputs)
