@@ -256,7 +256,7 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   const u64 stride = (u64)H * 4u;
   __shared__ u32 pre[A2A_PREFIX_WORDS];
   source_prefix(x, 0u, pre, false, g);  // the headers came with dispatch
-  const u32 pushed = pre[x.W + 1], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
+  const u32 pushed = pre[x.W + 3], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
   const u32 per_part = pre[x.W + 2] * peers * S;
   for (u32 item = first_item(g, g.warps_per_block); item < per_part * Q; item += g.warps) {
     a2a_wave_sync();  // the scratch is rewritten for this item
@@ -304,7 +304,8 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
                     sym<u8>(x.h, (int)me, x.a.off_contrib) + ((u64)src * x.M + t) * stride, e_begin, e_end, g.lane);
     a2a_wave_sync();
     if (g.lane == 0)  // the data stays here, the flag goes to the owner
-      a2a_store_release_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg, x.epoch);
+      a2a_publish_own_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg, x.epoch,
+                          x.a.gpu_fence_publish);
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
   }
 }
@@ -402,7 +403,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   const bool vec = H % 8u == 0 && (((u64)out | (u64)expert_y) & 15u) == 0;
   // Our dispatch's choice, from the header it left in our own inbox.
   const u64* own_header = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + me;
-  const bool pushed = ((u32)a2a_load_relaxed_sys_u64(own_header) & A2A_PUSHED) != 0;
+  const bool pushed = ((u32)a2a_load_relaxed_sys_u64(own_header) & A2A_PUSHED_BACK) != 0;
   for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S * Q; item += g.warps) {
     u32 seg;
     const u32 t = quot_rem(x.a.div_nseg, item / Q, seg);

@@ -12,9 +12,11 @@
 //      dispatch follow their slots' routing words (to the expert's rank and
 //      to our own w_in), so combine sends none;
 //   2. send: each token that another rank needs is either staged, segment
-//      by segment, in our own symmetric heap, each segment's flag released
-//      into the memory of every rank that needs it, or, in a pushed call
-//      (below), written straight into those ranks' inboxes;
+//      by segment, in our own symmetric heap, each segment's flag published
+//      into the memory of every rank that needs it (portability.h:
+//      a2a_publish_own_sys), or, in a pushed call (below) whose flags would
+//      need a system-scope release, written straight into those ranks'
+//      inboxes;
 //   3. receive: one warp per segment of each (source, token) takes the
 //      routing row and the counts of the chunks before the token's (all
 //      sent at the start, so they are usually in), works out its rows --
@@ -167,7 +169,7 @@ A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid
     a2a_wave_sync();
     if (g.lane < x.W && (peers >> g.lane & 1u)) {  // (a 64-lane wave must not shift by 32 or more)
       u32* flag = sym<u32>(x.h, (int)g.lane, x.a.off_stage_flag) + (((u64)x.parity * x.W + me) * x.M + t) * S + seg;
-      a2a_store_release_sys(flag, x.epoch);
+      a2a_publish_own_sys(flag, x.epoch, x.a.gpu_fence_publish);
     }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_STAGE, t0, me | t << 8);
   }
@@ -414,8 +416,11 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
   // Pushed words are read 4 bytes at a time (the host only enables pushing
-  // for rows that are whole words).
-  const bool push = (u32)c.num_tokens <= a.push_max_tokens && (X != A2A_X_COPY || (c.x & 3u) == 0);
+  // for rows that are whole words). A pushed call pushes its tokens too
+  // unless its flags follow a GPU-scope fence (exchange.h: A2A_PUSHED_TOKENS).
+  const bool push_back = (u32)c.num_tokens <= a.push_max_tokens && (X != A2A_X_COPY || (c.x & 3u) == 0);
+  const bool push = push_back && !a.gpu_fence_publish;
+  const u32 header = (u32)c.num_tokens | (push ? A2A_PUSHED_TOKENS : 0u) | (push_back ? A2A_PUSHED_BACK : 0u);
   // A node's part of a multi-node call whose exchange between nodes timed out (reported before
   // this kernel, by hier_localize) sends nothing: its node's ranks then time out naming this rank
   // instead of taking a call that silently lacks another node's tokens.
@@ -423,14 +428,14 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   if (!refused) {
     if (a2a_block() == 0 && a2a_thread() < x.W)
       a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,
-                                a2a_tag((u32)c.num_tokens | (push ? A2A_PUSHED : 0u), x.epoch));
+                                a2a_tag(header, x.epoch));
     for (u32 chunk = a2a_block(); chunk < route_chunks(x); chunk += a2a_grid_dim()) route(x, c, g, chunk);
     if (push)
       push_tokens<X>(x, c, g);
     else
       stage_tokens<X>(x, c, g);
     __shared__ u32 pre[A2A_PREFIX_WORDS];
-    const bool ok = source_prefix(x, (u32)c.num_tokens | (push ? A2A_PUSHED : 0u), pre, true, g);
+    const bool ok = source_prefix(x, header, pre, true, g);
     if (ok) publish_counts(x, g);
     if (ok) fan_out<X>(x, c, g, pre);
   }

@@ -15,8 +15,12 @@
 // most push_max_tokens tokens instead pushes its tokens, and later receives
 // its contributions, as tagged words (value and epoch in one 8-byte word,
 // like the headers): one crossing, no fence, no flag, at twice the bytes.
-// The sender's choice travels in its token-count header (A2A_PUSHED), so the
-// receivers of its tokens and the contributors to its tokens follow it.
+// Where a flag over pulled data follows a GPU-scope fence (gpu_fence_publish:
+// no system-scope release on the path) pulled tokens arrive sooner than
+// pushed ones at every size measured, so such a call pushes only its
+// contributions back. The sender's choices travel in its token-count header
+// (A2A_PUSHED_TOKENS, A2A_PUSHED_BACK), so the receivers of its tokens and the
+// contributors to its tokens follow them.
 //
 // Flags and tagged words carry the call's epoch (never 0), so nothing is
 // reset between calls. Headers, staged and pushed tokens alternate by epoch
@@ -86,7 +90,8 @@ struct A2AArgs {
                            // once this rank's status holds an error (a failed exchange between nodes)
   u32 region_tokens;       // R > 0: token t of source s came from rank (t / R) * W + s, as its token t % R
                            // (a node's part of a multi-node call: regions of R tokens, one per node)
-  u32 pad;
+  u32 gpu_fence_publish;   // 1: a flag over data left in our own memory follows a GPU-scope fence,
+                           // not a system-scope release (portability.h: a2a_publish_own_sys)
   u64 timeout_ns;
   // The call's fixed divisors (pyhipa2a/kernels.py: divisor), for quot/rem below.
   Divisor div_k;           // top_k
@@ -147,7 +152,7 @@ A2A_DEVICE u32 read_epoch(const A2AArgs& a, bool dispatch) {
 #define A2A_MAX_WARPS_PER_BLOCK 32
 #define A2A_MAX_BLOCK_THREADS 512  // MAX_BLOCK_THREADS in pyhipa2a/a2a.py
 #define A2A_MAX_WORLD 32
-#define A2A_PREFIX_WORDS (A2A_MAX_WORLD + 3)  // source_prefix's table
+#define A2A_PREFIX_WORDS (A2A_MAX_WORLD + 4)  // source_prefix's table
 #define A2A_MAX_GRID 4096u  // blocks of an exchange kernel's launch (MAX_GRID_BLOCKS in pyhipa2a/a2a.py)
 #define A2A_CHUNKS 4  // 8-element chunks per lane whose loads are issued together
 
@@ -393,9 +398,14 @@ A2A_DEVICE Segment segment(const Ctx& x, u32 seg, u32 row_bytes, u32 itemsize) {
 }
 
 
-// Count header bit: the source pushes this call's tokens (and receives its
-// contributions pushed); without it they are staged and pulled.
-#define A2A_PUSHED 0x80000000u
+// Count header bits: the source pushes this call's tokens (without it they
+// are staged and pulled), and it takes its contributions pushed back
+// (without it they are left for it to pull). A pushed call has the second;
+// it has the first too unless its flags over pulled data follow a GPU-scope
+// fence (gpu_fence_publish), with which its pulled tokens arrive sooner.
+#define A2A_PUSHED_TOKENS 0x80000000u
+#define A2A_PUSHED_BACK 0x40000000u
+#define A2A_HEADER_COUNT(h) ((h) & ~(A2A_PUSHED_TOKENS | A2A_PUSHED_BACK))
 
 // A step's items start at warp `first` and wrap around the grid. Steps start
 // at different warps, so on small calls they run side by side instead of
@@ -449,7 +459,8 @@ A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u
 
 // Token counts of every source as a prefix: pre[src] = tokens of sources
 // before src, pre[W] = all of them, pre[W + 1] the mask of sources that
-// push and pre[W + 2] the most tokens of any source; `pre` is the block's
+// push their tokens, pre[W + 2] the most tokens of any source and pre[W + 3]
+// the mask of sources that take their contributions pushed back; `pre` is the block's
 // (shared memory, A2A_PREFIX_WORDS), every warp of the block calls.
 // Warp 0's lane r waits for r's header (when `wait`: dispatch, where our own
 // is `my_header`; combine reads every header, ours too, as dispatch left
@@ -479,16 +490,18 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
     }
     a2a_wave_sync();
     if (lane == 0) {
-      u32 pushed = 0, most = 0;
+      u32 pushed = 0, pushed_back = 0, most = 0;
       pre[0] = 0;
       for (u32 r = 1; r <= x.W; ++r) {
-        const u32 n = (pre[r] & ~A2A_PUSHED) < x.M ? pre[r] & ~A2A_PUSHED : x.M;
-        if (pre[r] & A2A_PUSHED) pushed |= 1u << (r - 1u);
+        const u32 n = A2A_HEADER_COUNT(pre[r]) < x.M ? A2A_HEADER_COUNT(pre[r]) : x.M;
+        if (pre[r] & A2A_PUSHED_TOKENS) pushed |= 1u << (r - 1u);
+        if (pre[r] & A2A_PUSHED_BACK) pushed_back |= 1u << (r - 1u);
         pre[r] = pre[r - 1] + n;
         most = n > most ? n : most;
       }
       pre[x.W + 1] = pushed;
       pre[x.W + 2] = most;
+      pre[x.W + 3] = pushed_back;
     }
   }
   a2a_block_sync();

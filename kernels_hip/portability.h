@@ -58,6 +58,13 @@ A2A_DEVICE void a2a_store_release_sys(u32* p, u32 v) {
 A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
   return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+// Publish data left in OUR memory to a peer polling `p` (see the NVIDIA twin). A peer on another
+// GPU reads coarse-grained memory without going through our L2, so AMD keeps the system-scope
+// release: `gpu_fence` is not honoured here.
+A2A_DEVICE void a2a_publish_own_sys(u32* p, u32 v, u32 gpu_fence) {
+  (void)gpu_fence;
+  a2a_store_release_sys(p, v);
+}
 // Within this device only (a kernel's blocks handing over to each other).
 A2A_DEVICE void a2a_store_release_dev(u32* p, u32 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
@@ -134,6 +141,22 @@ A2A_DEVICE void a2a_store_release_sys(u32* p, u32 v) {
 }
 A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
   u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+// Publish data that this thread wrote into OUR OWN memory to a peer that polls `p` and then reads
+// that data over the link. With `gpu_fence` (the host sets it for sm_90: A2AArgs.gpu_fence_publish)
+// the data is ordered before the flag by a GPU-scope fence, not a system-scope release: a peer
+// reads our memory through our own L2, which a GPU-scope fence has already made hold the data,
+// and the flag store leaves only after that fence. This is outside PTX's formal model (a release
+// must be at system scope to synchronize with another GPU's acquire), in the way NCCL's LL128
+// relies on NVLink behaviour for the architectures it enables it on; it saves a MEMBAR.SYS:
+// 1.1 us of the 2.9 us a published 14 KiB segment took to be seen on two H100s (probe vis2,
+// PERFORMANCE.md, twenty-first session). Data written into a PEER's memory still needs
+// a2a_store_release_sys.
+A2A_DEVICE void a2a_publish_own_sys(u32* p, u32 v, u32 gpu_fence) {
+  if (gpu_fence)
+    asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  else
+    a2a_store_release_sys(p, v);
 }
 A2A_DEVICE void a2a_store_release_dev(u32* p, u32 v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");

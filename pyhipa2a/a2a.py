@@ -67,6 +67,17 @@ DEFAULT_PUSH_BYTES = 768 * 1024
 # over its warps); PYHIPA2A_COMBINE_KERNEL=small|bulk forces one (benchmarks, tests).
 SMALL_COMBINE_ITEMS_PER_WARP = 1
 COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
+# A flag over a segment that its sender left in its own memory for a peer to read (dispatch's staged
+# tokens, combine's pulled contributions) follows a GPU-scope fence on these architectures, where a
+# peer reads that memory through the sender's L2, and a system-scope release elsewhere
+# (kernels_hip/portability.h: a2a_publish_own_sys; PERFORMANCE.md, twenty-first session: 1.1 us a
+# flag on two H100s). With the fence, pulled tokens arrive sooner than pushed ones at every size
+# measured, so a pushed call then pushes only its contributions back (exchange.h: A2A_PUSHED_TOKENS).
+# PYHIPA2A_PUBLISH=system keeps the system-scope release and pushed tokens everywhere; =gpu-fence
+# takes the fence's protocol anywhere (AMD's kernels keep their system-scope release: tests, the
+# host backend).
+GPU_FENCE_PUBLISH_ARCHS = ("sm_90",)
+PUBLISH_CHOICES = ("auto", "system", "gpu-fence")
 STREAM_CHOICES = ("own", "current")  # AllToAll(stream=...): where calls given no stream= run
 
 
@@ -456,6 +467,8 @@ class AllToAll:
         # Both exchange kernels walk items of (token, rank, segment) over up to M * W * S of them.
         self.exchange_blocks = self._blocks_filled(self.nseg, self.warps_per_block)
         self._small_combine, self.small_combine_tokens = self._small_combine_kernel(heap.device, out16, bulk_per_mp)
+        self.gpu_fence_publish = self._publish_with_gpu_fence(heap.device.arch)
+        self.push_tokens = not self.gpu_fence_publish  # whether a pushed call pushes its tokens too
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
         self._scale_pack = self._scale_kernel.pack()
@@ -552,6 +565,15 @@ class AllToAll:
                 f"region_tokens)",
                 ranks=differ)
 
+    @staticmethod
+    def _publish_with_gpu_fence(arch: str) -> bool:
+        """Whether flags over data left in the sender's own memory follow a GPU-scope fence
+        (GPU_FENCE_PUBLISH_ARCHS) rather than a system-scope release."""
+        choice = os.environ.get("PYHIPA2A_PUBLISH", "auto")
+        if choice not in PUBLISH_CHOICES:
+            raise ValueError(f"PYHIPA2A_PUBLISH must be one of {', '.join(PUBLISH_CHOICES)}; got {choice!r}")
+        return choice == "gpu-fence" or (choice == "auto" and arch in GPU_FENCE_PUBLISH_ARCHS)
+
     def _fill_args(self, a: A2AArgs) -> None:
         heap, off = self.heap, lambda name: heap.offset_of(self.buf[name].ptr)
         a.heap.bases, a.heap.rank, a.heap.world = heap.bases_ptr, heap.rank, heap.world
@@ -577,6 +599,7 @@ class AllToAll:
         a.div_chunk, a.div_chunks = divisor(a.route_chunk), divisor(route_chunks(self.top_k, self.max_tokens))
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
+        a.gpu_fence_publish = int(self.gpu_fence_publish)
         a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens
         a.trap_on_timeout = int(self.on_timeout == "trap")
         # At most 2^62 ns (146 years): the kernels add it to a clock twice (the deadline, and the

@@ -9,8 +9,9 @@ expert's rank), and one contribution per (token, expert rank) crosses back to th
 pulls it): the raw row when that rank hosts one of the token's experts, a
 partial sum when it hosts several (fp32, or the output's format with
 narrow partials). A rank whose call has at most
-`push_max_tokens` tokens pushes instead: its tokens, and the contributions
-to them, cross as tagged words (4 bytes of data in 8). Flags (4 bytes per segment) are not counted. Used by
+`push_max_tokens` tokens pushes instead: its tokens (unless `push_tokens` is
+False: AllToAll.push_tokens), and the contributions to them, cross as tagged
+words (4 bytes of data in 8). Flags (4 bytes per segment) are not counted. Used by
 scripts/bench.py for link bandwidth and speed of light.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ TAGGED = 8  # bytes of one tagged word (value and epoch), how headers and weight
 
 
 def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_itemsize: int = 2,
-               out_itemsize: int = 2, push_max_tokens: int = 0,
+               out_itemsize: int = 2, push_max_tokens: int = 0, push_tokens: bool = True,
                narrow_partials: bool = False, count_chunks: int = 1,
                weights_at: str = "combine") -> tuple[np.ndarray, np.ndarray]:
     """(dispatch, combine): bytes each rank sends to other ranks. `count_chunks`: the route chunks whose
@@ -44,6 +45,6 @@ def link_bytes(indices: list[np.ndarray], num_experts: int, hidden: int, in_item
             if r == src:
                 continue
             n = (ranks == r).sum(axis=1)                  # experts of each token on rank r
-            dispatch[src] += widen * np.count_nonzero(n) * hidden * in_itemsize
+            dispatch[src] += (widen if push_tokens else 1) * np.count_nonzero(n) * hidden * in_itemsize
             combine[r] += widen * (np.count_nonzero(n == 1) * out_itemsize + np.count_nonzero(n > 1) * partial_itemsize) * hidden
     return dispatch, combine

@@ -336,8 +336,8 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     x_bytes = a2a.dispatch_dtype.itemsize + 4 * a2a.scale_cols / a2a.hidden  # per element, its scale's share too
     sizes = (inputs.indices, a2a.num_experts, a2a.hidden, x_bytes, a2a.out_dtype.itemsize)
     chunks = route_chunks(a2a.top_k, a2a.max_tokens)
-    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens, narrow_partials=a2a.narrow_partials,
-                                   count_chunks=chunks, weights_at=args.weights_at)
+    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens, push_tokens=a2a.push_tokens,
+                                   narrow_partials=a2a.narrow_partials, count_chunks=chunks, weights_at=args.weights_at)
     total = float(dispatch.sum() + combine.sum())
     # The speed of light moves the data alone: a pushed call's tags are our overhead, not its floor.
     data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.narrow_partials, count_chunks=chunks,
@@ -514,7 +514,8 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
           f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
     print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median; "
-          "push: ranks whose call pushed its tokens (PYHIPA2A_PUSH_MAX_TOKENS), the others staged them")
+          "push: ranks whose call was pushed (PYHIPA2A_PUSH_MAX_TOKENS: its contributions pushed back, its tokens "
+          "too where AllToAll.push_tokens), the others staged them")
     launch = next((r["launch"] for r in rows + sweep if "launch" in r), None)
     if launch:
         small = launch.get("small_combine_tokens", -1)

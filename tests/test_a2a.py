@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from pyhipa2a import AllToAll
 from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
 SHAPES = json.loads((REPO / "scripts" / "gpumode_all2all.json").read_text())
@@ -81,6 +82,38 @@ def test_transfer_modes(mode, H, backend):
     ranks = ranks_for(backend)
     run_case(CASE + "case_shape", ranks, env_backend(backend), env={"PYHIPA2A_PUSH_MAX_TOKENS": threshold},
              args=(4 * ranks, 4, H, 64, "float16", counts, "random", 2, 5))
+
+
+# Flags over data left in the sender's memory follow a GPU-scope fence on sm_90 (and with
+# PYHIPA2A_PUBLISH=gpu-fence), a system-scope release elsewhere and with =system
+# (AllToAll._publish_with_gpu_fence); with the fence a pushed call pushes only its contributions back,
+# so its tokens are pulled (exchange.h: A2A_PUSHED_TOKENS). Every protocol on every transfer mode,
+# partial sums in fp32 and narrow; "mixed" has pushed and pulled calls in one exchange.
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("publish", ["system", "gpu-fence"])
+@pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
+@pytest.mark.parametrize("narrow", ["0", "1"])
+def test_publish_modes(publish, mode, narrow, backend):
+    run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0], "PYHIPA2A_PUBLISH": publish},
+             args=(1024, "float16", "normal", narrow))
+
+
+@pytest.mark.parametrize("arch,env,expected", [("sm_90", None, True), ("sm_90", "auto", True), ("sm_90", "system", False),
+                                               ("sm_100", None, False), ("gfx942", None, False), ("host", None, False),
+                                               ("host", "gpu-fence", True), ("gfx942", "gpu-fence", True)])
+def test_publish_choice(arch, env, expected, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("PYHIPA2A_PUBLISH", raising=False)
+    else:
+        monkeypatch.setenv("PYHIPA2A_PUBLISH", env)
+    assert AllToAll._publish_with_gpu_fence(arch) is expected
+
+
+def test_publish_choice_refuses_unknown(monkeypatch):
+    monkeypatch.setenv("PYHIPA2A_PUBLISH", "gpu")
+    with pytest.raises(ValueError, match="PYHIPA2A_PUBLISH must be one of auto, system, gpu-fence"):
+        AllToAll._publish_with_gpu_fence("sm_90")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -33,6 +33,18 @@ def test_pushed_calls_double_their_data():
     assert combine[1] == 1 * 2 * 8 + 8 * 2 + 8 * 4                 # for rank 0's staged tokens, as above
 
 
+def test_pushed_calls_that_pull_their_tokens():
+    # As above, but the pushed call pulls its tokens (push_tokens=False: flags after a GPU-scope
+    # fence): only the contributions to its token cross as tagged words.
+    idx0 = np.array([[0, 1], [0, 2], [2, 3]], np.int32)
+    idx1 = np.array([[1, 3]], np.int32)
+    pushing = link_bytes([idx0, idx1], num_experts=4, hidden=8, push_max_tokens=1)
+    dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8, push_max_tokens=1, push_tokens=False)
+    assert dispatch[0] == pushing[0][0]
+    assert dispatch[1] == (1 * 2 + 1 + 2) * 8 + 1 * 8 * 2              # its token once, as staged
+    assert (combine == pushing[1]).all()                            # contributions still pushed back
+
+
 def test_narrow_partials_halve_the_partial_sums():
     # The same routing and calls as the first test. A rank hosting several of a token's experts
     # sends its partial sum in the output's format (2 bytes an element here), not fp32; raw rows,

@@ -42,7 +42,7 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
     for src in range(W):  # 2. one contribution per (peer's token, this rank) for its owner, left in our memory
         if src == me:
             continue  # our own tokens are reduced straight from expert_y
-        count, src_pushed = count_header(int(headers[src]), M)
+        count, _, src_pushed = count_header(int(headers[src]), M)  # it takes its contributions pushed
         rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
         tokens = np.flatnonzero(here.any(axis=1))
@@ -81,8 +81,8 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         v.rec.record(10, t0, src)
 
     # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their
-    # memory, or from our inbox when our dispatch pushed (its header in our own inbox says)
-    _, pushed = count_header(int(headers[me]), M)
+    # memory, or from our inbox when our dispatch asked for them pushed (its header in our own inbox says)
+    _, _, pushed = count_header(int(headers[me]), M)
     rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)
     acc = np.zeros((T, H), np.float32)

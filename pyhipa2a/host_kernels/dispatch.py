@@ -13,7 +13,7 @@ import numpy as np
 
 from ..dtypes import bfloat16
 from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_TIMEOUT, mem, tag, wait_flags, wait_tagged
-from .exchange import PUSHED, WAIT_DISPATCH, View, count_header, finish, take_epoch, valid_slots
+from .exchange import PUSHED_BACK, PUSHED_TOKENS, WAIT_DISPATCH, View, count_header, finish, take_epoch, valid_slots
 from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, route_chunk, route_chunks
 from .fp8 import quantize
 
@@ -80,7 +80,9 @@ def _dispatch(backend, a, c, v: View) -> None:
         pos = int(np.flatnonzero(bad)[0])
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
 
-    push = T <= a.push_max_tokens
+    push_back = T <= a.push_max_tokens  # a pushed call; it pushes its tokens too unless flags follow a
+    push = push_back and not a.gpu_fence_publish  # GPU-scope fence (exchange.h: A2A_PUSHED_TOKENS)
+    header = T | (PUSHED_TOKENS if push else 0) | (PUSHED_BACK if push_back else 0)
     P, words = a.push_max_tokens, a.push_token_words
     span = time.monotonic_ns()
     # 1. route, by chunks of tokens: each slot's place in its chunk, the packed routing rows to every
@@ -94,7 +96,7 @@ def _dispatch(backend, a, c, v: View) -> None:
     packed = np.where(valid, indices + E * place, NO_SLOT)
     for r in range(W):
         v.buf(r, "tok_hdr", (2, W, M, k), np.uint64)[p, me, :T] = tag(packed, v.epoch)
-        v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(T | (PUSHED if push else 0), v.epoch)
+        v.buf(r, "tok_count", (2, W), np.uint64)[p, me] = tag(header, v.epoch)
         v.buf(r, "expert_counts", (2, W, C, L), np.uint64)[p, me] = tag(sent[:, r * L:(r + 1) * L], v.epoch)
     if c.weights:  # each slot's weight to its expert's rank, and all of them to our own w_in (combine's)
         weights = tag(mem(c.weights, (T, k), np.float32).view(np.uint32), v.epoch)
@@ -131,7 +133,7 @@ def _dispatch(backend, a, c, v: View) -> None:
         t0 = time.monotonic_ns()
         n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
                         v.status, WAIT_DISPATCH, src)
-        count, pushed = count_header(int(n[0]), M) if n is not None else (0, False)
+        count, pushed, _ = count_header(int(n[0]), M) if n is not None else (0, False, False)
         hdr = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
                           v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
         src_counts = wait_tagged(counts[src], v.epoch, v.deadline, v.status, WAIT_DISPATCH, src) \

@@ -9,12 +9,16 @@ import numpy as np
 from . import STATUS_OK, STATUS_TIMEOUT, Recorder, Status, bases, mem
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
-PUSHED = 0x80000000  # count header bit: the source pushed its tokens (A2A_PUSHED)
+# Count header bits (A2A_PUSHED_TOKENS, A2A_PUSHED_BACK): the source pushed its tokens; it takes its
+# contributions pushed back.
+PUSHED_TOKENS, PUSHED_BACK = 0x80000000, 0x40000000
 
 
-def count_header(value: int, max_tokens: int) -> tuple[int, bool]:
-    """A token-count header's value: (tokens, clamped to max_tokens; whether the source pushed)."""
-    return min(value & ~PUSHED, max_tokens), bool(value & PUSHED)
+def count_header(value: int, max_tokens: int) -> tuple[int, bool, bool]:
+    """A token-count header's value: (tokens, clamped to max_tokens; whether the source pushed its
+    tokens; whether it takes its contributions pushed back)."""
+    return (min(value & ~(PUSHED_TOKENS | PUSHED_BACK), max_tokens), bool(value & PUSHED_TOKENS),
+            bool(value & PUSHED_BACK))
 
 
 class View:
