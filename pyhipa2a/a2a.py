@@ -343,8 +343,9 @@ class AllToAll:
 
     # -- construction -----------------------------------------------------------
     def _push_limit(self, requested: int | None, world: int) -> int:
-        """Calls of at most this many tokens push (0: every call stages and pulls). Pushed
-        contributions are read 8 elements a lane, so rows must be a multiple of 8 elements."""
+        """Calls of at most this many tokens push (0: every call stages and pulls): their contributions
+        come back pushed, and their tokens go pushed too where push_tokens. Pushed contributions are
+        read 8 elements a lane, so rows must be a multiple of 8 elements."""
         env = os.environ.get("PYHIPA2A_PUSH_MAX_TOKENS")
         if requested is None and env is not None:
             requested = int(env)
