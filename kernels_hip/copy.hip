@@ -13,12 +13,6 @@ extern "C" __global__ void copy_bytes(u64 dst, u64 src, u64 nbytes) {
   for (u64 i = nbytes / 16u * 16u + tid; i < nbytes; i += threads) db[i] = sb[i];
 }
 
-// The device clock (ns) now: profiling aligns every rank's timeline to the
-// host's monotonic clock through this reading.
-extern "C" __global__ void clock_probe(u64 out) {
-  if (a2a_block() == 0 && a2a_thread() == 0) *reinterpret_cast<u64*>(out) = a2a_clock_ns();
-}
-
 // Does nothing: scripts/bench.py times a graph of these, launched like the
 // exchange kernels, beside each call (what the call costs over bare launches).
 extern "C" __global__ void nothing() {}

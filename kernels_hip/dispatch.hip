@@ -415,11 +415,11 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   const Ctx x = make_ctx(a, true);
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
-  // Pushed words are read 4 bytes at a time (the host only enables pushing
-  // for rows that are whole words). A pushed call pushes its tokens too
-  // unless its flags follow a GPU-scope fence (exchange.h: A2A_PUSHED_TOKENS).
-  const bool push_back = (u32)c.num_tokens <= a.push_max_tokens && (X != A2A_X_COPY || (c.x & 3u) == 0);
-  const bool push = push_back && !a.gpu_fence_publish;
+  // A pushed call pushes its tokens too unless its flags follow a GPU-scope
+  // fence (exchange.h: A2A_PUSHED_TOKENS). Pushed words are read 4 bytes at
+  // a time (the host only enables pushing for rows that are whole words).
+  const bool push_back = (u32)c.num_tokens <= a.push_max_tokens;
+  const bool push = push_back && !a.gpu_fence_publish && (X != A2A_X_COPY || (c.x & 3u) == 0);
   const u32 header = (u32)c.num_tokens | (push ? A2A_PUSHED_TOKENS : 0u) | (push_back ? A2A_PUSHED_BACK : 0u);
   // A node's part of a multi-node call whose exchange between nodes timed out (reported before
   // this kernel, by hier_localize) sends nothing: its node's ranks then time out naming this rank

@@ -3,7 +3,7 @@
 // poisoning, warp-wide helpers, routing rows, row copies, and the table of
 // every source's token count.
 //
-// In calls that stage, bulk data is pulled, never pushed; flags are pushed.
+// Staged data is pulled, never pushed; flags are pushed.
 // A flag's release then waits only for writes to our own memory (a release
 // after bulk stores to a peer waits for every store queued on the link:
 // under load that cost tens of microseconds per flag in an earlier push

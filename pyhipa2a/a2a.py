@@ -41,7 +41,7 @@ from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTI
                       KernelLibrary, divisor, route_chunk, route_chunks)
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
-from .profile import ProfileBuffer, clock_offset
+from .profile import CLOCK_ROUNDS, ClockSync, ProfileBuffer, clock_offset, clock_sync_from_stamps
 
 MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/exchange.h
 MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
@@ -59,7 +59,10 @@ MIN_WARP, MAX_WARP = 32, 64
 # reach (min(top_k, ranks - 1)); see "Pushed calls" in kernels_hip/exchange.h.
 # PERFORMANCE.md: with 2 ranks pushing won up to ~0.75 MB and lost at 1.3 MB;
 # with 4 ranks a 0.47 MB call (E=128 k=4 H=2880), whose copies go to 2-3
-# peers, lost (combine 27 us pushed, 23 pulled).
+# peers, lost (combine 27 us pushed, 23 pulled). These were measured with tokens
+# pushed; on sm_90, where such a call now pulls its tokens (GPU_FENCE_PUBLISH_ARCHS),
+# the limit decides only whether contributions come back pushed, and was not
+# measured again for that.
 DEFAULT_PUSH_BYTES = 768 * 1024
 # Combine has two kernels (kernels_hip/combine.hip): the bulk one gives a warp a segment of a token,
 # the small one a chunk (8 elements a lane) with a token's experts loaded at once. The small one is
@@ -321,6 +324,10 @@ class AllToAll:
         for name, n in (("num_experts", self.num_experts), ("experts_per_token", self.top_k)):
             if n * self.max_tokens >= 2**31:
                 raise ValueError(f"{name} * max_num_tokens must be below 2**31; got {n} * {self.max_tokens}")
+        # A call's token count travels with two flag bits above it (kernels_hip/exchange.h: A2A_PUSHED_TOKENS,
+        # A2A_PUSHED_BACK), so it must stay below 2^30.
+        if self.max_tokens >= 2**30:
+            raise ValueError(f"max_num_tokens must be below 2**30; got {self.max_tokens}")
         # (A node's part of a multi-node call may hold fewer experts than a token has: the rest are void.)
         if self.top_k > MAX_TOP_K or (self.top_k > self.num_experts and not self._void_slots):
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
@@ -404,6 +411,12 @@ class AllToAll:
             ("slot_of", (world, M, k), np.int32),
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
+            # clock sync (kernels_hip/clock.hip): box r written by rank r; this rank's stamps with each
+            # rank; rank 0's stamps with this rank and its host offset, and their flag, written by rank 0
+            ("clock_box", (world,), np.uint64),
+            ("clock_stamps", (world, CLOCK_ROUNDS, 2), np.uint64),
+            ("clock_from0", (2 * CLOCK_ROUNDS + 1,), np.uint64),
+            ("clock_done", (1,), np.uint32),
             # epoch: block b of the last dispatch / combine is done; last word: the block that poisons
             ("done", (2, MAX_GRID_BLOCKS + 1), np.uint32),
             # staging: NumPy inputs are copied here; y lands here unless out= is given
@@ -479,6 +492,8 @@ class AllToAll:
         # `out` (argument _scale_out) changes per call.
         self._set_fake_expert_scale(float(1 + self.rank))
         self._capturing = None  # the stream while capture() records a step
+        self._clock_epoch = 0  # tags clock_offset_ns()'s words (kernels_hip/clock.hip)
+        self.clock_sync: ClockSync | None = None  # the last clock_offset_ns()'s, this rank against rank 0
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
         self._pending_weights = None  # the weights given to that dispatch, which sent them
@@ -962,9 +977,47 @@ class AllToAll:
         return events, dropped
 
     def clock_offset_ns(self) -> int:
-        """Host monotonic clock minus this device's clock, in ns (aligns timelines across ranks)."""
+        """Host monotonic clock minus this device's clock, in ns, to line up timelines across ranks.
+        Collective: every rank calls it. Each device's clock is compared with rank 0's on the device
+        (kernels_hip/clock.hip: within a fraction of a microsecond over NVLink; self.clock_sync says
+        how close), and only rank 0's meets the host's clock, through one reading
+        (profile.clock_offset): that reading's error, up to half a launch's round trip, shifts every
+        rank alike. A rank that never calls it makes the others raise A2ATimeoutError naming it (rank
+        0) or rank 0 (the others), after `timeout`."""
         self.backend.activate()
-        return clock_offset(self.backend, self.lib, self.stream)
+        if self._capturing is not None:
+            raise A2AError("clock_offset_ns() cannot run while capture() records")
+        self._clock_epoch += 1
+        buf = self.buf
+        host = clock_offset(self.backend, self.lib, self.stream) if self.rank == 0 else 0
+        kernel = self.lib.kernel("clock_sync")
+        pack = kernel.pack()
+        a = pack[0]
+        a.heap.bases, a.heap.rank, a.heap.world = self.heap.bases_ptr, self.heap.rank, self.heap.world
+        for name in ("box", "stamps", "from0", "done"):
+            setattr(a, "off_" + name, self.heap.offset_of(buf["clock_" + name].ptr))
+        a.host_offset = host & (2**64 - 1)
+        a.rounds, a.epoch, a.timeout_ns = CLOCK_ROUNDS, self._clock_epoch, int(min(self.timeout * 1e9, 2.0 ** 62))
+        stamps = np.zeros((self.world, CLOCK_ROUNDS, 2), np.uint64)  # a round that never completes stays 0
+        from0 = np.zeros(2 * CLOCK_ROUNDS + 1, np.uint64)
+        self.backend.copy_to_device(buf["clock_stamps"].ptr, stamps, self.stream)
+        kernel.launch(pack, 1, 1, self.stream)
+        self.backend.copy_to_host(stamps, buf["clock_stamps"].ptr, self.stream)
+        self.backend.copy_to_host(from0, buf["clock_from0"].ptr, self.stream)
+        done = np.zeros(1, np.uint32)
+        self.backend.copy_to_host(done, buf["clock_done"].ptr, self.stream)
+        self.backend.stream_synchronize(self.stream)
+        if self.rank == 0:
+            late = [r for r in range(1, self.world) if not stamps[r].all()]
+            if late:
+                raise A2ATimeoutError(f"clock sync: rank {late[0]} never arrived (no answer within "
+                                      f"{self.timeout:.1f} s)", tuple(late))
+            self.clock_sync = ClockSync(0, 0, 0.0)
+            return host
+        if done[0] != self._clock_epoch or not stamps[0].all():
+            raise A2ATimeoutError(f"clock sync: rank 0 never arrived (no word within {self.timeout:.1f} s)", (0,))
+        self.clock_sync = clock_sync_from_stamps(from0[:-1].reshape(CLOCK_ROUNDS, 2), stamps[0])
+        return int(from0[-1].astype(np.int64)) - self.clock_sync.offset_ns
 
     # -- teardown -----------------------------------------------------------------
     def close(self) -> None:

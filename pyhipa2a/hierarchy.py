@@ -164,7 +164,7 @@ class HierarchicalAllToAll:
         node, N, M, k, H = self.node, self.layout.nodes, self.max_tokens, self.top_k, self.hidden
         self.backend, self.stream, self.heap = node.backend, node.stream, node.heap
         for name in ("in_dtype", "dispatch_dtype", "out_dtype", "scale_cols", "narrow_partials", "x_format",
-                     "push_max_tokens", "block_threads", "blocks", "exchange_blocks", "lib", "profiling",
+                     "push_max_tokens", "push_tokens", "gpu_fence_publish", "block_threads", "blocks", "exchange_blocks", "lib", "profiling",
                      "small_combine_tokens"):
             setattr(self, name, getattr(node, name))
         node._set_fake_expert_scale(float(1 + self.rank))  # gpu-mode's factor is 1 + the world rank
@@ -406,8 +406,11 @@ class HierarchicalAllToAll:
         return self.node.profile_events()
 
     def clock_offset_ns(self) -> int:
+        """As AllToAll.clock_offset_ns, within this node (another node's host clock is its own)."""
         self.health.settle(self.node._synchronized_stream(None))
-        return self.node.clock_offset_ns()
+        offset = self.node.clock_offset_ns()
+        self.clock_sync = self.node.clock_sync
+        return offset
 
     def close(self) -> None:
         """Idempotent, as AllToAll.close."""

@@ -43,6 +43,12 @@ def divisor(d: int) -> Divisor:
     return Divisor(-(-(1 << (32 + shift)) // d), d, shift)
 
 
+class ClockSyncArgs(ctypes.Structure):
+    """kernels_hip/clock.hip: clock_sync's arguments."""
+    _fields_ = [("heap", HeapView), ("off_box", u64), ("off_stamps", u64), ("off_from0", u64), ("off_done", u64),
+                ("host_offset", u64), ("rounds", u32), ("epoch", u32), ("timeout_ns", u64)]
+
+
 class A2AArgs(ctypes.Structure):
     _fields_ = [("heap", HeapView), ("local_base", u64),
                 ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64),
@@ -134,7 +140,8 @@ SIGNATURES = {
     "hier_sum_f16": ("hier", (HierSumArgs,)),
     "hier_sum_bf16": ("hier", (HierSumArgs,)),
     "copy_bytes": ("copy", (u64, u64, u64)),
-    "clock_probe": ("copy", (u64,)),
+    "clock_probe": ("clock", (u64,)),
+    "clock_sync": ("clock", (ClockSyncArgs,)),
     "nothing": ("copy", ()),
 }
 

@@ -3,9 +3,10 @@
 `AllToAll(..., profile=True)` loads the profiling build of the kernels
 (`*.profile.*` code objects, built with -DA2A_PROFILE=1), whose warps record
 (start, end, tag, block, warp, detail) for every stage into a device buffer.
-The normal build compiles the recording away. Device clocks are mapped onto
-the host's monotonic clock (shared by all processes of the node) through a
-clock probe, so the timelines of all ranks line up in one trace.
+The normal build compiles the recording away. Each device's clock is compared
+with rank 0's on the device (a clock sync: kernels_hip/clock.hip), and rank
+0's with the host's monotonic clock through one reading, so the timelines of
+all ranks line up in one trace to a fraction of a microsecond.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import json
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
+
 
 # tag -> (name, kind); kept in sync with kernels_hip/profile.h. kind: what the
 # time was spent on: "wait" (for a peer), "move" (copying / computing), "span"
@@ -104,6 +107,32 @@ def clock_offset(backend, library, stream, tries: int = 5) -> int:
         backend.free(out)
 
 
+CLOCK_ROUNDS = 32  # words each peer trades with rank 0 in a clock sync (kernels_hip/clock.hip)
+
+
+@dataclass(frozen=True)
+class ClockSync:
+    """This rank's clock against rank 0's, from a clock sync's stamps (ns)."""
+    offset_ns: int     # this rank's clock minus rank 0's
+    error_ns: int      # the offset is within this of the truth: half the longest round trip used
+    one_way_ns: float  # a word's trip between the two ranks (median of the rounds used)
+
+
+def clock_sync_from_stamps(rank0: np.ndarray, peer: np.ndarray) -> ClockSync:
+    """A peer's ClockSync from rank 0's stamps with it and its own with rank 0, each [round] = (sent,
+    seen) by that rank's clock. NTP's arithmetic: in round i rank 0 sends at s0 and sees the answer at
+    r0, the peer sees the word at r1 and answers at s1; whatever each trip takes, the peer's offset
+    lies within half the round trip (r0 - s0) - (s1 - r1) of ((r1 - s0) + (s1 - r0)) / 2. The quarter
+    of the rounds with the shortest round trips give the median offset."""
+    s0, r0 = rank0[:, 0].astype(np.int64), rank0[:, 1].astype(np.int64)
+    s1, r1 = peer[:, 0].astype(np.int64), peer[:, 1].astype(np.int64)
+    round_trip = (r0 - s0) - (s1 - r1)
+    best = np.argsort(round_trip, kind="stable")[:max(1, len(round_trip) // 4)]
+    offsets = ((r1 - s0) + (s1 - r0))[best] / 2
+    return ClockSync(int(np.median(offsets)), int(round_trip[best].max() + 1) // 2,
+                     float(np.median(round_trip[best])) / 2)
+
+
 def to_trace_events(events: np.ndarray, rank: int, offset_ns: int) -> list[dict]:
     """Chrome/Perfetto 'complete' events: process = rank, thread = block, times in us."""
     out = []
@@ -146,11 +175,13 @@ def summarize(events_by_rank: dict[int, np.ndarray]) -> dict:
 
 
 def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> dict:
-    """When each stage ran, for reading the critical path: per (rank, tag), the mean over calls of the
-    first start and the last end of that stage (us), measured from the call's earliest event on any
-    rank (host-aligned clocks). Every rank must have recorded the same number of calls."""
+    """When each stage ran, for reading the critical path: per (rank, tag), the median over the calls
+    that ran it of the first start and the last end of that stage (us), measured from the call's
+    earliest event on any rank (clocks aligned by `offsets`). A median, since a call whose ranks
+    started far apart (the first after a capture, above all: tens of microseconds) would pull a mean.
+    Every rank must have recorded the same number of calls."""
     ncalls = min(len(c) for c in calls_by_rank.values())
-    sums = defaultdict(lambda: np.zeros(2))
+    windows = defaultdict(list)
     for i in range(ncalls):
         aligned = {r: calls[i]["start"].astype(np.int64) + offsets[r] for r, calls in calls_by_rank.items()}
         starts = [a.min() for a in aligned.values() if len(a)]
@@ -163,8 +194,8 @@ def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int,
                 pick = ev["tag"] == tag
                 first = (ev["start"][pick].astype(np.int64) + offsets[r]).min() - origin
                 last = (ev["end"][pick].astype(np.int64) + offsets[r]).max() - origin
-                sums[(r, int(tag))] += np.array([first, last], np.float64) / 1e3
-    return {key: tuple(v / ncalls) for key, v in sums.items()} if ncalls else {}
+                windows[(r, int(tag))].append((first / 1e3, last / 1e3))
+    return {key: tuple(float(x) for x in np.median(np.array(v), axis=0)) for key, v in windows.items()}
 
 
 def write_trace(path: str, trace_events: list[dict], metadata: dict) -> None:

@@ -56,7 +56,7 @@ def main() -> int:
                                                  is None else [args.tokens] * world), args.fp8_input)
         err = run_round(a2a, inputs)  # the profiling build against the oracle
         a2a.profile_events()           # drop the checked call's events
-        offset = a2a.clock_offset_ns()
+        before = a2a.clock_offset_ns()  # (the calls below take milliseconds: clocks drift ~ppm apart)
         recorded, dropped = [], 0
         graph = None
         if args.graph:  # the call captured once, with this rank's inputs in device buffers of its own
@@ -74,17 +74,19 @@ def main() -> int:
             recorded.append(events)
             dropped += lost
         device = f"{a2a.backend.kind} {a2a.heap.device.name}"
+        offset = (before + a2a.clock_offset_ns()) // 2  # collective: after every rank's calls
+        sync = a2a.clock_sync
         if graph is not None:
             graph.close()
             free_inputs(a2a, arrays)
 
-    everything = comm.gather((rank, offset, recorded, dropped, err), root=0)
+    everything = comm.gather((rank, offset, recorded, dropped, err, sync, offset - before), root=0)
     if rank == 0:
-        windows = stage_windows({r: calls for r, _, calls, _, _ in everything}, {r: o for r, o, *_ in everything})
+        windows = stage_windows({r: calls for r, _, calls, *_ in everything}, {r: o for r, o, *_ in everything})
     if rank != 0:
         return 0
     trace, by_rank = [], {}
-    for r, off, per_call, lost, _ in everything:
+    for r, off, per_call, *_ in everything:
         for i, events in enumerate(per_call):
             for e in to_trace_events(events, r, off):
                 e["args"]["call"] = i
@@ -94,6 +96,9 @@ def main() -> int:
                                   "dropped_events": sum(x[3] for x in everything)})
     print(f"pyhipa2a trace: {device}, {world} ranks, E={E} k={k} H={H} M={M}, {args.iters} calls, "
           f"oracle max err {max(x[4] for x in everything):.3g}; {len(trace)} events -> {args.out}")
+    print("clocks against rank 0's (a device ping-pong, kernels_hip/clock.hip): "
+          + "; ".join(f"rank {r} {s.offset_ns / 1e3:+.2f} us +- {s.error_ns / 1e3:.2f} (one way {s.one_way_ns / 1e3:.2f}, "
+                      f"moved {drift / 1e3:+.2f} over the calls)" for r, *_, s, drift in everything[1:]))
     print("per kernel and rank, summed over warps and calls (us):")
     print(f"{'kernel':<9} {'rank':>4} {'waiting':>10} {'moving':>10} {'sync':>8} {'slowest block':>14} "
           f"{'its span':>9} {'most-waited peer':>17} {'for':>9}")
@@ -109,7 +114,7 @@ def main() -> int:
         if any(sums):
             print(f"{name:<22} {kind:<5} " + " ".join(f"{v:>10.1f}" for v in sums))
     print("when each stage ran: first start .. last end, us from the call's first event on any rank "
-          "(mean over calls)")
+          "(median over calls)")
     print(f"{'stage':<22} " + " ".join(f"{'rank ' + str(r):>17}" for r in sorted(by_rank)))
     for tag, (name, _) in sorted(TAGS.items()):
         cells = [windows.get((r, tag)) for r in sorted(by_rank)]

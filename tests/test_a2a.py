@@ -69,8 +69,9 @@ def test_edge_cases(name, backend):
     run_case(CASE + "case_shape", ranks, env_backend(backend), args=(E, k, H, M, dtype, counts, routing, 3, 11))
 
 
-# Calls of at most PYHIPA2A_PUSH_MAX_TOKENS tokens push their data as tagged words, larger ones stage it
-# for peers to pull; each rank chooses for its own call. (threshold, token counts) per mode.
+# Calls of at most PYHIPA2A_PUSH_MAX_TOKENS tokens push their data as tagged words (on sm_90 only their
+# contributions: test_publish_modes), larger ones stage it for peers to pull; each rank chooses for its
+# own call. (threshold, token counts) per mode.
 TRANSFER_MODES = {"pull": ("0", "full"), "push": ("64", "full"), "mixed": ("8", "staggered")}
 
 
@@ -116,12 +117,14 @@ def test_publish_choice_refuses_unknown(monkeypatch):
         AllToAll._publish_with_gpu_fence("sm_90")
 
 
+# Pushed calls in both protocols (PYHIPA2A_PUBLISH): pushed tokens (system) and pulled tokens with
+# contributions pushed back (gpu-fence), on misaligned arrays.
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("mode,publish", [("pull", "auto"), ("push", "system"), ("push", "gpu-fence")])
 @pytest.mark.parametrize("narrow", ["0", "1"])
-def test_misaligned_device_arrays(mode, narrow, backend):
+def test_misaligned_device_arrays(mode, publish, narrow, backend):
     run_case(CASE + "case_misaligned_device_arrays", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(narrow,))
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0], "PYHIPA2A_PUBLISH": publish}, args=(narrow,))
 
 
 # (mode, H, dtype, values) for the narrow-partials tests: whole chunks in every transfer mode, on exact
@@ -325,6 +328,9 @@ FP8_EDGE_CASES = {
 @pytest.mark.parametrize("name", sorted(FP8_EDGE_CASES))
 def test_fp8_edge_cases(name, way, backend):
     fmt, in16, per_rank, k, H, M, counts, routing, values, mode = FP8_EDGE_CASES[name]
+    # The cases that push do so with pushed tokens (their fp8 pieces: fp8.h), which sm_90's default
+    # protocol does not use (test_publish_modes).
     run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]},
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
+                  "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
              args=(way, fp8_name(fmt, backend), in16, per_rank, k, H, M, counts, routing, values, 2, 13))

@@ -7,7 +7,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from pyhipa2a.profile import EVENT, TAGS, summarize
+from pyhipa2a.profile import EVENT, TAGS, clock_sync_from_stamps, stage_windows, summarize
 from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
 
 KERNEL_SPAN = {"dispatch": "dispatch.warp", "combine": "combine.warp"}
@@ -38,6 +38,53 @@ def test_trace_script(tmp_path, backend):
         assert lo - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= hi + 1e-3, e
         assert e["dur"] >= 0
     assert "oracle max err" in run.stdout and "waiting" in run.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clock_sync(backend):
+    run_case("tests.cases.profile_cases:case_clock_sync", ranks_for(backend), env_backend(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("who", ["first", "last"])
+def test_clock_sync_missing_peer(who, backend):
+    run_case("tests.cases.profile_cases:case_clock_sync_missing_peer", ranks_for(backend), env_backend(backend),
+             args=(who,))
+
+
+def test_clock_sync_arithmetic():
+    """NTP's estimate from synthetic stamps: the peer's clock runs 50 us ahead of rank 0's; words take
+    600 ns out and 800 back (the estimate is off by half the difference, within the bound), the peer
+    answers 300 ns after seeing a word, and one round is slowed by a late answer (not among the best)."""
+    offset, out, back, reply = 50_000, 600, 800, 300
+    rank0, peer = np.zeros((8, 2), np.uint64), np.zeros((8, 2), np.uint64)
+    for i in range(8):
+        s0 = 1_000_000 + 10_000 * i
+        r1 = s0 + out + offset
+        s1 = r1 + reply + (5_000 if i == 3 else 0)
+        rank0[i] = s0, s1 - offset + back
+        peer[i] = s1, r1
+    sync = clock_sync_from_stamps(rank0, peer)
+    assert sync.offset_ns == offset + (out - back) // 2
+    assert sync.error_ns == (out + back) // 2 and abs(sync.offset_ns - offset) <= sync.error_ns
+    assert sync.one_way_ns == (out + back) / 2
+
+
+def test_stage_windows_take_the_median_call():
+    """Per (rank, stage): the median over calls of first start .. last end, from each call's earliest
+    event on any rank, on clocks shifted by the offsets: one call whose ranks started 80 us apart does
+    not move it."""
+    def call(start0, start1):  # rank r's dispatch.warp (tag 7) from start_r for 5 us, in its own clock
+        out = {}
+        for r, start in ((0, start0), (1, start1 - 1000)):  # rank 1's clock runs 1000 ns behind
+            ev = np.zeros(1, EVENT)
+            ev[0] = (start, start + 5000, 7, 0, 0, 0)
+            out[r] = ev
+        return out
+    calls = [call(10_000, 12_000), call(10_000, 90_000), call(10_000, 13_000)]
+    windows = stage_windows({r: [c[r] for c in calls] for r in (0, 1)}, {0: 0, 1: 1000})
+    assert windows[(0, 7)] == pytest.approx((0.0, 5.0))
+    assert windows[(1, 7)] == pytest.approx((3.0, 8.0))
 
 
 def test_summary_adds_up():

@@ -72,6 +72,14 @@ def checked_call(a2a, inputs, exact: bool, scales=None, weights_at="combine") ->
     return y.numpy().copy(), 0, f"{combine_error_against_oracle(a2a, inputs, y, expert=expert):.3g}"
 
 
+def own_header_bits(a2a) -> tuple[bool, bool]:
+    """(tokens pushed, contributions pushed back) in the token-count header our last dispatch left in
+    our own memory (kernels_hip/exchange.h: A2A_PUSHED_TOKENS, A2A_PUSHED_BACK): its latest epoch."""
+    words = a2a.buf["tok_count"].numpy()[:, a2a.rank]  # one per epoch parity, epoch in the high half
+    value = int(words[np.argmax(words >> np.uint64(32))]) & 0xFFFFFFFF
+    return bool(value & 0x80000000), bool(value & 0x40000000)
+
+
 def case_combine_kernel_choice(comm, choice):
     """PYHIPA2A_COMBINE_KERNEL is obeyed: the most tokens a call may have to take the small kernel."""
     os.environ["PYHIPA2A_COMBINE_KERNEL"] = choice
@@ -225,7 +233,12 @@ def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rou
             inputs = draw_world(700 + i, world, E, k, H, M, dtype, token_counts("staggered", world, M, rng),
                                 exact=exact)
             _, _, err = checked_call(a2a, inputs, exact, fused_scales(world), WEIGHTS_AT[i % 2])
-            print(f"rank {me} round {i}: T={len(inputs.xs[me])} pushed={len(inputs.xs[me]) <= a2a.push_max_tokens} "
+            pushed = len(inputs.xs[me]) <= a2a.push_max_tokens
+            # A pushed call gets its contributions pushed back, and pushes its tokens unless its flags
+            # follow a GPU-scope fence; the header says what the kernel (or its host twin) did.
+            assert a2a.push_tokens == (not a2a.gpu_fence_publish)
+            assert own_header_bits(a2a) == (pushed and a2a.push_tokens, pushed), (own_header_bits(a2a), pushed)
+            print(f"rank {me} round {i}: T={len(inputs.xs[me])} pushed={pushed} tokens pushed={pushed and a2a.push_tokens} "
                   f"max err {err}")
 
 
