@@ -198,6 +198,28 @@ def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int,
     return {key: tuple(float(x) for x in np.median(np.array(v), axis=0)) for key, v in windows.items()}
 
 
+def kernel_starts_and_ends(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> dict:
+    """Per kernel, the median over calls (us, clocks aligned by `offsets`) of how far apart the ranks'
+    kernels started (first warp's start, earliest rank to latest) and how long the kernel ran from the
+    latest rank's start to the latest rank's end: the kernel's time once every rank has started, without
+    the ranks' start skew that each rank's own timing of a call holds. Only calls that every rank ran."""
+    ncalls = min(len(c) for c in calls_by_rank.values())
+    per_kernel = defaultdict(list)
+    for i in range(ncalls):
+        for tag, kernel in KERNEL_OF_SPAN.items():
+            starts, ends = [], []
+            for r, calls in calls_by_rank.items():
+                ev = calls[i][calls[i]["tag"] == tag]
+                if len(ev):
+                    starts.append(int(ev["start"].min()) + offsets[r])
+                    ends.append(int(ev["end"].max()) + offsets[r])
+            if len(starts) == len(calls_by_rank):
+                per_kernel[kernel].append(((max(starts) - min(starts)) / 1e3, (max(ends) - max(starts)) / 1e3))
+    return {kernel: {"start_skew_us": float(np.median([v[0] for v in values])),
+                     "from_last_start_us": float(np.median([v[1] for v in values])), "calls": len(values)}
+            for kernel, values in per_kernel.items()}
+
+
 def write_trace(path: str, trace_events: list[dict], metadata: dict) -> None:
     """One JSON file for all ranks, created owner-writable only (no world-writable bits)."""
     names = sorted({e["pid"] for e in trace_events})

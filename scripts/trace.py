@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.profile import TAGS, stage_windows, summarize, to_trace_events, write_trace  # noqa: E402
+from pyhipa2a.profile import (TAGS, kernel_starts_and_ends, stage_windows, summarize, to_trace_events,  # noqa: E402
+                              write_trace)
 from pyhipa2a.testing import (dispatch_uploaded, draw_world, dtype_arguments, free_inputs,  # noqa: E402
                               inputs_as_given, run_round, upload_inputs)
 
@@ -99,6 +100,10 @@ def main() -> int:
     print("clocks against rank 0's (a device ping-pong, kernels_hip/clock.hip): "
           + "; ".join(f"rank {r} {s.offset_ns / 1e3:+.2f} us +- {s.error_ns / 1e3:.2f} (one way {s.one_way_ns / 1e3:.2f}, "
                       f"moved {drift / 1e3:+.2f} over the calls)" for r, *_, s, drift in everything[1:]))
+    calls_by_rank, offsets = {r: calls for r, _, calls, *_ in everything}, {r: o for r, o, *_ in everything}
+    for kernel, k in kernel_starts_and_ends(calls_by_rank, offsets).items():
+        print(f"{kernel}: the ranks' kernels started {k['start_skew_us']:.1f} us apart; from the last rank's start "
+              f"to the last rank's end {k['from_last_start_us']:.1f} us (medians over {k['calls']} calls)")
     print("per kernel and rank, summed over warps and calls (us):")
     print(f"{'kernel':<9} {'rank':>4} {'waiting':>10} {'moving':>10} {'sync':>8} {'slowest block':>14} "
           f"{'its span':>9} {'most-waited peer':>17} {'for':>9}")

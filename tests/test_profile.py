@@ -7,7 +7,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from pyhipa2a.profile import EVENT, TAGS, clock_sync_from_stamps, stage_windows, summarize
+from pyhipa2a.profile import EVENT, TAGS, clock_sync_from_stamps, kernel_starts_and_ends, stage_windows, summarize
 from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
 
 KERNEL_SPAN = {"dispatch": "dispatch.warp", "combine": "combine.warp"}
@@ -85,6 +85,25 @@ def test_stage_windows_take_the_median_call():
     windows = stage_windows({r: [c[r] for c in calls] for r in (0, 1)}, {0: 0, 1: 1000})
     assert windows[(0, 7)] == pytest.approx((0.0, 5.0))
     assert windows[(1, 7)] == pytest.approx((3.0, 8.0))
+
+
+def test_kernel_time_from_the_last_start():
+    """Per kernel, medians over calls of the ranks' start skew and of the time from the last rank's start
+    to the last rank's end, on clocks shifted by the offsets (rank 1's runs 1000 ns behind)."""
+    def call(start0, end0, start1, end1):
+        out = {}
+        for r, (start, end) in ((0, (start0, end0)), (1, (start1 - 1000, end1 - 1000))):
+            ev = np.zeros(2, EVENT)
+            ev[0] = (start, end, 7, 0, 0, 0)           # dispatch.warp
+            ev[1] = (end + 100, end + 900, 13, 0, 0, 0)  # combine.warp
+            out[r] = ev
+        return out
+    # rank 1 starts 2 / 3 / 50 us after rank 0; dispatch then ends 6 / 6 / 7 us after rank 1's start
+    calls = [call(0, 7_000, 2_000, 8_000), call(0, 8_500, 3_000, 9_000), call(0, 56_000, 50_000, 57_000)]
+    k = kernel_starts_and_ends({r: [c[r] for c in calls] for r in (0, 1)}, {0: 0, 1: 1000})
+    assert k["dispatch"]["start_skew_us"] == pytest.approx(3.0)
+    assert k["dispatch"]["from_last_start_us"] == pytest.approx(6.0)
+    assert k["combine"]["from_last_start_us"] == pytest.approx(0.8) and k["dispatch"]["calls"] == 3
 
 
 def test_summary_adds_up():
