@@ -23,6 +23,7 @@ struct ClockSyncArgs {
   u64 off_stamps;  // u64 [world][rounds][2] (local): with rank r, round i: (sent, seen) by this rank's clock
   u64 off_from0;   // u64 [rounds][2] + 1, written by rank 0: its stamps with this rank, then host_offset
   u64 off_done;    // u32, written by rank 0 (release): epoch once off_from0 holds this sync's values
+  u64 off_verdict; // u32 (local): epoch once this rank's part succeeded (the host reads nothing else first)
   u64 host_offset; // rank 0's host clock minus its device clock (ns, two's complement), handed to every peer
   u32 rounds;
   u32 epoch;       // tags this sync's words: never 0, new each sync
@@ -34,7 +35,7 @@ struct ClockSyncArgs {
 // out its own offset with no host collective (a rank that never comes makes
 // its peers time out on the device, not in MPI). A peer trades with rank 0
 // only, answering each word it sees. A stamp of a round that never completed
-// stays 0, and so does off_done: the host reports either.
+// stays 0, and off_verdict is written only when this rank's part succeeded.
 extern "C" __global__ void clock_sync(ClockSyncArgs a) {
   if (a2a_block() != 0 || a2a_thread() != 0) return;
   const HeapView& h = a.heap;
@@ -73,4 +74,6 @@ extern "C" __global__ void clock_sync(ClockSyncArgs a) {
         if (a2a_clock_ns() > deadline) return;
     }
   }
+  // (A flag that lands after the deadline is not success: the host trusts only this.)
+  *sym<u32>(h, h.rank, a.off_verdict) = a.epoch;
 }

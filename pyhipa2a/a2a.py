@@ -417,6 +417,7 @@ class AllToAll:
             ("clock_stamps", (world, CLOCK_ROUNDS, 2), np.uint64),
             ("clock_from0", (2 * CLOCK_ROUNDS + 1,), np.uint64),
             ("clock_done", (1,), np.uint32),
+            ("clock_verdict", (1,), np.uint32),  # local: the sync's epoch once this rank's part succeeded
             # epoch: block b of the last dispatch / combine is done; last word: the block that poisons
             ("done", (2, MAX_GRID_BLOCKS + 1), np.uint32),
             # staging: NumPy inputs are copied here; y lands here unless out= is given
@@ -493,6 +494,7 @@ class AllToAll:
         self._set_fake_expert_scale(float(1 + self.rank))
         self._capturing = None  # the stream while capture() records a step
         self._clock_epoch = 0  # tags clock_offset_ns()'s words (kernels_hip/clock.hip)
+        self._clock_failed: str | None = None  # why the clock syncs are out of step
         self.clock_sync: ClockSync | None = None  # the last clock_offset_ns()'s, this rank against rank 0
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
@@ -978,44 +980,56 @@ class AllToAll:
 
     def clock_offset_ns(self) -> int:
         """Host monotonic clock minus this device's clock, in ns, to line up timelines across ranks.
-        Collective: every rank calls it. Each device's clock is compared with rank 0's on the device
-        (kernels_hip/clock.hip: within a fraction of a microsecond over NVLink; self.clock_sync says
-        how close), and only rank 0's meets the host's clock, through one reading
+        Collective: every rank calls it, as often as the others. Each device's clock is compared with
+        rank 0's on the device (kernels_hip/clock.hip: within a fraction of a microsecond over NVLink;
+        self.clock_sync says how close), and only rank 0's meets the host's clock, through one reading
         (profile.clock_offset): that reading's error, up to half a launch's round trip, shifts every
         rank alike. A rank that never calls it makes the others raise A2ATimeoutError naming it (rank
-        0) or rank 0 (the others), after `timeout`."""
-        self.backend.activate()
+        0) or rank 0 (the others), after `timeout`; after any failure the syncs of this object are out
+        of step (each rank counts its own), so later calls raise A2AError. Calls (dispatch, combine)
+        are unaffected."""
+        self._usable()
         if self._capturing is not None:
             raise A2AError("clock_offset_ns() cannot run while capture() records")
-        self._clock_epoch += 1
+        if self._clock_failed is not None:
+            raise A2AError(f"clock_offset_ns() is unusable after an earlier failure: {self._clock_failed}")
+        self.backend.stream_synchronize(self._synchronized_stream(None))  # no call of ours still running
+        try:
+            return self._clock_sync_once()
+        except Exception as error:
+            self._clock_failed = str(error)
+            raise
+
+    def _clock_sync_once(self) -> int:
         buf = self.buf
         host = clock_offset(self.backend, self.lib, self.stream) if self.rank == 0 else 0
+        self._clock_epoch += 1
         kernel = self.lib.kernel("clock_sync")
         pack = kernel.pack()
         a = pack[0]
         a.heap.bases, a.heap.rank, a.heap.world = self.heap.bases_ptr, self.heap.rank, self.heap.world
-        for name in ("box", "stamps", "from0", "done"):
+        for name in ("box", "stamps", "from0", "done", "verdict"):
             setattr(a, "off_" + name, self.heap.offset_of(buf["clock_" + name].ptr))
         a.host_offset = host & (2**64 - 1)
         a.rounds, a.epoch, a.timeout_ns = CLOCK_ROUNDS, self._clock_epoch, int(min(self.timeout * 1e9, 2.0 ** 62))
         stamps = np.zeros((self.world, CLOCK_ROUNDS, 2), np.uint64)  # a round that never completes stays 0
-        from0 = np.zeros(2 * CLOCK_ROUNDS + 1, np.uint64)
+        verdict = np.zeros(1, np.uint32)                             # the epoch once this rank's part is done
         self.backend.copy_to_device(buf["clock_stamps"].ptr, stamps, self.stream)
+        self.backend.copy_to_device(buf["clock_verdict"].ptr, verdict, self.stream)
         kernel.launch(pack, 1, 1, self.stream)
-        self.backend.copy_to_host(stamps, buf["clock_stamps"].ptr, self.stream)
-        self.backend.copy_to_host(from0, buf["clock_from0"].ptr, self.stream)
-        done = np.zeros(1, np.uint32)
-        self.backend.copy_to_host(done, buf["clock_done"].ptr, self.stream)
+        from0 = np.zeros(2 * CLOCK_ROUNDS + 1, np.uint64)
+        for array, name in ((stamps, "stamps"), (from0, "from0"), (verdict, "verdict")):
+            self.backend.copy_to_host(array, buf["clock_" + name].ptr, self.stream)
         self.backend.stream_synchronize(self.stream)
+        if verdict[0] != self._clock_epoch:
+            if self.rank == 0:  # the peer it waited for: its first word went out, its rounds never ended
+                late = tuple(r for r in range(1, self.world) if stamps[r, 0, 0] and not stamps[r].all())
+                raise A2ATimeoutError(f"clock sync: rank {late[0] if late else '?'} never arrived (no answer "
+                                      f"within {self.timeout:.1f} s)", late)
+            raise A2ATimeoutError(f"clock sync: rank 0 never arrived (no word within {self.timeout:.1f} s)", (0,))
         if self.rank == 0:
-            late = [r for r in range(1, self.world) if not stamps[r].all()]
-            if late:
-                raise A2ATimeoutError(f"clock sync: rank {late[0]} never arrived (no answer within "
-                                      f"{self.timeout:.1f} s)", tuple(late))
             self.clock_sync = ClockSync(0, 0, 0.0)
             return host
-        if done[0] != self._clock_epoch or not stamps[0].all():
-            raise A2ATimeoutError(f"clock sync: rank 0 never arrived (no word within {self.timeout:.1f} s)", (0,))
         self.clock_sync = clock_sync_from_stamps(from0[:-1].reshape(CLOCK_ROUNDS, 2), stamps[0])
         return int(from0[-1].astype(np.int64)) - self.clock_sync.offset_ns
 

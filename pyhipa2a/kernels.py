@@ -45,7 +45,7 @@ def divisor(d: int) -> Divisor:
 
 class ClockSyncArgs(ctypes.Structure):
     """kernels_hip/clock.hip: clock_sync's arguments."""
-    _fields_ = [("heap", HeapView), ("off_box", u64), ("off_stamps", u64), ("off_from0", u64), ("off_done", u64),
+    _fields_ = [("heap", HeapView), ("off_box", u64), ("off_stamps", u64), ("off_from0", u64), ("off_done", u64), ("off_verdict", u64),
                 ("host_offset", u64), ("rounds", u32), ("epoch", u32), ("timeout_ns", u64)]
 
 

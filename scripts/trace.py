@@ -58,6 +58,7 @@ def main() -> int:
         err = run_round(a2a, inputs)  # the profiling build against the oracle
         a2a.profile_events()           # drop the checked call's events
         before = a2a.clock_offset_ns()  # (the calls below take milliseconds: clocks drift ~ppm apart)
+        sync_before = a2a.clock_sync
         recorded, dropped = [], 0
         graph = None
         if args.graph:  # the call captured once, with this rank's inputs in device buffers of its own
@@ -81,7 +82,8 @@ def main() -> int:
             graph.close()
             free_inputs(a2a, arrays)
 
-    everything = comm.gather((rank, offset, recorded, dropped, err, sync, offset - before), root=0)
+    drift = sync.offset_ns - sync_before.offset_ns  # this clock against rank 0's, over the calls
+    everything = comm.gather((rank, offset, recorded, dropped, err, sync, drift), root=0)
     if rank == 0:
         windows = stage_windows({r: calls for r, _, calls, *_ in everything}, {r: o for r, o, *_ in everything})
     if rank != 0:

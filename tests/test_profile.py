@@ -55,13 +55,15 @@ def test_clock_sync_missing_peer(who, backend):
 def test_clock_sync_arithmetic():
     """NTP's estimate from synthetic stamps: the peer's clock runs 50 us ahead of rank 0's; words take
     600 ns out and 800 back (the estimate is off by half the difference, within the bound), the peer
-    answers 300 ns after seeing a word, and one round is slowed by a late answer (not among the best)."""
+    answers 300 ns after seeing a word (its own stamps leave that out), and in half the rounds the word
+    out is held up 5 us: those rounds' round trips are long and their offsets 2.5 us off, and only the
+    quarter with the shortest round trips counts."""
     offset, out, back, reply = 50_000, 600, 800, 300
     rank0, peer = np.zeros((8, 2), np.uint64), np.zeros((8, 2), np.uint64)
     for i in range(8):
         s0 = 1_000_000 + 10_000 * i
-        r1 = s0 + out + offset
-        s1 = r1 + reply + (5_000 if i == 3 else 0)
+        r1 = s0 + out + (5_000 if i % 2 else 0) + offset
+        s1 = r1 + reply
         rank0[i] = s0, s1 - offset + back
         peer[i] = s1, r1
     sync = clock_sync_from_stamps(rank0, peer)

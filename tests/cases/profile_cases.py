@@ -36,6 +36,11 @@ def case_clock_sync(comm):
         else:
             assert one.error_ns < 5000 and two.error_ns < 5000, (one, two)  # a link's round trip, not a launch's
             assert abs(one.offset_ns - two.offset_ns) <= one.error_ns + two.error_ns + 1000, (one, two)
+            # Host minus device, as this rank's own host reading has it (good to a launch's round trip:
+            # a few us) where two GPUs' clocks stand tens of us apart: a sign slip would show.
+            from pyhipa2a.profile import clock_offset
+            own = clock_offset(a2a.backend, a2a.lib, a2a.stream)
+            assert abs(second[0] - own) < 20_000, (second[0], own)
         print(f"rank {a2a.rank}: {one} {two}")
 
 
@@ -48,6 +53,7 @@ def case_clock_sync_missing_peer(comm, who):
 
     import pytest
 
+    import pyhipa2a
     from pyhipa2a import A2ATimeoutError, AllToAll
     world = comm.Get_size()
     if world == 1:
@@ -61,6 +67,9 @@ def case_clock_sync_missing_peer(comm, who):
                 with pytest.raises(A2ATimeoutError, match=f"rank {skipper} never arrived") as info:
                     a2a.clock_offset_ns()
                 assert info.value.ranks == (skipper,) and time.monotonic() - start < 1.5 + 2.0
+                # Its syncs are out of step now (the skipper counted one fewer): later ones refuse.
+                with pytest.raises(pyhipa2a.A2AError, match="unusable after an earlier failure"):
+                    a2a.clock_offset_ns()
             else:  # trades with rank 0 only, which is here
                 a2a.clock_offset_ns()
         comm.Barrier()
