@@ -38,7 +38,7 @@ from .graph import Graph
 from .heap import SymmetricHeap
 from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array
 from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTIZE_F16, A2AArgs,
-                      KernelLibrary, divisor, route_chunk, route_chunks)
+                      HeapView, KernelLibrary, divisor, route_chunk, route_chunks)
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
 from .profile import CLOCK_ROUNDS, ClockSync, ProfileBuffer, clock_offset, clock_sync_from_stamps
@@ -82,6 +82,14 @@ COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
 GPU_FENCE_PUBLISH_ARCHS = ("sm_90",)
 PUBLISH_CHOICES = ("auto", "system", "gpu-fence")
 STREAM_CHOICES = ("own", "current")  # AllToAll(stream=...): where calls given no stream= run
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name`, one of `choices` (the first when unset), or ValueError."""
+    choice = os.environ.get(name, choices[0])
+    if choice not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {choice!r}")
+    return choice
 
 
 def check_block_threads(threads: int, warp: int) -> None:
@@ -214,6 +222,12 @@ class Repeat:
         """Queue the repeated call after its arguments' producers (after StreamOrder.follow)."""
         for producer in self.waits:
             order.wait_for_producer(producer, stream)
+
+    def resume(self, order, stream) -> None:
+        """Queue the repeated call on `stream` as its first one was: after our earlier calls, then
+        after its arguments' producers (a repeat never runs while a capture records)."""
+        order.follow(stream)
+        self.wait_for_producers(order, stream)
 
     @classmethod
     def of(cls, args: tuple, names: tuple, boundary, tokens: int, prepared=None):
@@ -483,7 +497,6 @@ class AllToAll:
         self.exchange_blocks = self._blocks_filled(self.nseg, self.warps_per_block)
         self._small_combine, self.small_combine_tokens = self._small_combine_kernel(heap.device, out16, bulk_per_mp)
         self.gpu_fence_publish = self._publish_with_gpu_fence(heap.device.arch)
-        self.push_tokens = not self.gpu_fence_publish  # whether a pushed call pushes its tokens too
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
         self._scale_pack = self._scale_kernel.pack()
@@ -495,6 +508,7 @@ class AllToAll:
         self._capturing = None  # the stream while capture() records a step
         self._clock_epoch = 0  # tags clock_offset_ns()'s words (kernels_hip/clock.hip)
         self._clock_failed: str | None = None  # why the clock syncs are out of step
+        self._clock_kernel = None  # (kernel, pack) of clock_sync, made on first use
         self.clock_sync: ClockSync | None = None  # the last clock_offset_ns()'s, this rank against rank 0
         self._graphs = weakref.WeakSet()  # destroyed by close() at the latest
         self._pending: DispatchResult | None = None
@@ -550,10 +564,7 @@ class AllToAll:
         only where the device holds as many of its blocks a multiprocessor as of the bulk kernels'
         (bulk_per_mp).
         The host twin is one kernel for both."""
-        choice = os.environ.get("PYHIPA2A_COMBINE_KERNEL", "auto")
-        if choice not in COMBINE_KERNEL_CHOICES:
-            raise ValueError(f"PYHIPA2A_COMBINE_KERNEL must be one of {', '.join(COMBINE_KERNEL_CHOICES)}; "
-                             f"got {choice!r}")
+        choice = _env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES)
         warp, threads = device.warp_size, self.block_threads // 2
         if warp == 1 or choice == "bulk":
             return None, -1
@@ -583,18 +594,21 @@ class AllToAll:
                 f"region_tokens)",
                 ranks=differ)
 
+    @property
+    def push_tokens(self) -> bool:
+        """Whether a pushed call pushes its tokens too (without a GPU-scope fence before its flags)."""
+        return not self.gpu_fence_publish
+
     @staticmethod
     def _publish_with_gpu_fence(arch: str) -> bool:
         """Whether flags over data left in the sender's own memory follow a GPU-scope fence
         (GPU_FENCE_PUBLISH_ARCHS) rather than a system-scope release."""
-        choice = os.environ.get("PYHIPA2A_PUBLISH", "auto")
-        if choice not in PUBLISH_CHOICES:
-            raise ValueError(f"PYHIPA2A_PUBLISH must be one of {', '.join(PUBLISH_CHOICES)}; got {choice!r}")
+        choice = _env_choice("PYHIPA2A_PUBLISH", PUBLISH_CHOICES)
         return choice == "gpu-fence" or (choice == "auto" and arch in GPU_FENCE_PUBLISH_ARCHS)
 
     def _fill_args(self, a: A2AArgs) -> None:
         heap, off = self.heap, lambda name: heap.offset_of(self.buf[name].ptr)
-        a.heap.bases, a.heap.rank, a.heap.world = heap.bases_ptr, heap.rank, heap.world
+        a.heap = HeapView.of(heap)
         a.local_base = heap.base
         for name, _, _ in self._layout(self.world):
             if hasattr(a, "off_" + name):
@@ -620,9 +634,12 @@ class AllToAll:
         a.gpu_fence_publish = int(self.gpu_fence_publish)
         a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens
         a.trap_on_timeout = int(self.on_timeout == "trap")
-        # At most 2^62 ns (146 years): the kernels add it to a clock twice (the deadline, and the
-        # poisoner's bound past it), and that must not wrap around a 64-bit word.
-        a.timeout_ns = int(min(self.timeout * 1e9, 2.0 ** 62))
+        a.timeout_ns = self._timeout_ns()
+
+    def _timeout_ns(self) -> int:
+        """The timeout as kernels take it: at most 2^62 ns (146 years), since the kernels add it to a
+        clock twice (the deadline, and the poisoner's bound past it) and that must not wrap around."""
+        return int(min(self.timeout * 1e9, 2.0 ** 62))
 
     # -- calls ------------------------------------------------------------------
     def _usable(self) -> None:
@@ -718,8 +735,7 @@ class AllToAll:
         args = (x, indices, weights, x_scales, s)
         repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
         if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args):
-            self._follow(s)
-            repeat.wait_for_producers(self._order, s)
+            repeat.resume(self._order, s)
             result = self._launch_dispatch(s, repeat.tokens, weights)
             self._repeat_dispatch = repeat
             return result
@@ -777,8 +793,7 @@ class AllToAll:
         args = (expert_y, weights, out, s, expert_scale, sent)
         repeat, self._repeat_combine = self._repeat_combine, None  # a call that fails records nothing
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args):
-            self._follow(s)
-            repeat.wait_for_producers(self._order, s)
+            repeat.resume(self._order, s)
             self._repeat_combine = repeat
             return repeat.prepared
         if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then
@@ -1000,18 +1015,25 @@ class AllToAll:
             self._clock_failed = str(error)
             raise
 
+    def _clock_sync_pack(self):
+        """clock_sync and its arguments, made on first use: all but the epoch and host offset are fixed."""
+        if self._clock_kernel is None:
+            kernel = self.lib.kernel("clock_sync")
+            pack = kernel.pack()
+            a = pack[0]
+            a.heap = HeapView.of(self.heap)
+            for name in ("box", "stamps", "from0", "done", "verdict"):
+                setattr(a, "off_" + name, self.heap.offset_of(self.buf["clock_" + name].ptr))
+            a.rounds, a.timeout_ns = CLOCK_ROUNDS, self._timeout_ns()
+            self._clock_kernel = (kernel, pack)
+        return self._clock_kernel
+
     def _clock_sync_once(self) -> int:
         buf = self.buf
         host = clock_offset(self.backend, self.lib, self.stream) if self.rank == 0 else 0
         self._clock_epoch += 1
-        kernel = self.lib.kernel("clock_sync")
-        pack = kernel.pack()
-        a = pack[0]
-        a.heap.bases, a.heap.rank, a.heap.world = self.heap.bases_ptr, self.heap.rank, self.heap.world
-        for name in ("box", "stamps", "from0", "done", "verdict"):
-            setattr(a, "off_" + name, self.heap.offset_of(buf["clock_" + name].ptr))
-        a.host_offset = host & (2**64 - 1)
-        a.rounds, a.epoch, a.timeout_ns = CLOCK_ROUNDS, self._clock_epoch, int(min(self.timeout * 1e9, 2.0 ** 62))
+        kernel, pack = self._clock_sync_pack()
+        pack[0].host_offset, pack[0].epoch = host & (2**64 - 1), self._clock_epoch
         stamps = np.zeros((self.world, CLOCK_ROUNDS, 2), np.uint64)  # a round that never completes stays 0
         verdict = np.zeros(1, np.uint32)                             # the epoch once this rank's part is done
         self.backend.copy_to_device(buf["clock_stamps"].ptr, stamps, self.stream)

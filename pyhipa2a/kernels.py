@@ -20,6 +20,11 @@ u64, u32, i32, f32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_
 class HeapView(ctypes.Structure):
     _fields_ = [("bases", u64), ("rank", i32), ("world", i32)]
 
+    @classmethod
+    def of(cls, heap) -> "HeapView":
+        """How kernels see a SymmetricHeap: its table of every rank's base, this rank, the world."""
+        return cls(heap.bases_ptr, heap.rank, heap.world)
+
 
 class HeapCheckArgs(ctypes.Structure):
     _fields_ = [("heap", HeapView), ("off_slots", u64), ("off_flags", u64), ("off_counter", u64),

@@ -174,28 +174,37 @@ def summarize(events_by_rank: dict[int, np.ndarray]) -> dict:
     return summary
 
 
+def _call_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> list[dict]:
+    """For each call every rank recorded: {(rank, tag): (first start, last end)} in ns on the clocks
+    aligned by `offsets` (empty for a call with no events)."""
+    ncalls = min(len(c) for c in calls_by_rank.values())
+    out = []
+    for i in range(ncalls):
+        windows = {}
+        for r, calls in calls_by_rank.items():
+            ev = calls[i]
+            for tag in np.unique(ev["tag"]):
+                pick = ev["tag"] == tag
+                first, last = int(ev["start"][pick].min()), int(ev["end"][pick].max())
+                windows[(r, int(tag))] = (first + offsets[r], last + offsets[r])
+        out.append(windows)
+    return out
+
+
 def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> dict:
     """When each stage ran, for reading the critical path: per (rank, tag), the median over the calls
     that ran it of the first start and the last end of that stage (us), measured from the call's
     earliest event on any rank (clocks aligned by `offsets`). A median, since a call whose ranks
     started far apart (the first after a capture, above all: tens of microseconds) would pull a mean.
     Every rank must have recorded the same number of calls."""
-    ncalls = min(len(c) for c in calls_by_rank.values())
-    windows = defaultdict(list)
-    for i in range(ncalls):
-        aligned = {r: calls[i]["start"].astype(np.int64) + offsets[r] for r, calls in calls_by_rank.items()}
-        starts = [a.min() for a in aligned.values() if len(a)]
-        if not starts:
+    per_stage = defaultdict(list)
+    for windows in _call_windows(calls_by_rank, offsets):
+        if not windows:
             continue
-        origin = min(starts)
-        for r, calls in calls_by_rank.items():
-            ev = calls[i]
-            for tag in np.unique(ev["tag"]):
-                pick = ev["tag"] == tag
-                first = (ev["start"][pick].astype(np.int64) + offsets[r]).min() - origin
-                last = (ev["end"][pick].astype(np.int64) + offsets[r]).max() - origin
-                windows[(r, int(tag))].append((first / 1e3, last / 1e3))
-    return {key: tuple(float(x) for x in np.median(np.array(v), axis=0)) for key, v in windows.items()}
+        origin = min(first for first, _ in windows.values())
+        for key, (first, last) in windows.items():
+            per_stage[key].append(((first - origin) / 1e3, (last - origin) / 1e3))
+    return {key: tuple(float(x) for x in np.median(np.array(v), axis=0)) for key, v in per_stage.items()}
 
 
 def kernel_starts_and_ends(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> dict:
@@ -203,17 +212,12 @@ def kernel_starts_and_ends(calls_by_rank: dict[int, list[np.ndarray]], offsets: 
     kernels started (first warp's start, earliest rank to latest) and how long the kernel ran from the
     latest rank's start to the latest rank's end: the kernel's time once every rank has started, without
     the ranks' start skew that each rank's own timing of a call holds. Only calls that every rank ran."""
-    ncalls = min(len(c) for c in calls_by_rank.values())
     per_kernel = defaultdict(list)
-    for i in range(ncalls):
+    for windows in _call_windows(calls_by_rank, offsets):
         for tag, kernel in KERNEL_OF_SPAN.items():
-            starts, ends = [], []
-            for r, calls in calls_by_rank.items():
-                ev = calls[i][calls[i]["tag"] == tag]
-                if len(ev):
-                    starts.append(int(ev["start"].min()) + offsets[r])
-                    ends.append(int(ev["end"].max()) + offsets[r])
-            if len(starts) == len(calls_by_rank):
+            spans = [windows[(r, tag)] for r in calls_by_rank if (r, tag) in windows]
+            if len(spans) == len(calls_by_rank):
+                starts, ends = [s for s, _ in spans], [e for _, e in spans]
                 per_kernel[kernel].append(((max(starts) - min(starts)) / 1e3, (max(ends) - max(starts)) / 1e3))
     return {kernel: {"start_skew_us": float(np.median([v[0] for v in values])),
                      "from_last_start_us": float(np.median([v[1] for v in values])), "calls": len(values)}

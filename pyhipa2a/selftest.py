@@ -6,7 +6,7 @@ import numpy as np
 from .bootstrap import bounded_barrier, world_size
 from .errors import status_error
 from .heap import SymmetricHeap
-from .kernels import KernelLibrary
+from .kernels import HeapView, KernelLibrary
 
 THREADS = 256
 
@@ -28,7 +28,7 @@ def heap_self_test(comm=None, *, words: int = 1 << 16, rounds: int = 3, timeout:
             kernel = lib.kernel("heap_check")
             pack = kernel.pack()
             a = pack[0]
-            a.heap.bases, a.heap.rank, a.heap.world = heap.bases_ptr, heap.rank, heap.world
+            a.heap = HeapView.of(heap)
             a.off_slots, a.off_flags, a.off_counter = (heap.offset_of(b.ptr) for b in (slots, flags, counter))
             a.off_status, a.off_result = heap.offset_of(status.ptr), heap.offset_of(result.ptr)
             a.words, a.timeout_ns = words, int(timeout * 1e9)

@@ -100,7 +100,8 @@ def main() -> int:
     print(f"pyhipa2a trace: {device}, {world} ranks, E={E} k={k} H={H} M={M}, {args.iters} calls, "
           f"oracle max err {max(x[4] for x in everything):.3g}; {len(trace)} events -> {args.out}")
     print("clocks against rank 0's (a device ping-pong, kernels_hip/clock.hip): "
-          + "; ".join(f"rank {r} {s.offset_ns / 1e3:+.2f} us +- {s.error_ns / 1e3:.2f} (one way {s.one_way_ns / 1e3:.2f}, "
+          + "; ".join(f"rank {r} {s.offset_ns / 1e3:+.2f} us +- {s.error_ns / 1e3:.2f} "
+                      f"(one way {s.one_way_ns / 1e3:.2f}, "
                       f"moved {drift / 1e3:+.2f} over the calls)" for r, *_, s, drift in everything[1:]))
     calls_by_rank, offsets = {r: calls for r, _, calls, *_ in everything}, {r: o for r, o, *_ in everything}
     for kernel, k in kernel_starts_and_ends(calls_by_rank, offsets).items():

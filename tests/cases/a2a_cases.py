@@ -75,9 +75,10 @@ def checked_call(a2a, inputs, exact: bool, scales=None, weights_at="combine") ->
 def own_header_bits(a2a) -> tuple[bool, bool]:
     """(tokens pushed, contributions pushed back) in the token-count header our last dispatch left in
     our own memory (kernels_hip/exchange.h: A2A_PUSHED_TOKENS, A2A_PUSHED_BACK): its latest epoch."""
+    from pyhipa2a.host_kernels.exchange import count_header
     words = a2a.buf["tok_count"].numpy()[:, a2a.rank]  # one per epoch parity, epoch in the high half
-    value = int(words[np.argmax(words >> np.uint64(32))]) & 0xFFFFFFFF
-    return bool(value & 0x80000000), bool(value & 0x40000000)
+    _, tokens, back = count_header(int(words[np.argmax(words >> np.uint64(32))]) & 0xFFFFFFFF, a2a.max_tokens)
+    return tokens, back
 
 
 def case_combine_kernel_choice(comm, choice):
