@@ -62,13 +62,37 @@ A2A_DEVICE BlockScale block_scale(u32 amax_bits, Fp8Format f) {
   return {amax / f.largest(), f.largest() / amax, true};
 }
 
-// The largest of v over the lanes that hold one block (every lane of the warp calls).
-A2A_DEVICE u32 block_max(u32 v, u32 lane) {
+// One lane's chunk of 16 codes (4 words) and its block's scale.
+struct Fp8Chunk {
+  u32 w[4];
+  float scale;
+};
+
+// A chunk of 16 elements of a 16-bit row (a and b: its two 16-byte halves) quantized with its
+// block's scale (every lane of the warp calls: the block's lanes find its amax together).
+// The amax is found on the 16-bit magnitudes (portability.h: a2a_amax16), then converted once.
+// Out of line, called once per chunk: a segment's quantizing runs one copy of this code A2A_CHUNKS
+// times instead of A2A_CHUNKS unrolled copies. Fetching unrolled code costs a warp more than running
+// it (docs/PERFORMANCE.md, sixteenth session: 2.5 ns an instruction from L2); so did the segment's
+// quantizing in dispatch, 4.7 us a segment beyond loading a given fp8 one (twenty-second session).
+template <typename Fmt>
+A2A_DEVICE_CALLED Fp8Chunk quantize_chunk(vec16 a, vec16 b, u32 lane, Fp8Format f) {
+  const u32 words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  u32 amax = a2a_amax16(words);
   for (u32 d = A2A_FP8_LANES_PER_BLOCK / 2u; d; d >>= 1) {
-    const u32 other = (u32)a2a_shfl((int)v, (int)(lane ^ d));
-    v = other > v ? other : v;
+    const u32 other = (u32)a2a_shfl((int)amax, (int)(lane ^ d));
+    amax = other > amax ? other : amax;
   }
-  return v;
+  const BlockScale s = block_scale(__builtin_bit_cast(u32, Fmt::load((u16)amax)), f);
+  Fp8Chunk c;
+  c.scale = s.scale;
+  for (u32 h = 0; h < 4; ++h) {
+    const u32 lo = words[2 * h], hi = words[2 * h + 1];
+    const float v0 = Fmt::load((u16)(lo & 0xffffu)) * s.inv, v1 = Fmt::load((u16)(lo >> 16)) * s.inv;
+    const float v2 = Fmt::load((u16)(hi & 0xffffu)) * s.inv, v3 = Fmt::load((u16)(hi >> 16)) * s.inv;
+    c.w[h] = s.finite ? a2a_float2_to_fp8(v0, v1, f) | a2a_float2_to_fp8(v2, v3, f) << 16 : f.nan() * 0x01010101u;
+  }
+  return c;
 }
 
 // The segment from element `first` of a 16-bit row, quantized (every lane of the warp calls).
@@ -86,37 +110,17 @@ A2A_DEVICE_CALLED Fp8Piece quantize_piece(const u16* row, u32 first, u32 hidden,
   float scales[A2A_CHUNKS];
   #pragma unroll
   for (u32 u = 0; u < A2A_CHUNKS; ++u) {
-    const u32 words[8] = {raw[2 * u].x, raw[2 * u].y, raw[2 * u].z, raw[2 * u].w,
-                          raw[2 * u + 1].x, raw[2 * u + 1].y, raw[2 * u + 1].z, raw[2 * u + 1].w};
-    float v[A2A_FP8_CHUNK];
-    u32 amax = 0u;
-    #pragma unroll
-    for (u32 q = 0; q < 8; ++q) {
-      v[2 * q] = Fmt::load((u16)(words[q] & 0xffffu));
-      v[2 * q + 1] = Fmt::load((u16)(words[q] >> 16));
-    }
-    #pragma unroll
-    for (u32 i = 0; i < A2A_FP8_CHUNK; ++i) {
-      const u32 b = __builtin_bit_cast(u32, v[i]) & 0x7fffffffu;
-      amax = b > amax ? b : amax;
-    }
-    const BlockScale s = block_scale(block_max(amax, lane), f);
-    #pragma unroll
-    for (u32 h = 0; h < 4; ++h) {
-      const u32 nan4 = f.nan() * 0x01010101u;
-      p.w[4 * u + h] = s.finite ? a2a_float2_to_fp8(v[4 * h] * s.inv, v[4 * h + 1] * s.inv, f) |
-                                      a2a_float2_to_fp8(v[4 * h + 2] * s.inv, v[4 * h + 3] * s.inv, f) << 16
-                                : nan4;
-    }
-    scales[u] = s.scale;
+    const Fp8Chunk c = quantize_chunk<Fmt>(raw[2 * u], raw[2 * u + 1], lane, f);
+    for (u32 h = 0; h < 4; ++h) p.w[4 * u + h] = c.w[h];
+    scales[u] = c.scale;
   }
   // Lane b takes block b's scale: chunk b / G (G blocks side by side in a chunk's step), held by
   // lane (b % G) * A2A_FP8_LANES_PER_BLOCK.
   constexpr u32 G = A2A_FP8_STEP / A2A_FP8_BLOCK;
   #pragma unroll
   for (u32 u = 0; u < A2A_CHUNKS; ++u) {
-    const int s = a2a_shfl(__builtin_bit_cast(int, scales[u]), (int)((lane % G) * A2A_FP8_LANES_PER_BLOCK));
-    if (lane / G == u) p.scale = __builtin_bit_cast(float, s);
+    const int sc = a2a_shfl(__builtin_bit_cast(int, scales[u]), (int)((lane % G) * A2A_FP8_LANES_PER_BLOCK));
+    if (lane / G == u) p.scale = __builtin_bit_cast(float, sc);
   }
   return p;
 }

@@ -256,6 +256,27 @@ A2A_DEVICE u32 quot_rem(const Divisor& v, u32 n, u32& r) {
   return q;
 }
 
+// The largest magnitude among the 16 halves of w (16-bit floats: fp16 or bf16) as its 16-bit
+// pattern, sign cleared. A 16-bit float's magnitude bits order like its magnitude, infinity above
+// every finite value and NaN above infinity, as a float32's bits do, so this is the largest |x|
+// (tests/native/fp8_amax.cpp holds it to NumPy on every fp16 and bf16 value). Two halves an
+// instruction on NVIDIA (__vmaxu2).
+A2A_DEVICE u32 a2a_max_halves(u32 a, u32 b) {
+#ifdef A2A_NVIDIA
+  return __vmaxu2(a, b);
+#else
+  const u32 lo = (a & 0xffffu) > (b & 0xffffu) ? a & 0xffffu : b & 0xffffu;
+  const u32 hi = (a >> 16) > (b >> 16) ? a >> 16 : b >> 16;
+  return lo | hi << 16;
+#endif
+}
+A2A_DEVICE u32 a2a_amax16(const u32 (&w)[8]) {
+  u32 m[4];
+  for (u32 q = 0; q < 4; ++q) m[q] = a2a_max_halves(w[q] & 0x7fff7fffu, w[q + 4] & 0x7fff7fffu);
+  const u32 both = a2a_max_halves(a2a_max_halves(m[0], m[1]), a2a_max_halves(m[2], m[3]));
+  return (both & 0xffffu) > (both >> 16) ? both & 0xffffu : both >> 16;
+}
+
 // fp8 e4m3 (4 exponent bits, 3 mantissa bits) in the two encodings MoE
 // kernels use: OCP float8_e4m3fn (NVIDIA sm_90; bias 7, largest 448, 0x7f
 // and 0xff are NaN, -0 is 0x80) and float8_e4m3fnuz (MI300X; bias 8,

@@ -67,6 +67,55 @@ def test_kernel_conversions_match_ml_dtypes(native):
         assert np.array_equal(decoded.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
 
 
+def sixteen_bit_floats(name: str) -> np.ndarray:
+    """Every 16-bit pattern of `name` (float16 or bfloat16) as float32."""
+    return np.arange(65536, dtype=np.uint16).view(resolve(name)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_sixteen_bit_magnitude_bits_order_like_magnitudes(name):
+    """What a2a_amax16 (portability.h) relies on: for every pattern of either 16-bit format, ordering by
+    its magnitude bits (sign cleared) orders |x| alike, with infinity above every finite value and
+    every NaN above infinity; so the largest magnitude bits are the largest |x|, NaN when there is one."""
+    bits = np.arange(65536, dtype=np.uint32)
+    mags = np.abs(sixteen_bit_floats(name))
+    order = np.argsort(bits & 0x7FFF, kind="stable")
+    ordered, ordered_bits = mags[order], (bits & 0x7FFF)[order]
+    nan = np.isnan(ordered)
+    first_nan = np.argmax(nan)
+    assert nan[first_nan:].all() and not nan[:first_nan].any()  # NaNs last
+    up_to_inf = ordered[:first_nan]
+    assert np.all(up_to_inf[1:] >= up_to_inf[:-1]) and up_to_inf[-1] == np.inf
+    same_bits = ordered_bits[1:first_nan] == ordered_bits[:first_nan - 1]  # -x and x share them, and only they
+    assert np.array_equal(same_bits, up_to_inf[1:] == up_to_inf[:-1])
+
+
+@pytest.fixture(scope="module")
+def native_amax(tmp_path_factory):
+    """tests/native/fp8_amax.cpp: portability.h's a2a_amax16 built for the host (AMD's generic code)."""
+    return build_native(tmp_path_factory.mktemp("amax"), "fp8_amax")
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_kernel_amax16_is_the_largest_magnitude(native_amax, name):
+    """a2a_amax16 over chunks of 16 values (random, every pattern of the format once, and chunks with
+    zeros, -0, infinities and NaN) is the bits of the largest |x| (NaN's when the chunk holds one)."""
+    rng = np.random.default_rng(3)
+    patterns = np.concatenate([rng.permutation(65536), rng.integers(0, 65536, 16 * 4096)]).astype(np.uint16)
+    special = np.array([0x0000, 0x8000, 0x0001, 0x8001], np.uint16)
+    inf, nan = (0x7C00, 0x7E00) if name == "float16" else (0x7F80, 0x7FC0)
+    chunks = [np.full(16, v, np.uint16) for v in special]
+    chunks += [np.array([0x8000 | inf] + [0x3C00] * 15, np.uint16), np.array([0x3C00] * 15 + [0x8000 | nan], np.uint16)]
+    halves = np.concatenate([patterns] + chunks).reshape(-1, 16)
+    out = subprocess.run([str(native_amax)], input=halves.tobytes(), capture_output=True, check=True).stdout
+    got = np.frombuffer(out, np.uint16)
+    assert len(got) == len(halves)
+    assert np.array_equal(got, (halves & 0x7FFF).max(axis=1))
+    values = np.abs(halves.view(resolve(name)).astype(np.float32))
+    want = np.where(np.isnan(values).any(axis=1), np.nan, np.nanmax(values, axis=1))
+    assert np.array_equal(got.view(resolve(name)).astype(np.float32), want, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_twin_conversions_match_ml_dtypes(name):
     values = probe_values()
