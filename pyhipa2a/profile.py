@@ -191,20 +191,48 @@ def _call_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int,
     return out
 
 
-def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> dict:
+SPAN_OF_KERNEL = {kernel: tag for tag, kernel in KERNEL_OF_SPAN.items()}
+
+
+def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int],
+                  from_kernel_start: bool = False) -> dict:
     """When each stage ran, for reading the critical path: per (rank, tag), the median over the calls
     that ran it of the first start and the last end of that stage (us), measured from the call's
-    earliest event on any rank (clocks aligned by `offsets`). A median, since a call whose ranks
-    started far apart (the first after a capture, above all: tens of microseconds) would pull a mean.
-    Every rank must have recorded the same number of calls."""
+    earliest event on any rank (clocks aligned by `offsets`), or, with `from_kernel_start`, from the
+    latest rank's start of the stage's own kernel in that call: each kernel's stages then read without
+    the ranks' start skew and the gap before the kernel (calls where a rank did not run it are left
+    out). A median, since a call whose ranks started far apart (the first after a capture, above all:
+    tens of microseconds) would pull a mean. Every rank must have recorded the same number of calls."""
     per_stage = defaultdict(list)
     for windows in _call_windows(calls_by_rank, offsets):
         if not windows:
             continue
-        origin = min(first for first, _ in windows.values())
-        for key, (first, last) in windows.items():
-            per_stage[key].append(((first - origin) / 1e3, (last - origin) / 1e3))
+        origin = {None: min(first for first, _ in windows.values())}
+        for kernel, span in SPAN_OF_KERNEL.items():
+            starts = [windows[(r, span)][0] for r in calls_by_rank if (r, span) in windows]
+            if len(starts) == len(calls_by_rank):
+                origin[kernel] = max(starts)
+        for (r, tag), (first, last) in windows.items():
+            kernel = TAGS.get(tag, ("",))[0].split(".")[0] if from_kernel_start else None
+            if kernel in origin:
+                per_stage[(r, tag)].append(((first - origin[kernel]) / 1e3, (last - origin[kernel]) / 1e3))
     return {key: tuple(float(x) for x in np.median(np.array(v), axis=0)) for key, v in per_stage.items()}
+
+
+def stage_durations(events_by_rank: dict[int, np.ndarray]) -> dict:
+    """Per (rank, tag): the median and 90th percentile (us) of one event's duration, and how many events
+    there were. A stage's window (stage_windows) says when its warps were at it; this says how long one
+    item of it took a warp (a segment's copy, a token's reduce), which a stage whose items all start at
+    once and end at once (a latency, not a queue) shows best."""
+    out = {}
+    for r, events in events_by_rank.items():
+        if not len(events):
+            continue
+        durations = (events["end"].astype(np.int64) - events["start"].astype(np.int64)) / 1e3
+        for tag in np.unique(events["tag"]):
+            d = durations[events["tag"] == tag]
+            out[(r, int(tag))] = (float(np.median(d)), float(np.percentile(d, 90)), len(d))
+    return out
 
 
 def kernel_starts_and_ends(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> dict:

@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.profile import (TAGS, kernel_starts_and_ends, stage_windows, summarize, to_trace_events,  # noqa: E402
-                              write_trace)
+from pyhipa2a.profile import (TAGS, kernel_starts_and_ends, stage_durations, stage_windows, summarize,  # noqa: E402
+                              to_trace_events, write_trace)
 from pyhipa2a.testing import (dispatch_uploaded, draw_world, dtype_arguments, free_inputs,  # noqa: E402
                               inputs_as_given, run_round, upload_inputs)
 
@@ -85,7 +85,9 @@ def main() -> int:
     drift = sync.offset_ns - sync_before.offset_ns  # this clock against rank 0's, over the calls
     everything = comm.gather((rank, offset, recorded, dropped, err, sync, drift), root=0)
     if rank == 0:
-        windows = stage_windows({r: calls for r, _, calls, *_ in everything}, {r: o for r, o, *_ in everything})
+        calls_by_rank, offsets = {r: calls for r, _, calls, *_ in everything}, {r: o for r, o, *_ in everything}
+        windows = stage_windows(calls_by_rank, offsets)
+        kernel_windows = stage_windows(calls_by_rank, offsets, from_kernel_start=True)
     if rank != 0:
         return 0
     trace, by_rank = [], {}
@@ -103,7 +105,6 @@ def main() -> int:
           + "; ".join(f"rank {r} {s.offset_ns / 1e3:+.2f} us +- {s.error_ns / 1e3:.2f} "
                       f"(one way {s.one_way_ns / 1e3:.2f}, "
                       f"moved {drift / 1e3:+.2f} over the calls)" for r, *_, s, drift in everything[1:]))
-    calls_by_rank, offsets = {r: calls for r, _, calls, *_ in everything}, {r: o for r, o, *_ in everything}
     for kernel, k in kernel_starts_and_ends(calls_by_rank, offsets).items():
         print(f"{kernel}: the ranks' kernels started {k['start_skew_us']:.1f} us apart; from the last rank's start "
               f"to the last rank's end {k['from_last_start_us']:.1f} us (medians over {k['calls']} calls)")
@@ -121,13 +122,22 @@ def main() -> int:
                 for e in (by_rank[r] for r in sorted(by_rank))]
         if any(sums):
             print(f"{name:<22} {kind:<5} " + " ".join(f"{v:>10.1f}" for v in sums))
-    print("when each stage ran: first start .. last end, us from the call's first event on any rank "
-          "(median over calls)")
-    print(f"{'stage':<22} " + " ".join(f"{'rank ' + str(r):>17}" for r in sorted(by_rank)))
+    for title, table in (("us from the call's first event on any rank", windows),
+                         ("us from the last rank's start of the stage's kernel", kernel_windows)):
+        print(f"when each stage ran: first start .. last end, {title} (median over calls)")
+        print(f"{'stage':<22} " + " ".join(f"{'rank ' + str(r):>17}" for r in sorted(by_rank)))
+        for tag, (name, _) in sorted(TAGS.items()):
+            cells = [table.get((r, tag)) for r in sorted(by_rank)]
+            if any(cells):
+                print(f"{name:<22} " + " ".join(f"{c[0]:>7.1f} .. {c[1]:>6.1f}" if c else f"{'-':>17}" for c in cells))
+    durations = stage_durations(by_rank)
+    print("one event of each stage: median / 90th percentile (us), events over all calls")
+    print(f"{'stage':<22} " + " ".join(f"{'rank ' + str(r):>26}" for r in sorted(by_rank)))
     for tag, (name, _) in sorted(TAGS.items()):
-        cells = [windows.get((r, tag)) for r in sorted(by_rank)]
+        cells = [durations.get((r, tag)) for r in sorted(by_rank)]
         if any(cells):
-            print(f"{name:<22} " + " ".join(f"{c[0]:>7.1f} .. {c[1]:>6.1f}" if c else f"{'-':>17}" for c in cells))
+            print(f"{name:<22} " + " ".join(f"{c[0]:>7.2f} / {c[1]:>7.2f} {c[2]:>8d}" if c else f"{'-':>26}"
+                                            for c in cells))
     return 0
 
 

@@ -7,7 +7,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from pyhipa2a.profile import EVENT, TAGS, clock_sync_from_stamps, kernel_starts_and_ends, stage_windows, summarize
+from pyhipa2a.profile import (EVENT, TAGS, clock_sync_from_stamps, kernel_starts_and_ends, stage_durations,
+                              stage_windows, summarize)
 from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
 
 KERNEL_SPAN = {"dispatch": "dispatch.warp", "combine": "combine.warp"}
@@ -38,6 +39,8 @@ def test_trace_script(tmp_path, backend):
         assert lo - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= hi + 1e-3, e
         assert e["dur"] >= 0
     assert "oracle max err" in run.stdout and "waiting" in run.stdout
+    assert "from the last rank's start of the stage's kernel" in run.stdout
+    assert "one event of each stage: median / 90th percentile" in run.stdout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -87,6 +90,41 @@ def test_stage_windows_take_the_median_call():
     windows = stage_windows({r: [c[r] for c in calls] for r in (0, 1)}, {0: 0, 1: 1000})
     assert windows[(0, 7)] == pytest.approx((0.0, 5.0))
     assert windows[(1, 7)] == pytest.approx((3.0, 8.0))
+
+
+def test_stage_windows_from_the_kernels_last_start():
+    """from_kernel_start: each stage from the latest rank's start of its own kernel in that call (rank 1's
+    clock runs 1000 ns behind; rank 1 starts each kernel later), so a combine stage reads the same
+    whatever the gap after dispatch and the ranks' skew; a call where rank 1 ran no combine is left out."""
+    def call(start1, gap, combine_on_1=True):
+        out = {}
+        for r, start in ((0, 0), (1, start1)):
+            rows = [(start, start + 6_000, 7), (start + 1_000, start + 2_000, 3),  # dispatch.warp, .stage
+                    (start + 6_000 + gap, start + 10_000 + gap, 13),               # combine.warp
+                    (start + 7_000 + gap, start + 9_000 + gap, 10)]                # combine.contribute
+            rows = [row for row in rows if r == 0 or combine_on_1 or row[2] in (7, 3)]
+            ev = np.zeros(len(rows), EVENT)
+            for i, (a, b, tag) in enumerate(rows):
+                ev[i] = (a - 1000 * r, b - 1000 * r, tag, 0, 0, 0)
+            out[r] = ev
+        return out
+    calls = [call(2_000, 5_000), call(3_000, 20_000), call(2_500, 9_000), call(40_000, 1_000, combine_on_1=False)]
+    w = stage_windows({r: [c[r] for c in calls] for r in (0, 1)}, {0: 0, 1: 1000}, from_kernel_start=True)
+    assert w[(1, 3)] == pytest.approx((1.0, 2.0))
+    assert w[(0, 3)] == pytest.approx((1.0 - 2.75, 2.0 - 2.75))  # rank 1 started 2, 3, 2.5, 40 us later: median 2.75
+    assert w[(1, 10)] == pytest.approx((1.0, 3.0)) and w[(0, 10)] == pytest.approx((1.0 - 2.5, 3.0 - 2.5))
+    assert w[(1, 13)] == pytest.approx((0.0, 4.0))  # only the three calls with rank 1's combine
+
+
+def test_stage_durations_per_event():
+    """Per (rank, stage): median and 90th percentile of one event's duration (us), and the count."""
+    ev = np.zeros(11, EVENT)
+    for i in range(10):
+        ev[i] = (1000 * i, 1000 * i + 100 * (i + 1), 3, 0, i, 0)  # stage events of 0.1 .. 1.0 us
+    ev[10] = (0, 20_000, 7, 0, 0, 0)
+    d = stage_durations({0: ev, 1: np.zeros(0, EVENT)})
+    assert d[(0, 3)] == pytest.approx((0.55, 0.91, 10)) and d[(0, 7)] == pytest.approx((20.0, 20.0, 1))
+    assert not any(r == 1 for r, _ in d)
 
 
 def test_kernel_time_from_the_last_start():
