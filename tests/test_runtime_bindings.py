@@ -210,6 +210,24 @@ def test_activate_before_a_device_is_opened_does_nothing(rt, monkeypatch):
     backend.activate()
 
 
+def test_module_owner_is_the_opened_device(rt):
+    """Modules are shared among objects by owner (kernels.py): none before a device is opened (a failed
+    open included, which may have set current_device already), then the opened device's context."""
+    mod, binding, _, _ = rt
+    backend = _bare_backend(mod)
+    backend.current_device = 1
+    if mod is cuda_rt:
+        backend._context = None
+        assert backend.module_owner() is None
+        backend._context = binding.CUcontext(0x1000)
+        assert backend.module_owner() == ("cuda", 0x1000)
+    else:
+        backend._opened = None
+        assert backend.module_owner() is None
+        backend._opened = 1
+        assert backend.module_owner() == ("hip", 1)
+
+
 def _library_missing_error(mod, binding):
     """The exception the binding raises when its native library is absent, or None."""
     try:

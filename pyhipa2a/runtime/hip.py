@@ -139,8 +139,10 @@ class HipBackend(DriverBackend):
         )
 
     def module_owner(self):
-        # HIP modules belong to the device's primary context, which lives as long as the process.
-        return ("hip", self.current_device) if getattr(self, "current_device", None) is not None else None
+        # HIP modules belong to the device's primary context, which lives as long as the process: the
+        # device open_device made current (as activate() does, not current_device, which is set before
+        # hipSetDevice can fail).
+        return ("hip", self._opened) if self._opened is not None else None
 
     def activate(self) -> None:
         if self._opened is None:  # no device opened yet: nothing of ours to make current
