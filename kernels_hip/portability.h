@@ -256,11 +256,7 @@ A2A_DEVICE u32 quot_rem(const Divisor& v, u32 n, u32& r) {
   return q;
 }
 
-// The largest magnitude among the 16 halves of w (16-bit floats: fp16 or bf16) as its 16-bit
-// pattern, sign cleared. A 16-bit float's magnitude bits order like its magnitude, infinity above
-// every finite value and NaN above infinity, as a float32's bits do, so this is the largest |x|
-// (tests/native/fp8_amax.cpp holds it to NumPy on every fp16 and bf16 value). Two halves an
-// instruction on NVIDIA (__vmaxu2).
+// The larger of each unsigned 16-bit half of a and b: two halves an instruction on NVIDIA (__vmaxu2).
 A2A_DEVICE u32 a2a_max_halves(u32 a, u32 b) {
 #ifdef A2A_NVIDIA
   return __vmaxu2(a, b);
@@ -270,6 +266,10 @@ A2A_DEVICE u32 a2a_max_halves(u32 a, u32 b) {
   return lo | hi << 16;
 #endif
 }
+// The largest magnitude among the 16 halves of w (16-bit floats: fp16 or bf16) as its 16-bit
+// pattern, sign cleared. A 16-bit float's magnitude bits order like its magnitude, infinity above
+// every finite value and NaN above infinity, as a float32's bits do, so this is the largest |x|
+// (tests/native/fp8_amax.cpp holds it to NumPy on every fp16 and bf16 value).
 A2A_DEVICE u32 a2a_amax16(const u32 (&w)[8]) {
   u32 m[4];
   for (u32 q = 0; q < 4; ++q) m[q] = a2a_max_halves(w[q] & 0x7fff7fffu, w[q + 4] & 0x7fff7fffu);
