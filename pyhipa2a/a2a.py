@@ -38,7 +38,7 @@ from .graph import Graph
 from .heap import SymmetricHeap
 from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array
 from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTIZE_F16, A2AArgs,
-                      HeapView, KernelLibrary, divisor, route_chunk, route_chunks)
+                      HeapView, KernelLibrary, divisor, route_chunk, route_chunks, timeout_ns)
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
 from .profile import CLOCK_ROUNDS, ClockSync, ProfileBuffer, clock_offset, clock_sync_from_stamps
@@ -218,16 +218,12 @@ class Repeat:
         # and the producer streams they named, other than the call's: waited for at every repeat
         self.waits = tuple(dict.fromkeys(entry.wait for entry in entries if entry.wait is not None))
 
-    def wait_for_producers(self, order, stream) -> None:
-        """Queue the repeated call after its arguments' producers (after StreamOrder.follow)."""
-        for producer in self.waits:
-            order.wait_for_producer(producer, stream)
-
     def resume(self, order, stream) -> None:
         """Queue the repeated call on `stream` as its first one was: after our earlier calls, then
         after its arguments' producers (a repeat never runs while a capture records)."""
         order.follow(stream)
-        self.wait_for_producers(order, stream)
+        for producer in self.waits:
+            order.wait_for_producer(producer, stream)
 
     @classmethod
     def of(cls, args: tuple, names: tuple, boundary, tokens: int, prepared=None):
@@ -634,12 +630,7 @@ class AllToAll:
         a.gpu_fence_publish = int(self.gpu_fence_publish)
         a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens
         a.trap_on_timeout = int(self.on_timeout == "trap")
-        a.timeout_ns = self._timeout_ns()
-
-    def _timeout_ns(self) -> int:
-        """The timeout as kernels take it: at most 2^62 ns (146 years), since the kernels add it to a
-        clock twice (the deadline, and the poisoner's bound past it) and that must not wrap around."""
-        return int(min(self.timeout * 1e9, 2.0 ** 62))
+        a.timeout_ns = timeout_ns(self.timeout)
 
     # -- calls ------------------------------------------------------------------
     def _usable(self) -> None:
@@ -1024,7 +1015,7 @@ class AllToAll:
             a.heap = HeapView.of(self.heap)
             for name in ("box", "stamps", "from0", "done", "verdict"):
                 setattr(a, "off_" + name, self.heap.offset_of(self.buf["clock_" + name].ptr))
-            a.rounds, a.timeout_ns = CLOCK_ROUNDS, self._timeout_ns()
+            a.rounds, a.timeout_ns = CLOCK_ROUNDS, timeout_ns(self.timeout)
             self._clock_kernel = (kernel, pack)
         return self._clock_kernel
 

@@ -48,6 +48,12 @@ def divisor(d: int) -> Divisor:
     return Divisor(-(-(1 << (32 + shift)) // d), d, shift)
 
 
+def timeout_ns(seconds: float) -> int:
+    """A timeout as kernels take it: at most 2^62 ns (146 years), since they add it to a clock twice
+    (the deadline, and the poisoner's bound past it) and that must not wrap around a 64-bit word."""
+    return int(min(seconds * 1e9, 2.0 ** 62))
+
+
 class ClockSyncArgs(ctypes.Structure):
     """kernels_hip/clock.hip: clock_sync's arguments."""
     _fields_ = [("heap", HeapView), ("off_box", u64), ("off_stamps", u64), ("off_from0", u64), ("off_done", u64), ("off_verdict", u64),

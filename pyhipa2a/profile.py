@@ -191,7 +191,13 @@ def _call_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int,
     return out
 
 
-SPAN_OF_KERNEL = {kernel: tag for tag, kernel in KERNEL_OF_SPAN.items()}
+def _kernel_spans(windows: dict, ranks) -> dict:
+    """Of one call's windows: per kernel that every rank ran, each rank's (start, end) of its span."""
+    spans = {kernel: [windows.get((r, tag)) for r in ranks] for tag, kernel in KERNEL_OF_SPAN.items()}
+    return {kernel: s for kernel, s in spans.items() if None not in s}
+
+
+KERNEL_OF_TAG = {tag: name.split(".")[0] for tag, (name, _) in TAGS.items()}  # "dispatch" or "combine"
 
 
 def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int],
@@ -208,12 +214,10 @@ def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int,
         if not windows:
             continue
         origin = {None: min(first for first, _ in windows.values())}
-        for kernel, span in SPAN_OF_KERNEL.items():
-            starts = [windows[(r, span)][0] for r in calls_by_rank if (r, span) in windows]
-            if len(starts) == len(calls_by_rank):
-                origin[kernel] = max(starts)
+        origin.update({kernel: max(start for start, _ in spans)
+                       for kernel, spans in _kernel_spans(windows, calls_by_rank).items()})
         for (r, tag), (first, last) in windows.items():
-            kernel = TAGS.get(tag, ("",))[0].split(".")[0] if from_kernel_start else None
+            kernel = KERNEL_OF_TAG.get(tag) if from_kernel_start else None
             if kernel in origin:
                 per_stage[(r, tag)].append(((first - origin[kernel]) / 1e3, (last - origin[kernel]) / 1e3))
     return {key: tuple(float(x) for x in np.median(np.array(v), axis=0)) for key, v in per_stage.items()}
@@ -242,11 +246,9 @@ def kernel_starts_and_ends(calls_by_rank: dict[int, list[np.ndarray]], offsets: 
     the ranks' start skew that each rank's own timing of a call holds. Only calls that every rank ran."""
     per_kernel = defaultdict(list)
     for windows in _call_windows(calls_by_rank, offsets):
-        for tag, kernel in KERNEL_OF_SPAN.items():
-            spans = [windows[(r, tag)] for r in calls_by_rank if (r, tag) in windows]
-            if len(spans) == len(calls_by_rank):
-                starts, ends = [s for s, _ in spans], [e for _, e in spans]
-                per_kernel[kernel].append(((max(starts) - min(starts)) / 1e3, (max(ends) - max(starts)) / 1e3))
+        for kernel, spans in _kernel_spans(windows, calls_by_rank).items():
+            starts, ends = [s for s, _ in spans], [e for _, e in spans]
+            per_kernel[kernel].append(((max(starts) - min(starts)) / 1e3, (max(ends) - max(starts)) / 1e3))
     return {kernel: {"start_skew_us": float(np.median([v[0] for v in values])),
                      "from_last_start_us": float(np.median([v[1] for v in values])), "calls": len(values)}
             for kernel, values in per_kernel.items()}

@@ -6,7 +6,7 @@ import numpy as np
 from .bootstrap import bounded_barrier, world_size
 from .errors import status_error
 from .heap import SymmetricHeap
-from .kernels import HeapView, KernelLibrary
+from .kernels import HeapView, KernelLibrary, timeout_ns
 
 THREADS = 256
 
@@ -31,7 +31,7 @@ def heap_self_test(comm=None, *, words: int = 1 << 16, rounds: int = 3, timeout:
             a.heap = HeapView.of(heap)
             a.off_slots, a.off_flags, a.off_counter = (heap.offset_of(b.ptr) for b in (slots, flags, counter))
             a.off_status, a.off_result = heap.offset_of(status.ptr), heap.offset_of(result.ptr)
-            a.words, a.timeout_ns = words, int(timeout * 1e9)
+            a.words, a.timeout_ns = words, timeout_ns(timeout)
             stream = heap.backend.stream_create()
             # (one block a multiprocessor, shared among the ranks that drive this device: blocks wait on flags)
             per_rank = heap.device.multiprocessors // heap.ranks_on_device

@@ -588,8 +588,7 @@ def test_a_repeated_call_waits_for_its_arguments_producers_again(monkeypatch):
     assert record is not None and record.holds((x, i, OURS)) and record.waits == (0x55,)
     waited = len(backend.waits)
     for _ in range(2):
-        b.order.follow(OURS)
-        record.wait_for_producers(b.order, OURS)
+        record.resume(b.order, OURS)
     assert backend.waits[waited:] == [(0x55, OURS)] * 2
     current[0] = 0x66
     assert not record.holds((x, i, OURS))  # another producer stream: the full path, which waits for it
