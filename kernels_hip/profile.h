@@ -18,7 +18,7 @@
 #define A2A_TAG_DISPATCH_WAIT_HEADER 3u  // token counts; then a token's routing row and counts before it
 #define A2A_TAG_DISPATCH_WAIT_TOKEN 4u
 #define A2A_TAG_DISPATCH_FANOUT 5u
-#define A2A_TAG_DISPATCH_COUNTS 6u  // expert_num_tokens of one expert
+#define A2A_TAG_DISPATCH_COUNTS 6u  // expert_num_tokens of a warp's experts (detail: the first)
 #define A2A_TAG_DISPATCH_WARP 7u
 #define A2A_TAG_COMBINE_WEIGHTS 8u
 #define A2A_TAG_COMBINE_WAIT_WEIGHTS 9u

@@ -489,8 +489,13 @@ class AllToAll:
         self.warps_per_block = max(1, self.block_threads // heap.device.warp_size)
         self.profile_buffer = (ProfileBuffer(self.backend, self.blocks * self.warps_per_block) if self.profiling
                                else None)
-        # Both exchange kernels walk items of (token, rank, segment) over up to M * W * S of them.
-        self.exchange_blocks = self._blocks_filled(self.nseg, self.warps_per_block)
+        # Both exchange kernels take the whole resident grid, however few items a call has: their
+        # roles (dispatch's routing, staging, counting and copying out; combine's contributions and
+        # reduce) then run in warps of their own. A grid the items fill put a small call's roles one
+        # after another in the same few warps: one rank at M = 1 launched one block, whose eight warps
+        # routed, then counted 256 experts, then copied (twenty-third session, docs/PERFORMANCE.md).
+        # The small combine kernel takes as many blocks (_small_combine_kernel).
+        self.exchange_blocks = self.blocks
         self._small_combine, self.small_combine_tokens = self._small_combine_kernel(heap.device, out16, bulk_per_mp)
         self.gpu_fence_publish = self._publish_with_gpu_fence(heap.device.arch)
         self._dispatch_pack = self._dispatch_kernel.pack()
@@ -546,19 +551,14 @@ class AllToAll:
         return threads, launch_geometry(threads, device.multiprocessors, per_mp, self._grid_blocks,
                                         self._ranks_on_device or self.heap.ranks_on_device), per_mp
 
-    def _blocks_filled(self, items_per_token: int, warps_per_block: int) -> int:
-        """Blocks for a kernel whose items are (token, rank, one of items_per_token) over up to
-        M * W tokens, a warp an item: no more than those items fill, and at most self.blocks."""
-        items = self.max_tokens * self.world * items_per_token
-        return max(1, min(self.blocks, math.ceil(items / warps_per_block)))
-
     def _small_combine_kernel(self, device, out16: str, bulk_per_mp: int):
         """(the small-call combine kernel, its threads a block) or None, and the most tokens a call
         may have to take it (-1: none). It runs half the bulk kernels' threads a block with up to twice
         their registers a thread; the blocks that launch_geometry counts as resident must stay so
         whichever of the two a rank runs (ranks sharing a GPU run them side by side), so it is used
         only where the device holds as many of its blocks a multiprocessor as of the bulk kernels'
-        (bulk_per_mp).
+        (bulk_per_mp). Like the bulk kernels it takes the whole grid (self.blocks): a call of one
+        token then contributes and reduces in warps of their own.
         The host twin is one kernel for both."""
         choice = _env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES)
         warp, threads = device.warp_size, self.block_threads // 2
@@ -571,9 +571,8 @@ class AllToAll:
                                  f"blocks of {self.block_threads} threads on this device")
             return None, -1
         chunks, warps = self.nseg * (self.seg_elems // (8 * warp)), threads // warp  # a token's chunk items
-        blocks = self._blocks_filled(chunks, warps)
-        most = self.max_tokens if choice == "small" else SMALL_COMBINE_ITEMS_PER_WARP * blocks * warps // chunks
-        return (kernel, blocks, threads), most
+        most = self.max_tokens if choice == "small" else SMALL_COMBINE_ITEMS_PER_WARP * self.blocks * warps // chunks
+        return (kernel, self.blocks, threads), most
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,

@@ -55,6 +55,12 @@ EDGE_CASES = {
     "experts_over_route_windows": (1024, 4, 128, 16, "float16", "full", "random"),
     # dispatch routes by chunks of tokens (kernels.route_chunk: 256 here, 8 chunks at T = M)
     "many_route_chunks": (4, 2, 64, 2048, "float16", "full", "random"),
+    # expert_num_tokens sums W * route_chunks count words an expert, a group of lanes an expert
+    # (publish_counts in dispatch.hip): here 3 chunks a rank (route_chunk 64 at k = 8), so the groups
+    # have idle lanes (4 lanes for 3 words at one rank, 8 for 6 at two)
+    "count_words_not_a_power_of_two": (32, 8, 128, 192, "float16", "full", "random"),
+    # one word an expert at one rank: a warp counts a warp's width of experts at once
+    "capacity_one_token": (128, 8, 256, 1, "float16", "full", "random"),
 }
 
 
