@@ -29,6 +29,13 @@ quantize`, the default), or given in fp8 with its scales (`--fp8-input given`);
 combine stays fp16. Shapes whose hidden size is not a multiple of 128 are skipped. The host column is the median host time
 of one eager dispatch() + combine() (until both returned; the fake expert's
 launch between them is not counted), and eag/gr the eager wall over the graph's.
+`ls ...` columns (lockstep): `--lockstep-calls` calls (default 8) back to back
+in one graph after one more call, each between events of its own. Each
+rank's first call absorbs the ranks' launch skew (two processes' graph launches
+after a barrier start microseconds apart, and the earlier rank's call
+waits for the later one); the later calls follow the exchange's own pace,
+as consecutive layers of a model do. Their median per phase, beside empty
+kernels timed the same way (ls nop).
 """
 from __future__ import annotations
 
@@ -159,9 +166,10 @@ def capture(a2a, arrays, step: Step, events=None):
     return graph, tuple(out)
 
 
-def capture_empty(a2a, events, step: Step):
-    """A graph of empty kernels in place of the call's (launched with the exchange kernels' geometry,
-    between the same event nodes): what the call costs over bare launches."""
+def capture_empty(a2a, event_sets, step: Step):
+    """A graph of empty kernels in place of the calls' (launched with the exchange kernels' geometry,
+    between the same event nodes): what the calls cost over bare launches. One call's kernels for each
+    set of four events, in order."""
     b, s = a2a.backend, a2a.stream
     kernel = a2a.lib.kernel("nothing")
     pack = kernel.pack()
@@ -169,14 +177,25 @@ def capture_empty(a2a, events, step: Step):
     a2a.synchronize()
     b.capture_begin(s)
     try:
-        for i, phase in enumerate(PHASES[:3]):
-            b.event_record(events[i], s)
-            if phase != "gemm" or not step.fused:
-                launch()
-        b.event_record(events[3], s)
+        for events in event_sets:
+            for i, phase in enumerate(PHASES[:3]):
+                b.event_record(events[i], s)
+                if phase != "gemm" or not step.fused:
+                    launch()
+            b.event_record(events[3], s)
     finally:
         graph = b.capture_end(s)
     return graph
+
+
+def capture_lockstep(a2a, arrays, step: Step, calls: int):
+    """calls + 1 calls back to back as one graph, each between four events of its own: (graph, event
+    sets, the last call's (d, y)); the first set's call is the one that absorbs the ranks' launch skew."""
+    b = a2a.backend
+    event_sets = [[b.event_create() for _ in range(4)] for _ in range(calls + 1)]
+    outputs = []
+    graph = a2a.capture(lambda: outputs.extend(call(a2a, arrays, step, events) for events in event_sets))
+    return graph, event_sets, outputs[-1]
 
 
 def collective_check(comm, check, what: str = "") -> str:
@@ -250,9 +269,10 @@ def host_time(comm, a2a, arrays, step: Step, iters: int) -> float:
     return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
 
 
-def device_times(comm, a2a, run, events, warmup: int, iters: int) -> dict:
+def device_times(comm, a2a, run, events, warmup: int, iters: int, timed_sets=None) -> dict:
     """Median per rank of each phase (us), then the max over ranks: the slowest rank sets the pace.
-    `run()` makes one call that records `events` before, between and after its phases."""
+    `run()` makes one call that records `events` before, between and after its phases; or, with
+    `timed_sets` (lists of four events), calls that record each of them, all of whose phases are samples."""
     b = a2a.backend
     samples = []
     for i in range(warmup + iters):
@@ -261,8 +281,9 @@ def device_times(comm, a2a, run, events, warmup: int, iters: int) -> dict:
         run()
         a2a.synchronize()
         if i >= warmup:
-            samples.append([b.event_elapsed_ms(events[j], events[j + 1]) for j in range(3)]
-                           + [b.event_elapsed_ms(events[0], events[3])])
+            for ev in timed_sets or [events]:
+                samples.append([b.event_elapsed_ms(ev[j], ev[j + 1]) for j in range(3)]
+                               + [b.event_elapsed_ms(ev[0], ev[3])])
     medians = np.median(np.array(samples), axis=0) * 1e3
     return {p: comm.allreduce(float(m), op=MPI.MAX) for p, m in zip(PHASES, medians)}
 
@@ -286,6 +307,27 @@ def check_once(comm, a2a, inputs, step: Step) -> str:
     """One eager call on poisoned outputs against the oracle."""
     return collective_check(comm, lambda: run_round(a2a, inputs, tolerance=GPU_MODE_TOLERANCE, fused=step.fused,
                                                     weights_at=step.weights_at))
+
+
+def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
+    """ls_<phase>: each phase of args.lockstep_calls calls back to back (after one more, which takes the
+    launch skew), the last call checked like the single one; ls_empty: empty kernels timed the same way."""
+    b = a2a.backend
+    graph, event_sets, last = capture_lockstep(a2a, arrays, step, args.lockstep_calls)
+    empty = capture_empty(a2a, event_sets, step)
+    try:
+        error = check_run(comm, a2a, inputs, lambda: (graph.launch(), last)[1], step, " (lockstep graph)")
+        if error:
+            return {"ok": False, "error": error}
+        timed = device_times(comm, a2a, graph.launch, None, args.warmup, args.iters, timed_sets=event_sets[1:])
+        bare = device_times(comm, a2a, lambda: b.graph_launch(empty, a2a.stream), None, args.warmup,
+                            args.iters, timed_sets=event_sets[1:])
+    finally:
+        graph.close()
+        b.graph_destroy(empty)
+        for ev in (e for events in event_sets for e in events):
+            b.event_destroy(ev)
+    return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": bare["dispatch"]}
 
 
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
@@ -313,9 +355,14 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     if error:
         return {**r, "ok": False, "error": error}
     r.update(device_times(comm, a2a, timed.launch, events, args.warmup, args.iters))
-    empty = capture_empty(a2a, events, step)
+    empty = capture_empty(a2a, [events], step)
     launch_empty = lambda: b.graph_launch(empty, a2a.stream)  # noqa: E731
     r["empty"] = device_times(comm, a2a, launch_empty, events, args.warmup, args.iters)["dispatch"]
+    if args.lockstep_calls:
+        ls = lockstep(comm, a2a, arrays, inputs, step, args)
+        if not ls.get("ok", True):
+            return {**r, **ls}
+        r.update(ls)
     eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), events, args.warmup, args.iters)
     r.update({"eager_" + p: v for p, v in eager.items()})
     r["host"] = host_time(comm, a2a, given, step, args.iters)
@@ -413,10 +460,12 @@ def geomean(values) -> float | None:
 def print_shapes(rows) -> None:
     print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
           "launched one by one; host: eager dispatch() + combine() host time; eag/gr: eager wall / graph wall; "
-          "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels")
+          "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels; "
+          "ls: calls back to back in one graph after one that takes the ranks' launch skew (--lockstep-calls), "
+          "median per call; ls nop: an empty kernel timed so")
     print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'wall':>9} {'+nop':>6} "
           f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'eag/gr':>6} {'floor':>9} {'push':>5} {'link MB':>8} "
-          f"{'GB/s':>7} {'SOL':>8} {'ratio':>6}")
+          f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} {'ls e2e':>7} {'ls nop':>6}")
     for r in rows:
         if not r["ok"]:
             verdict = "SKIP" if r["error"].startswith("SKIP") else "FAIL"
@@ -425,7 +474,8 @@ def print_shapes(rows) -> None:
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
               + f" {r['empty']:>5.1f} {r['wall']:>9.1f} {r['wall'] - r['empty_wall']:>6.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
               f"{r['eager_over_graph']:>6.2f} {r['floor']:>9.1f} "
-              f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
+              f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
+              f" {fmt(r.get('ls_e2e')):>7} {fmt(r.get('ls_empty')):>6}")
     ok = [r for r in rows if r["ok"]]
     print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us, "
           f"wall {fmt(geomean(r['wall'] for r in ok))} us (empty kernels' graph "
@@ -453,14 +503,16 @@ def print_between_nodes(rows) -> None:
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'eag disp':>9} {'eag comb':>9} "
-          f"{'eag e2e':>9} {'host':>7} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6}")
+          f"{'eag e2e':>9} {'host':>7} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6} "
+          f"{'ls disp':>7} {'ls comb':>7} {'ls nop':>6}")
     for r in rows:
         if not r["ok"]:
             print(f"{r['tokens']:>7} FAIL  {r['error']}")
             continue
         print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES) + f" {r['empty']:>5.1f}"
               + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
-              + f" {r['host']:>7.1f} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}")
+              + f" {r['host']:>7.1f} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
+              + f" {fmt(r.get('ls_dispatch')):>7} {fmt(r.get('ls_combine')):>7} {fmt(r.get('ls_empty')):>6}")
 
 
 def plot(path: str, shapes, sweep) -> None:
@@ -533,7 +585,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "command": command, "iters": args.iters, "warmup": args.warmup,
                        "narrow_partials": args.narrow_partials, "fused_expert": args.fused_expert,
-                       "weights_at": args.weights_at,
+                       "weights_at": args.weights_at, "lockstep_calls": args.lockstep_calls,
                        "inputs": args.inputs, "producer_order": args.producer_order, "calls_on": args.calls_on,
                        "dispatch_dtype": args.dispatch_dtype, "fp8_input": args.fp8_input,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
@@ -586,7 +638,12 @@ def main() -> int:
                    help="expert_x's dtype: fp16 as x, or fp8 e4m3 with one float32 scale per 128 elements")
     p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",
                    help="fp8 dispatch: fp16 x quantized by the dispatch kernel, or x given in fp8 with x_scales")
+    p.add_argument("--lockstep-calls", type=int, default=8,
+                   help="calls timed back to back in one graph after one that takes the launch skew (the ls "
+                        "columns); 0: none")
     args = p.parse_args()
+    if args.lockstep_calls < 0:
+        p.error("--lockstep-calls must be 0 or more")
     if args.dispatch_dtype != "float16" and args.fused_expert:
         p.error("--fused-expert reads expert_x as expert_y, which is 16-bit: not with fp8 dispatch")
     if args.inputs == "jax":

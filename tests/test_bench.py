@@ -1,0 +1,43 @@
+"""scripts/bench.py runs end to end and reports what it claims to (not how fast: timings are not tested)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_mpi
+
+PHASES = ("dispatch", "gemm", "combine", "e2e")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lockstep_calls", [0, 3])
+def test_bench_script(tmp_path, backend, lockstep_calls):
+    """A shape and the sweep, every call checked against the oracle by the bench itself (a failed check is a
+    FAIL row, not ok); with lockstep calls, their phases are reported per call and, each sample's e2e
+    spanning its dispatch and combine, their medians keep that order; without, the columns say '-'."""
+    ranks, out = ranks_for(backend), tmp_path / "bench.json"
+    hidden = "128" if backend == "host" else "7168"
+    run = run_mpi([str(REPO / "scripts" / "bench.py"), "--shape", f"{4 * ranks},2,256,8", "--sweep",
+                   "--sweep-hidden", hidden, "--iters", "2", "--warmup", "1", "--fused-expert",
+                   "--lockstep-calls", str(lockstep_calls), "--json", str(out)],
+                  ranks, env_backend(backend), timeout=900, what="bench.py")
+    report = json.loads(out.read_text())
+    assert report["lockstep_calls"] == lockstep_calls
+    rows = report["shapes"] + report["sweep"]
+    assert len(report["shapes"]) == 1 and [r["tokens"] for r in report["sweep"]] == [1, 8, 32, 64, 128, 256]
+    for r in rows:
+        assert r["ok"], r.get("error")
+        assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty"))
+        if lockstep_calls:
+            assert all(r["ls_" + p] >= 0 for p in PHASES) and r["ls_empty"] > 0, r
+            assert r["ls_e2e"] >= max(r["ls_dispatch"], r["ls_combine"]), r
+        else:
+            assert not any(k.startswith("ls_") for k in r), r
+    table = run.stdout.splitlines()
+    header = next(line for line in table if line.lstrip().startswith("tok/rk"))
+    assert header.split()[-6:] == ["ls", "disp", "ls", "comb", "ls", "nop"], header
+    points = [line.split() for line in table[table.index(header) + 1:] if line.split()[:1] in (["1"], ["256"])]
+    assert len(points) == 2
+    for cols in points:
+        assert (cols[-3:] == ["-", "-", "-"]) == (lockstep_calls == 0), cols
