@@ -188,14 +188,12 @@ def capture_empty(a2a, event_sets, step: Step):
     return graph
 
 
-def capture_lockstep(a2a, arrays, step: Step, calls: int):
-    """calls + 1 calls back to back as one graph, each between four events of its own: (graph, event
-    sets, the last call's (d, y)); the first set's call is the one that absorbs the ranks' launch skew."""
-    b = a2a.backend
-    event_sets = [[b.event_create() for _ in range(4)] for _ in range(calls + 1)]
+def capture_lockstep(a2a, arrays, step: Step, event_sets):
+    """A call for each set of four events, back to back as one graph: (graph, the last call's (d, y)); the
+    first set's call is the one that absorbs the ranks' launch skew."""
     outputs = []
     graph = a2a.capture(lambda: outputs.extend(call(a2a, arrays, step, events) for events in event_sets))
-    return graph, event_sets, outputs[-1]
+    return graph, outputs[-1]
 
 
 def collective_check(comm, check, what: str = "") -> str:
@@ -313,9 +311,11 @@ def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
     """ls_<phase>: each phase of args.lockstep_calls calls back to back (after one more, which takes the
     launch skew), the last call checked like the single one; ls_empty: empty kernels timed the same way."""
     b = a2a.backend
-    graph, event_sets, last = capture_lockstep(a2a, arrays, step, args.lockstep_calls)
-    empty = capture_empty(a2a, event_sets, step)
+    event_sets = [[b.event_create() for _ in range(4)] for _ in range(args.lockstep_calls + 1)]
+    graph = empty = None
     try:
+        graph, last = capture_lockstep(a2a, arrays, step, event_sets)
+        empty = capture_empty(a2a, event_sets, step)
         error = check_run(comm, a2a, inputs, lambda: (graph.launch(), last)[1], step, " (lockstep graph)")
         if error:
             return {"ok": False, "error": error}
@@ -323,8 +323,10 @@ def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
         bare = device_times(comm, a2a, lambda: b.graph_launch(empty, a2a.stream), None, args.warmup,
                             args.iters, timed_sets=event_sets[1:])
     finally:
-        graph.close()
-        b.graph_destroy(empty)
+        if graph is not None:
+            graph.close()
+        if empty is not None:
+            b.graph_destroy(empty)
         for ev in (e for events in event_sets for e in events):
             b.event_destroy(ev)
     return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": bare["dispatch"]}

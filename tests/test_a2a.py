@@ -59,7 +59,8 @@ EDGE_CASES = {
     # (publish_counts in dispatch.hip): here 3 chunks a rank (route_chunk 64 at k = 8), so the groups
     # have idle lanes (4 lanes for 3 words at one rank, 8 for 6 at two)
     "count_words_not_a_power_of_two": (32, 8, 128, 192, "float16", "full", "random"),
-    # one word an expert at one rank: a warp counts a warp's width of experts at once
+    # max_num_tokens = 1: one count word an expert at one rank (a warp counts a warp's width of experts
+    # at once), and the smallest call on the whole grid
     "capacity_one_token": (128, 8, 256, 1, "float16", "full", "random"),
 }
 

@@ -14,8 +14,9 @@ PHASES = ("dispatch", "gemm", "combine", "e2e")
 @pytest.mark.parametrize("lockstep_calls", [0, 3])
 def test_bench_script(tmp_path, backend, lockstep_calls):
     """A shape and the sweep, every call checked against the oracle by the bench itself (a failed check is a
-    FAIL row, not ok); with lockstep calls, their phases are reported per call and, each sample's e2e
-    spanning its dispatch and combine, their medians keep that order; without, the columns say '-'."""
+    FAIL row, not ok: the lockstep graph's last call too); with lockstep calls, their phases are reported
+    (each sample's e2e spans its own call's dispatch and combine, so a phase timed between the wrong events
+    breaks the order of the medians); without, no ls figures and the columns say '-'."""
     ranks, out = ranks_for(backend), tmp_path / "bench.json"
     hidden = "128" if backend == "host" else "7168"
     run = run_mpi([str(REPO / "scripts" / "bench.py"), "--shape", f"{4 * ranks},2,256,8", "--sweep",
