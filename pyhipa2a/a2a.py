@@ -489,13 +489,12 @@ class AllToAll:
         self.warps_per_block = max(1, self.block_threads // heap.device.warp_size)
         self.profile_buffer = (ProfileBuffer(self.backend, self.blocks * self.warps_per_block) if self.profiling
                                else None)
-        # Both exchange kernels take the whole resident grid, however few items a call has: their
-        # roles (dispatch's routing, staging, counting and copying out; combine's contributions and
-        # reduce) then run in warps of their own. A grid the items fill put a small call's roles one
-        # after another in the same few warps: one rank at M = 1 launched one block, whose eight warps
-        # routed, then counted 256 experts, then copied (twenty-third session, docs/PERFORMANCE.md).
-        # The small combine kernel takes as many blocks (_small_combine_kernel).
-        self.exchange_blocks = self.blocks
+        # Both exchange kernels, and the small combine kernel, launch self.blocks, the whole resident
+        # grid, however few items a call has: their roles (dispatch's routing, staging, counting and
+        # copying out; combine's contributions and reduce) then run in warps of their own. A grid the
+        # items fill put a small call's roles one after another in the same few warps: one rank at
+        # M = 1 launched one block, whose eight warps routed, then counted 256 experts, then copied
+        # (twenty-third session, docs/PERFORMANCE.md).
         self._small_combine, self.small_combine_tokens = self._small_combine_kernel(heap.device, out16, bulk_per_mp)
         self.gpu_fence_publish = self._publish_with_gpu_fence(heap.device.arch)
         self._dispatch_pack = self._dispatch_kernel.pack()
@@ -572,7 +571,7 @@ class AllToAll:
             return None, -1
         chunks, warps = self.nseg * (self.seg_elems // (8 * warp)), threads // warp  # a token's chunk items
         most = self.max_tokens if choice == "small" else SMALL_COMBINE_ITEMS_PER_WARP * self.blocks * warps // chunks
-        return (kernel, self.blocks, threads), most
+        return (kernel, threads), most
 
     def _check_config_agrees(self) -> None:
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
@@ -751,7 +750,7 @@ class AllToAll:
 
     def _launch_dispatch(self, s, T: int, weights) -> DispatchResult:
         """Launch the dispatch whose arguments are in the pack, on stream `s` (already ordered)."""
-        self._dispatch_kernel.launch(self._dispatch_pack, self.exchange_blocks, self.block_threads, s)
+        self._dispatch_kernel.launch(self._dispatch_pack, self.blocks, self.block_threads, s)
         self._queued(s)
         result = self._outputs(s).dispatch_result(T)
         self._pending, self._pending_weights = result, weights
@@ -827,10 +826,10 @@ class AllToAll:
     def _launch_combine(self, prepared) -> DeviceArray:
         s, out_arr, keep, _ = self._copy_host_expert_y(prepared)
         if self._combine_pack[1].num_tokens <= self.small_combine_tokens:
-            kernel, blocks, threads = self._small_combine
-            kernel.launch(self._combine_pack, blocks, threads, s)
+            kernel, threads = self._small_combine
+            kernel.launch(self._combine_pack, self.blocks, threads, s)
         else:
-            self._combine_kernel.launch(self._combine_pack, self.exchange_blocks, self.block_threads, s)
+            self._combine_kernel.launch(self._combine_pack, self.blocks, self.block_threads, s)
         self._queued(s)
         self._keep(*keep)
         self._pending = self._pending_weights = None

@@ -165,7 +165,7 @@ class HierarchicalAllToAll:
         self.backend, self.stream, self.heap = node.backend, node.stream, node.heap
         for name in ("in_dtype", "dispatch_dtype", "out_dtype", "scale_cols", "narrow_partials", "x_format",
                      "push_max_tokens", "push_tokens", "gpu_fence_publish", "block_threads", "blocks",
-                     "exchange_blocks", "lib", "profiling", "small_combine_tokens"):
+                     "lib", "profiling", "small_combine_tokens"):
             setattr(self, name, getattr(node, name))
         node._set_fake_expert_scale(float(1 + self.rank))  # gpu-mode's factor is 1 + the world rank
         self.engine = make_engine(engine or os.environ.get("PYHIPA2A_INTERNODE") or None, self.backend,

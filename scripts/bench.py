@@ -159,11 +159,12 @@ def call(a2a, arrays, step: Step, events=None, between=lambda: None):
     return d, y
 
 
-def capture(a2a, arrays, step: Step, events=None):
-    """The same call as one graph (events inside it are recorded at every launch); (graph, (d, y))."""
+def capture(a2a, arrays, step: Step, event_sets=(None,)):
+    """The call as one graph, once for each set of four events (recorded inside it at every launch; None:
+    no events), back to back: (graph, the last call's (d, y))."""
     out = []
-    graph = a2a.capture(lambda: out.extend(call(a2a, arrays, step, events)))
-    return graph, tuple(out)
+    graph = a2a.capture(lambda: out.extend(call(a2a, arrays, step, events) for events in event_sets))
+    return graph, out[-1]
 
 
 def capture_empty(a2a, event_sets, step: Step):
@@ -173,7 +174,7 @@ def capture_empty(a2a, event_sets, step: Step):
     b, s = a2a.backend, a2a.stream
     kernel = a2a.lib.kernel("nothing")
     pack = kernel.pack()
-    launch = lambda: kernel.launch(pack, a2a.exchange_blocks, a2a.block_threads, s)  # noqa: E731
+    launch = lambda: kernel.launch(pack, a2a.blocks, a2a.block_threads, s)  # noqa: E731
     a2a.synchronize()
     b.capture_begin(s)
     try:
@@ -186,14 +187,6 @@ def capture_empty(a2a, event_sets, step: Step):
     finally:
         graph = b.capture_end(s)
     return graph
-
-
-def capture_lockstep(a2a, arrays, step: Step, event_sets):
-    """A call for each set of four events, back to back as one graph: (graph, the last call's (d, y)); the
-    first set's call is the one that absorbs the ranks' launch skew."""
-    outputs = []
-    graph = a2a.capture(lambda: outputs.extend(call(a2a, arrays, step, events) for events in event_sets))
-    return graph, outputs[-1]
 
 
 def collective_check(comm, check, what: str = "") -> str:
@@ -267,10 +260,10 @@ def host_time(comm, a2a, arrays, step: Step, iters: int) -> float:
     return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
 
 
-def device_times(comm, a2a, run, events, warmup: int, iters: int, timed_sets=None) -> dict:
+def device_times(comm, a2a, run, event_sets, warmup: int, iters: int) -> dict:
     """Median per rank of each phase (us), then the max over ranks: the slowest rank sets the pace.
-    `run()` makes one call that records `events` before, between and after its phases; or, with
-    `timed_sets` (lists of four events), calls that record each of them, all of whose phases are samples."""
+    `run()` makes calls that record events before, between and after their phases: each of `event_sets`
+    (lists of four events) is one call's, whose phases are samples."""
     b = a2a.backend
     samples = []
     for i in range(warmup + iters):
@@ -279,7 +272,7 @@ def device_times(comm, a2a, run, events, warmup: int, iters: int, timed_sets=Non
         run()
         a2a.synchronize()
         if i >= warmup:
-            for ev in timed_sets or [events]:
+            for ev in event_sets:
                 samples.append([b.event_elapsed_ms(ev[j], ev[j + 1]) for j in range(3)]
                                + [b.event_elapsed_ms(ev[0], ev[3])])
     medians = np.median(np.array(samples), axis=0) * 1e3
@@ -314,14 +307,14 @@ def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
     event_sets = [[b.event_create() for _ in range(4)] for _ in range(args.lockstep_calls + 1)]
     graph = empty = None
     try:
-        graph, last = capture_lockstep(a2a, arrays, step, event_sets)
+        graph, last = capture(a2a, arrays, step, event_sets)  # the first call takes the launch skew
         empty = capture_empty(a2a, event_sets, step)
         error = check_run(comm, a2a, inputs, lambda: (graph.launch(), last)[1], step, " (lockstep graph)")
         if error:
             return {"ok": False, "error": error}
-        timed = device_times(comm, a2a, graph.launch, None, args.warmup, args.iters, timed_sets=event_sets[1:])
-        bare = device_times(comm, a2a, lambda: b.graph_launch(empty, a2a.stream), None, args.warmup,
-                            args.iters, timed_sets=event_sets[1:])
+        timed = device_times(comm, a2a, graph.launch, event_sets[1:], args.warmup, args.iters)
+        bare = device_times(comm, a2a, lambda: b.graph_launch(empty, a2a.stream), event_sets[1:], args.warmup,
+                            args.iters)
     finally:
         if graph is not None:
             graph.close()
@@ -348,7 +341,7 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
     b = a2a.backend
     events = [b.event_create() for _ in range(4)]
-    timed, timed_out = capture(a2a, arrays, step, events)
+    timed, timed_out = capture(a2a, arrays, step, [events])
     bare, bare_out = capture(a2a, arrays, step)
     error = (check_run(comm, a2a, inputs, lambda: (timed.launch(), timed_out)[1], step, " (graph)")
              or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], step, " (graph)")
@@ -356,16 +349,16 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
                           f" (eager, {args.inputs} inputs)"))
     if error:
         return {**r, "ok": False, "error": error}
-    r.update(device_times(comm, a2a, timed.launch, events, args.warmup, args.iters))
+    r.update(device_times(comm, a2a, timed.launch, [events], args.warmup, args.iters))
     empty = capture_empty(a2a, [events], step)
     launch_empty = lambda: b.graph_launch(empty, a2a.stream)  # noqa: E731
-    r["empty"] = device_times(comm, a2a, launch_empty, events, args.warmup, args.iters)["dispatch"]
+    r["empty"] = device_times(comm, a2a, launch_empty, [events], args.warmup, args.iters)["dispatch"]
     if args.lockstep_calls:
         ls = lockstep(comm, a2a, arrays, inputs, step, args)
         if not ls.get("ok", True):
             return {**r, **ls}
         r.update(ls)
-    eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), events, args.warmup, args.iters)
+    eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), [events], args.warmup, args.iters)
     r.update({"eager_" + p: v for p, v in eager.items()})
     r["host"] = host_time(comm, a2a, given, step, args.iters)
     if flush_ptr is not None:

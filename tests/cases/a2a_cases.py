@@ -165,7 +165,7 @@ def case_combine_kernel_per_call(comm):
     E, k, H, M = 4 * world, 2, 64, 8
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
         small, bulk = _RecordingKernel(a2a._combine_kernel), _RecordingKernel(a2a._combine_kernel)
-        a2a._small_combine, a2a.small_combine_tokens = (small, a2a.exchange_blocks, a2a.block_threads), 3
+        a2a._small_combine, a2a.small_combine_tokens = (small, a2a.block_threads), 3
         a2a._combine_kernel = bulk
         for T, want in ((0, "small"), (3, "small"), (4, "bulk"), (M, "bulk")):
             before = (small.launches, bulk.launches)
