@@ -140,6 +140,11 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_HEADERS, t0, me | chunk << 8);
 }
 
+// The sending steps' first warp: that of the first block that routes no
+// chunk, so that a token leaves at once, beside the routing blocks (which
+// start at block 0 and take their block-wide steps), not after them.
+A2A_DEVICE u32 first_sender(const Ctx& x, const WarpGrid& g) { return route_chunks(x) * g.warps_per_block; }
+
 // Each segment of each token some peer needs is copied into our stage; lane r
 // then releases the segment's flag in the memory of peer r when r needs the
 // token. The data stays here (the release waits only for our own memory) and
@@ -151,7 +156,7 @@ A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
   const u32 tb = x.a.token_bytes;
   u8* stage = sym<u8>(x.h, (int)me, x.a.off_stage) + (u64)x.parity * x.M * tb;
-  for (u32 item = first_item(g, g.warps_per_block); item < (u32)c.num_tokens * S; item += g.warps) {
+  for (u32 item = first_item(g, first_sender(x, g)); item < (u32)c.num_tokens * S; item += g.warps) {
     u32 seg;
     const u32 t = quot_rem(x.a.div_x_nseg, item, seg);
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);
@@ -182,7 +187,7 @@ A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u32 me = (u32)x.h.rank, words = x.a.x_row_bytes / 4u, S = x.a.x_nseg, P = x.a.push_max_tokens;
   const u32 stride = x.a.push_token_words;
-  for (u32 item = first_item(g, g.warps_per_block); item < (u32)c.num_tokens * S; item += g.warps) {
+  for (u32 item = first_item(g, first_sender(x, g)); item < (u32)c.num_tokens * S; item += g.warps) {
     u32 seg;
     const u32 t = quot_rem(x.a.div_x_nseg, item, seg);
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);

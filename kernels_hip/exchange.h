@@ -412,7 +412,8 @@ A2A_DEVICE Segment segment(const Ctx& x, u32 seg, u32 row_bytes, u32 itemsize) {
 // queueing in the same warps, and the warps that store to peers (block 0's
 // headers, the senders) are not the ones whose releases must wait for those
 // stores to land.
-// (No divide on this path: `first` is below the grid's warps but for a one-block grid, and the sum
+// (No divide on this path: `first` is below the grid's warps but for grids smaller than a step's
+// offset (one block; dispatch's senders on a grid of no more blocks than route chunks), and the sum
 // below is under twice them.)
 A2A_DEVICE u32 first_item(const WarpGrid& g, u32 first) {
   const u32 f = first < g.warps ? first : first % g.warps, q = g.warp + g.warps - f;
