@@ -435,6 +435,20 @@ A2A_DEVICE u32 lane_words(u32 first, u32 end) {
 // epoch (their values in v); false on timeout (reported, naming `peer`) or
 // when this rank already failed. A word is read whole, so seeing the epoch
 // is seeing the value: no fence, no flag.
+// Between two tries of a poll: false once the deadline passed (reported, naming
+// `peer`) or this rank already failed, else a pause.
+A2A_DEVICE bool poll_on(const Ctx& x, u32 spins, u32 peer, u32 what, u32 detail) {
+  if ((spins & 63u) == 0) {
+    if (a2a_clock_ns() > x.deadline) {
+      report(x, A2A_ERR_TIMEOUT, peer, what, detail);
+      return false;
+    }
+    if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
+  }
+  a2a_pause();
+  return true;
+}
+
 template <u32 N>
 A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u32 (&v)[N], u32 peer, u32 what,
                             u32 detail) {
@@ -447,14 +461,7 @@ A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u
       all = all && (u32)(w >> 32) == x.epoch;
     }
     if (all) return true;
-    if ((spins & 63u) == 0) {
-      if (a2a_clock_ns() > x.deadline) {
-        report(x, A2A_ERR_TIMEOUT, peer, what, detail);
-        return false;
-      }
-      if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
-    }
-    a2a_pause();
+    if (!poll_on(x, spins, peer, what, detail)) return false;
   }
 }
 
