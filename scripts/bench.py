@@ -40,6 +40,7 @@ kernels timed the same way (ls nop).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -325,6 +326,52 @@ def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
     return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": bare["dispatch"]}
 
 
+def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> dict:
+    """measure()'s timings of one checked shape: {"ok": False, "error": ...} when a timed graph or an eager
+    call is wrong. Every buffer, graph and event it makes goes before it returns, whichever way it does
+    (every rank in the same order: the timings end synchronized)."""
+    with contextlib.ExitStack() as made:
+        arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
+        made.callback(free_inputs, a2a, arrays)  # (last: callbacks run in reverse order)
+        given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
+        b = a2a.backend
+        events = [b.event_create() for _ in range(4)]
+        for ev in events:
+            made.callback(b.event_destroy, ev)
+        timed, timed_out = capture(a2a, arrays, step, [events])
+        made.callback(timed.close)
+        bare, bare_out = capture(a2a, arrays, step)
+        made.callback(bare.close)
+        error = (check_run(comm, a2a, inputs, lambda: (timed.launch(), timed_out)[1], step, " (graph)")
+                 or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], step, " (graph)")
+                 or check_run(comm, a2a, inputs, lambda: call(a2a, given, step), step,
+                              f" (eager, {args.inputs} inputs)"))
+        if error:
+            return {"ok": False, "error": error}
+        r = device_times(comm, a2a, timed.launch, [events], args.warmup, args.iters)
+        empty = capture_empty(a2a, [events], step)
+        made.callback(b.graph_destroy, empty)
+        launch_empty = lambda: b.graph_launch(empty, a2a.stream)  # noqa: E731
+        r["empty"] = device_times(comm, a2a, launch_empty, [events], args.warmup, args.iters)["dispatch"]
+        if args.lockstep_calls:
+            ls = lockstep(comm, a2a, arrays, inputs, step, args)
+            if not ls.get("ok", True):
+                return ls
+            r.update(ls)
+        eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), [events], args.warmup, args.iters)
+        r.update({"eager_" + p: v for p, v in eager.items()})
+        r["host"] = host_time(comm, a2a, given, step, args.iters)
+        if flush_ptr is not None:
+            r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
+            r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, step), flush_ptr, args.iters)
+            r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
+            r["empty_wall"] = wall_time(comm, a2a, launch_empty, flush_ptr, args.iters)
+            r["eager_over_graph"] = r["eager_wall"] / r["wall"]
+            if hasattr(a2a, "exchange_between_nodes"):  # across nodes: the engine alone, the same bytes
+                r["bare_exchange_wall"] = wall_time(comm, a2a, a2a.exchange_between_nodes, flush_ptr, args.iters)
+        return r
+
+
 def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     """Check, then time one shape, as one graph per call and as eager calls (wall times too when
     flush_ptr is given). The main columns are the graph's; eager_* are the same call, three launches."""
@@ -337,44 +384,10 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     error = check_once(comm, a2a, inputs, step)
     if error:
         return {**r, "ok": False, "error": error}
-    arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
-    given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
-    b = a2a.backend
-    events = [b.event_create() for _ in range(4)]
-    timed, timed_out = capture(a2a, arrays, step, [events])
-    bare, bare_out = capture(a2a, arrays, step)
-    error = (check_run(comm, a2a, inputs, lambda: (timed.launch(), timed_out)[1], step, " (graph)")
-             or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], step, " (graph)")
-             or check_run(comm, a2a, inputs, lambda: call(a2a, given, step), step,
-                          f" (eager, {args.inputs} inputs)"))
-    if error:
-        return {**r, "ok": False, "error": error}
-    r.update(device_times(comm, a2a, timed.launch, [events], args.warmup, args.iters))
-    empty = capture_empty(a2a, [events], step)
-    launch_empty = lambda: b.graph_launch(empty, a2a.stream)  # noqa: E731
-    r["empty"] = device_times(comm, a2a, launch_empty, [events], args.warmup, args.iters)["dispatch"]
-    if args.lockstep_calls:
-        ls = lockstep(comm, a2a, arrays, inputs, step, args)
-        if not ls.get("ok", True):
-            return {**r, **ls}
-        r.update(ls)
-    eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), [events], args.warmup, args.iters)
-    r.update({"eager_" + p: v for p, v in eager.items()})
-    r["host"] = host_time(comm, a2a, given, step, args.iters)
-    if flush_ptr is not None:
-        r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
-        r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, step), flush_ptr, args.iters)
-        r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
-        r["empty_wall"] = wall_time(comm, a2a, launch_empty, flush_ptr, args.iters)
-        r["eager_over_graph"] = r["eager_wall"] / r["wall"]
-        if hasattr(a2a, "exchange_between_nodes"):  # across nodes: the engine alone, the same bytes
-            r["bare_exchange_wall"] = wall_time(comm, a2a, a2a.exchange_between_nodes, flush_ptr, args.iters)
-    for graph in (timed, bare):
-        graph.close()
-    b.graph_destroy(empty)
-    for ev in events:
-        b.event_destroy(ev)
-    free_inputs(a2a, arrays)  # every rank frees in the same order; device_times/wall_time ended synchronized
+    timed_phases = time_shape(comm, a2a, inputs, args, step, flush_ptr)
+    if not timed_phases.get("ok", True):
+        return {**r, **timed_phases}
+    r.update(timed_phases)
     x_bytes = a2a.dispatch_dtype.itemsize + 4 * a2a.scale_cols / a2a.hidden  # per element, its scale's share too
     sizes = (inputs.indices, a2a.num_experts, a2a.hidden, x_bytes, a2a.out_dtype.itemsize)
     chunks = route_chunks(a2a.top_k, a2a.max_tokens)

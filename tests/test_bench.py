@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_mpi
+from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
 PHASES = ("dispatch", "gemm", "combine", "e2e")
 
@@ -42,3 +42,11 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     assert len(points) == 2
     for cols in points:
         assert (cols[-3:] == ["-", "-", "-"]) == (lockstep_calls == 0), cols
+
+
+@pytest.mark.parametrize("fail_at", [0, 2, 4])
+def test_bench_releases_what_it_made(fail_at):
+    """Every input buffer, event and graph the bench makes for a shape is freed, also when a check fails
+    (the bare graph's; the lockstep graph's) and the shape is reported as a FAIL row: the bench goes on
+    to the next shape. The host backend, 2 ranks."""
+    run_case("tests.cases.bench_cases:case_timing_releases_what_it_made", 2, "host", args=(fail_at,))

@@ -1,0 +1,48 @@
+"""Multi-rank case for scripts/bench.py (run by tests/test_bench.py under mpiexec)."""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from types import SimpleNamespace
+
+
+def case_timing_releases_what_it_made(comm, fail_at):
+    """bench.time_shape frees every input buffer, event and graph it makes, whether its checks pass or one
+    of them reports an error and it returns early (fail_at: which check_run call fails, counted from 1:
+    the timed graph, the bare graph, the eager call, the lockstep graph; 0: none)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import bench
+    from pyhipa2a import AllToAll
+    from pyhipa2a.testing import draw_world, inputs_as_given
+    fail_at, world = int(fail_at), comm.Get_size()
+    E, k, H, M = 4 * world, 2, 64, 8
+    args = SimpleNamespace(inputs="own", warmup=1, iters=2, lockstep_calls=2, fp8_input="quantize")
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        a2a.expert_y_buffer()  # the object's own, made once and freed by close(): not the bench's to free
+        b, live, made = a2a.backend, collections.Counter(), collections.Counter()
+
+        def count(name, kind, change):  # the backend's method, counted (an instance attribute shadows it)
+            real = getattr(b, name)
+
+            def counted(*a, **kw):
+                result = real(*a, **kw)
+                live[kind] += change
+                made[kind] += change > 0
+                return result
+            setattr(b, name, counted)
+        for name, kind in (("malloc_ipc", "buffers"), ("event_create", "events"), ("capture_end", "graphs")):
+            count(name, kind, +1)
+        for name, kind in (("free", "buffers"), ("event_destroy", "events"), ("graph_destroy", "graphs")):
+            count(name, kind, -1)
+        checks, real_check_run = [], bench.check_run
+
+        def check_run(*a, **kw):
+            checks.append(a[-1])
+            return "a check made to fail" if len(checks) == fail_at else real_check_run(*a, **kw)
+        bench.check_run = check_run
+        inputs = inputs_as_given(a2a, draw_world(5, world, E, k, H, M), args.fp8_input)
+        result = bench.time_shape(comm, a2a, inputs, args, bench.Step(fused=True), None)
+        assert result.get("ok", True) == (fail_at == 0) and len(checks) == (fail_at or 4), (result, checks)
+        assert made["buffers"] == 3 and made["events"] >= 4 and made["graphs"] >= min(fail_at or 4, 2), made
+        assert not any(live.values()), f"left behind: {dict(live)} of {dict(made)}"
