@@ -409,8 +409,8 @@ A2A_DEVICE Segment segment(const Ctx& x, u32 seg, u32 row_bytes, u32 itemsize) {
 
 // A step's items start at warp `first` and wrap around the grid. Steps start
 // at different warps, so on small calls they run side by side instead of
-// queueing in the same warps, and the warps that store to peers (block 0's
-// headers, the senders) are not the ones whose releases must wait for those
+// queueing in the same warps, and the warps that store to peers (the routing
+// blocks', the senders') are not the ones whose releases must wait for those
 // stores to land.
 // (No divide on this path: `first` is below the grid's warps but for grids smaller than a step's
 // offset (one block; dispatch's senders on a grid of no more blocks than route chunks), and the sum
@@ -431,10 +431,6 @@ A2A_DEVICE u32 lane_words(u32 first, u32 end) {
   return n < A2A_LANE_WORDS ? n : A2A_LANE_WORDS;
 }
 
-// True once the lane's `count` tagged words p[i * stride] carry the call's
-// epoch (their values in v); false on timeout (reported, naming `peer`) or
-// when this rank already failed. A word is read whole, so seeing the epoch
-// is seeing the value: no fence, no flag.
 // Between two tries of a poll: false once the deadline passed (reported, naming
 // `peer`) or this rank already failed, else a pause.
 A2A_DEVICE bool poll_on(const Ctx& x, u32 spins, u32 peer, u32 what, u32 detail) {
@@ -449,6 +445,10 @@ A2A_DEVICE bool poll_on(const Ctx& x, u32 spins, u32 peer, u32 what, u32 detail)
   return true;
 }
 
+// True once the lane's `count` tagged words p[i * stride] carry the call's
+// epoch (their values in v); false on timeout (reported, naming `peer`) or
+// when this rank already failed. A word is read whole, so seeing the epoch
+// is seeing the value: no fence, no flag.
 template <u32 N>
 A2A_DEVICE bool take_tagged(const Ctx& x, const u64* p, u32 stride, u32 count, u32 (&v)[N], u32 peer, u32 what,
                             u32 detail) {

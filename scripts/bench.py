@@ -305,25 +305,32 @@ def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
     """ls_<phase>: each phase of args.lockstep_calls calls back to back (after one more, which takes the
     launch skew), the last call checked like the single one; ls_empty: empty kernels timed the same way."""
     b = a2a.backend
-    event_sets = [[b.event_create() for _ in range(4)] for _ in range(args.lockstep_calls + 1)]
-    graph = empty = None
-    try:
+    with contextlib.ExitStack() as made:  # every graph and event goes, whichever way this returns
+        event_sets = [[b.event_create() for _ in range(4)] for _ in range(args.lockstep_calls + 1)]
+        for ev in (e for events in event_sets for e in events):
+            made.callback(b.event_destroy, ev)
         graph, last = capture(a2a, arrays, step, event_sets)  # the first call takes the launch skew
+        made.callback(graph.close)
         empty = capture_empty(a2a, event_sets, step)
+        made.callback(b.graph_destroy, empty)
         error = check_run(comm, a2a, inputs, lambda: (graph.launch(), last)[1], step, " (lockstep graph)")
         if error:
-            return {"ok": False, "error": error}
+            return failed(made, error)
         timed = device_times(comm, a2a, graph.launch, event_sets[1:], args.warmup, args.iters)
         bare = device_times(comm, a2a, lambda: b.graph_launch(empty, a2a.stream), event_sets[1:], args.warmup,
                             args.iters)
-    finally:
-        if graph is not None:
-            graph.close()
-        if empty is not None:
-            b.graph_destroy(empty)
-        for ev in (e for events in event_sets for e in events):
-            b.event_destroy(ev)
     return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": bare["dispatch"]}
+
+
+def failed(made: contextlib.ExitStack, error: str, timed: dict | None = None) -> dict:
+    """A FAIL row (with what was timed before the failure), after releasing what `made` holds. A release
+    that raises (after a device fault every later call does) is printed, not raised: the row says why
+    the shape failed."""
+    try:
+        made.close()
+    except Exception as e:
+        print(f"bench: releasing after a failed check: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return {**(timed or {}), "ok": False, "error": error}
 
 
 def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> dict:
@@ -347,7 +354,7 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
                  or check_run(comm, a2a, inputs, lambda: call(a2a, given, step), step,
                               f" (eager, {args.inputs} inputs)"))
         if error:
-            return {"ok": False, "error": error}
+            return failed(made, error)
         r = device_times(comm, a2a, timed.launch, [events], args.warmup, args.iters)
         empty = capture_empty(a2a, [events], step)
         made.callback(b.graph_destroy, empty)
@@ -356,7 +363,7 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         if args.lockstep_calls:
             ls = lockstep(comm, a2a, arrays, inputs, step, args)
             if not ls.get("ok", True):
-                return ls
+                return failed(made, ls["error"], r)
             r.update(ls)
         eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), [events], args.warmup, args.iters)
         r.update({"eager_" + p: v for p, v in eager.items()})

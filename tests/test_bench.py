@@ -44,9 +44,10 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
         assert (cols[-3:] == ["-", "-", "-"]) == (lockstep_calls == 0), cols
 
 
-@pytest.mark.parametrize("fail_at", [0, 2, 4])
-def test_bench_releases_what_it_made(fail_at):
+@pytest.mark.parametrize("fail_at,release_raises", [(0, 0), (2, 0), (4, 0), (2, 1), (4, 1)])
+def test_bench_releases_what_it_made(fail_at, release_raises):
     """Every input buffer, event and graph the bench makes for a shape is freed, also when a check fails
     (the bare graph's; the lockstep graph's) and the shape is reported as a FAIL row: the bench goes on
-    to the next shape. The host backend, 2 ranks."""
-    run_case("tests.cases.bench_cases:case_timing_releases_what_it_made", 2, "host", args=(fail_at,))
+    to the next shape. A release that raises (a faulted device) loses neither the FAIL row nor the other
+    releases. The host backend, 2 ranks."""
+    run_case("tests.cases.bench_cases:case_timing_releases_what_it_made", 2, "host", args=(fail_at, release_raises))

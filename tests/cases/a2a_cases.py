@@ -891,15 +891,17 @@ def case_launch_geometry(comm):
     with AllToAll(comm, **shape, block_threads=128, grid_blocks=3) as a2a:
         assert (a2a.block_threads, a2a.blocks) == (128, 3)
         run_round(a2a, draw_world(9, world, world, 1, 64, 4))
-    # One block, fewer warps than dispatch's route chunks times a block's warps: its senders' first
-    # warp wraps around the grid (first_sender in kernels_hip/dispatch.hip), every step in one block.
-    E, k, M = 8 * world, 8, 256
-    assert route_chunks(k, M) > 1
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=64, max_num_tokens=M, block_threads=128,
-                  grid_blocks=1) as a2a:
-        assert a2a.blocks == 1
-        for seed, tokens in ((10, [M] * world), (11, [1] * world), (12, None)):
-            run_round(a2a, draw_world(seed, world, E, k, 64, M, token_counts=tokens))
+    # Grids of no more blocks than dispatch's route chunks: its senders' first warp (first_sender in
+    # kernels_hip/dispatch.hip, route chunks times a block's warps) wraps around the grid, to block 0 of
+    # one block and to a routing block (block 2 with 8 chunks) of three.
+    E, k = 8 * world, 8
+    for blocks, M in ((1, 256), (3, 512)):
+        assert route_chunks(k, M) >= blocks
+        with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=64, max_num_tokens=M,
+                      block_threads=128, grid_blocks=blocks) as a2a:
+            assert a2a.blocks == blocks
+            for seed, tokens in ((10, [M] * world), (11, [1] * world), (12, None)):
+                run_round(a2a, draw_world(seed, world, E, k, 64, M, token_counts=tokens))
 
 
 def _framework(lib, device_index):

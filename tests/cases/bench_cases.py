@@ -7,15 +7,17 @@ import sys
 from types import SimpleNamespace
 
 
-def case_timing_releases_what_it_made(comm, fail_at):
+def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0"):
     """bench.time_shape frees every input buffer, event and graph it makes, whether its checks pass or one
     of them reports an error and it returns early (fail_at: which check_run call fails, counted from 1:
-    the timed graph, the bare graph, the eager call, the lockstep graph; 0: none)."""
+    the timed graph, the bare graph, the eager call, the lockstep graph; 0: none). With
+    event_release_raises, destroying an event raises (as every call does after a device fault): a failed
+    shape still returns its FAIL row, and everything else is still freed."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import bench
     from pyhipa2a import AllToAll
     from pyhipa2a.testing import draw_world, inputs_as_given
-    fail_at, world = int(fail_at), comm.Get_size()
+    fail_at, raises, world = int(fail_at), event_release_raises == "1", comm.Get_size()
     E, k, H, M = 4 * world, 2, 64, 8
     args = SimpleNamespace(inputs="own", warmup=1, iters=2, lockstep_calls=2, fp8_input="quantize")
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
@@ -29,6 +31,8 @@ def case_timing_releases_what_it_made(comm, fail_at):
                 result = real(*a, **kw)
                 live[kind] += change
                 made[kind] += change > 0
+                if raises and name == "event_destroy":
+                    raise RuntimeError("event_destroy after a device fault")
                 return result
             setattr(b, name, counted)
         for name, kind in (("malloc_ipc", "buffers"), ("event_create", "events"), ("capture_end", "graphs")):
