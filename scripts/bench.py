@@ -160,18 +160,19 @@ def call(a2a, arrays, step: Step, events=None, between=lambda: None):
     return d, y
 
 
-def capture(a2a, arrays, step: Step, event_sets=(None,)):
+def capture(a2a, arrays, step: Step, made: contextlib.ExitStack, event_sets=(None,)):
     """The call as one graph, once for each set of four events (recorded inside it at every launch; None:
-    no events), back to back: (graph, the last call's (d, y))."""
+    no events), back to back: (graph, the last call's (d, y)); the graph is closed when `made` closes."""
     out = []
     graph = a2a.capture(lambda: out.extend(call(a2a, arrays, step, events) for events in event_sets))
+    made.callback(graph.close)
     return graph, out[-1]
 
 
-def capture_empty(a2a, event_sets, step: Step):
+def capture_empty(a2a, event_sets, step: Step, made: contextlib.ExitStack):
     """A graph of empty kernels in place of the calls' (launched with the exchange kernels' geometry,
     between the same event nodes): what the calls cost over bare launches. One call's kernels for each
-    set of four events, in order."""
+    set of four events, in order; destroyed when `made` closes."""
     b, s = a2a.backend, a2a.stream
     kernel = a2a.lib.kernel("nothing")
     pack = kernel.pack()
@@ -187,6 +188,7 @@ def capture_empty(a2a, event_sets, step: Step):
             b.event_record(events[3], s)
     finally:
         graph = b.capture_end(s)
+        made.callback(b.graph_destroy, graph)
     return graph
 
 
@@ -301,25 +303,13 @@ def check_once(comm, a2a, inputs, step: Step) -> str:
                                                     weights_at=step.weights_at))
 
 
-def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
-    """ls_<phase>: each phase of args.lockstep_calls calls back to back (after one more, which takes the
-    launch skew), the last call checked like the single one; ls_empty: empty kernels timed the same way."""
-    b = a2a.backend
-    with contextlib.ExitStack() as made:  # every graph and event goes, whichever way this returns
-        event_sets = [[b.event_create() for _ in range(4)] for _ in range(args.lockstep_calls + 1)]
-        for ev in (e for events in event_sets for e in events):
-            made.callback(b.event_destroy, ev)
-        graph, last = capture(a2a, arrays, step, event_sets)  # the first call takes the launch skew
-        made.callback(graph.close)
-        empty = capture_empty(a2a, event_sets, step)
-        made.callback(b.graph_destroy, empty)
-        error = check_run(comm, a2a, inputs, lambda: (graph.launch(), last)[1], step, " (lockstep graph)")
-        if error:
-            return failed(made, error)
-        timed = device_times(comm, a2a, graph.launch, event_sets[1:], args.warmup, args.iters)
-        bare = device_times(comm, a2a, lambda: b.graph_launch(empty, a2a.stream), event_sets[1:], args.warmup,
-                            args.iters)
-    return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": bare["dispatch"]}
+def call_events(b, made: contextlib.ExitStack) -> list:
+    """The four events a timed call records (before, between and after its phases), destroyed when
+    `made` closes."""
+    events = [b.event_create() for _ in range(4)]
+    for ev in events:
+        made.callback(b.event_destroy, ev)
+    return events
 
 
 def failed(made: contextlib.ExitStack, error: str, timed: dict | None = None) -> dict:
@@ -333,6 +323,23 @@ def failed(made: contextlib.ExitStack, error: str, timed: dict | None = None) ->
     return {**(timed or {}), "ok": False, "error": error}
 
 
+def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
+    """ls_<phase>: each phase of args.lockstep_calls calls back to back (after one more, which takes the
+    launch skew), the last call checked like the single one; ls_empty: empty kernels timed the same way."""
+    b = a2a.backend
+    with contextlib.ExitStack() as made:  # every graph and event goes, whichever way this returns
+        event_sets = [call_events(b, made) for _ in range(args.lockstep_calls + 1)]
+        graph, last = capture(a2a, arrays, step, made, event_sets)  # the first call takes the launch skew
+        empty = capture_empty(a2a, event_sets, step, made)
+        error = check_run(comm, a2a, inputs, lambda: (graph.launch(), last)[1], step, " (lockstep graph)")
+        if error:
+            return failed(made, error)
+        timed = device_times(comm, a2a, graph.launch, event_sets[1:], args.warmup, args.iters)
+        bare = device_times(comm, a2a, lambda: b.graph_launch(empty, a2a.stream), event_sets[1:], args.warmup,
+                            args.iters)
+    return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": bare["dispatch"]}
+
+
 def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> dict:
     """measure()'s timings of one checked shape: {"ok": False, "error": ...} when a timed graph or an eager
     call is wrong. Every buffer, graph and event it makes goes before it returns, whichever way it does
@@ -342,13 +349,9 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         made.callback(free_inputs, a2a, arrays)  # (last: callbacks run in reverse order)
         given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
         b = a2a.backend
-        events = [b.event_create() for _ in range(4)]
-        for ev in events:
-            made.callback(b.event_destroy, ev)
-        timed, timed_out = capture(a2a, arrays, step, [events])
-        made.callback(timed.close)
-        bare, bare_out = capture(a2a, arrays, step)
-        made.callback(bare.close)
+        events = call_events(b, made)
+        timed, timed_out = capture(a2a, arrays, step, made, [events])
+        bare, bare_out = capture(a2a, arrays, step, made)
         error = (check_run(comm, a2a, inputs, lambda: (timed.launch(), timed_out)[1], step, " (graph)")
                  or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], step, " (graph)")
                  or check_run(comm, a2a, inputs, lambda: call(a2a, given, step), step,
@@ -356,8 +359,7 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         if error:
             return failed(made, error)
         r = device_times(comm, a2a, timed.launch, [events], args.warmup, args.iters)
-        empty = capture_empty(a2a, [events], step)
-        made.callback(b.graph_destroy, empty)
+        empty = capture_empty(a2a, [events], step, made)
         launch_empty = lambda: b.graph_launch(empty, a2a.stream)  # noqa: E731
         r["empty"] = device_times(comm, a2a, launch_empty, [events], args.warmup, args.iters)["dispatch"]
         if args.lockstep_calls:

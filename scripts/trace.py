@@ -33,6 +33,16 @@ from pyhipa2a.testing import (dispatch_uploaded, draw_world, dtype_arguments, fr
 LARGEST_GPU_MODE_SHAPE = (256, 8, 7168, 256)
 
 
+def print_stage_table(title: str, table: dict, ranks, width: int, cell) -> None:
+    """A row per stage that some rank ran, a column per rank: cell(table[(rank, tag)]), '-' where none."""
+    print(title)
+    print(f"{'stage':<22} " + " ".join(f"{'rank ' + str(r):>{width}}" for r in ranks))
+    for tag, (name, _) in sorted(TAGS.items()):
+        cells = [table.get((r, tag)) for r in ranks]
+        if any(cells):
+            print(f"{name:<22} " + " ".join(cell(c) if c else f"{'-':>{width}}" for c in cells))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default=",".join(map(str, LARGEST_GPU_MODE_SHAPE)), help="E,k,H,M")
@@ -124,20 +134,10 @@ def main() -> int:
             print(f"{name:<22} {kind:<5} " + " ".join(f"{v:>10.1f}" for v in sums))
     for title, table in (("us from the call's first event on any rank", windows),
                          ("us from the last rank's start of the stage's kernel", kernel_windows)):
-        print(f"when each stage ran: first start .. last end, {title} (median over calls)")
-        print(f"{'stage':<22} " + " ".join(f"{'rank ' + str(r):>17}" for r in sorted(by_rank)))
-        for tag, (name, _) in sorted(TAGS.items()):
-            cells = [table.get((r, tag)) for r in sorted(by_rank)]
-            if any(cells):
-                print(f"{name:<22} " + " ".join(f"{c[0]:>7.1f} .. {c[1]:>6.1f}" if c else f"{'-':>17}" for c in cells))
-    durations = stage_durations(by_rank)
-    print("one event of each stage: median / 90th percentile (us), events over all calls")
-    print(f"{'stage':<22} " + " ".join(f"{'rank ' + str(r):>26}" for r in sorted(by_rank)))
-    for tag, (name, _) in sorted(TAGS.items()):
-        cells = [durations.get((r, tag)) for r in sorted(by_rank)]
-        if any(cells):
-            print(f"{name:<22} " + " ".join(f"{c[0]:>7.2f} / {c[1]:>7.2f} {c[2]:>8d}" if c else f"{'-':>26}"
-                                            for c in cells))
+        print_stage_table(f"when each stage ran: first start .. last end, {title} (median over calls)", table,
+                          sorted(by_rank), 17, lambda c: f"{c[0]:>7.1f} .. {c[1]:>6.1f}")
+    print_stage_table("one event of each stage: median / 90th percentile (us), events over all calls",
+                      stage_durations(by_rank), sorted(by_rank), 26, lambda c: f"{c[0]:>7.2f} / {c[1]:>7.2f} {c[2]:>8d}")
     return 0
 
 
