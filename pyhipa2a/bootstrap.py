@@ -1,6 +1,7 @@
 """MPI plumbing: the node-local communicator and waits that cannot hang."""
 from __future__ import annotations
 
+import os
 import time
 
 from .errors import A2ATimeoutError, ConfigMismatchError
@@ -30,9 +31,22 @@ def node_comm(comm=None):
     return local
 
 
+# Polls that only yield the CPU before a wait starts to sleep. time.sleep(0) costs 50-75 us (the
+# kernel's timer slack), so a wait that slept from its first poll ended that long after its cause: a
+# multi-node call's synchronize() (its stream polled under a watchdog) read 88 us for an exchange that
+# takes far less. A yield costs under a microsecond when no other process wants the core, and hands it
+# over when one does (CI runs 8 ranks on 2 cores); a poll with its check takes 1-3 us, so the yielding
+# lasts a few milliseconds.
+YIELD_POLLS = 2000
+
+
 def sleep_backoff(attempt: int) -> None:
-    """Yield the CPU while waiting: CI runs 8 ranks on 2 cores."""
-    time.sleep(0 if attempt < 10 else min(1e-3, 1e-5 * (attempt - 9)))
+    """Give the CPU away between polls: yield for the first YIELD_POLLS, then sleep longer each time,
+    up to 1 ms."""
+    if attempt < YIELD_POLLS:
+        os.sched_yield()
+    else:
+        time.sleep(min(1e-3, 1e-5 * (attempt - YIELD_POLLS + 1)))
 
 
 def bounded_barrier(comm, timeout: float, what: str) -> None:

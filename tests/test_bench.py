@@ -44,6 +44,27 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
         assert (cols[-3:] == ["-", "-", "-"]) == (lockstep_calls == 0), cols
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bench_sets_a_call_between_nodes_beside_the_bare_exchange(tmp_path, backend):
+    """Simulated nodes of one rank: the shape is checked and timed as anywhere, and its wall is reported
+    beside the engine alone moving the same bytes, eager and replayed as a graph (MPI on the host, NCCL
+    between two GPUs: both capturable), with the ratio over the graph's wall in the table."""
+    ranks, out = ranks_for(backend), tmp_path / "bench.json"
+    hidden = 128 if backend == "host" else 2048
+    run = run_mpi([str(REPO / "scripts" / "bench.py"), "--shape", f"{4 * ranks},2,{hidden},8", "--iters", "2",
+                   "--warmup", "1", "--fused-expert", "--json", str(out)],
+                  ranks, env_backend(backend), timeout=600, env={"PYHIPA2A_RANKS_PER_NODE": "1"},
+                  what="bench.py between nodes")
+    (row,) = json.loads(out.read_text())["shapes"]
+    assert row["ok"], row.get("error")
+    assert row["wall"] > 0 and row["bare_exchange_wall"] > 0 and row["bare_exchange_eager_wall"] > 0, row
+    table = run.stdout.splitlines()
+    header = next(i for i, line in enumerate(table) if line.split() == ["shape", "wall", "bare", "ratio", "bare", "eager"])
+    cols = table[header + 1].split()
+    assert cols[:4] == ["E=%d" % (4 * ranks), "k=2", f"H={hidden}", "M=8"], cols
+    assert float(cols[-2]) == pytest.approx(row["wall"] / row["bare_exchange_wall"], abs=0.006), cols
+
+
 @pytest.mark.parametrize("fail_at,release_raises", [(0, 0), (2, 0), (4, 0), (2, 1), (4, 1)])
 def test_bench_releases_what_it_made(fail_at, release_raises):
     """Every input buffer, event and graph the bench makes for a shape is freed, also when a check fails

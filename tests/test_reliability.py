@@ -104,3 +104,20 @@ def test_failure_line_names_any_exception():
     from pyhipa2a.testing import failure_line
     assert failure_line(3, AssertionError()) == "rank 3: AssertionError: "
     assert failure_line(0, ValueError("first\nsecond"), " shape X") == "rank 0 shape X: ValueError: first"
+
+
+def test_waits_yield_before_they_sleep(monkeypatch):
+    """Host-side waits (barriers, the engines between nodes, NCCL's group launches, host kernels) poll with
+    bootstrap.sleep_backoff: the first polls only yield the CPU, since time.sleep(0) alone costs 50-75 us
+    and made every wait end that long after its cause; later polls sleep longer each time, capped at 1 ms."""
+    from pyhipa2a import bootstrap
+    yields, sleeps = [], []
+    monkeypatch.setattr(bootstrap.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(bootstrap.time, "sleep", sleeps.append)
+    for attempt in range(bootstrap.YIELD_POLLS):
+        bootstrap.sleep_backoff(attempt)
+    assert len(yields) == bootstrap.YIELD_POLLS and not sleeps
+    for attempt in (bootstrap.YIELD_POLLS, bootstrap.YIELD_POLLS + 50, 10**9):
+        bootstrap.sleep_backoff(attempt)
+    assert len(yields) == bootstrap.YIELD_POLLS
+    assert 0 < sleeps[0] < sleeps[1] < sleeps[2] == 1e-3, sleeps

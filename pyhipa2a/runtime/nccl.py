@@ -30,6 +30,7 @@ import os
 import time
 from pathlib import Path
 
+from ..bootstrap import sleep_backoff
 from .base import RuntimeFailure
 
 __all__ = ["LIBRARY_VARIABLE", "NcclComm", "NcclFailure", "NcclLibrary", "NcclTimeout", "find_library"]
@@ -48,11 +49,8 @@ _API_MAGIC = 0xCAFEBEEF       # NCCL_API_MAGIC
 _CONFIG_UNDEF_INT = -(2**31)  # NCCL_CONFIG_UNDEF_INT (INT_MIN): "NCCL picks"
 
 # A non-blocking group launch runs on a thread NCCL starts for it, and an exchange's host time is
-# mostly that thread's (one H100, NCCL 2.28: 55-60 us yielding between polls, ~100 us sleeping 0 s or
-# backing off as bootstrap does; 13 us for a blocking communicator). Yield between polls this long,
-# then sleep between them.
-_SPIN_SECONDS = 0.002
-_POLL_SLEEP = 0.001
+# mostly that thread's (one H100, NCCL 2.28: 55-60 us yielding between polls, ~100 us sleeping 0 s;
+# 13 us for a blocking communicator): its polls yield first (bootstrap.sleep_backoff).
 
 
 class NcclFailure(RuntimeFailure):
@@ -311,7 +309,7 @@ class NcclComm:
         """Poll until `step` is no longer in progress. Its failure raises NcclFailure; running past the
         timeout aborts the communicator (NCCL takes no other call on it while a step is in progress)
         and raises NcclTimeout."""
-        start = time.monotonic()
+        start, attempt = time.monotonic(), 0
         while True:
             state = self._async_state()
             if state == _SUCCESS:
@@ -324,10 +322,8 @@ class NcclComm:
                 raise NcclTimeout(f"{step} on rank {self.rank} of {self.size} was still in progress after "
                                   f"{self.timeout:.1f} s (a rank never arrived or is stuck); the communicator "
                                   f"was aborted")
-            if waited < _SPIN_SECONDS:
-                os.sched_yield()  # not sleep(0): the kernel's timer slack makes that ~50 us
-            else:
-                time.sleep(_POLL_SLEEP)
+            sleep_backoff(attempt)
+            attempt += 1
 
     def _ensure_usable(self) -> None:
         if self.aborted:
