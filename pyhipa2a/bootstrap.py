@@ -36,7 +36,7 @@ def node_comm(comm=None):
 # multi-node call's synchronize() (its stream polled under a watchdog) read 88 us for an exchange that
 # takes far less. A yield costs under a microsecond when no other process wants the core, and hands it
 # over when one does (CI runs 8 ranks on 2 cores); a poll with its check takes 1-3 us, so the yielding
-# lasts a few milliseconds.
+# lasts a few milliseconds on an idle core, longer on a busy one (where each yield lets another run).
 YIELD_POLLS = 2000
 
 

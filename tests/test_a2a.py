@@ -62,8 +62,8 @@ EDGE_CASES = {
     # max_num_tokens = 1: one count word an expert at one rank (a warp counts a warp's width of experts
     # at once), and the smallest call on the whole grid
     "capacity_one_token": (128, 8, 256, 1, "float16", "full", "random"),
-    # a small call whose every token goes to every expert: every expert's rows from one source are
-    # that source's tokens, in some order (route's places), and each count is the token count
+    # a small call (T = 4, k = 8) of crowded experts: at 2 ranks (E = 8) every token goes to every
+    # expert, so each expert's rows from a source are all of its tokens; at 4 (E = 16), to half of them
     "small_call_every_expert": (4, 8, 256, 4, "float16", "full", "random"),
 }
 

@@ -7,20 +7,25 @@ import sys
 from types import SimpleNamespace
 
 
-def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0"):
+def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", between_nodes="0"):
     """bench.time_shape frees every input buffer, event and graph it makes, whether its checks pass or one
     of them reports an error and it returns early (fail_at: which check_run call fails, counted from 1:
     the timed graph, the bare graph, the eager call, the lockstep graph; 0: none). With
     event_release_raises, destroying an event raises (as every call does after a device fault): a failed
-    shape still returns its FAIL row, and everything else is still freed."""
+    shape still returns its FAIL row, and everything else is still freed. With between_nodes, each rank
+    is a node of its own and the wall times are taken too: the bare exchange between nodes is captured
+    once, its graph replayed at each of the wall's iterations, and released with the rest."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import bench
     from pyhipa2a import AllToAll
     from pyhipa2a.testing import draw_world, inputs_as_given
     fail_at, raises, world = int(fail_at), event_release_raises == "1", comm.Get_size()
+    nodes = between_nodes == "1"
     E, k, H, M = 4 * world, 2, 64, 8
     args = SimpleNamespace(inputs="own", warmup=1, iters=2, lockstep_calls=2, fp8_input="quantize")
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+    bench.FLUSH_BYTES = 1 << 16  # the wall's cache flush: its size does not matter here
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=1 if nodes else None) as a2a:
         a2a.expert_y_buffer()  # the object's own, made once and freed by close(): not the bench's to free
         b, live, made = a2a.backend, collections.Counter(), collections.Counter()
 
@@ -39,6 +44,20 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0"):
             count(name, kind, +1)
         for name, kind in (("free", "buffers"), ("event_destroy", "events"), ("graph_destroy", "graphs")):
             count(name, kind, -1)
+        real_launch = b.graph_launch
+
+        def graph_launch(*a, **kw):  # counted, not held
+            made["launches"] += 1
+            return real_launch(*a, **kw)
+        b.graph_launch = graph_launch
+        bare_graphs, real_walls = [], bench.bare_exchange_walls
+
+        def bare_exchange_walls(*a, **kw):  # what the bare exchange between nodes made and launched
+            graphs, launches = made["graphs"], made["launches"]
+            walls = real_walls(*a, **kw)
+            bare_graphs.append((made["graphs"] - graphs, made["launches"] - launches))
+            return walls
+        bench.bare_exchange_walls = bare_exchange_walls
         checks, real_check_run = [], bench.check_run
 
         def check_run(*a, **kw):
@@ -46,7 +65,16 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0"):
             return "a check made to fail" if len(checks) == fail_at else real_check_run(*a, **kw)
         bench.check_run = check_run
         inputs = inputs_as_given(a2a, draw_world(5, world, E, k, H, M), args.fp8_input)
-        result = bench.time_shape(comm, a2a, inputs, args, bench.Step(fused=True), None)
+        flush = b.malloc_ipc(bench.FLUSH_BYTES) if nodes else None  # (the caller's, freed below)
+        made["buffers"] -= nodes
+        result = bench.time_shape(comm, a2a, inputs, args, bench.Step(fused=True), flush)
+        if nodes:
+            b.free(flush)
         assert result.get("ok", True) == (fail_at == 0) and len(checks) == (fail_at or 4), (result, checks)
         assert made["buffers"] == 3 and made["events"] >= 4 and made["graphs"] >= min(fail_at or 4, 2), made
         assert not any(live.values()), f"left behind: {dict(live)} of {dict(made)}"
+        if nodes and fail_at == 0:  # one graph of the bare exchange, launched at every wall iteration
+            assert bare_graphs == [(1, args.iters)], bare_graphs
+            assert result["bare_exchange_wall"] > 0 and result["bare_exchange_eager_wall"] > 0, result
+        else:
+            assert not bare_graphs, bare_graphs
