@@ -250,6 +250,15 @@ def test_init_polls_while_in_progress_then_succeeds():
     assert not comm.aborted and fake.live
 
 
+def test_polls_back_off_as_every_host_wait_does(monkeypatch):
+    """NCCL's steps in progress are polled with bootstrap.sleep_backoff (yield first, then sleep), the
+    backoff of every host-side wait, not a loop of their own."""
+    attempts = []
+    monkeypatch.setattr(nccl, "sleep_backoff", attempts.append)
+    make_comm(FakeNccl(polls={"init": 3}))
+    assert attempts == [0, 1, 2]
+
+
 def test_init_timeout_aborts_and_names_the_step():
     fake = FakeNccl(polls={"init": FOREVER})
     with pytest.raises(NcclTimeout, match="ncclCommInitRankConfig on rank 0 of 1 was still in progress after"):
