@@ -172,7 +172,7 @@ def capture(a2a, arrays, step: Step, made: contextlib.ExitStack, event_sets=(Non
 def capture_empty(a2a, event_sets, step: Step, made: contextlib.ExitStack):
     """A graph of empty kernels in place of the calls' (launched with the exchange kernels' geometry,
     between the same event nodes): what the calls cost over bare launches. One call's kernels for each
-    set of four events, in order; destroyed when `made` closes."""
+    set of four events, in order; destroyed when `made` closes. Returns what launches it."""
     b, s = a2a.backend, a2a.stream
     kernel = a2a.lib.kernel("nothing")
     pack = kernel.pack()
@@ -189,7 +189,7 @@ def capture_empty(a2a, event_sets, step: Step, made: contextlib.ExitStack):
     finally:
         graph = b.capture_end(s)
         made.callback(b.graph_destroy, graph)
-    return graph
+    return lambda: b.graph_launch(graph, s)
 
 
 def collective_check(comm, check, what: str = "") -> str:
@@ -343,14 +343,13 @@ def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
     with contextlib.ExitStack() as made:  # every graph and event goes, whichever way this returns
         event_sets = [call_events(b, made) for _ in range(args.lockstep_calls + 1)]
         graph, last = capture(a2a, arrays, step, made, event_sets)  # the first call takes the launch skew
-        empty = capture_empty(a2a, event_sets, step, made)
+        launch_empty = capture_empty(a2a, event_sets, step, made)
         error = check_run(comm, a2a, inputs, lambda: (graph.launch(), last)[1], step, " (lockstep graph)")
         if error:
             return failed(made, error)
         timed = device_times(comm, a2a, graph.launch, event_sets[1:], args.warmup, args.iters)
-        bare = device_times(comm, a2a, lambda: b.graph_launch(empty, a2a.stream), event_sets[1:], args.warmup,
-                            args.iters)
-    return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": bare["dispatch"]}
+        empty = device_times(comm, a2a, launch_empty, event_sets[1:], args.warmup, args.iters)
+    return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": empty["dispatch"]}
 
 
 def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> dict:
@@ -372,8 +371,7 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         if error:
             return failed(made, error)
         r = device_times(comm, a2a, timed.launch, [events], args.warmup, args.iters)
-        empty = capture_empty(a2a, [events], step, made)
-        launch_empty = lambda: b.graph_launch(empty, a2a.stream)  # noqa: E731
+        launch_empty = capture_empty(a2a, [events], step, made)
         r["empty"] = device_times(comm, a2a, launch_empty, [events], args.warmup, args.iters)["dispatch"]
         if args.lockstep_calls:
             ls = lockstep(comm, a2a, arrays, inputs, step, args)

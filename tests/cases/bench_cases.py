@@ -29,12 +29,12 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", b
         a2a.expert_y_buffer()  # the object's own, made once and freed by close(): not the bench's to free
         b, live, made = a2a.backend, collections.Counter(), collections.Counter()
 
-        def count(name, kind, change):  # the backend's method, counted (an instance attribute shadows it)
-            real = getattr(b, name)
+        def count(name, kind, change, held=True):  # the backend's method, counted (an instance attribute
+            real = getattr(b, name)                 # shadows it); held: what it makes must be released
 
             def counted(*a, **kw):
                 result = real(*a, **kw)
-                live[kind] += change
+                live[kind] += change if held else 0
                 made[kind] += change > 0
                 if raises and name == "event_destroy":
                     raise RuntimeError("event_destroy after a device fault")
@@ -44,12 +44,7 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", b
             count(name, kind, +1)
         for name, kind in (("free", "buffers"), ("event_destroy", "events"), ("graph_destroy", "graphs")):
             count(name, kind, -1)
-        real_launch = b.graph_launch
-
-        def graph_launch(*a, **kw):  # counted, not held
-            made["launches"] += 1
-            return real_launch(*a, **kw)
-        b.graph_launch = graph_launch
+        count("graph_launch", "launches", +1, held=False)
         bare_graphs, real_walls = [], bench.bare_exchange_walls
 
         def bare_exchange_walls(*a, **kw):  # what the bare exchange between nodes made and launched
