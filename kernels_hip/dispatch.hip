@@ -226,13 +226,13 @@ A2A_DEVICE const u8* token_vector(const Ctx& x, const DispatchCall& c, u32 src, 
   return sym<u8>(x.h, (int)src, x.a.off_stage) + ((u64)x.parity * x.M + t) * x.a.token_bytes;
 }
 
-// The sum of the first `n` count words of our expert l in the dense table
-// (source-major, then chunk): A2A_ROUTE_LOADS loads in flight at a time,
-// each taken again until it carries the epoch; false on timeout (reported,
-// naming the source of the first word missing) or when this rank already
-// failed.
-A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 n, u32& sum) {
-  const u64* counts = chunk_counts(x, (u32)x.h.rank) + l;
+// The sum of count words first .. first + n - 1 of our expert l in the dense
+// table (source-major, then chunk): A2A_ROUTE_LOADS loads in flight at a
+// time, each taken again until it carries the epoch; false on timeout
+// (reported, naming the source of the first word missing) or when this rank
+// already failed. No load at all for n = 0.
+A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 first, u32 n, u32& sum) {
+  const u64* counts = chunk_counts(x, (u32)x.h.rank) + (u64)first * x.L + l;
   sum = 0;
   for (u32 q0 = 0; q0 < n; q0 += A2A_ROUTE_LOADS) {
     for (u32 spins = 1;; ++spins) {
@@ -251,7 +251,7 @@ A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 n, u32& sum) {
       }
       if ((spins & 63u) == 0) {
         if (a2a_clock_ns() > x.deadline) {
-          report(x, A2A_ERR_TIMEOUT, quot(x.a.div_chunks, missing), A2A_WAIT_DISPATCH, x.epoch);
+          report(x, A2A_ERR_TIMEOUT, quot(x.a.div_chunks, first + missing), A2A_WAIT_DISPATCH, x.epoch);
           return false;
         }
         if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
@@ -264,12 +264,15 @@ A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 n, u32& sum) {
 
 // Lane j (< k) of the warp on token t of source src gets the row of
 // expert_x that slot j fills here (-1: its expert is not ours, or the slot is
-// void): expert l's rows hold source 0's chunks first, then source 1's, each
-// row at the place its sender chose in its chunk, so the row is l's rows
-// from the chunks before t's plus that place. With `record` (the warp of the token's first
-// segment) the lane also writes the row's meta and, for combine, the decoded
-// routing slot and its row. False in every lane when a word never came
-// (reported).
+// void), each row at the place its sender chose in its chunk, after expert
+// l's rows from the chunks before t's: packed, those of every source before
+// src and src's own earlier chunks (expert l's rows hold source 0's chunks
+// first, then source 1's); by source (expert_layout), src's own earlier
+// chunks after row src * M, so a token of its source's first chunk (every
+// token of a small call) reads no count at all. With `record` (the warp of
+// the token's first segment) the lane also writes the row's meta and, for
+// combine, the decoded routing slot and its row. False in every lane when a
+// word never came (reported).
 A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane, i32& row) {
   const u32 me = (u32)x.h.rank;
   const u64 at = ((u64)src * x.M + t) * x.k + lane;
@@ -283,9 +286,10 @@ A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane,
     const u32 place = quot_rem(x.a.div_E, v[0], expert);  // (v[0] = e + E * place)
     const i32 e = ok && v[0] != A2A_NO_SLOT ? (i32)expert : -1;
     if (e >= 0 && quot_rem(x.a.div_L, (u32)e, l) == me) {
+      const u32 chunk = quot(x.a.div_chunk, t), from = src * route_chunks(x);
       u32 before = 0;
-      ok = sum_counts(x, l, src * route_chunks(x) + quot(x.a.div_chunk, t), before);
-      const u32 r = before + place;  // below W * M while senders keep the protocol
+      ok = x.a.by_source ? sum_counts(x, l, from, chunk, before) : sum_counts(x, l, 0u, from + chunk, before);
+      const u32 r = (x.a.by_source ? src * x.M : 0u) + before + place;  // below W * M while senders keep the protocol
       if (ok && r < x.capacity)
         row = (i32)(l * x.capacity + r);
       else if (ok)
@@ -424,6 +428,40 @@ A2A_DEVICE void publish_counts(const Ctx& x, const WarpGrid& g) {
   }
 }
 
+// publish_counts for a call laid out by source: lane s of a group of G lanes
+// (a power of two, at least W) sums source s's chunks of an expert (every
+// count word of a source in one round trip: a call has at most
+// A2A_ROUTE_LOADS chunks), writes expert_layout[l][s] = (s * M, rows), and
+// the group's sum goes to expert_num_tokens.
+A2A_DEVICE void publish_source_counts(const Ctx& x, const WarpGrid& g) {
+  const u64* counts = chunk_counts(x, (u32)x.h.rank);
+  const u32 chunks = route_chunks(x);
+  u32 G = 1;
+  while (G < x.W) G <<= 1;
+  const u32 groups = A2A_WARP_SIZE / G, s = g.lane % G;
+  i32* num_tokens = sym<i32>(x.h, x.h.rank, x.a.off_num_tokens);
+  i32* layout = sym<i32>(x.h, x.h.rank, x.a.off_layout);
+  for (u32 l0 = first_item(g, g.warps / 4u) * groups; l0 < x.L; l0 += g.warps * groups) {
+    A2A_PROF_START(t0);
+    const u32 l = l0 + g.lane / G;
+    const bool mine = l < x.L && s < x.W;
+    u32 v[A2A_ROUTE_LOADS] = {};
+    bool ok = true;
+    if (mine) ok = take_tagged(x, counts + (u64)s * chunks * x.L + l, x.L, chunks, v, s, A2A_WAIT_DISPATCH, l);
+    if (!warp_all(ok)) return;
+    u32 n = 0;
+    for (u32 q = 0; q < A2A_ROUTE_LOADS; ++q) n += v[q];
+    n = n < x.M ? n : x.M;  // (a source sends each expert at most one row a token)
+    if (mine) {
+      layout[((u64)l * x.W + s) * 2u] = (i32)(s * x.M);
+      layout[((u64)l * x.W + s) * 2u + 1u] = (i32)n;
+    }
+    for (u32 d = 1; d < G; d <<= 1) n += (u32)a2a_shfl((int)n, (int)(g.lane ^ d));  // within the group
+    if (s == 0 && l < x.L) num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l0);
+  }
+}
+
 template <u32 X>
 A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   A2A_PROF_BEGIN(a.prof);
@@ -451,16 +489,20 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
       stage_tokens<X>(x, c, g);
     __shared__ u32 pre[A2A_PREFIX_WORDS];
     const bool ok = source_prefix(x, header, pre, true, g);
-    if (ok) publish_counts(x, g);
+    if (ok && a.by_source)
+      publish_source_counts(x, g);
+    else if (ok)
+      publish_counts(x, g);
     if (ok) fan_out<X>(x, c, g, pre);
   }
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   const u64 rows = (u64)x.L * x.capacity;
-  const Poison outputs[4] = {{sym<u8>(x.h, x.h.rank, a.off_recv_x), rows * a.x_row_bytes},
+  const Poison outputs[5] = {{sym<u8>(x.h, x.h.rank, a.off_recv_x), rows * a.x_row_bytes},
                              {sym<u8>(x.h, x.h.rank, a.off_recv_meta), rows * 12u},
                              {sym<u8>(x.h, x.h.rank, a.off_num_tokens), (u64)x.L * 4u},
-                             {sym<u8>(x.h, x.h.rank, a.off_recv_scales), rows * a.scale_cols * 4u}};
+                             {sym<u8>(x.h, x.h.rank, a.off_recv_scales), rows * a.scale_cols * 4u},
+                             {sym<u8>(x.h, x.h.rank, a.off_layout), a.by_source ? (u64)x.L * x.W * 8u : 0u}};
   finish(x, 0u, outputs);
 }
 

@@ -59,6 +59,7 @@ struct A2AArgs {
   u64 off_num_tokens;      // i32 [L]                      expert_num_tokens
   u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded (-1: void), ours too
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
+  u64 off_layout;          // i32 [L][W][2]                expert_layout (by_source): (first row, rows) of each source
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 off_done;            // u32 [2][A2A_MAX_GRID + 1]     epoch: block b of the last dispatch [0] / combine [1] is done; [.][A2A_MAX_GRID]: the poisoner's claim
@@ -92,6 +93,9 @@ struct A2AArgs {
                            // (a node's part of a multi-node call: regions of R tokens, one per node)
   u32 gpu_fence_publish;   // 1: a flag over data left in our own memory follows a GPU-scope fence,
                            // not a system-scope release (portability.h: a2a_publish_own_sys)
+  u32 by_source;           // 1: expert l's rows from source s start at row s * M (expert_layout), not after
+                           // the rows of every source before s (packed, the default)
+  u32 pad;
   u64 timeout_ns;
   // The call's fixed divisors (pyhipa2a/kernels.py: divisor), for quot/rem below.
   Divisor div_k;           // top_k

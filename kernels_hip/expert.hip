@@ -33,49 +33,80 @@ A2A_DEVICE void exclusive_prefix(u32* prefix, const i32* counts, u32 L, u32 capa
   a2a_block_sync();
 }
 
-// Row index in the [L][capacity] expert-major buffer of the q-th received row.
-A2A_DEVICE u64 received_row(const u32* prefix, u32 L, u32 capacity, u32 q) {
+// Where the rows of each expert lie: packed (rows 0 .. n - 1), or by source
+// (expert_layout [L][W][2]: source s's rows of expert l from row s * M on,
+// M = capacity / W).
+struct Rows {
+  const i32* layout;  // null: packed
+  u32 sources;
+};
+
+// Row index in the [L][capacity] expert-major buffer of the q-th received row
+// (the same in every lane of the warp): packed, row i of its expert l; by
+// source, lane s takes source s's count of l, and a scan across the warp
+// finds the source whose rows hold the expert's i-th (a count outside [0, M],
+// a failed dispatch's poison, stands for all of the source's rows, as the
+// counts' prefix does above).
+A2A_DEVICE u64 received_row(const u32* prefix, u32 L, u32 capacity, u32 q, const Rows& rows, u32 lane) {
   u32 lo = 0, hi = L;  // largest l with prefix[l] <= q
   while (hi - lo > 1u) { const u32 mid = (lo + hi) / 2u; if (prefix[mid] <= q) lo = mid; else hi = mid; }
-  return (u64)lo * capacity + (q - prefix[lo]);
+  const u32 i = q - prefix[lo];
+  if (!rows.layout) return (u64)lo * capacity + i;
+  const u32 W = rows.sources, M = capacity / W;
+  const i32 c = lane < W ? rows.layout[((u64)lo * W + lane) * 2u + 1u] : 0;
+  const u32 n = lane >= W ? 0u : c >= 0 && (u32)c <= M ? (u32)c : M;
+  u32 upto = n;  // rows of sources 0 .. lane
+  for (u32 d = 1; d < A2A_WARP_SIZE; d <<= 1) {
+    const u32 up = (u32)a2a_shfl((int)upto, (int)(lane >= d ? lane - d : lane));
+    if (lane >= d) upto += up;
+  }
+  // (No lane holds i only where the counts disagree with expert_num_tokens, which no dispatch writes:
+  // the last source's last row then, so that nothing past the buffers is touched.)
+  const u32 holders = (u32)a2a_ballot(lane < W && i < upto);
+  const u32 s = holders ? lowest_bit(holders) : W - 1u;
+  const u32 before = (u32)a2a_shfl((int)(upto - n), (int)s);
+  return (u64)lo * capacity + s * M + (holders ? i - before : M - 1u);
 }
 
 // The stand-in for a grouped GEMM used by scripts and tests (gpu-mode's fake
 // expert: expert_y = expert_x * scale), applied to received rows only: warps
 // walk the filled rows through the prefix of the counts, 8 elements a lane.
 template <typename Fmt>
-A2A_DEVICE void scale_rows(const u16* x, u16* y, const i32* counts, u32 L, u32 capacity, u32 hidden,
-                           float scale) {
+A2A_DEVICE void scale_rows(const u16* x, u16* y, const i32* counts, const Rows& rows, u32 L, u32 capacity,
+                           u32 hidden, float scale) {
   __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
   exclusive_prefix(prefix, counts, L, capacity);
   const WarpGrid g = warp_grid();
   for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
-    const u64 row = received_row(prefix, L, capacity, q) * hidden;
+    const u64 row = received_row(prefix, L, capacity, q, rows, g.lane) * hidden;
     copy_row_scaled<Fmt>(y + row, x + row, hidden, scale, g.lane);
   }
 }
 
-extern "C" __global__ void expert_scale_f16(u64 x, u64 y, u64 counts, u32 L, u32 capacity, u32 hidden,
-                                            float scale) {
-  scale_rows<F16>((const u16*)x, (u16*)y, (const i32*)counts, L, capacity, hidden, scale);
+// `layout`: expert_layout of a call laid out by source (its `sources` ranks), or 0: packed rows.
+extern "C" __global__ void expert_scale_f16(u64 x, u64 y, u64 counts, u64 layout, u32 sources, u32 L, u32 capacity,
+                                            u32 hidden, float scale) {
+  scale_rows<F16>((const u16*)x, (u16*)y, (const i32*)counts, Rows{(const i32*)layout, sources}, L, capacity, hidden,
+                  scale);
 }
-extern "C" __global__ void expert_scale_bf16(u64 x, u64 y, u64 counts, u32 L, u32 capacity, u32 hidden,
-                                             float scale) {
-  scale_rows<BF16>((const u16*)x, (u16*)y, (const i32*)counts, L, capacity, hidden, scale);
+extern "C" __global__ void expert_scale_bf16(u64 x, u64 y, u64 counts, u64 layout, u32 sources, u32 L, u32 capacity,
+                                             u32 hidden, float scale) {
+  scale_rows<BF16>((const u16*)x, (u16*)y, (const i32*)counts, Rows{(const i32*)layout, sources}, L, capacity, hidden,
+                   scale);
 }
 
 // The fp8 rows' fake expert: y = (code * block scale) * scale, each product
 // rounded once in float32, then rounded to the 16-bit output (as
 // pyhipa2a/reference.py's fake expert of an fp8 dispatch).
 template <typename Fmt>
-A2A_DEVICE void dequantize_rows(const u8* x, const float* scales, u16* y, const i32* counts, u32 L, u32 capacity,
-                                u32 hidden, float scale, Fp8Format f) {
+A2A_DEVICE void dequantize_rows(const u8* x, const float* scales, u16* y, const i32* counts, const Rows& rows, u32 L,
+                                u32 capacity, u32 hidden, float scale, Fp8Format f) {
   __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
   exclusive_prefix(prefix, counts, L, capacity);
   const WarpGrid g = warp_grid();
   const u32 cols = hidden / A2A_FP8_BLOCK;
   for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
-    const u64 row = received_row(prefix, L, capacity, q);
+    const u64 row = received_row(prefix, L, capacity, q, rows, g.lane);
     const u8* codes = x + row * hidden;
     for (u32 e0 = g.lane * 8u; e0 < hidden; e0 += A2A_WARP_SIZE * 8u) {  // 8 elements of one block a lane
       const float block = scales[row * cols + e0 / A2A_FP8_BLOCK];
@@ -97,13 +128,13 @@ A2A_DEVICE void dequantize_rows(const u8* x, const float* scales, u16* y, const 
   }
 }
 
-extern "C" __global__ void expert_dequantize_f16(u64 x, u64 scales, u64 y, u64 counts, u32 L, u32 capacity,
-                                                 u32 hidden, float scale, u32 fnuz) {
-  dequantize_rows<F16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts, L, capacity, hidden, scale,
-                       Fp8Format{fnuz != 0u});
+extern "C" __global__ void expert_dequantize_f16(u64 x, u64 scales, u64 y, u64 counts, u64 layout, u32 sources,
+                                                 u32 L, u32 capacity, u32 hidden, float scale, u32 fnuz) {
+  dequantize_rows<F16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts,
+                       Rows{(const i32*)layout, sources}, L, capacity, hidden, scale, Fp8Format{fnuz != 0u});
 }
-extern "C" __global__ void expert_dequantize_bf16(u64 x, u64 scales, u64 y, u64 counts, u32 L, u32 capacity,
-                                                  u32 hidden, float scale, u32 fnuz) {
-  dequantize_rows<BF16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts, L, capacity, hidden,
-                        scale, Fp8Format{fnuz != 0u});
+extern "C" __global__ void expert_dequantize_bf16(u64 x, u64 scales, u64 y, u64 counts, u64 layout, u32 sources,
+                                                  u32 L, u32 capacity, u32 hidden, float scale, u32 fnuz) {
+  dequantize_rows<BF16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts,
+                        Rows{(const i32*)layout, sources}, L, capacity, hidden, scale, Fp8Format{fnuz != 0u});
 }

@@ -82,6 +82,11 @@ COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
 GPU_FENCE_PUBLISH_ARCHS = ("sm_90",)
 PUBLISH_CHOICES = ("auto", "system", "gpu-fence")
 STREAM_CHOICES = ("own", "current")  # AllToAll(stream=...): where calls given no stream= run
+# AllToAll(row_layout=...): where expert l's rows lie in expert_x[l]. "packed": rows 0 .. n - 1, source 0's
+# first (the contract). "by_source": source s's rows from row s * M on, as expert_layout[l, s] =
+# (first row, rows) says (grouped GEMMs with ragged groups take this): a row's place is known to its
+# sender alone, so no receiver waits for the counts of the sources before (docs/PERFORMANCE.md).
+LAYOUT_CHOICES = ("packed", "by_source")
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -192,6 +197,8 @@ class DispatchResult:
     expert_meta: DeviceArray        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
     num_tokens: int                 # T of this rank's call
     expert_x_scales: DeviceArray | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch, else None
+    expert_layout: DeviceArray | None = None  # int32 [L, W, 2] with row_layout="by_source": (first row, rows) of
+                                              # each source's rows of each expert; None when packed
 
 
 class Repeat:
@@ -248,9 +255,10 @@ class OutputViews:
     per-call path (AllToAll and HierarchicalAllToAll alike)."""
 
     def __init__(self, num_tokens: DeviceArray, expert_x: DeviceArray, expert_meta: DeviceArray,
-                 expert_x_scales: DeviceArray | None, y: DeviceArray):
+                 expert_x_scales: DeviceArray | None, y: DeviceArray, expert_layout: DeviceArray | None = None):
         self.num_tokens, self.expert_x, self.expert_meta, self.expert_x_scales = (num_tokens, expert_x, expert_meta,
                                                                                   expert_x_scales)
+        self.expert_layout = expert_layout
         self.y_rows = [y.rows(t) for t in range(y.shape[0] + 1)]  # y [T, H] of a call of T tokens
         self._results: list[DispatchResult | None] = [None] * len(self.y_rows)
 
@@ -258,7 +266,7 @@ class OutputViews:
         result = self._results[tokens]
         if result is None:
             result = self._results[tokens] = DispatchResult(self.num_tokens, self.expert_x, self.expert_meta, tokens,
-                                                            self.expert_x_scales)
+                                                            self.expert_x_scales, self.expert_layout)
         return result
 
 
@@ -280,6 +288,7 @@ class AllToAll:
                  block_threads: int | None = None, grid_blocks: int | None = None,
                  push_max_tokens: int | None = None, narrow_partials: bool = False,
                  producer_order: str = "protocol", on_timeout: str = "report", stream: str = "own",
+                 row_layout: str = "packed",
                  ranks_per_node: int | None = None, _region_tokens: int = 0, _ranks_on_device: int = 0):
         # ranks_per_node was resolved by __new__. _region_tokens > 0: this object is one node's part
         # of a multi-node call (pyhipa2a.hierarchy): its tokens come in regions of that many, one per
@@ -323,6 +332,12 @@ class AllToAll:
             raise ValueError(f"stream must be one of {STREAM_CHOICES} (a call's own stream= takes a stream "
                              f"object or handle), not {stream!r}")
         self._on_current_stream = stream == "current"
+        if row_layout not in LAYOUT_CHOICES:
+            raise ValueError(f"row_layout must be one of {LAYOUT_CHOICES}, not {row_layout!r}")
+        if row_layout == "by_source" and self._void_slots:
+            raise ValueError("row_layout='by_source' is for calls within one node: between nodes each rank's "
+                             "rows come through its node's ranks, so expert_x is packed there")
+        self.row_layout = row_layout
         # Launch geometry (tuning knobs; the environment variables let scripts sweep them).
         self._block_threads = block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS))
         self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
@@ -419,6 +434,7 @@ class AllToAll:
             ("num_tokens", (L,), np.int32),
             ("rows", (world, M, k), np.int32),
             ("slot_of", (world, M, k), np.int32),
+            ("layout", (L, world, 2), np.int32),  # expert_layout (row_layout="by_source")
             ("epoch", (2,), np.uint32),
             ("status", (4,), np.uint32),
             # clock sync (kernels_hip/clock.hip): box r written by rank r; this rank's stamps with each
@@ -529,7 +545,9 @@ class AllToAll:
 
     def _set_fake_expert_scale(self, scale: float) -> None:
         """gpu-mode's factor, 1 + rank (a multi-node call's node part is given its rank in the world)."""
-        fixed = (self.buf["num_tokens"].ptr, self.local_experts, self.capacity, self.hidden, scale)
+        by_source = self.row_layout == "by_source"
+        fixed = (self.buf["num_tokens"].ptr, self.buf["layout"].ptr if by_source else 0, self.world if by_source else 0,
+                 self.local_experts, self.capacity, self.hidden, scale)
         if self.scale_cols:
             self._scale_out = 2
             self._scale_pack.set_scalars(self.buf["recv_x"].ptr, self.buf["recv_scales"].ptr, 0, *fixed,
@@ -626,6 +644,7 @@ class AllToAll:
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
         a.gpu_fence_publish = int(self.gpu_fence_publish)
+        a.by_source = int(self.row_layout == "by_source")
         a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens
         a.trap_on_timeout = int(self.on_timeout == "trap")
         a.timeout_ns = timeout_ns(self.timeout)
@@ -843,7 +862,7 @@ class AllToAll:
                 return self._naming(self.buf[name], stream)
             views = self._output_views[id(stream)] = OutputViews(
                 out("num_tokens"), out("recv_x"), out("recv_meta"), out("recv_scales") if self.scale_cols else None,
-                out("y"))
+                out("y"), out("layout") if self.row_layout == "by_source" else None)
         return views
 
     # -- helpers for callers ----------------------------------------------------

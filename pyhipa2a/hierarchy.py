@@ -129,6 +129,7 @@ class HierarchicalAllToAll:
             raise ValueError(f"experts_per_token={self.top_k} must be between 1 and num_experts and <= {MAX_TOP_K}")
         self.local_experts, self.capacity = self.num_experts // self.world, self.world * self.max_tokens
         self.node_experts = self.num_experts // N
+        self.row_layout = "packed"  # (the node part refuses row_layout="by_source": AllToAll)
         backend = backend if isinstance(backend, Backend) else get_backend(backend)
         if device is None:  # by the rank's place on its machine, not in its (maybe simulated) node
             device = select_device(backend, layout.local_rank)

@@ -122,7 +122,7 @@ def poison(a2a) -> None:
     comm = getattr(a2a, "comm", None) or a2a.heap.comm  # across nodes: every rank of every node
     bounded_barrier(comm, a2a.timeout, "poison")
     for name in ("recv_x", "recv_meta", "recv_scales", "num_tokens", "y", "stage", "tok_hdr", "w_in", "contrib",
-                 "rows", "slot_of"):
+                 "rows", "slot_of", "layout"):
         a2a.buf[name].fill_bytes(0xFF)  # no stream: done when it returns
     for scratch in getattr(a2a, "exchange_buffers", ()):  # across nodes: regions, records, sums, seals
         scratch.fill_bytes(0xFF)
@@ -138,9 +138,9 @@ def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> N
                              f"expected {expected.expert_num_tokens.tolist()}")
     xs, meta = result.expert_x.numpy(), result.expert_meta.numpy()
     scales = None if expected.scales is None else result.expert_x_scales.numpy()
+    rows = received_rows(result, counts, expected, rank)
     for l, want in enumerate(expected.rows):
-        n = int(counts[l])
-        got = {tuple(int(v) for v in meta[l, i]): i for i in range(n)}
+        got = {tuple(int(v) for v in meta[l, i]): i for i in rows[l]}
         if set(got) != set(want):
             missing, extra = sorted(set(want) - set(got))[:5], sorted(set(got) - set(want))[:5]
             raise AssertionError(f"rank {rank} expert {l}: rows keyed by (src, token, slot) differ; "
@@ -151,6 +151,26 @@ def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> N
             if scales is not None and scales[l, i].tobytes() != expected.scales[l][key].tobytes():
                 raise AssertionError(f"rank {rank} expert {l} row {i} {key}: scales {scales[l, i][:4]}... differ "
                                      f"from {expected.scales[l][key][:4]}...")
+
+
+def received_rows(result, counts: np.ndarray, expected: reference.ExpectedDispatch, rank: int) -> list:
+    """The rows of expert_x[l] that hold expert l's tokens: packed, 0 .. n - 1; by source, each source's
+    rows as expert_layout says, checked against the oracle's count of that source's rows (from row
+    s * M on, M = capacity / sources)."""
+    if result.expert_layout is None:
+        return [range(int(n)) for n in counts]
+    layout = result.expert_layout.numpy()
+    L, W = layout.shape[:2]
+    M = result.expert_x.shape[1] // W
+    rows = []
+    for l in range(L):
+        want = np.bincount([src for src, _, _ in expected.rows[l]], minlength=W) if expected.rows[l] else np.zeros(W)
+        want_layout = np.stack([np.arange(W) * M, want], axis=1)
+        if not np.array_equal(layout[l], want_layout):
+            raise AssertionError(f"rank {rank} expert {l}: expert_layout {layout[l].tolist()} != expected "
+                                 f"{want_layout.tolist()} (first row, rows) by source")
+        rows.append([s * M + i for s in range(W) for i in range(int(want[s]))])
+    return rows
 
 
 def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None, slack=None) -> float:
@@ -209,6 +229,8 @@ def free_inputs(a2a, arrays) -> None:
 
 def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
     """This rank's finished dispatch (its DispatchResult views) against the oracle."""
+    if (result.expert_layout is None) != (a2a.row_layout == "packed"):
+        raise AssertionError(f"row_layout={a2a.row_layout!r} but expert_layout is {result.expert_layout!r}")
     rows, scales = dispatched_tokens(a2a, inputs)
     check_dispatch(result, reference.dispatch(rows, inputs.indices, a2a.num_experts, scales)[a2a.rank], a2a.rank)
 

@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
-from pyhipa2a.a2a import STREAM_CHOICES  # noqa: E402
+from pyhipa2a.a2a import LAYOUT_CHOICES, STREAM_CHOICES  # noqa: E402
 from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary, route_chunks  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
@@ -429,7 +429,7 @@ def make_a2a(comm, backend, s: dict, args) -> AllToAll:
     dtypes = dtype_arguments("float16", args.dispatch_dtype, args.fp8_input)
     return AllToAll(comm, **{k: s[k] for k in keys}, **dtypes, timeout=10.0, backend=backend,
                     narrow_partials=args.narrow_partials, producer_order=args.producer_order,
-                    stream=args.calls_on, profile=args.profile)
+                    stream=args.calls_on, profile=args.profile, row_layout=args.row_layout)
 
 
 def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
@@ -589,7 +589,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, {dtypes}, "
           f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}, "
           f"weights to {args.weights_at}, eager inputs {args.inputs} (producer_order={args.producer_order}, "
-          f"calls on {args.calls_on} stream)")
+          f"calls on {args.calls_on} stream), rows {args.row_layout}")
     per_node = os.environ.get("PYHIPA2A_RANKS_PER_NODE")
     nodes = f", simulated nodes of {per_node} ranks (PYHIPA2A_RANKS_PER_NODE)" if per_node else ""
     print(f"command ({world} ranks{nodes}): {command}")
@@ -618,6 +618,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
                        "weights_at": args.weights_at, "lockstep_calls": args.lockstep_calls,
                        "inputs": args.inputs, "producer_order": args.producer_order, "calls_on": args.calls_on,
                        "dispatch_dtype": args.dispatch_dtype, "fp8_input": args.fp8_input,
+                       "row_layout": args.row_layout,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
     if args.plot:
@@ -668,6 +669,8 @@ def main() -> int:
                    help="expert_x's dtype: fp16 as x, or fp8 e4m3 with one float32 scale per 128 elements")
     p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",
                    help="fp8 dispatch: fp16 x quantized by the dispatch kernel, or x given in fp8 with x_scales")
+    p.add_argument("--row-layout", choices=LAYOUT_CHOICES, default="packed",
+                   help="AllToAll(row_layout=): each expert's rows packed, or by source (expert_layout)")
     p.add_argument("--lockstep-calls", type=int, default=8,
                    help="calls timed back to back in one graph after one that takes the launch skew (the ls "
                         "columns); 0: none")

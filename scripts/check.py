@@ -40,14 +40,14 @@ def load_shapes(which: str) -> list[dict]:
 def check_shape(comm, s: dict, rounds: int, dtype: str, timeout: float, narrow_partials: bool = False,
                 fused: bool = False, dispatch_dtype: str | None = None,
                 fp8_input: str = "quantize", weights_at: str = "combine",
-                ranks_per_node: int | None = None) -> tuple[bool, float, str]:
+                ranks_per_node: int | None = None, row_layout: str = "packed") -> tuple[bool, float, str]:
     """(ok on this rank, largest combine error, message)."""
     world = comm.Get_size()
     try:
         with AllToAll(comm, num_experts=s["num_experts"], experts_per_token=s["experts_per_token"],
                       hidden_dim=s["hidden_dim"], max_num_tokens=s["max_num_tokens"],
                       **dtype_arguments(dtype, dispatch_dtype, fp8_input), timeout=timeout,
-                      narrow_partials=narrow_partials, ranks_per_node=ranks_per_node) as a2a:
+                      narrow_partials=narrow_partials, ranks_per_node=ranks_per_node, row_layout=row_layout) as a2a:
             worst = 0.0
             for r in range(rounds):
                 inputs = draw_world(s["seed"] + 7919 * r, world, s["num_experts"], s["experts_per_token"],
@@ -81,6 +81,9 @@ def main() -> int:
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="split the ranks into simulated nodes of this many (default: PYHIPA2A_RANKS_PER_NODE, "
                         "else the machines they run on); nodes exchange through NCCL (MPI on the host backend)")
+    p.add_argument("--row-layout", choices=("packed", "by_source"), default="packed",
+                   help="AllToAll(row_layout=): each expert's rows packed, or by source (checked against "
+                        "expert_layout)")
     p.add_argument("--max-hidden", type=int, default=None, help="only the shapes whose hidden_dim is at most this")
     p.add_argument("--only", default="", help="only the shapes whose row name contains this (e.g. 'E=128  k=8')")
     args = p.parse_args()
@@ -102,7 +105,7 @@ def main() -> int:
             continue
         ok, err, msg = check_shape(comm, s, args.rounds, args.dtype, args.timeout, args.narrow_partials,
                                    args.fused_expert, args.dispatch_dtype, args.fp8_input, args.weights_at,
-                                   args.ranks_per_node)
+                                   args.ranks_per_node, args.row_layout)
         ok = comm.allreduce(ok, op=MPI.LAND)
         worst = comm.allreduce(err if err == err else float("inf"), op=MPI.MAX)
         msgs = [m for m in comm.allgather(msg) if m]
@@ -115,7 +118,8 @@ def main() -> int:
               + (f", dispatch {args.dispatch_dtype} ({args.fp8_input} fp8 x)" if args.dispatch_dtype else "")
               + (", narrow partials" if args.narrow_partials else "")
               + (", fake expert fused into combine" if args.fused_expert else "")
-              + f", weights to {args.weights_at}")
+              + f", weights to {args.weights_at}"
+              + (f", rows {args.row_layout}" if args.row_layout != "packed" else ""))
         print(f"{'shape':<34} {'result':<6} {'max err':<9} note")
         for name, verdict, err, note in rows:
             print(f"{name:<34} {verdict:<6} {err:<9} {note}")

@@ -55,6 +55,8 @@ def main() -> int:
     p.add_argument("--dispatch-dtype", choices=("float8_e4m3",), help="dispatch in fp8 (combine stays fp16)")
     p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",
                    help="fp8 dispatch: fp16 x quantized by the dispatch kernel, or x given in fp8 with x_scales")
+    p.add_argument("--row-layout", choices=("packed", "by_source"), default="packed",
+                   help="AllToAll(row_layout=): each expert's rows packed, or by source")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -62,7 +64,8 @@ def main() -> int:
     E = E // world * world or world  # keep the expert count divisible by the ranks running
 
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, profile=True,
-                  **dtype_arguments("float16", args.dispatch_dtype, args.fp8_input)) as a2a:
+                  **dtype_arguments("float16", args.dispatch_dtype, args.fp8_input),
+                  row_layout=args.row_layout) as a2a:
         inputs = inputs_as_given(a2a, draw_world(args.seed, world, E, k, H, M, token_counts=None if args.tokens
                                                  is None else [args.tokens] * world), args.fp8_input)
         err = run_round(a2a, inputs)  # the profiling build against the oracle

@@ -79,6 +79,28 @@ def test_edge_cases(name, backend):
     run_case(CASE + "case_shape", ranks, env_backend(backend), args=(E, k, H, M, dtype, counts, routing, 3, 11))
 
 
+# AllToAll(row_layout="by_source"): each source's rows of an expert from row s * M on, as expert_layout
+# says. The edge cases whose rows it places otherwise: sources with no tokens, full capacity and a hot
+# expert (a source's whole region), several route chunks (a chunk's rows after its source's earlier
+# chunks', not after other sources'), count words not a power of two, one-token capacity, crowded small
+# calls, rows not whole words.
+BY_SOURCE_EDGE_CASES = ("some_ranks_empty", "T_equals_M", "one_hot_expert_full_capacity", "many_route_chunks",
+                        "count_words_not_a_power_of_two", "capacity_one_token", "small_call_every_expert",
+                        "hidden_1001_unaligned_rows", "experts_over_route_windows", "bf16_hot_full")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", BY_SOURCE_EDGE_CASES)
+def test_rows_by_source(name, backend):
+    per_rank, k, H, M, dtype, counts, routing = EDGE_CASES[name]
+    ranks = ranks_for(backend)
+    E = per_rank * ranks
+    if k > E:
+        pytest.skip(f"k={k} > E={E} on {ranks} ranks")
+    run_case(CASE + "case_shape", ranks, env_backend(backend),
+             args=(E, k, H, M, dtype, counts, routing, 2, 17, "by_source"))
+
+
 # Calls of at most PYHIPA2A_PUSH_MAX_TOKENS tokens push their data as tagged words (on sm_90 only their
 # contributions: test_publish_modes), larger ones stage it for peers to pull; each rank chooses for its
 # own call. (threshold, token counts) per mode.
@@ -88,11 +110,12 @@ TRANSFER_MODES = {"pull": ("0", "full"), "push": ("64", "full"), "mixed": ("8", 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
 @pytest.mark.parametrize("H", [1000, 2048])
-def test_transfer_modes(mode, H, backend):
+@pytest.mark.parametrize("row_layout", ["packed", "by_source"])
+def test_transfer_modes(mode, H, row_layout, backend):
     threshold, counts = TRANSFER_MODES[mode]
     ranks = ranks_for(backend)
     run_case(CASE + "case_shape", ranks, env_backend(backend), env={"PYHIPA2A_PUSH_MAX_TOKENS": threshold},
-             args=(4 * ranks, 4, H, 64, "float16", counts, "random", 2, 5))
+             args=(4 * ranks, 4, H, 64, "float16", counts, "random", 2, 5, row_layout))
 
 
 # Flags over data left in the sender's memory follow a GPU-scope fence on sm_90 (and with
@@ -168,6 +191,15 @@ def test_fused_expert(mode, narrow, H, dtype, values, backend):
     """combine(d.expert_x, w, expert_scale=s): an expert with no kernel of its own, against its oracle."""
     run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values, narrow))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode,narrow", [("push", "1"), ("mixed", "0"), ("pull", "0")])
+def test_fused_expert_rows_by_source(mode, narrow, backend):
+    """The fused expert reads its rows where dispatch left them, laid out by source too (exact inputs)."""
+    run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]},
+             args=(1024, "float16", "exact", narrow, 2, "by_source"))
 
 
 # Combine has a bulk kernel (a warp a segment) and a small one (a warp a chunk), chosen per call from
@@ -344,3 +376,16 @@ def test_fp8_edge_cases(name, way, backend):
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
                   "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
              args=(way, fp8_name(fmt, backend), in16, per_rank, k, H, M, counts, routing, values, 2, 13))
+
+
+# fp8 rows (and their scales) laid out by source: both ways in, pulled, pushed (its fp8 pieces) and mixed,
+# the fake expert's dequantizing kernel reading each source's rows.
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("way", FP8_WAYS)
+@pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
+def test_fp8_rows_by_source(way, mode, backend):
+    run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
+                  "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
+             args=(way, fp8_name("float8_e4m3fn", backend), "bfloat16", 4, 4, 1024, 32,
+                   "staggered" if mode == "mixed" else "full", "random", "normal", 2, 19, "by_source"))

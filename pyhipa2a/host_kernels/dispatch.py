@@ -26,7 +26,8 @@ def a2a_dispatch(backend, a, c) -> None:
         finish(backend, a, v, (v.buf(v.me, "recv_x", (v.L, v.cap, a.x_row_bytes), np.uint8),
                                v.buf(v.me, "recv_meta", (v.L, v.cap, 3), np.int32),
                                v.buf(v.me, "num_tokens", (v.L,), np.int32),
-                               v.buf(v.me, "recv_scales", (v.L, v.cap, a.scale_cols), np.float32)))
+                               v.buf(v.me, "recv_scales", (v.L, v.cap, a.scale_cols), np.float32),
+                               v.buf(v.me, "layout", (v.L, v.W, 2), np.int32)[:v.L if a.by_source else 0]))
 
 
 # The fp8 kernels are the same steps on other bytes; one name each, as on the device.
@@ -129,6 +130,7 @@ def _dispatch(backend, a, c, v: View) -> None:
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     counts = v.buf(me, "expert_counts", (2, W, C, L), np.uint64)[p]
     before = np.zeros(L, np.int64)  # rows of each of our experts from the sources already placed
+    per_source = np.zeros((L, W), np.int64)  # rows of each of our experts from each source
     for src in range(W):  # 3. each source's tokens with experts here, copied to the rows its places give
         t0 = time.monotonic_ns()
         n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
@@ -166,7 +168,9 @@ def _dispatch(backend, a, c, v: View) -> None:
         t0 = time.monotonic_ns()
         l = rows[tokens, slots] % L
         src_counts = src_counts.astype(np.int64)  # [C, L]: the rows of each of src's chunks
-        chunk_start = before + np.cumsum(src_counts, axis=0) - src_counts  # where each chunk's rows begin
+        # where each chunk's rows begin: packed, after every earlier source's; by source, at src * M
+        first = src * M if a.by_source else before
+        chunk_start = first + np.cumsum(src_counts, axis=0) - src_counts
         row = chunk_start[tokens // chunk, l] + place[tokens, slots]
         fits = row < v.cap
         if not fits.all():
@@ -180,10 +184,15 @@ def _dispatch(backend, a, c, v: View) -> None:
         meta[l, row] = np.stack([t // R * W + src, t % R, j] if R else [np.full_like(t, src), t, j], axis=1)
         slot_of[src, t, j] = l * v.cap + row
         before += src_counts.sum(axis=0)
+        per_source[:, src] = src_counts.sum(axis=0)
         v.rec.record(5, t0, src)
 
     # 4. expert_num_tokens: every source's count of each of our experts
     t0 = time.monotonic_ns()
     v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(before, v.cap)
+    if a.by_source:  # expert_layout: (first row, rows) of each source's rows of each expert
+        layout = v.buf(me, "layout", (L, W, 2), np.int32)
+        layout[:, :, 0] = np.arange(W) * M
+        layout[:, :, 1] = np.minimum(per_source, M)
     v.rec.record(6, t0)
     v.rec.record(7, span)

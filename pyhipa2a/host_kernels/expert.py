@@ -16,14 +16,26 @@ def _counts(counts, L: int, capacity: int) -> np.ndarray:
     return np.where((n < 0) | (n > capacity), capacity, n)
 
 
-def _scale(x, y, counts, L, capacity, hidden, scale, dtype) -> None:
+def _rows(counts, layout, sources, L: int, capacity: int) -> list[np.ndarray]:
+    """Each expert's received rows: packed, 0 .. n - 1; by source (expert_layout), source s's from row
+    s * M on, a count outside [0, M] standing for all of them (received_row in expert.hip)."""
+    n = _counts(counts, L, capacity)
+    if not layout.value:
+        return [np.arange(n[l]) for l in range(L)]
+    W = sources.value
+    M = capacity // W
+    c = mem(layout.value, (L, W, 2), np.int32)[:, :, 1]
+    c = np.where((c < 0) | (c > M), M, c)
+    return [np.concatenate([s * M + np.arange(c[l, s]) for s in range(W)])[:n[l]] for l in range(L)]
+
+
+def _scale(x, y, counts, layout, sources, L, capacity, hidden, scale, dtype) -> None:
     """Arguments arrive as the ctypes objects of the device kernel's signature."""
     L, capacity, hidden = L.value, capacity.value, hidden.value
     xs = mem(x.value, (L, capacity, hidden), dtype)
     ys = mem(y.value, (L, capacity, hidden), dtype)
-    n = _counts(counts, L, capacity)
-    for l in range(L):
-        ys[l, :n[l]] = (xs[l, :n[l]].astype(np.float32) * np.float32(scale.value)).astype(dtype)
+    for l, rows in enumerate(_rows(counts, layout, sources, L, capacity)):
+        ys[l, rows] = (xs[l, rows].astype(np.float32) * np.float32(scale.value)).astype(dtype)
 
 
 def expert_scale_f16(backend, *args) -> None:
@@ -34,15 +46,14 @@ def expert_scale_bf16(backend, *args) -> None:
     _scale(*args, bfloat16())
 
 
-def _dequantize(x, scales, y, counts, L, capacity, hidden, scale, fnuz, dtype) -> None:
+def _dequantize(x, scales, y, counts, layout, sources, L, capacity, hidden, scale, fnuz, dtype) -> None:
     L, capacity, hidden = L.value, capacity.value, hidden.value
     codes = mem(x.value, (L, capacity, hidden), np.uint8)
     block = mem(scales.value, (L, capacity, hidden // BLOCK), np.float32)
     ys = mem(y.value, (L, capacity, hidden), dtype)
-    n = _counts(counts, L, capacity)
-    for l in range(L):
-        rows = from_fp8(codes[l, :n[l]], bool(fnuz.value)) * np.repeat(block[l, :n[l]], BLOCK, axis=1)
-        ys[l, :n[l]] = (rows.astype(np.float32) * np.float32(scale.value)).astype(dtype)
+    for l, rows in enumerate(_rows(counts, layout, sources, L, capacity)):
+        values = from_fp8(codes[l, rows], bool(fnuz.value)) * np.repeat(block[l, rows], BLOCK, axis=1)
+        ys[l, rows] = (values.astype(np.float32) * np.float32(scale.value)).astype(dtype)
 
 
 def expert_dequantize_f16(backend, *args) -> None:

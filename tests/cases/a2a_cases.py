@@ -34,11 +34,12 @@ def token_counts(mode: str, world: int, M: int, rng) -> list[int] | None:
     raise ValueError(mode)
 
 
-def case_shape(comm, E, k, H, M, dtype="float16", counts="random", routing="random", rounds="2", seed="0"):
+def case_shape(comm, E, k, H, M, dtype="float16", counts="random", routing="random", rounds="2", seed="0",
+               row_layout="packed"):
     E, k, H, M, rounds, seed = int(E), int(k), int(H), int(M), int(rounds), int(seed)
     world = comm.Get_size()
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  in_dtype=dtype) as a2a:
+                  in_dtype=dtype, row_layout=row_layout) as a2a:
         for i in range(rounds):
             rng = np.random.default_rng(1000 * seed + i)
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype,
@@ -215,7 +216,7 @@ def fused_scales(world: int) -> list[float]:
     return [1.5 * (1 + r) * (-1) ** r for r in range(world)]
 
 
-def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rounds="2"):
+def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rounds="2", row_layout="packed"):
     """combine(expert_x, w, expert_scale=fused_scales(world)[rank]): dispatch's expert_x stands in for
     expert_y, an expert with no kernel of its own. Against the oracle of that contract
     (reference.fused_expert: the scale joins the weight unrounded, except on a row that crosses to
@@ -228,7 +229,7 @@ def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rou
     H, rounds, exact, world = int(H), int(rounds), values == "exact", comm.Get_size()
     E, k, M = 4 * world, 4, 32  # several of a token's experts on one rank, and single ones
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype=dtype,
-                  narrow_partials=narrow == "1") as a2a:
+                  narrow_partials=narrow == "1", row_layout=row_layout) as a2a:
         me = a2a.rank
         for i in range(rounds):
             rng = np.random.default_rng(700 + i)
@@ -588,6 +589,8 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, narrow_partials="no")
     with pytest.raises(ValueError, match=r"stream must be one of \('own', 'current'\)"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, stream="torch")
+    with pytest.raises(ValueError, match=r"row_layout must be one of \('packed', 'by_source'\), not 'source'"):
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, row_layout="source")
 
 
 def case_default_push_threshold(comm):
@@ -1090,7 +1093,7 @@ def fp8_values(inputs, kind: str, seed: int) -> None:
 
 
 def case_fp8(comm, way, fp8="float8_e4m3", in16="bfloat16", E_per_rank="4", k="4", H="1024", M="16",
-             counts="random", routing="random", values="normal", rounds="2", seed="3"):
+             counts="random", routing="random", values="normal", rounds="2", seed="3", row_layout="packed"):
     """fp8 dispatch, one of two ways in: "quantize" (AllToAll(in_dtype=in16, dispatch_dtype=fp8): 16-bit x,
     quantized by the dispatch kernel) or "given" (AllToAll(in_dtype=fp8, out_dtype=in16): the same tokens
     quantized by the oracle, passed with x_scales). Either way expert_x and expert_x_scales must equal the
@@ -1099,7 +1102,7 @@ def case_fp8(comm, way, fp8="float8_e4m3", in16="bfloat16", E_per_rank="4", k="4
     world = comm.Get_size()
     E, k, H, M, rounds, seed = int(E_per_rank) * world, int(k), int(H), int(M), int(rounds), int(seed)
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  **dtype_arguments(in16, fp8, way)) as a2a:
+                  **dtype_arguments(in16, fp8, way), row_layout=row_layout) as a2a:
         assert a2a.dispatch_dtype.name in ("float8_e4m3fn", "float8_e4m3fnuz") and a2a.out_dtype == resolve(in16)
         for i in range(rounds):
             rng = np.random.default_rng(1000 * seed + i)

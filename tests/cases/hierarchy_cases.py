@@ -189,6 +189,10 @@ def case_nodes_bad_config(comm):
         with pytest.raises(ValueError, match=f"ranks_per_node={world - 1} does not divide the {world} ranks"):
             AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=2,
                      ranks_per_node=world - 1)
+    if world > 1:  # rows by source are a layout of one node's call
+        with pytest.raises(ValueError, match="row_layout='by_source' is for calls within one node"):
+            AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=2, ranks_per_node=1,
+                     row_layout="by_source")
     with pytest.raises(ConfigMismatchError, match="ranks disagree on ranks_per_node"):
         node_layout(comm, 1 if comm.Get_rank() == 0 else world)
     layout = node_layout(comm, 1)

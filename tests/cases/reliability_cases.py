@@ -90,13 +90,15 @@ def case_device_checks_indices(comm):
             a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
 
 
-def case_failed_rank_poisons_later_calls(comm):
+def case_failed_rank_poisons_later_calls(comm, row_layout="packed"):
     """A kernel that starts while its rank's status already holds an error (an earlier call failed on
     the device, and the host has not seen it yet, as in a graph replayed blindly) poisons the outputs it
-    would have written, even where the call itself sees nothing go wrong."""
+    would have written, even where the call itself sees nothing go wrong (expert_layout too, where the
+    rows are laid out by source)."""
     world = comm.Get_size()
     E, k, H, M = 4 * world, 2, 256, 8
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=5.0) as a2a:
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=5.0,
+                  row_layout=row_layout) as a2a:
         inputs = draw_world(13, world, E, k, H, M)
         x, idx, w = inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank]
         T = x.shape[0]
@@ -112,6 +114,8 @@ def case_failed_rank_poisons_later_calls(comm):
         assert (a2a.buf["num_tokens"].numpy() == -1).all()
         assert (a2a.buf["recv_meta"].numpy() == -1).all()
         assert (a2a.buf["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
+        assert (d.expert_layout is None) == (row_layout == "packed")
+        assert (a2a.buf["layout"].numpy() == -1).all() == (row_layout == "by_source")
         # The fake expert reads poisoned counts (-1) as "all rows": poison in, poison out, nothing
         # read or written past its buffers.
         expert_y = a2a.fake_expert(d)
