@@ -288,7 +288,7 @@ A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane,
     if (e >= 0 && quot_rem(x.a.div_L, (u32)e, l) == me) {
       const u32 chunk = quot(x.a.div_chunk, t), from = src * route_chunks(x);
       u32 before = 0;
-      ok = x.a.by_source ? sum_counts(x, l, from, chunk, before) : sum_counts(x, l, 0u, from + chunk, before);
+      ok = sum_counts(x, l, x.a.by_source ? from : 0u, x.a.by_source ? chunk : from + chunk, before);
       const u32 r = (x.a.by_source ? src * x.M : 0u) + before + place;  // below W * M while senders keep the protocol
       if (ok && r < x.capacity)
         row = (i32)(l * x.capacity + r);
@@ -429,12 +429,11 @@ A2A_DEVICE void publish_counts(const Ctx& x, const WarpGrid& g) {
 }
 
 // publish_counts for a call laid out by source: lane s of a group of G lanes
-// (a power of two, at least W) sums source s's chunks of an expert (every
-// count word of a source in one round trip: a call has at most
-// A2A_ROUTE_LOADS chunks), writes expert_layout[l][s] = (s * M, rows), and
-// the group's sum goes to expert_num_tokens.
+// (a power of two, at least W) sums source s's chunks of an expert
+// (sum_counts: every count word of a source in one round trip, as a call has
+// at most A2A_ROUTE_LOADS chunks), writes expert_layout[l][s] = (s * M,
+// rows), and the group's sum goes to expert_num_tokens.
 A2A_DEVICE void publish_source_counts(const Ctx& x, const WarpGrid& g) {
-  const u64* counts = chunk_counts(x, (u32)x.h.rank);
   const u32 chunks = route_chunks(x);
   u32 G = 1;
   while (G < x.W) G <<= 1;
@@ -445,12 +444,10 @@ A2A_DEVICE void publish_source_counts(const Ctx& x, const WarpGrid& g) {
     A2A_PROF_START(t0);
     const u32 l = l0 + g.lane / G;
     const bool mine = l < x.L && s < x.W;
-    u32 v[A2A_ROUTE_LOADS] = {};
-    bool ok = true;
-    if (mine) ok = take_tagged(x, counts + (u64)s * chunks * x.L + l, x.L, chunks, v, s, A2A_WAIT_DISPATCH, l);
-    if (!warp_all(ok)) return;
     u32 n = 0;
-    for (u32 q = 0; q < A2A_ROUTE_LOADS; ++q) n += v[q];
+    bool ok = true;
+    if (mine) ok = sum_counts(x, l, s * chunks, chunks, n);
+    if (!warp_all(ok)) return;
     n = n < x.M ? n : x.M;  // (a source sends each expert at most one row a token)
     if (mine) {
       layout[((u64)l * x.W + s) * 2u] = (i32)(s * x.M);
