@@ -368,7 +368,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
       const u64* inbox = sym<u64>(x.h, (int)me, x.a.off_push_tok) +
                          (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words + first;
       u32 v[A2A_LANE_WORDS];
-      const bool ok = take_tagged(x, inbox, A2A_WARP_SIZE, count, v, src, A2A_WAIT_DISPATCH, t);
+      const bool ok = take_batch(x, inbox, A2A_WARP_SIZE, count, v, src, A2A_WAIT_DISPATCH, t);
       if (!warp_all(ok)) break;
       A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
       A2A_PROF_START(t2);
