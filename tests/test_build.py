@@ -71,6 +71,22 @@ def test_release_store_and_acquire_load(gfx942_objects, module):
         assert acquires, f"{kernel}: no system-scope load followed by buffer_inv sc0 sc1"
 
 
+def test_pushed_segment_is_one_round_trip(gfx942_objects):
+    """Dispatch takes a pushed 16-bit segment (16 tagged words a lane, exchange.h: take_batch) with the
+    loads of a try issued before it waits for any. Looking at each word as it was loaded (take_tagged)
+    made a try 16 round trips in series, AMD's default path for small calls: that build's longest stretch
+    of system-scope 8-byte loads with no wait for loads between was 7 (route counts'); this one's, 15."""
+    body = disassemble(gfx942_objects / "dispatch.gfx942.hsaco")["a2a_dispatch"]
+    longest = run = 0
+    for ins in body:
+        if re.match(r"(flat|global)_load_dwordx2\b", ins) and ins.endswith("sc0 sc1"):
+            run += 1
+            longest = max(longest, run)
+        elif re.match(r"s_waitcnt\b.*vmcnt", ins):
+            run = 0
+    assert longest >= 12, f"a2a_dispatch: at most {longest} system-scope 8-byte loads in flight together"
+
+
 def test_every_kernel_is_in_its_gfx942_code_object(gfx942_objects):
     from pyhipa2a.kernels import SIGNATURES
     for kernel, (module, _) in SIGNATURES.items():
