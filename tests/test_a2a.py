@@ -68,17 +68,6 @@ EDGE_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", sorted(EDGE_CASES))
-def test_edge_cases(name, backend):
-    per_rank, k, H, M, dtype, counts, routing = EDGE_CASES[name]
-    ranks = ranks_for(backend)
-    E = per_rank * ranks
-    if k > E:
-        pytest.skip(f"k={k} > E={E} on {ranks} ranks")
-    run_case(CASE + "case_shape", ranks, env_backend(backend), args=(E, k, H, M, dtype, counts, routing, 3, 11))
-
-
 # AllToAll(row_layout="by_source"): each source's rows of an expert from row s * M on, as expert_layout
 # says. The edge cases whose rows it places otherwise: sources with no tokens, full capacity and a hot
 # expert (a source's whole region), several route chunks (a chunk's rows after its source's earlier
@@ -87,18 +76,20 @@ def test_edge_cases(name, backend):
 BY_SOURCE_EDGE_CASES = ("some_ranks_empty", "T_equals_M", "one_hot_expert_full_capacity", "many_route_chunks",
                         "count_words_not_a_power_of_two", "capacity_one_token", "small_call_every_expert",
                         "hidden_1001_unaligned_rows", "experts_over_route_windows", "bf16_hot_full")
+EDGE_RUNS = ([(name, "packed") for name in sorted(EDGE_CASES)]
+             + [(name, "by_source") for name in BY_SOURCE_EDGE_CASES])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", BY_SOURCE_EDGE_CASES)
-def test_rows_by_source(name, backend):
+@pytest.mark.parametrize("name,row_layout", EDGE_RUNS)
+def test_edge_cases(name, row_layout, backend):
     per_rank, k, H, M, dtype, counts, routing = EDGE_CASES[name]
     ranks = ranks_for(backend)
     E = per_rank * ranks
     if k > E:
         pytest.skip(f"k={k} > E={E} on {ranks} ranks")
     run_case(CASE + "case_shape", ranks, env_backend(backend),
-             args=(E, k, H, M, dtype, counts, routing, 2, 17, "by_source"))
+             args=(E, k, H, M, dtype, counts, routing, 3, 11, row_layout))
 
 
 # Calls of at most PYHIPA2A_PUSH_MAX_TOKENS tokens push their data as tagged words (on sm_90 only their
