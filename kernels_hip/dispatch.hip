@@ -20,14 +20,17 @@
 //   3. receive: one warp per segment of each (source, token) takes the
 //      routing row and the counts of the chunks before the token's (all
 //      sent at the start, so they are usually in), works out its rows --
-//      expert l's rows hold source 0's chunks first, in order, then source
-//      1's, each row at the place its sender chose -- then takes the segment (a staged one read
-//      ONCE over the link after its flag, a pushed one from our inbox) and
-//      copies it to each of its expert rows; the warp of segment 0 also
-//      writes the rows' meta (src_rank, src_token, src_k) and, for combine,
-//      the decoded routing row and where each slot went;
+//      packed, expert l's rows hold source 0's chunks first, in order, then
+//      source 1's; by source (row_layout="by_source"), source s's chunks
+//      from row s * M on; each row at the place its sender chose -- then
+//      takes the segment (a staged one read ONCE over the link after its
+//      flag, a pushed one from our inbox) and copies it to each of its
+//      expert rows; the warp of segment 0 also writes the rows' meta
+//      (src_rank, src_token, src_k) and, for combine, the decoded routing
+//      row and where each slot went;
 //   4. a few warps sum every chunk's count of each of our experts into
-//      expert_num_tokens, while the others copy.
+//      expert_num_tokens (by source, each source's sum into expert_layout
+//      too), while the others copy.
 // No receiver-side reservation, no hand-off between warps, no grid-wide step
 // (a failed call's poisoning waits for the grid: finish in exchange.h).
 //
@@ -46,8 +49,9 @@
 // the host: kernels.route_chunk), one block each, so that routing a large
 // call takes little longer than a small one. A chunk's places count from zero for
 // each expert: the receiver puts a chunk's rows after those of every chunk
-// before it (all chunks of the sources before, then the source's own
-// earlier chunks), from the counts each chunk sends. Work is in shared
+// before it (packed: all chunks of the sources before, then the source's own
+// earlier chunks; by source: the source's own earlier chunks only), from the
+// counts each chunk sends. Work is in shared
 // memory: the chunk's routing rows (read with many loads in flight, so that
 // a slot's check against the earlier slots of its row is a few shared
 // reads, not a chain of global ones) and a counter per expert (an atomic
@@ -56,7 +60,8 @@
 // more passes.
 #define A2A_ROUTE_TILE 1024u  // slots read into shared memory at once (whole rows: a chunk may take several)
 #define A2A_ROUTE_WINDOW 1024u
-#define A2A_ROUTE_LOADS 8u  // loads of the chunk a thread has in flight at once
+#define A2A_ROUTE_LOADS 8u  // loads of the chunk a thread has in flight at once; also MAX_ROUTE_CHUNKS
+                            // (pyhipa2a/kernels.py), so that sum_counts takes a source's chunks at once
 
 // The chunks of a call of `tokens` tokens.
 // The chunks of a call of max_tokens tokens: the rows of the count tables.

@@ -12,7 +12,8 @@ expert_x is fp8 and d.expert_x_scales [L, W*M, H/128] float32 holds its scales; 
 
 Every rank calls the same sequence. Nothing here waits for the device:
 counts stay on the device and the outputs are views of the symmetric heap,
-valid until the next dispatch (expert_x, expert_meta, expert_num_tokens) or
+valid until the next dispatch (expert_x, expert_meta, expert_num_tokens, and
+expert_layout with row_layout="by_source") or
 the next combine (y, unless `out=` was given). `synchronize()` waits and
 raises what a kernel reported (A2ATimeoutError naming the late rank, bad
 indices seen on the device).

@@ -138,7 +138,7 @@ def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> N
                              f"expected {expected.expert_num_tokens.tolist()}")
     xs, meta = result.expert_x.numpy(), result.expert_meta.numpy()
     scales = None if expected.scales is None else result.expert_x_scales.numpy()
-    rows = received_rows(result, counts, expected, rank)
+    rows = received_rows(result, counts, meta, expected, rank)
     for l, want in enumerate(expected.rows):
         got = {tuple(int(v) for v in meta[l, i]): i for i in rows[l]}
         if set(got) != set(want):
@@ -153,10 +153,11 @@ def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> N
                                      f"from {expected.scales[l][key][:4]}...")
 
 
-def received_rows(result, counts: np.ndarray, expected: reference.ExpectedDispatch, rank: int) -> list:
+def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: reference.ExpectedDispatch,
+                  rank: int) -> list:
     """The rows of expert_x[l] that hold expert l's tokens: packed, 0 .. n - 1; by source, each source's
     rows as expert_layout says, checked against the oracle's count of that source's rows (from row
-    s * M on, M = capacity / sources)."""
+    s * M on, M = capacity / sources), each row's meta naming that source."""
     if result.expert_layout is None:
         return [range(int(n)) for n in counts]
     layout = result.expert_layout.numpy()
@@ -169,7 +170,13 @@ def received_rows(result, counts: np.ndarray, expected: reference.ExpectedDispat
         if not np.array_equal(layout[l], want_layout):
             raise AssertionError(f"rank {rank} expert {l}: expert_layout {layout[l].tolist()} != expected "
                                  f"{want_layout.tolist()} (first row, rows) by source")
-        rows.append([s * M + i for s in range(W) for i in range(int(want[s]))])
+        mine = [(s, s * M + i) for s in range(W) for i in range(int(want[s]))]
+        wrong = [(s, row) for s, row in mine if meta[l, row, 0] != s]
+        if wrong:
+            s, row = wrong[0]
+            raise AssertionError(f"rank {rank} expert {l}: row {row}, in source {s}'s rows, holds a token of "
+                                 f"source {meta[l, row, 0]}")
+        rows.append([row for _, row in mine])
     return rows
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
+from pyhipa2a.a2a import LAYOUT_CHOICES  # noqa: E402
 from pyhipa2a.hierarchy import node_layout  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, draw_world, dtype_arguments, failure_line,  # noqa: E402
                               inputs_as_given, run_round)
@@ -81,7 +82,7 @@ def main() -> int:
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="split the ranks into simulated nodes of this many (default: PYHIPA2A_RANKS_PER_NODE, "
                         "else the machines they run on); nodes exchange through NCCL (MPI on the host backend)")
-    p.add_argument("--row-layout", choices=("packed", "by_source"), default="packed",
+    p.add_argument("--row-layout", choices=LAYOUT_CHOICES, default="packed",
                    help="AllToAll(row_layout=): each expert's rows packed, or by source (checked against "
                         "expert_layout)")
     p.add_argument("--max-hidden", type=int, default=None, help="only the shapes whose hidden_dim is at most this")

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
+from pyhipa2a.a2a import LAYOUT_CHOICES  # noqa: E402
 from pyhipa2a.profile import (TAGS, kernel_starts_and_ends, stage_durations, stage_windows, summarize,  # noqa: E402
                               to_trace_events, write_trace)
 from pyhipa2a.testing import (dispatch_uploaded, draw_world, dtype_arguments, free_inputs,  # noqa: E402
@@ -55,7 +56,7 @@ def main() -> int:
     p.add_argument("--dispatch-dtype", choices=("float8_e4m3",), help="dispatch in fp8 (combine stays fp16)")
     p.add_argument("--fp8-input", choices=("quantize", "given"), default="quantize",
                    help="fp8 dispatch: fp16 x quantized by the dispatch kernel, or x given in fp8 with x_scales")
-    p.add_argument("--row-layout", choices=("packed", "by_source"), default="packed",
+    p.add_argument("--row-layout", choices=LAYOUT_CHOICES, default="packed",
                    help="AllToAll(row_layout=): each expert's rows packed, or by source")
     args = p.parse_args()
     comm = MPI.COMM_WORLD

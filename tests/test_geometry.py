@@ -67,3 +67,13 @@ def test_limits_agree_with_the_kernels(host, device):
     found = re.search(rf"^#define {device} (\d+)u?\b", header, re.M)
     assert found, f"{device} not defined in exchange.h"
     assert int(found.group(1)) == getattr(a2a, host)
+
+
+def test_route_chunks_fit_one_batch_of_count_loads():
+    """A call's route chunks (kernels.MAX_ROUTE_CHUNKS) are at most the count words sum_counts loads at
+    once (A2A_ROUTE_LOADS in dispatch.hip): a source's counts by source are then one round trip."""
+    from pyhipa2a import kernels
+    source = (Path(a2a.__file__).resolve().parent.parent / "kernels_hip" / "dispatch.hip").read_text()
+    found = re.search(r"^#define A2A_ROUTE_LOADS (\d+)u?\b", source, re.M)
+    assert found, "A2A_ROUTE_LOADS not defined in dispatch.hip"
+    assert kernels.MAX_ROUTE_CHUNKS <= int(found.group(1))

@@ -115,7 +115,8 @@ def case_failed_rank_poisons_later_calls(comm, row_layout="packed"):
         assert (a2a.buf["recv_meta"].numpy() == -1).all()
         assert (a2a.buf["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
         assert (d.expert_layout is None) == (row_layout == "packed")
-        assert (a2a.buf["layout"].numpy() == -1).all() == (row_layout == "by_source")
+        if row_layout == "by_source":
+            assert (a2a.buf["layout"].numpy() == -1).all()
         # The fake expert reads poisoned counts (-1) as "all rows": poison in, poison out, nothing
         # read or written past its buffers.
         expert_y = a2a.fake_expert(d)
