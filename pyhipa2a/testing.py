@@ -165,7 +165,7 @@ def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: refere
     M = result.expert_x.shape[1] // W
     rows = []
     for l in range(L):
-        want = np.bincount([src for src, _, _ in expected.rows[l]], minlength=W) if expected.rows[l] else np.zeros(W)
+        want = np.bincount(np.array([src for src, _, _ in expected.rows[l]], np.int64), minlength=W)
         want_layout = np.stack([np.arange(W) * M, want], axis=1)
         if not np.array_equal(layout[l], want_layout):
             raise AssertionError(f"rank {rank} expert {l}: expert_layout {layout[l].tolist()} != expected "

@@ -129,8 +129,7 @@ def _dispatch(backend, a, c, v: View) -> None:
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     counts = v.buf(me, "expert_counts", (2, W, C, L), np.uint64)[p]
-    before = np.zeros(L, np.int64)  # rows of each of our experts from the sources already placed
-    per_source = np.zeros((L, W), np.int64)  # rows of each of our experts from each source
+    per_source = np.zeros((L, W), np.int64)  # rows of each of our experts from each source placed so far
     for src in range(W):  # 3. each source's tokens with experts here, copied to the rows its places give
         t0 = time.monotonic_ns()
         n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
@@ -169,7 +168,7 @@ def _dispatch(backend, a, c, v: View) -> None:
         l = rows[tokens, slots] % L
         src_counts = src_counts.astype(np.int64)  # [C, L]: the rows of each of src's chunks
         # where each chunk's rows begin: packed, after every earlier source's; by source, at src * M
-        first = src * M if a.by_source else before
+        first = src * M if a.by_source else per_source[:, :src].sum(axis=1)
         chunk_start = first + np.cumsum(src_counts, axis=0) - src_counts
         row = chunk_start[tokens // chunk, l] + place[tokens, slots]
         fits = row < v.cap
@@ -183,13 +182,12 @@ def _dispatch(backend, a, c, v: View) -> None:
         R = a.region_tokens  # a node's part of a multi-node call names each token's true source
         meta[l, row] = np.stack([t // R * W + src, t % R, j] if R else [np.full_like(t, src), t, j], axis=1)
         slot_of[src, t, j] = l * v.cap + row
-        before += src_counts.sum(axis=0)
         per_source[:, src] = src_counts.sum(axis=0)
         v.rec.record(5, t0, src)
 
     # 4. expert_num_tokens: every source's count of each of our experts
     t0 = time.monotonic_ns()
-    v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(before, v.cap)
+    v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(per_source.sum(axis=1), v.cap)
     if a.by_source:  # expert_layout: (first row, rows) of each source's rows of each expert
         layout = v.buf(me, "layout", (L, W, 2), np.int32)
         layout[:, :, 0] = np.arange(W) * M
