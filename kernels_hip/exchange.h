@@ -186,29 +186,31 @@ A2A_DEVICE u32* block_failed() {
   return &failed;
 }
 
-// The block's shared state, set up by every thread of the block: the heap's
-// table of bases, copied into shared memory (a loop that stores through a
-// peer's pointer must load that peer's base again after each store (the
-// store might have changed it), and that load costs tens of cycles from
-// shared memory where from global memory it costs a round trip, in series
-// with the next store), and the block's failure flag, set when this rank's
-// status already holds an error (an earlier call's: this call's outputs are
-// poisoned too). Both loads are in flight with the epoch's.
-A2A_DEVICE HeapView block_heap_view(const HeapView& h, const u32* status) {
-  __shared__ u64 bases[A2A_MAX_WORLD];
-  if (a2a_thread() < (u32)h.world) bases[a2a_thread()] = h.bases[a2a_thread()];
-  if (a2a_thread() == 0) *block_failed() = a2a_load_relaxed_sys(status) != A2A_OK;
-  a2a_block_sync();
-  return {bases, h.rank, h.world};
-}
-
-// The first thing every exchange kernel does: its three first loads (the
-// epoch, the table of bases, this rank's status) are in flight together, and
-// the epoch is handed on (block 0) once they are in.
+// The first thing every exchange kernel does: the block's shared state, set
+// up in one round trip and one barrier. Thread 0 loads the call's epoch and
+// this rank's status (the block's failure flag: set when the status already
+// holds an error, an earlier call's, so that this call's outputs are
+// poisoned too), threads below W the heap's table of bases, all in flight
+// together; shared memory hands them to the block. The table is kept there
+// because a loop that stores through a peer's pointer must load that peer's
+// base again after each store (the store might have changed it): tens of
+// cycles from shared memory, a round trip in series with the next store from
+// global memory. The epoch is loaded once a block, not by every thread: 2112
+// warps' system-scope loads of the one word cost 0.5 us of every launch of
+// the full grid on two H200s (docs/PERFORMANCE.md, twenty-seventh session).
+// Block 0 hands the epoch on once it is in.
 A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
-  const u32 epoch = read_epoch(a, dispatch);
+  __shared__ u64 bases[A2A_MAX_WORLD];
+  __shared__ u32 block_epoch;
   u32* status = local<u32>(a, a.off_status);
-  const HeapView h = block_heap_view(a.heap, status);
+  if (a2a_thread() < (u32)a.heap.world) bases[a2a_thread()] = a.heap.bases[a2a_thread()];
+  if (a2a_thread() == 0) {
+    block_epoch = read_epoch(a, dispatch);
+    *block_failed() = a2a_load_relaxed_sys(status) != A2A_OK;
+  }
+  a2a_block_sync();
+  const u32 epoch = block_epoch;
+  const HeapView h{bases, a.heap.rank, a.heap.world};
   if (a2a_block() == 0 && a2a_thread() == 0) local<u32>(a, a.off_epoch)[dispatch ? 1 : 0] = epoch;
   return {a, h, status, reinterpret_cast<u32*>(a.host_status),
           a.prof, a2a_clock_ns() + a.timeout_ns, (u32)a.heap.world, (u32)a.max_tokens, (u32)a.top_k,
@@ -240,7 +242,7 @@ A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
 // done[leg][block] = epoch (thread 0, after the barrier, so the block's
 // writes are ordered before it) and leaves. A block that saw a failure (a
 // report from one of its threads, or this rank's status already failed as
-// the launch began: block_heap_view) then waits for every block's flag, so
+// the launch began: make_ctx) then waits for every block's flag, so
 // that every write of the call to its outputs is visible, and the first
 // such block to claim the launch (done[leg][A2A_MAX_GRID]) overwrites the
 // outputs: no good row can land after the poison, and the outputs are
