@@ -246,7 +246,7 @@ A2A_DEVICE Elems part_elems(const Ctx& x, u32 seg, u32 part, u32 width) {
 // slowest, so that part 0's items, the only ones a pulled segment has, go to
 // every warp of the grid (varying fastest, they fell to one warp a block).
 template <typename Fmt, u32 U>
-A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc) {
+A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, const u32* pre) {
   constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
@@ -254,8 +254,6 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   const u64* w_in = sym<u64>(x.h, (int)me, x.a.off_w_in);
   const u64 stride = (u64)H * 4u;
-  __shared__ u32 pre[A2A_PREFIX_WORDS];
-  source_prefix(x, 0u, pre, false, g);  // the headers came with dispatch
   const u32 pushed = pre[x.W + 3], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
   const u32 per_part = pre[x.W + 2] * peers * S;
   for (u32 item = first_item(g, g.warps_per_block); item < per_part * Q; item += g.warps) {
@@ -389,9 +387,10 @@ A2A_DEVICE float own_weight(const Ctx& x, const float* weights, u32 t, u32 j) {
 // expert_y, plus each peer's part (add_peer_part); one warp per part of a
 // segment of a token (U chunks a lane; Q = A2A_CHUNKS / U parts a segment).
 // Lane r works out which of t's slots live on rank r. Pulled parts wait for
-// their segment's flag first; pushed ones are taken word by word.
+// their segment's flag first; pushed ones (`pushed`: our dispatch asked the
+// peers to push their parts back) are taken word by word.
 template <typename Fmt, u32 U>
-A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc) {
+A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, bool pushed) {
   constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
   __shared__ u32 here_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD];
   u32* here = here_buf[g.warp_in_block];
@@ -401,9 +400,6 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   const float scale = c.expert_scale;  // of our own rows; a peer's part comes scaled by the peer
   u16* out = reinterpret_cast<u16*>(c.out);
   const bool vec = H % 8u == 0 && (((u64)out | (u64)expert_y) & 15u) == 0;
-  // Our dispatch's choice, from the header it left in our own inbox.
-  const u64* own_header = sym<u64>(x.h, (int)me, x.a.off_tok_count) + x.parity * x.W + me;
-  const bool pushed = ((u32)a2a_load_relaxed_sys_u64(own_header) & A2A_PUSHED_BACK) != 0;
   for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S * Q; item += g.warps) {
     u32 seg;
     const u32 t = quot_rem(x.a.div_nseg, item / Q, seg);
@@ -482,12 +478,21 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   __shared__ float w_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
   if (a2a_block() == 0 && c.weights) send_weights(x, c, g);
-  if (x.W > 1) send_contributions<Fmt, U>(x, c, g, sc);  // (alone, there are no peers' tokens: skip their headers)
+  // Every header came with dispatch, ours too, so one table serves both steps: the
+  // peers' token counts for sending, and our dispatch's choice (pushed back) for
+  // reducing. (Alone, there are no peers' tokens and nothing comes back: skip the headers.)
+  __shared__ u32 pre[A2A_PREFIX_WORDS];
+  bool pushed_back = false;
+  if (x.W > 1) {
+    source_prefix(x, 0u, pre, false, g);
+    pushed_back = (pre[x.W + 3] >> x.h.rank & 1u) != 0u;
+    send_contributions<Fmt, U>(x, c, g, sc, pre);
+  }
   // A lane may still read the warp's scratch (sc.slots, sc.w) for the last
   // contribution it pushed (that path skips the loop's closing sync) when
   // another lane starts rewriting it for its first token.
   a2a_wave_sync();
-  reduce_tokens<Fmt, U>(x, c, g, sc);
+  reduce_tokens<Fmt, U>(x, c, g, sc, pushed_back);
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   const Poison outputs[1] = {{reinterpret_cast<u8*>(c.out), (u64)c.num_tokens * a.y_row_bytes}};
