@@ -604,6 +604,11 @@ def case_default_push_threshold(comm):
     for k, H, M, expected in ((1, 512, 1024, 768), (4, 512, 1024, 768 // peers), (2, 8, 4, 4), (2, 1001, 4, 0)):
         with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
             assert a2a.push_max_tokens == expected, (k, H, M, a2a.push_max_tokens, expected)
+    # fp8 rows count at 16 bits, as the contributions that come back do: the same limit as fp16's
+    fp8 = (dict(in_dtype="float8_e4m3", out_dtype="bfloat16"), dict(in_dtype="bfloat16", dispatch_dtype="float8_e4m3"))
+    for dtypes in fp8:  # given, and quantized on the way
+        with AllToAll(comm, num_experts=E, experts_per_token=4, hidden_dim=512, max_num_tokens=1024, **dtypes) as a2a:
+            assert a2a.push_max_tokens == 768 // peers, (dtypes, a2a.push_max_tokens, 768 // peers)
     assert DEFAULT_PUSH_BYTES == 768 * 1024  # the figures above assume it
 
 
