@@ -803,14 +803,13 @@ class AllToAll:
         sent = checked_combine_weights(self, weights)
         T = self._pending.num_tokens
         s = self._stream(stream, (expert_y, weights, out))
-        args = (expert_y, weights, out, s, expert_scale, sent)
         repeat, self._repeat_combine = self._repeat_combine, None  # a call that fails records nothing
+        scale = self._checked_scale(expert_scale)
+        args = (expert_y, weights, out, s, scale, sent)
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args):
             repeat.resume(self._order, s)
             self._repeat_combine = repeat
             return repeat.prepared
-        if expert_scale is not self._last_scale[0]:  # the same object as last call's: checked then
-            self._last_scale = (expert_scale, check_scale(expert_scale))
         self._follow(s)
         y_shape = (self.local_experts, self.capacity, self.hidden)
         host_y, y_ptr, y_keep = None, 0, None
@@ -830,11 +829,22 @@ class AllToAll:
             out_arr = out
         call = self._combine_pack[1]
         call.expert_y, call.weights, call.out, call.num_tokens = y_ptr, w_ptr, out_ptr, T
-        call.expert_scale = self._last_scale[1]
+        call.expert_scale = scale[1]
         prepared = s, out_arr, (y_keep, w_keep, o_keep), host_y
         names = ("expert_y",) + ("weights",) * (sent is None) + ("out",) * (out is not None)
         self._repeat_combine = Repeat.of(args, names, self._boundary, T, prepared) if host_y is None else None
         return prepared
+
+    def _checked_scale(self, expert_scale) -> tuple:
+        """(expert_scale, as the float32 the kernels take): the last call's own tuple when the scale is
+        the same value of the same type, so that a scale computed afresh at every call (gpu-mode's
+        1 + rank) still repeats the call; a new one, checked, otherwise."""
+        last = self._last_scale
+        if expert_scale is last[0] or (type(expert_scale) is type(last[0]) and expert_scale == last[0]
+                                       and (expert_scale or math.copysign(1, expert_scale) == math.copysign(1, last[0]))):
+            return last  # (-0.0 == 0.0, but a product's sign follows the scale's)
+        self._last_scale = (expert_scale, check_scale(expert_scale))
+        return self._last_scale
 
     def _copy_host_expert_y(self, prepared):
         """A NumPy expert_y copied into expert_y_buffer() (the host waits for the stream): the prepared

@@ -6,6 +6,7 @@ runs the library and checks this rank's outputs against pyhipa2a.reference.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import numpy as np
@@ -356,14 +357,25 @@ def case_repeated_calls(comm):
                 assert i == 0 or taken == [], ("handle", taken)  # (the first call may repeat the last one's)
             # Weights given to dispatch, and a caller's out=: repeated too, and right with new data.
             out = a2a.expert_y_buffer().view((counts[a2a.rank], H))  # any device array of ours will do
+            # The scale is worked out afresh at every call here (a new float object of the same value, as
+            # gpu-mode's harness passes 1 + rank): an equal scale repeats the call too.
             for i in range(3):
                 inputs = refill(20 + i)
                 d = a2a.dispatch(x, idx, weights=w)
-                y = a2a.combine(d.expert_x, out=out, expert_scale=scale)
+                y = a2a.combine(d.expert_x, out=out, expert_scale=float(str(scale)))
                 a2a.synchronize()
                 assert y is out
                 check_call(a2a, inputs, d, y, fused=True)
                 assert taken == ([] if i else ["x", "indices", "weights", "expert_y", "out"]), ("to dispatch", i, taken)
+            # ... but not -0.0 after 0.0 (equal, yet a product's sign follows the scale's), nor an int
+            # after an equal float.
+            for z, want in ((0.0, ["expert_y", "out"]), (float("-0.0"), ["expert_y", "out"]), (float("-0.0"), []),
+                            (0, ["expert_y", "out"]), (0, [])):
+                taken.clear()
+                a2a.combine(a2a.dispatch(x, idx, weights=w).expert_x, out=out, expert_scale=z)
+                a2a.synchronize()
+                assert taken == want, ("scale", z, taken)
+                assert a2a._last_scale[1] == 0.0 and math.copysign(1, a2a._last_scale[1]) == math.copysign(1, z)
             # NumPy inputs are copied at every call, even the same object refilled in place after a
             # device array held its argument's place: each call must follow the new data.
             host_x, host_idx, host_w = (np.empty_like(a) for a in (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
