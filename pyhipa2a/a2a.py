@@ -63,12 +63,20 @@ MIN_WARP, MAX_WARP = 32, 64
 # peers, lost (combine 27 us pushed, 23 pulled). These were measured with tokens
 # pushed; on sm_90, where such a call now pulls its tokens (GPU_FENCE_PUBLISH_ARCHS),
 # the limit decides only whether contributions come back pushed, and was not
-# measured again for that. Rows count at 16 bits an element whatever dispatch
-# sends: contributions come back 16-bit or wider, and fp8 rows counted at their
-# own size pushed contributions back at twice the tokens, where pulling them is
-# faster (two H200s, 64 tokens of H = 7168: combine 23.0-23.4 us pushed, 19.6-20.5
-# pulled).
+# measured again for that: DEFAULT_PUSH_BACK_BYTES below is. Rows count at 16 bits
+# an element whatever dispatch sends: contributions come back 16-bit or wider, and
+# fp8 rows counted at their own size pushed contributions back at twice the tokens,
+# where pulling them is faster (two H200s, 64 tokens of H = 7168: combine
+# 23.0-23.4 us pushed, 19.6-20.5 pulled).
 DEFAULT_PUSH_BYTES = 768 * 1024
+# Where tokens are pulled (GPU_FENCE_PUBLISH_ARCHS), contributions come back pushed
+# up to this many bytes of 16-bit rows instead. Two H200s, combine of the fused
+# expert, contributions always pulled against always pushed (twenty-eighth
+# session, sweeps at H = 2048, 4096, 7168): pushing won 1.6-2.2 us up to 64 KB, 0.8
+# at 131 KB, broke even at 262 KB (both H), and lost 0.5-1.4 us at 459-524 KB and
+# 3-4 us at 0.9-1 MB; the gpu-mode shape of 2880-element rows and 49 / 120 tokens
+# took 16.9 us pulled against 18.5-18.7 pushed.
+DEFAULT_PUSH_BACK_BYTES = 256 * 1024
 # Combine has two kernels (kernels_hip/combine.hip): the bulk one gives a warp a segment of a token,
 # the small one a chunk (8 elements a lane) with a token's experts loaded at once. The small one is
 # used when its warps take at most this many chunk items each (tokens * segments * chunks a segment,
@@ -363,7 +371,10 @@ class AllToAll:
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive (seconds)")
-        self.push_max_tokens = self._push_limit(push_max_tokens, world_size(comm))
+        # Pushed words' room, for the larger default; the limit itself is set once the device is known
+        # (_setup: where tokens are pulled, contributions alone come back pushed, below a smaller one).
+        self._push_request = push_max_tokens
+        self._push_room = self.push_max_tokens = self._push_limit(push_max_tokens, world_size(comm), DEFAULT_PUSH_BYTES)
         self.push_row_words = self._push_row_words()
 
         # A row moves in segments of SEGMENT_LANE_ELEMS per lane of a warp, one warp
@@ -379,16 +390,17 @@ class AllToAll:
             raise
 
     # -- construction -----------------------------------------------------------
-    def _push_limit(self, requested: int | None, world: int) -> int:
+    def _push_limit(self, requested: int | None, world: int, default_bytes: int) -> int:
         """Calls of at most this many tokens push (0: every call stages and pulls): their contributions
-        come back pushed, and their tokens go pushed too where push_tokens. Pushed contributions are
-        read 8 elements a lane, so rows must be a multiple of 8 elements."""
+        come back pushed, and their tokens go pushed too where push_tokens. By default, while their
+        16-bit rows stay within `default_bytes`, a row counted once per peer it can reach. Pushed
+        contributions are read 8 elements a lane, so rows must be a multiple of 8 elements."""
         env = os.environ.get("PYHIPA2A_PUSH_MAX_TOKENS")
         if requested is None and env is not None:
             requested = int(env)
         if requested is None:
             peers_per_token = max(1, min(self.top_k, world - 1))
-            requested = DEFAULT_PUSH_BYTES // (self.hidden * self.out_dtype.itemsize * peers_per_token)
+            requested = default_bytes // (self.hidden * self.out_dtype.itemsize * peers_per_token)
         if requested < 0:
             raise ValueError(f"push_max_tokens={requested} must be >= 0")
         return min(int(requested), self.max_tokens) if self.hidden % 8 == 0 else 0
@@ -416,7 +428,7 @@ class AllToAll:
     def _layout(self, world: int) -> list[tuple[str, tuple, object]]:
         """Every symmetric buffer, in allocation order (identical on all ranks). See kernels_hip/exchange.h."""
         L, M, k, H, S = self.num_experts // world, self.max_tokens, self.top_k, self.hidden, self.nseg
-        P, C = self.push_max_tokens, self.scale_cols
+        P, C = self._push_room, self.scale_cols
         return [
             # written by peers, as tagged words (value in the low half, epoch in the high
             # half); headers alternate by epoch parity
@@ -518,6 +530,8 @@ class AllToAll:
         # (twenty-third session, docs/PERFORMANCE.md).
         self._small_combine, self.small_combine_tokens = self._small_combine_kernel(heap.device, out16, bulk_per_mp)
         self.gpu_fence_publish = self._publish_with_gpu_fence(heap.device.arch)
+        if not self.push_tokens:  # (at most the room: DEFAULT_PUSH_BACK_BYTES < DEFAULT_PUSH_BYTES)
+            self.push_max_tokens = self._push_limit(self._push_request, self.world, DEFAULT_PUSH_BACK_BYTES)
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
         self._scale_pack = self._scale_kernel.pack()

@@ -14,7 +14,7 @@ import pytest
 
 import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
-from pyhipa2a.a2a import DEFAULT_PUSH_BYTES
+from pyhipa2a.a2a import DEFAULT_PUSH_BACK_BYTES, DEFAULT_PUSH_BYTES
 from pyhipa2a.dtypes import resolve
 from pyhipa2a.kernels import route_chunks
 from pyhipa2a.testing import (WEIGHTS_AT, dispatch, draw_world, dtype_arguments, inputs_as_given, run_round,
@@ -606,22 +606,28 @@ def case_bad_config(comm):
 
 
 def case_default_push_threshold(comm):
-    """By default a call pushes while its token copies stay within DEFAULT_PUSH_BYTES, a
-    token counted once per peer it can reach (min(top_k, ranks - 1)); capped at
-    max_num_tokens; rows that are not whole 8-element groups never push."""
+    """By default a call pushes while its 16-bit rows stay within DEFAULT_PUSH_BYTES, or where
+    tokens are pulled (contributions alone come back pushed) DEFAULT_PUSH_BACK_BYTES, a row
+    counted once per peer it can reach (min(top_k, ranks - 1)); capped at max_num_tokens; rows
+    that are not whole 8-element groups never push. A limit asked for is taken as it is."""
     os.environ.pop("PYHIPA2A_PUSH_MAX_TOKENS", None)
     world = comm.Get_size()
     E = world * -(-4 // world)  # room for top-4, few experts a rank (small heaps)
     peers = max(1, min(4, world - 1))
-    for k, H, M, expected in ((1, 512, 1024, 768), (4, 512, 1024, 768 // peers), (2, 8, 4, 4), (2, 1001, 4, 0)):
+    for k, H, M, whole in ((1, 512, 1024, 768), (4, 512, 1024, 768 // peers), (2, 8, 4, 4), (2, 1001, 4, 0)):
         with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
-            assert a2a.push_max_tokens == expected, (k, H, M, a2a.push_max_tokens, expected)
+            expected = whole if a2a.push_tokens or not whole else min(M, 256 // max(1, min(k, world - 1)))
+            assert a2a.push_max_tokens == expected, (k, H, M, a2a.push_tokens, a2a.push_max_tokens, expected)
+        with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                      push_max_tokens=3) as a2a:
+            assert a2a.push_max_tokens == (3 if H % 8 == 0 else 0), (k, H, M, a2a.push_max_tokens)
     # fp8 rows count at 16 bits, as the contributions that come back do: the same limit as fp16's
     fp8 = (dict(in_dtype="float8_e4m3", out_dtype="bfloat16"), dict(in_dtype="bfloat16", dispatch_dtype="float8_e4m3"))
     for dtypes in fp8:  # given, and quantized on the way
         with AllToAll(comm, num_experts=E, experts_per_token=4, hidden_dim=512, max_num_tokens=1024, **dtypes) as a2a:
-            assert a2a.push_max_tokens == 768 // peers, (dtypes, a2a.push_max_tokens, 768 // peers)
-    assert DEFAULT_PUSH_BYTES == 768 * 1024  # the figures above assume it
+            expected = (768 if a2a.push_tokens else 256) // peers
+            assert a2a.push_max_tokens == expected, (dtypes, a2a.push_max_tokens, expected)
+    assert (DEFAULT_PUSH_BYTES, DEFAULT_PUSH_BACK_BYTES) == (768 * 1024, 256 * 1024)  # the figures above assume them
 
 
 def case_config_mismatch(comm):
