@@ -351,6 +351,7 @@ class AllToAll:
             raise ValueError("row_layout='by_source' is for calls within one node: between nodes each rank's "
                              "rows come through its node's ranks, so expert_x is packed there")
         self.row_layout = row_layout
+        self._by_source = row_layout == "by_source"  # (read by the kernels' arguments and the output views)
         # Launch geometry (tuning knobs; the environment variables let scripts sweep them).
         self._block_threads = block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS))
         self._grid_blocks = grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None
@@ -564,7 +565,7 @@ class AllToAll:
 
     def _set_fake_expert_scale(self, scale: float) -> None:
         """gpu-mode's factor, 1 + rank (a multi-node call's node part is given its rank in the world)."""
-        by_source = self.row_layout == "by_source"
+        by_source = self._by_source
         fixed = (self.buf["num_tokens"].ptr, self.buf["layout"].ptr if by_source else 0, self.world if by_source else 0,
                  self.local_experts, self.capacity, self.hidden, scale)
         if self.scale_cols:
@@ -663,7 +664,7 @@ class AllToAll:
         a.push_max_tokens, a.push_row_words = self.push_max_tokens, self.push_row_words
         a.narrow_partials = int(self.narrow_partials)
         a.gpu_fence_publish = int(self.gpu_fence_publish)
-        a.by_source = int(self.row_layout == "by_source")
+        a.by_source = int(self._by_source)
         a.void_slots, a.region_tokens = int(self._void_slots), self._region_tokens
         a.trap_on_timeout = int(self.on_timeout == "trap")
         a.timeout_ns = timeout_ns(self.timeout)
@@ -891,7 +892,7 @@ class AllToAll:
                 return self._naming(self.buf[name], stream)
             views = self._output_views[id(stream)] = OutputViews(
                 out("num_tokens"), out("recv_x"), out("recv_meta"), out("recv_scales") if self.scale_cols else None,
-                out("y"), out("layout") if self.row_layout == "by_source" else None)
+                out("y"), out("layout") if self._by_source else None)
         return views
 
     # -- helpers for callers ----------------------------------------------------
