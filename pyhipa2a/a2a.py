@@ -225,14 +225,15 @@ class Repeat:
     the arguments' shapes were: like the boundary's settled entries, this trusts our own arrays (and
     any, under producer_order="stream") not to change their shape or memory in place; a PyTorch, CuPy
     or JAX argument is asked again what its probe answered (pyhipa2a.producers: pointer, shape,
-    strides, type, and the same producer stream as then). Streams are compared as the object's own
-    view of them (one per handle), so a handle given as an int repeats."""
+    strides, type, and the same producer stream as then; a producer whose current stream the call
+    follows, AllToAll(stream="current"), is not asked that twice). Streams are compared as the
+    object's own view of them (one per handle), so a handle given as an int repeats."""
 
     __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks", "waits")
 
     def __init__(self, args: tuple, names: tuple, entries: tuple, boundary, tokens: int, prepared):
         self.args, self.names, self.entries, self.boundary = args, names, entries, boundary
-        self.tokens, self.prepared = tokens, prepared
+        self.tokens, self.prepared = tokens, prepared  # what the call worked out: combine's arguments, dispatch's result
         # PyTorch, CuPy and JAX arguments: their producers' answers, asked again at every repeat
         self.rechecks = tuple((entry.recheck, entry.obj) for entry in entries if entry.recheck is not None)
         # and the producer streams they named, other than the call's: waited for at every repeat
@@ -254,12 +255,20 @@ class Repeat:
             return None
         return cls(args, names, entries, boundary, tokens, prepared)
 
-    def holds(self, args: tuple) -> bool:
-        """`args` are the recorded ones, object for object, and nothing about their use has changed."""
+    def holds(self, args: tuple, asked: dict | None = None) -> bool:
+        """`args` are the recorded ones, object for object, and nothing about their use has changed.
+        `asked`: the call's producer answers so far ({probe: stream}, see Recheck.holds), filled here."""
         # (map with operator.is_ iterates in C: this is every repeated call's path)
-        return (all(map(operator.is_, args, self.args))
-                and all(map(operator.is_, map(self.boundary.settled, self.names), self.entries))
-                and (not self.rechecks or all(recheck.holds(obj) for recheck, obj in self.rechecks)))
+        if not (all(map(operator.is_, args, self.args))
+                and all(map(operator.is_, map(self.boundary.settled, self.names), self.entries))):
+            return False
+        if self.rechecks:
+            if asked is None:
+                asked = {}
+            for recheck, obj in self.rechecks:
+                if not recheck.holds(obj, asked):
+                    return False
+        return True
 
 
 class OutputViews:
@@ -690,22 +699,29 @@ class AllToAll:
         """The stream a call runs on: the capturing one, the one given, or for none the object's own
         (stream="own") or the current stream of the library of the first of `inputs` that has one
         (stream="current"; the last call's stream where none has)."""
+        return self._call_stream(stream, inputs)[0]
+
+    def _call_stream(self, stream, inputs):
+        """(_stream's stream, asked): `asked` is {probe: its answer} where the stream is a producer's
+        current one, which a repeat's rechecks of that producer's arrays take instead of asking it
+        again (Repeat.holds); else None."""
         if self._capturing is not None:
             if stream is not None and self._stream_outside_capture(stream) is not self._capturing:
                 raise A2AError("inside capture(), every call must use the capturing stream (pass no stream=)")
-            return self._capturing
+            return self._capturing, None
+        asked = None
         if stream is None and self._on_current_stream:
-            stream = self._current_stream_of(inputs)
-        return self._stream_outside_capture(stream)
+            stream, asked = self._current_stream_of(inputs)
+        return self._stream_outside_capture(stream), asked
 
     def _current_stream_of(self, inputs):
-        """stream="current": the current stream on our device, as a handle, of the library of the first
-        input on our device that names one (pyhipa2a.producers: PyTorch's, CuPy's); else the last call's
-        stream (our own before the first), so that calls on our own arrays stay in the order of the
-        calls around them."""
+        """stream="current": (the current stream on our device, as a handle, of the library of the first
+        input on our device that names one (pyhipa2a.producers: PyTorch's, CuPy's), {its probe: the
+        answer}); else (the last call's stream (our own before the first), None), so that calls on
+        our own arrays stay in the order of the calls around them."""
         device = self._library_device
         if device is None:
-            return self._order.latest()
+            return self._order.latest(), None
         for obj in inputs:
             probe = producers.stream_source(obj)
             try:
@@ -713,8 +729,8 @@ class AllToAll:
             except Exception:  # (the call's own checks then say what is wrong with obj)
                 handle = None
             if handle is not None:
-                return self._order.runtime_handle(handle)
-        return self._order.latest()
+                return self._order.runtime_handle(handle), {probe: handle}
+        return self._order.latest(), None
 
     def stream_for(self, *inputs):
         """The stream a call given these inputs and no stream= runs on now (for the caller's own events:
@@ -759,12 +775,12 @@ class AllToAll:
         """dispatch() once the object is known usable. A multi-node call's node part comes here
         directly: an exchange between nodes that failed in this very call is the kernel's to handle
         (it sends nothing and poisons the outputs; pyhipa2a.hierarchy)."""
-        s = self._stream(stream, (x, indices))  # (one object per stream, handles too: what a repeat compares)
+        s, asked = self._call_stream(stream, (x, indices))  # (one object per stream, handles too: what a repeat compares)
         args = (x, indices, weights, x_scales, s)
         repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
-        if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args):
+        if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args, asked):
             repeat.resume(self._order, s)
-            result = self._launch_dispatch(s, repeat.tokens, weights)
+            result = self._launch_dispatch(s, repeat.tokens, weights, repeat.prepared)
             self._repeat_dispatch = repeat
             return result
         T = checked_dispatch(self, x, indices, weights, x_scales)
@@ -784,14 +800,16 @@ class AllToAll:
         self._keep(x_keep, i_keep, s_keep, w_keep)
         result = self._launch_dispatch(s, T, weights)
         names = ("x", "indices") + ("x_scales",) * (x_scales is not None) + ("weights",) * (weights is not None)
-        self._repeat_dispatch = Repeat.of(args, names, self._boundary, T)
+        self._repeat_dispatch = Repeat.of(args, names, self._boundary, T, result)
         return result
 
-    def _launch_dispatch(self, s, T: int, weights) -> DispatchResult:
-        """Launch the dispatch whose arguments are in the pack, on stream `s` (already ordered)."""
+    def _launch_dispatch(self, s, T: int, weights, result: DispatchResult | None = None) -> DispatchResult:
+        """Launch the dispatch whose arguments are in the pack, on stream `s` (already ordered); its
+        result (a repeat's is the recorded call's: the same views of the same stream and tokens)."""
         self._dispatch_kernel.launch(self._dispatch_pack, self.blocks, self.block_threads, s)
         self._queued(s)
-        result = self._outputs(s).dispatch_result(T)
+        if result is None:
+            result = self._outputs(s).dispatch_result(T)
         self._pending, self._pending_weights = result, weights
         return result
 
@@ -817,11 +835,11 @@ class AllToAll:
         NumPy expert_y still to copy, or None)."""
         sent = checked_combine_weights(self, weights)
         T = self._pending.num_tokens
-        s = self._stream(stream, (expert_y, weights, out))
+        s, asked = self._call_stream(stream, (expert_y, weights, out))
         repeat, self._repeat_combine = self._repeat_combine, None  # a call that fails records nothing
         scale = self._checked_scale(expert_scale)
         args = (expert_y, weights, out, s, scale, sent)
-        if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args):
+        if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args, asked):
             repeat.resume(self._order, s)
             self._repeat_combine = repeat
             return repeat.prepared

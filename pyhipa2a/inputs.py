@@ -97,11 +97,26 @@ class Recheck:
     def __init__(self, probe, key: tuple, stream):
         self.probe, self.key, self.stream = probe, key, stream
 
-    def holds(self, obj) -> bool:
+    def holds(self, obj, asked: dict | None = None) -> bool:
+        """Whether obj still answers so. `asked` ({probe: its stream answer}, one call's) keeps the stream
+        answers of the call's probes: a probe names the same stream for every array of one call whose key
+        holds (an array whose pointer is the one described lives on the device it was described on, and
+        the probe's answer is that device's current stream; pyhipa2a.producers)."""
+        probe = self.probe
         try:
-            return self.probe.key(obj) == self.key and self.probe.stream(obj) == self.stream
+            if probe.key(obj) != self.key:
+                return False
+            if asked is None:
+                return probe.stream(obj) == self.stream
+            named = asked.get(probe, _UNASKED)
+            if named is _UNASKED:
+                named = asked[probe] = probe.stream(obj)
+            return named == self.stream
         except Exception:  # (a deleted JAX array, say: the full path lets its protocol say what is wrong)
             return False
+
+
+_UNASKED = object()  # (None is an answer: nothing to wait for)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,9 @@ elements): quantized by the dispatch kernel from fp16 x (`--fp8-input
 quantize`, the default), or given in fp8 with its scales (`--fp8-input given`);
 combine stays fp16. Shapes whose hidden size is not a multiple of 128 are skipped. The host column is the median host time
 of one eager dispatch() + combine() (until both returned; the fake expert's
-launch between them is not counted), and eag/gr the eager wall over the graph's.
+launch between them is not counted), `launch` the host time of two empty kernels'
+launches timed the same way (the step's two launches with no library code around
+them: the floor of the host column), and eag/gr the eager wall over the graph's.
 `ls ...` columns (lockstep): `--lockstep-calls` calls (default 8) back to back
 in one graph after one more call, each between events of its own. Each
 rank's first call absorbs the ranks' launch skew (two processes' graph launches
@@ -263,6 +265,25 @@ def host_time(comm, a2a, arrays, step: Step, iters: int) -> float:
     return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
 
 
+def launch_host_time(comm, a2a, arrays, iters: int) -> float:
+    """Median host time (us, max over ranks) of launching two empty kernels with the exchange kernels'
+    geometry on the stream a step on `arrays` takes, timed as host_time times the step: what its two
+    launches cost with no library code around them. On the host backend, launching runs nothing."""
+    kernel, s = a2a.lib.kernel("nothing"), a2a.stream_for(*arrays)
+    pack = kernel.pack()
+    times = []
+    for i in range(iters + 10):
+        a2a.synchronize(s)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        kernel.launch(pack, a2a.blocks, a2a.block_threads, s)
+        kernel.launch(pack, a2a.blocks, a2a.block_threads, s)
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    a2a.synchronize(s)
+    return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
+
+
 def device_times(comm, a2a, run, event_sets, warmup: int, iters: int) -> dict:
     """Median per rank of each phase (us), then the max over ranks: the slowest rank sets the pace.
     `run()` makes calls that record events before, between and after their phases: each of `event_sets`
@@ -381,6 +402,7 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), [events], args.warmup, args.iters)
         r.update({"eager_" + p: v for p, v in eager.items()})
         r["host"] = host_time(comm, a2a, given, step, args.iters)
+        r["host_launches"] = launch_host_time(comm, a2a, given, args.iters)
         if flush_ptr is not None:
             r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
             r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, step), flush_ptr, args.iters)
@@ -487,12 +509,13 @@ def geomean(values) -> float | None:
 
 def print_shapes(rows) -> None:
     print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
-          "launched one by one; host: eager dispatch() + combine() host time; eag/gr: eager wall / graph wall; "
+          "launched one by one; host: eager dispatch() + combine() host time; launch: two empty kernels' launches "
+          "timed so (the step's launches alone); eag/gr: eager wall / graph wall; "
           "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels; "
           "ls: calls back to back in one graph after one that takes the ranks' launch skew (--lockstep-calls), "
           "median per call; ls nop: an empty kernel timed so")
     print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'wall':>9} {'+nop':>6} "
-          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'eag/gr':>6} {'floor':>9} {'push':>5} {'link MB':>8} "
+          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'launch':>6} {'eag/gr':>6} {'floor':>9} {'push':>5} {'link MB':>8} "
           f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} {'ls e2e':>7} {'ls nop':>6}")
     for r in rows:
         if not r["ok"]:
@@ -501,14 +524,15 @@ def print_shapes(rows) -> None:
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
               + f" {r['empty']:>5.1f} {r['wall']:>9.1f} {r['wall'] - r['empty_wall']:>6.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
-              f"{r['eager_over_graph']:>6.2f} {r['floor']:>9.1f} "
+              f"{r['host_launches']:>6.1f} {r['eager_over_graph']:>6.2f} {r['floor']:>9.1f} "
               f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               f" {fmt(r.get('ls_e2e')):>7} {fmt(r.get('ls_empty')):>6}")
     ok = [r for r in rows if r["ok"]]
     print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us, "
           f"wall {fmt(geomean(r['wall'] for r in ok))} us (empty kernels' graph "
           f"{fmt(geomean(r['empty_wall'] for r in ok))}; eager: e2e {fmt(geomean(r['eager_e2e'] for r in ok))}, "
-          f"wall {fmt(geomean(r['eager_wall'] for r in ok))}, host {fmt(geomean(r['host'] for r in ok))}, "
+          f"wall {fmt(geomean(r['eager_wall'] for r in ok))}, host {fmt(geomean(r['host'] for r in ok))} "
+          f"(two empty launches {fmt(geomean(r['host_launches'] for r in ok))}), "
           f"eager/graph wall max {fmt(max((r['eager_over_graph'] for r in ok), default=None), '.2f')}; "
           f"floor {fmt(geomean(r['floor'] for r in ok))} us), "
           f"ratio to SOL {fmt(geomean(r['ratio'] for r in ok), '.2f')}")
@@ -533,7 +557,7 @@ def print_between_nodes(rows) -> None:
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'eag disp':>9} {'eag comb':>9} "
-          f"{'eag e2e':>9} {'host':>7} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6} "
+          f"{'eag e2e':>9} {'host':>7} {'launch':>6} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6} "
           f"{'ls disp':>7} {'ls comb':>7} {'ls nop':>6}")
     for r in rows:
         if not r["ok"]:
@@ -541,7 +565,7 @@ def print_sweep(rows) -> None:
             continue
         print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES) + f" {r['empty']:>5.1f}"
               + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
-              + f" {r['host']:>7.1f} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
+              + f" {r['host']:>7.1f} {r['host_launches']:>6.1f} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               + f" {fmt(r.get('ls_dispatch')):>7} {fmt(r.get('ls_combine')):>7} {fmt(r.get('ls_empty')):>6}")
 
 

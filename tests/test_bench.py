@@ -31,6 +31,7 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     for r in rows:
         assert r["ok"], r.get("error")
         assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty"))
+        assert 0 < r["host_launches"] and 0 < r["host"], r  # the host column and its floor, two bare launches
         if lockstep_calls:
             assert all(r["ls_" + p] >= 0 for p in PHASES) and r["ls_empty"] > 0, r
             assert r["ls_e2e"] >= max(r["ls_dispatch"], r["ls_combine"]), r

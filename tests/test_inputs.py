@@ -467,13 +467,22 @@ def test_calls_on_the_current_stream_take_the_first_input_that_names_one(monkeyp
 
     me = SimpleNamespace(_order=order, _library_device=0)  # (what AllToAll sets up on device 0 of a GPU backend)
 
+    answers = []
+
     def pick(*inputs):
-        return AllToAll._current_stream_of(me, inputs)
+        stream, asked = AllToAll._current_stream_of(me, inputs)
+        answers.append(asked)
+        return stream
     mine = DeviceArray(FakeCuda(), 0x6000, (2, 4), np.float16, stream=0x99)
-    assert pick(np.zeros(2), mine, Tensor(0x1000, (2, 4))) == 0x55
+    t = Tensor(0x1000, (2, 4))
+    assert pick(np.zeros(2), mine, t) == 0x55
+    # The probe's answer goes with the stream: a repeat's rechecks of the call's tensors take it
+    from pyhipa2a import producers
+    assert answers == [{producers.stream_source(t): 0x55}]
     current[0] = 0
     assert pick(Tensor(0x1000, (2, 4))) == 1  # PyTorch's default stream: the legacy one, which CUDA spells 1
     assert pick(np.zeros(2), mine, None) == OURS  # none names one, no call yet: our own
+    assert answers[-1] is None
     elsewhere = Tensor(0x1000, (2, 4))
     elsewhere.get_device = lambda: 1
     assert pick(elsewhere) == OURS  # on another device: not its stream (the call's checks refuse it)
@@ -592,3 +601,31 @@ def test_a_repeated_call_waits_for_its_arguments_producers_again(monkeypatch):
     assert backend.waits[waited:] == [(0x55, OURS)] * 2
     current[0] = 0x66
     assert not record.holds((x, i, OURS))  # another producer stream: the full path, which waits for it
+
+
+def test_a_repeated_call_asks_each_producer_its_stream_once(monkeypatch):
+    """A repeat asks a producer's current stream once for all its arguments of one call, and not at all
+    when the call already asked it to find its own stream (AllToAll(stream="current"): `asked`); any
+    other answer than the recorded one still breaks the repeat."""
+    from pyhipa2a import producers
+    from pyhipa2a.a2a import Repeat
+    current, asks = [OURS], []
+
+    def current_stream(device):
+        asks.append(device)
+        return current[0]
+    from types import SimpleNamespace
+    fake_producer_module(monkeypatch, "torch", Tensor, _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
+    b, _ = boundary()
+    x, i = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32")
+    for _ in range(2):  # described, then settled
+        take_in_call(b, "x", x, (2, 4), np.float16)
+        b.take("indices", i, (2, 4), np.int32, OURS)
+    record = Repeat.of((x, i, OURS), ("x", "indices"), b, 2)
+    asks.clear()
+    assert record.holds((x, i, OURS)) and len(asks) == 1  # x's answer serves i
+    asks.clear()
+    assert record.holds((x, i, OURS), {producers.stream_source(x): OURS}) and asks == []
+    assert not record.holds((x, i, OURS), {producers.stream_source(x): 0x55})  # the call follows another stream
+    current[0] = 0x55
+    assert not record.holds((x, i, OURS))
