@@ -112,7 +112,7 @@ def test_kernel_amax16_is_the_largest_magnitude(native_amax, name):
     assert len(got) == len(halves)
     assert np.array_equal(got, (halves & 0x7FFF).max(axis=1))
     values = np.abs(halves.view(resolve(name)).astype(np.float32))
-    want = np.where(np.isnan(values).any(axis=1), np.nan, np.nanmax(values, axis=1))
+    want = values.max(axis=1)  # (NaN where a row holds one: max propagates it)
     assert np.array_equal(got.view(resolve(name)).astype(np.float32), want, equal_nan=True)
 
 
