@@ -225,8 +225,9 @@ class Repeat:
     the arguments' shapes were: like the boundary's settled entries, this trusts our own arrays (and
     any, under producer_order="stream") not to change their shape or memory in place; a PyTorch, CuPy
     or JAX argument is asked again what its probe answered (pyhipa2a.producers: pointer, shape,
-    strides, type, and the same producer stream as then; a producer whose current stream the call
-    follows, AllToAll(stream="current"), is not asked that twice). Streams are compared as the
+    strides, type, and the same producer stream as then: asked once a call for all the arguments of
+    one library, and not again where the call asked it to choose its own stream,
+    AllToAll(stream="current")). Streams are compared as the
     object's own view of them (one per handle), so a handle given as an int repeats."""
 
     __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks", "waits")

@@ -100,8 +100,8 @@ class Recheck:
     def holds(self, obj, asked: dict | None = None) -> bool:
         """Whether obj still answers so. `asked` ({probe: its stream answer}, one call's) keeps the stream
         answers of the call's probes: a probe names the same stream for every array of one call whose key
-        holds (an array whose pointer is the one described lives on the device it was described on, and
-        the probe's answer is that device's current stream; pyhipa2a.producers)."""
+        holds (an array whose pointer is the one described lives on the device it was described on, ours,
+        and the probe's answer is the library's current stream there; pyhipa2a.producers)."""
         probe = self.probe
         try:
             if probe.key(obj) != self.key:

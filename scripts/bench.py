@@ -29,8 +29,8 @@ quantize`, the default), or given in fp8 with its scales (`--fp8-input given`);
 combine stays fp16. Shapes whose hidden size is not a multiple of 128 are skipped. The host column is the median host time
 of one eager dispatch() + combine() (until both returned; the fake expert's
 launch between them is not counted), `launch` the host time of two empty kernels'
-launches timed the same way (the step's two launches with no library code around
-them: the floor of the host column), and eag/gr the eager wall over the graph's.
+launches timed the same way (a step's two launches with no library code around
+them: a lower bound of the host column within a node), and eag/gr the eager wall over the graph's.
 `ls ...` columns (lockstep): `--lockstep-calls` calls (default 8) back to back
 in one graph after one more call, each between events of its own. Each
 rank's first call absorbs the ranks' launch skew (two processes' graph launches
@@ -268,7 +268,7 @@ def host_time(comm, a2a, arrays, step: Step, iters: int) -> float:
 def launch_host_time(comm, a2a, arrays, iters: int) -> float:
     """Median host time (us, max over ranks) of launching two empty kernels with the exchange kernels'
     geometry on the stream a step on `arrays` takes, timed as host_time times the step: what its two
-    launches cost with no library code around them. On the host backend, launching runs nothing."""
+    launches cost with no library code around them (on the host backend, the empty kernel's host twin)."""
     kernel, s = a2a.lib.kernel("nothing"), a2a.stream_for(*arrays)
     pack = kernel.pack()
     times = []
@@ -510,7 +510,7 @@ def geomean(values) -> float | None:
 def print_shapes(rows) -> None:
     print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
           "launched one by one; host: eager dispatch() + combine() host time; launch: two empty kernels' launches "
-          "timed so (the step's launches alone); eag/gr: eager wall / graph wall; "
+          "timed so (a lower bound of host); eag/gr: eager wall / graph wall; "
           "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels; "
           "ls: calls back to back in one graph after one that takes the ranks' launch skew (--lockstep-calls), "
           "median per call; ls nop: an empty kernel timed so")
@@ -625,7 +625,7 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     launch = next((r["launch"] for r in rows + sweep if "launch" in r), None)
     if launch:
         small = launch.get("small_combine_tokens", -1)
-        print(f"launch: {launch['blocks']} blocks of {launch['block_threads']} threads "
+        print(f"grid: {launch['blocks']} blocks of {launch['block_threads']} threads "
               "(PYHIPA2A_GRID_BLOCKS, PYHIPA2A_BLOCK_THREADS); combine's small kernel "
               + (f"for calls of up to {small} tokens (the first shape's)" if small >= 0 else "not used")
               + f" (PYHIPA2A_COMBINE_KERNEL={os.environ.get('PYHIPA2A_COMBINE_KERNEL', 'auto')})")

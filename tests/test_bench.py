@@ -42,8 +42,9 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     assert header.split()[-6:] == ["ls", "disp", "ls", "comb", "ls", "nop"], header
     points = [line.split() for line in table[table.index(header) + 1:] if line.split()[:1] in (["1"], ["256"])]
     assert len(points) == 2
-    for cols in points:
+    for cols, r in zip(points, (report["sweep"][0], report["sweep"][-1])):
         assert (cols[-3:] == ["-", "-", "-"]) == (lockstep_calls == 0), cols
+        assert f"{r['host']:.1f} {r['host_launches']:.1f}" in " ".join(cols), cols  # launch right after host
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -481,6 +481,11 @@ def test_calls_on_the_current_stream_take_the_first_input_that_names_one(monkeyp
     assert answers == [{producers.stream_source(t): 0x55}]
     current[0] = 0
     assert pick(Tensor(0x1000, (2, 4))) == 1  # PyTorch's default stream: the legacy one, which CUDA spells 1
+    assert answers[-1] == {producers.stream_source(t): 1}  # as the probe's stream() spells it (Recheck compares so)
+    hip = FakeCuda()
+    hip.kind = "hip"  # HIP's null stream is 0: the call runs there, while the probe still answers 1
+    assert AllToAll._current_stream_of(SimpleNamespace(_order=StreamOrder(hip, OURS), _library_device=0), (t,)) == (
+        0, {producers.stream_source(t): 1})
     assert pick(np.zeros(2), mine, None) == OURS  # none names one, no call yet: our own
     assert answers[-1] is None
     elsewhere = Tensor(0x1000, (2, 4))
@@ -629,3 +634,41 @@ def test_a_repeated_call_asks_each_producer_its_stream_once(monkeypatch):
     assert not record.holds((x, i, OURS), {producers.stream_source(x): 0x55})  # the call follows another stream
     current[0] = 0x55
     assert not record.holds((x, i, OURS))
+
+
+def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
+    """AllToAll(stream="current"): a repeated dispatch and combine of PyTorch tensors ask PyTorch's current
+    stream once each, to choose the call's stream; their arguments' rechecks take that answer."""
+    import functools
+    from types import SimpleNamespace
+
+    from pyhipa2a.a2a import AllToAll, Repeat
+    asks = []
+
+    def current_stream(device):
+        asks.append(device)
+        return 0x55
+    fake_producer_module(monkeypatch, "torch", Tensor, _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
+    b, _ = boundary()
+    x, i, y, w = (Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32"), Tensor(0x2000, (2, 4)),
+                  Tensor(0x2800, (2, 4), "float32"))
+    for _ in range(2):  # described, then settled on the call's stream, PyTorch's current one
+        take_in_call(b, "x", x, (2, 4), np.float16, 0x55)
+        b.take("indices", i, (2, 4), np.int32, 0x55)
+        take_in_call(b, "expert_y", y, (2, 4), np.float16, 0x55)
+        b.take("weights", w, (2, 4), np.float32, 0x55)
+    launched, result, prepared, scale = [], SimpleNamespace(num_tokens=2), object(), (1.0, 1.0)
+    me = SimpleNamespace(_capturing=None, _on_current_stream=True, _library_device=0, _order=b.order, _pending=None,
+                         _pending_weights=None, _dispatch_kernel=SimpleNamespace(launch=lambda *a: launched.append(a)),
+                         _dispatch_pack=None, blocks=1, block_threads=32, _last_scale=scale)
+    for name in ("_call_stream", "_current_stream_of", "_stream_outside_capture", "_launch_dispatch", "_queued",
+                 "_checked_scale"):
+        setattr(me, name, functools.partial(getattr(AllToAll, name), me))
+    me._repeat_dispatch = Repeat.of((x, i, None, None, 0x55), ("x", "indices"), b, 2, result)
+    asks.clear()
+    assert AllToAll._dispatch(me, x, i, None, None, None) is result and len(launched) == 1
+    assert len(asks) == 1  # the call's stream; x's and indices' rechecks took its answer
+    me._repeat_combine = Repeat.of((y, w, None, 0x55, scale, None), ("expert_y", "weights"), b, 2, prepared)
+    asks.clear()
+    assert AllToAll._prepare_combine(me, y, w, None, None, scale[0]) is prepared
+    assert len(asks) == 1
