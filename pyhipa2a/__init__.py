@@ -1,5 +1,6 @@
 """pyhipa2a: torch-free MoE expert-parallel all-to-all (dispatch / combine) on one node of GPUs."""
-from .a2a import AllToAll, DispatchResult
+from .a2a import AllToAll
+from .calls import DispatchResult
 from .array import DeviceArray
 from .errors import (A2ADeviceError, A2AError, A2ATimeoutError, AllocationMismatchError, CodeObjectNotFound,
                      ConfigMismatchError, RuntimeFailure)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .a2a import (MAX_TOP_K, AllToAll, DispatchResult, OutputViews, checked_combine_weights, checked_dispatch,
-                  take_input, weights_input)
+from .a2a import MAX_TOP_K, AllToAll
+from .calls import DispatchResult, OutputViews, checked_combine_weights, checked_dispatch, take_input, weights_input
 from .array import DeviceArray
 from .bootstrap import _mpi
 from .errors import A2AError, ConfigMismatchError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error

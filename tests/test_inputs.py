@@ -263,7 +263,7 @@ def test_dispatch_results_are_made_once_per_stream_and_token_count():
     """Repeated calls hand back the same (immutable) DispatchResult; another T or stream, another one."""
     import dataclasses
 
-    from pyhipa2a.a2a import OutputViews
+    from pyhipa2a.calls import OutputViews
     backend = FakeCuda()
     def view(shape, dtype=np.int32):
         return DeviceArray(backend, 0x1000, shape, dtype, stream=OURS)
@@ -567,7 +567,7 @@ def test_a_probe_that_starts_raising_sends_the_array_back_to_its_protocol(monkey
 
 def test_a_repeated_call_asks_its_probed_arguments_again(monkeypatch):
     """Repeat (the whole call's fast path) holds only while every probed argument answers as it did."""
-    from pyhipa2a.a2a import Repeat
+    from pyhipa2a.calls import Repeat
     current = [OURS]
     fake_torch(monkeypatch, current)
     b, _ = boundary()
@@ -589,7 +589,7 @@ def test_a_repeated_call_waits_for_its_arguments_producers_again(monkeypatch):
     """A repeat of a call whose PyTorch arguments were written on another stream than the call's makes
     that stream's wait again (once for arguments that share it), and holds only while the probe still
     names that stream."""
-    from pyhipa2a.a2a import Repeat
+    from pyhipa2a.calls import Repeat
     current = [0x55]
     fake_torch(monkeypatch, current)
     b, backend = boundary()
@@ -613,7 +613,7 @@ def test_a_repeated_call_asks_each_producer_its_stream_once(monkeypatch):
     when the call already asked it to find its own stream (AllToAll(stream="current"): `asked`); any
     other answer than the recorded one still breaks the repeat."""
     from pyhipa2a import producers
-    from pyhipa2a.a2a import Repeat
+    from pyhipa2a.calls import Repeat
     current, asks = [OURS], []
 
     def current_stream(device):
@@ -642,7 +642,8 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
     import functools
     from types import SimpleNamespace
 
-    from pyhipa2a.a2a import AllToAll, Repeat
+    from pyhipa2a.a2a import AllToAll
+    from pyhipa2a.calls import Repeat
     asks = []
 
     def current_stream(device):
