@@ -102,12 +102,10 @@ class Recheck:
         answers of the call's probes: a probe names the same stream for every array of one call whose key
         holds (an array whose pointer is the one described lives on the device it was described on, ours,
         and the probe's answer is the library's current stream there; pyhipa2a.producers)."""
-        probe = self.probe
+        probe, asked = self.probe, {} if asked is None else asked
         try:
             if probe.key(obj) != self.key:
                 return False
-            if asked is None:
-                return probe.stream(obj) == self.stream
             named = asked.get(probe, _UNASKED)
             if named is _UNASKED:
                 named = asked[probe] = probe.stream(obj)

@@ -249,20 +249,29 @@ def framework_arrays(kind: str, a2a, inputs) -> list:
     return arrays
 
 
+def median_host_us(comm, a2a, timed, iters: int, stream=None) -> float:
+    """Median over `iters` samples (after 10 more) of the seconds `timed()` returns, each taken after a
+    synchronize (of `stream`, else the last call's) and a barrier, in us, max over ranks."""
+    times = []
+    for i in range(iters + 10):
+        a2a.synchronize(stream)
+        comm.Barrier()
+        sample = timed()
+        if i >= 10:
+            times.append(sample)
+    a2a.synchronize(stream)
+    return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
+
+
 def host_time(comm, a2a, arrays, step: Step, iters: int) -> float:
     """Median host time of one eager dispatch() + combine() (us), max over ranks; the fake expert's launch
     between them (when not fused) is not counted."""
-    times = []
-    for i in range(iters + 10):
-        a2a.synchronize()
-        comm.Barrier()
+    def timed():
         stamps = [time.perf_counter()]
         call(a2a, arrays, step, between=lambda: stamps.append(time.perf_counter()))
         stamps.append(time.perf_counter())
-        if i >= 10:
-            times.append((stamps[1] - stamps[0]) + (stamps[3] - stamps[2]))
-    a2a.synchronize()
-    return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
+        return (stamps[1] - stamps[0]) + (stamps[3] - stamps[2])
+    return median_host_us(comm, a2a, timed, iters)
 
 
 def launch_host_time(comm, a2a, arrays, iters: int) -> float:
@@ -271,17 +280,13 @@ def launch_host_time(comm, a2a, arrays, iters: int) -> float:
     launches cost with no library code around them (on the host backend, the empty kernel's host twin)."""
     kernel, s = a2a.lib.kernel("nothing"), a2a.stream_for(*arrays)
     pack = kernel.pack()
-    times = []
-    for i in range(iters + 10):
-        a2a.synchronize(s)
-        comm.Barrier()
+
+    def timed():
         t0 = time.perf_counter()
         kernel.launch(pack, a2a.blocks, a2a.block_threads, s)
         kernel.launch(pack, a2a.blocks, a2a.block_threads, s)
-        if i >= 10:
-            times.append(time.perf_counter() - t0)
-    a2a.synchronize(s)
-    return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
+        return time.perf_counter() - t0
+    return median_host_us(comm, a2a, timed, iters, s)
 
 
 def device_times(comm, a2a, run, event_sets, warmup: int, iters: int) -> dict:
