@@ -4,7 +4,10 @@ Per shape (default: the five gpu-mode benchmark shapes, fp16 in and out,
 num_tokens drawn per rank in [1, M)): one correctness check with run_round,
 then the call dispatch -> fake expert ("GEMM") -> combine captured as one
 graph (AllToAll.capture) and checked again; device time of each phase from
-events, and host wall time of one call the way gpu-mode's harness takes it
+events between the phases, of the whole step (e2e) from a graph with events
+around it alone (an event node between two kernels delays the second by about
+1.5 us on the H100 machine, and a fused step's empty GEMM phase is two of them
+back to back: no user's step has them), and host wall time of one call the way gpu-mode's harness takes it
 (cache flushed, synchronize + barrier around the call, rank 0's clock),
 printed beside the floor (the same with an empty call). The same figures for
 eager calls (three launches) stand beside them. Link bytes and the speed of light come
@@ -37,7 +40,8 @@ rank's first call absorbs the ranks' launch skew (two processes' graph launches
 after a barrier start microseconds apart, and the earlier rank's call
 waits for the later one); the later calls follow the exchange's own pace,
 as consecutive layers of a model do. Their median per phase, beside empty
-kernels timed the same way (ls nop).
+kernels timed the same way (ls nop); ls e2e is theirs too, so it counts the
+event nodes between the phases that the e2e column leaves out.
 """
 from __future__ import annotations
 
@@ -74,6 +78,10 @@ COPY_BYTES = 256 * MiB    # per bandwidth repetition
 COPY_REPS = 20
 SWEEP_TOKENS = (1, 8, 32, 64, 128, 256)
 PHASES = ("dispatch", "gemm", "combine", "e2e")
+# A timed call's spans, by the indices of the events that bound them (call(): before dispatch, after it,
+# before combine, after it).
+SPANS = {"dispatch": (0, 1), "gemm": (1, 2), "combine": (2, 3), "e2e": (0, 3)}
+WHOLE = {"e2e": (0, 3)}  # the spans of a call with events around it alone
 INPUT_KINDS = ("own", "numpy", "cupy", "torch", "jax")
 
 
@@ -148,7 +156,7 @@ def call(a2a, arrays, step: Step, events=None, between=lambda: None):
     `arrays`: x, indices, weights (and x's scales when x is fp8). `between()` runs after dispatch()
     returned and again before combine() is called (the host-time column leaves out what lies between)."""
     s = a2a.stream_for(*arrays) if events else None  # (with --calls-on current, the arrays' library's)
-    mark = (lambda i: a2a.backend.event_record(events[i], s)) if events else (lambda i: None)
+    mark = lambda i: events and events[i] is not None and a2a.backend.event_record(events[i], s)  # noqa: E731
     to_dispatch, w = weights_where(arrays[2], step.weights_at)
     mark(0)
     d = dispatch_uploaded(a2a, arrays, **to_dispatch)
@@ -289,10 +297,10 @@ def launch_host_time(comm, a2a, arrays, iters: int) -> float:
     return median_host_us(comm, a2a, timed, iters, s)
 
 
-def device_times(comm, a2a, run, event_sets, warmup: int, iters: int) -> dict:
-    """Median per rank of each phase (us), then the max over ranks: the slowest rank sets the pace.
+def device_times(comm, a2a, run, event_sets, warmup: int, iters: int, spans=SPANS) -> dict:
+    """Median per rank of each span (us), then the max over ranks: the slowest rank sets the pace.
     `run()` makes calls that record events before, between and after their phases: each of `event_sets`
-    (lists of four events) is one call's, whose phases are samples."""
+    (lists of four events, None where a call records none) is one call's, whose spans are samples."""
     b = a2a.backend
     samples = []
     for i in range(warmup + iters):
@@ -302,10 +310,9 @@ def device_times(comm, a2a, run, event_sets, warmup: int, iters: int) -> dict:
         a2a.synchronize()
         if i >= warmup:
             for ev in event_sets:
-                samples.append([b.event_elapsed_ms(ev[j], ev[j + 1]) for j in range(3)]
-                               + [b.event_elapsed_ms(ev[0], ev[3])])
+                samples.append([b.event_elapsed_ms(ev[first], ev[last]) for first, last in spans.values()])
     medians = np.median(np.array(samples), axis=0) * 1e3
-    return {p: comm.allreduce(float(m), op=MPI.MAX) for p, m in zip(PHASES, medians)}
+    return {p: comm.allreduce(float(m), op=MPI.MAX) for p, m in zip(spans, medians)}
 
 
 def wall_time(comm, a2a, body, flush_ptr: int, iters: int) -> float:
@@ -388,15 +395,20 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
         b = a2a.backend
         events = call_events(b, made)
+        around = [events[0], None, None, events[3]]  # e2e's: nothing recorded between the phases
         timed, timed_out = capture(a2a, arrays, step, made, [events])
+        whole, whole_out = capture(a2a, arrays, step, made, [around])
         bare, bare_out = capture(a2a, arrays, step, made)
         error = (check_run(comm, a2a, inputs, lambda: (timed.launch(), timed_out)[1], step, " (graph)")
+                 or check_run(comm, a2a, inputs, lambda: (whole.launch(), whole_out)[1], step, " (graph)")
                  or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], step, " (graph)")
                  or check_run(comm, a2a, inputs, lambda: call(a2a, given, step), step,
                               f" (eager, {args.inputs} inputs)"))
         if error:
             return failed(made, error)
         r = device_times(comm, a2a, timed.launch, [events], args.warmup, args.iters)
+        r["e2e_phased"] = r["e2e"]  # (with events between the phases: JSON only)
+        r["e2e"] = device_times(comm, a2a, whole.launch, [around], args.warmup, args.iters, WHOLE)["e2e"]
         launch_empty = capture_empty(a2a, [events], step, made)
         r["empty"] = device_times(comm, a2a, launch_empty, [events], args.warmup, args.iters)["dispatch"]
         if args.lockstep_calls:
@@ -405,6 +417,8 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
                 return failed(made, ls["error"], r)
             r.update(ls)
         eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), [events], args.warmup, args.iters)
+        eager["e2e"] = device_times(comm, a2a, lambda: call(a2a, given, step, around), [around], args.warmup,
+                                    args.iters, WHOLE)["e2e"]
         r.update({"eager_" + p: v for p, v in eager.items()})
         r["host"] = host_time(comm, a2a, given, step, args.iters)
         r["host_launches"] = launch_host_time(comm, a2a, given, args.iters)

@@ -15,9 +15,11 @@ PHASES = ("dispatch", "gemm", "combine", "e2e")
 @pytest.mark.parametrize("lockstep_calls", [0, 3])
 def test_bench_script(tmp_path, backend, lockstep_calls):
     """A shape and the sweep, every call checked against the oracle by the bench itself (a failed check is a
-    FAIL row, not ok: the lockstep graph's last call too); with lockstep calls, their phases are reported
-    (each sample's e2e spans its own call's dispatch and combine, so a phase timed between the wrong events
-    breaks the order of the medians); without, no ls figures and the columns say '-'."""
+    FAIL row, not ok: the lockstep graph's last call too, and the graph with events around the step alone
+    that e2e is timed on); the e2e with events between the phases is kept beside it (each of its samples
+    spans that call's dispatch and combine, so a span timed between the wrong events breaks the order of
+    the medians); with lockstep calls, their phases are reported likewise; without, no ls figures and the
+    columns say '-'."""
     ranks, out = ranks_for(backend), tmp_path / "bench.json"
     hidden = "128" if backend == "host" else "7168"
     run = run_mpi([str(REPO / "scripts" / "bench.py"), "--shape", f"{4 * ranks},2,256,8", "--sweep",
@@ -30,7 +32,8 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     assert len(report["shapes"]) == 1 and [r["tokens"] for r in report["sweep"]] == [1, 8, 32, 64, 128, 256]
     for r in rows:
         assert r["ok"], r.get("error")
-        assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty"))
+        assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty", "eager_e2e"))
+        assert r["e2e_phased"] >= max(r["dispatch"], r["combine"]), r
         assert 0 < r["host_launches"] and 0 < r["host"], r  # the host column and its floor, two bare launches
         if lockstep_calls:
             assert all(r["ls_" + p] >= 0 for p in PHASES) and r["ls_empty"] > 0, r
