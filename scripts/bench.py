@@ -192,7 +192,8 @@ def capture_empty(a2a, event_sets, step: Step, made: contextlib.ExitStack):
     try:
         for events in event_sets:
             for i, phase in enumerate(PHASES[:3]):
-                b.event_record(events[i], s)
+                if events[i] is not None:
+                    b.event_record(events[i], s)
                 if phase != "gemm" or not step.fused:
                     launch()
             b.event_record(events[3], s)
@@ -411,6 +412,8 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         r["e2e"] = device_times(comm, a2a, whole.launch, [around], args.warmup, args.iters, WHOLE)["e2e"]
         launch_empty = capture_empty(a2a, [events], step, made)
         r["empty"] = device_times(comm, a2a, launch_empty, [events], args.warmup, args.iters)["dispatch"]
+        r["empty_e2e"] = device_times(comm, a2a, capture_empty(a2a, [around], step, made), [around], args.warmup,
+                                      args.iters, WHOLE)["e2e"]  # the step's kernels, empty: e2e's floor
         if args.lockstep_calls:
             ls = lockstep(comm, a2a, arrays, inputs, step, args)
             if not ls.get("ok", True):
@@ -547,7 +550,8 @@ def print_shapes(rows) -> None:
               f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               f" {fmt(r.get('ls_e2e')):>7} {fmt(r.get('ls_empty')):>6}")
     ok = [r for r in rows if r["ok"]]
-    print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us, "
+    print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us "
+          f"(empty kernels {fmt(geomean(r['empty_e2e'] for r in ok))}), "
           f"wall {fmt(geomean(r['wall'] for r in ok))} us (empty kernels' graph "
           f"{fmt(geomean(r['empty_wall'] for r in ok))}; eager: e2e {fmt(geomean(r['eager_e2e'] for r in ok))}, "
           f"wall {fmt(geomean(r['eager_wall'] for r in ok))}, host {fmt(geomean(r['host'] for r in ok))} "

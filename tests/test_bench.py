@@ -32,7 +32,7 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     assert len(report["shapes"]) == 1 and [r["tokens"] for r in report["sweep"]] == [1, 8, 32, 64, 128, 256]
     for r in rows:
         assert r["ok"], r.get("error")
-        assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty", "eager_e2e"))
+        assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty", "empty_e2e", "eager_e2e"))
         assert r["e2e_phased"] >= max(r["dispatch"], r["combine"]), r
         assert 0 < r["host_launches"] and 0 < r["host"], r  # the host column and its floor, two bare launches
         if lockstep_calls:
