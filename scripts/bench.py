@@ -5,9 +5,9 @@ num_tokens drawn per rank in [1, M)): one correctness check with run_round,
 then the call dispatch -> fake expert ("GEMM") -> combine captured as one
 graph (AllToAll.capture) and checked again; device time of each phase from
 events between the phases, of the whole step (e2e) from a graph with events
-around it alone (an event node between two kernels delays the second by about
-1.5 us on the H100 machine, and a fused step's empty GEMM phase is two of them
-back to back: no user's step has them), and host wall time of one call the way gpu-mode's harness takes it
+around it alone (an event node between two kernels delays the second: a step
+read 6.7-7.4 us longer with the events between its phases on two H100s, and no
+user's step has them), and host wall time of one call the way gpu-mode's harness takes it
 (cache flushed, synchronize + barrier around the call, rank 0's clock),
 printed beside the floor (the same with an empty call). The same figures for
 eager calls (three launches) stand beside them. Link bytes and the speed of light come
