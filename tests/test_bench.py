@@ -76,10 +76,11 @@ def test_bench_sets_a_call_between_nodes_beside_the_bare_exchange(tmp_path, back
 
 
 @pytest.mark.parametrize("fail_at,release_raises,between_nodes",
-                         [(0, 0, 0), (2, 0, 0), (4, 0, 0), (2, 1, 0), (4, 1, 0), (0, 0, 1), (2, 0, 1)])
+                         [(0, 0, 0), (2, 0, 0), (3, 0, 0), (5, 0, 0), (3, 1, 0), (5, 1, 0), (0, 0, 1), (3, 0, 1)])
 def test_bench_releases_what_it_made(fail_at, release_raises, between_nodes):
     """Every input buffer, event and graph the bench makes for a shape is freed, also when a check fails
-    (the bare graph's; the lockstep graph's) and the shape is reported as a FAIL row: the bench goes on
+    (the whole step's graph's; the bare graph's; the lockstep graph's) and the shape is reported as a FAIL
+    row: the bench goes on
     to the next shape. A release that raises (a faulted device) loses neither the FAIL row nor the other
     releases. Between nodes (a rank a node), the bare exchange's graph too, which the wall replays. The
     host backend, 2 ranks."""
