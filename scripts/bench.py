@@ -407,21 +407,21 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
                               f" (eager, {args.inputs} inputs)"))
         if error:
             return failed(made, error)
+        def whole_e2e(run) -> float:  # a step that records `around`'s events, timed as e2e
+            return device_times(comm, a2a, run, [around], args.warmup, args.iters, WHOLE)["e2e"]
         r = device_times(comm, a2a, timed.launch, [events], args.warmup, args.iters)
         r["e2e_phased"] = r["e2e"]  # (with events between the phases: JSON only)
-        r["e2e"] = device_times(comm, a2a, whole.launch, [around], args.warmup, args.iters, WHOLE)["e2e"]
+        r["e2e"] = whole_e2e(whole.launch)
         launch_empty = capture_empty(a2a, [events], step, made)
         r["empty"] = device_times(comm, a2a, launch_empty, [events], args.warmup, args.iters)["dispatch"]
-        r["empty_e2e"] = device_times(comm, a2a, capture_empty(a2a, [around], step, made), [around], args.warmup,
-                                      args.iters, WHOLE)["e2e"]  # the step's kernels, empty: e2e's floor
+        r["empty_e2e"] = whole_e2e(capture_empty(a2a, [around], step, made))  # the step's kernels, empty: e2e's floor
         if args.lockstep_calls:
             ls = lockstep(comm, a2a, arrays, inputs, step, args)
             if not ls.get("ok", True):
                 return failed(made, ls["error"], r)
             r.update(ls)
         eager = device_times(comm, a2a, lambda: call(a2a, given, step, events), [events], args.warmup, args.iters)
-        eager["e2e"] = device_times(comm, a2a, lambda: call(a2a, given, step, around), [around], args.warmup,
-                                    args.iters, WHOLE)["e2e"]
+        eager["e2e"] = whole_e2e(lambda: call(a2a, given, step, around))
         r.update({"eager_" + p: v for p, v in eager.items()})
         r["host"] = host_time(comm, a2a, given, step, args.iters)
         r["host_launches"] = launch_host_time(comm, a2a, given, args.iters)
