@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from pathlib import Path
 
 from .errors import CodeObjectNotFound
@@ -163,6 +164,11 @@ class ArgPack:
     def __init__(self, argtypes):
         self.arguments = tuple(t() for t in argtypes)
         self.kernel_params = (ctypes.c_void_p * len(argtypes))(*(ctypes.addressof(a) for a in self.arguments))
+        self.sites = {}  # what a backend keeps per (kernel, geometry) launched from here (CUDA: a one-node graph)
+
+    def release(self) -> None:
+        """Drop what backends keep for this pack's launches (made again if it is launched again)."""
+        self.sites.clear()
 
     def __getitem__(self, i):
         return self.arguments[i]
@@ -176,9 +182,12 @@ class ArgPack:
 class Kernel:
     def __init__(self, backend, function, name: str, argtypes):
         self.backend, self.function, self.name, self.argtypes = backend, function, name, argtypes
+        self.packs = weakref.WeakSet()  # the packs made here, released when the library closes
 
     def pack(self) -> ArgPack:
-        return ArgPack(self.argtypes)
+        pack = ArgPack(self.argtypes)
+        self.packs.add(pack)
+        return pack
 
     def launch(self, pack: ArgPack, grid: int, block: int, stream=None) -> None:
         self.backend.launch(self.function, grid, block, stream, pack)
@@ -260,6 +269,9 @@ class KernelLibrary:
 
     def close(self) -> None:
         """Unloads the modules this library loaded for itself; shared ones stay for the next library."""
+        for kernel in self._kernels.values():
+            for pack in list(kernel.packs):
+                pack.release()  # (a CUDA launch site's graph holds the kernel: gone before its module)
         for module in self._own:
             self.backend.module_unload(module)
         self._own.clear()

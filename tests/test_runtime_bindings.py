@@ -256,7 +256,7 @@ def test_arguments_pass_binding_conversion(rt):
         function = binding.ihipModuleSymbol_t.fromObj(0)
         graph = binding.hipGraphExec.fromObj(0)
     host = np.zeros(8, np.uint32)
-    pack = types.SimpleNamespace(kernel_params=(ctypes.c_void_p * 2)())
+    pack = types.SimpleNamespace(kernel_params=(ctypes.c_void_p * 2)(), sites={})
     ptr = 1 << 40
     calls = [
         ("device_count", ()), ("open_device", (0,)), ("malloc_ipc", (64,)), ("free", (ptr,)),

@@ -200,8 +200,10 @@ class Backend:
 
         `pack` is a `kernels.ArgPack`: GPU backends pass `pack.kernel_params`
         (a ctypes array of void*, one per argument, built once per launch
-        site); the host backend calls its Python kernel with `pack.arguments`
-        (the ctypes argument objects themselves).
+        site), the CUDA backend to a one-node graph it keeps in `pack.sites`;
+        the host backend calls its Python kernel with `pack.arguments` (the
+        ctypes argument objects themselves). Each launch takes the arguments
+        as the pack holds them at that moment.
         """
         raise NotImplementedError
 

@@ -177,8 +177,12 @@ class DriverBackend(Backend):
     def event_destroy(self, event) -> None:
         self._call("event_destroy", event)
 
+    def _recording(self, stream) -> bool:
+        """Whether `stream` is between our capture_begin and capture_end."""
+        return bool(self._capturing) and self.stream_handle(stream) in self._capturing
+
     def event_record(self, event, stream) -> None:
-        if self._capturing and self.stream_handle(stream) in self._capturing:
+        if self._recording(stream):
             self._call("event_record_with_flags", event, stream, self._EVENT_RECORD_EXTERNAL)
         else:
             self._call("event_record", event, stream)
