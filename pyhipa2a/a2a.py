@@ -398,7 +398,9 @@ class AllToAll:
         # The fake expert reads our expert_x (and its scales) and counts and scales by 1 + rank: only
         # `out` (argument _scale_out) changes per call.
         self._set_fake_expert_scale(float(1 + self.rank))
-        self._capturing = None  # the stream while capture() records a step
+        self._capturing = None  # the stream while capture() records a step, or one call joins a caller's capture
+        self._joined = None  # that stream while one call is recorded into another library's capture (_join_capture)
+        self._pending_joined = None  # the pending dispatch's: the stream of the capture it was recorded into
         self._clock_epoch = 0  # tags clock_offset_ns()'s words (kernels_hip/clock.hip)
         self._clock_failed: str | None = None  # why the clock syncs are out of step
         self._clock_kernel = None  # (kernel, pack) of clock_sync, made on first use
@@ -549,10 +551,11 @@ class AllToAll:
         (stream="current"; the last call's stream where none has)."""
         return self._call_stream(stream, inputs)[0]
 
-    def _call_stream(self, stream, inputs):
+    def _call_stream(self, stream, inputs, join: bool = False):
         """(_stream's stream, asked): `asked` is {probe: its answer} where the stream is a producer's
         current one, which a repeat's rechecks of that producer's arrays take instead of asking it
-        again (Repeat.holds); else None."""
+        again (Repeat.holds); else None. `join`: a call that another library's capture of that stream
+        records (_join_capture); the caller leaves it when the call returns (_leave_capture)."""
         if self._capturing is not None:
             if stream is not None and self._stream_outside_capture(stream) is not self._capturing:
                 raise A2AError("inside capture(), every call must use the capturing stream (pass no stream=)")
@@ -560,7 +563,48 @@ class AllToAll:
         asked = None
         if stream is None and self._on_current_stream:
             stream, asked = self._current_stream_of(inputs)
-        return self._stream_outside_capture(stream), asked
+        s = self._stream_outside_capture(stream)
+        # Only capture() records our own stream; any other may be another library's capture's.
+        if join and s is not self.stream and self.backend.stream_capturing(s):
+            self._join_capture(s)
+            return s, None
+        return s, asked
+
+    def _join_capture(self, s) -> None:
+        """Another library (torch.cuda.graph, CuPy's stream capture) is capturing `s`: this call is
+        recorded into that capture as capture() records ours: nothing waited for outside it, inputs
+        taken without waits for their producers, kernels launched plainly, no repeat of it. The graph
+        is the caller's: it must keep the inputs alive while it may replay (PyTorch's rule too)."""
+        self.backend.capture_join(s)
+        self._capturing, self._captured_refs, self._joined = s, [], s
+
+    def _leave_capture(self) -> None:
+        self.backend.capture_leave(self._joined)
+        self._capturing = self._captured_refs = self._joined = None
+
+    def _joining(self, call, *args):
+        """call(*args), a public call's body that may join another library's capture (its stream
+        argument's join=True), which it leaves however the call ends."""
+        try:
+            return call(*args)
+        finally:
+            if self._joined is not None:
+                self._leave_capture()
+
+    def _check_capture_pairing(self, leg: str) -> None:
+        """A dispatch recorded into another library's capture must be combined in that same capture, and
+        one made outside it outside it: each replay of the caller's graph is then a whole call on the
+        device, and no call takes an epoch a replay will take too."""
+        if self._pending is None:
+            return
+        if self._pending_joined is not None:
+            # The caller's graph may hold this dispatch alone (or its capture failed): replaying it would
+            # take an epoch no combine hands on, so no later call of this object could be trusted.
+            self._broken = (f"a dispatch() recorded into another library's capture was followed by {leg}() "
+                            "outside that capture: each recorded dispatch must be combined in the same capture")
+            raise A2AError(self._broken)
+        raise A2AError(f"{leg}() is being recorded into another library's capture while a dispatch() made "
+                       "outside it awaits its combine(): combine that dispatch before the capture")
 
     def _current_stream_of(self, inputs):
         """stream="current": (the current stream on our device, as a handle, of the library of the first
@@ -617,13 +661,15 @@ class AllToAll:
         travel with the routing, so combine waits for no weights of its peers (its fastest form). This
         call reads them; combine takes none (or the same array)."""
         self._usable()
-        return self._dispatch(x, indices, weights, x_scales, stream)
+        return self._joining(self._dispatch, x, indices, weights, x_scales, stream, True)
 
-    def _dispatch(self, x, indices, weights, x_scales, stream) -> DispatchResult:
+    def _dispatch(self, x, indices, weights, x_scales, stream, join: bool = False) -> DispatchResult:
         """dispatch() once the object is known usable. A multi-node call's node part comes here
         directly: an exchange between nodes that failed in this very call is the kernel's to handle
         (it sends nothing and poisons the outputs; pyhipa2a.hierarchy)."""
-        s, asked = self._call_stream(stream, (x, indices))  # (one object per stream, handles too: what a repeat compares)
+        s, asked = self._call_stream(stream, (x, indices), join)  # (one object per stream, handles too: what a repeat compares)
+        if self._pending_joined is not self._joined:
+            self._check_capture_pairing("dispatch")
         args = (x, indices, weights, x_scales, s)
         repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
         if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args, asked):
@@ -658,7 +704,7 @@ class AllToAll:
         self._queued(s)
         if result is None:
             result = self._outputs(s).dispatch_result(T)
-        self._pending, self._pending_weights = result, weights
+        self._pending, self._pending_weights, self._pending_joined = result, weights, self._joined
         return result
 
     def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
@@ -671,19 +717,21 @@ class AllToAll:
         every other row's scale joins its weight in fp32. gpu-mode's fake expert is
         `combine(d.expert_x, w, expert_scale=1 + rank)`: no expert kernel at all."""
         self._usable()
-        return self._combine(expert_y, weights, out, stream, expert_scale)
+        return self._joining(self._combine, expert_y, weights, out, stream, expert_scale, True)
 
-    def _combine(self, expert_y, weights, out, stream, expert_scale) -> DeviceArray:
+    def _combine(self, expert_y, weights, out, stream, expert_scale, join: bool = False) -> DeviceArray:
         """combine() once the object is known usable (see _dispatch)."""
-        return self._launch_combine(self._prepare_combine(expert_y, weights, out, stream, expert_scale))
+        return self._launch_combine(self._prepare_combine(expert_y, weights, out, stream, expert_scale, join))
 
-    def _prepare_combine(self, expert_y, weights, out, stream, expert_scale):
+    def _prepare_combine(self, expert_y, weights, out, stream, expert_scale, join: bool = False):
         """Every check of a combine and its arguments, with nothing copied or launched yet (a multi-node
         call has its weights cross between nodes in between): (stream, out array, keepalives, the
         NumPy expert_y still to copy, or None)."""
         sent = checked_combine_weights(self, weights)
         T = self._pending.num_tokens
-        s, asked = self._call_stream(stream, (expert_y, weights, out))
+        s, asked = self._call_stream(stream, (expert_y, weights, out), join)
+        if self._pending_joined is not self._joined:
+            self._check_capture_pairing("combine")
         repeat, self._repeat_combine = self._repeat_combine, None  # a call that fails records nothing
         scale = self._checked_scale(expert_scale)
         args = (expert_y, weights, out, s, scale, sent)
@@ -747,7 +795,7 @@ class AllToAll:
             self._combine_kernel.launch(self._combine_pack, self.blocks, self.block_threads, s)
         self._queued(s)
         self._keep(*keep)
-        self._pending = self._pending_weights = None
+        self._pending = self._pending_weights = self._pending_joined = None
         return out_arr
 
     def _outputs(self, stream) -> OutputViews:
@@ -780,10 +828,13 @@ class AllToAll:
         if not self.scale_cols and self.dispatch_dtype != self.out_dtype:
             raise TypeError("fake_expert needs in_dtype == out_dtype (or fp8 dispatch)")
         self.backend.activate()
+        return self._joining(self._fake_expert, out, stream)
+
+    def _fake_expert(self, out, stream) -> DeviceArray:
+        s, _ = self._call_stream(stream, (out,), join=True)
         if out is None and self._expert_y_buffer is None and self._capturing is not None:
-            raise A2AError("fake_expert() without out= inside capture() needs expert_y_buffer() called before "
+            raise A2AError("fake_expert() without out= inside a capture needs expert_y_buffer() called before "
                            "the capture (memory cannot be allocated while capturing)")
-        s = self._stream(stream, (out,))
         self._follow(s)
         if out is None:
             out = self._expert_y_on(s)

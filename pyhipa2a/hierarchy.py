@@ -254,6 +254,14 @@ class HierarchicalAllToAll:
         """As AllToAll.stream_for (the node part's calls run there)."""
         return self.node.stream_for(*inputs)
 
+    def _call_stream(self, stream, inputs):
+        """The stream a call runs on (the node part's); refused while another library captures it."""
+        s = self.node._stream(stream, inputs)
+        if self.node._capturing is None and s is not self.node.stream and self.backend.stream_capturing(s):
+            raise A2AError("a call between nodes cannot be recorded into another library's capture (its exchange "
+                           "between nodes is watched from the host): record it with capture()")
+        return s
+
     def _input(self, obj, name, shape, dtype, stage, stream, align: int = 1):
         return take_input(self._boundary, self.node, obj, name, shape, dtype, stage, stream, align)
 
@@ -277,7 +285,7 @@ class HierarchicalAllToAll:
         each rank picks where it gives them."""
         self._usable()
         T = checked_dispatch(self, x, indices, weights, x_scales)
-        s = self.node._stream(stream, (x, indices))
+        s = self._call_stream(stream, (x, indices))
         self.node._follow(s)
         self._settle_before_host_copy(s, x, indices, weights, x_scales)
         a = self._hier_pack[0]
@@ -305,7 +313,7 @@ class HierarchicalAllToAll:
         self._usable()
         sent = checked_combine_weights(self, weights)
         T = self._pending.num_tokens
-        s = self.node._stream(stream, (expert_y, weights, out))
+        s = self._call_stream(stream, (expert_y, weights, out))
         self.node._follow(s)
         self._settle_before_host_copy(s, expert_y, weights)
         if out is not None:

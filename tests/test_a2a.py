@@ -293,6 +293,11 @@ def test_producer_arrays_seen_before(lib, calls_on):
 
 
 @pytest.mark.gpu
+def test_calls_in_torch_graph():
+    run_case(CASE + "case_calls_in_torch_graph", ranks_for("gpu"), env_backend("gpu"), timeout=300)
+
+
+@pytest.mark.gpu
 def test_calls_switch_back_to_their_gpu():
     run_case(CASE + "case_another_device_current", ranks_for("gpu"), env_backend("gpu"), timeout=300)
 
@@ -314,6 +319,7 @@ def test_200_alternating_calls(backend):
                                   "case_config_mismatch", "case_default_push_threshold",
                                   "case_bf16_roundtrip_dtype", "case_peer_skips_call",
                                   "case_stream_handle_views_cached", "case_graph_replays", "case_repeated_calls",
+                                  "case_calls_in_callers_capture",
                                   "case_launch_geometry", "case_fp8_bad_inputs"])
 def test_api(case, backend):
     run_case(CASE + case, ranks_for(backend), env_backend(backend))

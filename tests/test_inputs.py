@@ -660,7 +660,7 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
         b.take("weights", w, (2, 4), np.float32, 0x55)
     launched, result, prepared, scale = [], SimpleNamespace(num_tokens=2), object(), (1.0, 1.0)
     me = SimpleNamespace(_capturing=None, _on_current_stream=True, _library_device=0, _order=b.order, _pending=None,
-                         _pending_weights=None, _dispatch_kernel=SimpleNamespace(launch=lambda *a: launched.append(a)),
+                         _pending_weights=None, _joined=None, _pending_joined=None, _dispatch_kernel=SimpleNamespace(launch=lambda *a: launched.append(a)),
                          _dispatch_pack=None, blocks=1, block_threads=32, _last_scale=scale)
     for name in ("_call_stream", "_current_stream_of", "_stream_outside_capture", "_launch_dispatch", "_queued",
                  "_checked_scale"):

@@ -103,7 +103,7 @@ def _bare_backend(mod, activate=None):
     # opened, so activate() (which the allocating calls make first) is `activate` or does nothing.
     cls = mod.CudaBackend if mod is cuda_rt else mod.HipBackend
     backend = cls.__new__(cls)
-    backend._streams, backend._capturing = set(), set()
+    backend._streams, backend._capturing, backend._joined = set(), set(), set()
     backend.activate = activate or (lambda: None)
     return backend
 
@@ -276,7 +276,7 @@ def test_arguments_pass_binding_conversion(rt):
         ("launch", (function, 4, 256, stream, pack)), ("launch", (function, 4, 256, None, pack)),
         ("resident_blocks", (function, 256)),
         ("capture_begin", (stream,)), ("capture_end", (stream,)), ("capture_end", (stream, False)),
-        ("graph_launch", (graph, stream)), ("graph_destroy", (graph,)),
+        ("graph_launch", (graph, stream)), ("graph_destroy", (graph,)), ("stream_capturing", (stream,)),
     ]
     for name, args in calls:
         with pytest.raises(missing):

@@ -172,6 +172,17 @@ class Backend:
     def graph_launch(self, graph, stream) -> None:
         raise NotImplementedError
 
+    def stream_capturing(self, stream) -> bool:
+        """Whether `stream` is being captured, by capture_begin or by another library (torch.cuda.graph)."""
+        raise NotImplementedError
+
+    def capture_join(self, stream) -> None:
+        """Another library captures `stream`: our launches on it join that capture as they would ours
+        (GPU backends launch plainly into a capture), until capture_leave."""
+
+    def capture_leave(self, stream) -> None:
+        """The end of capture_join."""
+
     def graph_destroy(self, graph) -> None:
         raise NotImplementedError
 

@@ -28,6 +28,7 @@ ROLES = (
     "module_load_data", "module_unload", "module_get_function", "launch_kernel", "mem_get_info",
     "stream_begin_capture", "stream_end_capture", "graph_instantiate", "graph_launch", "graph_exec_destroy",
     "graph_destroy", "occupancy", "event_record_with_flags", "stream_wait_event", "stream_query",
+    "stream_is_capturing",
 )
 
 
@@ -54,6 +55,7 @@ class DriverBackend(Backend):
     def __init__(self):
         self._streams = set()  # created here and not yet destroyed; close() reclaims them
         self._capturing: set[int] = set()  # handles of streams between capture_begin and capture_end
+        self._joined: set[int] = set()  # handles of streams another library captures (capture_join)
 
     # -- what a subclass provides ---------------------------------------------
     @staticmethod
@@ -178,8 +180,11 @@ class DriverBackend(Backend):
         self._call("event_destroy", event)
 
     def _recording(self, stream) -> bool:
-        """Whether `stream` is between our capture_begin and capture_end."""
-        return bool(self._capturing) and self.stream_handle(stream) in self._capturing
+        """Whether `stream` is capturing: between our capture_begin and capture_end, or joined."""
+        if not (self._capturing or self._joined):
+            return False
+        handle = self.stream_handle(stream)
+        return handle in self._capturing or handle in self._joined
 
     def event_record(self, event, stream) -> None:
         if self._recording(stream):
@@ -214,6 +219,16 @@ class DriverBackend(Backend):
 
     def graph_launch(self, graph, stream) -> None:
         self._call("graph_launch", graph, stream)
+
+    def stream_capturing(self, stream) -> bool:
+        status = self._call("stream_is_capturing", stream)  # (none, active, or invalidated: still capturing)
+        return int(getattr(status, "value", status)) != 0
+
+    def capture_join(self, stream) -> None:
+        self._joined.add(self.stream_handle(stream))
+
+    def capture_leave(self, stream) -> None:
+        self._joined.discard(self.stream_handle(stream))
 
     def graph_destroy(self, graph) -> None:
         self._call("graph_exec_destroy", graph)

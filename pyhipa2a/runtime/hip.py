@@ -36,6 +36,7 @@ _CALLS = {
     "graph_exec_destroy": "hipGraphExecDestroy", "graph_destroy": "hipGraphDestroy",
     "occupancy": "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
     "event_record_with_flags": "hipEventRecordWithFlags", "stream_wait_event": "hipStreamWaitEvent", "stream_query": "hipStreamQuery",
+    "stream_is_capturing": "hipStreamIsCapturing",
 }
 
 # Every attribute of `hip` used here, directly below or through _CALLS; tests

@@ -303,6 +303,9 @@ class HostBackend(Backend):
         steps, stream.captured = stream.captured, None
         return HostGraph(steps) if keep else None
 
+    def stream_capturing(self, stream) -> bool:
+        return isinstance(stream, HostStream) and stream.captured is not None
+
     def graph_launch(self, graph, stream) -> None:
         self._alive()
         for step in graph.steps:

@@ -904,6 +904,147 @@ def case_graph_replays(comm, launches="4"):
             free_buffers(a2a, buffers)
 
 
+def case_calls_in_callers_capture(comm, launches="3"):
+    """Calls made while another library captures their stream (torch.cuda.graph does that; here the
+    backend's own capture stands in for it, unknown to the AllToAll) are recorded into that capture:
+    each replay of the caller's graph is a new call that matches the oracle with fresh inputs in the
+    same buffers, eager calls interleave with replays, and a dispatch and its combine must be made on
+    the same side of the capture."""
+    from pyhipa2a.testing import check_call, free_buffers, poison, step_buffers
+    world = comm.Get_size()
+    E, k, H, M = 3 * world, 2, 264, 8
+    counts = [(3 * r + 1) % (M + 1) for r in range(world)]
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        me, b = a2a.rank, a2a.backend
+        T = counts[me]
+        s = b.stream_create()  # the caller's stream
+        buffers = x, idx, w, y = step_buffers(a2a, T)
+        a2a.expert_y_buffer()  # (the fake expert's output: memory cannot be allocated while capturing)
+
+        def step(fused: bool):
+            d = a2a.dispatch(x, idx, stream=s)
+            if fused:
+                a2a.combine(d.expert_x, w, out=y, stream=s, expert_scale=1 + me)
+            else:
+                a2a.combine(a2a.fake_expert(d, stream=s), w, out=y, stream=s)
+            return d
+
+        def load(inputs):
+            b.stream_synchronize(s)
+            for arr, host in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                arr.copy_from(host)
+            poison(a2a)
+            y.fill_bytes(0xFF)
+            b.stream_synchronize(a2a.stream)
+
+        try:
+            for fused in (False, True):
+                inputs = draw_world(60 + fused, world, E, k, H, M, token_counts=counts)
+                load(inputs)
+                d = step(fused)  # eager on the caller's stream first: the captured calls must not repeat it
+                b.stream_synchronize(s)
+                check_call(a2a, inputs, d, y, fused=fused)
+                b.capture_begin(s)
+                try:
+                    d = step(fused)
+                finally:
+                    graph = b.capture_end(s)
+                assert a2a._capturing is None and a2a._pending is None
+                for i in range(int(launches)):
+                    inputs = draw_world(70 + 10 * fused + i, world, E, k, H, M, token_counts=counts)
+                    load(inputs)
+                    comm.Barrier()
+                    b.graph_launch(graph, s)
+                    b.stream_synchronize(s)
+                    err = check_call(a2a, inputs, d, y, fused=fused)
+                    print(f"rank {me} fused={fused} replay {i}: T={T} max err {err:.3g}")
+                    if i == 0:  # an eager call between replays, on the object's own stream
+                        run_round(a2a, draw_world(80 + fused, world, E, k, H, M))
+                        a2a.synchronize()
+                b.graph_destroy(graph)
+
+            # A combine recorded into the capture of a dispatch made outside it: refused, nothing broken.
+            d = a2a.dispatch(x, idx)
+            b.capture_begin(s)
+            with pytest.raises(A2AError, match="made outside it awaits its combine"):
+                a2a.combine(d.expert_x, w, stream=s, expert_scale=1 + me)
+            b.capture_end(s, keep=False)
+            a2a.combine(d.expert_x, w, expert_scale=1 + me)
+            run_round(a2a, draw_world(90, world, E, k, H, M))
+
+            # A dispatch recorded alone: the object's next call outside the capture refuses, for good.
+            b.capture_begin(s)
+            a2a.dispatch(x, idx, stream=s)
+            b.capture_end(s, keep=False)
+            with pytest.raises(A2AError, match="recorded into another library's capture was followed by combine"):
+                a2a.combine(d.expert_x, w, expert_scale=1 + me)
+            with pytest.raises(A2AError, match="unusable after an earlier failure"):
+                a2a.dispatch(x, idx)
+        finally:
+            b.stream_synchronize(s)
+            free_buffers(a2a, buffers)
+            b.stream_destroy(s)
+
+
+def case_calls_in_torch_graph(comm, launches="3"):
+    """torch.cuda.graph captures our calls with PyTorch's tensors on its capture stream
+    (AllToAll(stream="current")), after eager calls on that same stream (a serving engine's warm-up),
+    and a PyTorch consumer of the output in the same graph; each replay, with fresh inputs copied into
+    the same tensors, matches the oracle, with eager calls between replays."""
+    from pyhipa2a.testing import check_call, poison
+    torch = pytest.importorskip("torch")
+    if pyhipa2a.get_backend().kind != "cuda":
+        pytest.skip("torch.cuda.graph needs the CUDA backend")
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 64
+    counts = [M // 2 - 3 * r for r in range(world)]
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream="current") as a2a:
+        me = a2a.rank
+        dev = torch.device("cuda", a2a.heap.device.index)
+        torch.cuda.set_device(dev)
+        T = counts[me]
+        x = torch.zeros((T, H), dtype=torch.float16, device=dev)
+        idx = torch.zeros((T, k), dtype=torch.int32, device=dev)
+        w = torch.zeros((T, k), dtype=torch.float32, device=dev)
+        capture_stream = torch.cuda.Stream(dev)
+
+        def load(seed):
+            inputs = draw_world(seed, world, E, k, H, M, token_counts=counts)
+            torch.cuda.synchronize()
+            for t, host in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                t.copy_(torch.from_numpy(host))
+            torch.cuda.synchronize()
+            poison(a2a)
+            return inputs
+
+        def step():
+            d = a2a.dispatch(x, idx)
+            y = a2a.combine(d.expert_x, w, expert_scale=1 + me)
+            return d, y, torch.from_dlpack(y).float() * 2  # consumed by PyTorch on the same stream
+
+        with torch.cuda.stream(capture_stream):
+            for seed in (1, 2):  # eager, twice: the second repeats the first
+                inputs = load(seed)
+                d, y, z = step()
+                torch.cuda.synchronize()
+                check_call(a2a, inputs, d, y, fused=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture_stream):
+            d, y, z = step()
+        assert a2a._capturing is None and a2a._pending is None
+        for i in range(int(launches)):
+            inputs = load(10 + i)
+            comm.Barrier()
+            graph.replay()
+            torch.cuda.synchronize()
+            err = check_call(a2a, inputs, d, y, fused=True)
+            np.testing.assert_array_equal(z.cpu().numpy(), y.numpy().astype(np.float32) * 2)
+            print(f"rank {me} replay {i}: T={T} max err {err:.3g}")
+            if i == 0:
+                run_round(a2a, draw_world(20, world, E, k, H, M), fused=True)  # our own arrays, eager
+                a2a.synchronize()
+
+
 def case_launch_geometry(comm):
     """Launch geometry the device cannot hold (all blocks of a launch resident at once) is refused."""
     world = comm.Get_size()

@@ -91,7 +91,8 @@ def case_nodes_meta_names_true_source(comm, G="2"):
 
 
 def case_nodes_graph(comm, G="2", launches="3"):
-    """A captured step replays as a new call each launch, across nodes."""
+    """A captured step replays as a new call each launch, across nodes; a call on a stream that another
+    library captures is refused before anything runs."""
     G = int(G)
     _nodes(comm, G)
     world = comm.Get_size()
@@ -99,6 +100,15 @@ def case_nodes_graph(comm, G="2", launches="3"):
     counts = [(3 * r + 1) % (M + 1) for r in range(world)]
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   ranks_per_node=G) as a2a:
+        theirs = a2a.backend.stream_create()
+        a2a.backend.capture_begin(theirs)
+        inputs = draw_world(40, world, E, k, H, M, token_counts=counts)
+        me = a2a.rank
+        with pytest.raises(A2AError, match="cannot be recorded into another library's capture"):
+            a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], stream=theirs)
+        a2a.backend.capture_end(theirs, keep=False)
+        a2a.backend.stream_destroy(theirs)
+        run_round(a2a, inputs)  # untouched by the refusal
         if not a2a.engine.capturable:
             pytest.skip("the MPI engine on a GPU stages through the host: no graph capture")
         me = a2a.rank
