@@ -564,11 +564,15 @@ class AllToAll:
         if stream is None and self._on_current_stream:
             stream, asked = self._current_stream_of(inputs)
         s = self._stream_outside_capture(stream)
-        # Only capture() records our own stream; any other may be another library's capture's.
-        if join and s is not self.stream and self.backend.stream_capturing(s):
+        if join and self._captured_elsewhere(s):
             self._join_capture(s)
             return s, None
         return s, asked
+
+    def _captured_elsewhere(self, s) -> bool:
+        """Whether another library is capturing `s`, a call's stream outside capture(). Only capture()
+        records our own stream, so that one is not asked."""
+        return s is not self.stream and self.backend.stream_capturing(s)
 
     def _join_capture(self, s) -> None:
         """Another library (torch.cuda.graph, CuPy's stream capture) is capturing `s`: this call is

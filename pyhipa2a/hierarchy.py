@@ -257,7 +257,7 @@ class HierarchicalAllToAll:
     def _call_stream(self, stream, inputs):
         """The stream a call runs on (the node part's); refused while another library captures it."""
         s = self.node._stream(stream, inputs)
-        if self.node._capturing is None and s is not self.node.stream and self.backend.stream_capturing(s):
+        if self.node._capturing is None and self.node._captured_elsewhere(s):
             raise A2AError("a call between nodes cannot be recorded into another library's capture (its exchange "
                            "between nodes is watched from the host): record it with capture()")
         return s

@@ -251,10 +251,11 @@ class CudaBackend(DriverBackend):
         if self._recording(stream):
             super().launch(function, grid, block, stream, pack)
             return
-        site = pack.sites.get((id(function), grid, block))  # (the site's params hold the function: its id stays)
+        key = (id(function), grid, block)  # (the site's params hold the function: its id stays)
+        site = pack.sites.get(key)
         if site is None:
             self.activate()  # an executable graph belongs to the context current when it is made
-            site = pack.sites[(id(function), grid, block)] = _OneNodeGraph(function, grid, block, pack.kernel_params)
+            site = pack.sites[key] = _OneNodeGraph(function, grid, block, pack.kernel_params)
         result = driver.cuGraphExecKernelNodeSetParams(site.exec, site.node, site.params)
         if result[0]:
             _check(result, "cuGraphExecKernelNodeSetParams")
