@@ -43,6 +43,7 @@ from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTI
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
 from .profile import CLOCK_ROUNDS, ClockSync, ProfileBuffer, clock_offset, clock_sync_from_stamps
+from .quick import quick_combine, quick_dispatch, quick_for
 
 MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/exchange.h
 MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
@@ -393,6 +394,9 @@ class AllToAll:
         self._dispatch_pack = self._dispatch_kernel.pack()
         self._combine_pack = self._combine_kernel.pack()
         self._scale_pack = self._scale_kernel.pack()
+        # Each leg's repeated call launches from a pack of its own, which holds its record's arguments
+        # (Kernel.repeater, pyhipa2a.quick; one record a leg at a time)
+        self._repeat_packs = (self._dispatch_kernel.pack(), self._combine_kernel.pack())
         for pack in (self._dispatch_pack, self._combine_pack):
             self._fill_args(pack[0])
         # The fake expert reads our expert_x (and its scales) and counts and scales by 1 + rank: only
@@ -572,7 +576,7 @@ class AllToAll:
     def _captured_elsewhere(self, s) -> bool:
         """Whether another library is capturing `s`, a call's stream outside capture(). Only capture()
         records our own stream, so that one is not asked."""
-        return s is not self.stream and self.backend.stream_capturing(s)
+        return s is not self.stream and self.backend.capturable(s) and self.backend.stream_capturing(s)
 
     def _join_capture(self, s) -> None:
         """Another library (torch.cuda.graph, CuPy's stream capture) is capturing `s`: this call is
@@ -664,6 +668,11 @@ class AllToAll:
         `weights` [T, k] float32, the gate's weights, may come here instead of to combine: they then
         travel with the routing, so combine waits for no weights of its peers (its fastest form). This
         call reads them; combine takes none (or the same array)."""
+        repeat = self._repeat_dispatch
+        if repeat is not None and repeat.quick is not None:  # the loop's usual call: the last one again
+            result = quick_dispatch(self, repeat, x, indices, weights, x_scales, stream)
+            if result is not None:
+                return result
         self._usable()
         return self._joining(self._dispatch, x, indices, weights, x_scales, stream, True)
 
@@ -680,6 +689,10 @@ class AllToAll:
             repeat.resume(self._order, s)
             result = self._launch_dispatch(s, repeat.tokens, weights, repeat.prepared)
             self._repeat_dispatch = repeat
+            if repeat.quick is None:  # a loop: its next call takes the quick path (pyhipa2a.quick)
+                launch = self._dispatch_kernel.repeater(self._dispatch_pack, self._repeat_packs[0], self.blocks,
+                                                        self.block_threads)
+                repeat.quick = quick_for(self, (x, indices, weights, x_scales, stream), s, launch, (x, indices), asked)
             return result
         T = checked_dispatch(self, x, indices, weights, x_scales)
         self._follow(s)
@@ -720,6 +733,11 @@ class AllToAll:
         alone is scaled and rounded to out_dtype on the way, as an expert kernel's output would be;
         every other row's scale joins its weight in fp32. gpu-mode's fake expert is
         `combine(d.expert_x, w, expert_scale=1 + rank)`: no expert kernel at all."""
+        repeat = self._repeat_combine
+        if repeat is not None and repeat.quick is not None:
+            y = quick_combine(self, repeat, expert_y, weights, out, stream, expert_scale)
+            if y is not None:
+                return y
         self._usable()
         return self._joining(self._combine, expert_y, weights, out, stream, expert_scale, True)
 
@@ -742,6 +760,9 @@ class AllToAll:
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args, asked):
             repeat.resume(self._order, s)
             self._repeat_combine = repeat
+            if repeat.quick is None:  # (its arguments are still in the pack: nothing was written since)
+                repeat.quick = quick_for(self, (expert_y, weights, out, stream), s, self._combine_repeater(T),
+                                         (expert_y, weights, out), asked)
             return repeat.prepared
         self._follow(s)
         y_shape = (self.local_experts, self.capacity, self.hidden)
@@ -790,13 +811,20 @@ class AllToAll:
         self._combine_pack[1].expert_y = staging.ptr
         return s, out_arr, (host_y, *keep[1:]), None
 
+    def _combine_kernel_for(self, tokens: int):
+        """(kernel, block threads) of a combine of `tokens` tokens."""
+        if tokens <= self.small_combine_tokens:
+            return self._small_combine
+        return self._combine_kernel, self.block_threads
+
+    def _combine_repeater(self, tokens: int):
+        kernel, threads = self._combine_kernel_for(tokens)
+        return kernel.repeater(self._combine_pack, self._repeat_packs[1], self.blocks, threads)
+
     def _launch_combine(self, prepared) -> DeviceArray:
         s, out_arr, keep, _ = self._copy_host_expert_y(prepared)
-        if self._combine_pack[1].num_tokens <= self.small_combine_tokens:
-            kernel, threads = self._small_combine
-            kernel.launch(self._combine_pack, self.blocks, threads, s)
-        else:
-            self._combine_kernel.launch(self._combine_pack, self.blocks, self.block_threads, s)
+        kernel, threads = self._combine_kernel_for(self._combine_pack[1].num_tokens)
+        kernel.launch(self._combine_pack, self.blocks, threads, s)
         self._queued(s)
         self._keep(*keep)
         self._pending = self._pending_weights = self._pending_joined = None
@@ -1019,6 +1047,7 @@ class AllToAll:
         """Idempotent; waits (bounded) for peers before unmapping the heap."""
         if self.heap.closed:
             return
+        self._repeat_dispatch = self._repeat_combine = None  # (their quick launches hold launch sites)
         try:
             self.backend.activate()
             self.backend.stream_synchronize(self._synchronized_stream(None))

@@ -106,7 +106,7 @@ class Repeat:
     AllToAll(stream="current")). Streams are compared as the
     object's own view of them (one per handle), so a handle given as an int repeats."""
 
-    __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks", "waits")
+    __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks", "waits", "quick")
 
     def __init__(self, args: tuple, names: tuple, entries: tuple, boundary, tokens: int, prepared):
         self.args, self.names, self.entries, self.boundary = args, names, entries, boundary
@@ -115,6 +115,7 @@ class Repeat:
         self.rechecks = tuple((entry.recheck, entry.obj) for entry in entries if entry.recheck is not None)
         # and the producer streams they named, other than the call's: waited for at every repeat
         self.waits = tuple(dict.fromkeys(entry.wait for entry in entries if entry.wait is not None))
+        self.quick = None  # AllToAll's flat form of the repeat (pyhipa2a.quick), where it has one
 
     def resume(self, order, stream) -> None:
         """Queue the repeated call on `stream` as its first one was: after our earlier calls, then
@@ -136,8 +137,12 @@ class Repeat:
         """`args` are the recorded ones, object for object, and nothing about their use has changed.
         `asked`: the call's producer answers so far ({probe: stream}, see Recheck.holds), filled here."""
         # (map with operator.is_ iterates in C: this is every repeated call's path)
-        if not (all(map(operator.is_, args, self.args))
-                and all(map(operator.is_, map(self.boundary.settled, self.names), self.entries))):
+        return all(map(operator.is_, args, self.args)) and self.still(asked)
+
+    def still(self, asked: dict | None = None) -> bool:
+        """holds() once the call's arguments are known to be the recorded ones: the boundary still
+        holds them as then, and their producers answer as then."""
+        if not all(map(operator.is_, map(self.boundary.settled, self.names), self.entries)):
             return False
         if self.rechecks:
             if asked is None:

@@ -192,6 +192,14 @@ class Kernel:
     def launch(self, pack: ArgPack, grid: int, block: int, stream=None) -> None:
         self.backend.launch(self.function, grid, block, stream, pack)
 
+    def repeater(self, pack: ArgPack, into: ArgPack, grid: int, block: int):
+        """A function of the stream that launches this kernel with the arguments `pack` holds now, whatever
+        is written to `pack` later (a repeated call's, pyhipa2a.quick): they are copied into `into`, a
+        pack written only here, whose repeater made before this one must be dropped (Backend.launcher)."""
+        for mine, theirs in zip(into.arguments, pack.arguments, strict=True):
+            ctypes.memmove(ctypes.addressof(mine), ctypes.addressof(theirs), ctypes.sizeof(theirs))
+        return self.backend.launcher(self.function, grid, block, into)
+
 
 def available_code_objects(code_dir: Path, module: str, variant: str = "") -> dict[str, Path]:
     """arch -> path for every built code object of `module` (e.g. {"gfx942": ..., "sm_90": ...})."""

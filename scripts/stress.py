@@ -90,21 +90,28 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     worst, failure, start = 0.0, None, time.monotonic()
     try:
-        def one_call(i: int) -> float:
-            which = int(rng.integers(0, len(a2as)))
+        def one_call(i: int, which: int | None = None, way: str | None = None) -> float:
+            """A checked call (of object `which`, made `way`; random where not given)."""
+            which = int(rng.integers(0, len(a2as))) if which is None else which
             s = shapes[which]
             counts = token_counts(rng, world, s["max_num_tokens"])
             routing = "hot" if rng.random() < 0.25 else "random"
             inputs = draw_world((args.seed * 1_000_003 + i) % 2**63, world, s["num_experts"], s["experts_per_token"],
                                 s["hidden_dim"], s["max_num_tokens"], s["in_dtype"], counts, routing)
-            way = WAYS[int(rng.integers(0, len(WAYS)))]
+            way = WAYS[int(rng.integers(0, len(WAYS)))] if way is None else way
             ways[way] += 1
             if way in ("numpy", "fused"):
                 return run_round(a2as[which], inputs, fused=way == "fused")
             return device_round(a2as[which], inputs, way, streams)
 
-        for i in range(3 * len(a2as)):              # warm-up: every object's kernels loaded, buffers touched
-            one_call(-1 - i)
+        def warm_up(which: int, i: int) -> None:
+            """Every kernel of object `which` loaded and launched each way (a burst's repeats launch from
+            graphs of their own on CUDA, made at an object's first repeat), its buffers touched."""
+            for n, way in enumerate(WAYS):
+                one_call(i - n, which, way)
+
+        for which in range(len(a2as)):
+            warm_up(which, -1 - which * len(WAYS))
         comm.Barrier()
         memory_start = a2as[0].backend.memory_in_use()
         for i in range(args.calls):
@@ -112,7 +119,7 @@ def main() -> int:
                 victim = (i // args.churn) % len(a2as)
                 a2as[victim].close()
                 a2as[victim] = AllToAll(comm, timeout=args.timeout, **shapes[victim])
-                one_call(-100 - i)                   # the new object's first call, before memory is compared
+                warm_up(victim, -100 - i)  # the new object's first calls, before memory is compared
             worst = max(worst, one_call(i))
         comm.Barrier()
         memory_end = a2as[0].backend.memory_in_use()

@@ -642,6 +642,7 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
     import functools
     from types import SimpleNamespace
 
+    from pyhipa2a import producers
     from pyhipa2a.a2a import AllToAll
     from pyhipa2a.calls import Repeat
     asks = []
@@ -659,9 +660,12 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
         take_in_call(b, "expert_y", y, (2, 4), np.float16, 0x55)
         b.take("weights", w, (2, 4), np.float32, 0x55)
     launched, result, prepared, scale = [], SimpleNamespace(num_tokens=2), object(), (1.0, 1.0)
+    repeater = lambda *a: None  # noqa: E731  (the quick form each leg's first repeat makes: pyhipa2a.quick)
     me = SimpleNamespace(_capturing=None, _on_current_stream=True, _library_device=0, _order=b.order, _pending=None,
-                         _pending_weights=None, _joined=None, _pending_joined=None, _dispatch_kernel=SimpleNamespace(launch=lambda *a: launched.append(a)),
-                         _dispatch_pack=None, blocks=1, block_threads=32, _last_scale=scale)
+                         _pending_weights=None, _joined=None, _pending_joined=None,
+                         _dispatch_kernel=SimpleNamespace(launch=lambda *a: launched.append(a), repeater=repeater),
+                         _dispatch_pack=None, _repeat_packs=(None, None), blocks=1, block_threads=32, _last_scale=scale,
+                         stream=OURS, backend=SimpleNamespace(capturable=lambda s: True), _combine_repeater=repeater)
     for name in ("_call_stream", "_current_stream_of", "_stream_outside_capture", "_launch_dispatch", "_queued",
                  "_checked_scale"):
         setattr(me, name, functools.partial(getattr(AllToAll, name), me))
@@ -669,7 +673,8 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
     asks.clear()
     assert AllToAll._dispatch(me, x, i, None, None, None) is result and len(launched) == 1
     assert len(asks) == 1  # the call's stream; x's and indices' rechecks took its answer
+    assert me._repeat_dispatch.quick.lead[::2] == (producers.stream_source(x), 0x55)  # asked of x's library
     me._repeat_combine = Repeat.of((y, w, None, 0x55, scale, None), ("expert_y", "weights"), b, 2, prepared)
     asks.clear()
     assert AllToAll._prepare_combine(me, y, w, None, None, scale[0]) is prepared
-    assert len(asks) == 1
+    assert len(asks) == 1 and me._repeat_combine.quick.lead[::2] == (producers.stream_source(y), 0x55)

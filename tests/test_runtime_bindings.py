@@ -286,3 +286,17 @@ def test_arguments_pass_binding_conversion(rt):
         backend.event_record(event, stream)
     backend.close()
     backend.close()  # idempotent
+
+
+def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(rt):
+    """A call on PyTorch's default current stream (CUDA's legacy stream: handle 0, or 1 as
+    CU_STREAM_LEGACY) needs no capture query, since CUDA refuses to capture it; every other stream (and
+    every HIP stream) is asked."""
+    mod, _, _, _ = rt
+    backend = _bare_backend(mod)
+    legacy = (None, backend.stream_from_handle(0), backend.stream_from_handle(1))
+    if mod is cuda_rt:
+        assert not any(backend.capturable(s) for s in legacy)
+    else:
+        assert all(backend.capturable(s) for s in legacy)
+    assert backend.capturable(backend.stream_from_handle(0x1234))

@@ -7,6 +7,7 @@ runtime's own error string when the underlying call fails.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -176,6 +177,10 @@ class Backend:
         """Whether `stream` is being captured, by capture_begin or by another library (torch.cuda.graph)."""
         raise NotImplementedError
 
+    def capturable(self, stream) -> bool:
+        """Whether `stream` can be captured at all (False: stream_capturing need not be asked)."""
+        return True
+
     def capture_join(self, stream) -> None:
         """Another library captures `stream`: our launches on it join that capture as they would ours
         (GPU backends launch plainly into a capture), until capture_leave."""
@@ -217,6 +222,12 @@ class Backend:
         as the pack holds them at that moment.
         """
         raise NotImplementedError
+
+    def launcher(self, function, grid: int, block: int, pack):
+        """launch() of `function` with the arguments `pack` holds now, as a function of the stream alone,
+        for a pack not written while it is used (Kernel.repeater: a repeated call's, pyhipa2a.quick):
+        a backend may hand the arguments to the device once, here, and launch them as they were (CUDA)."""
+        return functools.partial(self.launch, function, grid, block, pack=pack)
 
     def trap(self, reason: str) -> None:
         """A kernel aborted the device (AllToAll(..., on_timeout="trap")). GPU runtimes are left

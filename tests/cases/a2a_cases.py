@@ -305,6 +305,8 @@ def case_repeated_calls(comm):
                 taken.append(name)
             return take(name, *args, **kw)
         a2a._boundary.take = recording_take
+        full = []  # calls that took the full path (a repeat that pyhipa2a.quick makes never asks _usable)
+        a2a._usable = lambda: (full.append(1), AllToAll._usable(a2a))[1]
         arrays = upload_inputs(a2a, draw_world(1, world, E, k, H, M, token_counts=counts))
         x, idx, w = arrays[:3]
         expert_y = a2a.expert_y_buffer()
@@ -321,6 +323,7 @@ def case_repeated_calls(comm):
                     arr.copy_from(fresh)
             poison(a2a)
             taken.clear()
+            full.clear()
             return inputs
 
         try:
@@ -332,6 +335,8 @@ def case_repeated_calls(comm):
                 a2a.synchronize()
                 check_call(a2a, inputs, d, y)
                 assert taken == ([] if i else ["x", "indices", "expert_y", "weights"]), (i, taken)
+                # The first repeat makes each leg's quick form (pyhipa2a.quick), which the later ones take
+                assert len(full) == (0 if i > 1 else 2), (i, full)
             # Each change takes the full path for the call it touches.
             y_before = y.numpy().astype(np.float32)
             for change, want in (("scale", ["expert_y", "weights"]), ("array", ["x", "indices"]),
@@ -367,6 +372,7 @@ def case_repeated_calls(comm):
                 assert y is out
                 check_call(a2a, inputs, d, y, fused=True)
                 assert taken == ([] if i else ["x", "indices", "weights", "expert_y", "out"]), ("to dispatch", i, taken)
+                assert len(full) == (0 if i > 1 else 2), ("to dispatch", i, full)
             # ... but not -0.0 after 0.0 (equal, yet a product's sign follows the scale's), nor an int
             # after an equal float.
             for z, want in ((0.0, ["expert_y", "out"]), (float("-0.0"), ["expert_y", "out"]), (float("-0.0"), []),

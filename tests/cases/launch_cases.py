@@ -86,3 +86,52 @@ def case_capture_keeps_recorded_arguments(comm):
     backend.stream_destroy(stream)
     lib.close()
     heap.close()
+
+
+def case_repeater_keeps_its_arguments(comm):
+    """Kernel.repeater launches the arguments the pack held when it was made, at every launch and on
+    any stream, whatever is written to the pack (or launched from it) in between; inside a capture it
+    is recorded as a kernel of that capture; one made again from the same packs takes their new
+    arguments."""
+    heap, lib, src = _setup(comm)
+    backend, streams = heap.backend, [heap.backend.stream_create() for _ in range(2)]
+    want = src.numpy()
+    first, second = heap.alloc(N, np.uint8), heap.alloc(N, np.uint8)
+    kernel = lib.kernel("copy_bytes")
+    pack = kernel.pack()
+    pack.set_scalars(first.ptr, src.ptr, N)
+    into = kernel.pack()
+    repeat = kernel.repeater(pack, into, 4, 256)
+    for i in range(3):
+        first.copy_from(np.zeros(N, np.uint8))
+        second.copy_from(np.zeros(N, np.uint8))
+        pack.set_scalars(second.ptr, src.ptr, N // 2)
+        kernel.launch(pack, 3, 256, streams[0])  # the pack's own launches take what it holds now
+        backend.stream_synchronize(streams[0])
+        repeat(streams[i % 2])
+        backend.stream_synchronize(streams[i % 2])
+        np.testing.assert_array_equal(first.numpy(), want)
+        np.testing.assert_array_equal(second.numpy()[:N // 2], want[:N // 2])
+        assert not second.numpy()[N // 2:].any()
+    first.copy_from(np.zeros(N, np.uint8))
+    backend.capture_begin(streams[0])
+    repeat(streams[0])
+    graph = backend.capture_end(streams[0])
+    assert not first.numpy().any()  # recorded, not run
+    backend.graph_launch(graph, streams[0])
+    backend.stream_synchronize(streams[0])
+    np.testing.assert_array_equal(first.numpy(), want)
+    backend.graph_destroy(graph)
+    del repeat
+    second.copy_from(np.zeros(N, np.uint8))
+    repeat = kernel.repeater(pack, into, 4, 256)  # the pack holds (second, N // 2) now
+    pack.set_scalars(first.ptr, src.ptr, 0)
+    repeat(streams[1])
+    backend.stream_synchronize(streams[1])
+    np.testing.assert_array_equal(second.numpy()[:N // 2], want[:N // 2])
+    assert not second.numpy()[N // 2:].any()
+    for stream in streams:
+        backend.stream_destroy(stream)
+    del repeat
+    lib.close()
+    heap.close()
