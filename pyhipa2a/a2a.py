@@ -37,7 +37,7 @@ from .dtypes import FP8_BLOCK, fp8_for_arch, plan_dtypes
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, Health
 from .graph import Graph
 from .heap import SymmetricHeap
-from .inputs import Boundary, check_numpy_input, check_scale
+from .inputs import Boundary, check_numpy_input, check_scale, same_scale
 from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTIZE_F16, A2AArgs,
                       HeapView, KernelLibrary, divisor, route_chunk, route_chunks, timeout_ns)
 from .ordering import StreamOrder
@@ -686,13 +686,14 @@ class AllToAll:
         args = (x, indices, weights, x_scales, s)
         repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
         if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args, asked):
-            repeat.resume(self._order, s)
-            result = self._launch_dispatch(s, repeat.tokens, weights, repeat.prepared)
-            self._repeat_dispatch = repeat
-            if repeat.quick is None:  # a loop: its next call takes the quick path (pyhipa2a.quick)
+            if repeat.quick is None:  # a loop: its next call takes the quick path (pyhipa2a.quick), made before
+                # anything is queued (the pack still holds the record's arguments: nothing wrote it since)
                 launch = self._dispatch_kernel.repeater(self._dispatch_pack, self._repeat_packs[0], self.blocks,
                                                         self.block_threads)
                 repeat.quick = quick_for(self, (x, indices, weights, x_scales, stream), s, launch, (x, indices), asked)
+            repeat.resume(self._order, s)
+            result = self._launch_dispatch(s, repeat.tokens, weights, repeat.prepared)
+            self._repeat_dispatch = repeat
             return result
         T = checked_dispatch(self, x, indices, weights, x_scales)
         self._follow(s)
@@ -758,11 +759,11 @@ class AllToAll:
         scale = self._checked_scale(expert_scale)
         args = (expert_y, weights, out, s, scale, sent)
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args, asked):
-            repeat.resume(self._order, s)
-            self._repeat_combine = repeat
-            if repeat.quick is None:  # (its arguments are still in the pack: nothing was written since)
+            if repeat.quick is None:  # (as dispatch's)
                 repeat.quick = quick_for(self, (expert_y, weights, out, stream), s, self._combine_repeater(T),
                                          (expert_y, weights, out), asked)
+            repeat.resume(self._order, s)
+            self._repeat_combine = repeat
             return repeat.prepared
         self._follow(s)
         y_shape = (self.local_experts, self.capacity, self.hidden)
@@ -794,9 +795,8 @@ class AllToAll:
         the same value of the same type, so that a scale computed afresh at every call (gpu-mode's
         1 + rank) still repeats the call; a new one, checked, otherwise."""
         last = self._last_scale
-        if expert_scale is last[0] or (type(expert_scale) is type(last[0]) and expert_scale == last[0]
-                                       and (expert_scale or math.copysign(1, expert_scale) == math.copysign(1, last[0]))):
-            return last  # (-0.0 == 0.0, but a product's sign follows the scale's)
+        if same_scale(expert_scale, last[0]):
+            return last
         self._last_scale = (expert_scale, check_scale(expert_scale))
         return self._last_scale
 

@@ -472,6 +472,13 @@ def check_indices(indices: np.ndarray, num_experts: int) -> None:
                          f"the experts of a token must be distinct")
 
 
+def same_scale(given, last) -> bool:
+    """Whether combine()'s expert_scale `given` is the scale `last` for the kernels: the same object, or
+    the same value of the same type and sign (-0.0 == 0.0, but a product's sign follows the scale's)."""
+    return given is last or (type(given) is type(last) and given == last
+                             and bool(given or math.copysign(1, given) == math.copysign(1, last)))
+
+
 def check_scale(value) -> float:
     """combine()'s expert_scale as the float32 the kernels multiply by: a finite real number that
     float32 holds, not rounded to 0 unless it is 0. In plain Python: it is checked at every call."""

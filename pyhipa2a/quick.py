@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import producers
+from .inputs import same_scale
 
 _NOT_HERE = object()  # _settled_stream: the call does not run where its record did
 
@@ -45,15 +46,19 @@ NO_LIBRARY, ANY_INPUT = "no library", "any input"
 
 
 def quick_for(a2a, given: tuple, stream, launch, inputs: tuple, asked: dict | None) -> Quick:
-    """The Quick of a call just made (and recorded) with arguments `given`, stream= last, that ran on
-    `stream` and launches with `launch`; `inputs` and `asked` as AllToAll._call_stream took and gave them."""
+    """The Quick of a repeat of the record of a call with arguments `given`, stream= last, that runs on
+    `stream` and launches with `launch`; `inputs` and `asked` as AllToAll._call_stream took and gave them
+    (the repeat's rechecks may have added other producers' answers to `asked` since: the first entry
+    is still the one that chose the stream)."""
     probes = [(i, producers.stream_source(obj)) for i, obj in enumerate(inputs)]
     probes = [(i, probe) for i, probe in probes if probe is not None]
     lead = ANY_INPUT
     if not probes:
         lead = NO_LIBRARY
-    elif asked and probes[0][1] in asked:
-        lead = (probes[0][1], probes[0][0], asked[probes[0][1]])
+    elif asked:
+        chooser, handle = next(iter(asked.items()))
+        if chooser is probes[0][1]:
+            lead = (chooser, probes[0][0], handle)
     ask_capture = stream is not a2a.stream and a2a.backend.capturable(stream)
     return Quick(given, stream, launch, given[-1] is None and a2a._on_current_stream, lead, ask_capture)
 
@@ -93,7 +98,7 @@ def quick_dispatch(a2a, repeat, x, indices, weights, x_scales, stream):
     quick = repeat.quick
     x0, indices0, weights0, scales0, stream0 = quick.given
     if (x is not x0 or indices is not indices0 or weights is not weights0 or x_scales is not scales0
-            or stream is not stream0 or a2a._pending is not None):
+            or not _same_stream_given(stream, stream0) or a2a._pending is not None):
         return None
     asked = _settled_stream(a2a, quick, (x, indices))
     if asked is _NOT_HERE or not repeat.still(asked):
@@ -113,12 +118,13 @@ def quick_combine(a2a, repeat, expert_y, weights, out, stream, expert_scale):
     quick = repeat.quick
     y0, weights0, out0, stream0 = quick.given
     pending, scale, sent = a2a._pending, repeat.args[4], repeat.args[5]
-    if (expert_y is not y0 or weights is not weights0 or out is not out0 or stream is not stream0
+    if (expert_y is not y0 or weights is not weights0 or out is not out0 or not _same_stream_given(stream, stream0)
             or pending is None or pending.num_tokens != repeat.tokens or a2a._pending_weights is not sent
-            or a2a._pending_joined is not None or a2a._checked_scale(expert_scale) is not scale):
+            or a2a._pending_joined is not None):
         return None
     asked = _settled_stream(a2a, quick, (expert_y, weights, out))
-    if asked is _NOT_HERE or not repeat.still(asked):
+    if (asked is _NOT_HERE or a2a._last_scale is not scale or not same_scale(expert_scale, scale[0])
+            or not repeat.still(asked)):
         return None
     s, order = quick.stream, a2a._order
     _, out_arr, keep, _ = repeat.prepared
@@ -129,6 +135,12 @@ def quick_combine(a2a, repeat, expert_y, weights, out, stream, expert_scale):
     a2a._keep(*keep)
     a2a._pending = a2a._pending_weights = None
     return out_arr
+
+
+def _same_stream_given(stream, recorded) -> bool:
+    """stream= as the record's was given: the same object, or the same handle as an int (a loop that
+    passes `torch.cuda.current_stream().cuda_stream` or CuPy's `.ptr` makes a new int each time)."""
+    return stream is recorded or (type(stream) is int and type(recorded) is int and stream == recorded)
 
 
 def _launch(a2a, quick: Quick, record: str) -> None:

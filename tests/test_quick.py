@@ -156,9 +156,19 @@ def test_a_combine_that_is_not_the_repeat_launches_nothing(monkeypatch, change):
         me._pending_weights = t.w
     elif change == "other out":
         given = {"out": Tensor(0x3000, (2, 4))}
-    pending = me._pending
+    pending, last_scale = me._pending, me._last_scale
     assert combine(me, t, scale, **given) is None
     assert launched == [] and me._pending is pending and me._keepalive is None
+    assert me._last_scale is last_scale  # (the full path checks a new scale)
+
+
+def test_a_combine_after_a_kernel_error_leaves_its_scale_to_the_full_path(monkeypatch):
+    """A reported error is the full path's to raise, before it looks at a scale it would refuse."""
+    me, t, _, launched = settled_object(monkeypatch)
+    dispatch(me, t)
+    launched.clear()
+    me.host_status[0] = 3
+    assert combine(me, t, float("inf")) is None and launched == []
 
 
 def test_a_failed_launch_leaves_no_record(monkeypatch):
@@ -211,3 +221,47 @@ def test_a_stream_that_cannot_be_captured_is_not_asked(monkeypatch):
         assert not record.quick.ask_capture
     assert dispatch(me, t) is not None and combine(me, t) is not None
     assert me.backend.capture_queries == [] and len(launched) == 2
+
+
+def test_the_library_that_chose_the_stream_is_the_one_asked_again(monkeypatch):
+    """The repeat's rechecks add every producer's answer to the call's `asked` after the stream was
+    chosen: the lead is the first entry's library, and only where that is the first probed input's;
+    otherwise each library is asked in turn, as the full path asks them."""
+    me, t, _, _ = settled_object(monkeypatch)
+    probe, other = producers.stream_source(t.x), object()
+    quick = me._repeat_dispatch.quick
+    inputs = (t.x, t.indices)
+    chose = quick_for(me, quick.given, quick.stream, None, inputs, {probe: TORCH_STREAM, other: 1})
+    assert chose.lead == (probe, 0, TORCH_STREAM)
+    # (x's library answered nothing when the call chose its stream; another input's did)
+    assert quick_for(me, quick.given, quick.stream, None, inputs, {other: 1, probe: TORCH_STREAM}).lead is ANY_INPUT
+
+
+def test_a_stream_handle_given_as_a_new_int_repeats(monkeypatch):
+    me, t, _, launched = settled_object(monkeypatch)
+    record = me._repeat_dispatch
+    handle = 0x7F00_1234  # (beyond CPython's small ints: each int(...) below is a new object)
+    stream = me._stream_outside_capture(handle)
+    record.quick = dataclasses.replace(record.quick, given=record.quick.given[:4] + (int(str(handle)),), stream=stream,
+                                       follows_library=False)
+    assert dispatch(me, t, stream=int(str(handle))) is not None and launched == [("dispatch", stream)]
+    me._pending = None
+    assert dispatch(me, t, stream=handle + 1) is None and len(launched) == 1
+
+
+def test_a_quick_form_that_cannot_be_made_fails_the_call_before_anything_is_queued(monkeypatch):
+    """The first repeat makes the record's quick form before it queues anything: where that fails (no
+    memory for a graph, say), the call raises with nothing launched, waited for or recorded."""
+    me, t, _, launched = settled_object(monkeypatch)
+    me._repeat_dispatch.quick = None
+
+    def failing(*args):
+        raise RuntimeError("no graph")
+    me._dispatch_kernel = SimpleNamespace(launch=lambda *a: launched.append(a), repeater=failing)
+    me._dispatch_pack, me._repeat_packs, me.blocks, me.block_threads = None, (None, None), 1, 32
+    me._call_stream = functools.partial(AllToAll._call_stream, me)
+    last, waits = me._order.last, list(me.backend.waits)
+    with pytest.raises(RuntimeError, match="no graph"):
+        AllToAll._dispatch(me, t.x, t.indices, None, None, None)
+    assert launched == [] and me._repeat_dispatch is None and me._pending is None
+    assert me._order.last is last and me.backend.waits == waits

@@ -289,14 +289,11 @@ def test_arguments_pass_binding_conversion(rt):
 
 
 def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(rt):
-    """A call on PyTorch's default current stream (CUDA's legacy stream: handle 0, or 1 as
-    CU_STREAM_LEGACY) needs no capture query, since CUDA refuses to capture it; every other stream (and
-    every HIP stream) is asked."""
+    """A call on PyTorch's or CuPy's default current stream (named CU_STREAM_LEGACY, 1, by their probes)
+    needs no capture query, since CUDA refuses to capture it; every other stream is asked: handle 0 too
+    (the per-thread stream under CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1), and every HIP stream."""
     mod, _, _, _ = rt
     backend = _bare_backend(mod)
-    legacy = (None, backend.stream_from_handle(0), backend.stream_from_handle(1))
-    if mod is cuda_rt:
-        assert not any(backend.capturable(s) for s in legacy)
-    else:
-        assert all(backend.capturable(s) for s in legacy)
-    assert backend.capturable(backend.stream_from_handle(0x1234))
+    assert backend.capturable(backend.stream_from_handle(1)) is (mod is not cuda_rt)
+    for other in (None, backend.stream_from_handle(0), backend.stream_from_handle(2), backend.stream_from_handle(0x1234)):
+        assert backend.capturable(other)

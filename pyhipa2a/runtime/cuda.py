@@ -252,12 +252,13 @@ class CudaBackend(DriverBackend):
         return result[1] is not driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     def capturable(self, stream) -> bool:
-        # The legacy default stream (0 and CU_STREAM_LEGACY, 1), which is PyTorch's default current
-        # stream, is never captured: CUDA refuses to begin a capture there.
+        # CU_STREAM_LEGACY (1), the legacy default stream as PyTorch's and CuPy's default current streams
+        # are named (pyhipa2a.producers), is never captured: CUDA refuses to begin a capture there. Handle
+        # 0 is asked: with CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1 it is the per-thread stream.
         try:
-            return int(stream) > 1
-        except TypeError:  # (None, the legacy stream too; or no handle we can read: ask)
-            return stream is not None
+            return int(stream) != 1
+        except TypeError:  # (None, handle 0; or no handle we can read: ask)
+            return True
 
     # -- launches -------------------------------------------------------------
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
