@@ -574,9 +574,13 @@ class AllToAll:
         return s, asked
 
     def _captured_elsewhere(self, s) -> bool:
-        """Whether another library is capturing `s`, a call's stream outside capture(). Only capture()
-        records our own stream, so that one is not asked."""
-        return s is not self.stream and self.backend.capturable(s) and self.backend.stream_capturing(s)
+        """Whether another library is capturing `s`, a call's stream outside capture()."""
+        return self._capturable_elsewhere(s) and self.backend.stream_capturing(s)
+
+    def _capturable_elsewhere(self, s) -> bool:
+        """Whether another library may capture `s` (only capture() records our own stream, and CUDA never
+        captures its legacy one: neither is asked)."""
+        return s is not self.stream and self.backend.capturable(s)
 
     def _join_capture(self, s) -> None:
         """Another library (torch.cuda.graph, CuPy's stream capture) is capturing `s`: this call is

@@ -39,7 +39,7 @@ class Quick:
     launch: object  # a function of the stream: the recorded launch (Kernel.repeater)
     follows_library: bool  # stream= was None and AllToAll(stream="current")
     lead: object
-    ask_capture: bool  # whether another library may capture the stream (AllToAll._captured_elsewhere)
+    ask_capture: bool  # whether another library may capture the stream (AllToAll._capturable_elsewhere)
 
 
 NO_LIBRARY, ANY_INPUT = "no library", "any input"
@@ -59,8 +59,8 @@ def quick_for(a2a, given: tuple, stream, launch, inputs: tuple, asked: dict | No
         chooser, handle = next(iter(asked.items()))
         if chooser is probes[0][1]:
             lead = (chooser, probes[0][0], handle)
-    ask_capture = stream is not a2a.stream and a2a.backend.capturable(stream)
-    return Quick(given, stream, launch, given[-1] is None and a2a._on_current_stream, lead, ask_capture)
+    return Quick(given, stream, launch, given[-1] is None and a2a._on_current_stream, lead,
+                 a2a._capturable_elsewhere(stream))
 
 
 def _settled_stream(a2a, quick: Quick, inputs: tuple):
@@ -76,8 +76,8 @@ def _settled_stream(a2a, quick: Quick, inputs: tuple):
             if a2a._order.latest() is not stream:
                 return _NOT_HERE
         elif lead is ANY_INPUT:
-            current, asked = a2a._current_stream_of(inputs)
-            if a2a._stream_outside_capture(current) is not stream:
+            current, asked = a2a._call_stream(None, inputs)  # (as the full path finds it)
+            if current is not stream:
                 return _NOT_HERE
         else:
             probe, i, handle = lead
@@ -103,11 +103,8 @@ def quick_dispatch(a2a, repeat, x, indices, weights, x_scales, stream):
     asked = _settled_stream(a2a, quick, (x, indices))
     if asked is _NOT_HERE or not repeat.still(asked):
         return None
-    s, order, result = quick.stream, a2a._order, repeat.prepared
-    a2a.backend.activate()
-    repeat.resume(order, s)
-    _launch(a2a, quick, "_repeat_dispatch")
-    order.queued(s)
+    _relaunch(a2a, repeat, "_repeat_dispatch")
+    result = repeat.prepared
     a2a._pending, a2a._pending_weights, a2a._pending_joined = result, weights, None
     return result
 
@@ -126,12 +123,8 @@ def quick_combine(a2a, repeat, expert_y, weights, out, stream, expert_scale):
     if (asked is _NOT_HERE or a2a._last_scale is not scale or not same_scale(expert_scale, scale[0])
             or not repeat.still(asked)):
         return None
-    s, order = quick.stream, a2a._order
+    _relaunch(a2a, repeat, "_repeat_combine")
     _, out_arr, keep, _ = repeat.prepared
-    a2a.backend.activate()
-    repeat.resume(order, s)
-    _launch(a2a, quick, "_repeat_combine")
-    order.queued(s)
     a2a._keep(*keep)
     a2a._pending = a2a._pending_weights = None
     return out_arr
@@ -143,9 +136,15 @@ def _same_stream_given(stream, recorded) -> bool:
     return stream is recorded or (type(stream) is int and type(recorded) is int and stream == recorded)
 
 
-def _launch(a2a, quick: Quick, record: str) -> None:
+def _relaunch(a2a, repeat, record: str) -> None:
+    """Queue `repeat` (a2a's `record`) as the full path queues a repeat: after the last call and its
+    arguments' producers, then its launch; the stream is the last call's from then on."""
+    quick, order = repeat.quick, a2a._order
+    a2a.backend.activate()
+    repeat.resume(order, quick.stream)
     try:
         quick.launch(quick.stream)
     except BaseException:
         setattr(a2a, record, None)  # as the full path: a call that fails records nothing
         raise
+    order.queued(quick.stream)

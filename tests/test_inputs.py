@@ -667,7 +667,7 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
                          _dispatch_pack=None, _repeat_packs=(None, None), blocks=1, block_threads=32, _last_scale=scale,
                          stream=OURS, backend=SimpleNamespace(capturable=lambda s: True), _combine_repeater=repeater)
     for name in ("_call_stream", "_current_stream_of", "_stream_outside_capture", "_launch_dispatch", "_queued",
-                 "_checked_scale"):
+                 "_checked_scale", "_capturable_elsewhere"):
         setattr(me, name, functools.partial(getattr(AllToAll, name), me))
     me._repeat_dispatch = Repeat.of((x, i, None, None, 0x55), ("x", "indices"), b, 2, result)
     asks.clear()

@@ -66,7 +66,8 @@ def settled_object(monkeypatch):
                          _order=b.order, stream=OURS, backend=runtime, _pending=None, _pending_weights=None,
                          _pending_joined=None, _joined=None, _keepalive=None, _last_scale=(1.0, np.float32(1.0)),
                          _repeat_dispatch=None, _repeat_combine=None, current=current)
-    for name in ("_current_stream_of", "_stream_outside_capture", "_checked_scale", "_keep"):
+    for name in ("_current_stream_of", "_stream_outside_capture", "_call_stream", "_capturable_elsewhere",
+                 "_checked_scale", "_keep"):
         setattr(me, name, functools.partial(getattr(AllToAll, name), me))
     launched = []
     stream = me._stream_outside_capture(TORCH_STREAM)  # (the object's one view of the handle, as a call resolves it)
@@ -259,7 +260,6 @@ def test_a_quick_form_that_cannot_be_made_fails_the_call_before_anything_is_queu
         raise RuntimeError("no graph")
     me._dispatch_kernel = SimpleNamespace(launch=lambda *a: launched.append(a), repeater=failing)
     me._dispatch_pack, me._repeat_packs, me.blocks, me.block_threads = None, (None, None), 1, 32
-    me._call_stream = functools.partial(AllToAll._call_stream, me)
     last, waits = me._order.last, list(me.backend.waits)
     with pytest.raises(RuntimeError, match="no graph"):
         AllToAll._dispatch(me, t.x, t.indices, None, None, None)

@@ -297,3 +297,42 @@ def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(rt):
     assert backend.capturable(backend.stream_from_handle(1)) is (mod is not cuda_rt)
     for other in (None, backend.stream_from_handle(0), backend.stream_from_handle(2), backend.stream_from_handle(0x1234)):
         assert backend.capturable(other)
+
+
+def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
+    """The CUDA backend's launch protocol, on a fake driver: a pack's first launch on a geometry makes its
+    one-node graph; each launch hands the node the pack's arguments, then launches the graph; a
+    launcher (a repeated call's) hands them once and then only launches; into a capture of ours, a
+    launch is a plain kernel launch."""
+    pytest.importorskip("cuda.bindings.driver")
+    from pyhipa2a.kernels import ArgPack
+    calls = []
+
+    def record(name, *value):
+        return lambda *args: (calls.append(name), (0, *value))[1]
+    fake = types.SimpleNamespace(
+        CUstream=cuda_rt._load().CUstream, CUDA_KERNEL_NODE_PARAMS=types.SimpleNamespace, cuGraphCreate=record("create", "template"),
+        cuGraphAddKernelNode=record("add node", "node"), cuGraphInstantiate=record("instantiate", "exec"),
+        cuGraphExecKernelNodeSetParams=record("set params"), cuGraphLaunch=record("graph launch"),
+        cuGraphExecDestroy=record("destroy exec"), cuGraphDestroy=record("destroy template"))
+    monkeypatch.setattr(cuda_rt, "driver", fake)
+    backend = _bare_backend(cuda_rt)
+    backend._launch_kernel = record("kernel launch")
+    pack, stream = ArgPack((ctypes.c_uint64,)), backend.stream_from_handle(0x1234)
+    for _ in range(2):
+        backend.launch("function", 8, 256, stream, pack)
+    assert calls == ["create", "add node", "instantiate"] + ["set params", "graph launch"] * 2
+    calls.clear()
+    launch = backend.launcher("function", 8, 256, pack)  # the same site: its graph is reused
+    for _ in range(2):
+        launch(stream)
+    assert calls == ["set params", "graph launch", "graph launch"]
+    calls.clear()
+    backend.capture_begin = lambda s: backend._capturing.add(backend.stream_handle(s))
+    backend.capture_begin(stream)
+    backend.launch("function", 8, 256, stream, pack)
+    launch(stream)
+    assert calls == ["kernel launch", "kernel launch"]
+    for site in pack.sites.values():
+        site.release()  # (now, on the fake driver)
+    assert calls[-2:] == ["destroy exec", "destroy template"]

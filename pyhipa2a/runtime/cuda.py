@@ -124,11 +124,15 @@ class _OneNodeGraph:
         self.release = weakref.finalize(self, _destroy_graph, self.exec, graph)
 
 
-def _launch_site(site: _OneNodeGraph, stream) -> None:
-    """The site's kernel with the arguments its pack holds now, on `stream`."""
+def _hand_arguments(site: _OneNodeGraph) -> None:
+    """The site's node takes the arguments its pack holds now."""
     result = driver.cuGraphExecKernelNodeSetParams(site.exec, site.node, site.params)
     if result[0]:
         _check(result, "cuGraphExecKernelNodeSetParams")
+
+
+def _launch_graph(site: _OneNodeGraph, stream) -> None:
+    """The site's kernel with the arguments its node holds, on `stream`."""
     result = driver.cuGraphLaunch(site.exec, 0 if stream is None else stream)
     if result[0]:
         _check(result, "cuGraphLaunch")
@@ -270,15 +274,14 @@ class CudaBackend(DriverBackend):
         if self._recording(stream):
             super().launch(function, grid, block, stream, pack)
             return
-        site = pack.sites.get((id(function), grid, block))  # (the site's params hold the function: its id stays)
-        if site is None:
-            site = self._site(function, grid, block, pack)
-        _launch_site(site, stream)
+        site = pack.sites.get((id(function), grid, block)) or self._site(function, grid, block, pack)
+        _hand_arguments(site)
+        _launch_graph(site, stream)
 
     def _site(self, function, grid: int, block: int, pack) -> "_OneNodeGraph":
         """The one-node graph of `function` launched from `pack` on `grid` blocks of `block` threads,
         made at its first launch and kept in the pack."""
-        key = (id(function), grid, block)
+        key = (id(function), grid, block)  # (the site's params hold the function: its id stays)
         site = pack.sites.get(key)
         if site is None:
             self.activate()  # an executable graph belongs to the context current when it is made
@@ -291,14 +294,11 @@ class CudaBackend(DriverBackend):
         # The graph stays the pack's (made once: a new one for each repeat grew device memory by 2 MiB in
         # scripts/stress.py, thirty-second session).
         site, capturing, joined = self._site(function, grid, block, pack), self._capturing, self._joined
-        _check(driver.cuGraphExecKernelNodeSetParams(site.exec, site.node, site.params),
-               "cuGraphExecKernelNodeSetParams")
+        _hand_arguments(site)
 
         def launch(stream) -> None:
             if capturing or joined:  # some stream records: launch() tells whether it is this one
                 self.launch(function, grid, block, stream, pack)
-                return
-            result = driver.cuGraphLaunch(site.exec, 0 if stream is None else stream)
-            if result[0]:
-                _check(result, "cuGraphLaunch")
+            else:
+                _launch_graph(site, stream)
         return launch
