@@ -34,6 +34,10 @@ of one eager dispatch() + combine() (until both returned; the fake expert's
 launch between them is not counted), `launch` the host time of two empty kernels'
 launches timed the same way (a step's two launches with no library code around
 them: a lower bound of the host column within a node), and eag/gr the eager wall over the graph's.
+`yard` is a fixed piece of Python's time right after the host column was taken
+(the device machines' vCPUs run Python at full speed part of the time, about
+half speed otherwise: scripts/cpu_speed.py), and the starred columns the same
+figures taken with each rank on a CPU found at full speed, the best of three takes.
 `ls ...` columns (lockstep): `--lockstep-calls` calls (default 8) back to back
 in one graph after one more call, each between events of its own. Each
 rank's first call absorbs the ranks' launch skew (two processes' graph launches
@@ -70,6 +74,7 @@ from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, dispatch_uploaded, draw_world,  # noqa: E402
                               dtype_arguments, failure_line, free_inputs, fused_combine, inputs_as_given, poison,
                               run_round, upload_inputs, weights_where)
+from cpu_speed import FastCpu, yardstick_us  # noqa: E402  (scripts/, this file's directory)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -386,9 +391,10 @@ def lockstep(comm, a2a, arrays, inputs, step: Step, args) -> dict:
     return {**{"ls_" + p: v for p, v in timed.items()}, "ls_empty": empty["dispatch"]}
 
 
-def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> dict:
+def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None, fast: FastCpu) -> dict:
     """measure()'s timings of one checked shape: {"ok": False, "error": ...} when a timed graph or an eager
-    call is wrong. Every buffer, graph and event it makes goes before it returns, whichever way it does
+    call is wrong. Host figures (and, with flush_ptr, the walls) are taken again on CPUs at full speed
+    (`fast`). Every buffer, graph and event it makes goes before it returns, whichever way it does
     (every rank in the same order: the timings end synchronized)."""
     with contextlib.ExitStack() as made:
         arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
@@ -424,10 +430,20 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         eager["e2e"] = whole_e2e(lambda: call(a2a, given, step, around))
         r.update({"eager_" + p: v for p, v in eager.items()})
         r["host"] = host_time(comm, a2a, given, step, args.iters)
+        r["yard"] = comm.allreduce(yardstick_us(), op=MPI.MAX)  # the state of the CPUs the host figure ran on
         r["host_launches"] = launch_host_time(comm, a2a, given, args.iters)
+        # The same on CPUs found at full speed (scripts/cpu_speed.py: the best of a few takes; None where none was)
+        r["host_fast"], r["fast_yard"] = fast.measure(lambda: host_time(comm, a2a, given, step, args.iters))
+        r["host_launches_fast"], _ = fast.measure(lambda: launch_host_time(comm, a2a, given, args.iters))
         if flush_ptr is not None:
             r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
             r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, step), flush_ptr, args.iters)
+            walls, _ = fast.measure(lambda: (wall_time(comm, a2a, bare.launch, flush_ptr, args.iters),
+                                             wall_time(comm, a2a, lambda: call(a2a, given, step), flush_ptr,
+                                                       args.iters)),
+                                     key=lambda walls: walls[1])  # (the take with the best eager wall)
+            r["wall_fast"], r["eager_wall_fast"] = walls or (None, None)
+            r["eager_over_graph_fast"] = walls and walls[1] / walls[0]
             r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
             r["empty_wall"] = wall_time(comm, a2a, launch_empty, flush_ptr, args.iters)
             r["eager_over_graph"] = r["eager_wall"] / r["wall"]
@@ -436,7 +452,7 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None) -> di
         return r
 
 
-def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
+def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None, fast: FastCpu) -> dict:
     """Check, then time one shape, as one graph per call and as eager calls (wall times too when
     flush_ptr is given). The main columns are the graph's; eager_* are the same call, three launches."""
     r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs])),
@@ -448,7 +464,7 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None) -> dict:
     error = check_once(comm, a2a, inputs, step)
     if error:
         return {**r, "ok": False, "error": error}
-    timed_phases = time_shape(comm, a2a, inputs, args, step, flush_ptr)
+    timed_phases = time_shape(comm, a2a, inputs, args, step, flush_ptr, fast)
     if not timed_phases.get("ok", True):
         return {**r, **timed_phases}
     r.update(timed_phases)
@@ -476,7 +492,7 @@ def make_a2a(comm, backend, s: dict, args) -> AllToAll:
                     stream=args.calls_on, profile=args.profile, row_layout=args.row_layout)
 
 
-def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
+def run_shapes(comm, backend, shapes, args, bw, flush_ptr, fast) -> list[dict]:
     world, rows = comm.Get_size(), []
     for s in shapes:
         row = {"shape": shape_name(s), **s}
@@ -491,7 +507,7 @@ def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
         result = None
         try:
             with make_a2a(comm, backend, s, args) as a2a:
-                result = measure(comm, a2a, inputs, args, bw, flush_ptr)
+                result = measure(comm, a2a, inputs, args, bw, flush_ptr, fast)
         except Exception:
             if result is None or result["ok"]:
                 raise
@@ -500,7 +516,7 @@ def run_shapes(comm, backend, shapes, args, bw, flush_ptr) -> list[dict]:
     return rows
 
 
-def run_sweep(comm, backend, args, bw) -> list[dict]:
+def run_sweep(comm, backend, args, bw, fast) -> list[dict]:
     world = comm.Get_size()
     s = {"num_experts": 256 // world * world, "experts_per_token": 8, "hidden_dim": args.sweep_hidden,
          "max_num_tokens": max(SWEEP_TOKENS), "seed": args.seed if args.seed is not None else 1234}
@@ -510,7 +526,7 @@ def run_sweep(comm, backend, args, bw) -> list[dict]:
             for T in SWEEP_TOKENS:
                 inputs = draw_world(s["seed"] + T, world, s["num_experts"], 8, s["hidden_dim"],
                                     s["max_num_tokens"], token_counts=[T] * world)
-                rows.append({"shape": shape_name(s), **s, "tokens": T, **measure(comm, a2a, inputs, args, bw, None)})
+                rows.append({"shape": shape_name(s), **s, "tokens": T, **measure(comm, a2a, inputs, args, bw, None, fast)})
                 if not rows[-1]["ok"]:
                     break  # the AllToAll is unusable after a failure; later points would only time out
     except Exception:
@@ -524,6 +540,12 @@ def fmt(v, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def all_taken(values) -> list | None:
+    """`values` as a list, or None where one of them is None (a figure not taken) or there are none."""
+    values = list(values)
+    return None if not values or None in values else values
+
+
 def geomean(values) -> float | None:
     values = [v for v in values if v]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
@@ -532,12 +554,16 @@ def geomean(values) -> float | None:
 def print_shapes(rows) -> None:
     print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
           "launched one by one; host: eager dispatch() + combine() host time; launch: two empty kernels' launches "
-          "timed so (a lower bound of host); eag/gr: eager wall / graph wall; "
+          "timed so (a lower bound of host); eag/gr: eager wall / graph wall; yard: a fixed piece of Python's time "
+          "right after host (max over ranks: about 2 where every rank's CPU ran at full speed, 3-4.5 where one did "
+          "not); *: the same taken with each rank on a CPU found at full speed just before, the best of three takes "
+          "(scripts/cpu_speed.py; '-': none found); "
           "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels; "
           "ls: calls back to back in one graph after one that takes the ranks' launch skew (--lockstep-calls), "
           "median per call; ls nop: an empty kernel timed so")
     print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'wall':>9} {'+nop':>6} "
-          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'launch':>6} {'eag/gr':>6} {'floor':>9} {'push':>5} {'link MB':>8} "
+          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'launch':>6} {'eag/gr':>6} {'yard':>5} {'host*':>6} {'launch*':>7} "
+          f"{'eag/gr*':>7} {'floor':>9} {'push':>5} {'link MB':>8} "
           f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} {'ls e2e':>7} {'ls nop':>6}")
     for r in rows:
         if not r["ok"]:
@@ -546,7 +572,8 @@ def print_shapes(rows) -> None:
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
               + f" {r['empty']:>5.1f} {r['wall']:>9.1f} {r['wall'] - r['empty_wall']:>6.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
-              f"{r['host_launches']:>6.1f} {r['eager_over_graph']:>6.2f} {r['floor']:>9.1f} "
+              f"{r['host_launches']:>6.1f} {r['eager_over_graph']:>6.2f} {r['yard']:>5.1f} {fmt(r['host_fast']):>6} "
+              f"{fmt(r['host_launches_fast']):>7} {fmt(r['eager_over_graph_fast'], '.2f'):>7} {r['floor']:>9.1f} "
               f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               f" {fmt(r.get('ls_e2e')):>7} {fmt(r.get('ls_empty')):>6}")
     ok = [r for r in rows if r["ok"]]
@@ -557,6 +584,8 @@ def print_shapes(rows) -> None:
           f"wall {fmt(geomean(r['eager_wall'] for r in ok))}, host {fmt(geomean(r['host'] for r in ok))} "
           f"(two empty launches {fmt(geomean(r['host_launches'] for r in ok))}), "
           f"eager/graph wall max {fmt(max((r['eager_over_graph'] for r in ok), default=None), '.2f')}; "
+          f"on CPUs at full speed: host {fmt(geomean(all_taken(r['host_fast'] for r in ok) or []))}, "
+          f"eager/graph wall max {fmt(max(all_taken(r['eager_over_graph_fast'] for r in ok) or [None]), '.2f')}; "
           f"floor {fmt(geomean(r['floor'] for r in ok))} us), "
           f"ratio to SOL {fmt(geomean(r['ratio'] for r in ok), '.2f')}")
 
@@ -580,7 +609,8 @@ def print_between_nodes(rows) -> None:
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'eag disp':>9} {'eag comb':>9} "
-          f"{'eag e2e':>9} {'host':>7} {'launch':>6} {'push':>5} {'link MB':>8} {'GB/s':>7} {'SOL':>8} {'ratio':>6} "
+          f"{'eag e2e':>9} {'host':>7} {'launch':>6} {'yard':>5} {'host*':>6} {'launch*':>7} {'push':>5} {'link MB':>8} "
+          f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} "
           f"{'ls disp':>7} {'ls comb':>7} {'ls nop':>6}")
     for r in rows:
         if not r["ok"]:
@@ -588,7 +618,8 @@ def print_sweep(rows) -> None:
             continue
         print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES) + f" {r['empty']:>5.1f}"
               + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
-              + f" {r['host']:>7.1f} {r['host_launches']:>6.1f} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
+              + f" {r['host']:>7.1f} {r['host_launches']:>6.1f} {r['yard']:>5.1f} {fmt(r['host_fast']):>6} "
+              f"{fmt(r['host_launches_fast']):>7} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               + f" {fmt(r.get('ls_dispatch')):>7} {fmt(r.get('ls_combine')):>7} {fmt(r.get('ls_empty')):>6}")
 
 
@@ -736,8 +767,9 @@ def main() -> int:
     backend = get_backend()  # one backend for every heap and buffer of this run
     bw = peer_bandwidth(comm, backend)
     flush_ptr = backend.malloc_ipc(FLUSH_BYTES)
-    rows = run_shapes(comm, backend, shapes, args, bw, flush_ptr)
-    sweep = run_sweep(comm, backend, args, bw) if args.sweep else []
+    fast = FastCpu(comm)
+    rows = run_shapes(comm, backend, shapes, args, bw, flush_ptr, fast)
+    sweep = run_sweep(comm, backend, args, bw, fast) if args.sweep else []
     backend.free(flush_ptr)
     if comm.Get_rank() == 0:
         report(args, backend, bw, rows, sweep)

@@ -27,6 +27,7 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
                    "--lockstep-calls", str(lockstep_calls), "--json", str(out)],
                   ranks, env_backend(backend), timeout=900, what="bench.py")
     report = json.loads(out.read_text())
+    pickable = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= ranks  # (one node)
     assert report["lockstep_calls"] == lockstep_calls
     rows = report["shapes"] + report["sweep"]
     assert len(report["shapes"]) == 1 and [r["tokens"] for r in report["sweep"]] == [1, 8, 32, 64, 128, 256]
@@ -34,7 +35,10 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
         assert r["ok"], r.get("error")
         assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty", "empty_e2e", "eager_e2e"))
         assert r["e2e_phased"] >= max(r["dispatch"], r["combine"]), r
-        assert 0 < r["host_launches"] and 0 < r["host"], r  # the host column and its floor, two bare launches
+        assert 0 < r["host_launches"] and 0 < r["host"] and 0 < r["yard"], r  # the host column, its floor, the CPU's state
+        # taken again on CPUs found fast (where every rank has CPUs of its own to pick; '-' where none was found)
+        fast = [r["host_fast"], r["host_launches_fast"]] + ([r["eager_over_graph_fast"]] if "wall" in r else [])
+        assert all(v is None for v in fast) if not pickable else all(v is None or v > 0 for v in fast), r
         if lockstep_calls:
             assert all(r["ls_" + p] >= 0 for p in PHASES) and r["ls_empty"] > 0, r
             assert r["ls_e2e"] >= max(r["ls_dispatch"], r["ls_combine"]), r
@@ -47,7 +51,7 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     assert len(points) == 2
     for cols, r in zip(points, (report["sweep"][0], report["sweep"][-1])):
         assert (cols[-3:] == ["-", "-", "-"]) == (lockstep_calls == 0), cols
-        assert f"{r['host']:.1f} {r['host_launches']:.1f}" in " ".join(cols), cols  # launch right after host
+        assert f"{r['host']:.1f} {r['host_launches']:.1f} {r['yard']:.1f}" in " ".join(cols), cols  # launch, yard after host
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -63,7 +63,7 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", b
         inputs = inputs_as_given(a2a, draw_world(5, world, E, k, H, M), args.fp8_input)
         flush = b.malloc_ipc(bench.FLUSH_BYTES) if nodes else None  # (the caller's, freed below)
         made["buffers"] -= nodes
-        result = bench.time_shape(comm, a2a, inputs, args, bench.Step(fused=True), flush)
+        result = bench.time_shape(comm, a2a, inputs, args, bench.Step(fused=True), flush, bench.FastCpu(comm))
         if nodes:
             b.free(flush)
         assert result.get("ok", True) == (fail_at == 0) and len(checks) == (fail_at or 5), (result, checks)
