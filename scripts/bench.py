@@ -74,7 +74,7 @@ from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, dispatch_uploaded, draw_world,  # noqa: E402
                               dtype_arguments, failure_line, free_inputs, fused_combine, inputs_as_given, poison,
                               run_round, upload_inputs, weights_where)
-from cpu_speed import FastCpu, yardstick_us  # noqa: E402  (scripts/, this file's directory)
+from cpu_speed import SLACK, FastCpu, yardstick_us  # noqa: E402  (scripts/, this file's directory)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 MiB = 1 << 20
@@ -321,6 +321,12 @@ def device_times(comm, a2a, run, event_sets, warmup: int, iters: int, spans=SPAN
     return {p: comm.allreduce(float(m), op=MPI.MAX) for p, m in zip(spans, medians)}
 
 
+def walls_of_one_take(comm, a2a, graph, arrays, step: Step, flush_ptr: int, iters: int) -> tuple[float, float]:
+    """(graph wall, eager wall) of the step, one after the other (the starred eag/gr compares them)."""
+    return (wall_time(comm, a2a, graph.launch, flush_ptr, iters),
+            wall_time(comm, a2a, lambda: call(a2a, arrays, step), flush_ptr, iters))
+
+
 def wall_time(comm, a2a, body, flush_ptr: int, iters: int) -> float:
     """gpu-mode's clock: flush, synchronize + barrier, rank 0 times body + synchronize + barrier (us)."""
     times = []
@@ -430,25 +436,29 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None, fast:
         eager["e2e"] = whole_e2e(lambda: call(a2a, given, step, around))
         r.update({"eager_" + p: v for p, v in eager.items()})
         r["host"] = host_time(comm, a2a, given, step, args.iters)
-        r["yard"] = comm.allreduce(yardstick_us(), op=MPI.MAX)  # the state of the CPUs the host figure ran on
+        yard = yardstick_us()  # how fast Python ran right after (the CPU may have changed since)
+        fast.saw(yard)
+        r["yard"] = comm.allreduce(yard, op=MPI.MAX)
         r["host_launches"] = launch_host_time(comm, a2a, given, args.iters)
         # The same on CPUs found at full speed (scripts/cpu_speed.py: the best of a few takes; None where none was)
-        r["host_fast"], r["fast_yard"] = fast.measure(lambda: host_time(comm, a2a, given, step, args.iters))
-        r["host_launches_fast"], _ = fast.measure(lambda: launch_host_time(comm, a2a, given, args.iters))
+        r["host_fast"], host_yard = fast.measure(lambda: host_time(comm, a2a, given, step, args.iters))
+        r["host_launches_fast"], launch_yard = fast.measure(lambda: launch_host_time(comm, a2a, given, args.iters))
+        yards = [host_yard, launch_yard]
         if flush_ptr is not None:
             r["wall"] = wall_time(comm, a2a, bare.launch, flush_ptr, args.iters)
             r["eager_wall"] = wall_time(comm, a2a, lambda: call(a2a, given, step), flush_ptr, args.iters)
-            walls, _ = fast.measure(lambda: (wall_time(comm, a2a, bare.launch, flush_ptr, args.iters),
-                                             wall_time(comm, a2a, lambda: call(a2a, given, step), flush_ptr,
-                                                       args.iters)),
-                                     key=lambda walls: walls[1])  # (the take with the best eager wall)
+            walls, wall_yard = fast.measure(
+                lambda: walls_of_one_take(comm, a2a, bare, given, step, flush_ptr, args.iters), key=lambda w: w[1])
+            # (the graph wall of the take whose eager wall was best: eag/gr* compares the two of one take)
             r["wall_fast"], r["eager_wall_fast"] = walls or (None, None)
             r["eager_over_graph_fast"] = walls and walls[1] / walls[0]
+            yards.append(wall_yard)
             r["floor"] = wall_time(comm, a2a, lambda: None, flush_ptr, args.iters)
             r["empty_wall"] = wall_time(comm, a2a, launch_empty, flush_ptr, args.iters)
             r["eager_over_graph"] = r["eager_wall"] / r["wall"]
             if hasattr(a2a, "exchange_between_nodes"):
                 r.update(bare_exchange_walls(comm, a2a, flush_ptr, args.iters, made))
+        r["fast_yard"] = max(yards) if None not in yards else None  # the slowest pick's yardstick of them all
         return r
 
 
@@ -555,15 +565,15 @@ def print_shapes(rows) -> None:
     print("graph: one graph launch per call (the main figures); eager: dispatch, fake expert and combine "
           "launched one by one; host: eager dispatch() + combine() host time; launch: two empty kernels' launches "
           "timed so (a lower bound of host); eag/gr: eager wall / graph wall; yard: a fixed piece of Python's time "
-          "right after host (max over ranks: about 2 where every rank's CPU ran at full speed, 3-4.5 where one did "
-          "not); *: the same taken with each rank on a CPU found at full speed just before, the best of three takes "
-          "(scripts/cpu_speed.py; '-': none found); "
+          "right after host (max over ranks; the device machines' vCPUs read about 2 at full speed, up to twice that "
+          "otherwise); *: the same taken with each rank on a CPU found at full speed just before, the best of three takes "
+          "(scripts/cpu_speed.py; '-': none found), yard* the slowest of those CPUs' yards at their pick; "
           "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels; "
           "ls: calls back to back in one graph after one that takes the ranks' launch skew (--lockstep-calls), "
           "median per call; ls nop: an empty kernel timed so")
     print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'wall':>9} {'+nop':>6} "
-          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'launch':>6} {'eag/gr':>6} {'yard':>5} {'host*':>6} {'launch*':>7} "
-          f"{'eag/gr*':>7} {'floor':>9} {'push':>5} {'link MB':>8} "
+          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'launch':>6} {'eag/gr':>6} {'yard':>5} {'host*':>7} {'launch*':>7} "
+          f"{'eag/gr*':>7} {'yard*':>5} {'floor':>9} {'push':>5} {'link MB':>8} "
           f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} {'ls e2e':>7} {'ls nop':>6}")
     for r in rows:
         if not r["ok"]:
@@ -572,8 +582,9 @@ def print_shapes(rows) -> None:
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
               + f" {r['empty']:>5.1f} {r['wall']:>9.1f} {r['wall'] - r['empty_wall']:>6.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
-              f"{r['host_launches']:>6.1f} {r['eager_over_graph']:>6.2f} {r['yard']:>5.1f} {fmt(r['host_fast']):>6} "
-              f"{fmt(r['host_launches_fast']):>7} {fmt(r['eager_over_graph_fast'], '.2f'):>7} {r['floor']:>9.1f} "
+              f"{r['host_launches']:>6.1f} {r['eager_over_graph']:>6.2f} {r['yard']:>5.1f} {fmt(r['host_fast']):>7} "
+              f"{fmt(r['host_launches_fast']):>7} {fmt(r['eager_over_graph_fast'], '.2f'):>7} {fmt(r['fast_yard']):>5} "
+              f"{r['floor']:>9.1f} "
               f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               f" {fmt(r.get('ls_e2e')):>7} {fmt(r.get('ls_empty')):>6}")
     ok = [r for r in rows if r["ok"]]
@@ -609,7 +620,7 @@ def print_between_nodes(rows) -> None:
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'eag disp':>9} {'eag comb':>9} "
-          f"{'eag e2e':>9} {'host':>7} {'launch':>6} {'yard':>5} {'host*':>6} {'launch*':>7} {'push':>5} {'link MB':>8} "
+          f"{'eag e2e':>9} {'host':>7} {'launch':>6} {'yard':>5} {'host*':>7} {'launch*':>7} {'yard*':>5} {'push':>5} {'link MB':>8} "
           f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} "
           f"{'ls disp':>7} {'ls comb':>7} {'ls nop':>6}")
     for r in rows:
@@ -618,8 +629,8 @@ def print_sweep(rows) -> None:
             continue
         print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES) + f" {r['empty']:>5.1f}"
               + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
-              + f" {r['host']:>7.1f} {r['host_launches']:>6.1f} {r['yard']:>5.1f} {fmt(r['host_fast']):>6} "
-              f"{fmt(r['host_launches_fast']):>7} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
+              + f" {r['host']:>7.1f} {r['host_launches']:>6.1f} {r['yard']:>5.1f} {fmt(r['host_fast']):>7} "
+              f"{fmt(r['host_launches_fast']):>7} {fmt(r['fast_yard']):>5} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               + f" {fmt(r.get('ls_dispatch')):>7} {fmt(r.get('ls_combine')):>7} {fmt(r.get('ls_empty')):>6}")
 
 
@@ -656,7 +667,7 @@ def plot(path: str, shapes, sweep) -> None:
     print(f"plot written to {path}")
 
 
-def report(args, backend, bw: dict, rows, sweep) -> None:
+def report(args, backend, bw: dict, rows, sweep, fast_cpus: bool) -> None:
     world = MPI.COMM_WORLD.Get_size()
     command = shlex.join(["python", *sys.argv])
     partials = "fp16 (--narrow-partials)" if args.narrow_partials else "fp32"
@@ -676,6 +687,9 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
     print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median; "
           "push: ranks whose call was pushed (PYHIPA2A_PUSH_MAX_TOKENS: its contributions pushed back, its tokens "
           "too where AllToAll.push_tokens), the others staged them")
+    print("starred host figures: " + (f"each rank on a CPU of its own share that runs within {args.full_speed_slack}x "
+                                      "of the node's fastest yardstick (--full-speed-slack)" if fast_cpus
+                                      else "not taken (some rank has no CPU of its own to move to)"))
     launch = next((r["launch"] for r in rows + sweep if "launch" in r), None)
     if launch:
         small = launch.get("small_combine_tokens", -1)
@@ -696,7 +710,8 @@ def report(args, backend, bw: dict, rows, sweep) -> None:
                        "weights_at": args.weights_at, "lockstep_calls": args.lockstep_calls,
                        "inputs": args.inputs, "producer_order": args.producer_order, "calls_on": args.calls_on,
                        "dispatch_dtype": args.dispatch_dtype, "fp8_input": args.fp8_input,
-                       "row_layout": args.row_layout,
+                       "row_layout": args.row_layout, "fast_cpus": fast_cpus,
+                       "full_speed_slack": args.full_speed_slack,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
     if args.plot:
@@ -749,6 +764,9 @@ def main() -> int:
                    help="fp8 dispatch: fp16 x quantized by the dispatch kernel, or x given in fp8 with x_scales")
     p.add_argument("--row-layout", choices=LAYOUT_CHOICES, default="packed",
                    help="AllToAll(row_layout=): each expert's rows packed, or by source (expert_layout)")
+    p.add_argument("--full-speed-slack", type=float, default=SLACK,
+                   help="the starred columns' CPUs run at full speed where a yardstick reads within this factor of "
+                        "the node's fastest reading (scripts/cpu_speed.py; inf: any CPU)")
     p.add_argument("--lockstep-calls", type=int, default=8,
                    help="calls timed back to back in one graph after one that takes the launch skew (the ls "
                         "columns); 0: none")
@@ -767,12 +785,13 @@ def main() -> int:
     backend = get_backend()  # one backend for every heap and buffer of this run
     bw = peer_bandwidth(comm, backend)
     flush_ptr = backend.malloc_ipc(FLUSH_BYTES)
-    fast = FastCpu(comm)
+    fast = FastCpu(comm, args.full_speed_slack)
     rows = run_shapes(comm, backend, shapes, args, bw, flush_ptr, fast)
     sweep = run_sweep(comm, backend, args, bw, fast) if args.sweep else []
+    fast.close()
     backend.free(flush_ptr)
     if comm.Get_rank() == 0:
-        report(args, backend, bw, rows, sweep)
+        report(args, backend, bw, rows, sweep, fast.usable)
     return 0 if all(r["ok"] or r["error"].startswith("SKIP") for r in rows + sweep) else 1
 
 

@@ -19,15 +19,18 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     that e2e is timed on); the e2e with events between the phases is kept beside it (each of its samples
     spans that call's dispatch and combine, so a span timed between the wrong events breaks the order of
     the medians); with lockstep calls, their phases are reported likewise; without, no ls figures and the
-    columns say '-'."""
+    columns say '-'; the host figures are taken again on CPUs of each rank's own where it has some."""
     ranks, out = ranks_for(backend), tmp_path / "bench.json"
     hidden = "128" if backend == "host" else "7168"
     run = run_mpi([str(REPO / "scripts" / "bench.py"), "--shape", f"{4 * ranks},2,256,8", "--sweep",
                    "--sweep-hidden", hidden, "--iters", "2", "--warmup", "1", "--fused-expert",
-                   "--lockstep-calls", str(lockstep_calls), "--json", str(out)],
+                   "--lockstep-calls", str(lockstep_calls), "--full-speed-slack", "inf", "--json", str(out)],
                   ranks, env_backend(backend), timeout=900, what="bench.py")
     report = json.loads(out.read_text())
-    pickable = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= ranks  # (one node)
+    # Starred figures: where every rank has CPUs of its own (one node, ranks not bound), taken on every
+    # shape and point (--full-speed-slack inf: any CPU counts as at full speed), else on none
+    pickable = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= ranks
+    assert report["fast_cpus"] == pickable and report["full_speed_slack"] == float("inf"), report
     assert report["lockstep_calls"] == lockstep_calls
     rows = report["shapes"] + report["sweep"]
     assert len(report["shapes"]) == 1 and [r["tokens"] for r in report["sweep"]] == [1, 8, 32, 64, 128, 256]
@@ -36,9 +39,8 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
         assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty", "empty_e2e", "eager_e2e"))
         assert r["e2e_phased"] >= max(r["dispatch"], r["combine"]), r
         assert 0 < r["host_launches"] and 0 < r["host"] and 0 < r["yard"], r  # the host column, its floor, the CPU's state
-        # taken again on CPUs found fast (where every rank has CPUs of its own to pick; '-' where none was found)
-        fast = [r["host_fast"], r["host_launches_fast"]] + ([r["eager_over_graph_fast"]] if "wall" in r else [])
-        assert all(v is None for v in fast) if not pickable else all(v is None or v > 0 for v in fast), r
+        fast = [r["host_fast"], r["host_launches_fast"], r["fast_yard"]] + ([r["eager_over_graph_fast"]] if "wall" in r else [])
+        assert all(v > 0 for v in fast) if pickable else all(v is None for v in fast), r
         if lockstep_calls:
             assert all(r["ls_" + p] >= 0 for p in PHASES) and r["ls_empty"] > 0, r
             assert r["ls_e2e"] >= max(r["ls_dispatch"], r["ls_combine"]), r

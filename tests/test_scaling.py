@@ -1,20 +1,14 @@
 """scripts/scaling.py, the inter-node cost model of docs/SCALING.md: its expectations against copies
 counted on routing drawn as the tests draw it, its counting against the library's own traffic model,
 and the document against the script."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from pyhipa2a.testing import draw_routing
 from pyhipa2a.traffic import link_bytes
+from tests.script_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("scaling", ROOT / "scripts" / "scaling.py")
-scaling = sys.modules["scaling"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up there)
-spec.loader.exec_module(scaling)
+scaling = load_script("scaling")
 
 
 def counted_pair_bytes(routing, s, gpus_per_node: int, src_node: int, dst_node: int) -> dict:
