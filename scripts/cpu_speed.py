@@ -14,6 +14,7 @@ take; the thread goes back to the CPUs it had after.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -50,6 +51,16 @@ def cpu_share(allowed: list[list[int]], local_rank: int) -> list[int]:
     return mine[alike.index(local_rank)::len(alike)]
 
 
+@contextlib.contextmanager
+def cpus_kept():
+    """The calling thread's CPUs as they are on entry, given back however the block ends."""
+    saved = os.sched_getaffinity(0)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
 class FastCpu:
     """Each rank's share of its node's CPUs, and the node's fastest yardstick reading: what full speed
     reads on this machine (collective: every rank of comm makes one, and keeps it for its measures)."""
@@ -63,11 +74,8 @@ class FastCpu:
         self.usable = comm.allreduce(bool(self.share), op=MPI.LAND)  # every rank can move, or none measures
         self.fastest_yard_us = float("inf")
         if self.usable:  # a first look at every CPU of the node, so that no rank takes its own slow CPUs for fast
-            saved = os.sched_getaffinity(0)
-            try:
+            with cpus_kept():
                 self._fastest()
-            finally:
-                os.sched_setaffinity(0, saved)
 
     def close(self) -> None:
         self.node.Free()
@@ -75,14 +83,13 @@ class FastCpu:
     def _fastest(self) -> tuple[int, float]:
         """The fastest CPU of this rank's share now and its yardstick, leaving the thread on the last
         one; the node's fastest reading is updated (collective over the node)."""
-        best = None
+        yards = {}
         for cpu in self.share:
             os.sched_setaffinity(0, {cpu})
-            yard = yardstick_us(30)
-            if best is None or yard < best[1]:
-                best = (cpu, yard)
-        self.fastest_yard_us = self.node.allreduce(min(self.fastest_yard_us, best[1]), op=MPI.MIN)
-        return best
+            yards[cpu] = yardstick_us(30)
+        cpu = min(yards, key=yards.get)
+        self.saw(yards[cpu])
+        return cpu, yards[cpu]
 
     def saw(self, yard: float) -> None:
         """A yardstick read elsewhere on this node (collective over the node): full speed may be faster."""
@@ -99,8 +106,8 @@ class FastCpu:
         that take's one CPU."""
         if not self.usable:
             return None, None
-        best, saved = None, os.sched_getaffinity(0)
-        try:
+        best = None
+        with cpus_kept():
             for _ in range(TRIES):
                 cpu, yard = self._fastest()
                 if not self.comm.allreduce(yard <= self.slack * self.fastest_yard_us, op=MPI.LAND):
@@ -110,5 +117,3 @@ class FastCpu:
                 if best is None or key(value) < key(best[0]):
                     best = (value, yard)
             return best or (None, None)
-        finally:
-            os.sched_setaffinity(0, saved)

@@ -105,8 +105,8 @@ def main() -> int:
             return device_round(a2as[which], inputs, way, streams)
 
         def warm_up(which: int, i: int) -> None:
-            """Every kernel of object `which` loaded and launched each way (a burst's repeats launch from
-            graphs of their own on CUDA, made at an object's first repeat), its buffers touched."""
+            """Every kernel of object `which` loaded and launched each way (a burst's repeats launch from the
+            object's repeat packs, whose one-node graphs CUDA makes at its first repeat), its buffers touched."""
             for n, way in enumerate(WAYS):
                 one_call(i - n, which, way)
 
