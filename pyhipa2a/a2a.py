@@ -43,7 +43,7 @@ from .kernels import (DISPATCH_KERNELS, X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTI
 from .ordering import StreamOrder
 from .runtime.base import RuntimeFailure
 from .profile import CLOCK_ROUNDS, ClockSync, ProfileBuffer, clock_offset, clock_sync_from_stamps
-from .quick import quick_combine, quick_dispatch, quick_for
+from .quick import COMBINE_ARGS, DISPATCH_ARGS, quick_combine, quick_dispatch, quick_for
 
 MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS in kernels_hip/exchange.h
 MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask (A2A kernels)
@@ -397,6 +397,9 @@ class AllToAll:
         # Each leg's repeated call launches from a pack of its own, which holds its record's arguments
         # (Kernel.repeater, pyhipa2a.quick; one record a leg at a time)
         self._repeat_packs = (self._dispatch_kernel.pack(), self._combine_kernel.pack())
+        # and a call like the record on new arrays from another: the record's arguments, with those arrays'
+        # pointers and the call's token count written over them at each such call
+        self._moved_packs = (self._dispatch_kernel.pack(), self._combine_kernel.pack())
         for pack in (self._dispatch_pack, self._combine_pack):
             self._fill_args(pack[0])
         # The fake expert reads our expert_x (and its scales) and counts and scales by 1 + rank: only
@@ -690,11 +693,7 @@ class AllToAll:
         args = (x, indices, weights, x_scales, s)
         repeat, self._repeat_dispatch = self._repeat_dispatch, None  # a call that fails records nothing
         if repeat is not None and self._pending is None and self._capturing is None and repeat.holds(args, asked):
-            if repeat.quick is None:  # a loop: its next call takes the quick path (pyhipa2a.quick), made before
-                # anything is queued (the pack still holds the record's arguments: nothing wrote it since)
-                launch = self._dispatch_kernel.repeater(self._dispatch_pack, self._repeat_packs[0], self.blocks,
-                                                        self.block_threads)
-                repeat.quick = quick_for(self, (x, indices, weights, x_scales, stream), s, launch, (x, indices), asked)
+            self._with_quick(repeat, (x, indices, weights, x_scales, stream), s, (x, indices), asked)
             repeat.resume(self._order, s)
             result = self._launch_dispatch(s, repeat.tokens, weights, repeat.prepared)
             self._repeat_dispatch = repeat
@@ -716,8 +715,30 @@ class AllToAll:
         self._keep(x_keep, i_keep, s_keep, w_keep)
         result = self._launch_dispatch(s, T, weights)
         names = ("x", "indices") + ("x_scales",) * (x_scales is not None) + ("weights",) * (weights is not None)
-        self._repeat_dispatch = Repeat.of(args, names, self._boundary, T, result)
+        self._repeat_dispatch = self._with_quick(Repeat.of(args, names, self._boundary, T, result),
+                                                 (x, indices, weights, x_scales, stream), s, (x, indices), asked)
         return result
+
+    def _with_quick(self, record, given: tuple, s, inputs: tuple, asked, leg_args=DISPATCH_ARGS, tokens: int = 0):
+        """`record` (a Repeat of a call with arguments `given`, stream= last, on stream `s`; or None) with
+        its quick form (pyhipa2a.quick: the loop's next call like it takes that path, even with new
+        arrays); `inputs` and `asked` as the call's _call_stream took and gave them. Its launch is made
+        at its first repeat of the same arrays, from the pack as the record left it."""
+        if record is not None and record.quick is None:
+            leg = 0 if leg_args is DISPATCH_ARGS else 1
+            pack, moved = (self._dispatch_pack, self._combine_pack)[leg], self._moved_packs[leg]
+            if leg == 0:
+                def make_launch():
+                    return self._dispatch_kernel.repeater(pack, self._repeat_packs[0], self.blocks, self.block_threads)
+            else:
+                def make_launch():
+                    return self._combine_repeater(tokens)
+
+            def make_moved():
+                moved.copy_from(pack)
+                return moved
+            record.quick = quick_for(self, record, given, s, make_launch, inputs, asked, leg_args, make_moved)
+        return record
 
     def _launch_dispatch(self, s, T: int, weights, result: DispatchResult | None = None) -> DispatchResult:
         """Launch the dispatch whose arguments are in the pack, on stream `s` (already ordered); its
@@ -763,9 +784,7 @@ class AllToAll:
         scale = self._checked_scale(expert_scale)
         args = (expert_y, weights, out, s, scale, sent)
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args, asked):
-            if repeat.quick is None:  # (as dispatch's)
-                repeat.quick = quick_for(self, (expert_y, weights, out, stream), s, self._combine_repeater(T),
-                                         (expert_y, weights, out), asked)
+            self._with_quick(repeat, (expert_y, weights, out, stream), s, (expert_y, weights, out), asked, COMBINE_ARGS, T)
             repeat.resume(self._order, s)
             self._repeat_combine = repeat
             return repeat.prepared
@@ -791,7 +810,9 @@ class AllToAll:
         call.expert_scale = scale[1]
         prepared = s, out_arr, (y_keep, w_keep, o_keep), host_y
         names = ("expert_y",) + ("weights",) * (sent is None) + ("out",) * (out is not None)
-        self._repeat_combine = Repeat.of(args, names, self._boundary, T, prepared) if host_y is None else None
+        record = Repeat.of(args, names, self._boundary, T, prepared) if host_y is None else None
+        self._repeat_combine = self._with_quick(record, (expert_y, weights, out, stream), s, (expert_y, weights, out),
+                                                asked, COMBINE_ARGS, T)
         return prepared
 
     def _checked_scale(self, expert_scale) -> tuple:

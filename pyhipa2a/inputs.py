@@ -59,7 +59,7 @@ from .dtypes import ML_DTYPES, resolve
 DLPACK_NAMES = {1: "cpu", 2: "cuda", 10: "rocm"}
 PRODUCER_ORDERS = ("protocol", "stream")
 
-OWN, CAI, DLPACK = "own", "cai", "dlpack"
+OWN, CAI, DLPACK, PROBED = "own", "cai", "dlpack", "probed"
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,8 @@ class Described:
     ptr: int
     shape: tuple
     dtype: np.dtype
-    protocol: str            # OWN, CAI or DLPACK
-    key: tuple               # what the protocol said (compared at a later use)
+    protocol: str            # OWN, CAI, DLPACK, or PROBED (its producer's probe alone: Boundary._from_probe)
+    key: tuple               # what the protocol said (compared at a later use); PROBED: the probe's key
     keepalive: object = None  # a consumed DLPack capsule: the producer's memory stays ours until released
 
 
@@ -228,6 +228,12 @@ class Boundary:
         self._cache: dict[str, Cached] = {}
         self._checked: dict[str, tuple] = {}  # per argument: the last (shape, dtype, wants) that passed
         self._settled: dict[str, Settled] = {}  # per argument
+        # settled(name): the settled entry of argument `name` (None: its last use needed, or its next use
+        # will need, more than an identity check, its probe's answers and its producer's wait). A caller
+        # may keep it and compare with `is` later: an entry is replaced, never changed, so the same entry
+        # means nothing about the argument's use changed. (The dict's own lookup: a repeated call asks it
+        # for every argument, and a method around it cost a Python call each.)
+        self.settled = self._settled.get
 
     def take(self, name: str, obj, want_shape, want_dtype, stream, *, capturing: bool = False,
              stage_ptr: int | None = None, align: int = 1):
@@ -294,13 +300,6 @@ class Boundary:
             wait = named  # (spelled as the full path's producer, so that a call waits for it once: wait_for_producer)
         return Recheck(cached.probe, cached.probe_key, named), wait
 
-    def settled(self, name: str):
-        """The settled entry of argument `name` (None: its last use needed, or its next use will need,
-        more than an identity check, its probe's answers and its producer's wait). A caller may keep it
-        and compare with `is` later: an entry is replaced, never changed, so the same entry means
-        nothing about the argument's use changed."""
-        return self._settled.get(name)
-
     def describe(self, name: str, obj, want_dtype, stream, capturing: bool):
         """(description, producer) of a device array, from the cache when it still stands. The
         producer is what the use must wait for on the device: a stream of ours, a foreign stream
@@ -313,9 +312,13 @@ class Boundary:
             else:
                 d, producer = self._still(name, cached.described, obj, want_dtype, stream, capturing)
         if d is None:
-            d, producer = self._describe(name, obj, want_dtype, stream, capturing)
-            # (a replaced entry's capsule lives until here: its call was queued)
-            self._cache[name] = self._cached(obj, d, producer, None if capturing else stream)
+            probed = self._from_probe(obj, stream, capturing)
+            if probed is not None:
+                d, producer, self._cache[name] = probed
+            else:
+                d, producer = self._describe(name, obj, want_dtype, stream, capturing)
+                # (a replaced entry's capsule lives until here: its call was queued)
+                self._cache[name] = self._cached(obj, d, producer, None if capturing else stream)
         elif cached.described is not d:
             self._cache[name] = Cached(obj, d)
         if capturing or not self.ask_producers:
@@ -350,13 +353,56 @@ class Boundary:
         try:
             key = probe.key(obj)
             shape = tuple(key[1]) if len(key) > 1 else d.shape  # (a JAX array's key is its pointer alone)
-            agrees = key[0] == d.ptr and shape == d.shape and (not named or probe.stream(obj) == producer)
+            agrees = (key[0] == d.ptr and shape == d.shape and (not named or probe.stream(obj) == producer)
+                      and self._taught(probe, obj, d))
         except Exception:
             agrees = False
         if not agrees:
             producers.disown(obj)
             return Cached(obj, d)
         return Cached(obj, d, probe, key, ordered_on)
+
+    def _taught(self, probe, obj, d: Described) -> bool:
+        """Whether the probe's view of obj agrees with d, its protocol's description (our device, compact,
+        the same key); where it does, the probe learns d's element type for the library's type object
+        in the key, so that the next array of that type is described by the view alone (_from_probe).
+        A void typestr ('<V2': bfloat16 through the interface) names no type of its own: nothing learned."""
+        if d.protocol == CAI and np.dtype(d.key[2]).kind == "V":
+            return True
+        seen = probe.view(obj)
+        if seen is None:  # (JAX; nothing to learn)
+            return True
+        key, device, compact = seen
+        if key != probe.key(obj) or device != self.device_index or not compact:
+            return False
+        return probe.element_types.setdefault(key[3], d.dtype) == d.dtype
+
+    def _from_probe(self, obj, stream, capturing: bool):
+        """(description, producer, cache entry) of an array described by its producer's probe alone (a
+        PyTorch or CuPy array, new to this argument or changed in place, whose view shows it on our device
+        and compact, of an element type its protocol named before as the view saw it: _taught); None:
+        ask its protocol, which also says what is wrong with it. The producer is the stream the probe
+        names, which the use waits for on the device, as the protocol's export or interface would have it
+        wait (pyhipa2a.producers)."""
+        if self.backend.kind == "host":  # (its arrays live in host memory: no probe's stream means anything)
+            return None
+        probe = producers.probe_for(obj)
+        if probe is None:
+            return None
+        try:
+            seen = probe.view(obj)
+            if seen is None:
+                return None
+            key, device, compact = seen
+            dtype = probe.element_types.get(key[3])
+            shape = tuple(key[1])
+            if dtype is None or device != self.device_index or not compact or 0 in shape:
+                return None
+            producer = probe.stream(obj) if self.ask_producers and not capturing else None
+        except Exception:  # (the protocol says what is wrong, if anything)
+            return None
+        d = Described(key[0], shape, dtype, PROBED, key)
+        return d, producer, Cached(obj, d, probe, key, None if capturing else stream)
 
     # -- a cached description, checked against what the protocol says now ----------------------
     def _still(self, name, d: Described, obj, want_dtype, stream, capturing):

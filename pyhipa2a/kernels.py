@@ -166,6 +166,11 @@ class ArgPack:
         self.kernel_params = (ctypes.c_void_p * len(argtypes))(*(ctypes.addressof(a) for a in self.arguments))
         self.sites = {}  # what a backend keeps per (kernel, geometry) launched from here (CUDA: a one-node graph)
 
+    def copy_from(self, other: "ArgPack") -> None:
+        """Every argument as `other` holds it now."""
+        for mine, theirs in zip(self.arguments, other.arguments, strict=True):
+            ctypes.memmove(ctypes.addressof(mine), ctypes.addressof(theirs), ctypes.sizeof(theirs))
+
     def release(self) -> None:
         """Drop what backends keep for this pack's launches (made again if it is launched again)."""
         self.sites.clear()
@@ -196,8 +201,7 @@ class Kernel:
         """A function of the stream that launches this kernel with the arguments `pack` holds now, whatever
         is written to `pack` later (a repeated call's, pyhipa2a.quick): they are copied into `into`, a
         pack written only here, whose repeater made before this one must be dropped (Backend.launcher)."""
-        for mine, theirs in zip(into.arguments, pack.arguments, strict=True):
-            ctypes.memmove(ctypes.addressof(mine), ctypes.addressof(theirs), ctypes.sizeof(theirs))
+        into.copy_from(pack)
         return self.backend.launcher(self.function, grid, block, into)
 
 

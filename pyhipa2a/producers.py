@@ -14,7 +14,19 @@ later calls only what can have changed:
   the CUDA array interface spells it (1: the legacy default stream), which the
   call's stream waits for on the device; None: nothing to wait for;
 - `current_stream(obj, device)`: the library's current stream on our device,
-  for AllToAll(stream="current"); None where obj is not on that device.
+  for AllToAll(stream="current"); None where obj is not on that device;
+  `current_stream_here(device)` the same for an array known to live there (a
+  repeat's, whose key, its pointer first, was just found to be the one its
+  description on our device recorded: pointers are unique across a process's
+  devices).
+- `view(obj)`: (key, device, compact) of an array that its protocol would
+  describe as it is (PyTorch: a plain strided CUDA tensor, no gradient, no
+  negated or conjugated view), None otherwise; with `element_types` (the
+  library's type object -> the NumPy dtype its protocol named, learned by the
+  boundary when that protocol described an array of that type as the view
+  saw it) a new array of a known type is described without its protocol:
+  PyTorch's export costs about 60 us a tensor, a view about 1 (thirty-fourth
+  session). JAX has no view: its first export orders its array's write.
 That is what the protocols do: PyTorch's `__dlpack__(stream=s)` makes `s` wait
 for its current stream; CuPy's interface names its current stream; a JAX array
 never changes once written, and its first export made the stream of its first
@@ -36,10 +48,21 @@ class TorchProbe:
         # The raw handle of the current stream, in C (torch.cuda.current_stream() costs microseconds
         # of Python); a build without it gets no probe (AttributeError here).
         self._current = torch._C._cuda_getCurrentRawStream
+        self._strided = torch.strided
+        self._viewable = hasattr(torch.Tensor, "is_neg")  # (PyTorch 1.10 on: else no view, the protocols describe)
+        self.element_types: dict = {}
 
     @staticmethod
     def key(t) -> tuple:
         return t.data_ptr(), t.shape, t.stride(), t.dtype
+
+    def view(self, t):
+        # What PyTorch's protocols refuse to export, or export otherwise than its memory reads (a
+        # negated or conjugated view holds the values before the negation), is left to them.
+        if (not self._viewable or not t.is_cuda or t.requires_grad or t.layout is not self._strided or t.is_nested
+                or t.is_neg() or t.is_conj()):
+            return None
+        return self.key(t), t.get_device(), t.is_contiguous()
 
     def stream(self, t) -> int:
         return self._current(t.get_device()) or 1  # 0: the default stream, which is the legacy one
@@ -47,14 +70,21 @@ class TorchProbe:
     def current_stream(self, t, device: int) -> int | None:
         return (self._current(device) or 1) if t.is_cuda and t.get_device() == device else None
 
+    def current_stream_here(self, device: int) -> int:
+        return self._current(device) or 1
+
 
 class CupyProbe:
     def __init__(self, cupy):
         self._current, self._device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
+        self.element_types: dict = {}
 
     @staticmethod
     def key(a) -> tuple:
         return a.data.ptr, a.shape, a.strides, a.dtype
+
+    def view(self, a):
+        return self.key(a), a.device.id, a.flags.c_contiguous
 
     def stream(self, a) -> int:
         # As CuPy's interface names it: the current stream of the current device, 1 for the null one.
@@ -63,10 +93,19 @@ class CupyProbe:
     def current_stream(self, a, device: int) -> int | None:
         return (self._current().ptr or 1) if self._device() == device and a.device.id == device else None
 
+    def current_stream_here(self, device: int) -> int | None:
+        return (self._current().ptr or 1) if self._device() == device else None
+
 
 class JaxProbe:
+    element_types: dict = {}  # (none learned: no view)
+
     def __init__(self, jax):
         pass
+
+    @staticmethod
+    def view(a) -> None:
+        return None  # (its first use on a stream must come through its export: module docstring)
 
     @staticmethod
     def key(a) -> tuple:
@@ -81,6 +120,10 @@ class JaxProbe:
     @staticmethod
     def current_stream(a, device: int) -> None:
         return None  # JAX names no stream
+
+    @staticmethod
+    def current_stream_here(device: int) -> None:
+        return None
 
 
 # The top module of a producer's array type -> (the library's module, whether obj is one of its own

@@ -286,6 +286,14 @@ def test_framework_arrays_in_and_out(lib, producer_order, calls_on):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("calls_on", ["own", "current"])
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+def test_new_framework_arrays_at_every_call(lib, calls_on):
+    run_case(CASE + "case_new_framework_arrays_at_every_call", ranks_for("gpu"), env_backend("gpu"),
+             args=(lib, calls_on), timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("calls_on", ["own", "current"])
 @pytest.mark.parametrize("lib", ["torch", "jax"])
 def test_producer_arrays_seen_before(lib, calls_on):
     run_case(CASE + "case_producer_arrays_seen_before", ranks_for("gpu"), env_backend("gpu"), args=(lib, calls_on),
@@ -312,6 +320,14 @@ def test_calls_on_different_streams(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_200_alternating_calls(backend):
     run_case(CASE + "case_alternating", ranks_for(backend), env_backend(backend), args=(200,), timeout=900)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weights_at", ["combine", "dispatch"])
+@pytest.mark.parametrize("out_given", ["0", "1"])
+def test_new_arrays_at_every_call(backend, weights_at, out_given):
+    run_case(CASE + "case_new_arrays_at_every_call", ranks_for(backend), env_backend(backend),
+             args=(weights_at, out_given))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -67,11 +67,11 @@ class TorchLike:
         return {"typestr": typestr, "shape": self.shape, "strides": None, "data": (self.ptr, False), "version": 2}
 
     def __dlpack_device__(self):
-        return (2, 0)
+        return (2, getattr(self, "device", 0))
 
     def __dlpack__(self, stream=None, max_version=None):
         self.asked.append(stream)
-        return dlpack.make_capsule(self.ptr, self.shape, self.np_dtype, 2, 0, owner=self)
+        return dlpack.make_capsule(self.ptr, self.shape, self.np_dtype, 2, getattr(self, "device", 0), owner=self)
 
 
 class JaxLike:
@@ -293,6 +293,9 @@ def fake_producer_module(monkeypatch, name: str, array_type: type, **attributes)
     monkeypatch.setattr(producers, "_disowned", set())
 
 
+STRIDED = object()  # the fake torch's torch.strided
+
+
 class Tensor(TorchLike):
     """TorchLike with what PyTorch's own attributes say; its dtype one object, as torch's are."""
 
@@ -311,14 +314,35 @@ class Tensor(TorchLike):
         return self.strides or tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
 
     def get_device(self):
-        return 0
+        return self.device
 
-    is_cuda = True
+    device, is_cuda, requires_grad, is_nested, neg, conj = 0, True, False, False, False, False
+    layout = STRIDED
+
+    def is_neg(self):
+        return self.neg
+
+    def is_conj(self):
+        return self.conj
+
+    def __dlpack__(self, stream=None, max_version=None):
+        if self.strides is not None:  # (the fake's capsules are compact: a strided export is PyTorch's to make)
+            self.asked.append(stream)
+            raise BufferError("the fake exports no strided tensor")
+        return super().__dlpack__(stream, max_version)
+
+    def is_contiguous(self):
+        expect = 1
+        for n, s in zip(reversed(self.shape), reversed(self.stride())):
+            if n > 1 and s != expect:
+                return False
+            expect *= n
+        return True
 
 
 def fake_torch(monkeypatch, current: list):
     from types import SimpleNamespace
-    fake_producer_module(monkeypatch, "torch", Tensor,
+    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED,
                          _C=SimpleNamespace(_cuda_getCurrentRawStream=lambda device: current[0]))
 
 
@@ -331,10 +355,12 @@ def test_torch_tensors_are_exported_once_then_asked_their_current_stream(monkeyp
         current[0] = stream
         assert take_in_call(b, "x", x, (2, 4), np.float16)[0] == 0x1000
         assert b.take("w", w, (2, 4), np.float16, OURS)[0] == 0x1800
-    assert x.asked == [OURS] and w.asked == [OURS]  # one export each: it ordered the first call
+    # x's export ordered the first call and taught the probe what torch.float16 is: w, another float16
+    # tensor, is described by its attributes and never exported, its producer waited for on the device.
+    assert x.asked == [OURS] and w.asked == []
     # Later calls wait once for the producer's current stream (0 is the legacy default stream, 1),
     # and not at all when that is the call's own.
-    assert backend.waits == [(1, OURS), (0x55, OURS)]
+    assert backend.waits == [(0x55, OURS), (1, OURS), (0x55, OURS)]
 
 
 def test_a_torch_tensor_changed_in_place_is_described_again(monkeypatch):
@@ -342,19 +368,21 @@ def test_a_torch_tensor_changed_in_place_is_described_again(monkeypatch):
     b, backend = boundary()
     t = Tensor(0x1000, (2, 4))
     b.take("x", t, (2, 4), np.float16, OURS)
-    t.ptr = 0x2000  # new memory behind the same tensor (t.set_(), t.data = ...)
-    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000
-    t.strides = (1, 2)  # the same memory seen transposed (t.as_strided_()): described again
-    b.take("x", t, (2, 4), np.float16, OURS)
-    assert len(t.asked) == 3
+    t.ptr = 0x2000  # new memory behind the same tensor (t.set_(), t.data = ...): its attributes describe it
+    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000 and len(t.asked) == 1
+    t.strides = (1, 2)  # the same memory seen transposed (t.as_strided_()): left to its protocol
+    with pytest.raises(BufferError, match="strided"):
+        b.take("x", t, (2, 4), np.float16, OURS)
+    assert len(t.asked) == 2
     t.strides = None
     t.shape = (4, 2)  # one address, another shape
     with pytest.raises(ValueError, match=r"must have shape \(2, 4\), got \(4, 2\)"):
         b.take("x", t, (2, 4), np.float16, OURS)
     t.shape, t.torch_dtype, t.np_dtype = (2, 4), "torch.int16", np.dtype(np.int16)  # another type, same bytes
-    with pytest.raises(TypeError, match="must have dtype float16, got int16"):
-        b.take("x", t, (2, 4), np.float16, OURS)
-    assert len(t.asked) == 5  # every change exported afresh
+    for exports in (3, 3):  # its protocol names the new type once; from then on the attributes describe it
+        with pytest.raises(TypeError, match="must have dtype float16, got int16"):
+            b.take("x", t, (2, 4), np.float16, OURS)
+        assert len(t.asked) == exports
 
 
 def test_torch_tensors_are_exported_at_every_call_without_the_probe(monkeypatch):
@@ -382,6 +410,8 @@ class ndarray(CupyLike):  # noqa: N801 (CuPy's name)
     shape = property(lambda self: self.cai["shape"])
     strides = property(lambda self: (8, 2))
     dtype = property(lambda self: np.dtype(self.cai["typestr"]))
+    device = property(lambda self: type("Device", (), {"id": 0})())
+    flags = property(lambda self: type("Flags", (), {"c_contiguous": self.strides == (8, 2)})())
 
 
 def fake_cupy(monkeypatch, current: list):
@@ -400,8 +430,18 @@ def test_cupy_arrays_read_their_interface_once_then_their_current_stream(monkeyp
         current[0] = stream
         assert take_in_call(b, "x", a, (2, 4), np.float16)[0] == 0x3000
     assert a.cai_reads == 1 and backend.waits == [(7, OURS), (9, OURS), (1, OURS)]
-    a.cai["data"] = (0x3400, False)  # new memory: the interface is read again
-    assert b.take("x", a, (2, 4), np.float16, OURS)[0] == 0x3400 and a.cai_reads == 2
+    a.cai["data"] = (0x3400, False)  # new memory: its attributes describe it (float16 is known by now)
+    assert b.take("x", a, (2, 4), np.float16, OURS)[0] == 0x3400 and a.cai_reads == 1
+    other = ndarray(0x3800, (2, 4), stream=7)  # a new array of a known type: its interface is never read
+    current[0] = 7
+    assert take_in_call(b, "x", other, (2, 4), np.float16)[0] == 0x3800 and other.cai_reads == 0
+    assert backend.waits[-1] == (7, OURS)
+    strided = ndarray(0x3c00, (2, 4), stream=7)
+    strided.cai["strides"] = (2, 4)  # (the fake's strides say (8, 2): its view is not compact)
+    type(strided).strides = property(lambda self: self.cai["strides"] or (8, 2))
+    with pytest.raises(ValueError, match="C-contiguous"):  # a view that is not compact: the interface says
+        b.take("x", strided, (2, 4), np.float16, OURS)
+    assert strided.cai_reads == 1
 
 
 def test_a_probe_that_disagrees_with_the_protocol_is_not_used(monkeypatch):
@@ -508,7 +548,7 @@ def test_a_probed_array_that_needs_no_wait_settles_and_is_asked_again_at_every_u
     assert t.asked == [OURS] and b.settled("x") is not None and b.settled("x")[6].holds(t)
     t.ptr = 0x2000  # new memory behind the same tensor: the settled entry no longer holds
     assert not b.settled("x")[6].holds(t)
-    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000 and len(t.asked) == 2
+    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000 and len(t.asked) == 1  # (described by the probe)
     current[0] = 0x55  # PyTorch's current stream is no longer the call's: a wait, settled with it
     assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x2000
     assert backend.waits == [(0x55, OURS)] and b.settled("x").wait == 0x55
@@ -526,12 +566,103 @@ def test_a_probed_array_on_another_stream_settles_with_a_wait_at_every_use(monke
     for _ in range(4):
         assert take_in_call(b, "x", x, (2, 4), np.float16)[0] == 0x1000
         assert b.take("w", w, (2, 4), np.float16, OURS)[0] == 0x1800
-    assert x.asked == [OURS] and w.asked == [OURS]  # exported once each: that ordered the first call
-    assert backend.waits == [(0x55, OURS)] * 3  # then one wait a call, shared by x and w
+    assert x.asked == [OURS] and w.asked == []  # x's export ordered the first call; w, described by its probe,
+    assert backend.waits == [(0x55, OURS)] * 4  # waited for on the device; then one wait a call, shared by x and w
     assert b.settled("x").wait == 0x55 and b.settled("w").wait == 0x55
     current[0] = OURS  # PyTorch now writes on the call's stream: nothing to wait for, settled without
     assert take_in_call(b, "x", x, (2, 4), np.float16)[0] == 0x1000
-    assert b.settled("x").wait is None and len(backend.waits) == 3
+    assert b.settled("x").wait is None and len(backend.waits) == 4
+
+
+def test_new_tensors_of_a_known_type_are_described_by_their_attributes(monkeypatch):
+    """A loop that hands over new tensors at every call (a layer's activations, a router's output) pays
+    for one export per element type: after it, each new tensor is described by its own attributes
+    (pointer, shape, strides, type, device), exactly as its export would describe it, and its producer's
+    current stream is waited for on the device, as the export would have it wait."""
+    current = [0x55]
+    fake_torch(monkeypatch, current)
+    b, backend = boundary()
+    first = Tensor(0x1000, (2, 4))
+    assert take_in_call(b, "x", first, (2, 4), np.float16)[0] == 0x1000 and first.asked == [OURS]
+    for i in range(3):
+        t = Tensor(0x2000 + 0x100 * i, (2, 4))
+        ptr, keep = take_in_call(b, "x", t, (2, 4), np.float16)
+        assert ptr == t.ptr and keep is t and t.asked == [] and t.cai_reads == 0
+    assert backend.waits == [(0x55, OURS)] * 3
+    ints = Tensor(0x3000, (2, 4), "int32")  # another element type: its export names it, once
+    assert b.take("indices", ints, (2, 4), np.int32, OURS)[0] == 0x3000 and ints.asked == [OURS]
+    again = Tensor(0x3400, (2, 4), "int32")
+    assert b.take("indices", again, (2, 4), np.int32, OURS)[0] == 0x3400 and again.asked == []
+    with pytest.raises(TypeError, match="must have dtype float16, got int32"):  # the learned type, checked
+        b.take("x", Tensor(0x3800, (2, 4), "int32"), (2, 4), np.float16, OURS)
+    with pytest.raises(ValueError, match=r"must have shape \(2, 4\), got \(2, 8\)"):
+        b.take("x", Tensor(0x3c00, (2, 8)), (2, 4), np.float16, OURS)
+
+
+@pytest.mark.parametrize("odd", ["another device", "requires grad", "negated view", "conjugated view", "nested",
+                                 "not compact", "empty", "another layout"])
+def test_a_tensor_its_attributes_cannot_vouch_for_is_left_to_its_protocol(monkeypatch, odd):
+    fake_torch(monkeypatch, [OURS])
+    b, _ = boundary()
+    take_in_call(b, "x", Tensor(0x1000, (2, 4)), (2, 4), np.float16)  # (float16 known from here)
+    t = Tensor(0x2000, (0, 4) if odd == "empty" else (2, 4))
+    if odd == "another device":
+        t.device = 1
+    elif odd == "requires grad":
+        t.requires_grad = True
+    elif odd == "negated view":
+        t.neg = True
+    elif odd == "conjugated view":
+        t.conj = True
+    elif odd == "nested":
+        t.is_nested = True
+    elif odd == "not compact":
+        t.strides = (1, 2)
+    elif odd == "another layout":
+        t.layout = object()
+    if odd == "another device":
+        with pytest.raises(ValueError, match="lives on cuda device 1"):  # (refused before an export)
+            take_in_call(b, "x", t, (2, 4), np.float16)
+        return
+    if odd == "not compact":
+        with pytest.raises(BufferError):  # (the fake's export of a strided tensor)
+            take_in_call(b, "x", t, (2, 4), np.float16)
+    else:
+        take_in_call(b, "x", t, t.shape, np.float16)
+    assert t.asked == [OURS]  # exported: its protocol described it, or refused it
+
+
+def test_a_probe_whose_view_disagrees_with_its_protocol_describes_nothing(monkeypatch):
+    """A view that saw an array otherwise than its protocol (here: on another device than the export
+    said) disowns the probe for the type, which is then described through its protocol every time."""
+    fake_torch(monkeypatch, [OURS])
+    b, _ = boundary()
+
+    class Misplaced(Tensor):
+        def get_device(self):
+            return 3
+    Misplaced.__module__ = "torch"
+    import sys
+    sys.modules["torch"].Tensor = Misplaced  # (the fake library's own tensor type, for this test)
+    tensors = [Misplaced(0x1000 + 0x100 * i, (2, 4)) for i in range(3)]
+    for t in tensors:
+        take_in_call(b, "x", t, (2, 4), np.float16)
+    assert [t.asked for t in tensors] == [[OURS]] * 3
+    from pyhipa2a import producers
+    assert producers.probe_for(tensors[0]) is None
+
+
+def test_an_interface_that_names_no_element_type_teaches_none(monkeypatch):
+    """bfloat16 through the interface ('<V2', producer_order="stream") is the argument's required type,
+    not the array's own: a probe learns nothing from it, and the next tensor is read through it too."""
+    fake_torch(monkeypatch, [OURS])
+    b, _ = boundary("stream")
+    tensors = [Tensor(0x1000 + 0x100 * i, (2, 4), "bfloat16") for i in range(2)]
+    for t in tensors:
+        b.take("x", t, (2, 4), bfloat16(), OURS)
+    assert [t.cai_reads for t in tensors] == [1, 1]
+    with pytest.raises(TypeError, match="names no element type"):
+        b.take("x", Tensor(0x1800, (2, 4), "bfloat16"), (2, 4), np.float16, OURS)
 
 
 def test_a_probe_that_raises_leaves_the_array_to_its_protocol(monkeypatch):
@@ -620,7 +751,8 @@ def test_a_repeated_call_asks_each_producer_its_stream_once(monkeypatch):
         asks.append(device)
         return current[0]
     from types import SimpleNamespace
-    fake_producer_module(monkeypatch, "torch", Tensor, _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
+    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED,
+                         _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
     b, _ = boundary()
     x, i = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32")
     for _ in range(2):  # described, then settled
@@ -650,7 +782,8 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
     def current_stream(device):
         asks.append(device)
         return 0x55
-    fake_producer_module(monkeypatch, "torch", Tensor, _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
+    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED,
+                         _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
     b, _ = boundary()
     x, i, y, w = (Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32"), Tensor(0x2000, (2, 4)),
                   Tensor(0x2800, (2, 4), "float32"))
@@ -666,8 +799,9 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
                          _dispatch_kernel=SimpleNamespace(launch=lambda *a: launched.append(a), repeater=repeater),
                          _dispatch_pack=None, _repeat_packs=(None, None), blocks=1, block_threads=32, _last_scale=scale,
                          stream=OURS, backend=SimpleNamespace(capturable=lambda s: True), _combine_repeater=repeater)
+    me._moved_packs, me._combine_pack = (None, None), None
     for name in ("_call_stream", "_current_stream_of", "_stream_outside_capture", "_launch_dispatch", "_queued",
-                 "_checked_scale", "_capturable_elsewhere"):
+                 "_checked_scale", "_capturable_elsewhere", "_with_quick"):
         setattr(me, name, functools.partial(getattr(AllToAll, name), me))
     me._repeat_dispatch = Repeat.of((x, i, None, None, 0x55), ("x", "indices"), b, 2, result)
     asks.clear()

@@ -11,9 +11,12 @@ import pytest
 from pyhipa2a import producers
 from pyhipa2a.a2a import AllToAll
 from pyhipa2a.calls import Repeat
-from pyhipa2a.quick import ANY_INPUT, NO_LIBRARY, quick_combine, quick_dispatch, quick_for
+from pyhipa2a.quick import (ANY_INPUT, COMBINE_ARGS, NO_LIBRARY, _flat_rechecks, _lead_asks, positioned_rechecks,
+                            quick_combine, quick_dispatch, quick_for)
 
-from .test_inputs import OURS, FakeCuda, Tensor, boundary, fake_producer_module, take_in_call
+DISPATCH = (("x", 1), ("indices", 1), ("weights", 4), ("x_scales", 4))  # (pyhipa2a.quick.DISPATCH_ARGS)
+
+from .test_inputs import OURS, STRIDED, FakeCuda, Tensor, boundary, fake_producer_module, take_in_call
 
 TORCH_STREAM = 0x55
 
@@ -51,18 +54,19 @@ def settled_object(monkeypatch):
     def current_stream(device):
         asks.append(device)
         return current[0]
-    fake_producer_module(monkeypatch, "torch", Tensor, _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
+    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED, _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
     b, _ = boundary()
     runtime = Runtime()
     b.backend = b.order.backend = runtime
     tensors = SimpleNamespace(x=Tensor(0x1000, (2, 4)), indices=Tensor(0x1800, (2, 4), "int32"),
-                              y=Tensor(0x2000, (2, 4)), w=Tensor(0x2800, (2, 4), "float32"))
+                              y=Tensor(0x2000, (1, 2, 4)), w=Tensor(0x2800, (2, 4), "float32"))
     for _ in range(2):  # described, then settled
         take_in_call(b, "x", tensors.x, (2, 4), np.float16, TORCH_STREAM)
         b.take("indices", tensors.indices, (2, 4), np.int32, TORCH_STREAM)
-        take_in_call(b, "expert_y", tensors.y, (2, 4), np.float16, TORCH_STREAM)
+        take_in_call(b, "expert_y", tensors.y, (1, 2, 4), np.float16, TORCH_STREAM)
         b.take("weights", tensors.w, (2, 4), np.float32, TORCH_STREAM)
     me = SimpleNamespace(_broken=None, _capturing=None, host_status=[0], _on_current_stream=True, _library_device=0,
+                         max_tokens=2, top_k=4, hidden=4, scale_cols=0, local_experts=1, capacity=2,
                          _order=b.order, stream=OURS, backend=runtime, _pending=None, _pending_weights=None,
                          _pending_joined=None, _joined=None, _keepalive=None, _last_scale=(1.0, np.float32(1.0)),
                          _repeat_dispatch=None, _repeat_combine=None, current=current)
@@ -74,16 +78,16 @@ def settled_object(monkeypatch):
     result = SimpleNamespace(num_tokens=2)
     me._repeat_dispatch = Repeat.of((tensors.x, tensors.indices, None, None, stream), ("x", "indices"), b, 2, result)
     asked = {producers.stream_source(tensors.x): TORCH_STREAM}  # (what the recorded calls' streams took)
-    me._repeat_dispatch.quick = quick_for(me, (tensors.x, tensors.indices, None, None, None), stream,
-                                          lambda s: launched.append(("dispatch", s)), (tensors.x, tensors.indices),
+    me._repeat_dispatch.quick = quick_for(me, me._repeat_dispatch, (tensors.x, tensors.indices, None, None, None), stream,
+                                          lambda: lambda s: launched.append(("dispatch", s)), (tensors.x, tensors.indices),
                                           asked)
     out = object()
     prepared = (stream, out, ("y keep", "w keep", None), None)
     me._repeat_combine = Repeat.of((tensors.y, tensors.w, None, stream, me._last_scale, None), ("expert_y", "weights"),
                                    b, 2, prepared)
-    me._repeat_combine.quick = quick_for(me, (tensors.y, tensors.w, None, None), stream,
-                                         lambda s: launched.append(("combine", s)), (tensors.y, tensors.w, None),
-                                         asked)
+    me._repeat_combine.quick = quick_for(me, me._repeat_combine, (tensors.y, tensors.w, None, None), stream,
+                                         lambda: lambda s: launched.append(("combine", s)), (tensors.y, tensors.w, None),
+                                         asked, COMBINE_ARGS)
     return me, tensors, asks, launched
 
 
@@ -192,13 +196,16 @@ def test_where_a_repeat_finds_its_stream_again(monkeypatch):
     assert quick.lead == (producers.stream_source(t.x), 0, TORCH_STREAM)
     stream = quick.stream
     own = (object(), object())
-    assert quick_for(me, own + (None, None, None), stream, None, own, None).lead is NO_LIBRARY
+    record = me._repeat_dispatch
+    assert quick_for(me, record, own + (None, None, None), stream, None, own, None).lead is NO_LIBRARY
     probe = producers.stream_source(t.x)
-    mixed = quick_for(me, (t.x, t.indices, None, None, None), stream, None, (t.x, t.indices), {object(): 1})
+    mixed = quick_for(me, record, (t.x, t.indices, None, None, None), stream, None, (t.x, t.indices), {object(): 1})
     assert mixed.lead is ANY_INPUT
     # Each form repeats where the full path would, and only there.
     for lead, other in ((NO_LIBRARY, "last call elsewhere"), (ANY_INPUT, "library elsewhere")):
-        me._repeat_dispatch.quick = dataclasses.replace(quick, lead=lead)
+        keys, streams = _flat_rechecks(positioned_rechecks(record, DISPATCH), lead)
+        record.quick = dataclasses.replace(quick, lead=lead, keys=keys, streams=streams,
+                                           lead_asks=_lead_asks(lead, (t.x, t.indices), keys))
         me._order.last, me._pending = stream, None
         assert dispatch(me, t) is not None
         me._pending, asks[:] = None, []
@@ -217,8 +224,10 @@ def test_a_stream_that_cannot_be_captured_is_not_asked(monkeypatch):
     monkeypatch.setattr(Runtime, "capturable", lambda self, stream: False)
     for record in (me._repeat_dispatch, me._repeat_combine):
         q = record.quick
-        record.quick = quick_for(me, q.given, q.stream, q.launch, (t.x, t.indices) if record is me._repeat_dispatch
-                                 else (t.y, t.w, None), {producers.stream_source(t.x): TORCH_STREAM})
+        dispatching = record is me._repeat_dispatch
+        record.quick = quick_for(me, record, q.given, q.stream, q.make_launch, (t.x, t.indices) if dispatching
+                                 else (t.y, t.w, None), {producers.stream_source(t.x): TORCH_STREAM},
+                                 *(() if dispatching else (COMBINE_ARGS,)))
         assert not record.quick.ask_capture
     assert dispatch(me, t) is not None and combine(me, t) is not None
     assert me.backend.capture_queries == [] and len(launched) == 2
@@ -232,10 +241,11 @@ def test_the_library_that_chose_the_stream_is_the_one_asked_again(monkeypatch):
     probe, other = producers.stream_source(t.x), object()
     quick = me._repeat_dispatch.quick
     inputs = (t.x, t.indices)
-    chose = quick_for(me, quick.given, quick.stream, None, inputs, {probe: TORCH_STREAM, other: 1})
+    record = me._repeat_dispatch
+    chose = quick_for(me, record, quick.given, quick.stream, None, inputs, {probe: TORCH_STREAM, other: 1})
     assert chose.lead == (probe, 0, TORCH_STREAM)
     # (x's library answered nothing when the call chose its stream; another input's did)
-    assert quick_for(me, quick.given, quick.stream, None, inputs, {other: 1, probe: TORCH_STREAM}).lead is ANY_INPUT
+    assert quick_for(me, record, quick.given, quick.stream, None, inputs, {other: 1, probe: TORCH_STREAM}).lead is ANY_INPUT
 
 
 def test_a_stream_handle_given_as_a_new_int_repeats(monkeypatch):
@@ -243,25 +253,222 @@ def test_a_stream_handle_given_as_a_new_int_repeats(monkeypatch):
     record = me._repeat_dispatch
     handle = 0x7F00_1234  # (beyond CPython's small ints: each int(...) below is a new object)
     stream = me._stream_outside_capture(handle)
+    keys, streams = _flat_rechecks(positioned_rechecks(record, DISPATCH), None)
     record.quick = dataclasses.replace(record.quick, given=record.quick.given[:4] + (int(str(handle)),), stream=stream,
-                                       follows_library=False)
+                                       follows_library=False, keys=keys, streams=streams, lead_asks=None)
     assert dispatch(me, t, stream=int(str(handle))) is not None and launched == [("dispatch", stream)]
     me._pending = None
     assert dispatch(me, t, stream=handle + 1) is None and len(launched) == 1
 
 
-def test_a_quick_form_that_cannot_be_made_fails_the_call_before_anything_is_queued(monkeypatch):
-    """The first repeat makes the record's quick form before it queues anything: where that fails (no
-    memory for a graph, say), the call raises with nothing launched, waited for or recorded."""
+def test_a_launch_that_cannot_be_made_fails_the_call_before_anything_is_queued(monkeypatch):
+    """The first repeat of the record's own arrays makes the record's launch before it queues anything:
+    where that fails (no memory for a graph, say), the call raises with nothing launched, waited for or
+    recorded."""
     me, t, _, launched = settled_object(monkeypatch)
-    me._repeat_dispatch.quick = None
 
-    def failing(*args):
+    def failing():
         raise RuntimeError("no graph")
-    me._dispatch_kernel = SimpleNamespace(launch=lambda *a: launched.append(a), repeater=failing)
-    me._dispatch_pack, me._repeat_packs, me.blocks, me.block_threads = None, (None, None), 1, 32
+    me._repeat_dispatch.quick.make_launch = failing
     last, waits = me._order.last, list(me.backend.waits)
     with pytest.raises(RuntimeError, match="no graph"):
-        AllToAll._dispatch(me, t.x, t.indices, None, None, None)
+        dispatch(me, t)
     assert launched == [] and me._repeat_dispatch is None and me._pending is None
     assert me._order.last is last and me.backend.waits == waits
+
+
+def test_a_stream_given_asks_each_library_its_producer_stream_once_a_call(monkeypatch):
+    """With stream= given, the library is not asked for the call's stream, but its arrays' producer stream
+    must be the one they named when the record was made: asked once a call for all arrays of one
+    library, and a repeat after it moved (PyTorch's current stream here) launches nothing."""
+    me, t, asks, launched = settled_object(monkeypatch)
+    record = me._repeat_dispatch
+    stream = record.quick.stream
+    keys, streams = _flat_rechecks(positioned_rechecks(record, DISPATCH), None)
+    assert len(keys) == 2 and [(s[1], s[2]) for s in streams] == [(t.x, TORCH_STREAM)]
+    record.quick = dataclasses.replace(record.quick, given=record.quick.given[:4] + (stream,), follows_library=False,
+                                       keys=keys, streams=streams, lead_asks=None)
+    asks.clear()
+    assert dispatch(me, t, stream=stream) is record.prepared and len(asks) == 1 and len(launched) == 1
+    me._pending, me.current[0] = None, 0x66
+    assert dispatch(me, t, stream=stream) is None and len(launched) == 1 and me._pending is None
+
+
+def test_arrays_of_one_library_that_named_different_streams_take_the_records_own_check(monkeypatch):
+    """(No answer of the library can hold for both: the flat form leaves the verdict to Repeat.still.)"""
+    me, t, _, _ = settled_object(monkeypatch)
+    probe = producers.stream_source(t.x)
+    rechecks = tuple((i, SimpleNamespace(probe=probe, key=(i,), stream=stream), obj)
+                     for i, (stream, obj) in enumerate(((0x55, t.x), (0x66, t.indices))))
+    assert _flat_rechecks(rechecks, None) == (None, None)
+    assert _flat_rechecks(rechecks, ANY_INPUT) == (None, None)
+    assert _flat_rechecks(rechecks[:1], None) == (((0, probe.key, t.x, (0,)),), ((probe, t.x, 0x55),))
+    assert _flat_rechecks(rechecks[:1], (probe, 0, 0x55)) == (((0, probe.key, t.x, (0,)),), ())
+
+
+def test_the_lead_is_asked_without_its_arrays_device_where_its_key_is_checked_first(monkeypatch):
+    """A lead input whose key the repeat checks lives on our device when asked (its pointer is the one
+    described there); one without a key check is asked as the full path asks it, array and all."""
+    me, t, _, _ = settled_object(monkeypatch)
+    record = me._repeat_dispatch
+    probe = producers.stream_source(t.x)
+    lead = (probe, 0, TORCH_STREAM)
+    keys, _ = _flat_rechecks(positioned_rechecks(record, DISPATCH), lead)
+    assert _lead_asks(lead, (t.x, t.indices), keys) == probe.current_stream_here
+    asks = _lead_asks(lead, (t.x, t.indices), keys[1:])  # (x's key left out)
+    assert asks.func == probe.current_stream and asks.args == (t.x,)
+    assert _lead_asks(NO_LIBRARY, (t.x, t.indices), keys) is None
+    t.x.ptr = 0x4000  # moved: the key check refuses before the lead is asked
+    asked = []
+    record.quick = dataclasses.replace(record.quick, lead_asks=lambda device: asked.append(device) or TORCH_STREAM)
+    assert dispatch(me, t) is None and asked == []
+
+
+def test_each_probe_names_the_same_stream_for_an_array_known_to_be_on_our_device(monkeypatch):
+    """current_stream_here(device) answers as current_stream(array, device) does for an array on that
+    device: the library's current stream there (1 for the legacy one), None where the library's
+    current device is another (CuPy names the stream of its current device)."""
+    from .test_inputs import fake_cupy, ndarray
+    current = [0x55]
+    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED, _C=SimpleNamespace(_cuda_getCurrentRawStream=lambda d: current[0]))
+    t = Tensor(0x1000, (2, 4))
+    torch_probe = producers.stream_source(t)
+    for value, named in ((0x55, 0x55), (0, 1)):
+        current[0] = value
+        assert torch_probe.current_stream_here(0) == torch_probe.current_stream(t, 0) == named
+    fake_cupy(monkeypatch, current)
+    cupy_probe = producers.stream_source(ndarray(0x3000, (2, 4), stream=7))
+    current[0] = 7
+    assert cupy_probe.current_stream_here(0) == 7 and cupy_probe.current_stream_here(1) is None
+    current[0] = 0
+    assert cupy_probe.current_stream_here(0) == 1
+
+
+def moving_object(monkeypatch):
+    """settled_object whose dispatch record takes new tensors (a pack of its own for them, recorded)."""
+    me, t, asks, launched = settled_object(monkeypatch)
+    record = me._repeat_dispatch
+    q = record.quick
+    moved = (None, SimpleNamespace(x=None, indices=None, weights=None, x_scales=None, num_tokens=None))
+    record.quick = quick_for(me, record, q.given, q.stream, q.make_launch, (t.x, t.indices),
+                             {producers.stream_source(t.x): TORCH_STREAM}, make_moved=lambda: moved)
+    me._dispatch_kernel = SimpleNamespace(launch=lambda pack, grid, block, s: launched.append(
+        ("moved", s, tuple(vars(pack[1]).values()))))
+    me.blocks, me.block_threads = 1, 32
+    me._outputs = lambda s: SimpleNamespace(dispatch_result=lambda tokens: ("result of", tokens))
+    return me, t, asks, launched
+
+
+@pytest.mark.parametrize("tokens", [2, 1])
+def test_new_tensors_like_the_records_launch_on_their_pointers(monkeypatch, tokens):
+    """New tensors of the record's type and element type, on our device, compact and aligned, stand in for
+    the record's: the call launches from the moved pack with their pointers and token count (a new
+    count: the result for it), asking PyTorch its stream once, and keeps them alive."""
+    me, t, asks, launched = moving_object(monkeypatch)
+    x, indices = Tensor(0x5000, (tokens, 4)), Tensor(0x5800, (tokens, 4), "int32")
+    asks.clear()
+    result = dispatch(me, t, x=x, indices=indices)
+    assert launched == [("moved", me._repeat_dispatch.quick.stream, (0x5000, 0x5800, None, None, tokens))]
+    assert result == (me._repeat_dispatch.prepared if tokens == 2 else ("result of", 1)) and me._pending is result
+    assert len(asks) == 1 and me._keepalive[:2] == (x, indices)
+    me._pending = None
+    assert dispatch(me, t) is me._repeat_dispatch.prepared  # the record's own tensors: its own launch
+    assert launched[-1] == ("dispatch", me._repeat_dispatch.quick.stream)
+
+
+@pytest.mark.parametrize("odd", ["element type", "device", "not compact", "negated", "requires grad", "too many tokens",
+                                 "shapes disagree", "record's indices for other tokens", "another type",
+                                 "disowned type"])
+def test_a_new_tensor_unlike_the_records_takes_the_full_path(monkeypatch, odd):
+    me, t, _, launched = moving_object(monkeypatch)
+    x, indices = Tensor(0x5000, (2, 4)), Tensor(0x5800, (2, 4), "int32")
+    if odd == "element type":
+        x = Tensor(0x5000, (2, 4), "float32")
+    elif odd == "device":
+        x.device = 1
+    elif odd == "not compact":
+        x.strides = (1, 2)
+    elif odd == "negated":
+        x.neg = True
+    elif odd == "requires grad":
+        x.requires_grad = True
+    elif odd == "too many tokens":
+        x, indices = Tensor(0x5000, (3, 4)), Tensor(0x5800, (3, 4), "int32")
+    elif odd == "shapes disagree":
+        indices = Tensor(0x5800, (1, 4), "int32")
+    elif odd == "record's indices for other tokens":
+        x, indices = Tensor(0x5000, (1, 4)), t.indices
+    elif odd == "another type":
+        x = TensorLike(0x5000, (2, 4))
+    elif odd == "disowned type":  # (its view disagreed with its protocol since the record was made)
+        producers.disown(x)
+    assert dispatch(me, t, x=x, indices=indices) is None
+    assert launched == [] and me._pending is None and me._keepalive is None
+
+
+class TensorLike(Tensor):
+    """(A subclass: not the record's type.)"""
+
+
+def moving_combine(monkeypatch, sent=False):
+    """settled_object whose combine record takes new tensors; the dispatch before it pending (its weights
+    sent with it where `sent`): (object, tensors, launches, the moved pack's call)."""
+    me, t, _, launched = settled_object(monkeypatch)
+    record = me._repeat_combine
+    q = record.quick
+    call = SimpleNamespace(expert_y=None, weights=None, out=None, num_tokens=None)
+    record.quick = quick_for(me, record, q.given, q.stream, q.make_launch, (t.y, t.w, None),
+                             {producers.stream_source(t.x): TORCH_STREAM}, COMBINE_ARGS, make_moved=lambda: (None, call))
+    small, bulk = SimpleNamespace(name="small"), SimpleNamespace(name="bulk")
+    for kernel in (small, bulk):
+        kernel.launch = lambda pack, grid, block, s, kernel=kernel: launched.append(
+            (kernel.name, s, dict(vars(pack[1]))))
+    me._combine_kernel_for = lambda tokens: (small, 32) if tokens == 1 else (bulk, 256)
+    me.blocks = 1
+    me._outputs = lambda s: SimpleNamespace(y_rows=["y of 0", "y of 1", "y of 2"])
+    dispatch(me, t)
+    launched.clear()
+    if sent:
+        me._pending_weights = t.w
+    return me, t, launched, call
+
+
+@pytest.mark.parametrize("tokens", [2, 1])
+def test_a_combine_with_new_weights_launches_on_their_pointer(monkeypatch, tokens):
+    """New weights (and a new token count from the dispatch: the small kernel at one token, the rows of y
+    for it) stand in for the record's; expert_y is the record's (its shape does not follow the tokens)."""
+    me, t, launched, call = moving_combine(monkeypatch)
+    me._pending = SimpleNamespace(num_tokens=tokens)
+    w = Tensor(0x6000, (tokens, 4), "float32")
+    y = combine(me, t, weights=w)
+    pointers = {"expert_y": 0x2000, "weights": 0x6000, "out": None, "num_tokens": tokens}
+    assert launched == [("small" if tokens == 1 else "bulk", me._repeat_combine.quick.stream, pointers)]
+    assert y == f"y of {tokens}" and me._pending is None and me._keepalive == (t.y, w, y)
+
+
+@pytest.mark.parametrize("odd", ["misaligned", "other rows", "weights sent, none given", "sent and given"])
+def test_a_combine_unlike_the_records_takes_the_full_path(monkeypatch, odd):
+    me, t, launched, _ = moving_combine(monkeypatch, sent=odd.startswith("weights sent") or odd == "sent and given")
+    w = Tensor(0x6002 if odd == "misaligned" else 0x6000, (1 if odd == "other rows" else 2, 4), "float32")
+    if odd == "weights sent, none given":  # (the record's weights were given to combine: the kernels differ)
+        w = None
+    pending = me._pending
+    assert combine(me, t, weights=w) is None
+    assert launched == [] and me._pending is pending
+
+
+def test_weights_sent_with_dispatch_need_none_at_combine(monkeypatch):
+    """A record whose weights went with its dispatch repeats on new weights sent with the next dispatch:
+    combine takes none, and launches with no weights pointer of its own."""
+    me, t, _, launched = settled_object(monkeypatch)
+    record = me._repeat_combine
+    q = record.quick
+    record.args = record.args[:5] + (t.w,)  # (sent: the weights given to the recorded dispatch)
+    record.quick = quick_for(me, record, (t.y, None, None, None), q.stream, q.make_launch, (t.y, None, None),
+                             None, COMBINE_ARGS, make_moved=lambda: (None, SimpleNamespace(expert_y=None, weights=0,
+                                                                                           out=None, num_tokens=None)))
+    me._combine_kernel_for = lambda tokens: (SimpleNamespace(launch=lambda *a: launched.append("moved")), 256)
+    me.blocks, me._outputs = 1, lambda s: SimpleNamespace(y_rows=["y of 0", "y of 1", "y of 2"])
+    me._pending, me._pending_weights = SimpleNamespace(num_tokens=1), Tensor(0x6000, (1, 4), "float32")
+    launched.clear()
+    assert combine(me, t, weights=None) == "y of 1" and launched == ["moved"]

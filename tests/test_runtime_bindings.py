@@ -143,7 +143,7 @@ def test_activate_switches_back_only_when_another_device_is_current(rt, monkeypa
     ours, theirs = (binding.CUcontext(0x1000), binding.CUcontext(0x2000)) if mod is cuda_rt else (1, 0)
     current = [theirs]
     if mod is cuda_rt:
-        backend._context = ours
+        backend._context, backend._context_handle = ours, int(ours)  # (as open_device sets them)
         fake = types.SimpleNamespace(cuCtxGetCurrent=lambda: (ok, current[0]),
                                      cuCtxSetCurrent=lambda c: (calls.append(int(c)), current.__setitem__(0, c),
                                                                 (ok,))[-1])

@@ -158,6 +158,7 @@ class CudaBackend(DriverBackend):
         _load()
         _check(driver.cuInit(0), "cuInit")
         self._context = None
+        self._context_handle = None  # int(self._context): activate() compares at every call
 
     # -- device -------------------------------------------------------------
     def device_count(self) -> int:
@@ -169,6 +170,7 @@ class CudaBackend(DriverBackend):
         # The primary context is the one the runtime API and other libraries
         # in this process share, so buffers stay usable across them.
         self._context = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self._context_handle = int(self._context)
         _check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
         attr = driver.CUdevice_attribute
 
@@ -194,7 +196,7 @@ class CudaBackend(DriverBackend):
         if self._context is None:  # no device opened yet: nothing of ours to make current
             return
         current = driver.cuCtxGetCurrent()
-        if current[0] or int(current[1]) != int(self._context):
+        if current[0] or int(current[1]) != self._context_handle:
             _check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
     # -- memory -------------------------------------------------------------
@@ -296,9 +298,13 @@ class CudaBackend(DriverBackend):
         site, capturing, joined = self._site(function, grid, block, pack), self._capturing, self._joined
         _hand_arguments(site)
 
-        def launch(stream) -> None:
+        graph_launch = driver.cuGraphLaunch
+
+        def launch(stream) -> None:  # (holds the site: its graph lives as long as this function)
             if capturing or joined:  # some stream records: launch() tells whether it is this one
                 self.launch(function, grid, block, stream, pack)
-            else:
-                _launch_graph(site, stream)
+                return
+            result = graph_launch(site.exec, 0 if stream is None else stream)  # (_launch_graph, one Python call less)
+            if result[0]:
+                _check(result, "cuGraphLaunch")
         return launch

@@ -288,11 +288,90 @@ def case_out_and_device_inputs(comm):
         combine_error(out.numpy(), expected, np.float16)
 
 
+def case_new_arrays_at_every_call(comm, weights_at="combine", out_given="0"):
+    """A loop that hands over new arrays of ours at every call, with a new token count at most calls (a
+    layer's activations, a router's output): after each leg's first call, every call takes the quick path
+    (pyhipa2a.quick: the record's call on the new arrays' pointers and token count), and every one is
+    right, checked against the oracle on poisoned outputs; the record's own arrays again repeat it as
+    they are. A new array that differs from the record's in anything but its memory and token count (its
+    element type, its stream, a NumPy array) takes the full path, which refuses a wrong one as ever."""
+    from pyhipa2a.array import DeviceArray
+    from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    at_dispatch, out_given = weights_at == "dispatch", out_given == "1"
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        full, kept = [], []
+        a2a._usable = lambda: (full.append(1), AllToAll._usable(a2a))[1]
+        first = None
+        outs = {}
+        for i, T in enumerate((5, 3, 5, 8, 1, 5, 8)):
+            counts = [(T + r) % M + 1 if i % 2 else T for r in range(world)]  # (ranks differ on odd rounds)
+            inputs = draw_world(40 + i, world, E, k, H, M, token_counts=counts)
+            arrays = upload_inputs(a2a, inputs)  # new buffers, new objects
+            kept.append(arrays)
+            if first is None:
+                first = (arrays, inputs)
+            elif i == 5:  # the record's own arrays again, refilled
+                arrays, inputs = first[0], draw_world(40 + i, world, E, k, H, M, token_counts=[len(first[1].xs[0])] * world)
+                for arr, fresh in zip(arrays, (inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank])):
+                    arr.copy_from(fresh)
+            x, idx, w = arrays[:3]
+            mine = len(inputs.xs[a2a.rank])
+            out = None
+            if out_given:
+                if mine not in outs:
+                    outs[mine] = DeviceArray(a2a.backend, a2a.backend.malloc_ipc(mine * H * 2), (mine, H), np.float16,
+                                             stream=a2a.stream)
+                out = outs[mine]
+            poison(a2a)
+            full.clear()
+            d = a2a.dispatch(x, idx, weights=w) if at_dispatch else a2a.dispatch(x, idx)
+            y = a2a.combine(d.expert_x, None if at_dispatch else w, out=out, expert_scale=float(1 + a2a.rank))
+            a2a.synchronize()
+            assert d.num_tokens == mine and y.shape == (mine, H) and (out is None or y is out), (i, y.shape)
+            check_call(a2a, inputs, d, y, fused=True)
+            assert len(full) == (2 if i == 0 else 0), (i, full)  # the first call of each leg alone: the full path
+        # What the full path must see: another element type (refused as ever), another stream, NumPy.
+        inputs = draw_world(60, world, E, k, H, M, token_counts=[4] * world)
+        x, idx, w = upload_inputs(a2a, inputs)[:3]
+        kept.append((x, idx, w))
+        wide = DeviceArray(a2a.backend, a2a.backend.malloc_ipc(4 * H * 4), (4, H), np.float32, stream=a2a.stream)
+        kept.append((wide,))
+        full.clear()
+        with pytest.raises(TypeError, match="must have dtype float16"):
+            a2a.dispatch(wide, idx)
+        assert len(full) == 1
+        poison(a2a)  # a refused call records nothing: a good one records again
+        d = a2a.dispatch(x, idx)
+        check_call(a2a, inputs, d, a2a.combine(d.expert_x, w, expert_scale=float(1 + a2a.rank)), fused=True)
+        assert a2a._repeat_dispatch is not None and a2a._repeat_dispatch.quick is not None
+        other = a2a.backend.stream_create()
+        try:
+            x_elsewhere = DeviceArray(a2a.backend, x.ptr, x.shape, x.dtype, stream=other)
+            poison(a2a)
+            full.clear()
+            d = a2a.dispatch(x_elsewhere, idx)  # (ordered after `other` by the full path)
+            y = a2a.combine(d.expert_x, inputs.weights[a2a.rank], expert_scale=float(1 + a2a.rank))
+            a2a.synchronize()
+            check_call(a2a, inputs, d, y, fused=True)
+            assert len(full) == 2, full  # another stream, then NumPy weights: the full path each
+        finally:
+            a2a.synchronize()
+            a2a.backend.stream_destroy(other)
+        for arrays in kept:
+            free_inputs(a2a, arrays)
+        for out in outs.values():
+            a2a.backend.free(out.ptr)
+    print(f"rank {comm.Get_rank()} new arrays at every call ({weights_at}, out given: {out_given}): right")
+
+
 def case_repeated_calls(comm):
     """A loop that hands over the same device arrays again repeats the last call without taking its
     arguments again (a2a.Repeat), and every such call is still right: new data in the same arrays, each
-    call checked against the oracle on poisoned outputs. Any change of an argument, the stream, the
-    scale, or a capture in between takes the full path."""
+    call checked against the oracle on poisoned outputs. A change of the stream, the scale, an argument
+    for a NumPy one, or a capture in between takes the full path (a new array of ours like the last
+    one does not: case_new_arrays_at_every_call)."""
     from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 128, 8
@@ -335,11 +414,13 @@ def case_repeated_calls(comm):
                 a2a.synchronize()
                 check_call(a2a, inputs, d, y)
                 assert taken == ([] if i else ["x", "indices", "expert_y", "weights"]), (i, taken)
-                # The first repeat makes each leg's quick form (pyhipa2a.quick), which the later ones take
-                assert len(full) == (0 if i > 1 else 2), (i, full)
+                # Each leg's record comes with its quick form (pyhipa2a.quick), which the later calls take
+                assert len(full) == (0 if i else 2), (i, full)
             # Each change takes the full path for the call it touches.
             y_before = y.numpy().astype(np.float32)
-            for change, want in (("scale", ["expert_y", "weights"]), ("array", ["x", "indices"]),
+            # (A new array of ours standing in for x, a view of it here, takes the quick path on its pointer:
+            # case_new_arrays_at_every_call.)
+            for change, want in (("scale", ["expert_y", "weights"]), ("array", []),
                                  ("numpy", ["expert_y", "weights"])):
                 a2a.combine(a2a.fake_expert(a2a.dispatch(x, idx), out=expert_y), w)  # the loop's call again
                 taken.clear()
@@ -372,7 +453,7 @@ def case_repeated_calls(comm):
                 assert y is out
                 check_call(a2a, inputs, d, y, fused=True)
                 assert taken == ([] if i else ["x", "indices", "weights", "expert_y", "out"]), ("to dispatch", i, taken)
-                assert len(full) == (0 if i > 1 else 2), ("to dispatch", i, full)
+                assert len(full) == (0 if i else 2), ("to dispatch", i, full)
             # ... but not -0.0 after 0.0 (equal, yet a product's sign follows the scale's), nor an int
             # after an equal float.
             for z, want in ((0.0, ["expert_y", "out"]), (float("-0.0"), ["expert_y", "out"]), (float("-0.0"), []),
@@ -1179,6 +1260,61 @@ def case_framework_arrays(comm, lib, producer_order="protocol", calls_on="own"):
             assert (counts == d.expert_num_tokens.numpy()).all()
             check_dispatch_against_oracle(a2a, inputs, d)
         print(f"rank {me} {lib} ({producer_order}): 3 rounds match the oracle")
+
+
+def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
+    """New PyTorch or CuPy arrays at every call (a layer's activations, a router's output), each written
+    late on the library's own stream, with another token count at most calls: the first call takes the
+    full path (each element type through its protocol once), the later ones the quick path on the new
+    arrays' pointers (pyhipa2a.quick: their probe's view), and a last one given a stream of the library's
+    own the full path again, each array described by its view alone (Boundary._from_probe). Every call
+    must wait for the stream the library names, or read zeros or the last round's data. Each round on
+    poisoned outputs against the oracle, the results consumed by the library with no host wait."""
+    from pyhipa2a import reference
+    from pyhipa2a.testing import check_dispatch_against_oracle, poison
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 64
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on) as a2a:
+        me = a2a.rank
+        to_device, fill_later, consume, finish, current, _, _ = _framework(lib, a2a.heap.device.index)
+        if lib == "torch":  # (the stream object lives to the end: its handle is used after it)
+            import torch
+            side_stream = torch.cuda.Stream()
+            side = side_stream.cuda_stream
+        else:
+            import cupy
+            side_stream = cupy.cuda.Stream(non_blocking=True)
+            side = side_stream.ptr
+        full, probed = [], []
+        a2a._usable = lambda: (full.append(1), AllToAll._usable(a2a))[1]
+        from_probe = a2a._boundary._from_probe
+        a2a._boundary._from_probe = lambda *a: (lambda r: (probed.append(r is not None), r)[1])(from_probe(*a))
+        for i, (T, given) in enumerate(((32, None), (16, None), (32, None), (64, None), (8, side))):
+            inputs = draw_world(900 + i, world, E, k, H, M, token_counts=[T] * world)
+            host = (inputs.xs[me], inputs.indices[me], inputs.weights[me])
+            poison(a2a)
+            full.clear()
+            probed.clear()
+            with current():
+                arrays = [to_device(np.zeros_like(h)) for h in host]  # new objects in new memory, written late
+                for dst, h in zip(arrays, host):
+                    fill_later(dst, to_device(h))
+                d = a2a.dispatch(arrays[0], arrays[1], stream=given)
+                y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me, stream=given)
+                got = finish(consume(y)).astype(np.float64)
+            expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E,
+                                         reference.fused_expert([1 + r for r in range(world)]), ranks=[me])[me]
+            assert np.allclose(got, expected, rtol=1e-2, atol=5e-3), (lib, calls_on, i, np.abs(got - expected).max())
+            a2a.synchronize()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            # (expert_y, our own array, has no view: one False in each full-path round)
+            if i == 0:  # x's, the indices' and the weights' types, each through its protocol
+                assert len(full) == 2 and probed.count(True) == 0 and len(probed) == 4, (full, probed)
+            elif given is None:
+                assert full == [] and probed == [], (i, full, probed)
+            else:  # the full path, each new array of the library described by its view
+                assert len(full) == 2 and probed.count(True) == 3, (full, probed)
+        print(f"rank {me} {lib} ({calls_on}): 5 rounds of new arrays match the oracle")
 
 
 def case_producer_arrays_seen_before(comm, lib, calls_on="own"):
