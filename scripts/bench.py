@@ -82,6 +82,7 @@ FLUSH_BYTES = 256 * MiB   # larger than any L2/MALL, like gpu-mode's cache clear
 COPY_BYTES = 256 * MiB    # per bandwidth repetition
 COPY_REPS = 20
 SWEEP_TOKENS = (1, 8, 32, 64, 128, 256)
+NEW_ARRAYS = 4  # the `new` column's calls take these many sets of the eager inputs in turn: new objects at every call
 PHASES = ("dispatch", "gemm", "combine", "e2e")
 # A timed call's spans, by the indices of the events that bound them (call(): before dispatch, after it,
 # before combine, after it).
@@ -263,6 +264,16 @@ def framework_arrays(kind: str, a2a, inputs) -> list:
     return arrays
 
 
+def eager_arrays(kind: str, a2a, inputs, made: contextlib.ExitStack) -> list:
+    """A new set of this rank's eager inputs (x, indices, weights), `kind`'s arrays as framework_arrays
+    makes them, or ours (freed when `made` closes)."""
+    if kind != "own":
+        return framework_arrays(kind, a2a, inputs)
+    arrays = upload_inputs(a2a, inputs)
+    made.callback(free_inputs, a2a, arrays)
+    return arrays
+
+
 def median_host_us(comm, a2a, timed, iters: int, stream=None) -> float:
     """Median over `iters` samples (after 10 more) of the seconds `timed()` returns, each taken after a
     synchronize (of `stream`, else the last call's) and a barrier, in us, max over ranks."""
@@ -277,12 +288,17 @@ def median_host_us(comm, a2a, timed, iters: int, stream=None) -> float:
     return comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
 
 
-def host_time(comm, a2a, arrays, step: Step, iters: int) -> float:
+def host_time(comm, a2a, arrays, step: Step, iters: int, turns=None) -> float:
     """Median host time of one eager dispatch() + combine() (us), max over ranks; the fake expert's launch
-    between them (when not fused) is not counted."""
+    between them (when not fused) is not counted. `turns`: sets of arrays that the calls take in turn
+    instead of `arrays` (a layer's activations and a router's outputs are new arrays at every step)."""
+    taken = [0]
+
     def timed():
         stamps = [time.perf_counter()]
-        call(a2a, arrays, step, between=lambda: stamps.append(time.perf_counter()))
+        given = arrays if turns is None else turns[taken[0] % len(turns)]
+        taken[0] += 1
+        call(a2a, given, step, between=lambda: stamps.append(time.perf_counter()))
         stamps.append(time.perf_counter())
         return (stamps[1] - stamps[0]) + (stamps[3] - stamps[2])
     return median_host_us(comm, a2a, timed, iters)
@@ -406,6 +422,7 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None, fast:
         arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
         made.callback(free_inputs, a2a, arrays)  # (last: callbacks run in reverse order)
         given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
+        turns = [given] + [eager_arrays(args.inputs, a2a, inputs, made) for _ in range(NEW_ARRAYS - 1)]
         b = a2a.backend
         events = call_events(b, made)
         around = [events[0], None, None, events[3]]  # e2e's: nothing recorded between the phases
@@ -416,7 +433,9 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None, fast:
                  or check_run(comm, a2a, inputs, lambda: (whole.launch(), whole_out)[1], step, " (graph)")
                  or check_run(comm, a2a, inputs, lambda: (bare.launch(), bare_out)[1], step, " (graph)")
                  or check_run(comm, a2a, inputs, lambda: call(a2a, given, step), step,
-                              f" (eager, {args.inputs} inputs)"))
+                              f" (eager, {args.inputs} inputs)")
+                 or check_run(comm, a2a, inputs, lambda: call(a2a, turns[-1], step), step,
+                              f" (eager, new {args.inputs} inputs)"))
         if error:
             return failed(made, error)
         def whole_e2e(run) -> float:  # a step that records `around`'s events, timed as e2e
@@ -439,6 +458,7 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None, fast:
         yard = yardstick_us()  # how fast Python ran right after (the CPU may have changed since)
         fast.saw(yard)
         r["yard"] = comm.allreduce(yard, op=MPI.MAX)
+        r["host_new"] = host_time(comm, a2a, given, step, args.iters, turns)
         r["host_launches"] = launch_host_time(comm, a2a, given, args.iters)
         # The same on CPUs found at full speed (scripts/cpu_speed.py: the best of a few takes; None where none was)
         r["host_fast"], host_yard = fast.measure(lambda: host_time(comm, a2a, given, step, args.iters))
@@ -566,14 +586,14 @@ def print_shapes(rows) -> None:
           "launched one by one; host: eager dispatch() + combine() host time; launch: two empty kernels' launches "
           "timed so (a lower bound of host); eag/gr: eager wall / graph wall; yard: a fixed piece of Python's time "
           "right after host (max over ranks; the device machines' vCPUs read about 2 at full speed, up to twice that "
-          "otherwise); *: the same taken with each rank on a CPU found at full speed just before, the best of three takes "
+          f"otherwise); new: host with new arrays at every call ({NEW_ARRAYS} sets of the inputs in turn); *: the same taken with each rank on a CPU found at full speed just before, the best of three takes "
           "(scripts/cpu_speed.py; '-': none found), yard* the slowest of those CPUs' yards at their pick; "
           "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels; "
           "ls: calls back to back in one graph after one that takes the ranks' launch skew (--lockstep-calls), "
           "median per call; ls nop: an empty kernel timed so")
     print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'wall':>9} {'+nop':>6} "
-          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'launch':>6} {'eag/gr':>6} {'yard':>5} {'host*':>7} {'launch*':>7} "
-          f"{'eag/gr*':>7} {'yard*':>5} {'floor':>9} {'push':>5} {'link MB':>8} "
+          f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'launch':>6} {'eag/gr':>6} {'yard':>5} {'new':>7} {'host*':>7} "
+          f"{'launch*':>7} {'eag/gr*':>7} {'yard*':>5} {'floor':>9} {'push':>5} {'link MB':>8} "
           f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} {'ls e2e':>7} {'ls nop':>6}")
     for r in rows:
         if not r["ok"]:
@@ -582,8 +602,8 @@ def print_shapes(rows) -> None:
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
               + f" {r['empty']:>5.1f} {r['wall']:>9.1f} {r['wall'] - r['empty_wall']:>6.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
-              f"{r['host_launches']:>6.1f} {r['eager_over_graph']:>6.2f} {r['yard']:>5.1f} {fmt(r['host_fast']):>7} "
-              f"{fmt(r['host_launches_fast']):>7} {fmt(r['eager_over_graph_fast'], '.2f'):>7} {fmt(r['fast_yard']):>5} "
+              f"{r['host_launches']:>6.1f} {r['eager_over_graph']:>6.2f} {r['yard']:>5.1f} {r['host_new']:>7.1f} "
+              f"{fmt(r['host_fast']):>7} {fmt(r['host_launches_fast']):>7} {fmt(r['eager_over_graph_fast'], '.2f'):>7} {fmt(r['fast_yard']):>5} "
               f"{r['floor']:>9.1f} "
               f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               f" {fmt(r.get('ls_e2e')):>7} {fmt(r.get('ls_empty')):>6}")
@@ -593,7 +613,8 @@ def print_shapes(rows) -> None:
           f"wall {fmt(geomean(r['wall'] for r in ok))} us (empty kernels' graph "
           f"{fmt(geomean(r['empty_wall'] for r in ok))}; eager: e2e {fmt(geomean(r['eager_e2e'] for r in ok))}, "
           f"wall {fmt(geomean(r['eager_wall'] for r in ok))}, host {fmt(geomean(r['host'] for r in ok))} "
-          f"(two empty launches {fmt(geomean(r['host_launches'] for r in ok))}), "
+          f"(two empty launches {fmt(geomean(r['host_launches'] for r in ok))}; new arrays at every call "
+          f"{fmt(geomean(r['host_new'] for r in ok))}), "
           f"eager/graph wall max {fmt(max((r['eager_over_graph'] for r in ok), default=None), '.2f')}; "
           f"on CPUs at full speed: host {fmt(geomean(all_taken(r['host_fast'] for r in ok) or []))}, "
           f"eager/graph wall max {fmt(max(all_taken(r['eager_over_graph_fast'] for r in ok) or [None]), '.2f')}; "

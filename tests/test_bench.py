@@ -39,6 +39,7 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
         assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty", "empty_e2e", "eager_e2e"))
         assert r["e2e_phased"] >= max(r["dispatch"], r["combine"]), r
         assert 0 < r["host_launches"] and 0 < r["host"] and 0 < r["yard"], r  # the host column, its floor, the CPU's state
+        assert 0 < r["host_new"], r  # and with new arrays at every call
         fast = [r["host_fast"], r["host_launches_fast"], r["fast_yard"]] + ([r["eager_over_graph_fast"]] if "wall" in r else [])
         assert all(v > 0 for v in fast) if pickable else all(v is None for v in fast), r
         if lockstep_calls:
@@ -82,10 +83,11 @@ def test_bench_sets_a_call_between_nodes_beside_the_bare_exchange(tmp_path, back
 
 
 @pytest.mark.parametrize("fail_at,release_raises,between_nodes",
-                         [(0, 0, 0), (2, 0, 0), (3, 0, 0), (5, 0, 0), (3, 1, 0), (5, 1, 0), (0, 0, 1), (3, 0, 1)])
+                         [(0, 0, 0), (2, 0, 0), (3, 0, 0), (5, 0, 0), (6, 0, 0), (3, 1, 0), (6, 1, 0), (0, 0, 1), (3, 0, 1)])
 def test_bench_releases_what_it_made(fail_at, release_raises, between_nodes):
     """Every input buffer, event and graph the bench makes for a shape is freed, also when a check fails
-    (the whole step's graph's; the bare graph's; the lockstep graph's) and the shape is reported as a FAIL
+    (the whole step's graph's; the bare graph's; the eager calls' with new arrays; the lockstep graph's) and
+    the shape is reported as a FAIL
     row: the bench goes on
     to the next shape. A release that raises (a faulted device) loses neither the FAIL row nor the other
     releases. Between nodes (a rank a node), the bare exchange's graph too, which the wall replays. The

@@ -11,7 +11,7 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", b
     """bench.time_shape frees every input buffer, event and graph it makes, whether its checks pass or one
     of them reports an error and it returns early (fail_at: which check_run call fails, counted from 1:
     the timed graph, the graph with events around the step alone, the bare graph, the eager call, the
-    lockstep graph; 0: none). With
+    eager call with new arrays, the lockstep graph; 0: none). With
     event_release_raises, destroying an event raises (as every call does after a device fault): a failed
     shape still returns its FAIL row, and everything else is still freed. With between_nodes, each rank
     is a node of its own and the wall times are taken too: the bare exchange between nodes is captured
@@ -66,8 +66,9 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", b
         result = bench.time_shape(comm, a2a, inputs, args, bench.Step(fused=True), flush, bench.FastCpu(comm))
         if nodes:
             b.free(flush)
-        assert result.get("ok", True) == (fail_at == 0) and len(checks) == (fail_at or 5), (result, checks)
-        assert made["buffers"] == 3 and made["events"] >= 4 and made["graphs"] >= min(fail_at or 4, 2), made
+        assert result.get("ok", True) == (fail_at == 0) and len(checks) == (fail_at or 6), (result, checks)
+        # (x, indices and weights for the graphs and eager calls, and for each other set of new arrays)
+        assert made["buffers"] == 3 * bench.NEW_ARRAYS and made["events"] >= 4 and made["graphs"] >= min(fail_at or 4, 2), made
         assert not any(live.values()), f"left behind: {dict(live)} of {dict(made)}"
         if nodes and fail_at == 0:  # one graph of the bare exchange, launched at every wall iteration
             assert bare_graphs == [(1, args.iters)], bare_graphs
