@@ -36,9 +36,9 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from . import producers
 from .array import DeviceArray
 from .inputs import same_scale
-from . import producers
 
 # Each leg's arguments in the order its quick function takes them (without the stream): their names
 # at the boundary, the fields of the kernel's argument pack that take their pointers, and the
@@ -122,6 +122,7 @@ class Quick:
     slots: tuple = ()
     shapes: tuple = ()
     pointers: tuple = ()  # each recorded argument's device pointer (None: the argument was None)
+    fields: tuple = ()  # the leg's argument names, in order: the fields of its argument pack
     make_moved: object = None  # makes the pack a call on new arrays launches from (the record's arguments)
     launch: object = None  # (made at the first repeat of the record's own arrays)
     moved: object = None  # (made at the first call on new arrays)
@@ -168,7 +169,7 @@ def quick_for(a2a, repeat, given: tuple, stream, make_launch, inputs: tuple, ask
     return Quick(given, stream, make_launch, follows_library, lead, a2a._capturable_elsewhere(stream),
                  repeat.boundary.settled, tuple(entries.items()), keys, streams,
                  _lead_asks(lead, inputs, keys) if follows_library else None, tuple(slots), tuple(shapes),
-                 tuple(pointers), make_moved)
+                 tuple(pointers), tuple(name for name, _ in leg_args), make_moved)
 
 
 def positioned_rechecks(repeat, leg_args: tuple) -> tuple:
@@ -270,9 +271,8 @@ def _new_pointers(repeat, args: tuple, shapes: tuple):
     a new array's, vouched for by its Slot with its shape in `shapes`; None where one cannot be, or where
     a record's argument would be taken with another shape than its own (another token count)."""
     quick, pointers = repeat.quick, []
-    for (name, _), obj, recorded, slot, shape, was, ptr in zip(
-            COMBINE_ARGS if len(args) == 3 else DISPATCH_ARGS, args, quick.given, quick.slots, shapes, quick.shapes,
-            quick.pointers):
+    for name, obj, recorded, slot, shape, was, ptr in zip(quick.fields, args, quick.given, quick.slots, shapes,
+                                                          quick.shapes, quick.pointers):
         if obj is recorded:
             if obj is None:
                 continue
