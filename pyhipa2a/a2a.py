@@ -21,6 +21,7 @@ indices seen on the device).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -719,25 +720,21 @@ class AllToAll:
                                                  (x, indices, weights, x_scales, stream), s, (x, indices), asked)
         return result
 
-    def _with_quick(self, record, given: tuple, s, inputs: tuple, asked, leg_args=DISPATCH_ARGS, tokens: int = 0):
+    def _with_quick(self, record, given: tuple, s, inputs: tuple, asked, leg_args=DISPATCH_ARGS):
         """`record` (a Repeat of a call with arguments `given`, stream= last, on stream `s`; or None) with
         its quick form (pyhipa2a.quick: the loop's next call like it takes that path, even with new
         arrays); `inputs` and `asked` as the call's _call_stream took and gave them. Its launch is made
         at its first repeat of the same arrays, from the pack as the record left it."""
         if record is not None and record.quick is None:
-            leg = 0 if leg_args is DISPATCH_ARGS else 1
-            pack, moved = (self._dispatch_pack, self._combine_pack)[leg], self._moved_packs[leg]
-            if leg == 0:
-                def make_launch():
-                    return self._dispatch_kernel.repeater(pack, self._repeat_packs[0], self.blocks, self.block_threads)
+            if leg_args is DISPATCH_ARGS:
+                pack, moved = self._dispatch_pack, self._moved_packs[0]
+                make_launch = functools.partial(self._dispatch_kernel.repeater, pack, self._repeat_packs[0],
+                                                self.blocks, self.block_threads)
             else:
-                def make_launch():
-                    return self._combine_repeater(tokens)
-
-            def make_moved():
-                moved.copy_from(pack)
-                return moved
-            record.quick = quick_for(self, record, given, s, make_launch, inputs, asked, leg_args, make_moved)
+                pack, moved = self._combine_pack, self._moved_packs[1]
+                make_launch = functools.partial(self._combine_repeater, record.tokens)
+            record.quick = quick_for(self, record, given, s, make_launch, inputs, asked, leg_args,
+                                     functools.partial(moved.copy_from, pack))
         return record
 
     def _launch_dispatch(self, s, T: int, weights, result: DispatchResult | None = None) -> DispatchResult:
@@ -784,7 +781,7 @@ class AllToAll:
         scale = self._checked_scale(expert_scale)
         args = (expert_y, weights, out, s, scale, sent)
         if repeat is not None and repeat.tokens == T and self._capturing is None and repeat.holds(args, asked):
-            self._with_quick(repeat, (expert_y, weights, out, stream), s, (expert_y, weights, out), asked, COMBINE_ARGS, T)
+            self._with_quick(repeat, (expert_y, weights, out, stream), s, (expert_y, weights, out), asked, COMBINE_ARGS)
             repeat.resume(self._order, s)
             self._repeat_combine = repeat
             return repeat.prepared
@@ -812,7 +809,7 @@ class AllToAll:
         names = ("expert_y",) + ("weights",) * (sent is None) + ("out",) * (out is not None)
         record = Repeat.of(args, names, self._boundary, T, prepared) if host_y is None else None
         self._repeat_combine = self._with_quick(record, (expert_y, weights, out, stream), s, (expert_y, weights, out),
-                                                asked, COMBINE_ARGS, T)
+                                                asked, COMBINE_ARGS)
         return prepared
 
     def _checked_scale(self, expert_scale) -> tuple:

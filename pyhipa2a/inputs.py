@@ -354,7 +354,7 @@ class Boundary:
             key = probe.key(obj)
             shape = tuple(key[1]) if len(key) > 1 else d.shape  # (a JAX array's key is its pointer alone)
             agrees = (key[0] == d.ptr and shape == d.shape and (not named or probe.stream(obj) == producer)
-                      and self._taught(probe, obj, d))
+                      and self._taught(probe, obj, d, key))
         except Exception:
             agrees = False
         if not agrees:
@@ -362,9 +362,9 @@ class Boundary:
             return Cached(obj, d)
         return Cached(obj, d, probe, key, ordered_on)
 
-    def _taught(self, probe, obj, d: Described) -> bool:
+    def _taught(self, probe, obj, d: Described, key: tuple) -> bool:
         """Whether the probe's view of obj agrees with d, its protocol's description (our device, compact,
-        the same key); where it does, the probe learns d's element type for the library's type object
+        `key`, the probe's key of obj); where it does, the probe learns d's element type for the library's type object
         in the key, so that the next array of that type is described by the view alone (_from_probe).
         A void typestr ('<V2': bfloat16 through the interface) names no type of its own: nothing learned."""
         if d.protocol == CAI and np.dtype(d.key[2]).kind == "V":
@@ -372,8 +372,8 @@ class Boundary:
         seen = probe.view(obj)
         if seen is None:  # (JAX; nothing to learn)
             return True
-        key, device, compact = seen
-        if key != probe.key(obj) or device != self.device_index or not compact:
+        viewed, device, compact = seen
+        if viewed != key or device != self.device_index or not compact:
             return False
         return probe.element_types.setdefault(key[3], d.dtype) == d.dtype
 
@@ -387,17 +387,13 @@ class Boundary:
         if self.backend.kind == "host":  # (its arrays live in host memory: no probe's stream means anything)
             return None
         probe = producers.probe_for(obj)
-        if probe is None:
+        key = None if probe is None else producers.view_here(probe, obj, self.device_index)
+        if key is None:
+            return None
+        dtype, shape = probe.element_types.get(key[3]), tuple(key[1])
+        if dtype is None or 0 in shape:
             return None
         try:
-            seen = probe.view(obj)
-            if seen is None:
-                return None
-            key, device, compact = seen
-            dtype = probe.element_types.get(key[3])
-            shape = tuple(key[1])
-            if dtype is None or device != self.device_index or not compact or 0 in shape:
-                return None
             producer = probe.stream(obj) if self.ask_producers and not capturing else None
         except Exception:  # (the protocol says what is wrong, if anything)
             return None

@@ -166,10 +166,11 @@ class ArgPack:
         self.kernel_params = (ctypes.c_void_p * len(argtypes))(*(ctypes.addressof(a) for a in self.arguments))
         self.sites = {}  # what a backend keeps per (kernel, geometry) launched from here (CUDA: a one-node graph)
 
-    def copy_from(self, other: "ArgPack") -> None:
-        """Every argument as `other` holds it now."""
+    def copy_from(self, other: "ArgPack") -> "ArgPack":
+        """This pack, holding every argument as `other` holds it now."""
         for mine, theirs in zip(self.arguments, other.arguments, strict=True):
             ctypes.memmove(ctypes.addressof(mine), ctypes.addressof(theirs), ctypes.sizeof(theirs))
+        return self
 
     def release(self) -> None:
         """Drop what backends keep for this pack's launches (made again if it is launched again)."""

@@ -65,13 +65,13 @@ class TorchProbe:
         return self.key(t), t.get_device(), t.is_contiguous()
 
     def stream(self, t) -> int:
-        return self._current(t.get_device()) or 1  # 0: the default stream, which is the legacy one
+        return self.current_stream_here(t.get_device())
 
     def current_stream(self, t, device: int) -> int | None:
-        return (self._current(device) or 1) if t.is_cuda and t.get_device() == device else None
+        return self.current_stream_here(device) if t.is_cuda and t.get_device() == device else None
 
     def current_stream_here(self, device: int) -> int:
-        return self._current(device) or 1
+        return self._current(device) or 1  # 0: the default stream, which is the legacy one
 
 
 class CupyProbe:
@@ -91,10 +91,10 @@ class CupyProbe:
         return self._current().ptr or 1
 
     def current_stream(self, a, device: int) -> int | None:
-        return (self._current().ptr or 1) if self._device() == device and a.device.id == device else None
+        return self.current_stream_here(device) if a.device.id == device else None
 
     def current_stream_here(self, device: int) -> int | None:
-        return (self._current().ptr or 1) if self._device() == device else None
+        return self.stream(None) if self._device() == device else None
 
 
 class JaxProbe:
@@ -135,6 +135,19 @@ _KNOWN = {"torch": ("torch", lambda torch, obj: type(obj) is torch.Tensor or typ
           "jaxlib": ("jax", lambda jax, obj: isinstance(obj, jax.Array), JaxProbe)}
 _by_type: dict[type, object] = {}  # every type asked about: its probe, or None
 _disowned: set = set()  # types whose probe answered otherwise than their protocol, or raised
+
+
+def view_here(probe, obj, device: int):
+    """The key of obj as `probe` views it where that view shows it on `device` and compact (what a new
+    array must be for its view alone to describe it); None otherwise, or where the view raises."""
+    try:
+        seen = probe.view(obj)
+    except Exception:
+        return None
+    if seen is None:
+        return None
+    key, where, compact = seen
+    return key if where == device and compact else None
 
 
 def probe_for(obj):

@@ -75,14 +75,8 @@ class Slot(NamedTuple):
         else:
             if producers.probe_for(obj) is not self.probe:  # (disowned since the record was made)
                 return None
-            try:
-                seen = self.probe.view(obj)
-            except Exception:
-                return None
-            if seen is None:
-                return None
-            key, device, compact = seen
-            if device != self.device or not compact or key[3] != self.token or key[1] != shape:
+            key = producers.view_here(self.probe, obj, self.device)
+            if key is None or key[3] != self.token or key[1] != shape:
                 return None
             ptr = key[0]
         return ptr if ptr and ptr % self.align == 0 else None
@@ -152,8 +146,8 @@ def quick_for(a2a, repeat, given: tuple, stream, make_launch, inputs: tuple, ask
     follows_library = given[-1] is None and a2a._on_current_stream
     entries = dict(zip(repeat.names, repeat.entries))
     device = repeat.boundary.device_index
-    slots, shapes, pointers, rechecks = [], [], [], []
-    for i, (name, align) in enumerate(leg_args):
+    slots, shapes, pointers = [], [], []
+    for name, align in leg_args:
         entry = entries.get(name)
         if entry is None:
             slots.append(None)
@@ -163,20 +157,18 @@ def quick_for(a2a, repeat, given: tuple, stream, make_launch, inputs: tuple, ask
         slots.append(_slot(name, align, entry, device) if make_moved is not None else None)
         shapes.append(entry.want_shape)
         pointers.append(entry.ptr)
-        if entry.recheck is not None:
-            rechecks.append((i, entry.recheck, entry.obj))
-    keys, streams = _flat_rechecks(rechecks, lead if follows_library else None)
+    keys, streams = _flat_rechecks(positioned_rechecks(entries, leg_args), lead if follows_library else None)
     return Quick(given, stream, make_launch, follows_library, lead, a2a._capturable_elsewhere(stream),
                  repeat.boundary.settled, tuple(entries.items()), keys, streams,
                  _lead_asks(lead, inputs, keys) if follows_library else None, tuple(slots), tuple(shapes),
                  tuple(pointers), tuple(name for name, _ in leg_args), make_moved)
 
 
-def positioned_rechecks(repeat, leg_args: tuple) -> tuple:
-    """The record's (position among the leg's arguments, Recheck, argument) triples, as quick_for takes them."""
-    positions = {name: i for i, (name, _) in enumerate(leg_args)}
-    return tuple((positions[name], entry.recheck, entry.obj) for name, entry in zip(repeat.names, repeat.entries)
-                 if entry.recheck is not None)
+def positioned_rechecks(entries: dict, leg_args: tuple) -> tuple:
+    """(position among the leg's arguments, Recheck, argument) of each of a record's `entries` ({name: its
+    settled entry}) that has a Recheck, in the leg's order."""
+    return tuple((i, entry.recheck, entry.obj) for i, entry in enumerate(map(entries.get, (n for n, _ in leg_args)))
+                 if entry is not None and entry.recheck is not None)
 
 
 def _slot(name: str, align: int, entry, device: int) -> Slot | None:

@@ -799,7 +799,7 @@ def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
                          _dispatch_kernel=SimpleNamespace(launch=lambda *a: launched.append(a), repeater=repeater),
                          _dispatch_pack=None, _repeat_packs=(None, None), blocks=1, block_threads=32, _last_scale=scale,
                          stream=OURS, backend=SimpleNamespace(capturable=lambda s: True), _combine_repeater=repeater)
-    me._moved_packs, me._combine_pack = (None, None), None
+    me._moved_packs, me._combine_pack = (SimpleNamespace(copy_from=lambda pack: None),) * 2, None
     for name in ("_call_stream", "_current_stream_of", "_stream_outside_capture", "_launch_dispatch", "_queued",
                  "_checked_scale", "_capturable_elsewhere", "_with_quick"):
         setattr(me, name, functools.partial(getattr(AllToAll, name), me))

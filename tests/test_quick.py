@@ -203,7 +203,7 @@ def test_where_a_repeat_finds_its_stream_again(monkeypatch):
     assert mixed.lead is ANY_INPUT
     # Each form repeats where the full path would, and only there.
     for lead, other in ((NO_LIBRARY, "last call elsewhere"), (ANY_INPUT, "library elsewhere")):
-        keys, streams = _flat_rechecks(positioned_rechecks(record, DISPATCH), lead)
+        keys, streams = _flat_rechecks(positioned_rechecks(dict(zip(record.names, record.entries)), DISPATCH), lead)
         record.quick = dataclasses.replace(quick, lead=lead, keys=keys, streams=streams,
                                            lead_asks=_lead_asks(lead, (t.x, t.indices), keys))
         me._order.last, me._pending = stream, None
@@ -253,7 +253,7 @@ def test_a_stream_handle_given_as_a_new_int_repeats(monkeypatch):
     record = me._repeat_dispatch
     handle = 0x7F00_1234  # (beyond CPython's small ints: each int(...) below is a new object)
     stream = me._stream_outside_capture(handle)
-    keys, streams = _flat_rechecks(positioned_rechecks(record, DISPATCH), None)
+    keys, streams = _flat_rechecks(positioned_rechecks(dict(zip(record.names, record.entries)), DISPATCH), None)
     record.quick = dataclasses.replace(record.quick, given=record.quick.given[:4] + (int(str(handle)),), stream=stream,
                                        follows_library=False, keys=keys, streams=streams, lead_asks=None)
     assert dispatch(me, t, stream=int(str(handle))) is not None and launched == [("dispatch", stream)]
@@ -284,7 +284,7 @@ def test_a_stream_given_asks_each_library_its_producer_stream_once_a_call(monkey
     me, t, asks, launched = settled_object(monkeypatch)
     record = me._repeat_dispatch
     stream = record.quick.stream
-    keys, streams = _flat_rechecks(positioned_rechecks(record, DISPATCH), None)
+    keys, streams = _flat_rechecks(positioned_rechecks(dict(zip(record.names, record.entries)), DISPATCH), None)
     assert len(keys) == 2 and [(s[1], s[2]) for s in streams] == [(t.x, TORCH_STREAM)]
     record.quick = dataclasses.replace(record.quick, given=record.quick.given[:4] + (stream,), follows_library=False,
                                        keys=keys, streams=streams, lead_asks=None)
@@ -313,7 +313,7 @@ def test_the_lead_is_asked_without_its_arrays_device_where_its_key_is_checked_fi
     record = me._repeat_dispatch
     probe = producers.stream_source(t.x)
     lead = (probe, 0, TORCH_STREAM)
-    keys, _ = _flat_rechecks(positioned_rechecks(record, DISPATCH), lead)
+    keys, _ = _flat_rechecks(positioned_rechecks(dict(zip(record.names, record.entries)), DISPATCH), lead)
     assert _lead_asks(lead, (t.x, t.indices), keys) == probe.current_stream_here
     asks = _lead_asks(lead, (t.x, t.indices), keys[1:])  # (x's key left out)
     assert asks.func == probe.current_stream and asks.args == (t.x,)

@@ -298,13 +298,9 @@ class CudaBackend(DriverBackend):
         site, capturing, joined = self._site(function, grid, block, pack), self._capturing, self._joined
         _hand_arguments(site)
 
-        graph_launch = driver.cuGraphLaunch
-
         def launch(stream) -> None:  # (holds the site: its graph lives as long as this function)
             if capturing or joined:  # some stream records: launch() tells whether it is this one
                 self.launch(function, grid, block, stream, pack)
-                return
-            result = graph_launch(site.exec, 0 if stream is None else stream)  # (_launch_graph, one Python call less)
-            if result[0]:
-                _check(result, "cuGraphLaunch")
+            else:
+                _launch_graph(site, stream)
         return launch
