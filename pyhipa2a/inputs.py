@@ -56,7 +56,7 @@ from . import dlpack, producers
 from .array import DeviceArray
 from .dtypes import ML_DTYPES, resolve
 
-DLPACK_NAMES = {1: "cpu", 2: "cuda", 10: "rocm"}
+DLPACK_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 10: "rocm", 11: "rocm_host", 13: "cuda_managed"}
 PRODUCER_ORDERS = ("protocol", "stream")
 
 OWN, CAI, DLPACK, PROBED = "own", "cai", "dlpack", "probed"
@@ -70,7 +70,7 @@ class Described:
     dtype: np.dtype
     protocol: str            # OWN, CAI, DLPACK, or PROBED (its producer's probe alone: Boundary._from_probe)
     key: tuple               # what the protocol said (compared at a later use); PROBED: the probe's key
-    keepalive: object = None  # a consumed DLPack capsule: the producer's memory stays ours until released
+    keepalive: object = None  # a consumed DLPack capsule, a probe's hold: the producer's memory is ours until released
 
 
 class Settled(NamedTuple):
@@ -352,7 +352,7 @@ class Boundary:
         named = d.protocol == CAI and self.ask_producers  # (a DLPack export orders itself, naming none)
         try:
             key = probe.key(obj)
-            shape = tuple(key[1]) if len(key) > 1 else d.shape  # (a JAX array's key is its pointer alone)
+            shape = tuple(key[1])
             agrees = (key[0] == d.ptr and shape == d.shape and (not named or probe.stream(obj) == producer)
                       and self._taught(probe, obj, d, key))
         except Exception:
@@ -370,7 +370,7 @@ class Boundary:
         if d.protocol == CAI and np.dtype(d.key[2]).kind == "V":
             return True
         seen = probe.view(obj)
-        if seen is None:  # (JAX; nothing to learn)
+        if seen is None:  # (a JAX array not yet finished: nothing to learn from it)
             return True
         viewed, device, compact = seen
         if viewed != key or device != self.device_index or not compact:
@@ -379,11 +379,12 @@ class Boundary:
 
     def _from_probe(self, obj, stream, capturing: bool):
         """(description, producer, cache entry) of an array described by its producer's probe alone (a
-        PyTorch or CuPy array, new to this argument or changed in place, whose view shows it on our device
-        and compact, of an element type its protocol named before as the view saw it: _taught); None:
-        ask its protocol, which also says what is wrong with it. The producer is the stream the probe
-        names, which the use waits for on the device, as the protocol's export or interface would have it
-        wait (pyhipa2a.producers)."""
+        PyTorch or CuPy array, or a finished JAX array, new to this argument or changed in place, whose
+        view shows it on our device and compact, of an element type its protocol named before as the
+        view saw it: _taught; with the probe's hold, where its arrays need one); None: ask its protocol,
+        which also says what is wrong with it. The producer is the stream the probe names, which the use
+        waits for on the device, as the protocol's export or interface would have it wait
+        (pyhipa2a.producers)."""
         if self.backend.kind == "host":  # (its arrays live in host memory: no probe's stream means anything)
             return None
         probe = producers.probe_for(obj)
@@ -395,9 +396,10 @@ class Boundary:
             return None
         try:
             producer = probe.stream(obj) if self.ask_producers and not capturing else None
+            hold = probe.hold(obj)
         except Exception:  # (the protocol says what is wrong, if anything)
             return None
-        d = Described(key[0], shape, dtype, PROBED, key)
+        d = Described(key[0], shape, dtype, PROBED, key, hold)
         return d, producer, Cached(obj, d, probe, key, None if capturing else stream)
 
     # -- a cached description, checked against what the protocol says now ----------------------

@@ -19,8 +19,8 @@ twice takes the quick path from its second call.
 
 An argument may also be a new array standing in for the record's (`Slot`): of the same library
 and element type, on our device, compact, aligned, and shaped for the call's tokens, which may
-differ from the record's (dispatch takes them from x; combine from its dispatch). A PyTorch or
-CuPy array says so through its probe's view (pyhipa2a.producers), asked as the boundary asks it
+differ from the record's (dispatch takes them from x; combine from its dispatch). A PyTorch, CuPy
+or finished JAX array says so through its probe's view (pyhipa2a.producers), asked as the boundary asks it
 for an array it describes without its protocol; one of our arrays through its own attributes and
 its stream, the record's. Its producer is the library whose stream the call asks anyway. Such a
 call launches from a pack of the object's own for the purpose (made from the record's arguments at
@@ -49,10 +49,10 @@ COMBINE_ARGS = (("expert_y", 1), ("weights", 4), ("out", 1))
 
 class Slot(NamedTuple):
     """What a new array must be to stand in for the record's argument `name` (which has a Settled
-    entry): of the record's type, whose probe (PyTorch, CuPy, while not disowned: pyhipa2a.producers;
+    entry): of the record's type, whose probe (PyTorch, CuPy, JAX, while not disowned: pyhipa2a.producers;
     None: one of our DeviceArrays) views it on `device`, compact, with the element type `token` (the
     probe key's, or our array's dtype), `align`-byte aligned, and, for one of our arrays, of `backend`
-    and naming the record's producer stream."""
+    and naming the record's producer stream. `hold`: the probe's, where its arrays need one (JAX)."""
     name: str
     align: int
     kind: type
@@ -61,10 +61,12 @@ class Slot(NamedTuple):
     device: int
     stream: object
     backend: object = None
+    hold: object = None
 
-    def pointer(self, obj, shape) -> int | None:
-        """obj's device pointer where it can stand in for the record's argument with shape `shape`;
-        None otherwise (the full path then says what it says about obj)."""
+    def pointer(self, obj, shape, holds: list) -> int | None:
+        """obj's device pointer where it can stand in for the record's argument with shape `shape`, its
+        hold appended to `holds` where it needs one; None otherwise (the full path then says what it
+        says about obj)."""
         if type(obj) is not self.kind:
             return None
         if self.probe is None:  # one of ours (a DeviceArray)
@@ -79,7 +81,14 @@ class Slot(NamedTuple):
             if key is None or key[3] != self.token or key[1] != shape:
                 return None
             ptr = key[0]
-        return ptr if ptr and ptr % self.align == 0 else None
+        if not ptr or ptr % self.align:
+            return None
+        if self.hold is not None:
+            try:
+                holds.append(self.hold(obj))
+            except Exception:  # (a failed computation, say: its export says so on the full path)
+                return None
+        return ptr
 
 
 @dataclass
@@ -173,17 +182,15 @@ def positioned_rechecks(entries: dict, leg_args: tuple) -> tuple:
 
 def _slot(name: str, align: int, entry, device: int) -> Slot | None:
     """The Slot of a recorded argument's settled `entry`, or None where no new array can be vouched for
-    without the full path (a JAX array: its first use must come through its export; an interface or
-    DLPack array of another library)."""
+    without the full path (an interface or DLPack array of a library whose probe has no view)."""
     obj = entry.obj
     if entry.recheck is None:
         if type(obj) is not DeviceArray:
             return None
         return Slot(name, align, DeviceArray, None, obj.dtype, obj.device_id, obj.stream, obj.backend)
-    probe, key = entry.recheck.probe, entry.recheck.key
-    if len(key) != 4 or getattr(probe, "view", None) is None:
-        return None
-    return Slot(name, align, type(obj), probe, key[3], device, None)
+    probe = entry.recheck.probe
+    return Slot(name, align, type(obj), probe, entry.recheck.key[3], device, None, None,
+                probe.hold if probe.holds else None)
 
 
 def _lead_asks(lead, inputs: tuple, keys: tuple | None):
@@ -258,10 +265,11 @@ def _holds(a2a, repeat, inputs: tuple, args: tuple) -> bool:
     return True
 
 
-def _new_pointers(repeat, args: tuple, shapes: tuple):
+def _new_pointers(repeat, args: tuple, shapes: tuple, holds: list):
     """((pack field, pointer), ...) of the leg's arguments that are not None: the record's own pointer, or
-    a new array's, vouched for by its Slot with its shape in `shapes`; None where one cannot be, or where
-    a record's argument would be taken with another shape than its own (another token count)."""
+    a new array's, vouched for by its Slot with its shape in `shapes` (its hold, where it needs one,
+    appended to `holds`); None where one cannot be, or where a record's argument would be taken with
+    another shape than its own (another token count)."""
     quick, pointers = repeat.quick, []
     for name, obj, recorded, slot, shape, was, ptr in zip(quick.fields, args, quick.given, quick.slots, shapes,
                                                           quick.shapes, quick.pointers):
@@ -271,7 +279,7 @@ def _new_pointers(repeat, args: tuple, shapes: tuple):
             if shape != was:
                 return None
         else:
-            ptr = slot.pointer(obj, shape) if slot is not None and obj is not None else None
+            ptr = slot.pointer(obj, shape, holds) if slot is not None and obj is not None else None
             if ptr is None:
                 return None
         pointers.append((name, ptr))
@@ -298,15 +306,16 @@ def quick_dispatch(a2a, repeat, x, indices, weights, x_scales, stream):
             return None
         if type(tokens) is not int or not 0 < tokens <= a2a.max_tokens:
             return None
-        rows = (tokens, a2a.top_k)
-        pointers = _new_pointers(repeat, args, ((tokens, a2a.hidden), rows, rows, (tokens, a2a.scale_cols)))
+        rows, holds = (tokens, a2a.top_k), []
+        pointers = _new_pointers(repeat, args, ((tokens, a2a.hidden), rows, rows, (tokens, a2a.scale_cols)), holds)
         if pointers is None or not _holds(a2a, repeat, (x, indices), args):
             return None
         pack = _written(quick, pointers, tokens)
         kernel = a2a._dispatch_kernel
         _relaunch(a2a, repeat, "_repeat_dispatch", lambda s: kernel.launch(pack, a2a.blocks, a2a.block_threads, s))
         result = repeat.prepared if tokens == repeat.tokens else a2a._outputs(quick.stream).dispatch_result(tokens)
-        a2a._keepalive = args  # (AllToAll._keep outside a capture: the device may read them until the next call)
+        # (AllToAll._keep outside a capture: the device may read them until the next call)
+        a2a._keepalive = (*args, *holds)
     a2a._pending, a2a._pending_weights, a2a._pending_joined = result, weights, None
     return result
 
@@ -333,15 +342,17 @@ def quick_combine(a2a, repeat, expert_y, weights, out, stream, expert_scale):
         # The weights dispatch sent are the kernels' already (combine takes none); else new ones may come.
         if (sent is None) != (sent_now is None) or (sent_now is not None and weights is not None):
             return None
-        shapes = ((a2a.local_experts, a2a.capacity, a2a.hidden), (tokens, a2a.top_k), (tokens, a2a.hidden))
-        pointers = _new_pointers(repeat, args, shapes)
+        shapes, holds = ((a2a.local_experts, a2a.capacity, a2a.hidden), (tokens, a2a.top_k), (tokens, a2a.hidden)), []
+        pointers = _new_pointers(repeat, args, shapes, holds)
         if pointers is None or not _holds(a2a, repeat, args, args):
             return None
         pack = _written(quick, pointers, tokens)
         kernel, threads = a2a._combine_kernel_for(tokens)
         _relaunch(a2a, repeat, "_repeat_combine", lambda s: kernel.launch(pack, a2a.blocks, threads, s))
         out_arr = a2a._outputs(quick.stream).y_rows[tokens] if out is None else out
-        a2a._keepalive = (expert_y, weights, out_arr)
+        # (with what its dispatch kept: a JAX input's hold, under which JAX will not donate it, lasts
+        # until the next dispatch, as the boundary's cache keeps a full-path description's)
+        a2a._keepalive = (expert_y, weights, out_arr, *holds, a2a._keepalive)
     a2a._pending = a2a._pending_weights = None
     return out_arr
 

@@ -293,6 +293,11 @@ def test_new_framework_arrays_at_every_call(lib, calls_on):
 
 
 @pytest.mark.gpu
+def test_new_jax_arrays_at_every_call():
+    run_case(CASE + "case_new_jax_arrays_at_every_call", ranks_for("gpu"), env_backend("gpu"), timeout=600)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("calls_on", ["own", "current"])
 @pytest.mark.parametrize("lib", ["torch", "jax"])
 def test_producer_arrays_seen_before(lib, calls_on):

@@ -6,6 +6,9 @@ stream, typestr '<V2' for bfloat16, DLPack that orders itself on the stream
 it is given), JAX (DLPack only here; versioned or unversioned capsules) and
 CuPy (a version-3 interface naming the stream it last wrote on).
 """
+import dataclasses
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -455,9 +458,39 @@ def test_a_probe_that_disagrees_with_the_protocol_is_not_used(monkeypatch):
     assert producers.probe_for(ndarray(0x3000, (2, 4), stream=7)) is None  # the type goes without
 
 
+_LAYOUTS: dict = {}  # (jaxlib's layout objects compare by value; here one object per layout)
+KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxDevice:
+    local_hardware_id: int
+    dlpack_kind: int  # (a CPU device is device 0 of its kind too)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:  # (hashable, as JAX's shardings are; equal where their device and memory kind are)
+    device: JaxDevice
+    memory_kind: str
+    devices: int = 1  # (2: the array's shards on this device and the next)
+
+    device_set = property(lambda self: {JaxDevice(self.device.local_hardware_id + i, self.device.dlpack_kind)
+                                        for i in range(self.devices)})
+
+
 class ArrayImpl(JaxLike):
-    """JaxLike with what a JAX array's own attributes say."""
+    """JaxLike with what a JAX array's own attributes say: finished, row-major, in GPU 0's memory, unless
+    told otherwise (`ready` "missing": a build without is_ready; `failed`: its computation failed, which
+    its export says)."""
     deleted = False
+    ready = True
+    failed = False
+    major_to_minor = None  # (None: row-major)
+    tiling = ()
+    memory_kind = "device"
+    dlpack_kind = KDL_CUDA
+    hardware_id = 0
+    format_reads = 0  # (the public format's reads, over all arrays)
     dtype = property(lambda self: self.np_dtype)
 
     def unsafe_buffer_pointer(self):
@@ -465,21 +498,60 @@ class ArrayImpl(JaxLike):
             raise RuntimeError("Array has been deleted")
         return self.ptr
 
+    def is_deleted(self):
+        return self.deleted
+
+    def is_ready(self):
+        if self.deleted:
+            pytest.fail("is_ready() of a deleted array: jaxlib's kills the process")
+        if self.ready == "missing":
+            raise AttributeError("is_ready")
+        return self.ready
+
+    def _layout(self):
+        return (tuple(range(len(self.shape))) if self.major_to_minor is None else self.major_to_minor), self.tiling
+
+    _pjrt_layout = property(lambda self: _LAYOUTS.setdefault(self._layout(), object()))
+    devices = 1
+    sharding = property(lambda self: Sharding(JaxDevice(self.hardware_id, self.dlpack_kind), self.memory_kind,
+                                              self.devices))
+
+    @property
+    def format(self):
+        ArrayImpl.format_reads += 1
+        order, tiling = self._layout()
+        return SimpleNamespace(layout=SimpleNamespace(major_to_minor=order, tiling=tiling,
+                                                      sub_byte_element_size_in_bits=0))
+
+    def __dlpack_device__(self):
+        return (self.dlpack_kind, self.hardware_id)
+
     def __dlpack__(self, stream=None, max_version=None):
         if self.deleted:
             raise RuntimeError("Array has been deleted with shape=int32[3,8].")
-        return super().__dlpack__(stream, max_version)
+        if self.failed:
+            raise RuntimeError("the computation that makes this array failed")
+        self.asked.append(stream)
+        return dlpack.make_capsule(self.ptr, self.shape, self.np_dtype, self.dlpack_kind, self.hardware_id,
+                                   owner=self, max_version=(1, 0) if self.versioned else None)
 
 
-def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_again(monkeypatch):
+def fake_jax(monkeypatch):
     import sys
     import types
     fake_producer_module(monkeypatch, "jaxlib.xla_extension", ArrayImpl)
     jax = types.ModuleType("jax")
     jax.Array = ArrayImpl
     monkeypatch.setitem(sys.modules, "jax", jax)
+
+
+def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_again(monkeypatch):
+    """A JAX array whose computation is still queued (not is_ready): its export makes the stream of its
+    first use wait for it."""
+    fake_jax(monkeypatch)
     b, backend = boundary()
     a = ArrayImpl(0x2000, (3, 8), "int32")
+    a.ready = False
     b.take("indices", a, (3, 8), np.int32, OURS, capturing=True)  # a capture's export orders nothing
     for _ in range(3):
         assert take_in_call(b, "indices", a, (3, 8), np.int32)[0] == 0x2000
@@ -574,29 +646,85 @@ def test_a_probed_array_on_another_stream_settles_with_a_wait_at_every_use(monke
     assert b.settled("x").wait is None and len(backend.waits) == 4
 
 
-def test_new_tensors_of_a_known_type_are_described_by_their_attributes(monkeypatch):
-    """A loop that hands over new tensors at every call (a layer's activations, a router's output) pays
-    for one export per element type: after it, each new tensor is described by its own attributes
-    (pointer, shape, strides, type, device), exactly as its export would describe it, and its producer's
-    current stream is waited for on the device, as the export would have it wait."""
-    current = [0x55]
-    fake_torch(monkeypatch, current)
+@pytest.mark.parametrize("lib", ["torch", "jax"])
+def test_new_arrays_of_a_known_type_are_described_by_their_attributes(monkeypatch, lib):
+    """A loop that hands over new arrays at every call (a layer's activations, a router's output; every
+    array of a JAX program) pays for one export per element type: after it, each new array is described
+    by its own attributes (pointer, shape, strides or layout, type, device), exactly as its export would
+    describe it. A tensor's producer's current stream is waited for on the device, as the export would
+    have it wait; a JAX array whose computation has finished needs no wait (its layout is asked through
+    the public format once, then known by its layout object), and its buffer is held by its plain export
+    (naming no stream), under which JAX does not donate it."""
+    if lib == "torch":
+        fake_torch(monkeypatch, [0x55])
+        make, waits, held = Tensor, [(0x55, OURS)] * 3, []
+    else:
+        fake_jax(monkeypatch)
+        make, waits, held = ArrayImpl, [], [None]
     b, backend = boundary()
-    first = Tensor(0x1000, (2, 4))
+    reads = ArrayImpl.format_reads
+    first = make(0x1000, (2, 4))
     assert take_in_call(b, "x", first, (2, 4), np.float16)[0] == 0x1000 and first.asked == [OURS]
     for i in range(3):
-        t = Tensor(0x2000 + 0x100 * i, (2, 4))
+        t = make(0x2000 + 0x100 * i, (2, 4))
         ptr, keep = take_in_call(b, "x", t, (2, 4), np.float16)
-        assert ptr == t.ptr and keep is t and t.asked == [] and t.cai_reads == 0
-    assert backend.waits == [(0x55, OURS)] * 3
-    ints = Tensor(0x3000, (2, 4), "int32")  # another element type: its export names it, once
+        assert ptr == t.ptr and t.asked == held and getattr(t, "cai_reads", 0) == 0
+        assert keep is t if lib == "torch" else type(keep).__name__ == "PyCapsule"  # (the hold: t's export)
+    assert backend.waits == waits and ArrayImpl.format_reads == reads + (lib == "jax")
+    ints = make(0x3000, (2, 4), "int32")  # another element type: its export names it, once
     assert b.take("indices", ints, (2, 4), np.int32, OURS)[0] == 0x3000 and ints.asked == [OURS]
-    again = Tensor(0x3400, (2, 4), "int32")
-    assert b.take("indices", again, (2, 4), np.int32, OURS)[0] == 0x3400 and again.asked == []
+    again = make(0x3400, (2, 4), "int32")
+    assert b.take("indices", again, (2, 4), np.int32, OURS)[0] == 0x3400 and again.asked == held
     with pytest.raises(TypeError, match="must have dtype float16, got int32"):  # the learned type, checked
-        b.take("x", Tensor(0x3800, (2, 4), "int32"), (2, 4), np.float16, OURS)
+        b.take("x", make(0x3800, (2, 4), "int32"), (2, 4), np.float16, OURS)
     with pytest.raises(ValueError, match=r"must have shape \(2, 4\), got \(2, 8\)"):
-        b.take("x", Tensor(0x3c00, (2, 8)), (2, 4), np.float16, OURS)
+        b.take("x", make(0x3c00, (2, 8)), (2, 4), np.float16, OURS)
+
+
+@pytest.mark.parametrize("odd", ["not finished", "column-major", "tiled", "a build without is_ready", "over two GPUs"])
+def test_a_jax_array_its_attributes_cannot_vouch_for_is_left_to_its_export(monkeypatch, odd):
+    from pyhipa2a import producers
+    fake_jax(monkeypatch)
+    b, _ = boundary()
+    take_in_call(b, "x", ArrayImpl(0x1000, (2, 4)), (2, 4), np.float16)  # (float16 known from here)
+    a = ArrayImpl(0x2000, (2, 4))
+    if odd == "not finished":
+        a.ready = False
+    elif odd == "column-major":  # (a row of it reads as the export says: the export decides)
+        a.major_to_minor = (1, 0)
+    elif odd == "tiled":
+        a.tiling = ((8, 128),)
+    elif odd == "a build without is_ready":
+        a.ready = "missing"
+    elif odd == "over two GPUs":  # (the fake's export says GPU 0 alone: the view must not be the one to decide)
+        a.devices = 2
+    assert take_in_call(b, "x", a, (2, 4), np.float16)[0] == 0x2000
+    assert a.asked == [OURS] and producers.probe_for(a) is not None  # exported; the probe still kept for the type
+
+
+@pytest.mark.parametrize("odd, error", [("another GPU", "lives on cuda device 1"), ("a CPU array", "lives on cpu"),
+                                        ("pinned host memory", "lives on cuda_host"),
+                                        ("deleted", "deleted with shape"), ("failed", "computation .* failed")])
+def test_a_jax_array_its_export_refuses_is_refused_whatever_its_attributes_say(monkeypatch, odd, error):
+    """A finished JAX array of a known element type that is not in our GPU's memory (a CPU device is
+    device 0 of its kind too), deleted (donated: is_ready() of a deleted array would kill the process),
+    or whose computation failed (is_ready() is True then too) is refused as its export refuses it."""
+    fake_jax(monkeypatch)
+    b, _ = boundary()
+    take_in_call(b, "x", ArrayImpl(0x1000, (2, 4)), (2, 4), np.float16)  # (float16 known from here)
+    a = ArrayImpl(0x2000, (2, 4))
+    if odd == "another GPU":
+        a.hardware_id = 1
+    elif odd == "a CPU array":
+        a.dlpack_kind = KDL_CPU
+    elif odd == "pinned host memory":
+        a.memory_kind, a.dlpack_kind = "pinned_host", KDL_CUDA_HOST
+    elif odd == "deleted":
+        a.deleted = True
+    else:
+        a.failed = True
+    with pytest.raises((ValueError, RuntimeError), match=error):
+        take_in_call(b, "x", a, (2, 4), np.float16)
 
 
 @pytest.mark.parametrize("odd", ["another device", "requires grad", "negated view", "conjugated view", "nested",

@@ -440,10 +440,12 @@ def test_a_combine_with_new_weights_launches_on_their_pointer(monkeypatch, token
     me, t, launched, call = moving_combine(monkeypatch)
     me._pending = SimpleNamespace(num_tokens=tokens)
     w = Tensor(0x6000, (tokens, 4), "float32")
+    dispatch_kept = me._keepalive
     y = combine(me, t, weights=w)
     pointers = {"expert_y": 0x2000, "weights": 0x6000, "out": None, "num_tokens": tokens}
     assert launched == [("small" if tokens == 1 else "bulk", me._repeat_combine.quick.stream, pointers)]
-    assert y == f"y of {tokens}" and me._pending is None and me._keepalive == (t.y, w, y)
+    assert y == f"y of {tokens}" and me._pending is None
+    assert me._keepalive == (t.y, w, y, dispatch_kept)  # (its dispatch's too: until the next dispatch)
 
 
 @pytest.mark.parametrize("odd", ["misaligned", "other rows", "weights sent, none given", "sent and given"])
@@ -472,3 +474,42 @@ def test_weights_sent_with_dispatch_need_none_at_combine(monkeypatch):
     me._pending, me._pending_weights = SimpleNamespace(num_tokens=1), Tensor(0x6000, (1, 4), "float32")
     launched.clear()
     assert combine(me, t, weights=None) == "y of 1" and launched == ["moved"]
+
+
+def test_new_finished_jax_arrays_stand_in_for_the_records(monkeypatch):
+    """A settled JAX argument's Slot takes a new array of its element type whose computation has
+    finished, on our GPU and shaped for the call, and holds it (its plain export, kept with the call's
+    arrays); not one still queued (its export must order it), deleted, failed or elsewhere, nor another
+    element type, shape or type. A PyTorch Slot holds nothing."""
+    from pyhipa2a.quick import _slot
+
+    from .test_inputs import KDL_CPU, ArrayImpl, fake_jax
+    fake_jax(monkeypatch)
+    b, _ = boundary()
+    for _ in range(2):
+        take_in_call(b, "x", ArrayImpl(0x1000, (2, 4)), (2, 4), np.float16)
+    slot, holds = _slot("x", 1, b.settled("x"), 0), []
+    new = ArrayImpl(0x5000, (3, 4))
+    assert slot.pointer(new, (3, 4), holds) == 0x5000 and new.asked == [None] and len(holds) == 1
+    odd = [ArrayImpl(0x5000, (3, 4)) for _ in range(5)]
+    odd[0].ready, odd[1].deleted, odd[2].failed, odd[3].hardware_id, odd[4].dlpack_kind = False, True, True, 1, KDL_CPU
+    for a in odd + [ArrayImpl(0x5000, (3, 4), "float32"), ArrayImpl(0x5000, (2, 4)), Tensor(0x5000, (3, 4))]:
+        assert slot.pointer(a, (3, 4), holds) is None
+    assert len(holds) == 1
+
+
+def test_a_call_on_new_jax_arrays_keeps_their_holds(monkeypatch):
+    """The quick path's call on new arrays keeps what holds them with its arrays (AllToAll._keepalive),
+    until the next call replaces them."""
+    me, t, _, launched = moving_object(monkeypatch)
+    holds = []
+
+    class Held(Tensor):  # (a PyTorch tensor whose Slot holds it, as a JAX array's does)
+        pass
+    record = me._repeat_dispatch
+    held = lambda obj: holds.append(obj) or "hold"  # noqa: E731
+    record.quick.slots = tuple(None if s is None else s._replace(kind=Held, hold=held) for s in record.quick.slots)
+    x, indices = Held(0x5000, (2, 4)), Held(0x5800, (2, 4), "int32")
+    monkeypatch.setitem(producers._by_type, Held, producers.stream_source(t.x))
+    assert dispatch(me, t, x=x, indices=indices) is not None
+    assert holds == [x, indices] and me._keepalive == (x, indices, None, None, "hold", "hold")

@@ -1198,13 +1198,23 @@ def _framework(lib, device_index):
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
     dev = [d for d in jax.devices() if d.platform == "gpu"][device_index]
-    busy = jax.device_put(np.zeros(1 << 27, np.float32), dev)
+    busy, compiled = None, {}
+
+    @jax.jit
+    def after_busy_work(busy, a):  # (one dispatch: queueing JAX's eager operations costs the host more
+        busy = jax.lax.fori_loop(0, 64, lambda _, b: b + 1.0, busy)  # than 512 MiB costs the device)
+        return busy, a + (busy[0] * 0).astype(a.dtype)
 
     def produce(a):  # JAX arrays are immutable: the "late write" is a computation still queued
         nonlocal busy
-        for _ in range(16):
-            busy = busy + 1.0
-        return jax.device_put(a, dev) + (busy[0] * 0).astype(a.dtype)
+        if busy is None:
+            busy = jax.device_put(np.zeros(1 << 27, np.float32), dev)
+        a = jax.device_put(a, dev)
+        work = compiled.get((a.shape, a.dtype))  # (compiled ahead: the first array must not finish meanwhile)
+        if work is None:
+            work = compiled[a.shape, a.dtype] = after_busy_work.lower(busy, a).compile()
+        busy, late = work(busy, a)
+        return late
     return (produce, None, lambda ours: jnp.from_dlpack(ours) * 1, np.asarray, contextlib.nullcontext,
             lambda arrays: [a.block_until_ready() for a in arrays], lambda: None)
 
@@ -1235,7 +1245,8 @@ def case_framework_arrays(comm, lib, producer_order="protocol", calls_on="own"):
             poison(a2a)
             with current():
                 if fill_later is None:
-                    arrays = [to_device(h) for h in host]  # new JAX arrays each round
+                    arrays = [to_device(h) for h in host]  # new JAX arrays each round, still computing
+                    assert not any(a.is_ready() for a in arrays), i
                 else:
                     for dst, h in zip(arrays, host):
                         fill_later(dst, to_device(h))
@@ -1262,6 +1273,16 @@ def case_framework_arrays(comm, lib, producer_order="protocol", calls_on="own"):
         print(f"rank {me} {lib} ({producer_order}): 3 rounds match the oracle")
 
 
+def _count_paths(a2a):
+    """(full, probed), filled as a2a's calls go: one entry in `full` for each leg that takes the full path,
+    and in `probed`, for each array the boundary describes anew, whether its probe's view alone did."""
+    full, probed = [], []
+    a2a._usable = lambda: (full.append(1), AllToAll._usable(a2a))[1]
+    from_probe = a2a._boundary._from_probe
+    a2a._boundary._from_probe = lambda *a: (lambda r: (probed.append(r is not None), r)[1])(from_probe(*a))
+    return full, probed
+
+
 def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
     """New PyTorch or CuPy arrays at every call (a layer's activations, a router's output), each written
     late on the library's own stream, with another token count at most calls: the first call takes the
@@ -1285,10 +1306,7 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
             import cupy
             side_stream = cupy.cuda.Stream(non_blocking=True)
             side = side_stream.ptr
-        full, probed = [], []
-        a2a._usable = lambda: (full.append(1), AllToAll._usable(a2a))[1]
-        from_probe = a2a._boundary._from_probe
-        a2a._boundary._from_probe = lambda *a: (lambda r: (probed.append(r is not None), r)[1])(from_probe(*a))
+        full, probed = _count_paths(a2a)
         for i, (T, given) in enumerate(((32, None), (16, None), (32, None), (64, None), (8, side))):
             inputs = draw_world(900 + i, world, E, k, H, M, token_counts=[T] * world)
             host = (inputs.xs[me], inputs.indices[me], inputs.weights[me])
@@ -1317,6 +1335,84 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
         print(f"rank {me} {lib} ({calls_on}): 5 rounds of new arrays match the oracle")
 
 
+def case_new_jax_arrays_at_every_call(comm):
+    """New JAX arrays at every call, as a JAX program makes them (immutable: each layer's activations
+    and router outputs are new arrays), with another token count at most calls. A finished array
+    (is_ready) is described by its view and held by its plain export (naming no stream): the first call
+    learns each element type through its export for the call's stream, later ones take the quick path on
+    the new arrays' pointers, and a finished round given another stream the full path with each array
+    described by its view. While a call may still read an input, JAX must not donate its buffer (the
+    hold is an external reference: JAX refuses). An array whose computation is still queued goes
+    through its export, which makes our stream wait for it on the device: read early, it would be
+    another array's data. Each round on poisoned outputs against the oracle, the results consumed by JAX
+    with no host wait."""
+    from pyhipa2a import reference
+    from pyhipa2a.testing import check_dispatch_against_oracle, poison
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 64
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        me = a2a.rank
+        _, _, consume, finish, _, drain, _ = _framework("jax", a2a.heap.device.index)
+        import jax
+        dev = [d for d in jax.devices() if d.platform == "gpu"][a2a.heap.device.index]
+        busy = jax.device_put(np.zeros(1 << 27, np.float32), dev)
+
+        @jax.jit
+        def after_busy_work(busy, x, indices, weights):  # (one dispatch: JAX's eager ops cost the host more
+            busy = jax.lax.fori_loop(0, 64, lambda _, b: b + 1.0, busy)  # than 512 MiB costs the device)
+            zero = busy[0] * 0
+            return busy, x + zero.astype(x.dtype), indices + zero.astype(indices.dtype), weights + zero
+        donate = jax.jit(lambda a: a * 2, donate_argnums=0)
+        array_type = type(jax.device_put(np.zeros(1, np.float32), dev))
+        exports, export = [], array_type.__dlpack__  # (the stream each export names; None: a hold)
+        array_type.__dlpack__ = lambda self, stream=None, **kw: (exports.append(stream),
+                                                                  export(self, stream=stream, **kw))[1]
+        other = a2a.backend.stream_create()
+        try:
+            full, probed = _count_paths(a2a)
+            for i, (T, finished, given) in enumerate(((32, True, None), (16, True, None), (32, True, None),
+                                                      (64, False, None), (8, True, None), (16, True, other))):
+                inputs = draw_world(950 + i, world, E, k, H, M, token_counts=[T] * world)
+                host = (inputs.xs[me], inputs.indices[me], inputs.weights[me])
+                poison(a2a)
+                if finished:
+                    arrays = [jax.device_put(h, dev) for h in host]
+                    drain(arrays)
+                else:  # (behind milliseconds of JAX's own work)
+                    busy, *arrays = after_busy_work(busy, *(jax.device_put(h, dev) for h in host))
+                assert [a.is_ready() for a in arrays] == [finished] * 3, (i, [a.is_ready() for a in arrays])
+                exports.clear(), full.clear(), probed.clear()
+                d = a2a.dispatch(arrays[0], arrays[1], stream=given)
+                y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me, stream=given)
+                calls = (list(full), list(probed), [s is None for s in exports])
+                if finished:
+                    try:  # (JAX may also refuse it outright)
+                        donate(arrays[0])
+                    except Exception:
+                        pass
+                    assert not arrays[0].is_deleted(), (i, "donated while a call may read it")
+                got = finish(consume(y)).astype(np.float64)
+                expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E,
+                                             reference.fused_expert([1 + r for r in range(world)]), ranks=[me])[me]
+                assert np.allclose(got, expected, rtol=1e-2, atol=5e-3), (i, np.abs(got - expected).max())
+                a2a.synchronize(given)
+                check_dispatch_against_oracle(a2a, inputs, d)
+                exported = [False] * 3  # (x's, the indices' and the weights' export for the call's stream)
+                if i == 0:  # each element type learned through its export
+                    assert len(calls[0]) == 2 and calls[1].count(True) == 0 and calls[2] == exported, calls
+                elif not finished:  # the full path, each unfinished array through its export
+                    assert len(calls[0]) == 2 and calls[1].count(True) == 0 and calls[2] == exported, (i, calls)
+                elif given is None:  # the quick path on the new arrays' pointers, each held
+                    assert calls == ([], [], [True] * 3), (i, calls)
+                else:  # the full path, each array described by its view and held
+                    assert len(calls[0]) == 2 and calls[1].count(True) == 3 and calls[2] == [True] * 3, (i, calls)
+        finally:
+            array_type.__dlpack__ = export
+            a2a.synchronize()
+            a2a.backend.stream_destroy(other)
+        print(f"rank {me} jax: 6 rounds of new arrays match the oracle")
+
+
 def case_producer_arrays_seen_before(comm, lib, calls_on="own"):
     """The arrays a boundary has seen before are asked through their own attributes
     (pyhipa2a.producers), not their protocols. PyTorch: the same tensors every round, round 2's x
@@ -1340,7 +1436,10 @@ def case_producer_arrays_seen_before(comm, lib, calls_on="own"):
             poison(a2a)
             with current():
                 if arrays is None:
+                    if lib == "jax":  # (the late work compiled for these shapes first: none may finish meanwhile)
+                        [to_device(np.zeros_like(h)) for h in host]
                     arrays = [to_device(h) for h in host]
+                    assert lib == "torch" or not any(a.is_ready() for a in arrays)
                 elif lib == "torch":
                     arrays[0].set_(to_device(np.zeros_like(host[0])))  # new memory behind the same tensor
                     for dst, h in zip(arrays, host):
