@@ -648,12 +648,15 @@ class AllToAll:
     def _stream_outside_capture(self, stream):
         if stream is None:
             return self.stream
-        handle = getattr(stream, "ptr", stream)  # CuPy streams carry their handle in .ptr
-        if not isinstance(handle, int):
-            return handle
+        handle = producers.foreign_stream_handle(stream)
+        if handle is None:
+            if not isinstance(stream, self.backend.stream_type):
+                raise TypeError(f"stream= must be a stream handle (an int), a CuPy or PyTorch stream, or one of "
+                                f"this backend's streams; got {type(stream).__name__}")
+            return stream
         # One object per handle (our own stream's is our own stream): _outputs caches its views by the
         # stream object, and a repeated call compares it.
-        return self._order.stream_of(int(handle))
+        return self._order.stream_of(handle)
 
     # Ordering (pyhipa2a.ordering), outside a capture only: a capture may not wait for work
     # outside it, so ordering a graph's launch after the producers of its inputs is the caller's part.

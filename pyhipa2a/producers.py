@@ -196,6 +196,18 @@ class JaxProbe:
 _GPU_MEMORY = (2, 10)  # DLPack's kDLCUDA, kDLROCM
 
 
+def foreign_stream_handle(stream) -> int | None:
+    """The runtime handle a call's stream= names where it is not one of our backend's stream objects: an
+    int as it is, a CuPy stream's `.ptr`, a PyTorch stream's `.cuda_stream`; None for anything else."""
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    for attribute in ("ptr", "cuda_stream"):  # (CuPy's, PyTorch's)
+        handle = getattr(stream, attribute, None)
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            return handle
+    return None
+
+
 def _remember(memo: dict, key, value):
     """memo[key] = value, returned; a memo over 64 entries is emptied first (a build whose objects are
     not shared between arrays must not grow it without bound)."""

@@ -372,9 +372,13 @@ def _written(quick: Quick, pointers: list, tokens: int):
 
 
 def _same_handle(stream, recorded) -> bool:
-    """Whether stream= is the record's given as a new int (a loop that passes
-    `torch.cuda.current_stream().cuda_stream` or CuPy's `.ptr` makes a new int each time)."""
-    return type(stream) is int and type(recorded) is int and stream == recorded
+    """Whether stream= (not the record's object) names the record's stream anew: as a new int (a loop that
+    passes `torch.cuda.current_stream().cuda_stream` or CuPy's `.ptr` makes a new int each time) or a new
+    PyTorch or CuPy stream object (`torch.cuda.current_stream()` makes a new one each time)."""
+    if stream is None or recorded is None:
+        return False
+    handle = producers.foreign_stream_handle(stream)
+    return handle is not None and handle == producers.foreign_stream_handle(recorded)
 
 
 def _relaunch(a2a, repeat, record: str, launch=None) -> None:

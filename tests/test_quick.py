@@ -261,6 +261,27 @@ def test_a_stream_handle_given_as_a_new_int_repeats(monkeypatch):
     assert dispatch(me, t, stream=handle + 1) is None and len(launched) == 1
 
 
+def test_a_stream_given_as_a_new_torch_stream_object_repeats(monkeypatch):
+    """torch.cuda.current_stream() makes a new object at every call: one that names the record's stream
+    handle repeats the record; one naming another stream, or nothing, does not."""
+    me, t, _, launched = settled_object(monkeypatch)
+    record = me._repeat_dispatch
+    handle = 0x7F00_1234
+    stream = me._stream_outside_capture(SimpleNamespace(cuda_stream=handle))
+    assert stream is me._stream_outside_capture(handle)  # (one object per handle, however it is named)
+    keys, streams = _flat_rechecks(positioned_rechecks(dict(zip(record.names, record.entries)), DISPATCH), None)
+    given = record.quick.given[:4] + (SimpleNamespace(cuda_stream=handle),)
+    record.quick = dataclasses.replace(record.quick, given=given, stream=stream, follows_library=False, keys=keys,
+                                       streams=streams, lead_asks=None)
+    torch_stream = SimpleNamespace(cuda_stream=handle)  # (a new object, as PyTorch's)
+    assert dispatch(me, t, stream=torch_stream) is not None and launched == [("dispatch", stream)]
+    me._pending = None
+    assert dispatch(me, t, stream=handle) is not None and len(launched) == 2  # (the handle as an int)
+    me._pending = None
+    for other in (SimpleNamespace(cuda_stream=handle + 1), SimpleNamespace(ptr=handle + 1), Stream(handle)):
+        assert dispatch(me, t, stream=other) is None and len(launched) == 2
+
+
 def test_a_launch_that_cannot_be_made_fails_the_call_before_anything_is_queued(monkeypatch):
     """The first repeat of the record's own arrays makes the record's launch before it queues anything:
     where that fails (no memory for a graph, say), the call raises with nothing launched, waited for or

@@ -113,6 +113,10 @@ class Backend:
     def stream_destroy(self, stream) -> None:
         raise NotImplementedError
 
+    # The type of this backend's own stream objects (stream_create's, stream_from_handle's), which a call's
+    # stream= may be; anything else must carry a handle (pyhipa2a.producers.foreign_stream_handle).
+    stream_type: type | tuple = ()
+
     def stream_handle(self, stream) -> int:
         """Integer value of a stream handle (for __cuda_array_interface__ / DLPack)."""
         raise NotImplementedError

@@ -244,6 +244,10 @@ class CudaBackend(DriverBackend):
     def stream_from_handle(self, handle: int):
         return driver.CUstream(handle)
 
+    @property
+    def stream_type(self):
+        return driver.CUstream
+
     def event_create(self):
         # Default flags keep timing on (CU_EVENT_DISABLE_TIMING would break event_elapsed_ms).
         self.activate()

@@ -198,6 +198,10 @@ class HipBackend(DriverBackend):
     def stream_from_handle(self, handle: int):
         return hip.ihipStream_t.fromObj(handle)
 
+    @property
+    def stream_type(self):
+        return hip.ihipStream_t
+
     def event_create(self):
         # hipEventCreate uses default flags, so timing stays on for event_elapsed_ms.
         self.activate()

@@ -58,6 +58,7 @@ class HostEvent:
 
 class HostBackend(Backend):
     kind = "host"
+    stream_type = HostStream
     code_suffix = None
     dlpack_device_type = 1  # kDLCPU: host arrays hand straight to NumPy
 

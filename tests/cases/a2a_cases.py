@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import types
 
 import numpy as np
 import pytest
@@ -626,6 +627,9 @@ def case_bad_inputs(comm):
             a2a.dispatch(x, idx, weights=w[:3].copy())
         with pytest.raises(TypeError, match="weights must be a NumPy array or a device array"):
             a2a.dispatch(x, idx, weights=w.tolist())
+        for stream in ("stream 7", 7.0, True, types.SimpleNamespace(cuda_stream="7")):
+            with pytest.raises(TypeError, match="stream= must be a stream handle .* got "):
+                a2a.dispatch(x, idx, stream=stream)
 
         d = a2a.dispatch(x, idx)                       # a good call after all the refusals
         expert_y = a2a.fake_expert(d)
@@ -645,6 +649,8 @@ def case_bad_inputs(comm):
             a2a.combine(expert_y, w, expert_scale="2")
         with pytest.raises(ValueError, match="expert_scale=inf is not a finite float32"):
             a2a.combine(expert_y, w, expert_scale=float("inf"))
+        with pytest.raises(TypeError, match="stream= must be a stream handle .* got str"):
+            a2a.combine(expert_y, w, stream="current")
         from pyhipa2a import reference
         from pyhipa2a.testing import combine_error, poison
         expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, ranks=[a2a.rank])[a2a.rank]
@@ -887,7 +893,6 @@ def case_inputs_written_on_another_stream(comm, via="cai", rounds="3"):
     arrays on the stream they name (the same arrays every round, so a cached description must not
     skip the wait), for DLPack ones by naming its stream to __dlpack__ at every use. Inputs read
     too early are zeros, and an out= filled late is NaN: either fails the check."""
-    import types
     cp = pytest.importorskip("cupy")
     from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
     world = comm.Get_size()
@@ -1287,8 +1292,9 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
     """New PyTorch or CuPy arrays at every call (a layer's activations, a router's output), each written
     late on the library's own stream, with another token count at most calls: the first call takes the
     full path (each element type through its protocol once), the later ones the quick path on the new
-    arrays' pointers (pyhipa2a.quick: their probe's view), and a last one given a stream of the library's
-    own the full path again, each array described by its view alone (Boundary._from_probe). Every call
+    arrays' pointers (pyhipa2a.quick: their probe's view), one given a stream object of the library's own
+    the full path again, each array described by its view alone (Boundary._from_probe), and a last one
+    given a new object for that stream the quick path (PyTorch makes one at each current_stream()). Every call
     must wait for the stream the library names, or read zeros or the last round's data. Each round on
     poisoned outputs against the oracle, the results consumed by the library with no host wait."""
     from pyhipa2a import reference
@@ -1300,14 +1306,14 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
         to_device, fill_later, consume, finish, current, _, _ = _framework(lib, a2a.heap.device.index)
         if lib == "torch":  # (the stream object lives to the end: its handle is used after it)
             import torch
-            side_stream = torch.cuda.Stream()
-            side = side_stream.cuda_stream
+            side = torch.cuda.Stream()
+            side_again = torch.cuda.ExternalStream(side.cuda_stream)  # (a new object for it, as PyTorch makes)
         else:
             import cupy
-            side_stream = cupy.cuda.Stream(non_blocking=True)
-            side = side_stream.ptr
+            side = cupy.cuda.Stream(non_blocking=True)
+            side_again = cupy.cuda.ExternalStream(side.ptr)
         full, probed = _count_paths(a2a)
-        for i, (T, given) in enumerate(((32, None), (16, None), (32, None), (64, None), (8, side))):
+        for i, (T, given) in enumerate(((32, None), (16, None), (32, None), (64, None), (8, side), (16, side_again))):
             inputs = draw_world(900 + i, world, E, k, H, M, token_counts=[T] * world)
             host = (inputs.xs[me], inputs.indices[me], inputs.weights[me])
             poison(a2a)
@@ -1328,11 +1334,11 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
             # (expert_y, our own array, has no view: one False in each full-path round)
             if i == 0:  # x's, the indices' and the weights' types, each through its protocol
                 assert len(full) == 2 and probed.count(True) == 0 and len(probed) == 4, (full, probed)
-            elif given is None:
+            elif given is None or given is side_again:  # (the record's stream, named by a new object)
                 assert full == [] and probed == [], (i, full, probed)
             else:  # the full path, each new array of the library described by its view
                 assert len(full) == 2 and probed.count(True) == 3, (full, probed)
-        print(f"rank {me} {lib} ({calls_on}): 5 rounds of new arrays match the oracle")
+        print(f"rank {me} {lib} ({calls_on}): 6 rounds of new arrays match the oracle")
 
 
 def case_new_jax_arrays_at_every_call(comm):
