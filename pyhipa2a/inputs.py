@@ -396,7 +396,7 @@ class Boundary:
             return None
         try:
             producer = probe.stream(obj) if self.ask_producers and not capturing else None
-            hold = probe.hold(obj)
+            hold = None if probe.hold is None else probe.hold(obj)
         except Exception:  # (the protocol says what is wrong, if anything)
             return None
         d = Described(key[0], shape, dtype, PROBED, key, hold)

@@ -31,7 +31,7 @@ later calls only what can have changed:
   its export took 50-60 us of our Python and JAX's, a step on new JAX arrays
   190-310 us (thirty-fifth session).
 - `hold(obj)`: what keeps a viewed array's memory ours while a call may read
-  it, beside the array itself (None: nothing more). A JAX array's is its
+  it, beside the array itself (`hold` None: nothing more). A JAX array's is its
   plain export (about 6 us), under which JAX does not donate its buffer, as
   under the export the protocol path holds.
 That is what the protocols do: PyTorch's `__dlpack__(stream=s)` makes `s` wait
@@ -51,7 +51,7 @@ import sys
 
 
 class TorchProbe:
-    holds = False  # (hold: nothing)
+    hold = None  # (the tensor, referenced, keeps its memory)
 
     def __init__(self, torch):
         # The raw handle of the current stream, in C (torch.cuda.current_stream() costs microseconds
@@ -76,10 +76,6 @@ class TorchProbe:
     def stream(self, t) -> int:
         return self.current_stream_here(t.get_device())
 
-    @staticmethod
-    def hold(t) -> None:
-        return None  # (the tensor, referenced, keeps its memory)
-
     def current_stream(self, t, device: int) -> int | None:
         return self.current_stream_here(device) if t.is_cuda and t.get_device() == device else None
 
@@ -88,7 +84,7 @@ class TorchProbe:
 
 
 class CupyProbe:
-    holds = False  # (hold: nothing)
+    hold = None  # (the array, referenced, keeps its memory)
 
     def __init__(self, cupy):
         self._current, self._device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
@@ -100,10 +96,6 @@ class CupyProbe:
 
     def view(self, a):
         return self.key(a), a.device.id, a.flags.c_contiguous
-
-    @staticmethod
-    def hold(a) -> None:
-        return None  # (the array, referenced, keeps its memory)
 
     def stream(self, a) -> int:
         # As CuPy's interface names it: the current stream of the current device, 1 for the null one.
@@ -117,8 +109,6 @@ class CupyProbe:
 
 
 class JaxProbe:
-    holds = True
-
     def __init__(self, jax):
         self.element_types: dict = {}
         # What a new array's view asks once for each value of the objects that describe it (they compare
@@ -199,10 +189,7 @@ _GPU_MEMORY = (2, 10)  # DLPack's kDLCUDA, kDLROCM
 def foreign_stream_handle(stream) -> int | None:
     """The runtime handle a call's stream= names where it is not one of our backend's stream objects: an
     int as it is, a CuPy stream's `.ptr`, a PyTorch stream's `.cuda_stream`; None for anything else."""
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        return stream
-    for attribute in ("ptr", "cuda_stream"):  # (CuPy's, PyTorch's)
-        handle = getattr(stream, attribute, None)
+    for handle in (stream, getattr(stream, "ptr", None), getattr(stream, "cuda_stream", None)):  # (CuPy's, PyTorch's)
         if isinstance(handle, int) and not isinstance(handle, bool):
             return handle
     return None

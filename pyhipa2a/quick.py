@@ -8,14 +8,15 @@ lies, and then the launch. Through AllToAll's layers (usable, joining a capture,
 the repeat, the launch site) that took 7-10 us of host time a call with PyTorch arrays on the H100
 machine, 2-3 of them the launch (thirty-second session), and 35-45 us with new PyTorch tensors.
 
-A record's Quick holds each lookup that cannot change between repeats, made once: where the call's stream comes from, the boundary entries and producer answers
-the repeat must find again (flattened from the record's rechecks, so that a call asks each of
-them with no layer between: every Python call here costs the host about 0.1 us on the device
-machines), and the launch itself, a copy of the call's arguments that the backend may hand to
-the device once (Kernel.repeater: on CUDA a one-node graph launched as it is), made at the first
-repeat of the record's own arrays (the object's argument pack holds them while the record lasts).
-AllToAll makes a record's Quick with the record, so that a loop that never passes the same arrays
-twice takes the quick path from its second call.
+A record's Quick holds each lookup that cannot change between repeats, made once: where the
+call's stream comes from, the boundary entries and producer answers the repeat must find again
+(flattened from the record's rechecks, so that a call asks each of them with no layer between:
+every Python call here costs the host about 0.1 us on the device machines), and the launch
+itself, a copy of the call's arguments that the backend may hand to the device once
+(Kernel.repeater: on CUDA a one-node graph launched as it is), made at the first repeat of the
+record's own arrays (the object's argument pack holds them while the record lasts). AllToAll
+makes a record's Quick with the record, so that a loop that never passes the same arrays twice
+takes the quick path from its second call.
 
 An argument may also be a new array standing in for the record's (`Slot`): of the same library
 and element type, on our device, compact, aligned, and shaped for the call's tokens, which may
@@ -189,8 +190,7 @@ def _slot(name: str, align: int, entry, device: int) -> Slot | None:
             return None
         return Slot(name, align, DeviceArray, None, obj.dtype, obj.device_id, obj.stream, obj.backend)
     probe = entry.recheck.probe
-    return Slot(name, align, type(obj), probe, entry.recheck.key[3], device, None, None,
-                probe.hold if probe.holds else None)
+    return Slot(name, align, type(obj), probe, entry.recheck.key[3], device, None, None, probe.hold)
 
 
 def _lead_asks(lead, inputs: tuple, keys: tuple | None):
@@ -306,13 +306,11 @@ def quick_dispatch(a2a, repeat, x, indices, weights, x_scales, stream):
             return None
         if type(tokens) is not int or not 0 < tokens <= a2a.max_tokens:
             return None
-        rows, holds = (tokens, a2a.top_k), []
-        pointers = _new_pointers(repeat, args, ((tokens, a2a.hidden), rows, rows, (tokens, a2a.scale_cols)), holds)
-        if pointers is None or not _holds(a2a, repeat, (x, indices), args):
+        rows = (tokens, a2a.top_k)
+        shapes = ((tokens, a2a.hidden), rows, rows, (tokens, a2a.scale_cols))
+        holds = _launch_moved(a2a, repeat, "_repeat_dispatch", args, (x, indices), shapes, tokens, _dispatch_kernel_of)
+        if holds is None:
             return None
-        pack = _written(quick, pointers, tokens)
-        kernel = a2a._dispatch_kernel
-        _relaunch(a2a, repeat, "_repeat_dispatch", lambda s: kernel.launch(pack, a2a.blocks, a2a.block_threads, s))
         result = repeat.prepared if tokens == repeat.tokens else a2a._outputs(quick.stream).dispatch_result(tokens)
         # (AllToAll._keep outside a capture: the device may read them until the next call)
         a2a._keepalive = (*args, *holds)
@@ -342,19 +340,40 @@ def quick_combine(a2a, repeat, expert_y, weights, out, stream, expert_scale):
         # The weights dispatch sent are the kernels' already (combine takes none); else new ones may come.
         if (sent is None) != (sent_now is None) or (sent_now is not None and weights is not None):
             return None
-        shapes, holds = ((a2a.local_experts, a2a.capacity, a2a.hidden), (tokens, a2a.top_k), (tokens, a2a.hidden)), []
-        pointers = _new_pointers(repeat, args, shapes, holds)
-        if pointers is None or not _holds(a2a, repeat, args, args):
+        shapes = ((a2a.local_experts, a2a.capacity, a2a.hidden), (tokens, a2a.top_k), (tokens, a2a.hidden))
+        holds = _launch_moved(a2a, repeat, "_repeat_combine", args, args, shapes, tokens, _combine_kernel_of)
+        if holds is None:
             return None
-        pack = _written(quick, pointers, tokens)
-        kernel, threads = a2a._combine_kernel_for(tokens)
-        _relaunch(a2a, repeat, "_repeat_combine", lambda s: kernel.launch(pack, a2a.blocks, threads, s))
         out_arr = a2a._outputs(quick.stream).y_rows[tokens] if out is None else out
         # (with what its dispatch kept: a JAX input's hold, under which JAX will not donate it, lasts
         # until the next dispatch, as the boundary's cache keeps a full-path description's)
         a2a._keepalive = (expert_y, weights, out_arr, *holds, a2a._keepalive)
     a2a._pending = a2a._pending_weights = None
     return out_arr
+
+
+def _dispatch_kernel_of(a2a, tokens: int):
+    return a2a._dispatch_kernel, a2a.block_threads
+
+
+def _combine_kernel_of(a2a, tokens: int):
+    return a2a._combine_kernel_for(tokens)  # (the small kernel for few tokens)
+
+
+def _launch_moved(a2a, repeat, record: str, args: tuple, inputs: tuple, shapes: tuple, tokens: int,
+                  kernel_of) -> list | None:
+    """Queue `repeat` (a2a's `record`) on the leg's `args`, some of them new arrays, for `tokens` tokens
+    (`shapes`: what each argument must be for them; `inputs`: those whose library may choose the stream),
+    with the kernel and threads a block kernel_of(a2a, tokens) names: the new arrays' holds
+    (pyhipa2a.producers); None, having done nothing, where the call is not that repeat on them."""
+    holds = []
+    pointers = _new_pointers(repeat, args, shapes, holds)
+    if pointers is None or not _holds(a2a, repeat, inputs, args):
+        return None
+    pack = _written(repeat.quick, pointers, tokens)
+    kernel, threads = kernel_of(a2a, tokens)
+    _relaunch(a2a, repeat, record, lambda s: kernel.launch(pack, a2a.blocks, threads, s))
+    return holds
 
 
 def _written(quick: Quick, pointers: list, tokens: int):
@@ -375,8 +394,6 @@ def _same_handle(stream, recorded) -> bool:
     """Whether stream= (not the record's object) names the record's stream anew: as a new int (a loop that
     passes `torch.cuda.current_stream().cuda_stream` or CuPy's `.ptr` makes a new int each time) or a new
     PyTorch or CuPy stream object (`torch.cuda.current_stream()` makes a new one each time)."""
-    if stream is None or recorded is None:
-        return False
     handle = producers.foreign_stream_handle(stream)
     return handle is not None and handle == producers.foreign_stream_handle(recorded)
 
@@ -397,9 +414,7 @@ def _relaunch(a2a, repeat, record: str, launch=None) -> None:
                 setattr(a2a, record, None)  # as the full path: a call that fails records nothing
                 raise
         launch = quick.launch
-    order.follow(stream)
-    for producer in repeat.waits:
-        order.wait_for_producer(producer, stream)
+    repeat.resume(order, stream)
     try:
         launch(stream)
     except BaseException:
