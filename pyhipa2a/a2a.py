@@ -406,6 +406,7 @@ class AllToAll:
         # The fake expert reads our expert_x (and its scales) and counts and scales by 1 + rank: only
         # `out` (argument _scale_out) changes per call.
         self._set_fake_expert_scale(float(1 + self.rank))
+        self._prepare_launches()
         self._capturing = None  # the stream while capture() records a step, or one call joins a caller's capture
         self._joined = None  # that stream while one call is recorded into another library's capture (_join_capture)
         self._pending_joined = None  # the pending dispatch's: the stream of the capture it was recorded into
@@ -454,6 +455,23 @@ class AllToAll:
                      for k in (self._dispatch_kernel, self._combine_kernel))
         return threads, launch_geometry(threads, device.multiprocessors, per_mp, self._grid_blocks,
                                         self._ranks_on_device or self.heap.ranks_on_device), per_mp
+
+    def _prepare_launches(self) -> None:
+        """Every launch site of this object's calls made now (Kernel.prepare; on CUDA a one-node graph each,
+        with device memory of its own): the exchange kernels from their packs, the repeats' and the new
+        arrays' (pyhipa2a.quick), combine's small and bulk kernels from each of combine's, the fake
+        expert from its own. Made at their first launches instead, they appeared in the middle of a run,
+        when a call first took a kernel or a path, and device memory grew there by 2 MiB (scripts/stress.py
+        at 1 rank, thirty-sixth session, docs/PERFORMANCE.md)."""
+        combines = [(self._combine_kernel, self.block_threads)]
+        if self._small_combine is not None:
+            combines.append(self._small_combine)
+        for pack in (self._dispatch_pack, self._repeat_packs[0], self._moved_packs[0]):
+            self._dispatch_kernel.prepare(pack, self.blocks, self.block_threads)
+        for pack in (self._combine_pack, self._repeat_packs[1], self._moved_packs[1]):
+            for kernel, threads in combines:
+                kernel.prepare(pack, self.blocks, threads)
+        self._scale_kernel.prepare(self._scale_pack, self.blocks, self.block_threads)
 
     def _small_combine_kernel(self, device, out16: str, bulk_per_mp: int):
         """(the small-call combine kernel, its threads a block) or None, and the most tokens a call

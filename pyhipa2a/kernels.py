@@ -198,6 +198,10 @@ class Kernel:
     def launch(self, pack: ArgPack, grid: int, block: int, stream=None) -> None:
         self.backend.launch(self.function, grid, block, stream, pack)
 
+    def prepare(self, pack: ArgPack, grid: int, block: int) -> None:
+        """What a launch from `pack` on this geometry makes at its first, made now (Backend.prepare_launch)."""
+        self.backend.prepare_launch(self.function, grid, block, pack)
+
     def repeater(self, pack: ArgPack, into: ArgPack, grid: int, block: int):
         """A function of the stream that launches this kernel with the arguments `pack` holds now, whatever
         is written to `pack` later (a repeated call's, pyhipa2a.quick): they are copied into `into`, a

@@ -105,8 +105,9 @@ def main() -> int:
             return device_round(a2as[which], inputs, way, streams)
 
         def warm_up(which: int, i: int) -> None:
-            """Every kernel of object `which` loaded and launched each way (a burst's repeats launch from the
-            object's repeat packs, whose one-node graphs CUDA makes at its first repeat), its buffers touched."""
+            """Every kernel of object `which` loaded and launched each way, its buffers touched. (Its launch
+            sites, on CUDA a one-node graph each with device memory of its own, are made with the object:
+            AllToAll._prepare_launches.)"""
             for n, way in enumerate(WAYS):
                 one_call(i - n, which, way)
 

@@ -341,7 +341,7 @@ def test_new_arrays_at_every_call(backend, weights_at, out_given):
                                   "case_bf16_roundtrip_dtype", "case_peer_skips_call",
                                   "case_stream_handle_views_cached", "case_graph_replays", "case_repeated_calls",
                                   "case_calls_in_callers_capture",
-                                  "case_launch_geometry", "case_fp8_bad_inputs"])
+                                  "case_launch_geometry", "case_fp8_bad_inputs", "case_launch_sites_made_ahead"])
 def test_api(case, backend):
     run_case(CASE + case, ranks_for(backend), env_backend(backend))
 

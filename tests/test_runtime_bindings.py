@@ -301,9 +301,9 @@ def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(rt):
 
 def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
     """The CUDA backend's launch protocol, on a fake driver: a pack's first launch on a geometry makes its
-    one-node graph; each launch hands the node the pack's arguments, then launches the graph; a
-    launcher (a repeated call's) hands them once and then only launches; into a capture of ours, a
-    launch is a plain kernel launch."""
+    one-node graph, unless prepare_launch made it before (an AllToAll makes all of its own so); each
+    launch hands the node the pack's arguments, then launches the graph; a launcher (a repeated call's)
+    hands them once and then only launches; into a capture of ours, a launch is a plain kernel launch."""
     pytest.importorskip("cuda.bindings.driver")
     from pyhipa2a.kernels import ArgPack
     calls = []
@@ -336,3 +336,14 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
     for site in pack.sites.values():
         site.release()  # (now, on the fake driver)
     assert calls[-2:] == ["destroy exec", "destroy template"]
+    calls.clear()
+    prepared = ArgPack((ctypes.c_uint64,))
+    for _ in range(2):
+        backend.prepare_launch("function", 8, 256, prepared)
+    assert calls == ["create", "add node", "instantiate"]  # made once, ahead
+    backend._capturing.clear()
+    backend.launch("function", 8, 256, stream, prepared)
+    backend.launcher("function", 8, 256, prepared)(stream)
+    assert calls[3:] == ["set params", "graph launch", "set params", "graph launch"]
+    backend.prepare_launch("function", 16, 256, prepared)  # another geometry: a site of its own
+    assert calls[7:] == ["create", "add node", "instantiate"] and len(prepared.sites) == 2

@@ -227,6 +227,11 @@ class Backend:
         """
         raise NotImplementedError
 
+    def prepare_launch(self, function, grid: int, block: int, pack) -> None:
+        """Make now what launch() of `function` on this geometry from `pack` makes at its first use and
+        keeps (CUDA: the site's one-node graph, which takes device memory), so that an object can take
+        all its memory when it is made rather than in the middle of a run. Nothing to make by default."""
+
     def launcher(self, function, grid: int, block: int, pack):
         """launch() of `function` with the arguments `pack` holds now, as a function of the stream alone,
         for a pack not written while it is used (Kernel.repeater: a repeated call's, pyhipa2a.quick):

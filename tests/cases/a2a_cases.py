@@ -1163,6 +1163,57 @@ def case_launch_geometry(comm):
                 run_round(a2a, draw_world(seed, world, E, k, 64, M, token_counts=tokens))
 
 
+def case_launch_sites_made_ahead(comm):
+    """Every launch an object's calls make comes from a launch site (kernel, geometry, pack) made with the
+    object (Backend.prepare_launch: on CUDA a one-node graph each, with device memory of its own), so
+    that its device memory does not grow in the middle of a run: NumPy inputs, device arrays repeated,
+    new device arrays at every call, one token and M (on a GPU the small and the bulk combine kernels),
+    the fake expert as a kernel and fused into combine."""
+    from pyhipa2a.testing import dispatch_uploaded, free_inputs, fused_combine, upload_inputs
+    backend = pyhipa2a.get_backend()
+    prepared, launched = set(), set()
+
+    def site(function, grid, block, pack):
+        return id(function), grid, block, id(pack)
+
+    def prepare(function, grid, block, pack):
+        prepared.add(site(function, grid, block, pack))
+        real_prepare(function, grid, block, pack)
+
+    def launch(function, grid, block, stream, pack):
+        launched.add(site(function, grid, block, pack))
+        real_launch(function, grid, block, stream, pack)
+
+    def launcher(function, grid, block, pack):
+        launched.add(site(function, grid, block, pack))
+        return real_launcher(function, grid, block, pack)
+    real_prepare, real_launch, real_launcher = backend.prepare_launch, backend.launch, backend.launcher
+    backend.prepare_launch, backend.launch, backend.launcher = prepare, launch, launcher
+    world = comm.Get_size()
+    E, k, H, M = 4 * world, 4, 256, 64
+    try:
+        with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, backend=backend) as a2a:
+            made = set(prepared)
+            kinds = {s[:3] for s in made}  # (a GPU's small combine kernel among them where it runs)
+            assert len(kinds) == 3 + (a2a._small_combine is not None), kinds
+            for seed, tokens in ((1, 1), (2, M)):
+                inputs = draw_world(seed, world, E, k, H, M, token_counts=[tokens] * world)
+                run_round(a2a, inputs)
+                run_round(a2a, inputs, fused=True)
+                for _ in range(2):  # new arrays each time, each called three times (the last two repeats)
+                    arrays = upload_inputs(a2a, inputs)
+                    for fused in (False, True, True, False, False):
+                        d = dispatch_uploaded(a2a, arrays)
+                        y = fused_combine(a2a, d, arrays[2]) if fused else a2a.combine(a2a.fake_expert(d), arrays[2])
+                    a2a.synchronize()
+                    assert y.shape == (tokens, H)
+                    free_inputs(a2a, arrays)
+            assert prepared == made, prepared - made  # nothing prepared after the object was made
+            assert launched and launched <= made, launched - made
+    finally:
+        backend.prepare_launch, backend.launch, backend.launcher = real_prepare, real_launch, real_launcher
+
+
 def _framework(lib, device_index):
     """(to_device, fill_later, consume, finish, current, drain, handle) for one producer library: to_device(numpy)
     makes its array; fill_later(dst, src) queues dst = src behind several milliseconds of other work
