@@ -402,7 +402,7 @@ def _relaunch(a2a, repeat, record: str, launch=None) -> None:
     """Queue `repeat` (a2a's `record`) as the full path queues a repeat (Repeat.resume): after the last
     call and its arguments' producers, then `launch` (a function of the stream; None: the record's own,
     made at its first use with our device current, before anything is queued: one that cannot be made,
-    for want of memory for its graph say, fails the call); the stream is the last call's from then on."""
+    its arguments refused by the driver say, fails the call); the stream is the last call's from then on."""
     quick, order = repeat.quick, a2a._order
     stream = quick.stream
     a2a.backend.activate()

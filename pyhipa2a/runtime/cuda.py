@@ -286,7 +286,7 @@ class CudaBackend(DriverBackend):
 
     def _site(self, function, grid: int, block: int, pack) -> "_OneNodeGraph":
         """The one-node graph of `function` launched from `pack` on `grid` blocks of `block` threads,
-        made at its first launch and kept in the pack."""
+        made by prepare_launch (AllToAll makes all of its own so) or at its first launch, and kept in the pack."""
         key = (id(function), grid, block)  # (the site's params hold the function: its id stays)
         site = pack.sites.get(key)
         if site is None:

@@ -1166,9 +1166,11 @@ def case_launch_geometry(comm):
 def case_launch_sites_made_ahead(comm):
     """Every launch an object's calls make comes from a launch site (kernel, geometry, pack) made with the
     object (Backend.prepare_launch: on CUDA a one-node graph each, with device memory of its own), so
-    that its device memory does not grow in the middle of a run: NumPy inputs, device arrays repeated,
-    new device arrays at every call, one token and M (on a GPU the small and the bulk combine kernels),
-    the fake expert as a kernel and fused into combine."""
+    that its device memory does not grow in the middle of a run: NumPy inputs, new device arrays (a call
+    on arrays like the last call's but new), the same arrays again (repeats), one token and M (on a GPU
+    the small and the bulk combine kernels: H = 7168 puts M = 128 above the small kernel's limit, 37
+    tokens on 264 blocks of an H100, 76 on MI300X's 608), the fake expert as a kernel and fused into
+    combine. Every kernel prepared is launched, and every launch is from a site prepared."""
     from pyhipa2a.testing import dispatch_uploaded, free_inputs, fused_combine, upload_inputs
     backend = pyhipa2a.get_backend()
     prepared, launched = set(), set()
@@ -1190,17 +1192,18 @@ def case_launch_sites_made_ahead(comm):
     real_prepare, real_launch, real_launcher = backend.prepare_launch, backend.launch, backend.launcher
     backend.prepare_launch, backend.launch, backend.launcher = prepare, launch, launcher
     world = comm.Get_size()
-    E, k, H, M = 4 * world, 4, 256, 64
+    E, k, H, M = 4 * world, 4, 7168, 128
     try:
         with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, backend=backend) as a2a:
             made = set(prepared)
             kinds = {s[:3] for s in made}  # (a GPU's small combine kernel among them where it runs)
             assert len(kinds) == 3 + (a2a._small_combine is not None), kinds
+            assert a2a._small_combine is None or a2a.small_combine_tokens < M, a2a.small_combine_tokens
             for seed, tokens in ((1, 1), (2, M)):
                 inputs = draw_world(seed, world, E, k, H, M, token_counts=[tokens] * world)
                 run_round(a2a, inputs)
                 run_round(a2a, inputs, fused=True)
-                for _ in range(2):  # new arrays each time, each called three times (the last two repeats)
+                for _ in range(2):  # new arrays twice, each called five times (the last four repeats)
                     arrays = upload_inputs(a2a, inputs)
                     for fused in (False, True, True, False, False):
                         d = dispatch_uploaded(a2a, arrays)
@@ -1209,7 +1212,8 @@ def case_launch_sites_made_ahead(comm):
                     assert y.shape == (tokens, H)
                     free_inputs(a2a, arrays)
             assert prepared == made, prepared - made  # nothing prepared after the object was made
-            assert launched and launched <= made, launched - made
+            assert launched <= made, launched - made
+            assert {s[:3] for s in launched} == kinds, kinds - {s[:3] for s in launched}  # every kernel ran
     finally:
         backend.prepare_launch, backend.launch, backend.launcher = real_prepare, real_launch, real_launcher
 
