@@ -78,10 +78,10 @@ class Slot(NamedTuple):
         else:
             if producers.probe_for(obj) is not self.probe:  # (disowned since the record was made)
                 return None
-            key = producers.view_here(self.probe, obj, self.device)
-            if key is None or key[3] != self.token or key[1] != shape:
+            try:
+                ptr = self.probe.pointer_of(obj, self.device, self.token, shape)
+            except Exception:  # (as the view's: the full path lets the protocol say what is wrong)
                 return None
-            ptr = key[0]
         if not ptr or ptr % self.align:
             return None
         if self.hold is not None:
@@ -130,6 +130,8 @@ class Quick:
     make_moved: object = None  # makes the pack a call on new arrays launches from (the record's arguments)
     launch: object = None  # (made at the first repeat of the record's own arrays)
     moved: object = None  # (made at the first call on new arrays)
+    moved_launches: dict | None = None  # (kernel, threads) -> its launcher from `moved` (Kernel.launcher)
+    y_rows: list | None = None  # combine's: the output views of `stream` by token count (OutputViews.y_rows)
 
 
 NO_LIBRARY, ANY_INPUT = "no library", "any input"
@@ -344,7 +346,13 @@ def quick_combine(a2a, repeat, expert_y, weights, out, stream, expert_scale):
         holds = _launch_moved(a2a, repeat, "_repeat_combine", args, args, shapes, tokens, _combine_kernel_of)
         if holds is None:
             return None
-        out_arr = a2a._outputs(quick.stream).y_rows[tokens] if out is None else out
+        if out is None:
+            rows = quick.y_rows
+            if rows is None:
+                rows = quick.y_rows = a2a._outputs(quick.stream).y_rows
+            out_arr = rows[tokens]
+        else:
+            out_arr = out
         # (with what its dispatch kept: a JAX input's hold, under which JAX will not donate it, lasts
         # until the next dispatch, as the boundary's cache keeps a full-path description's)
         a2a._keepalive = (expert_y, weights, out_arr, *holds, a2a._keepalive)
@@ -370,20 +378,27 @@ def _launch_moved(a2a, repeat, record: str, args: tuple, inputs: tuple, shapes: 
     pointers = _new_pointers(repeat, args, shapes, holds)
     if pointers is None or not _holds(a2a, repeat, inputs, args):
         return None
-    pack = _written(repeat.quick, pointers, tokens)
+    quick = repeat.quick
+    pack = _written(quick, pointers, tokens)
     kernel, threads = kernel_of(a2a, tokens)
-    _relaunch(a2a, repeat, record, lambda s: kernel.launch(pack, a2a.blocks, threads, s))
+    launches = quick.moved_launches
+    if launches is None:
+        launches = quick.moved_launches = {}
+    launch = launches.get((kernel, threads))
+    if launch is None:
+        launch = launches[kernel, threads] = kernel.launcher(pack, a2a.blocks, threads)
+    _relaunch(a2a, repeat, record, launch)
     return holds
 
 
 def _written(quick: Quick, pointers: list, tokens: int):
     """The pack of the record's calls on new arrays (made from the record's arguments at the first), with
-    `pointers` ((field, pointer) pairs) and the token count written in: Kernel.launch hands the device
-    the arguments as they are at the launch."""
+    `pointers` ((field, pointer) pairs) and the token count written in: its launcher hands the device
+    the arguments as they are at the launch (Kernel.launcher)."""
     pack = quick.moved
     if pack is None:
         pack = quick.moved = quick.make_moved()
-    call = pack[1]
+    call = pack.arguments[1]
     for field, ptr in pointers:
         setattr(call, field, ptr)
     call.num_tokens = tokens

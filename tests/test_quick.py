@@ -29,6 +29,11 @@ class Stream:
         return self.handle
 
 
+class Kernel(SimpleNamespace):
+    """A kernel as the quick path keys its launchers by it (pyhipa2a.kernels.Kernel: by identity)."""
+    __hash__ = object.__hash__
+
+
 class Runtime(FakeCuda):
     def __init__(self):
         super().__init__()
@@ -370,11 +375,13 @@ def moving_object(monkeypatch):
     me, t, asks, launched = settled_object(monkeypatch)
     record = me._repeat_dispatch
     q = record.quick
-    moved = (None, SimpleNamespace(x=None, indices=None, weights=None, x_scales=None, num_tokens=None))
+    moved = SimpleNamespace(arguments=(None, SimpleNamespace(x=None, indices=None, weights=None, x_scales=None,
+                                                             num_tokens=None)))
     record.quick = quick_for(me, record, q.given, q.stream, q.make_launch, (t.x, t.indices),
                              {producers.stream_source(t.x): TORCH_STREAM}, make_moved=lambda: moved)
-    me._dispatch_kernel = SimpleNamespace(launch=lambda pack, grid, block, s: launched.append(
-        ("moved", s, tuple(vars(pack[1]).values()))))
+    # (a launcher reads the pack at each launch, as Kernel.launcher's do)
+    me._dispatch_kernel = Kernel(launcher=lambda pack, grid, block: lambda s: launched.append(
+        ("moved", s, tuple(vars(pack.arguments[1]).values()))))
     me.blocks, me.block_threads = 1, 32
     me._outputs = lambda s: SimpleNamespace(dispatch_result=lambda tokens: ("result of", tokens))
     return me, t, asks, launched
@@ -439,11 +446,12 @@ def moving_combine(monkeypatch, sent=False):
     q = record.quick
     call = SimpleNamespace(expert_y=None, weights=None, out=None, num_tokens=None)
     record.quick = quick_for(me, record, q.given, q.stream, q.make_launch, (t.y, t.w, None),
-                             {producers.stream_source(t.x): TORCH_STREAM}, COMBINE_ARGS, make_moved=lambda: (None, call))
-    small, bulk = SimpleNamespace(name="small"), SimpleNamespace(name="bulk")
+                             {producers.stream_source(t.x): TORCH_STREAM}, COMBINE_ARGS,
+                             make_moved=lambda: SimpleNamespace(arguments=(None, call)))
+    small, bulk = Kernel(name="small"), Kernel(name="bulk")
     for kernel in (small, bulk):
-        kernel.launch = lambda pack, grid, block, s, kernel=kernel: launched.append(
-            (kernel.name, s, dict(vars(pack[1]))))
+        kernel.launcher = lambda pack, grid, block, kernel=kernel: lambda s: launched.append(
+            (kernel.name, s, dict(vars(pack.arguments[1]))))
     me._combine_kernel_for = lambda tokens: (small, 32) if tokens == 1 else (bulk, 256)
     me.blocks = 1
     me._outputs = lambda s: SimpleNamespace(y_rows=["y of 0", "y of 1", "y of 2"])
@@ -488,13 +496,55 @@ def test_weights_sent_with_dispatch_need_none_at_combine(monkeypatch):
     q = record.quick
     record.args = record.args[:5] + (t.w,)  # (sent: the weights given to the recorded dispatch)
     record.quick = quick_for(me, record, (t.y, None, None, None), q.stream, q.make_launch, (t.y, None, None),
-                             None, COMBINE_ARGS, make_moved=lambda: (None, SimpleNamespace(expert_y=None, weights=0,
-                                                                                           out=None, num_tokens=None)))
-    me._combine_kernel_for = lambda tokens: (SimpleNamespace(launch=lambda *a: launched.append("moved")), 256)
+                             None, COMBINE_ARGS, make_moved=lambda: SimpleNamespace(arguments=(None, SimpleNamespace(
+                                 expert_y=None, weights=0, out=None, num_tokens=None))))
+    moved = Kernel(launcher=lambda pack, grid, block: lambda s: launched.append("moved"))
+    me._combine_kernel_for = lambda tokens: (moved, 256)
     me.blocks, me._outputs = 1, lambda s: SimpleNamespace(y_rows=["y of 0", "y of 1", "y of 2"])
     me._pending, me._pending_weights = SimpleNamespace(num_tokens=1), Tensor(0x6000, (1, 4), "float32")
     launched.clear()
     assert combine(me, t, weights=None) == "y of 1" and launched == ["moved"]
+
+
+def _as_the_view_says(probe, obj, element_type, shape):
+    """What a Slot took from the probe's view before pointer_of: the pointer where the view shows obj on
+    device 0, compact, of `element_type` and `shape`."""
+    key = producers.view_here(probe, obj, 0)
+    return key[0] if key is not None and key[3] == element_type and key[1] == shape else None
+
+
+def test_pointer_of_answers_as_the_view_for_every_odd_array(monkeypatch):
+    """A probe's pointer_of (what a Slot asks a new array at every call) takes exactly the arrays its view
+    takes, of the element type and shape asked: PyTorch, CuPy and JAX arrays, each way an array can be
+    unfit (another device, not compact, negated, conjugated, needing grad, nested, sparse, not CUDA,
+    another element type or shape; a JAX array unfinished, deleted, elsewhere)."""
+    from .test_inputs import KDL_CPU, ArrayImpl, fake_cupy, fake_jax, ndarray
+    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED, _C=SimpleNamespace(_cuda_getCurrentRawStream=lambda d: 1))
+    tensors = [Tensor(0x5000, (2, 4)) for _ in range(10)] + [Tensor(0x5000, (2, 4), "float32"), Tensor(0x5000, (3, 4))]
+    for t, (name, value) in zip(tensors, [("device", 1), ("strides", (1, 2)), ("neg", True), ("conj", True),
+                                          ("requires_grad", True), ("is_nested", True), ("layout", object()),
+                                          ("is_cuda", False), ("device", -1)]):
+        setattr(t, name, value)
+    probe = producers.stream_source(tensors[0])
+    answers = [probe.pointer_of(t, 0, "torch.float16", (2, 4)) for t in tensors]
+    assert answers == [_as_the_view_says(probe, t, "torch.float16", (2, 4)) for t in tensors]
+    assert answers[-3] == 0x5000 and answers.count(None) == len(tensors) - 1  # (only the untouched one is taken)
+    fake_cupy(monkeypatch, [7])
+    arrays = [ndarray(0x3000, (2, 4), stream=7), ndarray(0x3000, (3, 4), stream=7)]
+    probe = producers.stream_source(arrays[0])
+    for shape, element_type in (((2, 4), np.dtype(np.float16)), ((2, 4), np.dtype(np.float32)), ((3, 4), np.dtype(np.float16))):
+        answers = [probe.pointer_of(a, 0, element_type, shape) for a in arrays]
+        assert answers == [_as_the_view_says(probe, a, element_type, shape) for a in arrays]
+    assert probe.pointer_of(arrays[0], 1, np.dtype(np.float16), (2, 4)) is None
+    fake_jax(monkeypatch)
+    arrays = [ArrayImpl(0x5000, (3, 4)) for _ in range(6)] + [ArrayImpl(0x5000, (3, 4), "float32")]
+    arrays[1].ready, arrays[2].deleted, arrays[3].hardware_id, arrays[4].dlpack_kind = False, True, 1, KDL_CPU
+    arrays[5].major_to_minor = (1, 0)
+    probe = producers.stream_source(arrays[0])
+    dtype = arrays[0].dtype
+    answers = [probe.pointer_of(a, 0, dtype, (3, 4)) for a in arrays]
+    assert answers == [_as_the_view_says(probe, a, dtype, (3, 4)) for a in arrays]
+    assert answers[0] == 0x5000 and answers[1:] == [None] * 6
 
 
 def test_new_finished_jax_arrays_stand_in_for_the_records(monkeypatch):

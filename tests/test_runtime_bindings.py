@@ -303,7 +303,8 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
     """The CUDA backend's launch protocol, on a fake driver: a pack's first launch on a geometry makes its
     one-node graph, unless prepare_launch made it before (an AllToAll makes all of its own so); each
     launch hands the node the pack's arguments, then launches the graph; a launcher (a repeated call's)
-    hands them once and then only launches; into a capture of ours, a launch is a plain kernel launch."""
+    hands them once and then only launches, a rewritten one (a call on new arrays) at every launch; into a
+    capture of ours, a launch is a plain kernel launch."""
     pytest.importorskip("cuda.bindings.driver")
     from pyhipa2a.kernels import ArgPack
     calls = []
@@ -328,11 +329,18 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
         launch(stream)
     assert calls == ["set params", "graph launch", "graph launch"]
     calls.clear()
+    rewritten = backend.launcher("function", 8, 256, pack, rewritten=True)
+    assert calls == []  # (nothing handed over until it launches)
+    for _ in range(2):
+        rewritten(stream)
+    assert calls == ["set params", "graph launch"] * 2 and len(pack.sites) == 1
+    calls.clear()
     backend.capture_begin = lambda s: backend._capturing.add(backend.stream_handle(s))
     backend.capture_begin(stream)
     backend.launch("function", 8, 256, stream, pack)
     launch(stream)
-    assert calls == ["kernel launch", "kernel launch"]
+    rewritten(stream)
+    assert calls == ["kernel launch"] * 3
     for site in pack.sites.values():
         site.release()  # (now, on the fake driver)
     assert calls[-2:] == ["destroy exec", "destroy template"]

@@ -232,10 +232,12 @@ class Backend:
         keeps (CUDA: the site's one-node graph, which takes device memory), so that an object can take
         all its memory when it is made rather than in the middle of a run. Nothing to make by default."""
 
-    def launcher(self, function, grid: int, block: int, pack):
-        """launch() of `function` with the arguments `pack` holds now, as a function of the stream alone,
-        for a pack not written while it is used (Kernel.repeater: a repeated call's, pyhipa2a.quick):
-        a backend may hand the arguments to the device once, here, and launch them as they were (CUDA)."""
+    def launcher(self, function, grid: int, block: int, pack, rewritten: bool = False):
+        """launch() of `function` from `pack` as a function of the stream alone. By default for a pack not
+        written while it is used (Kernel.repeater: a repeated call's, pyhipa2a.quick): a backend may hand
+        the arguments it holds now to the device once, here, and launch them as they were (CUDA).
+        `rewritten`: for a pack written between launches (Kernel.launcher: a call on new arrays), each
+        launch takes the arguments the pack holds then, as launch() does."""
         return functools.partial(self.launch, function, grid, block, pack=pack)
 
     def trap(self, reason: str) -> None:

@@ -297,12 +297,20 @@ class CudaBackend(DriverBackend):
     def prepare_launch(self, function, grid: int, block: int, pack) -> None:
         self._site(function, grid, block, pack)
 
-    def launcher(self, function, grid: int, block: int, pack):
+    def launcher(self, function, grid: int, block: int, pack, rewritten: bool = False):
         # The site's one-node graph takes the pack's arguments once, here: each launch is cuGraphLaunch
         # alone, 0.6 us less than one that hands the node the arguments first (thirty-first session).
         # The graph stays the pack's (made once: a new one for each repeat grew device memory by 2 MiB in
-        # scripts/stress.py, thirty-second session).
+        # scripts/stress.py, thirty-second session). A rewritten pack's launches hand them over each time.
         site, capturing, joined = self._site(function, grid, block, pack), self._capturing, self._joined
+        if rewritten:
+            def launch_rewritten(stream) -> None:  # (launch() without looking up the site at every call)
+                if capturing or joined:
+                    self.launch(function, grid, block, stream, pack)
+                else:
+                    _hand_arguments(site)
+                    _launch_graph(site, stream)
+            return launch_rewritten
         _hand_arguments(site)
 
         def launch(stream) -> None:  # (holds the site: its graph lives as long as this function)

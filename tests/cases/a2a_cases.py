@@ -1186,9 +1186,9 @@ def case_launch_sites_made_ahead(comm):
         launched.add(site(function, grid, block, pack))
         real_launch(function, grid, block, stream, pack)
 
-    def launcher(function, grid, block, pack):
+    def launcher(function, grid, block, pack, rewritten=False):
         launched.add(site(function, grid, block, pack))
-        return real_launcher(function, grid, block, pack)
+        return real_launcher(function, grid, block, pack, rewritten)
     real_prepare, real_launch, real_launcher = backend.prepare_launch, backend.launch, backend.launcher
     backend.prepare_launch, backend.launch, backend.launcher = prepare, launch, launcher
     world = comm.Get_size()
