@@ -23,7 +23,6 @@ Regions move whole, so no call needs a host round trip and a step can be capture
 """
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -219,6 +218,8 @@ class HierarchicalAllToAll:
         b.sequence, b.status, b.mirror = self.ptr["sequence"], node.buf["status"].ptr, node._host_status_device
         b.node, b.nodes, b.ranks_per_node, b.place = self.layout.node, N, self.layout.ranks_per_node, self.layout.place
         b.max_tokens, b.hidden = M, H
+        for kernel, pack in ((self._stage, self._hier_pack), (self._localize, self._hier_pack), (self._sum, self._sum_pack)):
+            kernel.prepare(pack, self.blocks, self.block_threads)  # (every launch's site, made now: _launch)
 
         # What crosses between nodes: to and from each other node's rank in our place.
         me, others = self.layout.node, [n for n in range(N) if n != self.layout.node]
@@ -244,11 +245,12 @@ class HierarchicalAllToAll:
             raise error
         self.node._usable()
 
-    def _grid(self, items: int) -> int:
-        return max(1, min(self.blocks, math.ceil(items / self.block_threads)))
-
-    def _launch(self, kernel, pack, items: int, stream) -> None:
-        kernel.launch(pack, self._grid(items), self.block_threads, stream)
+    def _launch(self, kernel, pack, stream) -> None:
+        # One geometry for every call: the node-to-node kernels loop over their items, so the object's grid
+        # serves any token count, and the launch site made with the object (_setup; on CUDA a one-node
+        # graph with device memory of its own) serves every call. A grid fitted to each call's items made
+        # a site, and took memory, at each new token count.
+        kernel.launch(pack, self.blocks, self.block_threads, stream)
 
     def stream_for(self, *inputs):
         """As AllToAll.stream_for (the node part's calls run there)."""
@@ -296,9 +298,9 @@ class HierarchicalAllToAll:
                               if x_scales is not None else (0, None))
         a.weights, keep_w = weights_input(self, weights, T, s) if weights is not None else (0, None)
         a.tokens, a.whole = T, 1
-        self._launch(self._stage, self._hier_pack, T * self.row_bytes // 16 + T * self.top_k, s)
+        self._launch(self._stage, self._hier_pack, s)
         self.engine.exchange(self._tokens_out, s)
-        self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
+        self._launch(self._localize, self._hier_pack, s)
         self._keep(keep_x, keep_i, keep_s, keep_w)
         self.node._dispatch(self._regions_x, self._local_indices, None, self._regions_scales, s)
         self._pending, self._pending_weights = self._outputs(s).dispatch_result(T), weights
@@ -329,14 +331,14 @@ class HierarchicalAllToAll:
         node_call = self.node._copy_host_expert_y(
             self.node._prepare_combine(expert_y, self._local_weights, self._sums, s, expert_scale))
         a.tokens, a.whole = T, 0
-        self._launch(self._stage, self._hier_pack, T * self.top_k, s)
+        self._launch(self._stage, self._hier_pack, s)
         self.engine.exchange(self._records_out, s)
-        self._launch(self._localize, self._hier_pack, self.layout.nodes * self.max_tokens * self.top_k, s)
+        self._launch(self._localize, self._hier_pack, s)
         self.node._launch_combine(node_call)
         self.engine.exchange(self._sums_out, s)
         b = self._sum_pack[0]
         b.out, b.tokens = out_ptr, T
-        self._launch(self._sum, self._sum_pack, T * self.hidden, s)
+        self._launch(self._sum, self._sum_pack, s)
         self._keep(keep_o, keep_w, out)
         self._pending = self._pending_weights = None
         return out

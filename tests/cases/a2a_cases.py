@@ -1172,28 +1172,12 @@ def case_launch_sites_made_ahead(comm):
     tokens on 264 blocks of an H100, 76 on MI300X's 608), the fake expert as a kernel and fused into
     combine. Every kernel prepared is launched, and every launch is from a site prepared."""
     from pyhipa2a.testing import dispatch_uploaded, free_inputs, fused_combine, upload_inputs
+
+    from . import launch_sites_watched
     backend = pyhipa2a.get_backend()
-    prepared, launched = set(), set()
-
-    def site(function, grid, block, pack):
-        return id(function), grid, block, id(pack)
-
-    def prepare(function, grid, block, pack):
-        prepared.add(site(function, grid, block, pack))
-        real_prepare(function, grid, block, pack)
-
-    def launch(function, grid, block, stream, pack):
-        launched.add(site(function, grid, block, pack))
-        real_launch(function, grid, block, stream, pack)
-
-    def launcher(function, grid, block, pack, rewritten=False):
-        launched.add(site(function, grid, block, pack))
-        return real_launcher(function, grid, block, pack, rewritten)
-    real_prepare, real_launch, real_launcher = backend.prepare_launch, backend.launch, backend.launcher
-    backend.prepare_launch, backend.launch, backend.launcher = prepare, launch, launcher
     world = comm.Get_size()
     E, k, H, M = 4 * world, 4, 7168, 128
-    try:
+    with launch_sites_watched(backend) as (prepared, launched):
         with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, backend=backend) as a2a:
             made = set(prepared)
             kinds = {s[:3] for s in made}  # (a GPU's small combine kernel among them where it runs)
@@ -1214,8 +1198,6 @@ def case_launch_sites_made_ahead(comm):
             assert prepared == made, prepared - made  # nothing prepared after the object was made
             assert launched <= made, launched - made
             assert {s[:3] for s in launched} == kinds, kinds - {s[:3] for s in launched}  # every kernel ran
-    finally:
-        backend.prepare_launch, backend.launch, backend.launcher = real_prepare, real_launch, real_launcher
 
 
 def _framework(lib, device_index):

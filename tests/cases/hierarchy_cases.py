@@ -138,6 +138,31 @@ def _raw(a2a, arr):
     return DeviceArray(a2a.backend, arr.ptr, arr.shape, arr.dtype, stream=a2a.stream).numpy()
 
 
+def case_nodes_launch_sites_made_ahead(comm, G="2"):
+    """Calls across nodes launch the node-to-node kernels (stage, localize, sum) from launch sites made
+    with the object, one geometry each whatever the call's tokens (on CUDA a one-node graph each, with
+    device memory of its own: a site made for each new token count grew memory mid-run): token counts
+    1, some, M and others, the weights at dispatch and at combine, the fake expert fused and not."""
+    from . import launch_sites_watched
+    G = int(G)
+    _nodes(comm, G)
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 16
+    backend = pyhipa2a.get_backend()
+    with launch_sites_watched(backend) as (prepared, launched):
+        with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, ranks_per_node=G,
+                      backend=backend) as a2a:
+            made = set(prepared)
+            between = {id(kernel.function) for kernel in (a2a._stage, a2a._localize, a2a._sum)}
+            assert between <= {s[0] for s in made}
+            for i, tokens in enumerate((1, M // 2 + 1, M, 3, 1)):
+                inputs = draw_world(50 + i, world, E, k, H, M, token_counts=[tokens] * world)
+                run_round(a2a, inputs, weights_at=WEIGHTS_AT[i % 2], fused=i % 2 == 1)
+            assert prepared == made, prepared - made  # nothing prepared after the object was made
+            assert launched <= made, launched - made
+            assert between <= {s[0] for s in launched}
+
+
 def case_nodes_peer_never_arrives(comm, G="2", who="node", leg="dispatch"):
     """The last node's ranks (who='node'), or only its last rank ('rank'), never call dispatch (or
     call it, then never combine: leg='combine'). Every other rank raises A2ATimeoutError within the
