@@ -10,7 +10,8 @@ object's stream; the same with the fake expert fused into combine
 split over two streams (dispatch on one, the expert and combine on the other);
 and device inputs after a burst of unchecked back-to-back calls (no host
 synchronisation in between), the checked call last. Every `--churn` calls one object is closed and built
-again, so teardown is exercised too. Device memory in use is reported after
+again, so teardown is exercised too. `--ranks-per-node G` makes every call one across nodes of G ranks
+(AllToAll(ranks_per_node=G), nodes simulated on one). Device memory in use is reported after
 warm-up and at the end, and must not grow. Exits non-zero on any mismatch,
 error or growth.
 """
@@ -79,10 +80,12 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--churn", type=int, default=1000, help="rebuild one object every this many calls")
     p.add_argument("--slack", type=int, default=0, help="bytes of memory growth tolerated")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="calls across nodes of this many ranks (AllToAll(ranks_per_node=)), simulated on one")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    shapes = configs(world)
+    shapes = [dict(s, ranks_per_node=args.ranks_per_node) for s in configs(world)]
     a2as = [AllToAll(comm, timeout=args.timeout, **s) for s in shapes]
     maker = a2as[0].backend  # the streams' creator (a2as[0] itself may be rebuilt)
     streams = [maker.stream_create() for _ in range(2)]

@@ -72,6 +72,21 @@ def test_node_that_never_arrives_gpu():
     run_case(CASE + "case_nodes_peer_never_arrives", ranks, None, args=(G, "node"), timeout=240)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stress_across_nodes_memory_flat(backend):
+    """scripts/stress.py's calls across nodes: random token counts, every call checked, objects rebuilt, and
+    device memory flat (the node-to-node kernels' launch sites are made with the object, not one per token
+    count)."""
+    ranks, G = layout_for(backend)
+    if ranks // G < 2:
+        pytest.skip(f"needs two nodes; {ranks} ranks of {G} a node")
+    calls = "60" if backend == "host" else "600"
+    out = run_mpi([str(REPO / "scripts" / "stress.py"), "--calls", calls, "--churn", "20", "--ranks-per-node", str(G)],
+                  ranks, env_backend(backend), timeout=900)
+    assert "stress: PASS" in out.stdout, out.stdout
+    assert "growth per rank (bytes): [" + ", ".join(["0"] * ranks) + "]" in out.stdout, out.stdout
+
+
 def test_bad_ranks_per_node_host():
     run_case(CASE + "case_nodes_bad_config", 4, "host")
     run_case(CASE + "case_nodes_rank_layout", 4, "host")
