@@ -21,10 +21,10 @@ takes the quick path from its second call.
 An argument may also be a new array standing in for the record's (`Slot`): of the same library
 and element type, on our device, compact, aligned, and shaped for the call's tokens, which may
 differ from the record's (dispatch takes them from x; combine from its dispatch). A PyTorch, CuPy
-or finished JAX array says so through its probe's view (pyhipa2a.producers), asked as the boundary asks it
-for an array it describes without its protocol; one of our arrays through its own attributes and
-its stream, the record's. Its producer is the library whose stream the call asks anyway. Such a
-call launches from a pack of the object's own for the purpose (made from the record's arguments at
+or finished JAX array says so through its probe's pointer_of (pyhipa2a.producers: what its view would
+show, asked directly), the view the boundary asks of an array it describes without its protocol; one
+of our arrays through its own attributes and its stream, the record's. Its producer is the library
+whose stream the call asks anyway. Such a call launches from a pack of the object's own for the purpose (made from the record's arguments at
 the first such call), with every argument's pointer and the token count written over them.
 
 A quick call either is the recorded call on those arrays, made exactly as the full path would
@@ -386,7 +386,11 @@ def _launch_moved(a2a, repeat, record: str, args: tuple, inputs: tuple, shapes: 
         launches = quick.moved_launches = {}
     launch = launches.get((kernel, threads))
     if launch is None:
-        launch = launches[kernel, threads] = kernel.launcher(pack, a2a.blocks, threads)
+        try:
+            launch = launches[kernel, threads] = kernel.launcher(pack, a2a.blocks, threads)
+        except BaseException:
+            setattr(a2a, record, None)  # as the full path: a call that fails records nothing
+            raise
     _relaunch(a2a, repeat, record, launch)
     return holds
 

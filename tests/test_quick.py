@@ -404,6 +404,19 @@ def test_new_tensors_like_the_records_launch_on_their_pointers(monkeypatch, toke
     assert launched[-1] == ("dispatch", me._repeat_dispatch.quick.stream)
 
 
+def test_a_launcher_that_cannot_be_made_fails_the_call_and_drops_the_record(monkeypatch):
+    """A call on new arrays whose launcher cannot be made (the driver refusing its site, say) raises, queues
+    nothing, and leaves no record to repeat, as a failed call on the full path."""
+    me, t, _, launched = moving_object(monkeypatch)
+
+    def refused(pack, grid, block):
+        raise RuntimeError("refused")
+    me._dispatch_kernel = Kernel(launcher=refused)
+    with pytest.raises(RuntimeError, match="refused"):
+        dispatch(me, t, x=Tensor(0x5000, (2, 4)), indices=Tensor(0x5800, (2, 4), "int32"))
+    assert launched == [] and me._repeat_dispatch is None and me._pending is None
+
+
 @pytest.mark.parametrize("odd", ["element type", "device", "not compact", "negated", "requires grad", "too many tokens",
                                  "shapes disagree", "record's indices for other tokens", "another type",
                                  "disowned type"])

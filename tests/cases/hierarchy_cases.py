@@ -142,7 +142,9 @@ def case_nodes_launch_sites_made_ahead(comm, G="2"):
     """Calls across nodes launch the node-to-node kernels (stage, localize, sum) from launch sites made
     with the object, one geometry each whatever the call's tokens (on CUDA a one-node graph each, with
     device memory of its own: a site made for each new token count grew memory mid-run): token counts
-    1, some, M and others, the weights at dispatch and at combine, the fake expert fused and not."""
+    1, some, M and others, the weights at dispatch and at combine, the fake expert fused and not. (On the
+    host backend every grid is one block: only a GPU run, two nodes or more, sees a launch on another grid
+    than the prepared one.)"""
     from . import launch_sites_watched
     G = int(G)
     _nodes(comm, G)
