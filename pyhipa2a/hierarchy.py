@@ -218,8 +218,10 @@ class HierarchicalAllToAll:
         b.sequence, b.status, b.mirror = self.ptr["sequence"], node.buf["status"].ptr, node._host_status_device
         b.node, b.nodes, b.ranks_per_node, b.place = self.layout.node, N, self.layout.ranks_per_node, self.layout.place
         b.max_tokens, b.hidden = M, H
-        for kernel, pack in ((self._stage, self._hier_pack), (self._localize, self._hier_pack), (self._sum, self._sum_pack)):
-            kernel.prepare(pack, self.blocks, self.block_threads)  # (every launch's site, made now: _launch)
+        # Every launch's site, made now (_launch: one geometry for every call).
+        for kernel, pack in ((self._stage, self._hier_pack), (self._localize, self._hier_pack),
+                             (self._sum, self._sum_pack)):
+            kernel.prepare(pack, self.blocks, self.block_threads)
 
         # What crosses between nodes: to and from each other node's rank in our place.
         me, others = self.layout.node, [n for n in range(N) if n != self.layout.node]

@@ -24,8 +24,9 @@ differ from the record's (dispatch takes them from x; combine from its dispatch)
 or finished JAX array says so through its probe's pointer_of (pyhipa2a.producers: what its view would
 show, asked directly), the view the boundary asks of an array it describes without its protocol; one
 of our arrays through its own attributes and its stream, the record's. Its producer is the library
-whose stream the call asks anyway. Such a call launches from a pack of the object's own for the purpose (made from the record's arguments at
-the first such call), with every argument's pointer and the token count written over them.
+whose stream the call asks anyway. Such a call launches from a pack of the object's own for the
+purpose (made from the record's arguments at the first such call), with every argument's pointer and
+the token count written over them.
 
 A quick call either is the recorded call on those arrays, made exactly as the full path would
 make it, or returns None having changed nothing: the full path then runs, and raises where the
@@ -131,7 +132,6 @@ class Quick:
     launch: object = None  # (made at the first repeat of the record's own arrays)
     moved: object = None  # (made at the first call on new arrays)
     moved_launches: dict | None = None  # (kernel, threads) -> its launcher from `moved` (Kernel.launcher)
-    y_rows: list | None = None  # combine's: the output views of `stream` by token count (OutputViews.y_rows)
 
 
 NO_LIBRARY, ANY_INPUT = "no library", "any input"
@@ -346,13 +346,7 @@ def quick_combine(a2a, repeat, expert_y, weights, out, stream, expert_scale):
         holds = _launch_moved(a2a, repeat, "_repeat_combine", args, args, shapes, tokens, _combine_kernel_of)
         if holds is None:
             return None
-        if out is None:
-            rows = quick.y_rows
-            if rows is None:
-                rows = quick.y_rows = a2a._outputs(quick.stream).y_rows
-            out_arr = rows[tokens]
-        else:
-            out_arr = out
+        out_arr = a2a._outputs(quick.stream).y_rows[tokens] if out is None else out
         # (with what its dispatch kept: a JAX input's hold, under which JAX will not donate it, lasts
         # until the next dispatch, as the boundary's cache keeps a full-path description's)
         a2a._keepalive = (expert_y, weights, out_arr, *holds, a2a._keepalive)
