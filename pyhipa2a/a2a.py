@@ -30,6 +30,8 @@ import weakref
 import numpy as np
 
 from . import producers
+from .again import MISSED, plan_combine, plan_dispatch
+from .again import run as run_again
 from .array import DeviceArray
 from .bootstrap import bounded_barrier, world_size
 from .calls import (DispatchResult, OutputViews, Repeat, checked_combine_weights, checked_dispatch, take_input,
@@ -699,6 +701,11 @@ class AllToAll:
         call reads them; combine takes none (or the same array)."""
         repeat = self._repeat_dispatch
         if repeat is not None and repeat.quick is not None:  # the loop's usual call: the last one again
+            plan = repeat.quick.again  # (on the record's own arrays, in C: pyhipa2a.again)
+            if plan:
+                result = run_again(plan, x, indices, weights, x_scales, stream)
+                if result is not MISSED:
+                    return result
             result = quick_dispatch(self, repeat, x, indices, weights, x_scales, stream)
             if result is not None:
                 return result
@@ -745,8 +752,10 @@ class AllToAll:
         """`record` (a Repeat of a call with arguments `given`, stream= last, on stream `s`; or None) with
         its quick form (pyhipa2a.quick: the loop's next call like it takes that path, even with new
         arrays); `inputs` and `asked` as the call's _call_stream took and gave them. Its launch is made
-        at its first repeat of the same arrays, from the pack as the record left it."""
+        at its first repeat of the same arrays, from the pack as the record left it, and with it the
+        record's plan (pyhipa2a.again, where its C helper is built)."""
         if record is not None and record.quick is None:
+            plan = plan_dispatch if leg_args is DISPATCH_ARGS else plan_combine
             if leg_args is DISPATCH_ARGS:
                 pack, moved = self._dispatch_pack, self._moved_packs[0]
                 make_launch = functools.partial(self._dispatch_kernel.repeater, pack, self._repeat_packs[0],
@@ -755,7 +764,8 @@ class AllToAll:
                 pack, moved = self._combine_pack, self._moved_packs[1]
                 make_launch = functools.partial(self._combine_repeater, record.tokens)
             record.quick = quick_for(self, record, given, s, make_launch, inputs, asked, leg_args,
-                                     functools.partial(moved.copy_from, pack))
+                                     functools.partial(moved.copy_from, pack),
+                                     functools.partial(plan, self) if run_again is not None else None)
         return record
 
     def _launch_dispatch(self, s, T: int, weights, result: DispatchResult | None = None) -> DispatchResult:
@@ -779,6 +789,11 @@ class AllToAll:
         `combine(d.expert_x, w, expert_scale=1 + rank)`: no expert kernel at all."""
         repeat = self._repeat_combine
         if repeat is not None and repeat.quick is not None:
+            plan = repeat.quick.again
+            if plan:
+                y = run_again(plan, expert_y, weights, out, stream, expert_scale)
+                if y is not MISSED:
+                    return y
             y = quick_combine(self, repeat, expert_y, weights, out, stream, expert_scale)
             if y is not None:
                 return y

@@ -3,6 +3,9 @@
 Every `kernels_hip/*.hip` file becomes one code object per target:
   <name>.<gfx>.hsaco    for AMD (gfx942, gfx90a), by hipcc or clang >= 17
   <name>.sm_90.fatbin   for NVIDIA (sm_90 machine code + compute_90 PTX), by nvcc
+and every `csrc/*.c` file one CPython extension of the limited API, by the C
+compiler Python was built with (or cc):
+  _<name>.abi3.so       a repeated call's checks and launch in C (pyhipa2a.again)
 A toolchain that is absent is skipped with one line saying so. Variants (e.g.
 the profiling build) add `-D` defines and a suffix to the name.
 
@@ -17,10 +20,12 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = REPO / "kernels_hip"
+HOST_SOURCES = REPO / "csrc"
 DEFAULT_OUT = Path(__file__).resolve().parent / "_code"
 AMD_ARCHS = ("gfx942", "gfx90a")
 CUDA_ARCHS = ("90",)
@@ -80,6 +85,45 @@ def nvidia_command(nvcc: str, archs, src: Path, out: Path, defines) -> list[str]
     return [nvcc, "-x", "cu", "-fatbin", *gencode, "-O3", "-std=c++17", *defines, "-o", str(out), str(src)]
 
 
+def find_c_compiler() -> str | None:
+    """The compiler CPython was built with where it is here, else cc, gcc or clang."""
+    configured = (sysconfig.get_config_var("CC") or "").split()
+    for name in configured[:1] + ["cc", "gcc", "clang"]:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def host_command(cc: str, include: str, src: Path, out: Path) -> list[str]:
+    return [cc, "-O2", "-shared", "-fPIC", "-Wall", "-std=c11", f"-I{include}", "-o", str(out), str(src)]
+
+
+def build_host(out_dir: Path, log=print) -> list[Path]:
+    """The C helpers, where they can be built and loaded here; one line says why not otherwise (repeated
+    calls then take their Python path): no compiler or Python.h, a free-threaded CPython (no limited
+    API), or a compiler that fails on them."""
+    cc, include = find_c_compiler(), sysconfig.get_paths()["include"]
+    why = ("no C compiler found" if cc is None else f"no Python.h in {include}"
+           if not os.path.exists(os.path.join(include, "Python.h")) else
+           "a free-threaded CPython has no limited API" if sysconfig.get_config_var("Py_GIL_DISABLED") else None)
+    built = []
+    for src in sorted(HOST_SOURCES.glob("*.c")) if why is None else ():
+        out = out_dir / f"_{src.stem}.abi3.so"
+        try:
+            run(host_command(cc, include, src, out))
+        except SystemExit as failure:  # (its first line of output, else the command, says why)
+            lines = str(failure).splitlines()
+            why = f"the compiler failed: {lines[1] if len(lines) > 1 else lines[0] if lines else src.name}"
+            break
+        built.append(out)
+    if why is None:
+        log(f"pyhipa2a.build: C helpers with {cc}")
+        return built
+    log(f"pyhipa2a.build: skipping the C helpers (repeated calls take their Python path): {why}")
+    return []
+
+
 def run(cmd: list[str], env=None) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
@@ -87,7 +131,7 @@ def run(cmd: list[str], env=None) -> None:
 
 
 def build(out_dir: Path = DEFAULT_OUT, amd_archs=AMD_ARCHS, cuda_archs=CUDA_ARCHS,
-          targets=("amd", "nvidia"), variants=tuple(VARIANTS), log=print) -> list[Path]:
+          targets=("amd", "nvidia", "host"), variants=tuple(VARIANTS), log=print) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     sources = sorted(SOURCES.glob("*.hip"))
     built: list[Path] = []
@@ -116,6 +160,8 @@ def build(out_dir: Path = DEFAULT_OUT, amd_archs=AMD_ARCHS, cuda_archs=CUDA_ARCH
                     run(nvidia_command(nvcc, cuda_archs, src, out, VARIANTS[variant]))
                     built.append(out)
             log(f"pyhipa2a.build: NVIDIA sm_{', sm_'.join(cuda_archs)} + PTX with {nvcc}")
+    if "host" in targets:
+        built += build_host(out_dir, log)
     return built
 
 
@@ -124,9 +170,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: pyhipa2a/_code)")
     p.add_argument("--amd-arch", default=",".join(AMD_ARCHS), help="comma-separated gfx targets")
     p.add_argument("--cuda-arch", default=",".join(CUDA_ARCHS), help="comma-separated compute capabilities")
-    p.add_argument("--only", choices=("amd", "nvidia"), help="build one vendor only")
+    p.add_argument("--only", choices=("amd", "nvidia", "host"), help="build one kind only (host: the C helpers)")
     args = p.parse_args(argv)
-    targets = (args.only,) if args.only else ("amd", "nvidia")
+    targets = (args.only,) if args.only else ("amd", "nvidia", "host")
     built = build(args.out, tuple(filter(None, args.amd_arch.split(","))),
                   tuple(filter(None, args.cuda_arch.split(","))), targets)
     print(f"pyhipa2a.build: {len(built)} code objects in {args.out}")

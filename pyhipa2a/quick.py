@@ -132,16 +132,19 @@ class Quick:
     launch: object = None  # (made at the first repeat of the record's own arrays)
     moved: object = None  # (made at the first call on new arrays)
     moved_launches: dict | None = None  # (kernel, threads) -> its launcher from `moved` (Kernel.launcher)
+    make_again: object = None  # make_again(repeat) makes `again` (pyhipa2a.again); None: its C helper is not built
+    again: tuple = ()  # the record's plan, run in C (made with `launch`); (): none
 
 
 NO_LIBRARY, ANY_INPUT = "no library", "any input"
 
 
 def quick_for(a2a, repeat, given: tuple, stream, make_launch, inputs: tuple, asked: dict | None,
-              leg_args: tuple = DISPATCH_ARGS, make_moved=None) -> Quick:
+              leg_args: tuple = DISPATCH_ARGS, make_moved=None, make_again=None) -> Quick:
     """The Quick of `repeat`, the record of a call with arguments `given` (in `leg_args`' order, stream=
-    last) that runs on `stream`, whose launch make_launch() makes, and make_moved() the pack that calls
-    on new arrays launch from (None: no such calls); `inputs` and `asked` as
+    last) that runs on `stream`, whose launch make_launch() makes, make_moved() the pack that calls
+    on new arrays launch from (None: no such calls), and make_again(repeat) its plan once the launch is
+    made (pyhipa2a.again; None: none); `inputs` and `asked` as
     AllToAll._call_stream took and gave them (a repeat's rechecks may have added other producers'
     answers to `asked` since: the first entry is still the one that chose the stream). (Every call that
     records makes one: plain loops, since comprehensions cost it microseconds.)"""
@@ -173,7 +176,7 @@ def quick_for(a2a, repeat, given: tuple, stream, make_launch, inputs: tuple, ask
     return Quick(given, stream, make_launch, follows_library, lead, a2a._capturable_elsewhere(stream),
                  repeat.boundary.settled, tuple(entries.items()), keys, streams,
                  _lead_asks(lead, inputs, keys) if follows_library else None, tuple(slots), tuple(shapes),
-                 tuple(pointers), tuple(name for name, _ in leg_args), make_moved)
+                 tuple(pointers), tuple(name for name, _ in leg_args), make_moved, make_again=make_again)
 
 
 def positioned_rechecks(entries: dict, leg_args: tuple) -> tuple:
@@ -423,6 +426,8 @@ def _relaunch(a2a, repeat, record: str, launch=None) -> None:
         if quick.launch is None:
             try:
                 quick.launch = quick.make_launch()
+                if quick.make_again is not None:  # (the next repeat like this one runs in C)
+                    quick.again = quick.make_again(repeat)
             except BaseException:
                 setattr(a2a, record, None)  # as the full path: a call that fails records nothing
                 raise

@@ -1,6 +1,7 @@
 """Ahead-of-time build: AMD code objects carry the memory-ordering instructions the protocol relies on."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -108,13 +109,52 @@ def test_nvidia_fatbin_builds(tmp_path):
     assert all(p.stat().st_size > 0 for p in built)
 
 
+def test_c_helper_builds_and_loads(tmp_path):
+    """The limited-API helper (csrc/again.c) builds where a C compiler and Python.h are, and loads."""
+    import importlib.machinery
+    import importlib.util
+    import sysconfig
+    if build.find_c_compiler() is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no C compiler or no Python.h")
+    built = build.build(tmp_path, targets=("host",), log=lambda *_: None)
+    assert [p.name for p in built] == ["_again.abi3.so"]
+    loader = importlib.machinery.ExtensionFileLoader("pyhipa2a._again", str(built[0]))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("pyhipa2a._again", built[0],
+                                                                                      loader=loader))
+    loader.exec_module(module)
+    with pytest.raises(TypeError, match="plan is a tuple"):
+        module.run(())
+
+
+@pytest.mark.parametrize("why", ["the compiler fails", "free-threaded"])
+def test_c_helper_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, why):
+    """A compiler that fails on the helper, or a CPython without the limited API, skips it with one line
+    (repeated calls then take their Python path) rather than failing the install."""
+    import sysconfig
+    if why == "the compiler fails":
+        monkeypatch.setattr(build, "find_c_compiler", lambda: "false")  # (exits 1, as a failing compiler)
+        monkeypatch.setattr(build.os.path, "exists", lambda p: True)
+        expected = "the compiler failed"
+    else:
+        config = sysconfig.get_config_var
+        monkeypatch.setattr(build.sysconfig, "get_config_var",
+                            lambda name: 1 if name == "Py_GIL_DISABLED" else config(name))
+        if build.find_c_compiler() is None:
+            pytest.skip("no C compiler: the line says that instead")
+        expected = "free-threaded"
+    lines = []
+    assert build.build(tmp_path, targets=("host",), log=lines.append) == []
+    assert len(lines) == 1 and lines[0].startswith("pyhipa2a.build: skipping the C helpers") and expected in lines[0]
+    assert not list(tmp_path.glob("*.so"))
+
+
 def test_missing_toolchain_is_one_line(tmp_path, monkeypatch):
     lines = []
     monkeypatch.setattr(build.shutil, "which", lambda name: None)
     monkeypatch.setattr(build.glob, "glob", lambda pattern: [])
     monkeypatch.setattr(build.os.path, "exists", lambda p: False)
     assert build.build(tmp_path, log=lines.append) == []
-    assert len(lines) == 2 and all(line.startswith("pyhipa2a.build: skipping") for line in lines)
+    assert len(lines) == 3 and all(line.startswith("pyhipa2a.build: skipping") for line in lines)
 
 
 def test_code_object_selection(tmp_path):

@@ -355,3 +355,50 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
     assert calls[3:] == ["set params", "graph launch", "set params", "graph launch"]
     backend.prepare_launch("function", 16, 256, prepared)  # another geometry: a site of its own
     assert calls[7:] == ["create", "add node", "instantiate"] and len(prepared.sites) == 2
+
+
+def test_cuda_hands_a_plan_the_driver_entries_and_its_launchers_graph(monkeypatch):
+    """What a repeated call's plan (pyhipa2a.again) runs from C on CUDA: the driver's context calls with our
+    context, and a repeated call's launcher as its graph's cuGraphLaunch, under the launcher's own test (no
+    stream of ours recording); a rewritten launcher (new arrays), or no driver entries (the per-thread
+    default stream), leave it the Python functions. A code the binding does not name still raises."""
+    pytest.importorskip("cuda.bindings.driver")
+    from pyhipa2a.kernels import ArgPack
+    fake = types.SimpleNamespace(
+        CUstream=cuda_rt._load().CUstream, CUDA_KERNEL_NODE_PARAMS=types.SimpleNamespace,
+        cuGraphCreate=lambda *a: (0, "template"), cuGraphAddKernelNode=lambda *a: (0, "node"),
+        cuGraphInstantiate=lambda *a: (0, 0x99), cuGraphExecKernelNodeSetParams=lambda *a: (0,),
+        cuGraphExecDestroy=lambda *a: (0,), cuGraphDestroy=lambda *a: (0,), CUresult=cuda_rt._load().CUresult)
+    monkeypatch.setattr(cuda_rt, "driver", fake)
+    entries = {"cuCtxGetCurrent": 11, "cuCtxSetCurrent": 12, "cuGraphLaunch": 13}
+    monkeypatch.setattr(cuda_rt, "_entry_points", lambda: entries)
+    backend = _bare_backend(cuda_rt)
+    backend._context, backend._context_handle = object(), 0x77
+    pack, stream = ArgPack((ctypes.c_uint64,)), backend.stream_from_handle(0x1234)
+    launch = backend.launcher("function", 8, 256, pack)
+    assert backend.again_activate() == (11, 12, 0x77)
+    assert backend.again_launch(launch, stream) == ((13, 0x99, 0x1234, launch), (backend._capturing, backend._joined))
+    rewritten = backend.launcher("function", 8, 256, pack, rewritten=True)
+    assert backend.again_launch(rewritten, stream) == ((rewritten, stream), ())
+    monkeypatch.setattr(cuda_rt, "_entry_points", lambda: None)
+    assert backend.again_activate() == (backend.activate,)
+    assert backend.again_launch(launch, stream) == ((launch, stream), ())
+    checked = []
+    monkeypatch.setattr(cuda_rt, "_check", lambda result, call: checked.append((result, call)))
+    backend.raise_driver_error("cuGraphLaunch", 700)
+    assert checked == [((fake.CUresult(700),), "cuGraphLaunch")]
+    with pytest.raises(RuntimeFailure, match="cuGraphLaunch failed with code 123456"):
+        backend.raise_driver_error("cuGraphLaunch", 123456)
+    for site in pack.sites.values():
+        site.release()
+
+
+def test_cuda_plan_entries_are_none_for_the_per_thread_default_stream(monkeypatch):
+    """With CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM the binding calls the _ptsz variants: a plan must
+    not call the legacy-stream cuGraphLaunch in their place."""
+    cuda_rt._entry_points.cache_clear()
+    monkeypatch.setenv("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
+    try:
+        assert cuda_rt._entry_points() is None
+    finally:
+        cuda_rt._entry_points.cache_clear()

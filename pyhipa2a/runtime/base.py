@@ -240,6 +240,23 @@ class Backend:
         launch takes the arguments the pack holds then, as launch() does."""
         return functools.partial(self.launch, function, grid, block, pack=pack)
 
+    # -- a repeated call's plan (pyhipa2a.again, run in C) ----------------------
+    def again_activate(self):
+        """How a plan makes our device current: (f,) calls f() (activate() by default); a backend that
+        can be asked in C gives the driver's entries instead (CUDA)."""
+        return (self.activate,)
+
+    def again_launch(self, launch, stream) -> tuple:
+        """How a plan launches `launch` (a launcher's function of the stream) on `stream`, and the
+        collections that must be empty for that to be what `launch` would do: ((launch, stream), ())
+        calls it; a backend whose launcher is one driver call may give that call's entry and handles
+        instead (CUDA)."""
+        return (launch, stream), ()
+
+    def raise_driver_error(self, what: str, code: int) -> None:
+        """Raise what the backend raises where the driver call `what` returned `code` (in a plan's C)."""
+        raise RuntimeFailure(f"{what} failed with code {code}")
+
     def trap(self, reason: str) -> None:
         """A kernel aborted the device (AllToAll(..., on_timeout="trap")). GPU runtimes are left
         unusable by the abort itself; the host backend has to be told (HostBackend.trap)."""

@@ -11,9 +11,11 @@ queries, flags) is here.
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import weakref
 
-from .base import DeviceInfo
+from .base import DeviceInfo, RuntimeFailure
 from .driver import DriverBackend, make_check
 
 # The binding's function for each role DriverBackend's shared methods call.
@@ -136,6 +138,21 @@ def _launch_graph(site: _OneNodeGraph, stream) -> None:
     result = driver.cuGraphLaunch(site.exec, 0 if stream is None else stream)
     if result[0]:
         _check(result, "cuGraphLaunch")
+
+
+@functools.cache
+def _entry_points() -> dict | None:
+    """The driver's cuCtxGetCurrent, cuCtxSetCurrent and cuGraphLaunch as addresses, for a repeated call's
+    plan (pyhipa2a.again), from the libcuda the binding loaded; None where the binding calls the
+    per-thread-stream variants (CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM) or libcuda is not found."""
+    if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") != "0":
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+            for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuGraphLaunch")}
 
 
 def _destroy_graph(executable, graph) -> None:
@@ -318,4 +335,27 @@ class CudaBackend(DriverBackend):
                 self.launch(function, grid, block, stream, pack)
             else:
                 _launch_graph(site, stream)
+        launch.site = site  # (again_launch: a plan launches its graph from C)
         return launch
+
+    def again_activate(self):
+        entries = _entry_points()
+        if entries is None or self._context is None:
+            return (self.activate,)
+        return (entries["cuCtxGetCurrent"], entries["cuCtxSetCurrent"], self._context_handle)
+
+    def again_launch(self, launch, stream) -> tuple:
+        # The launcher's own test, left to the plan: with no stream of ours recording, it launches the
+        # site's graph and nothing else.
+        entries, site = _entry_points(), getattr(launch, "site", None)
+        if entries is None or site is None:
+            return (launch, stream), ()
+        handle = 0 if stream is None else int(stream)
+        return (entries["cuGraphLaunch"], int(site.exec), handle, launch), (self._capturing, self._joined)
+
+    def raise_driver_error(self, what: str, code: int) -> None:
+        try:
+            result = driver.CUresult(code)
+        except ValueError:  # (a code this binding does not name)
+            raise RuntimeFailure(f"{what} failed with code {code}") from None
+        _check((result,), what)

@@ -68,6 +68,9 @@ class HostBackend(Backend):
         self._host_buffers: dict[int, ctypes.Array] = {}
         self._trapped: str | None = None
 
+    def again_activate(self):
+        return None  # (no device to make current)
+
     def trap(self, reason: str) -> None:
         """A kernel aborted (on_timeout="trap"): as a GPU context after a trap, this backend fails
         every later launch, copy, memset, allocation and synchronize. Freeing still works."""

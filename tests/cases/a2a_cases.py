@@ -406,9 +406,17 @@ def case_repeated_calls(comm):
             full.clear()
             return inputs
 
+        # The quick path's Python (pyhipa2a.quick) as the object calls it, watched: where the C helper is
+        # built, a record's first repeat there makes its plan (pyhipa2a.again), which takes the later ones.
+        from pyhipa2a import a2a as module, again
+        in_python = []
+        watched = {name: getattr(module, name) for name in ("quick_dispatch", "quick_combine")}
+        for name, function in watched.items():
+            setattr(module, name, lambda *args, f=function: (in_python.append(f), f(*args))[1])
         try:
             for i in range(4):
                 inputs = refill(10 + i)
+                in_python.clear()
                 d = a2a.dispatch(x, idx)
                 a2a.fake_expert(d, out=expert_y)
                 y = a2a.combine(expert_y, w)
@@ -417,6 +425,11 @@ def case_repeated_calls(comm):
                 assert taken == ([] if i else ["x", "indices", "expert_y", "weights"]), (i, taken)
                 # Each leg's record comes with its quick form (pyhipa2a.quick), which the later calls take
                 assert len(full) == (0 if i else 2), (i, full)
+                assert len(in_python) == (0 if i == 0 or (i > 1 and again.run is not None) else 2), (i, in_python)
+            plans = [a2a._repeat_dispatch.quick.again, a2a._repeat_combine.quick.again]
+            assert all(plans) == (again.run is not None), plans
+            if a2a.backend.kind == "cuda" and again.run is not None:  # (its graphs launched from C)
+                assert [len(plan[5]) for plan in plans] == [4, 4] and all(len(plan[4]) == 3 for plan in plans)
             # Each change takes the full path for the call it touches.
             y_before = y.numpy().astype(np.float32)
             # (A new array of ours standing in for x, a view of it here, takes the quick path on its pointer:
@@ -484,6 +497,8 @@ def case_repeated_calls(comm):
             a2a.synchronize()
             assert taken == ["x", "indices", "expert_y", "weights"], ("after a capture", taken)
         finally:
+            for name, function in watched.items():
+                setattr(module, name, function)
             a2a._boundary.take = take
             free_inputs(a2a, arrays)
 

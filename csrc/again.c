@@ -1,0 +1,218 @@
+/* A repeated call, again, in C: pyhipa2a.again's compiled half.
+ *
+ * A loop repeats one call on the same arrays. pyhipa2a.quick takes such a call with some 40 lines
+ * of Python a leg, about 2.5 us of host time on the device machines besides the launch itself;
+ * what those lines ask can be written down once per record (pyhipa2a.again.plan): the arguments
+ * that must be the recorded objects, the attributes and answers that must be as recorded, the
+ * status word that must be clear, then what to make current, what to launch, and what to set.
+ * run() asks and does exactly that, here, and returns the call's result, or MISSED having done
+ * nothing (the Python quick path then runs, and says what it says).
+ *
+ * A plan is a tuple: (given, alike, checks, status, activate, launch, sets, result, failed)
+ *   given     the call's arguments as recorded (compared by identity)
+ *   alike     for each argument None, or f(arg, recorded) -> bool: another object that stands for
+ *             the recorded one (a stream handle made anew, an equal scale)
+ *   checks    (kind, a, b, want) each: ENTRY_IS a[b] is want (a: a dict, an object's __dict__ say;
+ *             no entry misses); ENTRY_IS_OR_NONE the same or None; CALL_IS a(b) is want; CALL_EQ
+ *             a(b) == want. A check that raises an Exception misses (the full path lets the
+ *             producer's protocol say what is wrong).
+ *   status    the address of a uint32 word that must read 0 (a kernel's error report), or 0
+ *   activate  None; (f,): f(); or (cuCtxGetCurrent, cuCtxSetCurrent, context) as addresses
+ *   launch    (f, stream): f(stream); or (cuGraphLaunch, executable graph, stream, keep) as
+ *             addresses (keep: what keeps the graph alive, held by the plan)
+ *   sets      (dict, key, value) each, set once the launch is queued
+ *   result    what the call returns
+ *   failed    f(what, code), called where a driver call made here returned `code` (it raises), or
+ *             where the launch function raised (code None: what it raised then goes on up)
+ *
+ * Built with the limited API (one .so for every CPython >= 3.10): `python -m pyhipa2a.build`.
+ */
+#define Py_LIMITED_API 0x030A0000
+#include <Python.h>
+#include <stdint.h>
+
+enum { ENTRY_IS = 0, ENTRY_IS_OR_NONE = 1, CALL_IS = 2, CALL_EQ = 3 };
+enum { GIVEN, ALIKE, CHECKS, STATUS, ACTIVATE, LAUNCH, SETS, RESULT, FAILED, PLAN_FIELDS };
+
+typedef int (*ctx_get_fn)(void **);
+typedef int (*ctx_set_fn)(void *);
+typedef int (*graph_launch_fn)(void *, void *);
+
+static PyObject *missed;
+
+/* 1: passes; 0: misses (an Exception raised on the way is cleared); -1: a BaseException that is
+ * not an Exception (KeyboardInterrupt, SystemExit) goes on up. */
+static int outcome_of_error(void) {
+    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+static int check_passes(PyObject *check) {
+    PyObject *a = PyTuple_GetItem(check, 1), *b = PyTuple_GetItem(check, 2), *want = PyTuple_GetItem(check, 3);
+    long kind = PyLong_AsLong(PyTuple_GetItem(check, 0));
+    if (kind == ENTRY_IS || kind == ENTRY_IS_OR_NONE) {
+        PyObject *entry = PyDict_GetItemWithError(a, b);  /* (borrowed) */
+        if (entry == NULL)
+            return PyErr_Occurred() ? outcome_of_error() : 0;
+        return entry == want || (kind == ENTRY_IS_OR_NONE && entry == Py_None);
+    }
+    PyObject *got = PyObject_CallFunctionObjArgs(a, b, NULL);
+    if (got == NULL)
+        return outcome_of_error();
+    int passes = got == want;
+    if (kind == CALL_EQ) {
+        passes = PyObject_RichCompareBool(got, want, Py_EQ);
+        if (passes < 0)
+            passes = outcome_of_error();
+    }
+    Py_DECREF(got);
+    return passes;
+}
+
+static int arguments_pass(PyObject *plan, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *given = PyTuple_GetItem(plan, GIVEN), *alike = PyTuple_GetItem(plan, ALIKE);
+    if (PyTuple_Size(given) != nargs)
+        return 0;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *recorded = PyTuple_GetItem(given, i);
+        if (args[i] == recorded)
+            continue;
+        PyObject *same = PyTuple_GetItem(alike, i);
+        if (same == Py_None)
+            return 0;
+        PyObject *answer = PyObject_CallFunctionObjArgs(same, args[i], recorded, NULL);
+        if (answer == NULL)
+            return outcome_of_error();
+        int truth = PyObject_IsTrue(answer);
+        Py_DECREF(answer);
+        if (truth <= 0)
+            return truth < 0 ? outcome_of_error() : 0;
+    }
+    return 1;
+}
+
+static void *address(PyObject *tuple, Py_ssize_t i) {
+    return PyLong_AsVoidPtr(PyTuple_GetItem(tuple, i));
+}
+
+/* Calls plan's failed(what, code); NULL with what it raised (a RuntimeError where it did not). */
+static PyObject *driver_failed(PyObject *plan, const char *what, int code) {
+    PyObject *answer = PyObject_CallFunction(PyTuple_GetItem(plan, FAILED), "si", what, code);
+    if (answer != NULL) {
+        Py_DECREF(answer);
+        PyErr_Format(PyExc_RuntimeError, "%s failed (%d)", what, code);
+    }
+    return NULL;
+}
+
+/* The launch function raised: plan's failed("launch", None) is told, then what the launch raised goes
+ * on up (or what failed() raised, where it did). */
+static PyObject *launch_failed(PyObject *plan) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *answer = PyObject_CallFunction(PyTuple_GetItem(plan, FAILED), "sO", "launch", Py_None);
+    if (answer == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return NULL;
+    }
+    Py_DECREF(answer);
+    PyErr_Restore(type, value, traceback);
+    return NULL;
+}
+
+static int call_back(PyObject *f, PyObject *arg) {
+    PyObject *answer = PyObject_CallFunctionObjArgs(f, arg, NULL);
+    if (answer == NULL)
+        return -1;
+    Py_DECREF(answer);
+    return 0;
+}
+
+/* run(plan, *args): the call's result, or MISSED. */
+static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
+    (void)self;
+    if (argc < 1 || !PyTuple_Check(argv[0]) || PyTuple_Size(argv[0]) != PLAN_FIELDS) {
+        PyErr_SetString(PyExc_TypeError, "run(plan, *args): plan is a tuple of 9 fields");
+        return NULL;
+    }
+    PyObject *plan = argv[0];
+    int passes = arguments_pass(plan, argv + 1, argc - 1);
+    PyObject *checks = PyTuple_GetItem(plan, CHECKS);
+    for (Py_ssize_t i = 0, n = PyTuple_Size(checks); passes > 0 && i < n; i++)
+        passes = check_passes(PyTuple_GetItem(checks, i));
+    if (passes < 0)
+        return NULL;
+    if (passes == 0)
+        return Py_NewRef(missed);
+    void *status = PyLong_AsVoidPtr(PyTuple_GetItem(plan, STATUS));
+    if (status != NULL && *(volatile uint32_t *)status != 0)
+        return Py_NewRef(missed);
+
+    PyObject *activate = PyTuple_GetItem(plan, ACTIVATE);
+    if (activate != Py_None) {
+        if (PyTuple_Size(activate) == 1) {
+            PyObject *answer = PyObject_CallNoArgs(PyTuple_GetItem(activate, 0));
+            if (answer == NULL)
+                return NULL;
+            Py_DECREF(answer);
+        } else {
+            void *current = NULL, *context = address(activate, 2);
+            ctx_get_fn get = (ctx_get_fn)address(activate, 0);
+            ctx_set_fn set = (ctx_set_fn)address(activate, 1);
+            int code;
+            Py_BEGIN_ALLOW_THREADS  /* (as the binding's calls: other threads run meanwhile) */
+            code = get(&current);
+            if (code != 0 || current != context)
+                code = set(context);
+            Py_END_ALLOW_THREADS
+            if (code != 0)
+                return driver_failed(plan, "cuCtxSetCurrent", code);
+        }
+    }
+    PyObject *launch = PyTuple_GetItem(plan, LAUNCH);
+    if (PyTuple_Size(launch) == 2) {
+        if (call_back(PyTuple_GetItem(launch, 0), PyTuple_GetItem(launch, 1)) < 0)
+            return launch_failed(plan);
+    } else {
+        graph_launch_fn graph_launch = (graph_launch_fn)address(launch, 0);
+        void *graph = address(launch, 1), *stream = address(launch, 2);
+        int code;
+        Py_BEGIN_ALLOW_THREADS
+        code = graph_launch(graph, stream);
+        Py_END_ALLOW_THREADS
+        if (code != 0)
+            return driver_failed(plan, "cuGraphLaunch", code);
+    }
+    PyObject *sets = PyTuple_GetItem(plan, SETS);
+    for (Py_ssize_t i = 0, n = PyTuple_Size(sets); i < n; i++) {
+        PyObject *set = PyTuple_GetItem(sets, i);
+        if (PyDict_SetItem(PyTuple_GetItem(set, 0), PyTuple_GetItem(set, 1), PyTuple_GetItem(set, 2)) < 0)
+            return NULL;
+    }
+    return Py_NewRef(PyTuple_GetItem(plan, RESULT));
+}
+
+static PyMethodDef methods[] = {
+    {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL, "run(plan, *args): the call's result, or MISSED"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_again", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__again(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    missed = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    if (missed == NULL || PyModule_AddObject(m, "MISSED", Py_NewRef(missed)) < 0) {
+        Py_XDECREF(missed);  /* (the reference AddObject did not take, where it failed) */
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
