@@ -209,8 +209,10 @@ PyMODINIT_FUNC PyInit__again(void) {
     if (m == NULL)
         return NULL;
     missed = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
-    if (missed == NULL || PyModule_AddObject(m, "MISSED", Py_NewRef(missed)) < 0) {
-        Py_XDECREF(missed);  /* (the reference AddObject did not take, where it failed) */
+    /* PLAN_FIELDS: pyhipa2a.again loads no helper built for another plan's layout */
+    if (missed == NULL || PyModule_AddObjectRef(m, "MISSED", missed) < 0
+            || PyModule_AddIntConstant(m, "PLAN_FIELDS", PLAN_FIELDS) < 0) {
+        Py_CLEAR(missed);
         Py_DECREF(m);
         return NULL;
     }

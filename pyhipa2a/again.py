@@ -35,6 +35,7 @@ from .quick import NO_LIBRARY, _same_handle
 # An object's attributes are asked in its __dict__ (vars()): the plan reads and sets them there, at
 # some 15 ns each where getattr on an AllToAll took 50-70.
 ENTRY_IS, ENTRY_IS_OR_NONE, CALL_IS, CALL_EQ = range(4)
+PLAN_FIELDS = 9  # (given, alike, checks, status, activate, launch, sets, result, failed): _plan's tuple
 _HELPER = Path(__file__).resolve().parent / "_code" / "_again.abi3.so"
 
 
@@ -49,6 +50,8 @@ def _load():
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
     except (ImportError, OSError):  # (another platform's build, say: the Python path stands)
+        return None, None
+    if getattr(module, "PLAN_FIELDS", None) != PLAN_FIELDS:  # (a helper left by an older build)
         return None, None
     return module.run, module.MISSED
 

@@ -120,6 +120,8 @@ def build_host(out_dir: Path, log=print) -> list[Path]:
     if why is None:
         log(f"pyhipa2a.build: C helpers with {cc}")
         return built
+    for stale in (out_dir / f"_{src.stem}.abi3.so" for src in HOST_SOURCES.glob("*.c")):
+        stale.unlink(missing_ok=True)  # (an older build's helper must not stand in for this one)
     log(f"pyhipa2a.build: skipping the C helpers (repeated calls take their Python path): {why}")
     return []
 

@@ -35,6 +35,7 @@ call is wrong.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -414,6 +415,17 @@ def _same_handle(stream, recorded) -> bool:
     return handle is not None and handle == producers.foreign_stream_handle(recorded)
 
 
+def _again_of(quick: Quick, repeat) -> tuple:
+    """The record's plan (pyhipa2a.again), or () with a warning where it cannot be made: a plan only
+    speeds repeats up, so a failure to make one must not fail the call, or every second call after it."""
+    try:
+        return quick.make_again(repeat)
+    except Exception as error:
+        warnings.warn(f"pyhipa2a: a repeated call's plan could not be made ({error!r}); its repeats take the "
+                      "Python path", RuntimeWarning, stacklevel=4)
+        return ()
+
+
 def _relaunch(a2a, repeat, record: str, launch=None) -> None:
     """Queue `repeat` (a2a's `record`) as the full path queues a repeat (Repeat.resume): after the last
     call and its arguments' producers, then `launch` (a function of the stream; None: the record's own,
@@ -426,11 +438,11 @@ def _relaunch(a2a, repeat, record: str, launch=None) -> None:
         if quick.launch is None:
             try:
                 quick.launch = quick.make_launch()
-                if quick.make_again is not None:  # (the next repeat like this one runs in C)
-                    quick.again = quick.make_again(repeat)
             except BaseException:
                 setattr(a2a, record, None)  # as the full path: a call that fails records nothing
                 raise
+            if quick.make_again is not None:  # (the next repeat like this one runs in C)
+                quick.again = _again_of(quick, repeat)
         launch = quick.launch
     repeat.resume(order, stream)
     try:

@@ -284,3 +284,23 @@ def test_another_librarys_stream_is_asked_again(monkeypatch):
     assert run_dispatch(me, t) is not again.MISSED
     me._pending, named[0] = None, 0x32
     assert run_dispatch(me, t) is again.MISSED and dispatch(me, t) is None and len(launched) == 1
+
+
+def test_a_plan_that_cannot_be_made_leaves_the_call_to_the_python_path(monkeypatch):
+    """A plan only speeds repeats up: where making it fails the call still runs (a warning says so) and
+    its repeats take the Python path."""
+    me, t, _, launched = settled_object(monkeypatch)
+
+    def unmakeable(repeat):
+        raise ValueError("no plan")
+    me._repeat_dispatch.quick.make_again = unmakeable
+    with pytest.warns(RuntimeWarning, match="plan could not be made"):
+        assert dispatch(me, t) is me._repeat_dispatch.prepared
+    assert me._repeat_dispatch.quick.again == () and launched == [("dispatch", me._repeat_dispatch.quick.stream)]
+
+
+@built
+def test_a_helper_built_for_another_plan_layout_is_not_loaded(monkeypatch):
+    assert again._load()[0] is not None
+    monkeypatch.setattr(again, "PLAN_FIELDS", again.PLAN_FIELDS + 1)
+    assert again._load() == (None, None)
