@@ -26,10 +26,8 @@ import importlib.util
 import operator
 from pathlib import Path
 
-import numpy as np
-
 from .inputs import same_scale
-from .quick import NO_LIBRARY, _same_handle
+from .quick import ANY_INPUT, NO_LIBRARY, _same_handle
 
 # A check's kinds (csrc/again.c): a[b] is want (a: a dict); the same or None; a(b) is want; a(b) == want.
 # An object's attributes are asked in its __dict__ (vars()): the plan reads and sets them there, at
@@ -95,15 +93,14 @@ def _holds_checks(a2a, repeat) -> tuple | None:
     plan cannot state them."""
     quick, order = repeat.quick, a2a._order
     stream, lead = quick.stream, quick.lead
-    if quick.keys is None or not all(order.same_stream(producer, stream) for producer in repeat.waits):
-        return None  # (a stream chosen among libraries, per-call rechecks; a producer to wait for)
+    if (quick.keys is None or (quick.follows_library and lead is ANY_INPUT)
+            or not all(order.same_stream(producer, stream) for producer in repeat.waits)):
+        return None  # (per-call rechecks; a stream chosen among libraries, each asked in turn; a producer to wait for)
     state = vars(a2a)
     checks = [(ENTRY_IS, state, "_broken", None), (ENTRY_IS, state, "_capturing", None)]
     # StreamOrder.follow orders nothing where the last call was on this stream or none is pending; the
     # stream of a call that follows no library's is latest(): the last one's, else the object's own.
     last_may_be_none = not (quick.follows_library and lead is NO_LIBRARY and order.default is not stream)
-    if quick.follows_library and type(lead) is not tuple and lead is not NO_LIBRARY:
-        return None  # (ANY_INPUT: each library is asked in turn, as the full path asks them)
     checks.append((ENTRY_IS_OR_NONE if last_may_be_none else ENTRY_IS, vars(order), "last", stream))
     if quick.ask_capture:
         checks.append((CALL_IS, a2a.backend.stream_capturing, stream, False))
@@ -130,11 +127,8 @@ def _plan(a2a, repeat, record: str, given: tuple, alike: tuple, checks: tuple, s
             backend.raise_driver_error(what, code)
     launch, must_be_empty = backend.again_launch(quick.launch, quick.stream)
     checks += tuple((CALL_IS, operator.not_, collection, True) for collection in must_be_empty)
-    status = a2a.host_status
-    if isinstance(status, np.ndarray) and status.dtype == np.uint32:  # (the kernels' report word, read in place)
-        address = status.ctypes.data
-    else:  # (a stand-in's list: asked as quick._holds asks it)
-        address, checks = 0, checks + ((CALL_EQ, operator.itemgetter(0), status, 0),)
     state = vars(a2a)
     sets = ((vars(a2a._order), "last", quick.stream),) + tuple((state, name, value) for name, value in sets)
-    return (given, alike, checks, address, backend.again_activate(), launch, sets, result, failed)
+    # (host_status: the uint32 words the kernels report into, host-mapped; the plan reads the first in place)
+    return (given, alike, checks, a2a.host_status.ctypes.data, backend.again_activate(), launch, sets, result,
+            failed)

@@ -104,9 +104,13 @@ def build_host(out_dir: Path, log=print) -> list[Path]:
     calls then take their Python path): no compiler or Python.h, a free-threaded CPython (no limited
     API), or a compiler that fails on them."""
     cc, include = find_c_compiler(), sysconfig.get_paths()["include"]
-    why = ("no C compiler found" if cc is None else f"no Python.h in {include}"
-           if not os.path.exists(os.path.join(include, "Python.h")) else
-           "a free-threaded CPython has no limited API" if sysconfig.get_config_var("Py_GIL_DISABLED") else None)
+    why = None
+    if cc is None:
+        why = "no C compiler found"
+    elif not os.path.exists(os.path.join(include, "Python.h")):
+        why = f"no Python.h in {include}"
+    elif sysconfig.get_config_var("Py_GIL_DISABLED"):
+        why = "a free-threaded CPython has no limited API"
     built = []
     for src in sorted(HOST_SOURCES.glob("*.c")) if why is None else ():
         out = out_dir / f"_{src.stem}.abi3.so"

@@ -28,13 +28,10 @@ def test_the_helper_is_built_where_a_compiler_is():
     assert again.run is not None and again.MISSED is not None
 
 
-def planned(monkeypatch, status=None):
+def planned(monkeypatch):
     """test_quick's settled object whose two records have made their launches and plans (a first repeat of
-    each leg, on the Python path), the launches made since cleared; `status` the kernels' report word
-    (a uint32 array, read in place by the plan; None: test_quick's list, asked through Python)."""
+    each leg, on the Python path), the launches made since cleared."""
     me, t, asks, launched = settled_object(monkeypatch)
-    if status is not None:
-        me.host_status = status
     me.backend.again_activate = Backend.again_activate.__get__(me.backend)
     me.backend.again_launch = Backend.again_launch.__get__(me.backend)
     for record, plan in (("_repeat_dispatch", again.plan_dispatch), ("_repeat_combine", again.plan_combine)):
@@ -78,15 +75,13 @@ def test_a_repeat_runs_as_the_python_path_runs_it(monkeypatch):
 
 
 @built
-@pytest.mark.parametrize("change", DISPATCH_CHANGES + ["kernel error in place", "last call elsewhere", "entry dropped"])
+@pytest.mark.parametrize("change", DISPATCH_CHANGES + ["last call elsewhere", "entry dropped"])
 def test_a_call_that_is_not_the_repeat_misses_and_does_nothing(monkeypatch, change):
-    """test_quick's changes, and the status word read in place, the last call on another stream (which the
-    Python path orders this one after), a boundary entry dropped since."""
-    me, t, _, launched = planned(monkeypatch, np.zeros(4, np.uint32) if change == "kernel error in place" else None)
+    """test_quick's changes (the status word among them, read in place), the last call on another stream
+    (which the Python path orders this one after), a boundary entry dropped since."""
+    me, t, _, launched = planned(monkeypatch)
     given = changed_for_dispatch(me, t, change)
-    if change == "kernel error in place":
-        me.host_status[0] = 3
-    elif change == "last call elsewhere":
+    if change == "last call elsewhere":
         me._order.last = object()
     elif change == "entry dropped":
         me._repeat_dispatch.boundary._settled.pop("indices")

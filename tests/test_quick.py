@@ -70,7 +70,7 @@ def settled_object(monkeypatch):
         b.take("indices", tensors.indices, (2, 4), np.int32, TORCH_STREAM)
         take_in_call(b, "expert_y", tensors.y, (1, 2, 4), np.float16, TORCH_STREAM)
         b.take("weights", tensors.w, (2, 4), np.float32, TORCH_STREAM)
-    me = SimpleNamespace(_broken=None, _capturing=None, host_status=[0], _on_current_stream=True, _library_device=0,
+    me = SimpleNamespace(_broken=None, _capturing=None, host_status=np.zeros(4, np.uint32), _on_current_stream=True, _library_device=0,
                          max_tokens=2, top_k=4, hidden=4, scale_cols=0, local_experts=1, capacity=2,
                          _order=b.order, stream=OURS, backend=runtime, _pending=None, _pending_weights=None,
                          _pending_joined=None, _joined=None, _keepalive=None, _last_scale=(1.0, np.float32(1.0)),
