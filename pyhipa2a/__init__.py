@@ -1,7 +1,8 @@
-"""pyhipa2a: torch-free MoE expert-parallel all-to-all (dispatch / combine) on one node of GPUs."""
-from .a2a import AllToAll
-from .calls import DispatchResult
+"""pyhipa2a: torch-free MoE expert-parallel all-to-all (dispatch / combine) over a symmetric GPU heap."""
+from . import hierarchy, intranode  # noqa: F401  (AllToAll's two implementations register themselves)
+from .api import AllToAll
 from .array import DeviceArray
+from .buffers import DispatchResult
 from .errors import (A2ADeviceError, A2AError, A2ATimeoutError, AllocationMismatchError, CodeObjectNotFound,
                      ConfigMismatchError, RuntimeFailure)
 from .graph import Graph

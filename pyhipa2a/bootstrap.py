@@ -1,8 +1,11 @@
-"""MPI plumbing: the node-local communicator and waits that cannot hang."""
+"""MPI plumbing: how ranks lie on nodes, the node-local communicator, and waits that cannot hang."""
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+
+import numpy as np
 
 from .errors import A2ATimeoutError, ConfigMismatchError
 
@@ -61,3 +64,46 @@ def bounded_barrier(comm, timeout: float, what: str) -> None:
                 f"at least one of the {comm.Get_size()} ranks never arrived")
         sleep_backoff(attempt)
         attempt += 1
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    nodes: int
+    ranks_per_node: int
+    node: int         # this rank's node
+    place: int        # this rank's place in its node
+    local_rank: int   # this rank among the ranks of its machine (picks its GPU)
+
+
+def node_layout(comm=None, ranks_per_node: int | None = None) -> NodeLayout:
+    """How `comm`'s ranks group into nodes (collective): the machines they run on, or groups of
+    `ranks_per_node` (else PYHIPA2A_RANKS_PER_NODE) consecutive ranks within them."""
+    MPI = _mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if ranks_per_node is None and os.environ.get("PYHIPA2A_RANKS_PER_NODE"):
+        ranks_per_node = int(os.environ["PYHIPA2A_RANKS_PER_NODE"])
+    rank, world = comm.Get_rank(), comm.Get_size()
+    machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, leader = machine.Get_rank(), machine.bcast(rank, root=0)
+    machine.Free()
+    leaders = comm.allgather(leader)
+    asked = comm.allgather(ranks_per_node)
+    if len(set(asked)) > 1:
+        raise ConfigMismatchError(f"ranks disagree on ranks_per_node: {asked} (rank by rank)")
+    if ranks_per_node is None:
+        sizes = {lead: leaders.count(lead) for lead in leaders}
+        if len(set(sizes.values())) > 1:
+            raise ConfigMismatchError(f"the machines hold different numbers of ranks ({sorted(sizes.values())}); "
+                                      "every node must hold as many")
+        G = sizes[leader]
+    else:
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, (int, np.integer)) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive integer, not {ranks_per_node!r}")
+        G = int(ranks_per_node)
+        if world % G:
+            raise ValueError(f"ranks_per_node={G} does not divide the {world} ranks into equal nodes")
+    groups = [leaders[n * G:(n + 1) * G] for n in range(world // G)]
+    if any(len(set(g)) > 1 for g in groups):
+        raise ValueError(f"nodes of {G} consecutive ranks must each lie on one machine (ranks by machine: "
+                         f"{leaders}); place the ranks machine by machine")
+    return NodeLayout(world // G, G, rank // G, rank % G, local_rank)

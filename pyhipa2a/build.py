@@ -5,7 +5,7 @@ Every `kernels_hip/*.hip` file becomes one code object per target:
   <name>.sm_90.fatbin   for NVIDIA (sm_90 machine code + compute_90 PTX), by nvcc
 and every `csrc/*.c` file one CPython extension of the limited API, by the C
 compiler Python was built with (or cc):
-  _<name>.abi3.so       a repeated call's checks and launch in C (pyhipa2a.again)
+  _<name>.abi3.so       a repeated call's plan, run in C (pyhipa2a.repeat)
 A toolchain that is absent is skipped with one line saying so. Variants (e.g.
 the profiling build) add `-D` defines and a suffix to the name.
 
@@ -100,9 +100,9 @@ def host_command(cc: str, include: str, src: Path, out: Path) -> list[str]:
 
 
 def build_host(out_dir: Path, log=print) -> list[Path]:
-    """The C helpers, where they can be built and loaded here; one line says why not otherwise (repeated
-    calls then take their Python path): no compiler or Python.h, a free-threaded CPython (no limited
-    API), or a compiler that fails on them."""
+    """The C helpers, where they can be built and loaded here; one line says why not otherwise (plans of
+    repeated calls then run in Python): no compiler or Python.h, a free-threaded CPython (no limited API),
+    or a compiler that fails on them."""
     cc, include = find_c_compiler(), sysconfig.get_paths()["include"]
     why = None
     if cc is None:
@@ -126,7 +126,7 @@ def build_host(out_dir: Path, log=print) -> list[Path]:
         return built
     for stale in (out_dir / f"_{src.stem}.abi3.so" for src in HOST_SOURCES.glob("*.c")):
         stale.unlink(missing_ok=True)  # (an older build's helper must not stand in for this one)
-    log(f"pyhipa2a.build: skipping the C helpers (repeated calls take their Python path): {why}")
+    log(f"pyhipa2a.build: skipping the C helpers (repeated calls run their plans in Python): {why}")
     return []
 
 

@@ -1,58 +1,87 @@
-"""What a call does alike in AllToAll and HierarchicalAllToAll (pyhipa2a.hierarchy): the checks a
-dispatch or combine makes before any kernel runs, its arguments through the array boundary
-(pyhipa2a.inputs), the result it hands back, and the record that lets the next call with the same
-arguments repeat it without its checks (Repeat)."""
+"""The call protocol: what a dispatch or combine checks before any kernel runs, the state it hands on,
+and the path it takes (Calls).
+
+Every rank calls dispatch then combine, in turn: the device hands each call's epoch from dispatch to
+its combine, so a second dispatch before the combine would reuse it and peers would read the last
+call's data. An object that saw an error refuses further calls (peers may be mid-protocol).
+"""
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass
+import warnings
 
 import numpy as np
 
-from .array import DeviceArray
+from .config import Config
 from .dtypes import FP8_BLOCK
 from .errors import A2AError
-from .inputs import check_array, check_indices, require_array
+from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array, same_scale
 from .kernels import X_FP8
+from .producers import foreign_stream_handle
+from .repeat import MISSED, Record, make_plan, run
+from .streams import Streams
 
 
-def checked_dispatch(a2a, x, indices, weights, x_scales) -> int:
-    """Everything a dispatch() checks before any kernel runs, for AllToAll and HierarchicalAllToAll
-    alike (their shared configuration attributes); returns the call's tokens T."""
-    if a2a._pending is not None:
-        # The device hands the call's epoch from dispatch to combine: a second
-        # dispatch would reuse it, and peers would read the last call's data.
+class CallState:
+    """What an object's calls hand on to the next. The full path records a call's changes to these
+    attributes (Calls._record), and a plan (pyhipa2a.repeat) checks and sets them the same way."""
+    __slots__ = ("broken", "pending", "sent", "joined", "keep")
+
+    def __init__(self):
+        self.broken = None   # why the object refuses calls after an error
+        self.pending = None  # the DispatchResult awaiting its combine
+        self.sent = None     # the weights that dispatch sent (combine takes none)
+        self.joined = None   # the other library's capture stream the pending dispatch was recorded into
+        self.keep = None     # the last call's inputs: the device may still read them
+
+
+def same_stream_given(stream, recorded) -> bool:
+    """Whether stream= names the recorded one anew: a new int (a loop that passes
+    `torch.cuda.current_stream().cuda_stream` or CuPy's `.ptr` makes a new one each time) or a new
+    PyTorch or CuPy stream object with the same handle."""
+    handle = foreign_stream_handle(stream)
+    return handle is not None and handle == foreign_stream_handle(recorded)
+
+
+# How a plan matches each argument of a call again (pyhipa2a.repeat.Record.alike): by identity, but
+# stream= and expert_scale, which a loop may make anew at every call.
+DISPATCH_ALIKE = (None, None, None, None, same_stream_given)          # x, indices, weights, x_scales, stream
+COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)     # expert_y, weights, out, stream, scale
+
+
+def checked_dispatch(config: Config, state: CallState, x, indices, weights, x_scales) -> int:
+    """Everything a dispatch() checks before any kernel runs; the call's tokens T."""
+    if state.pending is not None:
         raise A2AError("dispatch() called again before combine(): each dispatch is combined once")
     require_array(x, "x")
     require_array(indices, "indices")
-    if (x_scales is None) == (a2a.x_format == X_FP8):
+    if (x_scales is None) == (config.x_format == X_FP8):
         if x_scales is None:
-            raise TypeError(f"x is {a2a.in_dtype.name}: pass its scales as x_scales [T, "
-                            f"{a2a.scale_cols}] float32 (one per {FP8_BLOCK} elements of a row)")
+            raise TypeError(f"x is {config.in_dtype.name}: pass its scales as x_scales [T, "
+                            f"{config.scale_cols}] float32 (one per {FP8_BLOCK} elements of a row)")
         raise TypeError(f"x_scales is for fp8 x (AllToAll(in_dtype='float8_e4m3', ...)); this AllToAll takes "
-                        f"{a2a.in_dtype.name} x" + (" and quantizes it itself" if a2a.scale_cols else ""))
+                        f"{config.in_dtype.name} x" + (" and quantizes it itself" if config.scale_cols else ""))
     if x_scales is not None:
         require_array(x_scales, "x_scales")
     if weights is not None:
         require_array(weights, "weights")
     shape = getattr(x, "shape", None)
     if shape is None or len(shape) != 2:
-        raise ValueError(f"x must have 2 dimensions (T, {a2a.hidden}), got shape {shape}")
+        raise ValueError(f"x must have 2 dimensions (T, {config.hidden}), got shape {shape}")
     T = int(shape[0])
-    if T > a2a.max_tokens:
-        raise ValueError(f"x has {T} tokens; this AllToAll was built for max_num_tokens={a2a.max_tokens}")
+    if T > config.max_tokens:
+        raise ValueError(f"x has {T} tokens; this AllToAll was built for max_num_tokens={config.max_tokens}")
     if isinstance(indices, np.ndarray):
-        check_array("indices", indices.shape, indices.dtype, (T, a2a.top_k), np.int32)
-        check_indices(indices, a2a.num_experts)
+        check_array("indices", indices.shape, indices.dtype, (T, config.top_k), np.int32)
+        check_indices(indices, config.num_experts)
     return T
 
 
-def checked_combine_weights(a2a, weights):
+def checked_combine_weights(state: CallState, weights):
     """combine()'s checks of the pending dispatch and of where the weights came: the weights that
     dispatch sent (None: they come here)."""
-    if a2a._pending is None:
+    if state.pending is None:
         raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
-    sent = a2a._pending_weights
+    sent = state.sent
     if sent is None and weights is None:
         raise TypeError("combine() needs the weights [T, k] float32: here, or given to dispatch(weights=)")
     if sent is not None and weights is not None and weights is not sent:
@@ -61,114 +90,259 @@ def checked_combine_weights(a2a, weights):
     return sent
 
 
-def take_input(boundary, node, obj, name, want_shape, want_dtype, stage: str | None, stream, align: int = 1):
-    """(pointer, keepalive) of argument `name` on the device through `boundary` (pyhipa2a.inputs:
-    described once, checked, ordered after its producer; NumPy arrays are copied into staging buffer
-    `stage`), for a call of `node`, the AllToAll whose capture and staging buffers it uses (AllToAll's
-    and HierarchicalAllToAll's `_input` alike)."""
-    return boundary.take(name, obj, want_shape, want_dtype, stream, capturing=node._capturing is not None,
-                         stage_ptr=node._stage_ptrs[stage] if stage else None, align=align)
+def checked_weights_shape(weights, T: int) -> None:
+    shape = getattr(weights, "shape", None)
+    if shape is not None and len(shape) == 2 and shape[0] != T:
+        raise ValueError(f"weights has {shape[0]} rows but the call has {T} tokens")
 
 
-def weights_input(a2a, weights, T: int, stream):
-    """(pointer, keepalive) of the gate's weights [T, k] float32, for dispatch or combine, through
-    `a2a._input` (AllToAll's and HierarchicalAllToAll's alike)."""
-    wshape = getattr(weights, "shape", None)
-    if wshape is not None and len(wshape) == 2 and wshape[0] != T:
-        raise ValueError(f"weights has {wshape[0]} rows but the call has {T} tokens")
-    return a2a._input(weights, "weights", (T, a2a.top_k), np.float32, "weights_stage", stream, align=4)
+class Calls:
+    """The call path of an AllToAll (pyhipa2a.api), shared by its implementations, which launch the calls
+    (_launch_dispatch, _launch_combine, _repeater, _make_views): a call is its plan (pyhipa2a.repeat),
+    where the last two calls of its kind were this one, or the full path: one check of the object and the
+    arguments, the call's stream, each argument through the array boundary, the launch, and one record of
+    what the call changed."""
 
+    JOINS_CAPTURES = True  # whether a call may be recorded into another library's capture
 
-@dataclass(frozen=True)
-class DispatchResult:
-    expert_num_tokens: DeviceArray  # int32 [L]
-    expert_x: DeviceArray           # [L, W*M, H]
-    expert_meta: DeviceArray        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
-    num_tokens: int                 # T of this rank's call
-    expert_x_scales: DeviceArray | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch, else None
-    expert_layout: DeviceArray | None = None  # int32 [L, W, 2] with row_layout="by_source": (first row, rows) of
-                                              # each source's rows of each expert; None when packed
+    def __init__(self, config: Config, exchange, health):
+        self._config, self._exchange, self._health = config, exchange, health
+        heap = exchange.heap
+        self.heap, self.stream, self.backend = heap, exchange.stream, heap.backend
+        index = heap.device.index
+        self._streams = Streams(self.backend, self.stream, config.stream == "current",
+                                None if self.backend.kind == "host" else index)
+        self._boundary = Boundary(self.backend, index, self._streams, config.producer_order)
+        self._state = CallState()
+        self._views: dict = {}  # OutputViews by id(stream): the views hold their stream, so no id is reused
+        self._scale = (1.0, 1.0)  # combine's last expert_scale, as given and as the float32 it checked out as
+        self._dispatch_plan = self._combine_plan = None
+        self._dispatch_record = self._combine_record = None
 
+    @property
+    def config(self) -> Config:
+        return self._config
 
-class Repeat:
-    """A call that the next one may repeat without its checks. It holds the last call's arguments
-    (compared by identity) and what that call worked out, and exists only when every device argument
-    had settled at the boundary (pyhipa2a.inputs: nothing to ask; at most a wait for a producer's
-    stream, made again at every repeat). A loop that hands over the same arrays again (the usual
-    case) then costs a few identity checks, those waits and the launch. Anything else takes the full
-    path: another array, stream or scale, NumPy inputs (copied at every call: their name's entry is
-    dropped), or a capture (its arguments do not settle). The token count is the recorded call's, as
-    the arguments' shapes were: like the boundary's settled entries, this trusts our own arrays (and
-    any, under producer_order="stream") not to change their shape or memory in place; a PyTorch, CuPy
-    or JAX argument is asked again what its probe answered (pyhipa2a.producers: pointer, shape,
-    strides, type, and the same producer stream as then: asked once a call for all the arguments of
-    one library, and not again where the call asked it to choose its own stream,
-    AllToAll(stream="current")). Streams are compared as the
-    object's own view of them (one per handle), so a handle given as an int repeats."""
+    # -- what an implementation provides ------------------------------------------
+    def _make_views(self, stream):
+        """The OutputViews that name `stream`."""
+        raise NotImplementedError
 
-    __slots__ = ("args", "names", "entries", "boundary", "tokens", "prepared", "rechecks", "waits", "quick")
+    def _launch_dispatch(self, s, tokens: int, x: int, indices: int, x_scales: int, weights: int) -> None:
+        raise NotImplementedError
 
-    def __init__(self, args: tuple, names: tuple, entries: tuple, boundary, tokens: int, prepared):
-        self.args, self.names, self.entries, self.boundary = args, names, entries, boundary
-        self.tokens, self.prepared = tokens, prepared  # what the call worked out: combine's arguments, dispatch's result
-        # PyTorch, CuPy and JAX arguments: their producers' answers, asked again at every repeat
-        self.rechecks = tuple((entry.recheck, entry.obj) for entry in entries if entry.recheck is not None)
-        # and the producer streams they named, other than the call's: waited for at every repeat
-        self.waits = tuple(dict.fromkeys(entry.wait for entry in entries if entry.wait is not None))
-        self.quick = None  # AllToAll's flat form of the repeat (pyhipa2a.quick), where it has one
+    def _launch_combine(self, s, tokens: int, expert_y: int, weights: int, out: int, scale: float) -> None:
+        raise NotImplementedError
 
-    def resume(self, order, stream) -> None:
-        """Queue the repeated call on `stream` as its first one was: after our earlier calls, then
-        after its arguments' producers (a repeat never runs while a capture records)."""
-        order.follow(stream)
-        for producer in self.waits:
-            order.wait_for_producer(producer, stream)
+    def _repeater(self, leg: str, tokens: int):
+        """A function of the stream that launches the call of `leg` just made again ("dispatch", "combine")."""
+        raise NotImplementedError
 
-    @classmethod
-    def of(cls, args: tuple, names: tuple, boundary, tokens: int, prepared=None):
-        """The record of a call just made with `args` (its stream among them), whose device arguments
-        went through the boundary as `names`; None when one of them has not settled."""
-        entries = tuple(boundary.settled(name) for name in names)
-        if any(entry is None for entry in entries):
+    def _usable(self) -> None:
+        if self.heap.closed:
+            raise A2AError("AllToAll is closed")
+        if self._state.broken:
+            raise A2AError(f"AllToAll is unusable after an earlier failure: {self._state.broken}")
+        self._raise_reported()
+        self.backend.activate()
+
+    def _raise_reported(self, cause: BaseException | None = None) -> None:
+        """A kernel reported an error: this object refuses further calls (peers may be mid-protocol)."""
+        error = self._health.error()
+        if error is not None:
+            self._state.broken = str(error)
+            raise error from cause
+
+    def _outputs(self, stream):
+        views = self._views.get(id(stream))
+        if views is None:
+            views = self._views[id(stream)] = self._make_views(stream)
+        return views
+
+    def _check_pairing(self, leg: str) -> None:
+        """A dispatch recorded into another library's capture must be combined in that same capture, and one
+        made outside it outside it: each replay of the caller's graph is then a whole call on the device."""
+        state = self._state
+        if state.pending is None or state.joined is self._streams.joined:
+            return
+        if state.joined is not None:
+            # The caller's graph may hold this dispatch alone: replaying it would take an epoch no combine
+            # hands on, so no later call of this object could be trusted.
+            state.broken = (f"a dispatch() recorded into another library's capture was followed by {leg}() "
+                            "outside that capture: each recorded dispatch must be combined in the same capture")
+            raise A2AError(state.broken)
+        raise A2AError(f"{leg}() is being recorded into another library's capture while a dispatch() made "
+                       "outside it awaits its combine(): combine that dispatch before the capture")
+
+    def _take(self, name: str, obj, shape, dtype, s, arrays: list, stage: str | None = None, align: int = 1) -> int:
+        """obj's pointer through the boundary (NumPy copied into buffer `stage`); (obj, Taken) joins `arrays`."""
+        taken = self._boundary.take(name, obj, shape, dtype, s, capturing=self._streams.capturing is not None,
+                                    stage_ptr=self._exchange.buffers[stage].ptr if stage else None, align=align)
+        arrays.append((obj, taken))
+        return taken.ptr
+
+    def _record(self, changes: tuple) -> None:
+        """The one place a call's state is recorded: `changes` ((obj, name, value), ...), which a plan made
+        from the call sets again at each repeat (pyhipa2a.repeat)."""
+        for obj, name, value in changes:
+            setattr(obj, name, value)
+
+    def _changes(self, s, arrays: list, *changes) -> tuple:
+        """A call's changes: `changes`, then what the device may still read (kept by a capture's graph
+        instead, while one records) and the last call's stream."""
+        keep = tuple(taken.keep for _, taken in arrays)
+        if self._streams.keep(keep):
+            return changes
+        return (*changes, (self._state, "keep", keep), (self._streams, "last", s))
+
+    def _plan(self, record: Record, last: Record | None, conditions: tuple, leg: str):
+        """The plan of `record`'s call where it repeats `last` (the call before it of its kind), else None.
+        A plan that cannot be made warns: it only speeds repeats up, so it never fails the call."""
+        if self._streams.capturing is not None or not record.same(last):
             return None
-        return cls(args, names, entries, boundary, tokens, prepared)
+        plan_name = f"_{leg}_plan"
 
-    def holds(self, args: tuple, asked: dict | None = None) -> bool:
-        """`args` are the recorded ones, object for object, and nothing about their use has changed.
-        `asked`: the call's producer answers so far ({probe: stream}, see Recheck.holds), filled here."""
-        # (map with operator.is_ iterates in C: this is every repeated call's path)
-        return all(map(operator.is_, args, self.args)) and self.still(asked)
+        def failed(what: str, code) -> None:
+            if what != "cuCtxSetCurrent":  # (a launch that fails leaves no plan, as a failed full path)
+                setattr(self, plan_name, None)
+            if code is not None:
+                self.backend.raise_driver_error(what, code)
+        try:
+            return make_plan(record, conditions, self._streams, self.backend,
+                             self._exchange.buffers.status.ctypes.data, self._repeater(leg, record.tokens), failed)
+        except Exception as error:
+            warnings.warn(f"pyhipa2a: a repeated call's plan could not be made ({error!r}); its repeats take the "
+                          "full path", RuntimeWarning, stacklevel=4)
+            return None
 
-    def still(self, asked: dict | None = None) -> bool:
-        """holds() once the call's arguments are known to be the recorded ones: the boundary still
-        holds them as then, and their producers answer as then."""
-        if not all(map(operator.is_, map(self.boundary.settled, self.names), self.entries)):
-            return False
-        if self.rechecks:
-            if asked is None:
-                asked = {}
-            for recheck, obj in self.rechecks:
-                if not recheck.holds(obj, asked):
-                    return False
-        return True
+    # -- calls -------------------------------------------------------------------
+    def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None):
+        """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M;
+        with fp8 x (in_dtype fp8), `x_scales` [T, H / 128] float32: element i of row t stands for
+        x[t, i] * x_scales[t, i // 128]. `weights` [T, k] float32, the gate's weights, may come here
+        instead of to combine: they then travel with the routing (combine's fastest form). Returns a
+        DispatchResult of views."""
+        plan = self._dispatch_plan
+        if plan is not None:
+            result = run(plan, x, indices, weights, x_scales, stream)
+            if result is not MISSED:
+                return result
+        return self._dispatch(x, indices, weights, x_scales, stream)
+
+    def _dispatch(self, x, indices, weights, x_scales, stream):
+        self._dispatch_plan = None  # (a call that fails leaves none)
+        self._usable()
+        c, state, streams = self.config, self._state, self._streams
+        s, lead = streams.enter(stream, (x, indices), self.JOINS_CAPTURES)
+        try:
+            self._check_pairing("dispatch")
+            T = checked_dispatch(c, state, x, indices, weights, x_scales)
+            streams.follow(s)
+            self._settle_before_host_copies(s, (x, indices, weights, x_scales))
+            arrays: list = []
+            x_ptr = self._take("x", x, (T, c.hidden), c.in_dtype, s, arrays, "x_stage")
+            i_ptr = self._take("indices", indices, (T, c.top_k), np.int32, s, arrays, "indices_stage")
+            s_ptr = w_ptr = 0
+            if x_scales is not None:
+                s_ptr = self._take("x_scales", x_scales, (T, c.scale_cols), np.float32, s, arrays, "x_scales_stage", 4)
+            if weights is not None:
+                checked_weights_shape(weights, T)
+                w_ptr = self._take("weights", weights, (T, c.top_k), np.float32, s, arrays, "weights_stage", 4)
+            self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr)
+            result = self._outputs(s).dispatch_result(T)
+            changes = self._changes(s, arrays, (state, "pending", result), (state, "sent", weights),
+                                    (state, "joined", streams.joined))
+            self._record(changes)
+            record = Record((x, indices, weights, x_scales, stream), DISPATCH_ALIKE, s, lead, (x, indices),
+                            tuple(arrays), T, result, changes)
+            self._dispatch_plan = self._plan(record, self._dispatch_record, ((state, "broken", None),
+                                                                             (state, "pending", None)), "dispatch")
+            self._dispatch_record = record if streams.capturing is None else None
+            return result
+        finally:
+            streams.leave()
+
+    def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0):
+        """Bring expert outputs back: y[t] = sum_j weights[t, j] * expert_y_row(t, j), fp32 accumulation.
+        `weights` [T, k] float32, unless they were given to dispatch (then none, or the same array).
+        `expert_scale` (this rank's) is a fused epilogue: this rank's expert rows count as expert_y *
+        expert_scale (gpu-mode's fake expert is `combine(d.expert_x, w, expert_scale=1 + rank)`)."""
+        plan = self._combine_plan
+        if plan is not None:
+            y = run(plan, expert_y, weights, out, stream, expert_scale)
+            if y is not MISSED:
+                return y
+        return self._combine(expert_y, weights, out, stream, expert_scale)
+
+    def _combine(self, expert_y, weights, given_out, stream, expert_scale):
+        self._combine_plan = None  # (a call that fails leaves none)
+        self._usable()
+        c, state, streams = self.config, self._state, self._streams
+        sent = checked_combine_weights(state, weights)
+        pending = state.pending
+        T = pending.num_tokens
+        inputs = (expert_y, weights, given_out)
+        s, lead = streams.enter(stream, inputs, self.JOINS_CAPTURES)
+        try:
+            self._check_pairing("combine")
+            scale = self._checked_scale(expert_scale)
+            streams.follow(s)
+            self._settle_before_host_copies(s, (expert_y, weights))
+            arrays: list = []
+            y_shape = (c.local_experts, c.capacity, c.hidden)
+            host_y = expert_y if isinstance(expert_y, np.ndarray) else None
+            if host_y is not None:  # checked now, copied last: a refused call overwrites nothing
+                check_numpy_input("expert_y", host_y, y_shape, c.out_dtype, streams.capturing is not None)
+                y_ptr = 0
+            else:
+                y_ptr = self._take("expert_y", expert_y, y_shape, c.out_dtype, s, arrays)
+            w_ptr = 0
+            if sent is None:
+                checked_weights_shape(weights, T)
+                w_ptr = self._take("weights", weights, (T, c.top_k), np.float32, s, arrays, "weights_stage", 4)
+            if given_out is None:
+                out = self._outputs(s).y_rows[T]
+                out_ptr = out.ptr
+            elif isinstance(given_out, np.ndarray):
+                raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
+            else:
+                out = given_out
+                out_ptr = self._take("out", out, (T, c.hidden), c.out_dtype, s, arrays)
+            if host_y is not None:  # (the host waits for the stream)
+                staging = self.expert_y_buffer()
+                self.backend.copy_to_device(staging.ptr, host_y, s)
+                y_ptr = staging.ptr
+            self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1])
+            changes = self._changes(s, arrays, (state, "pending", None), (state, "sent", None), (state, "joined", None))
+            self._record(changes)
+            record = Record((expert_y, weights, given_out, stream, expert_scale), COMBINE_ALIKE, s, lead, inputs,
+                            tuple(arrays), T, out, changes)
+            conditions = ((state, "broken", None), (state, "pending", pending), (state, "sent", sent),
+                          (state, "joined", None))
+            self._combine_plan = self._plan(record, self._combine_record, conditions, "combine")
+            self._combine_record = record if streams.capturing is None and host_y is None else None
+            return out
+        finally:
+            streams.leave()
+
+    def _checked_scale(self, expert_scale) -> tuple:
+        """(expert_scale, as the float32 the kernels take): the last one's when it is the same value of the
+        same type (a scale computed afresh at every call, gpu-mode's 1 + rank); checked otherwise."""
+        if not same_scale(expert_scale, self._scale[0]):
+            self._scale = (expert_scale, check_scale(expert_scale))
+        return self._scale
+
+    def _settle_before_host_copies(self, s, inputs: tuple) -> None:
+        """A NumPy input is copied with the host waiting for `s`, where an exchange between nodes may still
+        wait for a peer without bound (NCCL): its watch comes first."""
+        if any(isinstance(obj, np.ndarray) for obj in inputs):
+            self._health.settle(s)
 
 
-class OutputViews:
-    """One stream's views of an object's outputs, made once. The views always show the same buffers,
-    so caching them, and the DispatchResult of each token count, keeps object construction off the
-    per-call path (AllToAll and HierarchicalAllToAll alike)."""
-
-    def __init__(self, num_tokens: DeviceArray, expert_x: DeviceArray, expert_meta: DeviceArray,
-                 expert_x_scales: DeviceArray | None, y: DeviceArray, expert_layout: DeviceArray | None = None):
-        self.num_tokens, self.expert_x, self.expert_meta, self.expert_x_scales = (num_tokens, expert_x, expert_meta,
-                                                                                  expert_x_scales)
-        self.expert_layout = expert_layout
-        self.y_rows = [y.rows(t) for t in range(y.shape[0] + 1)]  # y [T, H] of a call of T tokens
-        self._results: list[DispatchResult | None] = [None] * len(self.y_rows)
-
-    def dispatch_result(self, tokens: int) -> DispatchResult:
-        result = self._results[tokens]
-        if result is None:
-            result = self._results[tokens] = DispatchResult(self.num_tokens, self.expert_x, self.expert_meta, tokens,
-                                                            self.expert_x_scales, self.expert_layout)
-        return result
+    def stream_for(self, *inputs):
+        """The stream a call given these inputs and no stream= runs on now (for the caller's own events: with
+        stream="current" it follows the inputs' library)."""
+        streams = self._streams
+        if streams.capturing is not None:
+            return streams.capturing
+        return streams.current(inputs)[0] if streams.follow_library else streams.own

@@ -1,93 +1,50 @@
 """Dispatch and combine over ranks on several nodes: within a node the symmetric heap, between nodes
 NCCL/RCCL (MPI on the host backend).
 
-`AllToAll(comm, ...)` returns a HierarchicalAllToAll when `comm` spans nodes, or when
-`ranks_per_node` (or PYHIPA2A_RANKS_PER_NODE) splits one machine into simulated nodes. Same
-calls, same outputs, same oracle. Ranks lie node by node (rank = node * G + place, G ranks a node):
-expert e lives on rank e // L as always, so node n holds experts [n * E/N, (n+1) * E/N).
+`AllToAll(comm, ...)` is a HierarchicalAllToAll when `comm` spans nodes, or when `ranks_per_node` (or
+PYHIPA2A_RANKS_PER_NODE) splits one machine into simulated nodes: the same calls, outputs and oracle.
+Ranks lie node by node (rank = node * G + place, G ranks a node): expert e lives on rank e // L as
+always, so node n holds experts [n * E/N, (n+1) * E/N).
 
 A rank's counterparts are the ranks in its place on the other nodes. A call (kernels_hip/hier.hip):
   dispatch: our tokens go once to each counterpart as one region of max_num_tokens rows (rows,
-    routing, weights, count, the call's sequence number); each rank then runs its node's AllToAll
-    over all N regions, whose routing hier_localize made this node's (-1: another node's expert),
-    so a token crosses to each other node once and the node's ranks share it over the heap;
-    expert_meta names the token's true source rank (the node part's region_tokens).
-  combine: the regions' records cross again (weights given to combine, and each rank's status),
-    since counterparts may hand over their weights in different calls; the node's AllToAll sums
-    each region's rows over this node's experts (weighted, fp32, rounded once to out_dtype: one
-    rounding per node, as narrow_partials rounds per rank), taking every region's weights there;
-    each region's sums go home with the sender's status; hier_sum adds a token's sums from every
-    node, and reports a node whose sums never came or whose rank had failed.
-Regions move whole, so no call needs a host round trip and a step can be captured as a graph
-(NCCL's calls are capturable). Bytes between a pair of nodes per call: M rows each way, not T.
+    routing, weights, count, the call's sequence number); each rank then runs its node's exchange over
+    all N regions, whose routing hier_localize made this node's (-1: another node's expert), so a token
+    crosses to each other node once and the node's ranks share it over the heap; expert_meta names the
+    token's true source rank (the node part's region_tokens).
+  combine: the regions' records cross again (weights given to combine, and each rank's status), since
+    counterparts may hand over their weights in different calls; the node's exchange sums each region's
+    rows over this node's experts (weighted, fp32, rounded once to out_dtype: one rounding per node, as
+    narrow_partials rounds per rank); each region's sums go home with the sender's status; hier_sum adds
+    a token's sums from every node, and reports a node whose sums never came or whose rank had failed.
+Regions move whole, so no call needs a host round trip and a step can be captured as a graph; each of
+the three exchanges between nodes is captured as a graph of its own when the object is made
+(pyhipa2a.internode), so a call launches it without NCCL's host-side group launch. Bytes between a pair
+of nodes per call: M rows each way, not T.
 """
 from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 
-from .a2a import MAX_TOP_K, AllToAll
-from .calls import DispatchResult, OutputViews, checked_combine_weights, checked_dispatch, take_input, weights_input
+from .api import AllToAll
 from .array import DeviceArray
-from .bootstrap import _mpi
-from .errors import A2AError, ConfigMismatchError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
-from .inputs import Boundary
+from .bootstrap import NodeLayout, _mpi
+from .config import Config
+from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
 from .internode import Transfer, make_engine
+from .intranode import NodeExchange
 from .kernels import X_FP8
 from .runtime import Backend, get_backend, select_device
 
 NODE_WAITS = (6, 7, 8)  # status `what` of waits between nodes: their peer is already a world rank
 
 
-@dataclass(frozen=True)
-class NodeLayout:
-    nodes: int
-    ranks_per_node: int
-    node: int         # this rank's node
-    place: int        # this rank's place in its node
-    local_rank: int   # this rank among the ranks of its machine (picks its GPU)
-
-
-def node_layout(comm=None, ranks_per_node: int | None = None) -> NodeLayout:
-    """How `comm`'s ranks group into nodes (collective): the machines they run on, or groups of
-    `ranks_per_node` (else PYHIPA2A_RANKS_PER_NODE) consecutive ranks within them."""
-    MPI = _mpi()
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if ranks_per_node is None and os.environ.get("PYHIPA2A_RANKS_PER_NODE"):
-        ranks_per_node = int(os.environ["PYHIPA2A_RANKS_PER_NODE"])
-    rank, world = comm.Get_rank(), comm.Get_size()
-    machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank, leader = machine.Get_rank(), machine.bcast(rank, root=0)
-    machine.Free()
-    leaders = comm.allgather(leader)
-    asked = comm.allgather(ranks_per_node)
-    if len(set(asked)) > 1:
-        raise ConfigMismatchError(f"ranks disagree on ranks_per_node: {asked} (rank by rank)")
-    if ranks_per_node is None:
-        sizes = {lead: leaders.count(lead) for lead in leaders}
-        if len(set(sizes.values())) > 1:
-            raise ConfigMismatchError(f"the machines hold different numbers of ranks ({sorted(sizes.values())}); "
-                                      "every node must hold as many")
-        G = sizes[leader]
-    else:
-        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, (int, np.integer)) or ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be a positive integer, not {ranks_per_node!r}")
-        G = int(ranks_per_node)
-        if world % G:
-            raise ValueError(f"ranks_per_node={G} does not divide the {world} ranks into equal nodes")
-    groups = [leaders[n * G:(n + 1) * G] for n in range(world // G)]
-    if any(len(set(g)) > 1 for g in groups):
-        raise ValueError(f"nodes of {G} consecutive ranks must each lie on one machine (ranks by machine: "
-                         f"{leaders}); place the ranks machine by machine")
-    return NodeLayout(world // G, G, rank // G, rank % G, local_rank)
-
-
 class NodesHealth(Health):
-    """The node part's status words, read with world ranks, and a watch on the exchange between
-    nodes before any host read waits for the stream (NCCL's waits have no bound of their own)."""
+    """The node part's status words, read with world ranks, and a watch on the exchange between nodes
+    before any host read waits for the stream (NCCL's waits have no bound of their own)."""
 
     def __init__(self, host_status, rank: int, layout: NodeLayout, engine):
         super().__init__(host_status, rank)
@@ -110,346 +67,229 @@ def _align(n: int, a: int = 256) -> int:
     return (n + a - 1) // a * a
 
 
-class HierarchicalAllToAll:
-    """AllToAll's calls for a communicator that spans nodes (see the module's doc)."""
+class HierarchicalAllToAll(AllToAll, across_nodes=True):
+    """AllToAll for a communicator that spans nodes (see the module's doc)."""
 
-    def __init__(self, comm, layout: NodeLayout, *, num_experts: int, experts_per_token: int, hidden_dim: int,
-                 max_num_tokens: int, timeout: float = 10.0, backend=None, device: int | None = None,
-                 engine: str | None = None, **node_config):
+    JOINS_CAPTURES = False  # (its exchange between nodes is watched from the host)
+
+    def _open(self, comm, layout: NodeLayout, backend, device, params: dict) -> tuple:
         MPI = _mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
-        self.comm, self.layout, self.rank, self.world = comm, layout, comm.Get_rank(), comm.Get_size()
-        N = layout.nodes
-        self.num_experts, self.top_k = int(num_experts), int(experts_per_token)
-        self.hidden, self.max_tokens, self.timeout = int(hidden_dim), int(max_num_tokens), float(timeout)
-        if self.num_experts % self.world:
-            raise ValueError(f"num_experts={self.num_experts} must be divisible by the number of ranks ({self.world})")
-        if not 1 <= self.top_k <= min(self.num_experts, MAX_TOP_K):  # the node part checks only its own experts
-            raise ValueError(f"experts_per_token={self.top_k} must be between 1 and num_experts and <= {MAX_TOP_K}")
-        self.local_experts, self.capacity = self.num_experts // self.world, self.world * self.max_tokens
-        self.node_experts = self.num_experts // N
-        self.row_layout = "packed"  # (the node part refuses row_layout="by_source": AllToAll)
+        rank = comm.Get_rank()
+        engine = params.pop("engine", None)
+        config = Config.of(comm.Get_size(), **params)
         backend = backend if isinstance(backend, Backend) else get_backend(backend)
         if device is None:  # by the rank's place on its machine, not in its (maybe simulated) node
             device = select_device(backend, layout.local_rank)
         # Ranks of other (simulated) nodes may drive the same GPU: the grid is shared among all of them.
-        machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         devices = machine.allgather(device)
-        # Which GPU, for the engine's default: the machine (named by its first rank, as MPI groups
-        # ranks that share memory, whatever the host names say) and the device index.
-        self._placement = (machine.bcast(self.rank, root=0), device)
+        # Which GPU, for the engine's default: the machine (named by its first rank, as MPI groups ranks that
+        # share memory) and the device index.
+        placement = (machine.bcast(rank, root=0), device)
         machine.Free()
-        self.node_comm = comm.Split(color=layout.node, key=self.rank)
-        self.column_comm = comm.Split(color=layout.place, key=layout.node)  # its rank is the node's number
+        self.comm = comm
+        self._comms = (comm.Split(color=layout.node, key=rank), comm.Split(color=layout.place, key=layout.node))
+        self._engine = self._free = None
         try:
-            self.node = AllToAll(self.node_comm, num_experts=self.node_experts, experts_per_token=self.top_k,
-                                 hidden_dim=self.hidden, max_num_tokens=N * self.max_tokens, timeout=timeout,
-                                 backend=backend, device=device, _region_tokens=self.max_tokens,
-                                 _ranks_on_device=devices.count(device), **node_config)
+            part = config.node_part(layout.nodes, layout.ranks_per_node, devices.count(device))
+            exchange = NodeExchange(self._comms[0], part, backend=backend, device=device)
         except BaseException:
             self._free_comms()
             raise
         try:
-            self._setup(engine)
+            settled = config.settled_like(exchange.config)
+            exchange.expert.set_scale(float(1 + rank))  # gpu-mode's factor is 1 + the world rank
+            column = self._comms[1]  # its rank is the node's number
+            self._engine = make_engine(engine or os.environ.get("PYHIPA2A_INTERNODE") or None, backend, column,
+                                       config.timeout, column.allgather(placement))
+            health = NodesHealth(exchange.buffers.status, rank, layout, self._engine)
+            self._make_regions(settled, layout, exchange)
         except BaseException:
-            if getattr(self, "engine", None) is not None:
-                self.engine.close()
-            if getattr(self, "_free", None) is not None:
-                self._free()
-            self.node.close()
+            self._close_own()
+            exchange.close(broken=True)
             self._free_comms()
             raise
+        return settled, exchange, health, rank
 
-    def _setup(self, engine: str | None) -> None:
-        node, N, M, k, H = self.node, self.layout.nodes, self.max_tokens, self.top_k, self.hidden
-        self.backend, self.stream, self.heap = node.backend, node.stream, node.heap
-        for name in ("in_dtype", "dispatch_dtype", "out_dtype", "scale_cols", "narrow_partials", "x_format",
-                     "push_max_tokens", "push_tokens", "gpu_fence_publish", "block_threads", "blocks",
-                     "lib", "profiling", "small_combine_tokens"):
-            setattr(self, name, getattr(node, name))
-        node._set_fake_expert_scale(float(1 + self.rank))  # gpu-mode's factor is 1 + the world rank
-        self.engine = make_engine(engine or os.environ.get("PYHIPA2A_INTERNODE") or None, self.backend,
-                                  self.column_comm, self.timeout, self.column_comm.allgather(self._placement))
-        self.health = NodesHealth(node.host_status, self.rank, self.layout, self.engine)
-
-        # One allocation of our own (the exchange's buffers are not symmetric: only the engine reads them).
-        row_bytes, out_row = H * self.in_dtype.itemsize, H * self.out_dtype.itemsize
-        scale_bytes = 4 * self.scale_cols if self.x_format == X_FP8 else 0
-        self.record_bytes = _align(8 * M * k + 8, 16)
-        parts = [("sequence", 16), ("seals", 16 * N), ("records", N * self.record_bytes),
+    def _make_regions(self, c: Config, layout: NodeLayout, exchange: NodeExchange) -> None:
+        """Our own allocation (the regions are not symmetric: only the engine reads them), the steps' packs,
+        and the exchanges between nodes."""
+        N, M, k, H, backend = layout.nodes, c.max_tokens, c.top_k, c.hidden, exchange.heap.backend
+        row_bytes, out_row = H * c.in_dtype.itemsize, H * c.out_dtype.itemsize
+        scale_bytes = 4 * c.scale_cols if c.x_format == X_FP8 else 0
+        record_bytes = _align(8 * M * k + 8, 16)
+        parts = [("sequence", 16), ("seals", 16 * N), ("records", N * record_bytes),
                  ("regions_x", N * M * row_bytes), ("regions_scales", N * M * scale_bytes),
                  ("local_indices", 4 * N * M * k), ("local_weights", 4 * N * M * k),
                  ("sums", N * M * out_row), ("partials", N * M * out_row), ("y", M * out_row)]
-        total = sum(_align(n) for _, n in parts)
-        base = self.backend.malloc_ipc(total)  # zero-filled: no region carries a sequence number yet
-        self._free = weakref.finalize(self, self.backend.free, base)
-        self.ptr, at = {}, base
+        base = backend.malloc_ipc(sum(_align(n) for _, n in parts))  # zero-filled: no sequence number yet
+        self._free = weakref.finalize(self, backend.free, base)
+        ptr, at = {}, base
         for name, n in parts:
-            self.ptr[name], at = at, at + _align(n)
-        self.row_bytes, self.out_row, self.scale_bytes = row_bytes, out_row, scale_bytes
+            ptr[name], at = at, at + _align(n)
 
         def own(name, shape, dtype):
-            return DeviceArray(self.backend, self.ptr[name], shape, dtype, owner=self, stream=self.stream)
-        self._regions_x = own("regions_x", (N * M, H), self.in_dtype)
-        self._regions_scales = own("regions_scales", (N * M, self.scale_cols), np.float32) if scale_bytes else None
-        self._local_indices = own("local_indices", (N * M, k), np.int32)
-        self._local_weights = own("local_weights", (N * M, k), np.float32)
-        self._sums = own("sums", (N * M, H), self.out_dtype)
-        # The node part's buffers, where y is ours (scripts and tests poison them by name), and what the
-        # exchange between nodes fills (tests poison it too; the sequence number is the protocol's own).
-        self.buf = {**node.buf, "y": own("y", (M, H), self.out_dtype)}
+            return DeviceArray(backend, ptr[name], shape, dtype, owner=self, stream=exchange.stream)
+        self._y = own("y", (M, H), c.out_dtype)
+        # What the exchange between nodes fills (tests poison it; the sequence number is the protocol's own).
         self.exchange_buffers = [own(name, (n,), np.uint8) for name, n in parts if n and name not in ("sequence", "y")]
+        # The node part's dispatch always takes every region whole, without weights: fixed arguments.
+        call = exchange.dispatch.call
+        call.x, call.indices, call.weights, call.num_tokens = ptr["regions_x"], ptr["local_indices"], 0, N * M
+        call.x_scales = ptr["regions_scales"] if scale_bytes else 0
+        self._regions = (N * M, ptr["local_weights"], ptr["sums"])  # node part's tokens, weights, sums
 
-        lib = node.lib
-        self._stage, self._localize = lib.kernel("hier_stage"), lib.kernel("hier_localize")
-        self._sum = lib.kernel("hier_sum_bf16" if self.out_dtype.name == "bfloat16" else "hier_sum_f16")
-        self._hier_pack, self._sum_pack = self._stage.pack(), self._sum.pack()
-        a = self._hier_pack[0]
-        a.regions_x, a.records, a.sequence = self.ptr["regions_x"], self.ptr["records"], self.ptr["sequence"]
-        a.regions_scales = self.ptr["regions_scales"] if scale_bytes else 0
-        a.local_indices, a.local_weights = self.ptr["local_indices"], self.ptr["local_weights"]
-        a.status, a.mirror = node.buf["status"].ptr, node._host_status_device
-        a.node, a.nodes, a.ranks_per_node, a.place = self.layout.node, N, self.layout.ranks_per_node, self.layout.place
-        a.max_tokens, a.top_k, a.num_experts, a.node_experts = M, k, self.num_experts, self.node_experts
-        a.x_row_bytes, a.scale_bytes, a.record_bytes = row_bytes, scale_bytes, self.record_bytes
-        b = self._sum_pack[0]
-        b.own = self.ptr["sums"] + self.layout.node * M * out_row  # our own region's sums stay here
-        b.partials, b.seals = self.ptr["partials"], self.ptr["seals"]
-        b.sequence, b.status, b.mirror = self.ptr["sequence"], node.buf["status"].ptr, node._host_status_device
-        b.node, b.nodes, b.ranks_per_node, b.place = self.layout.node, N, self.layout.ranks_per_node, self.layout.place
+        library = exchange.library
+        self._stage, self._localize = library.kernel("hier_stage"), library.kernel("hier_localize")
+        self._sum = library.kernel("hier_sum_bf16" if c.out_dtype.name == "bfloat16" else "hier_sum_f16")
+        status, mirror = exchange.buffers["status"].ptr, exchange.buffers.status_device
+        self._steps = {}  # leg -> (its pack, the pack a plan launches from)
+        for leg, whole in (("dispatch", 1), ("combine", 0)):
+            packs = self._steps[leg] = (self._stage.pack(), self._stage.pack())
+            a = packs[0][0]
+            a.regions_x, a.records, a.sequence = ptr["regions_x"], ptr["records"], ptr["sequence"]
+            a.regions_scales = ptr["regions_scales"] if scale_bytes else 0
+            a.local_indices, a.local_weights = ptr["local_indices"], ptr["local_weights"]
+            a.status, a.mirror = status, mirror
+            a.node, a.nodes, a.ranks_per_node, a.place = layout.node, N, layout.ranks_per_node, layout.place
+            a.max_tokens, a.top_k, a.num_experts, a.node_experts = M, k, c.num_experts, c.num_experts // N
+            a.x_row_bytes, a.scale_bytes, a.record_bytes, a.whole = row_bytes, scale_bytes, record_bytes, whole
+        self._sums = (self._sum.pack(), self._sum.pack())
+        b = self._sums[0][0]
+        b.own = ptr["sums"] + layout.node * M * out_row  # our own region's sums stay here
+        b.partials, b.seals, b.sequence, b.status, b.mirror = ptr["partials"], ptr["seals"], ptr["sequence"], status, mirror
+        b.node, b.nodes, b.ranks_per_node, b.place = layout.node, N, layout.ranks_per_node, layout.place
         b.max_tokens, b.hidden = M, H
-        # Every launch's site, made now (_launch: one geometry for every call).
-        for kernel, pack in ((self._stage, self._hier_pack), (self._localize, self._hier_pack),
-                             (self._sum, self._sum_pack)):
-            kernel.prepare(pack, self.blocks, self.block_threads)
+        # One geometry for every call: the node-to-node kernels loop over their items, so the launch sites
+        # made now serve any token count.
+        self._geometry = (c.blocks, c.block_threads)
+        for packs in self._steps.values():
+            for pack in packs:
+                for kernel in (self._stage, self._localize):
+                    kernel.prepare(pack, *self._geometry)
+        for pack in self._sums:
+            self._sum.prepare(pack, *self._geometry)
 
         # What crosses between nodes: to and from each other node's rank in our place.
-        me, others = self.layout.node, [n for n in range(N) if n != self.layout.node]
+        me, others = layout.node, [n for n in range(N) if n != layout.node]
+
         def region(name, nbytes):  # our part of buffer `name` out, theirs in, `nbytes` a part
-            return [Transfer(m, self.ptr[name] + me * nbytes, self.ptr[name] + m * nbytes, nbytes) for m in others]
-        self._records_out = region("records", self.record_bytes)
-        self._tokens_out = region("regions_x", M * row_bytes) + self._records_out
-        if scale_bytes:
-            self._tokens_out += region("regions_scales", M * scale_bytes)
-        self._sums_out = [Transfer(m, self.ptr["sums"] + m * M * out_row, self.ptr["partials"] + m * M * out_row,
-                                   M * out_row) for m in others]
-        self._sums_out += [Transfer(m, self.ptr["sequence"], self.ptr["seals"] + 16 * m, 16) for m in others]
+            return [Transfer(m, ptr[name] + me * nbytes, ptr[name] + m * nbytes, nbytes) for m in others]
+        records = region("records", record_bytes)
+        tokens = region("regions_x", M * row_bytes) + records + (region("regions_scales", M * scale_bytes)
+                                                                  if scale_bytes else [])
+        sums = [Transfer(m, ptr["sums"] + m * M * out_row, ptr["partials"] + m * M * out_row, M * out_row)
+                for m in others] + [Transfer(m, ptr["sequence"], ptr["seals"] + 16 * m, 16) for m in others]
+        self._moves = {name: self._engine.exchanger(transfers, exchange.stream)
+                       for name, transfers in (("tokens", tokens), ("records", records), ("sums", sums))}
 
-        self._boundary = Boundary(self.backend, self.heap.device.index, node._order, node.producer_order)
-        self._pending: DispatchResult | None = None
-        self._pending_weights = None
-        self._views: dict = {}
+    # -- AllToAll's parts ---------------------------------------------------------
+    @property
+    def buffers(self) -> dict:
+        """The node part's buffers by name, with our y (scripts and tests poison them by name)."""
+        return {**self._exchange.buffers.arrays, "y": self._y}
 
-    # -- calls ------------------------------------------------------------------
-    def _usable(self) -> None:
-        error = self.health.error()
-        if error is not None:
-            raise error
-        self.node._usable()
+    def _make_views(self, stream):
+        y = DeviceArray(self.backend, self._y.ptr, self._y.shape, self._y.dtype, owner=self, stream=stream,
+                        health=self._health)
+        return self._exchange.buffers.views(stream, self._health, y)
 
-    def _launch(self, kernel, pack, stream) -> None:
-        # One geometry for every call: the node-to-node kernels loop over their items, so the object's grid
-        # serves any token count, and the launch site made with the object (_setup; on CUDA a one-node
-        # graph with device memory of its own) serves every call. A grid fitted to each call's items made
-        # a site, and took memory, at each new token count.
-        kernel.launch(pack, self.blocks, self.block_threads, stream)
-
-    def stream_for(self, *inputs):
-        """As AllToAll.stream_for (the node part's calls run there)."""
-        return self.node.stream_for(*inputs)
-
-    def _call_stream(self, stream, inputs):
-        """The stream a call runs on (the node part's); refused while another library captures it."""
-        s = self.node._stream(stream, inputs)
-        if self.node._capturing is None and self.node._captured_elsewhere(s):
-            raise A2AError("a call between nodes cannot be recorded into another library's capture (its exchange "
-                           "between nodes is watched from the host): record it with capture()")
-        return s
-
-    def _input(self, obj, name, shape, dtype, stage, stream, align: int = 1):
-        return take_input(self._boundary, self.node, obj, name, shape, dtype, stage, stream, align)
-
-    def _keep(self, *objects) -> None:
-        """Inputs stay referenced until the next call (the device may still read them); a capture keeps
-        them for the graph's lifetime, as AllToAll's do."""
-        if self.node._capturing is not None:
-            self.node._captured_refs.extend(objects)
-        else:
-            self._keepalive = objects
-
-    def _settle_before_host_copy(self, stream, *inputs) -> None:
-        """A NumPy input is copied with the host waiting for `stream`, where an exchange between nodes
-        may still wait for a peer without bound (NCCL): watch it first."""
-        if any(isinstance(i, np.ndarray) for i in inputs):
-            self.health.settle(stream)
-
-    def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None) -> DispatchResult:
-        """As AllToAll.dispatch; the tokens cross to each other node once (the module's doc). The
-        weights, given here, cross with them; the node part takes every region's in combine, since
-        each rank picks where it gives them."""
-        self._usable()
-        T = checked_dispatch(self, x, indices, weights, x_scales)
-        s = self._call_stream(stream, (x, indices))
-        self.node._follow(s)
-        self._settle_before_host_copy(s, x, indices, weights, x_scales)
-        a = self._hier_pack[0]
-        a.x, keep_x = self._input(x, "x", (T, self.hidden), self.in_dtype, "x_stage", s)
-        a.indices, keep_i = self._input(indices, "indices", (T, self.top_k), np.int32, "indices_stage", s)
-        a.x_scales, keep_s = (self._input(x_scales, "x_scales", (T, self.scale_cols), np.float32, "x_scales_stage", s,
-                                          align=4)
-                              if x_scales is not None else (0, None))
-        a.weights, keep_w = weights_input(self, weights, T, s) if weights is not None else (0, None)
-        a.tokens, a.whole = T, 1
-        self._launch(self._stage, self._hier_pack, s)
-        self.engine.exchange(self._tokens_out, s)
-        self._launch(self._localize, self._hier_pack, s)
-        self._keep(keep_x, keep_i, keep_s, keep_w)
-        self.node._dispatch(self._regions_x, self._local_indices, None, self._regions_scales, s)
-        self._pending, self._pending_weights = self._outputs(s).dispatch_result(T), weights
-        return self._pending
-
-    def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0) -> DeviceArray:
-        """As AllToAll.combine; each node's sums of a token come home once (the module's doc).
-
-        Every combine swaps the regions' records again (routing, weights, this rank's status) whether
-        the weights came here or to dispatch: counterparts may have chosen differently, and both must
-        move the same bytes in the same order."""
-        self._usable()
-        sent = checked_combine_weights(self, weights)
-        T = self._pending.num_tokens
-        s = self._call_stream(stream, (expert_y, weights, out))
-        self.node._follow(s)
-        self._settle_before_host_copy(s, expert_y, weights)
-        if out is not None:
-            if isinstance(out, np.ndarray):
-                raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
-            out_ptr, keep_o = self._input(out, "out", (T, self.hidden), self.out_dtype, None, s)
-        else:
-            out = self._outputs(s).y_rows[T]
-            out_ptr, keep_o = out.ptr, None
-        a = self._hier_pack[0]
-        a.weights, keep_w = (0, None) if sent is not None else weights_input(self, weights, T, s)
-        # Every check of the node part's combine before anything is launched: bad input leaves peers untouched.
-        node_call = self.node._copy_host_expert_y(
-            self.node._prepare_combine(expert_y, self._local_weights, self._sums, s, expert_scale))
-        a.tokens, a.whole = T, 0
-        self._launch(self._stage, self._hier_pack, s)
-        self.engine.exchange(self._records_out, s)
-        self._launch(self._localize, self._hier_pack, s)
-        self.node._launch_combine(node_call)
-        self.engine.exchange(self._sums_out, s)
-        b = self._sum_pack[0]
-        b.out, b.tokens = out_ptr, T
-        self._launch(self._sum, self._sum_pack, s)
-        self._keep(keep_o, keep_w, out)
-        self._pending = self._pending_weights = None
-        return out
-
-    def exchange_between_nodes(self, stream=None) -> None:
-        """The bytes a call moves between nodes (dispatch's regions, then combine's records and sums),
-        moved alone by the same engine, with no kernel of ours: the bare exchange that benchmarks set a
-        call beside. Collective, as a call is, and ordered as one; between calls (it overwrites the
-        exchanged regions, which the next call writes anew)."""
-        self._usable()
-        if self._pending is not None:
-            raise A2AError("exchange_between_nodes() between a dispatch and its combine would overwrite "
-                           "the call's regions")
-        s = self.node._stream(stream)
-        self.node._follow(s)
-        for transfers in (self._tokens_out, self._records_out, self._sums_out):
-            self.engine.exchange(transfers, s)
-        self.node._queued(s)
-
-    def _outputs(self, stream) -> OutputViews:
-        """Views of the node part's outputs and of our y, naming `stream`, with this object's health
-        (made once per stream; the views hold their stream, so no id is reused)."""
-        views = self._views.get(id(stream))
-        if views is None:
-            def view(ptr, shape, dtype):
-                return DeviceArray(self.backend, ptr, shape, dtype, owner=self, stream=stream, health=self.health)
-            L, cap, H, b = self.local_experts, self.capacity, self.hidden, self.node.buf
-            views = self._views[id(stream)] = OutputViews(
-                view(b["num_tokens"].ptr, (L,), np.int32), view(b["recv_x"].ptr, (L, cap, H), self.dispatch_dtype),
-                view(b["recv_meta"].ptr, (L, cap, 3), np.int32),
-                view(b["recv_scales"].ptr, (L, cap, self.scale_cols), np.float32) if self.scale_cols else None,
-                view(self.ptr["y"], (self.max_tokens, H), self.out_dtype))
-        return views
-
-    # -- the rest, as AllToAll -------------------------------------------------
-    def expert_y_buffer(self) -> DeviceArray:
-        return self.node.expert_y_buffer()
-
-    def fake_expert(self, result: DispatchResult, out: DeviceArray | None = None, *, stream=None) -> DeviceArray:
-        """As AllToAll.fake_expert; its output carries this object's health (its reads are watched)."""
-        y = self.node.fake_expert(result, out, stream=stream)
-        return y if y.health is not None else DeviceArray(self.backend, y.ptr, y.shape, y.dtype, owner=y.owner,
-                                                          stream=y.stream, health=self.health)
-
-    def capture(self, step, *, stream=None):
-        """As AllToAll.capture (the engine between nodes must be capturable: NCCL, or MPI on the host)."""
-        if not self.engine.capturable:
+    def _check_capturable(self) -> None:
+        if not self._engine.capturable:
             raise A2AError("capture() between nodes needs the NCCL engine: the MPI engine stages regions "
                            "through the host, which a graph cannot record")
+
+    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights) -> None:
+        pack = self._steps["dispatch"][0]
+        a = pack[0]
+        a.x, a.indices, a.x_scales, a.weights, a.tokens = x, indices, x_scales, weights, tokens
+        recording = self._streams.capturing is not None
+        self._stage.launch(pack, *self._geometry, s)
+        self._moves["tokens"](s, recording)
+        self._localize.launch(pack, *self._geometry, s)
+        node_tokens = self._regions[0]
+        self._exchange.dispatch.launch(s, node_tokens)
+
+    def _launch_combine(self, s, tokens, expert_y, weights, out, scale) -> None:
+        pack = self._steps["combine"][0]
+        a = pack[0]
+        a.weights, a.tokens = weights, tokens
+        recording = self._streams.capturing is not None
+        self._stage.launch(pack, *self._geometry, s)
+        self._moves["records"](s, recording)
+        self._localize.launch(pack, *self._geometry, s)
+        node_tokens, node_weights, sums = self._regions
+        leg = self._exchange.combine
+        call = leg.call
+        call.expert_y, call.weights, call.out, call.num_tokens, call.expert_scale = (expert_y, node_weights, sums,
+                                                                                     node_tokens, scale)
+        leg.launch(s, node_tokens)
+        self._moves["sums"](s, recording)
+        b = self._sums[0][0]
+        b.out, b.tokens = out, tokens
+        self._sum.launch(self._sums[0], *self._geometry, s)
+
+    def _repeater(self, leg: str, tokens: int):
+        pack, frozen = self._steps[leg]
+        stage = self._stage.repeater(pack, frozen, *self._geometry)
+        localize = self._localize.repeater(pack, frozen, *self._geometry)
+        node = getattr(self._exchange, leg).repeater(self._regions[0])
+        if leg == "dispatch":
+            tokens_move = self._moves["tokens"]
+
+            def launch(s) -> None:
+                stage(s)
+                tokens_move(s, False)
+                localize(s)
+                node(s)
+            return launch
+        records, sums, add = self._moves["records"], self._moves["sums"], self._sum.repeater(*self._sums, *self._geometry)
+
+        def launch(s) -> None:
+            stage(s)
+            records(s, False)
+            localize(s)
+            node(s)
+            sums(s, False)
+            add(s)
+        return launch
+
+    def exchange_between_nodes(self, stream=None) -> None:
+        """The bytes a call moves between nodes (dispatch's regions, then combine's records and sums), moved
+        alone by the same engine, with no kernel of ours: the bare exchange that benchmarks set a call beside.
+        Collective, as a call is, and ordered as one; between calls (it overwrites the exchanged regions,
+        which the next call writes anew)."""
         self._usable()
-        try:
-            # A launch checks this object's health: its errors name world ranks.
-            return self.node.capture(step, stream=stream, _usable=self._usable)
-        finally:
-            self._pending = self._pending_weights = None
+        if self._state.pending is not None:
+            raise A2AError("exchange_between_nodes() between a dispatch and its combine would overwrite "
+                           "the call's regions")
+        streams = self._streams
+        s = streams.given(stream)
+        streams.follow(s)
+        for name in ("tokens", "records", "sums"):
+            self._moves[name](s, False)
+        streams.queued(s)
 
-    def synchronize(self, stream=None) -> None:
-        """As AllToAll.synchronize; an exchange between nodes that outlives the timeout is aborted and
-        reported (A2ATimeoutError naming the rank that never came)."""
-        if self.node._capturing is not None:
-            raise A2AError("synchronize() inside capture(): nothing captured has run yet")
-        self.backend.activate()
-        waited = self.node._synchronized_stream(stream)
-        self.health.settle(waited)
-        try:
-            self.node.synchronize(stream)
-        except A2AError as e:
-            error = self.health.error()
-            if error is None:
-                raise
-            raise error from e
-        self.health.check()
+    @property
+    def engine(self):
+        return self._engine
 
-    def profile_events(self):
-        self.health.settle(self.node._synchronized_stream(None))  # it waits for the stream
-        return self.node.profile_events()
-
-    def clock_offset_ns(self) -> int:
-        """As AllToAll.clock_offset_ns, within this node (another node's host clock is its own)."""
-        self.health.settle(self.node._synchronized_stream(None))
-        offset = self.node.clock_offset_ns()
-        self.clock_sync = self.node.clock_sync
-        return offset
-
-    def close(self) -> None:
-        """Idempotent, as AllToAll.close."""
-        if self.heap.closed:
-            return
-        try:
-            try:
-                self.health.settle(self.node._synchronized_stream(None))
-            except Exception:
-                pass
-            for graph in list(self.node._graphs):  # graphs that captured NCCL's work go before its communicator
-                graph.close()
-            self.engine.close()
-        finally:
-            try:
-                self.node.close()
-            finally:
-                self._free()
-                self._free_comms()
+    def _close_own(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        if self._free is not None:
+            self._free()
 
     def _free_comms(self) -> None:
-        for c in (self.node_comm, self.column_comm):
+        for c in self._comms:
             c.Free()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def _close_parts(self, broken: bool) -> None:
+        try:
+            self._close_own()
+        finally:
+            try:
+                self._exchange.close(broken)
+            finally:
+                self._free_comms()

@@ -1,46 +1,30 @@
 """The array boundary: whatever a caller passes becomes a kernel argument, in one pass.
 
-Accepted: NumPy arrays (copied into the library's device staging), our own
-DeviceArray, and any device array that speaks the CUDA array interface or
-DLPack (PyTorch, CuPy, JAX, Numba, ...; used in place). One `Boundary` per
-AllToAll turns each argument into a device pointer: element type from the
-protocol that describes it (the interface's `typestr`, DLPack's type code, a
-NumPy array's dtype; never a foreign object's own `.dtype`), shape,
-C-contiguity, the device it lives on, and the producer's writes ordered
-before the call's stream. Everything is checked on the calling rank before a
-kernel runs.
+Accepted: NumPy arrays (copied into the library's device staging), our own DeviceArray, and any device
+array that speaks the CUDA array interface or DLPack (PyTorch, CuPy, JAX, Numba, ...; used in place).
+One `Boundary` per AllToAll turns each argument into a device pointer: element type from the protocol
+that describes it (the interface's `typestr`, DLPack's type code, a NumPy array's dtype; never a foreign
+object's own `.dtype`), shape, C-contiguity, the device it lives on, and the producer's writes ordered
+before the call's stream. Everything is checked on the calling rank before a kernel runs.
 
-Which protocol, and how the producer is ordered (producer_order="protocol",
-the default):
+Which protocol, and how the producer is ordered (producer_order="protocol", the default):
 - our DeviceArray: the stream it names is waited for on the device;
-- an interface array that names a stream (version 3: CuPy, Numba): that
-  stream is waited for on the device, read again at every call (CuPy names
-  its current stream); `stream: None` means the producer needs no wait;
-- otherwise DLPack where the object has it (PyTorch's and JAX's interfaces
-  name no stream): exported at every call naming the reading stream, so the
-  producer makes that stream wait for its pending writes;
-- an interface array with neither (version 2 only): used as it is, with a
-  warning: its producer cannot be waited for.
-With producer_order="stream" the caller promises that every device input was
-written on the call's stream or ordered before it, and no producer is asked:
-a cached input costs one identity check.
+- an interface array that names a stream (version 3: CuPy, Numba): that stream is waited for on the
+  device, read again at every call (CuPy names its current stream); `stream: None` means no wait;
+- otherwise DLPack where the object has it (PyTorch's and JAX's interfaces name no stream): exported
+  naming the reading stream, so the producer makes that stream wait for its pending writes;
+- an interface array with neither (version 2 only): used as it is, with a warning: its producer cannot
+  be waited for.
+With producer_order="stream" the caller promises that every device input was written on the call's
+stream or ordered before it, and no producer is asked.
 
-Arrays seen before (the usual loop passes the same buffers every call) are
-not described again: the cache of each argument keeps the object itself (so
-its address cannot be reused by another) and its description. A description
-stands while what the protocol says at this call matches it (interface: data
-pointer, shape, typestr, strides; DLPack: pointer, shape, strides, type and
-device of the new export), or, for PyTorch, CuPy and JAX arrays, while their
-own attributes say the same pointer, shape, strides and type (pyhipa2a.producers:
-their protocols cost tens of microseconds a call; the probe asks the producer's
-current stream instead, which is what their protocols wait for). An argument
-settles when its next use with the same object, stream, shape and type needs
-nothing asked: an identity check (our own arrays on the call's stream), or that
-and its probe's same answers (a `Recheck`: PyTorch, CuPy, JAX), with the wait
-for the stream the probe names where that is not the call's (`Settled.wait`,
-made at every use). With producer_order="stream"
-nothing is asked, so an object that changes its memory in place (a tensor
-resized in place) must not be passed again as the same object.
+Arrays seen before are not described again: the cache of each argument keeps the object itself (so its
+address cannot be reused by another) and its description, which stands while what the protocol says
+now matches it, or, for PyTorch, CuPy and JAX arrays, while their own attributes say the same pointer,
+shape, strides and type (pyhipa2a.producers: their protocols cost tens of microseconds a call; the probe
+asks the producer's current stream instead, which is what their protocols wait for). A new PyTorch,
+CuPy or finished JAX array of an element type its protocol named before is described by its attributes
+alone. `take` says whether a repeat of the call may take the same object again unasked (`Taken`).
 """
 from __future__ import annotations
 
@@ -57,7 +41,6 @@ from .array import DeviceArray
 from .dtypes import ML_DTYPES, resolve
 
 DLPACK_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 10: "rocm", 11: "rocm_host", 13: "cuda_managed"}
-PRODUCER_ORDERS = ("protocol", "stream")
 
 OWN, CAI, DLPACK, PROBED = "own", "cai", "dlpack", "probed"
 
@@ -73,48 +56,25 @@ class Described:
     keepalive: object = None  # a consumed DLPack capsule, a probe's hold: the producer's memory is ours until released
 
 
-class Settled(NamedTuple):
-    """A use of an argument that the next use with the same object, stream, shape and type (and, with a
-    Recheck, its producer's same answers) repeats without asking the producer's protocol: at most a
-    wait for the producer's stream, `wait`, which a PyTorch or CuPy array written on another stream
-    than the call's needs at every use (AllToAll(stream="own"), the default)."""
-    obj: object
+class Recheck(NamedTuple):
+    """What a PyTorch, CuPy or JAX argument must still answer for a call on it to repeat without its
+    protocol (pyhipa2a.producers): the key of its description, and the producer stream it named then
+    (None: nothing to wait for)."""
+    probe: object
+    key: tuple
     stream: object
-    want_shape: tuple
-    want_dtype: object
+
+
+class Taken(NamedTuple):
+    """An argument as a call takes it: its pointer, what keeps its memory ours while the device may read
+    it, and whether a repeat of the call on the same object and stream may take it again unasked (our own
+    array on the call's stream; anything under producer_order="stream"; a probed array whose `recheck`
+    still holds, each repeat waiting for the producer stream `wait` where that is not the call's)."""
     ptr: int
     keep: object
-    recheck: object  # a Recheck, or None
-    wait: object     # the producer's stream each use waits for, as its probe spells it (an int), or None
-
-
-class Recheck:
-    """What a settled PyTorch, CuPy or JAX array must still answer at its next use (pyhipa2a.producers):
-    the key of its description, and the producer stream it named then (None, the call's own stream,
-    or the one the settled use waits for)."""
-    __slots__ = ("probe", "key", "stream")
-
-    def __init__(self, probe, key: tuple, stream):
-        self.probe, self.key, self.stream = probe, key, stream
-
-    def holds(self, obj, asked: dict | None = None) -> bool:
-        """Whether obj still answers so. `asked` ({probe: its stream answer}, one call's) keeps the stream
-        answers of the call's probes: a probe names the same stream for every array of one call whose key
-        holds (an array whose pointer is the one described lives on the device it was described on, ours,
-        and the probe's answer is the library's current stream there; pyhipa2a.producers)."""
-        probe, asked = self.probe, {} if asked is None else asked
-        try:
-            if probe.key(obj) != self.key:
-                return False
-            named = asked.get(probe, _UNASKED)
-            if named is _UNASKED:
-                named = asked[probe] = probe.stream(obj)
-            return named == self.stream
-        except Exception:  # (a deleted JAX array, say: the full path lets its protocol say what is wrong)
-            return False
-
-
-_UNASKED = object()  # (None is an answer: nothing to wait for)
+    repeatable: bool
+    recheck: Recheck | None = None
+    wait: object = None  # the producer stream each repeat waits for, as its probe spells it (an int)
 
 
 @dataclass(frozen=True)
@@ -215,47 +175,28 @@ def _warn_unordered(obj, why: str) -> None:
 
 
 class Boundary:
-    """The array boundary of one AllToAll: `take` turns an argument into a kernel pointer.
-
-    `order` is the object's StreamOrder (pyhipa2a.ordering): device waits for producers go through
-    it. `producer_order` is "protocol" or "stream" (module docstring)."""
+    """The array boundary of one AllToAll: `take` turns an argument into a kernel pointer. `order` is the
+    object's Streams (pyhipa2a.streams): device waits for producers go through it. `producer_order` is
+    "protocol" or "stream" (module docstring)."""
 
     def __init__(self, backend, device_index: int, order, producer_order: str = "protocol"):
-        if producer_order not in PRODUCER_ORDERS:
-            raise ValueError(f"producer_order must be one of {PRODUCER_ORDERS}, not {producer_order!r}")
         self.backend, self.device_index, self.order = backend, device_index, order
         self.ask_producers = producer_order == "protocol"
         self._cache: dict[str, Cached] = {}
         self._checked: dict[str, tuple] = {}  # per argument: the last (shape, dtype, wants) that passed
-        self._settled: dict[str, Settled] = {}  # per argument
-        # settled(name): the settled entry of argument `name` (None: its last use needed, or its next use
-        # will need, more than an identity check, its probe's answers and its producer's wait). A caller
-        # may keep it and compare with `is` later: an entry is replaced, never changed, so the same entry
-        # means nothing about the argument's use changed. (The dict's own lookup: a repeated call asks it
-        # for every argument, and a method around it cost a Python call each.)
-        self.settled = self._settled.get
 
     def take(self, name: str, obj, want_shape, want_dtype, stream, *, capturing: bool = False,
-             stage_ptr: int | None = None, align: int = 1):
-        """(device pointer, keepalive) of argument `name`, shape `want_shape` (None: any) and dtype
-        `want_dtype`, its data `align`-byte aligned, to be read on `stream`. NumPy arrays are copied
-        into `stage_ptr` (refused when there is none, or while capturing); the keepalive must outlive
-        the kernel's reads."""
-        settled = self._settled.get(name)  # the loop's usual case: the same array again (held: never an id reused)
-        if (settled is not None and settled.obj is obj and settled.stream is stream and settled.want_shape == want_shape
-                and settled.want_dtype is want_dtype and not capturing
-                and (settled.recheck is None or settled.recheck.holds(obj))):
-            if settled.wait is not None:
-                self.order.wait_for_producer(settled.wait, stream)
-            return settled.ptr, settled.keep
+             stage_ptr: int | None = None, align: int = 1) -> Taken:
+        """Argument `name` of shape `want_shape` (None: any) and dtype `want_dtype`, its data `align`-byte
+        aligned, to be read on `stream`. NumPy arrays are copied into `stage_ptr` (refused when there is
+        none, or while capturing); the keepalive must outlive the kernel's reads."""
         if isinstance(obj, np.ndarray):
-            self._settled.pop(name, None)  # copied at every use: this name's last use is no longer settled
             check_numpy_input(name, obj, want_shape, want_dtype, capturing and stage_ptr is not None)
             if stage_ptr is None:
                 raise TypeError(f"{name} must be a device array")
             if obj.size:
                 self.backend.copy_to_device(stage_ptr, obj, stream)
-            return stage_ptr, obj
+            return Taken(stage_ptr, obj, False)
         d, producer = self.describe(name, obj, want_dtype, stream, capturing)
         checked = (d.shape, d.dtype, want_shape, want_dtype)  # all that check_array reads
         if self._checked.get(name) != checked:
@@ -266,19 +207,14 @@ class Boundary:
         keep = obj if d.keepalive is None else d.keepalive
         if producer is not None:
             self.order.wait_for_producer(producer, stream)
-        # Settled: the next use of the same object on the same stream needs nothing asked: our own arrays
-        # whose stream is the call's; a PyTorch, CuPy or JAX array nothing but its probe's answers, which
-        # must be the same again, and the wait for the stream they name where that is not the call's.
-        # Not a DLPack export asked each call for its ordering, nor one of our arrays on another stream.
-        recheck = wait = None
-        if not capturing and self.ask_producers and d.protocol != OWN:
-            recheck, wait = self._recheck(self._cache[name], obj, producer, stream)
-        if not capturing and (not self.ask_producers or recheck is not None
-                              or (d.protocol == OWN and (producer is None or self.order.same_stream(producer, stream)))):
-            self._settled[name] = Settled(obj, stream, want_shape, want_dtype, d.ptr, keep, recheck, wait)
-        else:
-            self._settled.pop(name, None)
-        return d.ptr, keep
+        if capturing:
+            return Taken(d.ptr, keep, False)
+        if not self.ask_producers:
+            return Taken(d.ptr, keep, True)
+        if d.protocol == OWN:
+            return Taken(d.ptr, keep, producer is None or self.order.same_stream(producer, stream))
+        recheck, wait = self._recheck(self._cache[name], obj, producer, stream)
+        return Taken(d.ptr, keep, recheck is not None, recheck, wait)
 
     def _recheck(self, cached: Cached, obj, producer, stream):
         """(Recheck, wait) under which a probed argument settles: what its probe must answer at the next

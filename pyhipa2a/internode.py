@@ -2,11 +2,15 @@
 
 An engine swaps buffers with this rank's counterparts on the other nodes (the
 ranks in the same place of their node), on the call's stream, in the call's
-order:
+order; `exchanger(transfers, stream)` gives the function of (stream,
+recording) that a call runs for one fixed list of transfers:
 - `NcclEngine`: NCCL on NVIDIA, RCCL on AMD (pyhipa2a.runtime.nccl), the
-  engine these users already run between nodes. Capturable in a graph. Its
-  waits are unbounded, so a watchdog (`settle`) aborts the communicator when
-  a call has not finished within the timeout.
+  engine these users already run between nodes. Capturable in a graph: each
+  list of transfers is captured once, as the exchanger is made, and a call
+  launches that graph (NCCL's non-blocking group launch costs 80-115 us of
+  host time, a graph launch a few). Its waits are unbounded, so a watchdog
+  (`settle`) aborts the communicator when a call has not finished within the
+  timeout.
 - `MpiEngine`: mpi4py. On the host backend it moves the host memory itself;
   on a GPU it stages through host copies (no graph capture), for machines
   without NCCL and for testing the hierarchy with ranks that share a GPU.
@@ -19,6 +23,7 @@ call's outputs are poisoned (kernels_hip/hier.hip).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -42,6 +47,9 @@ class MpiEngine:
         # backend keeps the exchange itself as a step of its graphs.
         self.capturable = backend.kind == "host"
         self._unfinished: list = []  # sends to peers that never came: MPI may still read their buffers
+
+    def exchanger(self, transfers: list[Transfer], stream):
+        return lambda s, recording: self.exchange(transfers, s)
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
         if self.backend.kind == "host":
@@ -119,6 +127,36 @@ class NcclEngine:
         from .runtime import nccl
         self.backend, self.timeout = backend, timeout
         self.nccl = nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
+        self._graphs: list = []
+
+    def exchanger(self, transfers: list[Transfer], stream):
+        """The transfers moved once on `stream` (which waits for them: NCCL connects peers at its first
+        exchange), then captured there as a graph, launched on a call's stream; inside a capture of the
+        caller's, they are recorded as NCCL calls. A capture NCCL refuses leaves the NCCL calls to every
+        call, with a warning."""
+        self.exchange(transfers, stream)
+        self.settle(stream)
+        graph = None
+        if not self.nccl.aborted:
+            try:
+                self.backend.capture_begin(stream)
+                try:
+                    self.exchange(transfers, stream)
+                finally:
+                    graph = self.backend.capture_end(stream)
+                self._graphs.append(graph)
+            except Exception as error:
+                warnings.warn(f"pyhipa2a: NCCL's exchange between nodes could not be captured as a graph ({error!r}); "
+                              "calls launch it through NCCL's group calls", RuntimeWarning, stacklevel=3)
+                graph = None
+        backend = self.backend
+
+        def move(s, recording: bool) -> None:
+            if graph is None or recording:
+                self.exchange(transfers, s)
+            elif not self.nccl.aborted:  # (after an abort its kernels would wait for nothing that comes)
+                backend.graph_launch(graph, s)
+        return move
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
         """Queue the transfers; a peer that never comes is not raised here (nor after an abort): its
@@ -158,6 +196,9 @@ class NcclEngine:
         self.nccl.abort()
 
     def close(self) -> None:
+        for graph in self._graphs:  # (they hold NCCL's work: gone before its communicator)
+            self.backend.graph_destroy(graph)
+        self._graphs.clear()
         self.nccl.close()
 
 

@@ -202,15 +202,10 @@ class Kernel:
         """What a launch from `pack` on this geometry makes at its first, made now (Backend.prepare_launch)."""
         self.backend.prepare_launch(self.function, grid, block, pack)
 
-    def launcher(self, pack: ArgPack, grid: int, block: int):
-        """A function of the stream that launches this kernel with the arguments `pack` holds at each
-        launch, as launch() does (a call on new arrays, pyhipa2a.quick: Backend.launcher, rewritten)."""
-        return self.backend.launcher(self.function, grid, block, pack, rewritten=True)
-
     def repeater(self, pack: ArgPack, into: ArgPack, grid: int, block: int):
         """A function of the stream that launches this kernel with the arguments `pack` holds now, whatever
-        is written to `pack` later (a repeated call's, pyhipa2a.quick): they are copied into `into`, a
-        pack written only here, whose repeater made before this one must be dropped (Backend.launcher)."""
+        is written to `pack` later (a plan's, pyhipa2a.repeat): they are copied into `into`, a pack written
+        only here, whose repeater made before this one must be dropped (Backend.launcher)."""
         into.copy_from(pack)
         return self.backend.launcher(self.function, grid, block, into)
 

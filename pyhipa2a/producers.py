@@ -1,56 +1,29 @@
 """Quick answers from the producers users pass most: PyTorch, CuPy and JAX.
 
-The protocols describe an array fully, but they cost what the producer's own
-Python costs: PyTorch builds a stream object, an event and a capsule for every
-`__dlpack__(stream=s)` (about 45 us a tensor on the H100 machine), JAX about as
-much, CuPy a new dict for every `__cuda_array_interface__`. A loop passes the
-same arrays at every call, so the boundary (pyhipa2a.inputs) describes an array
-once through its protocol and, where a probe here knows its producer, asks at
-later calls only what can have changed:
-- `key(obj)`: pointer, shape, strides and element type, from the object's own
-  attributes (pointer first, shape second: checked against the protocol's); the
+The protocols describe an array fully, but they cost what the producer's own Python costs: PyTorch
+builds a stream object, an event and a capsule for every `__dlpack__(stream=s)` (about 45 us a tensor),
+JAX about as much, CuPy a new dict for every `__cuda_array_interface__`. So the boundary
+(pyhipa2a.inputs) describes an array through its protocol once and, where a probe here knows its
+producer, asks later only what can have changed:
+- `key(obj)`: pointer, shape, strides and element type, from the object's own attributes; a
   description stands while the key is the one recorded with it;
-- `stream(obj)`: the stream the producer queues its writes on now, spelled as
-  the CUDA array interface spells it (1: the legacy default stream), which the
-  call's stream waits for on the device; None: nothing to wait for;
-- `current_stream(obj, device)`: the library's current stream on our device,
-  for AllToAll(stream="current"); None where obj is not on that device;
-  `current_stream_here(device)` the same for an array known to live there (a
-  repeat's, whose key, its pointer first, was just found to be the one its
-  description on our device recorded: pointers are unique across a process's
-  devices).
-- `view(obj)`: (key, device, compact) of an array that its protocol would
-  describe as it is (PyTorch: a plain strided CUDA tensor, no gradient, no
-  negated or conjugated view), None otherwise; with `element_types` (the
-  library's type object -> the NumPy dtype its protocol named, learned by the
-  boundary when that protocol described an array of that type as the view
-  saw it) a new array of a known type is described without its protocol:
-  PyTorch's export costs about 60 us a tensor, a view about 1 (thirty-fourth
-  session). JAX's view is of a finished array alone (`is_ready()`, plainly
-  row-major, in a GPU's memory): the description of a new JAX array through
-  its export took 50-60 us of our Python and JAX's, a step on new JAX arrays
-  190-310 us (thirty-fifth session).
-- `pointer_of(obj, device, element_type, shape)`: obj's pointer where its view
-  would show it on `device`, compact, of the library's `element_type` and of
-  `shape`; None otherwise. What a repeated call asks of a new array standing in
-  for its recorded one (pyhipa2a.quick), every call of a loop that passes new
-  arrays: the same answer as the view's, without building the view's key
-  (PyTorch: 1.1 us against the view's 2.8 through its callers, thirty-seventh
-  session).
-- `hold(obj)`: what keeps a viewed array's memory ours while a call may read
-  it, beside the array itself (`hold` None: nothing more). A JAX array's is its
-  plain export (about 6 us), under which JAX does not donate its buffer, as
-  under the export the protocol path holds.
-That is what the protocols do: PyTorch's `__dlpack__(stream=s)` makes `s` wait
-for its current stream; CuPy's interface names its current stream; a JAX array
-never changes once written, and its first export made the stream of its first
-use wait for that write, which every later call on any stream follows (a
-finished one needs no wait). So a probe changes the cost, not the order. A
-probe whose answers differ from the protocol's when an array is first
-described, or that raises, is not used for its type again; PyTorch's
-subclasses get none (a tensor wrapper, DTensor say, may answer otherwise).
-No producer is imported here: a probe exists only for a library the caller has
-already imported (it is in sys.modules when one of its arrays is passed).
+- `stream(obj)`: the stream the producer queues its writes on now, spelled as the CUDA array interface
+  spells it (1: the legacy default stream), which the call's stream waits for; None: nothing to wait for;
+- `current_stream(obj, device)`: the library's current stream on our device (AllToAll(stream=
+  "current")), None where obj is not on that device; `current_stream_here(device)` the same for an array
+  known to live there;
+- `view(obj)`: (key, device, compact) of an array its protocol would describe as it is (PyTorch: a plain
+  strided CUDA tensor, no gradient, no negated or conjugated view; JAX: a finished, plainly row-major
+  array in one GPU's memory), None otherwise; with `element_types` (the library's type object -> the
+  NumPy dtype its protocol named, learned when the protocol described an array of that type as the view
+  saw it) a new array of a known type is described without its protocol;
+- `hold(obj)`: what keeps a viewed array's memory ours while a call may read it, beside the array (JAX:
+  its plain export, under which JAX does not donate the buffer).
+That is what the protocols do: PyTorch's `__dlpack__(stream=s)` makes `s` wait for its current stream;
+CuPy's interface names its current stream; a JAX array never changes once written, and its first export
+made the stream of its first use wait for that write. A probe whose answers differ from the protocol's
+when an array is first described, or that raises, is not used for its type again; PyTorch's subclasses
+get none. No producer is imported here: a probe exists only for a library the caller has imported.
 """
 from __future__ import annotations
 
@@ -80,14 +53,6 @@ class TorchProbe:
             return None
         return self.key(t), t.get_device(), t.is_contiguous()
 
-    def pointer_of(self, t, device: int, element_type, shape) -> int | None:
-        # view()'s conditions, and its key's type and shape, asked directly (no strides: compact is asked)
-        if (not self._viewable or not t.is_cuda or t.get_device() != device or t.dtype != element_type
-                or t.shape != shape or t.requires_grad or t.layout is not self._strided or t.is_nested
-                or t.is_neg() or t.is_conj() or not t.is_contiguous()):
-            return None
-        return t.data_ptr()
-
     def stream(self, t) -> int:
         return self.current_stream_here(t.get_device())
 
@@ -111,12 +76,6 @@ class CupyProbe:
 
     def view(self, a):
         return self.key(a), a.device.id, a.flags.c_contiguous
-
-    @staticmethod
-    def pointer_of(a, device: int, element_type, shape) -> int | None:
-        if a.device.id != device or a.dtype != element_type or a.shape != shape or not a.flags.c_contiguous:
-            return None
-        return a.data.ptr
 
     def stream(self, a) -> int:
         # As CuPy's interface names it: the current stream of the current device, 1 for the null one.
@@ -166,10 +125,6 @@ class JaxProbe:
         except AttributeError:
             return None
         return (self.key(a), device, True) if row_major and device >= 0 else None
-
-    def pointer_of(self, a, device: int, element_type, shape) -> int | None:
-        key = view_here(self, a, device)  # (a finished array alone, as the view)
-        return key[0] if key is not None and key[3] == element_type and key[1] == shape else None
 
     @staticmethod
     def hold(a):

@@ -47,9 +47,9 @@ def dispatch(a2a, inputs: WorldInputs, **kw):
 
 def dispatched_tokens(a2a, inputs: WorldInputs):
     """Every rank's tokens as a2a's dispatch delivers them: (rows, scales), scales None unless fp8."""
-    if not a2a.scale_cols:
+    if not a2a.config.scale_cols:
         return inputs.xs, None
-    fp8 = inputs if inputs.x_scales is not None else inputs.quantized(a2a.dispatch_dtype)
+    fp8 = inputs if inputs.x_scales is not None else inputs.quantized(a2a.config.dispatch_dtype)
     return fp8.xs, fp8.x_scales
 
 
@@ -72,7 +72,7 @@ def dtype_arguments(dtype="float16", dispatch_dtype=None, fp8_input: str = "quan
 
 def inputs_as_given(a2a, inputs: WorldInputs, fp8_input: str = "quantize") -> WorldInputs:
     """The inputs as a2a takes them: with fp8 given, the same tokens quantized, with their scales."""
-    return inputs.quantized(a2a.dispatch_dtype) if a2a.scale_cols and fp8_input == "given" else inputs
+    return inputs.quantized(a2a.config.dispatch_dtype) if a2a.config.scale_cols and fp8_input == "given" else inputs
 
 
 def draw_routing(rng, T: int, k: int, E: int, routing: str = "random") -> np.ndarray:
@@ -120,15 +120,15 @@ def poison(a2a) -> None:
     still be pulling from our stage and contributions, and one after, before peers write to us."""
     a2a.synchronize()  # the last call's stream: every earlier call is queued before it
     comm = getattr(a2a, "comm", None) or a2a.heap.comm  # across nodes: every rank of every node
-    bounded_barrier(comm, a2a.timeout, "poison")
+    bounded_barrier(comm, a2a.config.timeout, "poison")
     for name in ("recv_x", "recv_meta", "recv_scales", "num_tokens", "y", "stage", "tok_hdr", "w_in", "contrib",
                  "rows", "slot_of", "layout"):
-        a2a.buf[name].fill_bytes(0xFF)  # no stream: done when it returns
+        a2a.buffers[name].fill_bytes(0xFF)  # no stream: done when it returns
     for scratch in getattr(a2a, "exchange_buffers", ()):  # across nodes: regions, records, sums, seals
         scratch.fill_bytes(0xFF)
     a2a.expert_y_buffer().fill_bytes(0xFF)  # on a2a.stream
     a2a.backend.stream_synchronize(a2a.stream)
-    bounded_barrier(comm, a2a.timeout, "poison")
+    bounded_barrier(comm, a2a.config.timeout, "poison")
 
 
 def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> None:
@@ -236,17 +236,17 @@ def free_inputs(a2a, arrays) -> None:
 
 def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
     """This rank's finished dispatch (its DispatchResult views) against the oracle."""
-    if (result.expert_layout is None) != (a2a.row_layout == "packed"):
-        raise AssertionError(f"row_layout={a2a.row_layout!r} but expert_layout is {result.expert_layout!r}")
+    if (result.expert_layout is None) != (a2a.config.row_layout == "packed"):
+        raise AssertionError(f"row_layout={a2a.config.row_layout!r} but expert_layout is {result.expert_layout!r}")
     rows, scales = dispatched_tokens(a2a, inputs)
-    check_dispatch(result, reference.dispatch(rows, inputs.indices, a2a.num_experts, scales)[a2a.rank], a2a.rank)
+    check_dispatch(result, reference.dispatch(rows, inputs.indices, a2a.config.num_experts, scales)[a2a.rank], a2a.rank)
 
 
 def oracle_expert(a2a, fused: bool):
     """The oracle's fake expert: a kernel of its own (reference.fake_expert; on fp8 rows
     reference.fp8_fake_expert), or fused into combine as fused_combine does."""
-    if a2a.scale_cols and not fused:
-        return reference.fp8_fake_expert(a2a.out_dtype)
+    if a2a.config.scale_cols and not fused:
+        return reference.fp8_fake_expert(a2a.config.out_dtype)
     if not fused:
         return reference.fake_expert
     return reference.fused_expert([reference.fake_expert_scale(r) for r in range(a2a.world)])
@@ -264,12 +264,12 @@ def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None,
     largest error (raises outside the tolerance)."""
     rank = a2a.rank
     xs = expert_rows(a2a, inputs)
-    expected = reference.combine(xs, inputs.indices, inputs.weights, a2a.num_experts, expert, ranks=[rank])[rank]
+    expected = reference.combine(xs, inputs.indices, inputs.weights, a2a.config.num_experts, expert, ranks=[rank])[rank]
     slack = None
-    if a2a.narrow_partials and tolerance is None:  # a tolerance given (gpu-mode's) holds as it is
-        slack = reference.narrow_partials_slack(xs, inputs.indices, inputs.weights, a2a.num_experts,
-                                                UNIT_ROUNDOFF[a2a.out_dtype.name], expert, ranks=[rank])[rank]
-    return combine_error(y.numpy(), expected, a2a.out_dtype, tolerance, slack)
+    if a2a.config.narrow_partials and tolerance is None:  # a tolerance given (gpu-mode's) holds as it is
+        slack = reference.narrow_partials_slack(xs, inputs.indices, inputs.weights, a2a.config.num_experts,
+                                                UNIT_ROUNDOFF[a2a.config.out_dtype.name], expert, ranks=[rank])[rank]
+    return combine_error(y.numpy(), expected, a2a.config.out_dtype, tolerance, slack)
 
 
 def check_combine_exact(a2a, inputs: WorldInputs, y, expert=reference.fake_expert) -> int:
@@ -278,21 +278,21 @@ def check_combine_exact(a2a, inputs: WorldInputs, y, expert=reference.fake_exper
     the output dtype, value for value; any other rounding (of the owner's own part, toward zero,
     twice) shows. Returns how many of this rank's elements the two modes' oracles give differently:
     0 means these inputs cannot tell a narrow call from an fp32 one here."""
-    rank, dtype = a2a.rank, a2a.out_dtype
+    rank, dtype = a2a.rank, a2a.config.out_dtype
 
     def oracle(partials_dtype):
-        return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.num_experts, expert,
+        return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.config.num_experts, expert,
                                  ranks=[rank], partials_dtype=partials_dtype)[rank].astype(dtype)
 
     wide, narrow = oracle(None), oracle(dtype)
-    want, got = (narrow if a2a.narrow_partials else wide), y.numpy()
+    want, got = (narrow if a2a.config.narrow_partials else wide), y.numpy()
     if got.shape != want.shape:
         raise AssertionError(f"rank {rank}: combine output shape {got.shape} != expected {want.shape}")
     same = got.astype(np.float64) == want.astype(np.float64)  # the NaN poison is never equal
     if not same.all():
         at = tuple(np.argwhere(~same)[0])
         raise AssertionError(f"rank {rank}: combine at {at} is {got[at]}, the exact oracle says {want[at]} "
-                             f"(narrow_partials={a2a.narrow_partials}; with fp32 partials it would be "
+                             f"(narrow_partials={a2a.config.narrow_partials}; with fp32 partials it would be "
                              f"{wide[at]}, with narrow ones {narrow[at]})")
     return int(np.count_nonzero(wide.astype(np.float64) != narrow.astype(np.float64)))
 
@@ -308,13 +308,13 @@ def step_buffers(a2a, T: int):
     """Device arrays of the caller's own for a captured step of T tokens on a2a's device and stream:
     (x, indices, weights, y); free them with free_buffers."""
     from .array import DeviceArray
-    H, k, b = a2a.hidden, a2a.top_k, a2a.backend
+    H, k, b = a2a.config.hidden, a2a.config.top_k, a2a.backend
 
     def device(shape, dtype):
         nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
         return DeviceArray(b, b.malloc_ipc(nbytes), shape, dtype, stream=a2a.stream, device_id=a2a.heap.device.index)
-    return (device((T, H), a2a.in_dtype), device((T, k), np.int32), device((T, k), np.float32),
-            device((T, H), a2a.out_dtype))
+    return (device((T, H), a2a.config.in_dtype), device((T, k), np.int32), device((T, k), np.float32),
+            device((T, H), a2a.config.out_dtype))
 
 
 def free_buffers(a2a, buffers) -> None:

@@ -67,7 +67,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
-from pyhipa2a.a2a import LAYOUT_CHOICES, STREAM_CHOICES  # noqa: E402
+from pyhipa2a.config import LAYOUT_CHOICES, STREAM_CHOICES  # noqa: E402
 from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary, route_chunks  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
@@ -190,9 +190,9 @@ def capture_empty(a2a, event_sets, step: Step, made: contextlib.ExitStack):
     between the same event nodes): what the calls cost over bare launches. One call's kernels for each
     set of four events, in order; destroyed when `made` closes. Returns what launches it."""
     b, s = a2a.backend, a2a.stream
-    kernel = a2a.lib.kernel("nothing")
+    kernel = empty_kernel(a2a, made)
     pack = kernel.pack()
-    launch = lambda: kernel.launch(pack, a2a.blocks, a2a.block_threads, s)  # noqa: E731
+    launch = lambda: kernel.launch(pack, a2a.config.blocks, a2a.config.block_threads, s)  # noqa: E731
     a2a.synchronize()
     b.capture_begin(s)
     try:
@@ -304,17 +304,24 @@ def host_time(comm, a2a, arrays, step: Step, iters: int, turns=None) -> float:
     return median_host_us(comm, a2a, timed, iters)
 
 
-def launch_host_time(comm, a2a, arrays, iters: int) -> float:
+def empty_kernel(a2a, made: contextlib.ExitStack):
+    """The empty kernel, from a library of its own on a2a's device (closed when `made` closes)."""
+    library = KernelLibrary(a2a.backend, a2a.heap.device.arch)
+    made.callback(library.close)
+    return library.kernel("nothing")
+
+
+def launch_host_time(comm, a2a, arrays, iters: int, made: contextlib.ExitStack) -> float:
     """Median host time (us, max over ranks) of launching two empty kernels with the exchange kernels'
     geometry on the stream a step on `arrays` takes, timed as host_time times the step: what its two
     launches cost with no library code around them (on the host backend, the empty kernel's host twin)."""
-    kernel, s = a2a.lib.kernel("nothing"), a2a.stream_for(*arrays)
+    kernel, s = empty_kernel(a2a, made), a2a.stream_for(*arrays)
     pack = kernel.pack()
 
     def timed():
         t0 = time.perf_counter()
-        kernel.launch(pack, a2a.blocks, a2a.block_threads, s)
-        kernel.launch(pack, a2a.blocks, a2a.block_threads, s)
+        kernel.launch(pack, a2a.config.blocks, a2a.config.block_threads, s)
+        kernel.launch(pack, a2a.config.blocks, a2a.config.block_threads, s)
         return time.perf_counter() - t0
     return median_host_us(comm, a2a, timed, iters, s)
 
@@ -459,10 +466,10 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None, fast:
         fast.saw(yard)
         r["yard"] = comm.allreduce(yard, op=MPI.MAX)
         r["host_new"] = host_time(comm, a2a, given, step, args.iters, turns)
-        r["host_launches"] = launch_host_time(comm, a2a, given, args.iters)
+        r["host_launches"] = launch_host_time(comm, a2a, given, args.iters, made)
         # The same on CPUs found at full speed (scripts/cpu_speed.py: the best of a few takes; None where none was)
         r["host_fast"], host_yard = fast.measure(lambda: host_time(comm, a2a, given, step, args.iters))
-        r["host_launches_fast"], launch_yard = fast.measure(lambda: launch_host_time(comm, a2a, given, args.iters))
+        r["host_launches_fast"], launch_yard = fast.measure(lambda: launch_host_time(comm, a2a, given, args.iters, made))
         yards = [host_yard, launch_yard]
         if flush_ptr is not None:
             def take_walls():
@@ -486,9 +493,9 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None, fast: Fast
     """Check, then time one shape, as one graph per call and as eager calls (wall times too when
     flush_ptr is given). The main columns are the graph's; eager_* are the same call, three launches."""
     r = {"tokens_per_rank": float(np.mean([len(x) for x in inputs.xs])),
-         "launch": {"block_threads": a2a.block_threads, "blocks": a2a.blocks,
+         "launch": {"block_threads": a2a.config.block_threads, "blocks": a2a.config.blocks,
                     "small_combine_tokens": getattr(a2a, "small_combine_tokens", -1)},
-         "pushed_ranks": sum(len(x) <= a2a.push_max_tokens for x in inputs.xs)}
+         "pushed_ranks": sum(len(x) <= a2a.config.push_max_tokens for x in inputs.xs)}
     step = Step(args.fused_expert, args.weights_at)
     inputs = inputs_as_given(a2a, inputs, args.fp8_input)
     error = check_once(comm, a2a, inputs, step)
@@ -498,14 +505,14 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None, fast: Fast
     if not timed_phases.get("ok", True):
         return {**r, **timed_phases}
     r.update(timed_phases)
-    x_bytes = a2a.dispatch_dtype.itemsize + 4 * a2a.scale_cols / a2a.hidden  # per element, its scale's share too
-    sizes = (inputs.indices, a2a.num_experts, a2a.hidden, x_bytes, a2a.out_dtype.itemsize)
-    chunks = route_chunks(a2a.top_k, a2a.max_tokens)
-    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.push_max_tokens, push_tokens=a2a.push_tokens,
-                                   narrow_partials=a2a.narrow_partials, count_chunks=chunks, weights_at=args.weights_at)
+    x_bytes = a2a.config.dispatch_dtype.itemsize + 4 * a2a.config.scale_cols / a2a.config.hidden  # per element, its scale's share too
+    sizes = (inputs.indices, a2a.config.num_experts, a2a.config.hidden, x_bytes, a2a.config.out_dtype.itemsize)
+    chunks = route_chunks(a2a.config.top_k, a2a.config.max_tokens)
+    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.config.push_max_tokens, push_tokens=a2a.config.push_tokens,
+                                   narrow_partials=a2a.config.narrow_partials, count_chunks=chunks, weights_at=args.weights_at)
     total = float(dispatch.sum() + combine.sum())
     # The speed of light moves the data alone: a pushed call's tags are our overhead, not its floor.
-    data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.narrow_partials, count_chunks=chunks,
+    data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.config.narrow_partials, count_chunks=chunks,
                           weights_at=args.weights_at))
     sol = float(data.max()) / (bw["gbps"] * 1e9) * 1e6
     r.update(ok=True, link_bytes=total, gbps=total / (r["e2e"] * 1e-6) / 1e9,

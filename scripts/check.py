@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.a2a import LAYOUT_CHOICES  # noqa: E402
-from pyhipa2a.hierarchy import node_layout  # noqa: E402
+from pyhipa2a.config import LAYOUT_CHOICES  # noqa: E402
+from pyhipa2a.bootstrap import node_layout  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, draw_world, dtype_arguments, failure_line,  # noqa: E402
                               inputs_as_given, run_round)
 from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402

@@ -2,7 +2,7 @@
 
 The device machines are virtual machines whose vCPUs each run Python at full
 speed part of the time and at about half speed otherwise, flipping every few
-seconds, each on its own (docs/PERFORMANCE.md, thirty-third session: a loop of
+seconds, each on its own (measured at commit f01bdb7: a loop of
 100 additions read 1.8-2.2 us or 2.6-4.5 us on the same vCPU seconds apart; two
 empty launches 5.2-5.7 or 8.1-9.8, an eager step 8.1-9.2 or 10.7-14.4; and
 whole machines differ: full speed read 2.35-2.6 on another). A host figure taken

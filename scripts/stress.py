@@ -110,7 +110,7 @@ def main() -> int:
         def warm_up(which: int, i: int) -> None:
             """Every kernel of object `which` loaded and launched each way, its buffers touched. (Its launch
             sites, on CUDA a one-node graph each with device memory of its own, are made with the object:
-            AllToAll._prepare_launches.)"""
+            pyhipa2a.legs.Leg.)"""
             for n, way in enumerate(WAYS):
                 one_call(i - n, which, way)
 

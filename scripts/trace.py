@@ -16,8 +16,10 @@ bench.py for durations.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -25,11 +27,140 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
-from pyhipa2a.a2a import LAYOUT_CHOICES  # noqa: E402
-from pyhipa2a.profile import (TAGS, kernel_starts_and_ends, stage_durations, stage_windows, summarize,  # noqa: E402
-                              to_trace_events, write_trace)
+from pyhipa2a.config import LAYOUT_CHOICES  # noqa: E402
+from pyhipa2a.profile import KERNEL_OF_SPAN, TAGS  # noqa: E402
 from pyhipa2a.testing import (dispatch_uploaded, draw_world, dtype_arguments, free_inputs,  # noqa: E402
                               inputs_as_given, run_round, upload_inputs)
+
+def to_trace_events(events: np.ndarray, rank: int, offset_ns: int) -> list[dict]:
+    """Chrome/Perfetto 'complete' events: process = rank, thread = block, times in us."""
+    out = []
+    for e in events:
+        name, kind = TAGS.get(int(e["tag"]), (f"tag{int(e['tag'])}", "other"))
+        detail = int(e["detail"])
+        out.append({"name": name, "cat": kind, "ph": "X", "pid": rank, "tid": int(e["block"]),
+                    "ts": (int(e["start"]) + offset_ns) / 1e3,
+                    "dur": max(int(e["end"]) - int(e["start"]), 0) / 1e3,
+                    "args": {"warp": int(e["warp"]), "peer": detail & 0xFF, "token": detail >> 8}})
+    return out
+
+
+def summarize(events_by_rank: dict[int, np.ndarray]) -> dict:
+    """Per kernel and rank: time waiting vs moving data (summed over warps), slowest block, most-waited-for peer."""
+    summary = {}
+    for rank, events in events_by_rank.items():
+        for span_tag, kernel in KERNEL_OF_SPAN.items():
+            mine = [e for e in events if TAGS.get(int(e["tag"]), ("", ""))[0].startswith(kernel + ".")]
+            if not mine:
+                continue
+            totals = defaultdict(float)
+            per_block = defaultdict(float)
+            waited_on = defaultdict(float)
+            for e in mine:
+                dur = (int(e["end"]) - int(e["start"])) / 1e3
+                name, kind = TAGS[int(e["tag"])]
+                totals[kind] += dur
+                if int(e["tag"]) == span_tag:
+                    per_block[int(e["block"])] = max(per_block[int(e["block"])], dur)
+                if kind == "wait":
+                    waited_on[int(e["detail"]) & 0xFF] += dur
+            slowest = max(per_block.items(), key=lambda kv: kv[1]) if per_block else (None, 0.0)
+            peer = max(waited_on.items(), key=lambda kv: kv[1]) if waited_on else (None, 0.0)
+            summary[(kernel, rank)] = {
+                "wait_us": totals["wait"], "move_us": totals["move"], "sync_us": totals["sync"],
+                "warp_span_us": totals["span"], "slowest_block": slowest[0], "slowest_block_us": slowest[1],
+                "most_waited_peer": peer[0], "most_waited_us": peer[1], "events": len(mine)}
+    return summary
+
+
+def _call_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> list[dict]:
+    """For each call every rank recorded: {(rank, tag): (first start, last end)} in ns on the clocks
+    aligned by `offsets` (empty for a call with no events)."""
+    ncalls = min(len(c) for c in calls_by_rank.values())
+    out = []
+    for i in range(ncalls):
+        windows = {}
+        for r, calls in calls_by_rank.items():
+            ev = calls[i]
+            for tag in np.unique(ev["tag"]):
+                pick = ev["tag"] == tag
+                first, last = int(ev["start"][pick].min()), int(ev["end"][pick].max())
+                windows[(r, int(tag))] = (first + offsets[r], last + offsets[r])
+        out.append(windows)
+    return out
+
+
+def _kernel_spans(windows: dict, ranks) -> dict:
+    """Of one call's windows: per kernel that every rank ran, each rank's (start, end) of its span."""
+    spans = {kernel: [windows.get((r, tag)) for r in ranks] for tag, kernel in KERNEL_OF_SPAN.items()}
+    return {kernel: s for kernel, s in spans.items() if None not in s}
+
+
+KERNEL_OF_TAG = {tag: name.split(".")[0] for tag, (name, _) in TAGS.items()}  # "dispatch" or "combine"
+
+
+def stage_windows(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int],
+                  from_kernel_start: bool = False) -> dict:
+    """When each stage ran, for reading the critical path: per (rank, tag), the median over the calls
+    that ran it of the first start and the last end of that stage (us), measured from the call's
+    earliest event on any rank (clocks aligned by `offsets`), or, with `from_kernel_start`, from the
+    latest rank's start of the stage's own kernel in that call: each kernel's stages then read without
+    the ranks' start skew and the gap before the kernel (calls where a rank did not run it are left
+    out). A median, since a call whose ranks started far apart (the first after a capture, above all:
+    tens of microseconds) would pull a mean. Every rank must have recorded the same number of calls."""
+    per_stage = defaultdict(list)
+    for windows in _call_windows(calls_by_rank, offsets):
+        if not windows:
+            continue
+        origin = {None: min(first for first, _ in windows.values())}
+        origin.update({kernel: max(start for start, _ in spans)
+                       for kernel, spans in _kernel_spans(windows, calls_by_rank).items()})
+        for (r, tag), (first, last) in windows.items():
+            kernel = KERNEL_OF_TAG.get(tag) if from_kernel_start else None
+            if kernel in origin:
+                per_stage[(r, tag)].append(((first - origin[kernel]) / 1e3, (last - origin[kernel]) / 1e3))
+    return {key: tuple(float(x) for x in np.median(np.array(v), axis=0)) for key, v in per_stage.items()}
+
+
+def stage_durations(events_by_rank: dict[int, np.ndarray]) -> dict:
+    """Per (rank, tag): the median and 90th percentile (us) of one event's duration, and how many events
+    there were. A stage's window (stage_windows) says when its warps were at it; this says how long one
+    item of it took a warp (a segment's copy, a token's reduce), which a stage whose items all start at
+    once and end at once (a latency, not a queue) shows best."""
+    out = {}
+    for r, events in events_by_rank.items():
+        if not len(events):
+            continue
+        durations = (events["end"].astype(np.int64) - events["start"].astype(np.int64)) / 1e3
+        for tag in np.unique(events["tag"]):
+            d = durations[events["tag"] == tag]
+            out[(r, int(tag))] = (float(np.median(d)), float(np.percentile(d, 90)), len(d))
+    return out
+
+
+def kernel_starts_and_ends(calls_by_rank: dict[int, list[np.ndarray]], offsets: dict[int, int]) -> dict:
+    """Per kernel, the median over calls (us, clocks aligned by `offsets`) of how far apart the ranks'
+    kernels started (first warp's start, earliest rank to latest) and how long the kernel ran from the
+    latest rank's start to the latest rank's end: the kernel's time once every rank has started, without
+    the ranks' start skew that each rank's own timing of a call holds. Only calls that every rank ran."""
+    per_kernel = defaultdict(list)
+    for windows in _call_windows(calls_by_rank, offsets):
+        for kernel, spans in _kernel_spans(windows, calls_by_rank).items():
+            starts, ends = [s for s, _ in spans], [e for _, e in spans]
+            per_kernel[kernel].append(((max(starts) - min(starts)) / 1e3, (max(ends) - max(starts)) / 1e3))
+    return {kernel: {"start_skew_us": float(np.median([v[0] for v in values])),
+                     "from_last_start_us": float(np.median([v[1] for v in values])), "calls": len(values)}
+            for kernel, values in per_kernel.items()}
+
+
+def write_trace(path: str, trace_events: list[dict], metadata: dict) -> None:
+    """One JSON file for all ranks, created owner-writable only (no world-writable bits)."""
+    names = sorted({e["pid"] for e in trace_events})
+    meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in names]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"traceEvents": meta + trace_events, "displayTimeUnit": "ns", "metadata": metadata}, f)
+
 
 LARGEST_GPU_MODE_SHAPE = (256, 8, 7168, 256)
 

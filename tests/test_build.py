@@ -110,16 +110,16 @@ def test_nvidia_fatbin_builds(tmp_path):
 
 
 def test_c_helper_builds_and_loads(tmp_path):
-    """The limited-API helper (csrc/again.c) builds where a C compiler and Python.h are, and loads."""
+    """The limited-API helper (csrc/repeat.c) builds where a C compiler and Python.h are, and loads."""
     import importlib.machinery
     import importlib.util
     import sysconfig
     if build.find_c_compiler() is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         pytest.skip("no C compiler or no Python.h")
     built = build.build(tmp_path, targets=("host",), log=lambda *_: None)
-    assert [p.name for p in built] == ["_again.abi3.so"]
-    loader = importlib.machinery.ExtensionFileLoader("pyhipa2a._again", str(built[0]))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("pyhipa2a._again", built[0],
+    assert [p.name for p in built] == ["_repeat.abi3.so"]
+    loader = importlib.machinery.ExtensionFileLoader("pyhipa2a._repeat", str(built[0]))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("pyhipa2a._repeat", built[0],
                                                                                       loader=loader))
     loader.exec_module(module)
     with pytest.raises(TypeError, match="plan is a tuple"):
@@ -129,7 +129,7 @@ def test_c_helper_builds_and_loads(tmp_path):
 @pytest.mark.parametrize("why", ["the compiler fails", "free-threaded"])
 def test_c_helper_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, why):
     """A compiler that fails on the helper, or a CPython without the limited API, skips it with one line
-    (repeated calls then take their Python path) rather than failing the install."""
+    (plans then run in Python) rather than failing the install."""
     import sysconfig
     if why == "the compiler fails":
         monkeypatch.setattr(build, "find_c_compiler", lambda: "false")  # (exits 1, as a failing compiler)

@@ -1,7 +1,9 @@
-"""fp8 conversions and quantizing: the kernels' source (compiled for the host), the host twins and the
-oracle (ml_dtypes), held to each other on every input that matters; how AllToAll plans its dtypes."""
+"""fp8: conversions and quantizing in the kernels' source (compiled for the host), the host twins and the
+oracle (ml_dtypes), held to each other on every input that matters; how AllToAll plans its dtypes; and
+fp8 dispatch under MPI against the oracle, both ways in, on the host backend and (marked gpu) on GPUs."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import numpy as np
@@ -10,7 +12,9 @@ import pytest
 from pyhipa2a import reference
 from pyhipa2a.dtypes import fp8_for_arch, plan_dtypes, resolve
 from pyhipa2a.host_kernels import fp8 as twin
+from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case
 from tests.native_build import build_native
+from tests.test_exchange import TRANSFER_MODES, shape_id
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 FORMATS = {"float8_e4m3fn": False, "float8_e4m3fnuz": True}
@@ -179,3 +183,75 @@ def test_fp8_by_device():
         fp8_for_arch("float8_e4m3", "gfx90a")
     with pytest.raises(TypeError, match="gfx942 uses float8_e4m3fnuz"):
         fp8_for_arch("float8_e4m3fn", "gfx942")
+
+
+SHAPES = json.loads((REPO / "scripts" / "gpumode_all2all.json").read_text())
+CASE = "tests.cases.fp8_cases:"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_bad_inputs(backend):
+    run_case(CASE + "case_fp8_bad_inputs", ranks_for(backend), env_backend(backend))
+
+
+# fp8 dispatch (e4m3 and block scales), both ways in. The host twins emulate both encodings; a GPU
+# takes its own ("float8_e4m3": e4m3fn on NVIDIA, e4m3fnuz on MI300X).
+FP8_SHAPES = [s for s in SHAPES["tests"] if s["hidden_dim"] % 128 == 0]
+FP8_WAYS = ["quantize", "given"]
+
+
+def fp8_name(fmt: str, backend: str) -> str:
+    return fmt if backend == "host" else "float8_e4m3"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("way", FP8_WAYS)
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=shape_id)
+def test_fp8_gpumode_test_shapes(shape, way, backend):
+    ranks = ranks_for(backend)
+    if shape["num_experts"] % ranks:
+        pytest.skip(f"{shape['num_experts']} experts do not divide over {ranks} ranks")
+    run_case(CASE + "case_fp8", ranks, env_backend(backend),
+             args=(way, "float8_e4m3", "bfloat16", shape["num_experts"] // ranks, shape["experts_per_token"],
+                   shape["hidden_dim"], shape["max_num_tokens"], "random", "random", "normal", 2, shape["seed"]))
+
+
+# (format, 16-bit dtype, E per rank, k, H, M, token counts, routing, values, transfer mode)
+FP8_EDGE_CASES = {
+    "some_ranks_empty": ("float8_e4m3fn", "bfloat16", 4, 3, 256, 16, "some_empty", "random", "normal", "mixed"),
+    "all_ranks_empty": ("float8_e4m3fn", "float16", 2, 2, 128, 8, "all_empty", "random", "normal", "pull"),
+    "T_equals_M": ("float8_e4m3fnuz", "bfloat16", 4, 4, 512, 32, "full", "random", "normal", "pull"),
+    "one_hot_expert_full_capacity": ("float8_e4m3fn", "float16", 4, 4, 256, 32, "full", "hot", "normal", "push"),
+    "k1": ("float8_e4m3fnuz", "float16", 4, 1, 384, 16, "random", "random", "normal", "mixed"),
+    "edges_fn": ("float8_e4m3fn", "float16", 4, 4, 1024, 12, "full", "random", "edges", "mixed"),
+    "edges_fnuz": ("float8_e4m3fnuz", "bfloat16", 4, 4, 1024, 12, "full", "random", "edges", "mixed"),
+    "nonfinite_fn": ("float8_e4m3fn", "bfloat16", 4, 4, 1152, 8, "full", "random", "nonfinite", "pull"),
+    "nonfinite_fnuz": ("float8_e4m3fnuz", "float16", 4, 4, 1152, 8, "full", "random", "nonfinite", "push"),
+    "partial_segment_pushed": ("float8_e4m3fn", "bfloat16", 4, 4, 1152, 8, "staggered", "random", "normal", "mixed"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("way", FP8_WAYS)
+@pytest.mark.parametrize("name", sorted(FP8_EDGE_CASES))
+def test_fp8_edge_cases(name, way, backend):
+    fmt, in16, per_rank, k, H, M, counts, routing, values, mode = FP8_EDGE_CASES[name]
+    # The cases that push do so with pushed tokens (their fp8 pieces: fp8.h), which sm_90's default
+    # protocol does not use (test_publish_modes).
+    run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
+                  "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
+             args=(way, fp8_name(fmt, backend), in16, per_rank, k, H, M, counts, routing, values, 2, 13))
+
+
+# fp8 rows (and their scales) laid out by source: both ways in, pulled, pushed (its fp8 pieces) and mixed,
+# the fake expert's dequantizing kernel reading each source's rows.
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("way", FP8_WAYS)
+@pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
+def test_fp8_rows_by_source(way, mode, backend):
+    run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
+                  "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
+             args=(way, fp8_name("float8_e4m3fn", backend), "bfloat16", 4, 4, 1024, 32,
+                   "staggered" if mode == "mixed" else "full", "random", "normal", 2, 19, "by_source"))

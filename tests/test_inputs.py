@@ -1,117 +1,14 @@
-"""The array boundary (pyhipa2a.inputs) with fake producers: no GPU needed.
-
-The fakes mimic what each library hands over, as seen on the H200 machine:
-PyTorch (a dtype object NumPy cannot read, a version-2 interface with no
-stream, typestr '<V2' for bfloat16, DLPack that orders itself on the stream
-it is given), JAX (DLPack only here; versioned or unversioned capsules) and
-CuPy (a version-3 interface naming the stream it last wrote on).
-"""
-import dataclasses
-from types import SimpleNamespace
+"""The array boundary (pyhipa2a.inputs) with fake producers (tests/fakes.py): no GPU needed."""
 
 import numpy as np
 import pytest
 
-from pyhipa2a import dlpack
 from pyhipa2a.array import DeviceArray
 from pyhipa2a.dtypes import bfloat16
 from pyhipa2a.errors import A2ATimeoutError, Health
-from pyhipa2a.inputs import Boundary, check_scale, producer_stream
-from pyhipa2a.ordering import StreamOrder
-
-OURS = 0x5000  # the stream the calls run on
-
-
-class FakeCuda:
-    """The backend calls the boundary makes, recorded."""
-    kind, dlpack_device_type, current_device = "cuda", 2, 0
-
-    def __init__(self):
-        self.waits, self.pointer_queries = [], 0
-
-    def pointer_device(self, ptr):
-        self.pointer_queries += 1
-        return 0
-
-    def stream_handle(self, stream):
-        return 0 if stream is None else int(stream)
-
-    def activate(self):  # one device, one context: nothing to switch
-        pass
-
-    def stream_from_handle(self, handle):
-        return handle
-
-    def stream_wait_stream(self, waiter, producer):
-        if self.stream_handle(waiter) != self.stream_handle(producer):
-            self.waits.append((self.stream_handle(producer), self.stream_handle(waiter)))
-
-
-class Unreadable:
-    """A dtype object as torch's: np.dtype() cannot read it, and the boundary must not try."""
-
-    def __getattr__(self, name):
-        raise AssertionError("the boundary read a foreign object's own dtype")
-
-
-class TorchLike:
-    def __init__(self, ptr, shape, dtype="float16"):
-        self.ptr, self.shape, self.np_dtype = ptr, shape, np.dtype(bfloat16() if dtype == "bfloat16" else dtype)
-        self.asked, self.cai_reads = [], 0
-
-    @property
-    def dtype(self):
-        return Unreadable()
-
-    @property
-    def __cuda_array_interface__(self):
-        self.cai_reads += 1
-        typestr = "<V2" if self.np_dtype.name == "bfloat16" else self.np_dtype.str
-        return {"typestr": typestr, "shape": self.shape, "strides": None, "data": (self.ptr, False), "version": 2}
-
-    def __dlpack_device__(self):
-        return (2, getattr(self, "device", 0))
-
-    def __dlpack__(self, stream=None, max_version=None):
-        self.asked.append(stream)
-        return dlpack.make_capsule(self.ptr, self.shape, self.np_dtype, 2, getattr(self, "device", 0), owner=self)
-
-
-class JaxLike:
-    def __init__(self, ptr, shape, dtype="float16", versioned=False):
-        self.ptr, self.shape, self.np_dtype, self.versioned = ptr, shape, np.dtype(dtype), versioned
-        self.asked = []
-
-    def __dlpack_device__(self):
-        return (2, 0)
-
-    def __dlpack__(self, stream=None, max_version=None):
-        self.asked.append(stream)
-        return dlpack.make_capsule(self.ptr, self.shape, self.np_dtype, 2, 0, owner=self,
-                                   max_version=(1, 0) if self.versioned else None)
-
-
-class CupyLike:
-    def __init__(self, ptr, shape, typestr="<f2", stream=1):
-        self.cai = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3, "strides": None,
-                    "stream": stream}
-
-    @property
-    def __cuda_array_interface__(self):
-        return dict(self.cai)
-
-
-def take_in_call(b, name, obj, shape, dtype, stream=OURS):
-    """One call's use of `obj` as argument `name`: the call starts (its producers are waited for
-    afresh: StreamOrder.follow), then takes it."""
-    b.order.follow(stream)
-    return b.take(name, obj, shape, dtype, stream)
-
-
-def boundary(order="protocol"):
-    backend = FakeCuda()
-    return Boundary(backend, 0, StreamOrder(backend, OURS), order), backend
-
+from pyhipa2a.inputs import check_scale, producer_stream
+from tests.fakes import (KDL_CPU, KDL_CUDA_HOST, OURS, ArrayImpl, CupyLike, FakeCuda, JaxLike, Tensor, TorchLike,
+                         boundary, fake_cupy, fake_jax, fake_torch, ndarray, take_in_call)
 
 def test_torch_tensors_are_described_by_dlpack_and_ordered_by_their_export():
     b, backend = boundary()
@@ -119,7 +16,7 @@ def test_torch_tensors_are_described_by_dlpack_and_ordered_by_their_export():
         t = TorchLike(0x1000, (2, 4), dtype)
         want = bfloat16() if dtype == "bfloat16" else np.float16
         for _ in range(3):
-            ptr, keep = b.take("x", t, (2, 4), want, OURS)
+            ptr, keep, *_ = b.take("x", t, (2, 4), want, OURS)
             assert ptr == 0x1000 and keep is not t  # the consumed capsule keeps the tensor's memory
         assert t.asked == [OURS] * 3  # exported at every call, naming the reading stream
     assert backend.waits == [] and backend.pointer_queries == 0
@@ -226,17 +123,19 @@ def test_expert_scale_is_checked_as_the_float32_the_kernels_use():
         check_scale(1e-46)
 
 
-def test_a_settled_array_is_taken_again_only_for_the_same_use():
-    """The fast path of a loop (the same array again) holds only while nothing about the use changed:
-    a producer on another stream is waited for at every use, a new stream or shape is looked at anew."""
+def test_an_array_is_taken_again_only_for_the_same_use():
+    """What a repeat of a use may take unasked: our array on the call's stream; one on another stream is
+    waited for at every use and never repeats; a new stream or shape is looked at anew."""
     b, backend = boundary()
     mine = DeviceArray(backend, 0x6000, (2, 4), np.float16, stream=OURS)
     elsewhere = DeviceArray(backend, 0x7000, (2, 4), np.float16, stream=0x77)
     for _ in range(3):
-        assert take_in_call(b, "x", mine, (2, 4), np.float16)[0] == 0x6000
-        assert b.take("y", elsewhere, (2, 4), np.float16, OURS)[0] == 0x7000
+        taken = take_in_call(b, "x", mine, (2, 4), np.float16)
+        assert taken.ptr == 0x6000 and taken.repeatable and taken.recheck is None and taken.wait is None
+        taken = b.take("y", elsewhere, (2, 4), np.float16, OURS)
+        assert taken.ptr == 0x7000 and not taken.repeatable
     assert backend.waits == [(0x77, OURS)] * 3  # its producer's stream, at every call
-    b.take("x", mine, (2, 4), np.float16, 0x88)  # another calling stream: ordered after the producer
+    assert not b.take("x", mine, (2, 4), np.float16, 0x88).repeatable  # another calling stream: after the producer
     assert backend.waits[-1] == (OURS, 0x88)
     with pytest.raises(ValueError, match=r"must have shape \(3, 4\), got \(2, 4\)"):
         b.take("x", mine, (3, 4), np.float16, OURS)  # (a call with more tokens)
@@ -244,14 +143,16 @@ def test_a_settled_array_is_taken_again_only_for_the_same_use():
         b.take("x", mine, (2, 4), np.float32, OURS)
     t = TorchLike(0x1000, (2, 4))
     for _ in range(2):
-        b.take("w", t, (2, 4), np.float16, OURS)
-        b.take("w", t, (2, 4), np.float16, OURS, capturing=True)
+        assert not b.take("w", t, (2, 4), np.float16, OURS).repeatable  # (no probe: asked at every use)
+        assert not b.take("w", t, (2, 4), np.float16, OURS, capturing=True).repeatable
     assert t.asked == [OURS, -1, OURS, -1]  # asked at every use: the export is what orders it
+    host = np.zeros((2, 4), np.float16)
+    assert not b.take("x", host, (2, 4), np.float16, OURS, stage_ptr=0x9000).repeatable  # (copied at every use)
 
 
-def test_alignment_is_checked_before_an_array_settles():
-    """A misaligned array is refused at every use (a refused use never settles), an aligned one once
-    and then taken by identity."""
+def test_alignment_is_checked_at_every_use():
+    """A misaligned array is refused at every use, an aligned one taken (under producer_order="stream", a
+    repeat takes it again unasked)."""
     b, backend = boundary("stream")
     odd = DeviceArray(backend, 0x6002, (2, 4), np.float32, stream=OURS)
     for _ in range(2):
@@ -259,14 +160,15 @@ def test_alignment_is_checked_before_an_array_settles():
             b.take("weights", odd, (2, 4), np.float32, OURS, align=4)
     even = DeviceArray(backend, 0x6004, (2, 4), np.float32, stream=OURS)
     for _ in range(2):
-        assert b.take("weights", even, (2, 4), np.float32, OURS, align=4)[0] == 0x6004
+        taken = b.take("weights", even, (2, 4), np.float32, OURS, align=4)
+        assert taken.ptr == 0x6004 and taken.repeatable
 
 
 def test_dispatch_results_are_made_once_per_stream_and_token_count():
     """Repeated calls hand back the same (immutable) DispatchResult; another T or stream, another one."""
     import dataclasses
 
-    from pyhipa2a.calls import OutputViews
+    from pyhipa2a.buffers import OutputViews
     backend = FakeCuda()
     def view(shape, dtype=np.int32):
         return DeviceArray(backend, 0x1000, shape, dtype, stream=OURS)
@@ -277,76 +179,6 @@ def test_dispatch_results_are_made_once_per_stream_and_token_count():
     assert [r.shape for r in views.y_rows] == [(t, 4) for t in range(5)]
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.num_tokens = 4
-
-
-# -- producer probes (pyhipa2a.producers): PyTorch and CuPy asked through their own attributes ---------
-def fake_producer_module(monkeypatch, name: str, array_type: type, **attributes):
-    """`name` as an imported library whose arrays are `array_type`, for the probes to find."""
-    import sys
-    import types
-
-    from pyhipa2a import producers
-    module = types.ModuleType(name)
-    array_type.__module__ = name
-    setattr(module, array_type.__name__, array_type)
-    for key, value in attributes.items():
-        setattr(module, key, value)
-    monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(producers, "_by_type", {})  # nothing remembered from other tests
-    monkeypatch.setattr(producers, "_disowned", set())
-
-
-STRIDED = object()  # the fake torch's torch.strided
-
-
-class Tensor(TorchLike):
-    """TorchLike with what PyTorch's own attributes say; its dtype one object, as torch's are."""
-
-    def __init__(self, ptr, shape, dtype="float16"):
-        super().__init__(ptr, shape, dtype)
-        self.torch_dtype = "torch." + dtype
-
-    dtype = property(lambda self: self.torch_dtype)
-
-    def data_ptr(self):
-        return self.ptr
-
-    strides = None  # (None: compact)
-
-    def stride(self):
-        return self.strides or tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
-
-    def get_device(self):
-        return self.device
-
-    device, is_cuda, requires_grad, is_nested, neg, conj = 0, True, False, False, False, False
-    layout = STRIDED
-
-    def is_neg(self):
-        return self.neg
-
-    def is_conj(self):
-        return self.conj
-
-    def __dlpack__(self, stream=None, max_version=None):
-        if self.strides is not None:  # (the fake's capsules are compact: a strided export is PyTorch's to make)
-            self.asked.append(stream)
-            raise BufferError("the fake exports no strided tensor")
-        return super().__dlpack__(stream, max_version)
-
-    def is_contiguous(self):
-        expect = 1
-        for n, s in zip(reversed(self.shape), reversed(self.stride())):
-            if n > 1 and s != expect:
-                return False
-            expect *= n
-        return True
-
-
-def fake_torch(monkeypatch, current: list):
-    from types import SimpleNamespace
-    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED,
-                         _C=SimpleNamespace(_cuda_getCurrentRawStream=lambda device: current[0]))
 
 
 def test_torch_tensors_are_exported_once_then_asked_their_current_stream(monkeypatch):
@@ -399,31 +231,6 @@ def test_torch_tensors_are_exported_at_every_call_without_the_probe(monkeypatch)
     assert t.asked == [OURS] * 3
 
 
-class ndarray(CupyLike):  # noqa: N801 (CuPy's name)
-    def __init__(self, ptr, shape, stream):
-        super().__init__(ptr, shape, stream=stream)
-        self.cai_reads = 0
-
-    @property
-    def __cuda_array_interface__(self):
-        self.cai_reads += 1
-        return dict(self.cai)
-
-    data = property(lambda self: type("Memory", (), {"ptr": self.cai["data"][0]})())
-    shape = property(lambda self: self.cai["shape"])
-    strides = property(lambda self: (8, 2))
-    dtype = property(lambda self: np.dtype(self.cai["typestr"]))
-    device = property(lambda self: type("Device", (), {"id": 0})())
-    flags = property(lambda self: type("Flags", (), {"c_contiguous": self.strides == (8, 2)})())
-
-
-def fake_cupy(monkeypatch, current: list):
-    from types import SimpleNamespace
-    cuda = SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=current[0]),
-                           runtime=SimpleNamespace(getDevice=lambda: 0))
-    fake_producer_module(monkeypatch, "cupy", ndarray, cuda=cuda)
-
-
 def test_cupy_arrays_read_their_interface_once_then_their_current_stream(monkeypatch):
     current = [7]
     fake_cupy(monkeypatch, current)
@@ -458,93 +265,6 @@ def test_a_probe_that_disagrees_with_the_protocol_is_not_used(monkeypatch):
     assert producers.probe_for(ndarray(0x3000, (2, 4), stream=7)) is None  # the type goes without
 
 
-_LAYOUTS: dict = {}  # (jaxlib's layout objects compare by value; here one object per layout)
-KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
-
-
-@dataclasses.dataclass(frozen=True)
-class JaxDevice:
-    local_hardware_id: int
-    dlpack_kind: int  # (a CPU device is device 0 of its kind too)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sharding:  # (hashable, as JAX's shardings are; equal where their device and memory kind are)
-    device: JaxDevice
-    memory_kind: str
-    devices: int = 1  # (2: the array's shards on this device and the next)
-
-    device_set = property(lambda self: {JaxDevice(self.device.local_hardware_id + i, self.device.dlpack_kind)
-                                        for i in range(self.devices)})
-
-
-class ArrayImpl(JaxLike):
-    """JaxLike with what a JAX array's own attributes say: finished, row-major, in GPU 0's memory, unless
-    told otherwise (`ready` "missing": a build without is_ready; `failed`: its computation failed, which
-    its export says)."""
-    deleted = False
-    ready = True
-    failed = False
-    major_to_minor = None  # (None: row-major)
-    tiling = ()
-    memory_kind = "device"
-    dlpack_kind = KDL_CUDA
-    hardware_id = 0
-    format_reads = 0  # (the public format's reads, over all arrays)
-    dtype = property(lambda self: self.np_dtype)
-
-    def unsafe_buffer_pointer(self):
-        if self.deleted:
-            raise RuntimeError("Array has been deleted")
-        return self.ptr
-
-    def is_deleted(self):
-        return self.deleted
-
-    def is_ready(self):
-        if self.deleted:
-            pytest.fail("is_ready() of a deleted array: jaxlib's kills the process")
-        if self.ready == "missing":
-            raise AttributeError("is_ready")
-        return self.ready
-
-    def _layout(self):
-        return (tuple(range(len(self.shape))) if self.major_to_minor is None else self.major_to_minor), self.tiling
-
-    _pjrt_layout = property(lambda self: _LAYOUTS.setdefault(self._layout(), object()))
-    devices = 1
-    sharding = property(lambda self: Sharding(JaxDevice(self.hardware_id, self.dlpack_kind), self.memory_kind,
-                                              self.devices))
-
-    @property
-    def format(self):
-        ArrayImpl.format_reads += 1
-        order, tiling = self._layout()
-        return SimpleNamespace(layout=SimpleNamespace(major_to_minor=order, tiling=tiling,
-                                                      sub_byte_element_size_in_bits=0))
-
-    def __dlpack_device__(self):
-        return (self.dlpack_kind, self.hardware_id)
-
-    def __dlpack__(self, stream=None, max_version=None):
-        if self.deleted:
-            raise RuntimeError("Array has been deleted with shape=int32[3,8].")
-        if self.failed:
-            raise RuntimeError("the computation that makes this array failed")
-        self.asked.append(stream)
-        return dlpack.make_capsule(self.ptr, self.shape, self.np_dtype, self.dlpack_kind, self.hardware_id,
-                                   owner=self, max_version=(1, 0) if self.versioned else None)
-
-
-def fake_jax(monkeypatch):
-    import sys
-    import types
-    fake_producer_module(monkeypatch, "jaxlib.xla_extension", ArrayImpl)
-    jax = types.ModuleType("jax")
-    jax.Array = ArrayImpl
-    monkeypatch.setitem(sys.modules, "jax", jax)
-
-
 def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_again(monkeypatch):
     """A JAX array whose computation is still queued (not is_ready): its export makes the stream of its
     first use wait for it."""
@@ -560,90 +280,54 @@ def test_jax_arrays_are_exported_once_outside_a_capture_and_never_waited_for_aga
     assert a.asked == [-1, OURS] and backend.waits == []
     assert take_in_call(b, "indices", a, (3, 8), np.int32, 0x88)[0] == 0x2000  # on another stream: after the first
     assert a.asked == [-1, OURS] and backend.waits == [(OURS, 0x88)]
-    take_in_call(b, "indices", a, (3, 8), np.int32)  # settled on our stream again
-    assert b.settled("indices") is not None
+    taken = take_in_call(b, "indices", a, (3, 8), np.int32)  # on our stream again: a repeat may take it unasked
+    assert taken.repeatable and taken.wait is None
     a.deleted = True  # donated: its memory is no longer the array's; its probe raises, its export says so
     with pytest.raises(RuntimeError, match="deleted with shape"):
         b.take("indices", a, (3, 8), np.int32, OURS)
 
 
-def test_calls_on_the_current_stream_take_the_first_input_that_names_one(monkeypatch):
-    """AllToAll(stream="current"): a call given no stream= runs on the current stream of its first input
-    whose library names one; where none does, on the last call's (the object's own before any)."""
-    from types import SimpleNamespace
-
-    from pyhipa2a.a2a import AllToAll
-    current = [0x55]
-    fake_torch(monkeypatch, current)
-    order = StreamOrder(FakeCuda(), OURS)
-
-    me = SimpleNamespace(_order=order, _library_device=0)  # (what AllToAll sets up on device 0 of a GPU backend)
-
-    answers = []
-
-    def pick(*inputs):
-        stream, asked = AllToAll._current_stream_of(me, inputs)
-        answers.append(asked)
-        return stream
-    mine = DeviceArray(FakeCuda(), 0x6000, (2, 4), np.float16, stream=0x99)
-    t = Tensor(0x1000, (2, 4))
-    assert pick(np.zeros(2), mine, t) == 0x55
-    # The probe's answer goes with the stream: a repeat's rechecks of the call's tensors take it
-    from pyhipa2a import producers
-    assert answers == [{producers.stream_source(t): 0x55}]
-    current[0] = 0
-    assert pick(Tensor(0x1000, (2, 4))) == 1  # PyTorch's default stream: the legacy one, which CUDA spells 1
-    assert answers[-1] == {producers.stream_source(t): 1}  # as the probe's stream() spells it (Recheck compares so)
-    hip = FakeCuda()
-    hip.kind = "hip"  # HIP's null stream is 0: the call runs there, while the probe still answers 1
-    assert AllToAll._current_stream_of(SimpleNamespace(_order=StreamOrder(hip, OURS), _library_device=0), (t,)) == (
-        0, {producers.stream_source(t): 1})
-    assert pick(np.zeros(2), mine, None) == OURS  # none names one, no call yet: our own
-    assert answers[-1] is None
-    elsewhere = Tensor(0x1000, (2, 4))
-    elsewhere.get_device = lambda: 1
-    assert pick(elsewhere) == OURS  # on another device: not its stream (the call's checks refuse it)
-    order.queued(0x77)
-    assert pick(mine) == 0x77  # the last call's, so that calls on our own arrays keep their order
 
 
-def test_a_probed_array_that_needs_no_wait_settles_and_is_asked_again_at_every_use(monkeypatch):
-    """A PyTorch tensor written on the call's own stream (AllToAll(stream="current")) settles: its next
-    use costs its probe's answers, and a changed answer (new memory, another current stream) takes the
-    full path again."""
+
+def test_a_probed_array_that_needs_no_wait_repeats_while_its_probe_answers_as_then(monkeypatch):
+    """A PyTorch tensor written on the call's own stream (AllToAll(stream="current")): a repeat may take
+    it again while its probe's key and stream are as they were; a changed answer (new memory, another
+    current stream) is described again."""
     current = [OURS]
     fake_torch(monkeypatch, current)
     b, backend = boundary()
     t = Tensor(0x1000, (2, 4))
     for _ in range(3):
-        assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x1000
-    assert t.asked == [OURS] and b.settled("x") is not None and b.settled("x")[6].holds(t)
-    t.ptr = 0x2000  # new memory behind the same tensor: the settled entry no longer holds
-    assert not b.settled("x")[6].holds(t)
-    assert b.take("x", t, (2, 4), np.float16, OURS)[0] == 0x2000 and len(t.asked) == 1  # (described by the probe)
-    current[0] = 0x55  # PyTorch's current stream is no longer the call's: a wait, settled with it
-    assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x2000
-    assert backend.waits == [(0x55, OURS)] and b.settled("x").wait == 0x55
+        taken = take_in_call(b, "x", t, (2, 4), np.float16)
+        assert taken.ptr == 0x1000 and taken.repeatable and taken.wait is None
+    probe, key, named = taken.recheck
+    assert t.asked == [OURS] and probe.key(t) == key and probe.stream(t) == named == OURS
+    t.ptr = 0x2000  # new memory behind the same tensor: the recheck no longer holds
+    assert probe.key(t) != key
+    assert b.take("x", t, (2, 4), np.float16, OURS).ptr == 0x2000 and len(t.asked) == 1  # (described by the probe)
+    current[0] = 0x55  # PyTorch's current stream is no longer the call's: a wait, at every repeat too
+    taken = take_in_call(b, "x", t, (2, 4), np.float16)
+    assert taken.ptr == 0x2000 and backend.waits == [(0x55, OURS)] and taken.wait == 0x55 and taken.recheck.stream == 0x55
 
 
-def test_a_probed_array_on_another_stream_settles_with_a_wait_at_every_use(monkeypatch):
+def test_a_probed_array_on_another_stream_repeats_with_a_wait_at_every_use(monkeypatch):
     """A PyTorch tensor written on PyTorch's current stream, used by calls on our own stream (the default
-    AllToAll(stream="own")): every use waits for that stream on the device, and nothing else is asked
-    but the probe (the full path cost 20 us of Python a call on two H100s). A wait is made once a call
-    for a producer its arguments share, and a changed answer takes the full path again."""
+    AllToAll(stream="own")): every use waits for that stream on the device, and nothing else is asked but
+    the probe. A wait is made once a call for a producer its arguments share."""
     current = [0x55]
     fake_torch(monkeypatch, current)
     b, backend = boundary()
     x, w = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4))
     for _ in range(4):
-        assert take_in_call(b, "x", x, (2, 4), np.float16)[0] == 0x1000
-        assert b.take("w", w, (2, 4), np.float16, OURS)[0] == 0x1800
+        taken_x = take_in_call(b, "x", x, (2, 4), np.float16)
+        taken_w = b.take("w", w, (2, 4), np.float16, OURS)
+        assert (taken_x.ptr, taken_w.ptr) == (0x1000, 0x1800)
     assert x.asked == [OURS] and w.asked == []  # x's export ordered the first call; w, described by its probe,
     assert backend.waits == [(0x55, OURS)] * 4  # waited for on the device; then one wait a call, shared by x and w
-    assert b.settled("x").wait == 0x55 and b.settled("w").wait == 0x55
-    current[0] = OURS  # PyTorch now writes on the call's stream: nothing to wait for, settled without
-    assert take_in_call(b, "x", x, (2, 4), np.float16)[0] == 0x1000
-    assert b.settled("x").wait is None and len(backend.waits) == 4
+    assert taken_x.wait == 0x55 and taken_w.wait == 0x55 and taken_x.repeatable and taken_w.repeatable
+    current[0] = OURS  # PyTorch now writes on the call's stream: nothing to wait for
+    assert take_in_call(b, "x", x, (2, 4), np.float16).wait is None and len(backend.waits) == 4
 
 
 @pytest.mark.parametrize("lib", ["torch", "jax"])
@@ -667,7 +351,7 @@ def test_new_arrays_of_a_known_type_are_described_by_their_attributes(monkeypatc
     assert take_in_call(b, "x", first, (2, 4), np.float16)[0] == 0x1000 and first.asked == [OURS]
     for i in range(3):
         t = make(0x2000 + 0x100 * i, (2, 4))
-        ptr, keep = take_in_call(b, "x", t, (2, 4), np.float16)
+        ptr, keep, *_ = take_in_call(b, "x", t, (2, 4), np.float16)
         assert ptr == t.ptr and t.asked == held and getattr(t, "cai_reads", 0) == 0
         assert keep is t if lib == "torch" else type(keep).__name__ == "PyCapsule"  # (the hold: t's export)
     assert backend.waits == waits and ArrayImpl.format_reads == reads + (lib == "jax")
@@ -822,121 +506,3 @@ def test_a_probe_that_starts_raising_sends_the_array_back_to_its_protocol(monkey
     t.data_ptr = lambda: (_ for _ in ()).throw(RuntimeError("storage gone"))
     assert take_in_call(b, "x", t, (2, 4), np.float16)[0] == 0x1000  # the protocol's answer
     assert t.asked == [OURS, OURS]
-
-
-def test_a_repeated_call_asks_its_probed_arguments_again(monkeypatch):
-    """Repeat (the whole call's fast path) holds only while every probed argument answers as it did."""
-    from pyhipa2a.calls import Repeat
-    current = [OURS]
-    fake_torch(monkeypatch, current)
-    b, _ = boundary()
-    t = Tensor(0x1000, (2, 4))
-    take_in_call(b, "x", t, (2, 4), np.float16)  # first described, on PyTorch's current stream: settles
-    record = Repeat.of((t, OURS), ("x",), b, 2)
-    assert record is not None and record.holds((t, OURS))
-    t.ptr = 0x2000
-    assert not record.holds((t, OURS))  # new memory
-    t.ptr = 0x1000
-    current[0] = 0x55
-    assert not record.holds((t, OURS))  # another producer stream: the call must wait for it
-    current[0] = OURS
-    t.data_ptr = lambda: (_ for _ in ()).throw(RuntimeError("storage gone"))
-    assert not record.holds((t, OURS))  # a probe that raises holds nothing (and raises nothing)
-
-
-def test_a_repeated_call_waits_for_its_arguments_producers_again(monkeypatch):
-    """A repeat of a call whose PyTorch arguments were written on another stream than the call's makes
-    that stream's wait again (once for arguments that share it), and holds only while the probe still
-    names that stream."""
-    from pyhipa2a.calls import Repeat
-    current = [0x55]
-    fake_torch(monkeypatch, current)
-    b, backend = boundary()
-    x, i = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32")
-    take_in_call(b, "x", x, (2, 4), np.float16)
-    b.take("indices", i, (2, 4), np.int32, OURS)
-    take_in_call(b, "x", x, (2, 4), np.float16)  # (the first use's export ordered it; this one waits)
-    b.take("indices", i, (2, 4), np.int32, OURS)
-    record = Repeat.of((x, i, OURS), ("x", "indices"), b, 2)
-    assert record is not None and record.holds((x, i, OURS)) and record.waits == (0x55,)
-    waited = len(backend.waits)
-    for _ in range(2):
-        record.resume(b.order, OURS)
-    assert backend.waits[waited:] == [(0x55, OURS)] * 2
-    current[0] = 0x66
-    assert not record.holds((x, i, OURS))  # another producer stream: the full path, which waits for it
-
-
-def test_a_repeated_call_asks_each_producer_its_stream_once(monkeypatch):
-    """A repeat asks a producer's current stream once for all its arguments of one call, and not at all
-    when the call already asked it to find its own stream (AllToAll(stream="current"): `asked`); any
-    other answer than the recorded one still breaks the repeat."""
-    from pyhipa2a import producers
-    from pyhipa2a.calls import Repeat
-    current, asks = [OURS], []
-
-    def current_stream(device):
-        asks.append(device)
-        return current[0]
-    from types import SimpleNamespace
-    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED,
-                         _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
-    b, _ = boundary()
-    x, i = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32")
-    for _ in range(2):  # described, then settled
-        take_in_call(b, "x", x, (2, 4), np.float16)
-        b.take("indices", i, (2, 4), np.int32, OURS)
-    record = Repeat.of((x, i, OURS), ("x", "indices"), b, 2)
-    asks.clear()
-    assert record.holds((x, i, OURS)) and len(asks) == 1  # x's answer serves i
-    asks.clear()
-    assert record.holds((x, i, OURS), {producers.stream_source(x): OURS}) and asks == []
-    assert not record.holds((x, i, OURS), {producers.stream_source(x): 0x55})  # the call follows another stream
-    current[0] = 0x55
-    assert not record.holds((x, i, OURS))
-
-
-def test_repeated_calls_hand_their_stream_answer_to_their_rechecks(monkeypatch):
-    """AllToAll(stream="current"): a repeated dispatch and combine of PyTorch tensors ask PyTorch's current
-    stream once each, to choose the call's stream; their arguments' rechecks take that answer."""
-    import functools
-    from types import SimpleNamespace
-
-    from pyhipa2a import producers
-    from pyhipa2a.a2a import AllToAll
-    from pyhipa2a.calls import Repeat
-    asks = []
-
-    def current_stream(device):
-        asks.append(device)
-        return 0x55
-    fake_producer_module(monkeypatch, "torch", Tensor, strided=STRIDED,
-                         _C=SimpleNamespace(_cuda_getCurrentRawStream=current_stream))
-    b, _ = boundary()
-    x, i, y, w = (Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32"), Tensor(0x2000, (2, 4)),
-                  Tensor(0x2800, (2, 4), "float32"))
-    for _ in range(2):  # described, then settled on the call's stream, PyTorch's current one
-        take_in_call(b, "x", x, (2, 4), np.float16, 0x55)
-        b.take("indices", i, (2, 4), np.int32, 0x55)
-        take_in_call(b, "expert_y", y, (2, 4), np.float16, 0x55)
-        b.take("weights", w, (2, 4), np.float32, 0x55)
-    launched, result, prepared, scale = [], SimpleNamespace(num_tokens=2), object(), (1.0, 1.0)
-    repeater = lambda *a: None  # noqa: E731  (the quick form each leg's first repeat makes: pyhipa2a.quick)
-    me = SimpleNamespace(_capturing=None, _on_current_stream=True, _library_device=0, _order=b.order, _pending=None,
-                         _pending_weights=None, _joined=None, _pending_joined=None,
-                         _dispatch_kernel=SimpleNamespace(launch=lambda *a: launched.append(a), repeater=repeater),
-                         _dispatch_pack=None, _repeat_packs=(None, None), blocks=1, block_threads=32, _last_scale=scale,
-                         stream=OURS, backend=SimpleNamespace(capturable=lambda s: True), _combine_repeater=repeater)
-    me._moved_packs, me._combine_pack = (SimpleNamespace(copy_from=lambda pack: None),) * 2, None
-    for name in ("_call_stream", "_current_stream_of", "_stream_outside_capture", "_launch_dispatch", "_queued",
-                 "_checked_scale", "_capturable_elsewhere", "_with_quick"):
-        setattr(me, name, functools.partial(getattr(AllToAll, name), me))
-    me._repeat_dispatch = Repeat.of((x, i, None, None, 0x55), ("x", "indices"), b, 2, result)
-    asks.clear()
-    assert AllToAll._dispatch(me, x, i, None, None, None) is result and len(launched) == 1
-    assert len(asks) == 1  # the call's stream; x's and indices' rechecks took its answer
-    assert me._repeat_dispatch.quick.lead[::2] == (producers.stream_source(x), 0x55)  # asked of x's library
-    me._repeat_combine = Repeat.of((y, w, None, 0x55, scale, None), ("expert_y", "weights"), b, 2, prepared)
-    asks.clear()
-    assert AllToAll._prepare_combine(me, y, w, None, None, scale[0]) is prepared
-    assert len(asks) == 1 and me._repeat_combine.quick.lead[::2] == (producers.stream_source(y), 0x55)

@@ -1,4 +1,5 @@
-"""Profiling: the trace of every rank is valid Perfetto JSON and its summary adds up."""
+"""Profiling: the trace of every rank (scripts/trace.py) is valid Perfetto JSON and its summary adds up; the
+clock syncs' arithmetic (pyhipa2a.clock)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +8,15 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from pyhipa2a.profile import (EVENT, TAGS, clock_sync_from_stamps, kernel_starts_and_ends, stage_durations,
-                              stage_windows, summarize)
+from pyhipa2a.clock import clock_sync_from_stamps
+from pyhipa2a.profile import EVENT, TAGS
 from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
+from tests.script_modules import load_script
+
+trace_script = load_script("trace")
+kernel_starts_and_ends, stage_durations, stage_windows, summarize = (
+    trace_script.kernel_starts_and_ends, trace_script.stage_durations, trace_script.stage_windows,
+    trace_script.summarize)
 
 KERNEL_SPAN = {"dispatch": "dispatch.warp", "combine": "combine.warp"}
 

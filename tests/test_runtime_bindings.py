@@ -327,20 +327,13 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
     launch = backend.launcher("function", 8, 256, pack)  # the same site: its graph is reused
     for _ in range(2):
         launch(stream)
-    assert calls == ["set params", "graph launch", "graph launch"]
-    calls.clear()
-    rewritten = backend.launcher("function", 8, 256, pack, rewritten=True)
-    assert calls == []  # (nothing handed over until it launches)
-    for _ in range(2):
-        rewritten(stream)
-    assert calls == ["set params", "graph launch"] * 2 and len(pack.sites) == 1
+    assert calls == ["set params", "graph launch", "graph launch"] and len(pack.sites) == 1
     calls.clear()
     backend.capture_begin = lambda s: backend._capturing.add(backend.stream_handle(s))
     backend.capture_begin(stream)
     backend.launch("function", 8, 256, stream, pack)
     launch(stream)
-    rewritten(stream)
-    assert calls == ["kernel launch"] * 3
+    assert calls == ["kernel launch"] * 2
     for site in pack.sites.values():
         site.release()  # (now, on the fake driver)
     assert calls[-2:] == ["destroy exec", "destroy template"]
@@ -358,10 +351,10 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
 
 
 def test_cuda_hands_a_plan_the_driver_entries_and_its_launchers_graph(monkeypatch):
-    """What a repeated call's plan (pyhipa2a.again) runs from C on CUDA: the driver's context calls with our
-    context, and a repeated call's launcher as its graph's cuGraphLaunch, under the launcher's own test (no
-    stream of ours recording); a rewritten launcher (new arrays), or no driver entries (the per-thread
-    default stream), leave it the Python functions. A code the binding does not name still raises."""
+    """What a repeated call's plan (pyhipa2a.repeat) runs from C on CUDA: the driver's context calls with our
+    context, and its launcher as its graph's cuGraphLaunch, under the launcher's own test (no stream of ours
+    recording); a launch function of another kind, or no driver entries (the per-thread default stream),
+    leave it the Python functions. A code the binding does not name still raises."""
     pytest.importorskip("cuda.bindings.driver")
     from pyhipa2a.kernels import ArgPack
     fake = types.SimpleNamespace(
@@ -376,13 +369,13 @@ def test_cuda_hands_a_plan_the_driver_entries_and_its_launchers_graph(monkeypatc
     backend._context, backend._context_handle = object(), 0x77
     pack, stream = ArgPack((ctypes.c_uint64,)), backend.stream_from_handle(0x1234)
     launch = backend.launcher("function", 8, 256, pack)
-    assert backend.again_activate() == (11, 12, 0x77)
-    assert backend.again_launch(launch, stream) == ((13, 0x99, 0x1234, launch), (backend._capturing, backend._joined))
-    rewritten = backend.launcher("function", 8, 256, pack, rewritten=True)
-    assert backend.again_launch(rewritten, stream) == ((rewritten, stream), ())
+    assert backend.plan_activate() == (11, 12, 0x77)
+    assert backend.plan_launch(launch, stream) == ((13, 0x99, 0x1234, launch), (backend._capturing, backend._joined))
+    sequence = lambda s: (launch(s), launch(s))  # noqa: E731  (several launches, as a call across nodes makes)
+    assert backend.plan_launch(sequence, stream) == ((sequence, stream), ())
     monkeypatch.setattr(cuda_rt, "_entry_points", lambda: None)
-    assert backend.again_activate() == (backend.activate,)
-    assert backend.again_launch(launch, stream) == ((launch, stream), ())
+    assert backend.plan_activate() == (backend.activate,)
+    assert backend.plan_launch(launch, stream) == ((launch, stream), ())
     checked = []
     monkeypatch.setattr(cuda_rt, "_check", lambda result, call: checked.append((result, call)))
     backend.raise_driver_error("cuGraphLaunch", 700)

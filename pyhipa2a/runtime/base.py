@@ -232,21 +232,19 @@ class Backend:
         keeps (CUDA: the site's one-node graph, which takes device memory), so that an object can take
         all its memory when it is made rather than in the middle of a run. Nothing to make by default."""
 
-    def launcher(self, function, grid: int, block: int, pack, rewritten: bool = False):
-        """launch() of `function` from `pack` as a function of the stream alone. By default for a pack not
-        written while it is used (Kernel.repeater: a repeated call's, pyhipa2a.quick): a backend may hand
-        the arguments it holds now to the device once, here, and launch them as they were (CUDA).
-        `rewritten`: for a pack written between launches (Kernel.launcher: a call on new arrays), each
-        launch takes the arguments the pack holds then, as launch() does."""
+    def launcher(self, function, grid: int, block: int, pack):
+        """launch() of `function` from `pack`, a pack not written while the launcher is used (a plan's,
+        pyhipa2a.repeat), as a function of the stream alone: a backend may hand the arguments it holds
+        now to the device once, here, and launch them as they were (CUDA)."""
         return functools.partial(self.launch, function, grid, block, pack=pack)
 
-    # -- a repeated call's plan (pyhipa2a.again, run in C) ----------------------
-    def again_activate(self):
+    # -- a repeated call's plan (pyhipa2a.repeat) ----------------------
+    def plan_activate(self):
         """How a plan makes our device current: (f,) calls f() (activate() by default); a backend that
         can be asked in C gives the driver's entries instead (CUDA)."""
         return (self.activate,)
 
-    def again_launch(self, launch, stream) -> tuple:
+    def plan_launch(self, launch, stream) -> tuple:
         """How a plan launches `launch` (a launcher's function of the stream) on `stream`, and the
         collections that must be empty for that to be what `launch` would do: ((launch, stream), ())
         calls it; a backend whose launcher is one driver call may give that call's entry and handles

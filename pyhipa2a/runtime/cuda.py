@@ -143,7 +143,7 @@ def _launch_graph(site: _OneNodeGraph, stream) -> None:
 @functools.cache
 def _entry_points() -> dict | None:
     """The driver's cuCtxGetCurrent, cuCtxSetCurrent and cuGraphLaunch as addresses, for a repeated call's
-    plan (pyhipa2a.again), from the libcuda the binding loaded; None where the binding calls the
+    plan (pyhipa2a.repeat), from the libcuda the binding loaded; None where the binding calls the
     per-thread-stream variants (CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM) or libcuda is not found."""
     if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") != "0":
         return None
@@ -271,7 +271,7 @@ class CudaBackend(DriverBackend):
         return _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
 
     def stream_capturing(self, stream) -> bool:
-        # Asked at every call on a stream not our own (AllToAll._call_stream): the bare binding call,
+        # Asked at every call on a stream not our own (Streams.enter): the bare binding call,
         # 0.3 us on the H100 machine, where the shared wrapper's lookups took 0.75-1.4.
         result = driver.cuStreamIsCapturing(stream)
         if result[0]:
@@ -292,8 +292,8 @@ class CudaBackend(DriverBackend):
         # Outside a capture a site's kernel goes out as a one-node executable graph given the pack's
         # arguments as they are now (cuGraphExecKernelNodeSetParams, then cuGraphLaunch): on one H100
         # that cost the host 2.1 us a launch against 3.3 for cuLaunchKernel, and the kernel was done
-        # 1.5 us sooner after the call (thirty-first session, one process, an idle stream). A launch
-        # into a capture stays a plain launch: the capture records it as a kernel node of its own.
+        # 1.5 us sooner after the call (docs/PERFORMANCE.md). A launch into a capture stays a plain
+        # launch: the capture records it as a kernel node of its own.
         if self._recording(stream):
             super().launch(function, grid, block, stream, pack)
             return
@@ -314,20 +314,11 @@ class CudaBackend(DriverBackend):
     def prepare_launch(self, function, grid: int, block: int, pack) -> None:
         self._site(function, grid, block, pack)
 
-    def launcher(self, function, grid: int, block: int, pack, rewritten: bool = False):
+    def launcher(self, function, grid: int, block: int, pack):
         # The site's one-node graph takes the pack's arguments once, here: each launch is cuGraphLaunch
-        # alone, 0.6 us less than one that hands the node the arguments first (thirty-first session).
-        # The graph stays the pack's (made once: a new one for each repeat grew device memory by 2 MiB in
-        # scripts/stress.py, thirty-second session). A rewritten pack's launches hand them over each time.
+        # alone, 0.6 us less than one that hands the node the arguments first. The graph stays the pack's
+        # (made with the object: one made for each plan grew device memory by 2 MiB in scripts/stress.py).
         site, capturing, joined = self._site(function, grid, block, pack), self._capturing, self._joined
-        if rewritten:
-            def launch_rewritten(stream) -> None:  # (launch() without looking up the site at every call)
-                if capturing or joined:
-                    self.launch(function, grid, block, stream, pack)
-                else:
-                    _hand_arguments(site)
-                    _launch_graph(site, stream)
-            return launch_rewritten
         _hand_arguments(site)
 
         def launch(stream) -> None:  # (holds the site: its graph lives as long as this function)
@@ -335,16 +326,16 @@ class CudaBackend(DriverBackend):
                 self.launch(function, grid, block, stream, pack)
             else:
                 _launch_graph(site, stream)
-        launch.site = site  # (again_launch: a plan launches its graph from C)
+        launch.site = site  # (plan_launch: a plan launches its graph from C)
         return launch
 
-    def again_activate(self):
+    def plan_activate(self):
         entries = _entry_points()
         if entries is None or self._context is None:
             return (self.activate,)
         return (entries["cuCtxGetCurrent"], entries["cuCtxSetCurrent"], self._context_handle)
 
-    def again_launch(self, launch, stream) -> tuple:
+    def plan_launch(self, launch, stream) -> tuple:
         # The launcher's own test, left to the plan: with no stream of ours recording, it launches the
         # site's graph and nothing else.
         entries, site = _entry_points(), getattr(launch, "site", None)

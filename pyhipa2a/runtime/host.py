@@ -68,7 +68,7 @@ class HostBackend(Backend):
         self._host_buffers: dict[int, ctypes.Array] = {}
         self._trapped: str | None = None
 
-    def again_activate(self):
+    def plan_activate(self):
         return None  # (no device to make current)
 
     def trap(self, reason: str) -> None:

@@ -12,7 +12,8 @@ import pytest
 import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
 from pyhipa2a.errors import ConfigMismatchError
-from pyhipa2a.hierarchy import HierarchicalAllToAll, node_layout
+from pyhipa2a.bootstrap import node_layout
+from pyhipa2a.hierarchy import HierarchicalAllToAll
 from pyhipa2a.testing import (WEIGHTS_AT, draw_world, dtype_arguments, free_buffers, inputs_as_given, replay_checked,
                               run_round, step_buffers)
 
@@ -55,7 +56,7 @@ def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="ran
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, ranks_per_node=G,
                   stream=calls_on, **types) as a2a:
         assert isinstance(a2a, HierarchicalAllToAll)
-        assert a2a.node._on_current_stream == (calls_on == "current")
+        assert a2a.config.stream == calls_on
         for i in range(rounds):
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype, counts)
             inputs = inputs_as_given(a2a, _route(inputs, world, G, E, k, where, 77 + i), fp8)
@@ -83,8 +84,8 @@ def case_nodes_meta_names_true_source(comm, G="2"):
         a2a.combine(a2a.fake_expert(d), inputs.weights[a2a.rank])
         a2a.synchronize()
         counts, meta = d.expert_num_tokens.numpy(), d.expert_meta.numpy()
-        for l in range(a2a.local_experts):
-            e = a2a.rank * a2a.local_experts + l
+        for l in range(a2a.config.local_experts):
+            e = a2a.rank * a2a.config.local_experts + l
             got = {tuple(m) for m in meta[l, :counts[l]]}
             want = {(r, t, j) for r in range(world) for t in range(M) for j in range(k) if inputs.indices[r][t, j] == e}
             assert got == want, f"rank {a2a.rank} expert {e}: meta {sorted(got)} != {sorted(want)}"
@@ -151,11 +152,13 @@ def case_nodes_launch_sites_made_ahead(comm, G="2"):
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 128, 16
     backend = pyhipa2a.get_backend()
-    with launch_sites_watched(backend) as (prepared, launched):
+    with launch_sites_watched(backend) as (prepared, launched, names):
         with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, ranks_per_node=G,
                       backend=backend) as a2a:
             made = set(prepared)
-            between = {id(kernel.function) for kernel in (a2a._stage, a2a._localize, a2a._sum)}
+            out16 = "bf16" if a2a.config.out_dtype.name == "bfloat16" else "f16"
+            between = {f for f, name in names.items() if name in ("hier_stage", "hier_localize", f"hier_sum_{out16}")}
+            assert len(between) == 3, names
             assert between <= {s[0] for s in made}
             for i, tokens in enumerate((1, M // 2 + 1, M, 3, 1)):
                 inputs = draw_world(50 + i, world, E, k, H, M, token_counts=[tokens] * world)
@@ -253,7 +256,7 @@ def case_nodes_bad_inputs(comm, G="2"):
         with pytest.raises(TypeError, match="x_scales is for fp8 x"):
             a2a.dispatch(x, idx, x_scales=np.ones((M, 1), np.float32))
         with pytest.raises(A2AError, match="needs a preceding dispatch"):
-            a2a.combine(np.zeros((a2a.local_experts, a2a.capacity, H), np.float16), inputs.weights[me])
+            a2a.combine(np.zeros((a2a.config.local_experts, a2a.config.capacity, H), np.float16), inputs.weights[me])
         run_round(a2a, inputs)  # nothing above ran a kernel: the object is as good as new
         d = a2a.dispatch(x, idx)
         expert_y = a2a.fake_expert(d)

@@ -38,8 +38,11 @@ def case_clock_sync(comm):
             assert abs(one.offset_ns - two.offset_ns) <= one.error_ns + two.error_ns + 1000, (one, two)
             # Host minus device, as this rank's own host reading has it (good to a launch's round trip:
             # a few us) where two GPUs' clocks stand tens of us apart: a sign slip would show.
-            from pyhipa2a.profile import clock_offset
-            own = clock_offset(a2a.backend, a2a.lib, a2a.stream)
+            from pyhipa2a.kernels import KernelLibrary
+            from pyhipa2a.clock import clock_offset
+            library = KernelLibrary(a2a.backend, a2a.heap.device.arch)
+            own = clock_offset(a2a.backend, library, a2a.stream)
+            library.close()
             assert abs(second[0] - own) < 20_000, (second[0], own)
         print(f"rank {a2a.rank}: {one} {two}")
 

@@ -72,7 +72,7 @@ def case_device_checks_indices(comm):
         bad = inputs.indices[a2a.rank].copy()
         bad[1, 0] = E + 5            # out of range
         bad[2, 1] = bad[2, 0]        # repeated in its row
-        dev = DeviceArray(a2a.backend, a2a.buf["weights_stage"].ptr, bad.shape, np.int32, owner=a2a.heap)
+        dev = DeviceArray(a2a.backend, a2a.buffers["weights_stage"].ptr, bad.shape, np.int32, owner=a2a.heap)
         dev.view(bad.shape).copy_from(bad)
         result = a2a.dispatch(inputs.xs[a2a.rank], dev)
         # Both entries are reported by concurrent warps on a GPU; the first report wins.
@@ -81,9 +81,9 @@ def case_device_checks_indices(comm):
             a2a.synchronize()
         # The call failed, so its outputs are poisoned on the device for consumers that read without
         # asking (-1 counts and meta, NaN rows: all-ones bytes), and our own arrays refuse to be read.
-        assert (a2a.buf["num_tokens"].numpy() == -1).all()
-        assert (a2a.buf["recv_meta"].numpy() == -1).all()
-        assert (a2a.buf["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
+        assert (a2a.buffers["num_tokens"].numpy() == -1).all()
+        assert (a2a.buffers["recv_meta"].numpy() == -1).all()
+        assert (a2a.buffers["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
         with pytest.raises(A2ADeviceError, match="expert index"):
             result.expert_num_tokens.numpy()
         with pytest.raises(A2AError, match="unusable after an earlier failure"):
@@ -104,19 +104,19 @@ def case_failed_rank_poisons_later_calls(comm, row_layout="packed"):
         T = x.shape[0]
         d = a2a.dispatch(x, idx)
         y = a2a.combine(a2a.fake_expert(d), w).numpy()[:T]
-        assert (a2a.buf["num_tokens"].numpy() >= 0).all() and not np.isnan(y.astype(np.float32)).any()
+        assert (a2a.buffers["num_tokens"].numpy() >= 0).all() and not np.isnan(y.astype(np.float32)).any()
         # Every rank's status says "failed" on the device only: the host's mirror stays clear, so the
         # host launches the next call, and each of its kernels finds the error as it begins.
-        a2a.buf["status"].copy_from(np.array([pyhipa2a.errors.STATUS_TIMEOUT, 0, 0, 0], np.uint32))
+        a2a.buffers["status"].copy_from(np.array([pyhipa2a.errors.STATUS_TIMEOUT, 0, 0, 0], np.uint32))
         comm.Barrier()
         d = a2a.dispatch(x, idx)
         a2a.synchronize()
-        assert (a2a.buf["num_tokens"].numpy() == -1).all()
-        assert (a2a.buf["recv_meta"].numpy() == -1).all()
-        assert (a2a.buf["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
+        assert (a2a.buffers["num_tokens"].numpy() == -1).all()
+        assert (a2a.buffers["recv_meta"].numpy() == -1).all()
+        assert (a2a.buffers["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
         assert (d.expert_layout is None) == (row_layout == "packed")
         if row_layout == "by_source":
-            assert (a2a.buf["layout"].numpy() == -1).all()
+            assert (a2a.buffers["layout"].numpy() == -1).all()
         # The fake expert reads poisoned counts (-1) as "all rows": poison in, poison out, nothing
         # read or written past its buffers.
         expert_y = a2a.fake_expert(d)
@@ -193,14 +193,14 @@ def case_skipped_call(comm, leg, on_timeout):
     if on_timeout == "trap":
         # The device is gone for this process: a plain memset (nothing of ours) fails too.
         with pytest.raises(pyhipa2a.RuntimeFailure):
-            a2a.backend.memset(a2a.buf["y"].ptr, 0, 16)
+            a2a.backend.memset(a2a.buffers["y"].ptr, 0, 16)
             a2a.backend.stream_synchronize(None)
         return leave()
     # Poison, read past the outputs' checks (the heap's own views carry none).
     if leg == "dispatch":
-        assert (a2a.buf["num_tokens"].numpy() == -1).all()
-        assert (a2a.buf["recv_meta"].numpy() == -1).all()
-        assert np.isnan(a2a.buf["recv_x"].numpy().astype(np.float32)).all()
+        assert (a2a.buffers["num_tokens"].numpy() == -1).all()
+        assert (a2a.buffers["recv_meta"].numpy() == -1).all()
+        assert np.isnan(a2a.buffers["recv_x"].numpy().astype(np.float32)).all()
     else:
-        assert np.isnan(a2a.buf["y"].numpy()[:T].astype(np.float32)).all()
+        assert np.isnan(a2a.buffers["y"].numpy()[:T].astype(np.float32)).all()
     leave()

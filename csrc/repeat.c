@@ -1,29 +1,10 @@
-/* A repeated call, again, in C: pyhipa2a.again's compiled half.
+/* A repeated call, run from its plan in C: pyhipa2a.repeat's compiled executor.
  *
- * A loop repeats one call on the same arrays. pyhipa2a.quick takes such a call with some 40 lines
- * of Python a leg, about 2.5 us of host time on the device machines besides the launch itself;
- * what those lines ask can be written down once per record (pyhipa2a.again.plan): the arguments
- * that must be the recorded objects, the attributes and answers that must be as recorded, the
- * status word that must be clear, then what to make current, what to launch, and what to set.
- * run() asks and does exactly that, here, and returns the call's result, or MISSED having done
- * nothing (the Python quick path then runs, and says what it says).
- *
- * A plan is a tuple: (given, alike, checks, status, activate, launch, sets, result, failed)
- *   given     the call's arguments as recorded (compared by identity)
- *   alike     for each argument None, or f(arg, recorded) -> bool: another object that stands for
- *             the recorded one (a stream handle made anew, an equal scale)
- *   checks    (kind, a, b, want) each: ENTRY_IS a[b] is want (a: a dict, an object's __dict__ say;
- *             no entry misses); ENTRY_IS_OR_NONE the same or None; CALL_IS a(b) is want; CALL_EQ
- *             a(b) == want. A check that raises an Exception misses (the full path lets the
- *             producer's protocol say what is wrong).
- *   status    the address of a uint32 word that must read 0 (a kernel's error report), or 0
- *   activate  None; (f,): f(); or (cuCtxGetCurrent, cuCtxSetCurrent, context) as addresses
- *   launch    (f, stream): f(stream); or (cuGraphLaunch, executable graph, stream, keep) as
- *             addresses (keep: what keeps the graph alive, held by the plan)
- *   sets      (dict, key, value) each, set once the launch is queued
- *   result    what the call returns
- *   failed    f(what, code), called where a driver call made here returned `code` (it raises), or
- *             where the launch function raised (code None: what it raised then goes on up)
+ * A plan (pyhipa2a/repeat.py says what each field holds) is a tuple:
+ *   (given, alike, checks, status, activate, waits, launch, changes, result, failed)
+ * run(plan, *args) asks its checks and does its steps in the order pyhipa2a.repeat.interpret does, and
+ * returns the call's result, or MISSED having done nothing. Driver calls named by address (CUDA's
+ * context and graph launch) run with the GIL released, as the binding's own calls do.
  *
  * Built with the limited API (one .so for every CPython >= 3.10): `python -m pyhipa2a.build`.
  */
@@ -31,8 +12,8 @@
 #include <Python.h>
 #include <stdint.h>
 
-enum { ENTRY_IS = 0, ENTRY_IS_OR_NONE = 1, CALL_IS = 2, CALL_EQ = 3 };
-enum { GIVEN, ALIKE, CHECKS, STATUS, ACTIVATE, LAUNCH, SETS, RESULT, FAILED, PLAN_FIELDS };
+enum { ATTR_IS = 0, ATTR_IS_OR_NONE = 1, CALL_IS = 2, CALL_EQ = 3 };
+enum { GIVEN, ALIKE, CHECKS, STATUS, ACTIVATE, WAITS, LAUNCH, CHANGES, RESULT, FAILED, PLAN_FIELDS };
 
 typedef int (*ctx_get_fn)(void **);
 typedef int (*ctx_set_fn)(void *);
@@ -53,11 +34,13 @@ static int outcome_of_error(void) {
 static int check_passes(PyObject *check) {
     PyObject *a = PyTuple_GetItem(check, 1), *b = PyTuple_GetItem(check, 2), *want = PyTuple_GetItem(check, 3);
     long kind = PyLong_AsLong(PyTuple_GetItem(check, 0));
-    if (kind == ENTRY_IS || kind == ENTRY_IS_OR_NONE) {
-        PyObject *entry = PyDict_GetItemWithError(a, b);  /* (borrowed) */
-        if (entry == NULL)
-            return PyErr_Occurred() ? outcome_of_error() : 0;
-        return entry == want || (kind == ENTRY_IS_OR_NONE && entry == Py_None);
+    if (kind == ATTR_IS || kind == ATTR_IS_OR_NONE) {
+        PyObject *got = PyObject_GetAttr(a, b);
+        if (got == NULL)
+            return outcome_of_error();
+        int passes = got == want || (kind == ATTR_IS_OR_NONE && got == Py_None);
+        Py_DECREF(got);
+        return passes;
     }
     PyObject *got = PyObject_CallFunctionObjArgs(a, b, NULL);
     if (got == NULL)
@@ -137,7 +120,7 @@ static int call_back(PyObject *f, PyObject *arg) {
 static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     (void)self;
     if (argc < 1 || !PyTuple_Check(argv[0]) || PyTuple_Size(argv[0]) != PLAN_FIELDS) {
-        PyErr_SetString(PyExc_TypeError, "run(plan, *args): plan is a tuple of 9 fields");
+        PyErr_SetString(PyExc_TypeError, "run(plan, *args): plan is a tuple of 10 fields");
         return NULL;
     }
     PyObject *plan = argv[0];
@@ -174,6 +157,13 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
                 return driver_failed(plan, "cuCtxSetCurrent", code);
         }
     }
+    PyObject *waits = PyTuple_GetItem(plan, WAITS);
+    for (Py_ssize_t i = 0, n = PyTuple_Size(waits); i < n; i++) {
+        PyObject *answer = PyObject_CallNoArgs(PyTuple_GetItem(waits, i));
+        if (answer == NULL)
+            return NULL;
+        Py_DECREF(answer);
+    }
     PyObject *launch = PyTuple_GetItem(plan, LAUNCH);
     if (PyTuple_Size(launch) == 2) {
         if (call_back(PyTuple_GetItem(launch, 0), PyTuple_GetItem(launch, 1)) < 0)
@@ -188,10 +178,10 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
         if (code != 0)
             return driver_failed(plan, "cuGraphLaunch", code);
     }
-    PyObject *sets = PyTuple_GetItem(plan, SETS);
-    for (Py_ssize_t i = 0, n = PyTuple_Size(sets); i < n; i++) {
-        PyObject *set = PyTuple_GetItem(sets, i);
-        if (PyDict_SetItem(PyTuple_GetItem(set, 0), PyTuple_GetItem(set, 1), PyTuple_GetItem(set, 2)) < 0)
+    PyObject *changes = PyTuple_GetItem(plan, CHANGES);
+    for (Py_ssize_t i = 0, n = PyTuple_Size(changes); i < n; i++) {
+        PyObject *change = PyTuple_GetItem(changes, i);
+        if (PyObject_SetAttr(PyTuple_GetItem(change, 0), PyTuple_GetItem(change, 1), PyTuple_GetItem(change, 2)) < 0)
             return NULL;
     }
     return Py_NewRef(PyTuple_GetItem(plan, RESULT));
@@ -202,14 +192,14 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_again", NULL, -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_repeat", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__again(void) {
+PyMODINIT_FUNC PyInit__repeat(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     missed = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
-    /* PLAN_FIELDS: pyhipa2a.again loads no helper built for another plan's layout */
+    /* PLAN_FIELDS: pyhipa2a.repeat loads no helper built for another plan's layout */
     if (missed == NULL || PyModule_AddObjectRef(m, "MISSED", missed) < 0
             || PyModule_AddIntConstant(m, "PLAN_FIELDS", PLAN_FIELDS) < 0) {
         Py_CLEAR(missed);

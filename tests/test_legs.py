@@ -1,4 +1,5 @@
-"""Launch geometry: every block of every rank on a device resident at once (no GPU needed)."""
+"""A node exchange's launches (pyhipa2a.legs): every block of every rank on a device resident at once, and
+each call's kernel chosen by its tokens (no GPU needed)."""
 from __future__ import annotations
 
 import re
@@ -6,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pyhipa2a import a2a
-from pyhipa2a.a2a import DEFAULT_BLOCKS_PER_MP, MAX_GRID_BLOCKS, check_block_threads, launch_geometry
+from pyhipa2a import config
+from pyhipa2a.config import DEFAULT_BLOCKS_PER_MP, MAX_GRID_BLOCKS
+from pyhipa2a.legs import Leg, check_block_threads, launch_geometry
 
 
 def test_default_is_two_blocks_per_multiprocessor():
@@ -63,17 +65,47 @@ def test_grid_at_most_the_kernels_done_flags():
                                          ("MAX_WARPS_PER_BLOCK", "A2A_MAX_WARPS_PER_BLOCK"),
                                          ("MAX_LOCAL_EXPERTS", "A2A_MAX_LOCAL_EXPERTS")])
 def test_limits_agree_with_the_kernels(host, device):
-    header = (Path(a2a.__file__).resolve().parent.parent / "kernels_hip" / "exchange.h").read_text()
+    header = (Path(config.__file__).resolve().parent.parent / "kernels_hip" / "exchange.h").read_text()
     found = re.search(rf"^#define {device} (\d+)u?\b", header, re.M)
     assert found, f"{device} not defined in exchange.h"
-    assert int(found.group(1)) == getattr(a2a, host)
+    assert int(found.group(1)) == getattr(config, host)
 
 
 def test_route_chunks_fit_one_batch_of_count_loads():
     """A call's route chunks (kernels.MAX_ROUTE_CHUNKS) are at most the count words sum_counts loads at
     once (A2A_ROUTE_LOADS in dispatch.hip): a source's counts by source are then one round trip."""
     from pyhipa2a import kernels
-    source = (Path(a2a.__file__).resolve().parent.parent / "kernels_hip" / "dispatch.hip").read_text()
+    source = (Path(config.__file__).resolve().parent.parent / "kernels_hip" / "dispatch.hip").read_text()
     found = re.search(r"^#define A2A_ROUTE_LOADS (\d+)u?\b", source, re.M)
     assert found, "A2A_ROUTE_LOADS not defined in dispatch.hip"
     assert kernels.MAX_ROUTE_CHUNKS <= int(found.group(1))
+
+
+class FakeKernel:
+    """A kernel as a Leg uses it: packs, prepared sites and launches, recorded."""
+
+    def __init__(self, name):
+        self.name, self.launches, self.prepared = name, [], []
+
+    def pack(self):
+        from pyhipa2a.kernels import A2AArgs, ArgPack, CombineCall
+        return ArgPack((A2AArgs, CombineCall))
+
+    def prepare(self, pack, grid, block):
+        self.prepared.append((id(pack), grid, block))
+
+    def launch(self, pack, grid, block, stream=None):
+        self.launches.append((grid, block, stream))
+
+
+def test_a_combine_takes_the_small_kernel_up_to_its_tokens_and_the_bulk_one_above():
+    small, bulk = FakeKernel("small"), FakeKernel("bulk")
+    leg = Leg(((small, 128, 3), (bulk, 256, 8)), 6, lambda args: None)
+    for tokens, want, threads in ((0, small, 128), (3, small, 128), (4, bulk, 256), (8, bulk, 256)):
+        before = len(want.launches)
+        leg.launch("stream", tokens)
+        assert want.launches[before:] == [(6, threads, "stream")], tokens
+    assert len(small.launches) + len(bulk.launches) == 4
+    # Every site of both packs made with the leg: none later, in the middle of a run.
+    assert sorted(small.prepared) == sorted([(id(leg.pack), 6, 128), (id(leg.frozen), 6, 128)])
+    assert sorted(bulk.prepared) == sorted([(id(leg.pack), 6, 256), (id(leg.frozen), 6, 256)])

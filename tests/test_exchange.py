@@ -1,15 +1,16 @@
-"""Dispatch and combine against the oracle under MPI, on the host backend and (marked gpu) on GPUs."""
+"""The exchange against the oracle under MPI, on the host backend and (marked gpu) on GPUs: gpu-mode's
+shapes, edge cases, transfer modes and publish protocols, narrow partials, the fused expert, combine's
+two kernels, launch geometry and sites."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from pyhipa2a import AllToAll
 from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
+CASE = "tests.cases.exchange_cases:"
 SHAPES = json.loads((REPO / "scripts" / "gpumode_all2all.json").read_text())
-CASE = "tests.cases.a2a_cases:"
 
 
 def shape_id(s):
@@ -111,7 +112,7 @@ def test_transfer_modes(mode, H, row_layout, backend):
 
 # Flags over data left in the sender's memory follow a GPU-scope fence on sm_90 (and with
 # PYHIPA2A_PUBLISH=gpu-fence), a system-scope release elsewhere and with =system
-# (AllToAll._publish_with_gpu_fence); with the fence a pushed call pushes only its contributions back,
+# (pyhipa2a.config.publish_with_gpu_fence); with the fence a pushed call pushes only its contributions back,
 # so its tokens are pulled (exchange.h: A2A_PUSHED_TOKENS). Every protocol on every transfer mode,
 # partial sums in fp32 and narrow; "mixed" has pushed and pulled calls in one exchange.
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -122,23 +123,6 @@ def test_publish_modes(publish, mode, narrow, backend):
     run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0], "PYHIPA2A_PUBLISH": publish},
              args=(1024, "float16", "normal", narrow))
-
-
-@pytest.mark.parametrize("arch,env,expected", [("sm_90", None, True), ("sm_90", "auto", True), ("sm_90", "system", False),
-                                               ("sm_100", None, False), ("gfx942", None, False), ("host", None, False),
-                                               ("host", "gpu-fence", True), ("gfx942", "gpu-fence", True)])
-def test_publish_choice(arch, env, expected, monkeypatch):
-    if env is None:
-        monkeypatch.delenv("PYHIPA2A_PUBLISH", raising=False)
-    else:
-        monkeypatch.setenv("PYHIPA2A_PUBLISH", env)
-    assert AllToAll._publish_with_gpu_fence(arch) is expected
-
-
-def test_publish_choice_refuses_unknown(monkeypatch):
-    monkeypatch.setenv("PYHIPA2A_PUBLISH", "gpu")
-    with pytest.raises(ValueError, match="PYHIPA2A_PUBLISH must be one of auto, system, gpu-fence"):
-        AllToAll._publish_with_gpu_fence("sm_90")
 
 
 # Pushed calls in both protocols (PYHIPA2A_PUBLISH): pushed tokens (system) and pulled tokens with
@@ -194,7 +178,7 @@ def test_fused_expert_rows_by_source(mode, narrow, backend):
 
 
 # Combine has a bulk kernel (a warp a segment) and a small one (a warp a chunk), chosen per call from
-# its tokens (AllToAll._small_combine_kernel); the test shapes are small, so the default takes the small
+# its tokens (pyhipa2a.legs.settle_geometry); the test shapes are small, so the default takes the small
 # one almost everywhere. Each is forced here over the paths where they differ: pulled, pushed and mixed
 # contributions, partial sums in fp32 and narrow, the fused expert, element-wise rows (H=1001), bf16,
 # and a call large enough for several items a warp. The host twin is one kernel for both.
@@ -218,11 +202,6 @@ COMBINE_KERNEL_CASES = {
 @pytest.mark.parametrize("choice", ["auto", "small", "bulk"])
 def test_combine_kernel_choice(choice, backend):
     run_case(CASE + "case_combine_kernel_choice", ranks_for(backend), env_backend(backend), args=(choice,))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_combine_kernel_per_call(backend):
-    run_case(CASE + "case_combine_kernel_per_call", ranks_for(backend), env_backend(backend))
 
 
 # Each rank picks its combine kernel for its own call: a pushed or pulled peer may run the other one.
@@ -262,148 +241,14 @@ def test_combine_kernels(name, kernel):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_checks_between_back_to_back_replays(backend):
-    # On the GPU at the sweep's size, where the buffers are large enough for a fill to outlast a
-    # kernel launch; on the host twin small (its fills are synchronous anyway).
-    H, M = (7168, 256) if backend == "gpu" else (64, 16)
-    run_case(CASE + "case_checks_between_back_to_back_replays", ranks_for(backend), env_backend(backend),
-             args=(H, M), timeout=600)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("via", ["cai", "dlpack"])
-def test_inputs_written_on_another_stream(via):
-    run_case(CASE + "case_inputs_written_on_another_stream", ranks_for("gpu"), env_backend("gpu"), args=(via,))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("producer_order,calls_on", [("protocol", "own"), ("stream", "own"), ("protocol", "current")])
-@pytest.mark.parametrize("lib", ["torch", "cupy", "jax"])
-def test_framework_arrays_in_and_out(lib, producer_order, calls_on):
-    run_case(CASE + "case_framework_arrays", ranks_for("gpu"), env_backend("gpu"),
-             args=(lib, producer_order, calls_on), timeout=600)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("calls_on", ["own", "current"])
-@pytest.mark.parametrize("lib", ["torch", "cupy"])
-def test_new_framework_arrays_at_every_call(lib, calls_on):
-    run_case(CASE + "case_new_framework_arrays_at_every_call", ranks_for("gpu"), env_backend("gpu"),
-             args=(lib, calls_on), timeout=600)
-
-
-@pytest.mark.gpu
-def test_new_jax_arrays_at_every_call():
-    run_case(CASE + "case_new_jax_arrays_at_every_call", ranks_for("gpu"), env_backend("gpu"), timeout=600)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("calls_on", ["own", "current"])
-@pytest.mark.parametrize("lib", ["torch", "jax"])
-def test_producer_arrays_seen_before(lib, calls_on):
-    run_case(CASE + "case_producer_arrays_seen_before", ranks_for("gpu"), env_backend("gpu"), args=(lib, calls_on),
-             timeout=600)
-
-
-@pytest.mark.gpu
-def test_calls_in_torch_graph():
-    run_case(CASE + "case_calls_in_torch_graph", ranks_for("gpu"), env_backend("gpu"), timeout=300)
-
-
-@pytest.mark.gpu
-def test_calls_switch_back_to_their_gpu():
-    run_case(CASE + "case_another_device_current", ranks_for("gpu"), env_backend("gpu"), timeout=300)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_calls_on_different_streams(backend):
-    H, M = (7168, 256) if backend == "gpu" else (64, 16)  # on the GPU, calls long enough to overlap
-    run_case(CASE + "case_calls_on_different_streams", ranks_for(backend), env_backend(backend), args=(H, M),
-             timeout=600)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_200_alternating_calls(backend):
     run_case(CASE + "case_alternating", ranks_for(backend), env_backend(backend), args=(200,), timeout=900)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("weights_at", ["combine", "dispatch"])
-@pytest.mark.parametrize("out_given", ["0", "1"])
-def test_new_arrays_at_every_call(backend, weights_at, out_given):
-    run_case(CASE + "case_new_arrays_at_every_call", ranks_for(backend), env_backend(backend),
-             args=(weights_at, out_given))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
-                                  "case_config_mismatch", "case_default_push_threshold",
-                                  "case_bf16_roundtrip_dtype", "case_peer_skips_call",
-                                  "case_stream_handle_views_cached", "case_graph_replays", "case_repeated_calls",
-                                  "case_calls_in_callers_capture",
-                                  "case_launch_geometry", "case_fp8_bad_inputs", "case_launch_sites_made_ahead"])
-def test_api(case, backend):
+@pytest.mark.parametrize("case", ["case_default_push_threshold", "case_bf16_roundtrip_dtype", "case_launch_geometry",
+                                  "case_launch_sites_made_ahead"])
+def test_exchange_setup(case, backend):
     run_case(CASE + case, ranks_for(backend), env_backend(backend))
-
-
-# fp8 dispatch (e4m3 and block scales), both ways in. The host twins emulate both encodings; a GPU
-# takes its own ("float8_e4m3": e4m3fn on NVIDIA, e4m3fnuz on MI300X).
-FP8_SHAPES = [s for s in SHAPES["tests"] if s["hidden_dim"] % 128 == 0]
-FP8_WAYS = ["quantize", "given"]
-
-
-def fp8_name(fmt: str, backend: str) -> str:
-    return fmt if backend == "host" else "float8_e4m3"
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("way", FP8_WAYS)
-@pytest.mark.parametrize("shape", FP8_SHAPES, ids=shape_id)
-def test_fp8_gpumode_test_shapes(shape, way, backend):
-    ranks = ranks_for(backend)
-    if shape["num_experts"] % ranks:
-        pytest.skip(f"{shape['num_experts']} experts do not divide over {ranks} ranks")
-    run_case(CASE + "case_fp8", ranks, env_backend(backend),
-             args=(way, "float8_e4m3", "bfloat16", shape["num_experts"] // ranks, shape["experts_per_token"],
-                   shape["hidden_dim"], shape["max_num_tokens"], "random", "random", "normal", 2, shape["seed"]))
-
-
-# (format, 16-bit dtype, E per rank, k, H, M, token counts, routing, values, transfer mode)
-FP8_EDGE_CASES = {
-    "some_ranks_empty": ("float8_e4m3fn", "bfloat16", 4, 3, 256, 16, "some_empty", "random", "normal", "mixed"),
-    "all_ranks_empty": ("float8_e4m3fn", "float16", 2, 2, 128, 8, "all_empty", "random", "normal", "pull"),
-    "T_equals_M": ("float8_e4m3fnuz", "bfloat16", 4, 4, 512, 32, "full", "random", "normal", "pull"),
-    "one_hot_expert_full_capacity": ("float8_e4m3fn", "float16", 4, 4, 256, 32, "full", "hot", "normal", "push"),
-    "k1": ("float8_e4m3fnuz", "float16", 4, 1, 384, 16, "random", "random", "normal", "mixed"),
-    "edges_fn": ("float8_e4m3fn", "float16", 4, 4, 1024, 12, "full", "random", "edges", "mixed"),
-    "edges_fnuz": ("float8_e4m3fnuz", "bfloat16", 4, 4, 1024, 12, "full", "random", "edges", "mixed"),
-    "nonfinite_fn": ("float8_e4m3fn", "bfloat16", 4, 4, 1152, 8, "full", "random", "nonfinite", "pull"),
-    "nonfinite_fnuz": ("float8_e4m3fnuz", "float16", 4, 4, 1152, 8, "full", "random", "nonfinite", "push"),
-    "partial_segment_pushed": ("float8_e4m3fn", "bfloat16", 4, 4, 1152, 8, "staggered", "random", "normal", "mixed"),
-}
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("way", FP8_WAYS)
-@pytest.mark.parametrize("name", sorted(FP8_EDGE_CASES))
-def test_fp8_edge_cases(name, way, backend):
-    fmt, in16, per_rank, k, H, M, counts, routing, values, mode = FP8_EDGE_CASES[name]
-    # The cases that push do so with pushed tokens (their fp8 pieces: fp8.h), which sm_90's default
-    # protocol does not use (test_publish_modes).
-    run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
-                  "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
-             args=(way, fp8_name(fmt, backend), in16, per_rank, k, H, M, counts, routing, values, 2, 13))
-
-
-# fp8 rows (and their scales) laid out by source: both ways in, pulled, pushed (its fp8 pieces) and mixed,
-# the fake expert's dequantizing kernel reading each source's rows.
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("way", FP8_WAYS)
-@pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
-def test_fp8_rows_by_source(way, mode, backend):
-    run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
-                  "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
-             args=(way, fp8_name("float8_e4m3fn", backend), "bfloat16", 4, 4, 1024, 32,
-                   "staggered" if mode == "mixed" else "full", "random", "normal", 2, 19, "by_source"))

@@ -1,0 +1,209 @@
+"""AllToAll: expert-parallel dispatch and combine.
+
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        d = a2a.dispatch(x, indices)        # x [T, H], indices [T, k] int32
+        expert_y = experts(d.expert_x, d.expert_num_tokens)
+        y = a2a.combine(expert_y, weights)  # weights [T, k] float32 -> y [T, H]
+
+`AllToAll(comm, ...)` makes one of two implementations of this class, by how the ranks of `comm` lie:
+within one node (pyhipa2a.intranode) or across nodes (pyhipa2a.hierarchy). Both take their calls along
+one path (pyhipa2a.calls); this class adds the object's life (construction, graphs, synchronize,
+close) and its helpers (the fake expert, profiles, clock syncs).
+
+Nothing here waits for the device: outputs are views of the library's buffers, valid until the next
+dispatch (expert_*) or combine (y, unless out= was given). `synchronize()` waits and raises what the
+kernels reported.
+"""
+from __future__ import annotations
+
+import weakref
+
+from .bootstrap import bounded_barrier, node_layout
+from .calls import Calls
+from .errors import A2AError
+from .graph import Graph
+from .runtime.base import RuntimeFailure
+
+
+class AllToAll(Calls):
+    """Dispatch and combine over the ranks of an MPI communicator (see the module's doc). Every rank makes
+    the same calls in the same order, each dispatch combined before the next."""
+
+    _implementations: dict = {}  # across nodes (bool) -> the subclass that implements it
+
+    def __init_subclass__(cls, *, across_nodes: bool, **kwargs):
+        super().__init_subclass__(**kwargs)
+        AllToAll._implementations[across_nodes] = cls
+
+    def __new__(cls, comm=None, *, ranks_per_node: int | None = None, **params):
+        """A communicator whose ranks span several nodes (real ones, or groups of `ranks_per_node` ranks,
+        also set by PYHIPA2A_RANKS_PER_NODE) gets the implementation across nodes."""
+        layout = node_layout(comm, ranks_per_node)
+        if cls is AllToAll:
+            cls = AllToAll._implementations[layout.nodes > 1]
+        obj = super().__new__(cls)
+        obj._layout = layout
+        return obj
+
+    def __init__(self, comm=None, *, ranks_per_node: int | None = None, backend=None, device: int | None = None,
+                 **params):
+        config, exchange, health, self.rank = self._open(comm, self._layout, backend, device, params)
+        try:
+            super().__init__(config, exchange, health)
+            self.world = config.world
+            self._graphs = weakref.WeakSet()  # closed by close() at the latest
+            bounded_barrier(self.heap.comm, config.timeout, "AllToAll setup")
+        except BaseException:
+            self._close_parts(broken=True)
+            raise
+
+    def _open(self, comm, layout, backend, device, params: dict) -> tuple:
+        """Make the parts (and close them again where that fails): (the settled Config, the node exchange
+        (pyhipa2a.intranode.NodeExchange), the Health that reads its status words, this rank)."""
+        raise NotImplementedError
+
+    def _close_parts(self, broken: bool) -> None:
+        """Close every part; `broken`: a peer may be gone, so a barrier it never reaches is no news."""
+        raise NotImplementedError
+
+    @property
+    def clock_sync(self):
+        """The last clock_offset_ns()'s ClockSync: this rank's clock against rank 0's."""
+        return self._exchange.clocks.last
+
+    # -- the fake expert ------------------------------------------------------------
+    def expert_y_buffer(self):
+        """A device buffer shaped like expert_y [L, W*M, H] (out_dtype), made once, freed by close()."""
+        return self._exchange.expert.expert_y_buffer(self.stream)
+
+    def fake_expert(self, result, out=None, *, stream=None):
+        """gpu-mode's stand-in for the grouped GEMM: expert_y = expert_x * (1 + rank), received rows only
+        (in fp8 dispatch, each fp8 row times its block scales, then times 1 + rank, in out_dtype)."""
+        c, streams, expert = self.config, self._streams, self._exchange.expert
+        if not c.scale_cols and c.dispatch_dtype != c.out_dtype:
+            raise TypeError("fake_expert needs in_dtype == out_dtype (or fp8 dispatch)")
+        self.backend.activate()
+        s, _ = streams.enter(stream, (out,), self.JOINS_CAPTURES)
+        try:
+            if out is None and expert.buffer is None and streams.capturing is not None:
+                raise A2AError("fake_expert() without out= inside a capture needs expert_y_buffer() called before "
+                               "the capture (memory cannot be allocated while capturing)")
+            streams.follow(s)
+            if out is None:
+                self.expert_y_buffer()
+                out = expert.expert_y_on(s, self._health)
+            else:
+                self._take("fake_expert out", out, out.shape, c.out_dtype, s, [])
+            expert.launch(out.ptr, s)
+            streams.queued(s)
+            streams.keep((out,))
+            return out
+        finally:
+            streams.leave()
+
+    # -- graphs ---------------------------------------------------------------------
+    def capture(self, step, *, stream=None) -> Graph:
+        """Record `step()` as one graph that `Graph.launch()` replays with one call. `step` makes this object's
+        calls (dispatch, your expert work on the same stream, combine) with device arrays; every dispatch in
+        it is combined in it. Each launch is a new call on the device, reading the same input buffers and
+        writing the same outputs, so fill the inputs in place between launches. Every rank captures and
+        launches the same sequence."""
+        self._usable()
+        state, streams = self._state, self._streams
+        if streams.capturing is not None:
+            raise A2AError("capture() is already recording")
+        if state.pending is not None:
+            raise A2AError("capture() needs the last dispatch to be combined first")
+        self._check_capturable()
+        s = streams.given(stream)
+        streams.follow(s)  # the graph's first launch is queued behind the calls before the capture
+        streams.begin(s)
+        try:
+            step()
+            if state.pending is not None:
+                raise A2AError("the captured step left a dispatch without its combine")
+        except BaseException:
+            state.pending = state.sent = None  # nothing captured ran: the object is as it was before
+            streams.end(keep=False)
+            raise
+        graph, kept = streams.end(keep=True)
+
+        def before_launch():
+            self._usable()
+            if state.pending is not None:
+                # The graph's dispatch would take the epoch the pending call's combine has not yet handed on.
+                raise A2AError("a graph cannot launch while a dispatch() awaits its combine()")
+            streams.follow(s)
+        graph = Graph(self.backend, graph, s, kept, before_launch=before_launch, after_launch=lambda: streams.queued(s))
+        self._graphs.add(graph)
+        streams.queued(s)
+        return graph
+
+    def _check_capturable(self) -> None:
+        """Raise where this object's calls cannot be captured."""
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for this rank's queued calls (on `stream`, else on the last call's stream, behind which every
+        earlier call is queued); raise what the kernels reported."""
+        streams = self._streams
+        if streams.capturing is not None:
+            raise A2AError("synchronize() inside capture(): nothing captured has run yet")
+        self.backend.activate()
+        waited = streams.given(stream) if stream is not None else streams.latest()
+        self._health.settle(waited)
+        try:
+            self.backend.stream_synchronize(waited)
+        except RuntimeFailure as e:  # a kernel that trapped (on_timeout="trap") said why first
+            self._raise_reported(cause=e)
+            raise
+        streams.synchronized(waited)
+        self._raise_reported()
+
+    def _wait_for_calls(self) -> None:
+        """The host waits for every call so far (bounded, across nodes too)."""
+        self.backend.activate()
+        waited = self._streams.latest()
+        self._health.settle(waited)
+        self.backend.stream_synchronize(waited)
+
+    # -- profiling --------------------------------------------------------------
+    def profile_events(self):
+        """(events, dropped) recorded since the last read (profile=True only); waits for the calls."""
+        profile = self._exchange.buffers.profile
+        if profile is None:
+            raise A2AError("profile_events() needs AllToAll(..., profile=True)")
+        self._wait_for_calls()
+        events, dropped = profile.read(self.stream)
+        profile.reset(self.stream)
+        return events, dropped
+
+    def clock_offset_ns(self) -> int:
+        """Host monotonic clock minus this device's clock, in ns, to line up timelines across ranks
+        (pyhipa2a.clock; within a node across nodes: another node's host clock is its own). Collective: every
+        rank calls it, as often as the others. Calls (dispatch, combine) are unaffected by its failures."""
+        self._usable()
+        if self._streams.capturing is not None:
+            raise A2AError("clock_offset_ns() cannot run while capture() records")
+        self._wait_for_calls()
+        return self._exchange.clocks.offset_ns()
+
+    # -- teardown -----------------------------------------------------------------
+    def close(self) -> None:
+        """Idempotent; waits (bounded) for peers before unmapping the heap."""
+        if self.heap.closed:
+            return
+        self._dispatch_plan = self._combine_plan = None  # (their launchers hold launch sites)
+        self._dispatch_record = self._combine_record = None
+        try:
+            self._wait_for_calls()
+        except Exception:
+            pass
+        for graph in list(self._graphs):  # (graphs that captured NCCL's work go before its communicator)
+            graph.close()
+        self._close_parts(self._state.broken is not None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,289 @@
+"""An AllToAll's parameters: checked once, with their environment overrides, and frozen.
+
+`Config.of(world, **params)` checks everything that can be checked before a device is open and
+derives the sizes that do not depend on one; `on_device(arch, warp)` adds what the device decides
+(its warp's segment sizes, its fp8 encoding, how flags are published, the push limit) and
+`with_geometry` the launch geometry (pyhipa2a.legs). A call across nodes gives its node part
+`node_part(...)`, derived from the checked world configuration.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import FP8_BLOCK, fp8_for_arch, plan_dtypes
+from .errors import ConfigMismatchError
+from .kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTIZE_F16
+
+# Limits the kernels are built for (kernels_hip/exchange.h).
+MAX_LOCAL_EXPERTS = 1024   # A2A_MAX_LOCAL_EXPERTS
+MAX_TOP_K = 32             # a token's slots are one bit each of a 32-bit mask
+MAX_WORLD = 32             # A2A_MAX_WORLD
+MAX_WARPS_PER_BLOCK = 32   # A2A_MAX_WARPS_PER_BLOCK
+MAX_BLOCK_THREADS = 512    # A2A_MAX_BLOCK_THREADS: the kernels' register budget assumes it
+MAX_GRID_BLOCKS = 4096     # A2A_MAX_GRID: blocks of an exchange kernel's launch (a done flag each)
+DEFAULT_BLOCK_THREADS = 256
+DEFAULT_BLOCKS_PER_MP = 2  # more warps to hide the link's latency (docs/PERFORMANCE.md)
+SEGMENT_LANE_ELEMS = 32    # a row moves in segments of 32 elements a lane (A2A_CHUNKS in exchange.h)
+MIN_WARP, MAX_WARP = 32, 64
+# A call of few tokens pushes its contributions back as tagged words (one link crossing, twice the
+# bytes) while its 16-bit rows, counted once per peer they reach, stay within these many bytes; where
+# flags follow a GPU-scope fence (GPU_FENCE_PUBLISH_ARCHS) its tokens are pulled and the smaller
+# limit holds, elsewhere its tokens are pushed too (kernels_hip/exchange.h, "Pushed calls").
+DEFAULT_PUSH_BYTES = 768 * 1024
+DEFAULT_PUSH_BACK_BYTES = 256 * 1024
+GPU_FENCE_PUBLISH_ARCHS = ("sm_90",)
+# Combine's small kernel (a warp a chunk of 8 elements a lane) takes calls whose warps get at most
+# this many chunk items each; the bulk kernel (a warp a segment) the rest.
+SMALL_COMBINE_ITEMS_PER_WARP = 1
+
+STREAM_CHOICES = ("own", "current")
+LAYOUT_CHOICES = ("packed", "by_source")
+PRODUCER_ORDERS = ("protocol", "stream")
+COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
+PUBLISH_CHOICES = ("auto", "system", "gpu-fence")
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name`, one of `choices` (the first when unset), or ValueError."""
+    choice = os.environ.get(name, choices[0])
+    if choice not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {choice!r}")
+    return choice
+
+
+def publish_with_gpu_fence(arch: str) -> bool:
+    """Whether flags over data left in the sender's own memory follow a GPU-scope fence rather than a
+    system-scope release (PYHIPA2A_PUBLISH: auto, system, gpu-fence)."""
+    choice = env_choice("PYHIPA2A_PUBLISH", PUBLISH_CHOICES)
+    return choice == "gpu-fence" or (choice == "auto" and arch in GPU_FENCE_PUBLISH_ARCHS)
+
+
+@dataclass(frozen=True)
+class Config:
+    num_experts: int
+    top_k: int
+    hidden: int
+    max_tokens: int
+    in_dtype: np.dtype      # dispatch's x
+    dispatch_dtype: np.dtype  # expert_x
+    out_dtype: np.dtype     # combine's expert_y and y
+    fp8: str | None         # the fp8 asked for ("float8_e4m3" settles on the device), or None
+    timeout: float
+    profile: bool
+    narrow_partials: bool
+    on_timeout: str
+    producer_order: str
+    stream: str
+    row_layout: str
+    world: int
+    block_threads: int      # asked for (PYHIPA2A_BLOCK_THREADS), then settled
+    grid_blocks: int | None  # asked for (PYHIPA2A_GRID_BLOCKS)
+    push_request: int | None  # push_max_tokens asked for (PYHIPA2A_PUSH_MAX_TOKENS)
+    region_tokens: int = 0  # > 0: one node's part of a call across nodes (pyhipa2a.hierarchy)
+    ranks_on_device: int = 0  # ranks of the machine on our GPU where some are in other nodes; 0: ours
+    # Set on the device (on_device, with_geometry):
+    warp: int = MIN_WARP
+    x_format: int = X_COPY
+    gpu_fence_publish: bool = False
+    push_max_tokens: int = 0
+    blocks: int = 0
+    small_combine_tokens: int = -1  # calls of at most this many tokens take the small combine kernel
+
+    # -- derived sizes ---------------------------------------------------------
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.world
+
+    @property
+    def capacity(self) -> int:
+        return self.world * self.max_tokens
+
+    @property
+    def scale_cols(self) -> int:
+        """float32 scales of an expert_x row: one per FP8_BLOCK elements in fp8 dispatch, else 0."""
+        return self.hidden // FP8_BLOCK if self.fp8 else 0
+
+    @property
+    def void_slots(self) -> bool:
+        """An index of -1 is a slot whose expert is on another node (a node part)."""
+        return self.region_tokens > 0
+
+    @property
+    def by_source(self) -> bool:
+        return self.row_layout == "by_source"
+
+    @property
+    def push_tokens(self) -> bool:
+        """Whether a pushed call pushes its tokens too (flags without a GPU-scope fence)."""
+        return not self.gpu_fence_publish
+
+    @property
+    def seg_elems(self) -> int:
+        """Elements of a row a warp moves as one segment (the host twins move whole rows)."""
+        return SEGMENT_LANE_ELEMS * self.warp if self.warp > 1 else self.hidden
+
+    @property
+    def nseg(self) -> int:
+        return math.ceil(self.hidden / self.seg_elems)
+
+    @property
+    def x_seg_elems(self) -> int:
+        """Dispatch's segments carry as many bytes in fp8 as in 16 bits: twice the elements."""
+        return self.seg_elems * (2 if self.scale_cols and self.warp > 1 else 1)
+
+    @property
+    def x_nseg(self) -> int:
+        return math.ceil(self.hidden / self.x_seg_elems)
+
+    @property
+    def push_room(self) -> int:
+        """Tokens a pushed call may have at most, whatever the device: the pushed words' room."""
+        return push_limit(self, DEFAULT_PUSH_BYTES)
+
+    @property
+    def token_bytes(self) -> int:
+        """A staged token: its expert_x row, then in fp8 its scales, padded to 16 bytes (kernels_hip/fp8.h)."""
+        row = self.hidden * self.dispatch_dtype.itemsize
+        return row if not self.scale_cols else math.ceil((row + 4 * self.scale_cols) / 16) * 16
+
+    @property
+    def push_token_words(self) -> int:
+        """A pushed token's tagged words: one per 4 bytes of its row, or in fp8 fp8.h's segments (codes,
+        then scales) for the widest warp's segments, which hold any narrower warp's."""
+        if not self.scale_cols:
+            return self.hidden * self.dispatch_dtype.itemsize // 4
+        seg = 2 * SEGMENT_LANE_ELEMS * MAX_WARP
+        elems = math.ceil(self.hidden / seg) * seg
+        return elems // 4 + elems // FP8_BLOCK
+
+    @property
+    def push_row_words(self) -> int:
+        """Tagged words of a pushed contribution's row, padded to whole segments of the widest warp."""
+        seg = SEGMENT_LANE_ELEMS * MAX_WARP
+        return math.ceil(self.hidden / seg) * seg
+
+    # -- making ----------------------------------------------------------------
+    @classmethod
+    def of(cls, world: int, *, num_experts: int, experts_per_token: int, hidden_dim: int, max_num_tokens: int,
+           in_dtype="float16", out_dtype=None, dispatch_dtype=None, timeout: float = 10.0, profile: bool = False,
+           block_threads: int | None = None, grid_blocks: int | None = None, push_max_tokens: int | None = None,
+           narrow_partials: bool = False, producer_order: str = "protocol", on_timeout: str = "report",
+           stream: str = "own", row_layout: str = "packed") -> "Config":
+        """The checked configuration of an AllToAll over `world` ranks (ValueError or TypeError naming
+        the parameter otherwise)."""
+        ins, moved, out, fp8 = plan_dtypes(in_dtype, dispatch_dtype, out_dtype)
+        E, k, H, M = int(num_experts), int(experts_per_token), int(hidden_dim), int(max_num_tokens)
+        if fp8 and H % FP8_BLOCK:
+            raise ValueError(f"fp8 dispatch needs hidden_dim to be a multiple of {FP8_BLOCK} (one scale per "
+                             f"{FP8_BLOCK}-element block); got {H}")
+        if not isinstance(narrow_partials, (bool, np.bool_)):
+            raise TypeError(f"narrow_partials must be a bool, not {type(narrow_partials).__name__}")
+        if on_timeout not in ("report", "trap"):
+            raise ValueError(f"on_timeout must be 'report' or 'trap', not {on_timeout!r}")
+        if stream not in STREAM_CHOICES:
+            raise ValueError(f"stream must be one of {STREAM_CHOICES} (a call's own stream= takes a stream "
+                             f"object or handle), not {stream!r}")
+        if row_layout not in LAYOUT_CHOICES:
+            raise ValueError(f"row_layout must be one of {LAYOUT_CHOICES}, not {row_layout!r}")
+        if producer_order not in PRODUCER_ORDERS:
+            raise ValueError(f"producer_order must be one of {PRODUCER_ORDERS}, not {producer_order!r}")
+        if min(E, k, H, M) < 1:
+            raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
+        if push_max_tokens is None and os.environ.get("PYHIPA2A_PUSH_MAX_TOKENS") is not None:
+            push_max_tokens = int(os.environ["PYHIPA2A_PUSH_MAX_TOKENS"])
+        if push_max_tokens is not None and push_max_tokens < 0:
+            raise ValueError(f"push_max_tokens={push_max_tokens} must be >= 0")
+        config = cls(E, k, H, M, ins, moved, out, fp8, float(timeout), bool(profile), bool(narrow_partials),
+                     on_timeout, producer_order, stream, row_layout, int(world),
+                     block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS)),
+                     grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None, push_max_tokens)
+        config.check_sizes()
+        return config
+
+    def check_sizes(self) -> None:
+        """The sizes the kernels can index and the protocol can carry."""
+        # A routing slot travels as e + E * place in 32 bits, and the kernels divide it by E, and a slot's
+        # index t * k + j by k, exactly only below 2^31 (quot in kernels_hip/portability.h).
+        for name, n in (("num_experts", self.num_experts), ("experts_per_token", self.top_k)):
+            if n * self.max_tokens >= 2**31:
+                raise ValueError(f"{name} * max_num_tokens must be below 2**31; got {n} * {self.max_tokens}")
+        # A call's token count travels with two flag bits above it (A2A_PUSHED_TOKENS, A2A_PUSHED_BACK).
+        if self.max_tokens >= 2**30:
+            raise ValueError(f"max_num_tokens must be below 2**30; got {self.max_tokens}")
+        if self.top_k > MAX_TOP_K or (self.top_k > self.num_experts and not self.void_slots):
+            raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
+        if self.timeout <= 0:
+            raise ValueError("timeout must be positive (seconds)")
+        if self.num_experts % self.world:
+            raise ValueError(f"num_experts={self.num_experts} must be divisible by the number of ranks ({self.world})")
+        if self.world > MAX_WORLD:
+            raise ValueError(f"at most {MAX_WORLD} ranks; got {self.world}")
+        if self.local_experts > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank; got {self.local_experts}")
+
+    def node_part(self, nodes: int, ranks_per_node: int, ranks_on_device: int) -> "Config":
+        """The configuration of one node's part of a call across `nodes` nodes: its experts, every node's
+        region of tokens, and slots whose expert is elsewhere left void."""
+        if self.row_layout == "by_source":
+            raise ValueError("row_layout='by_source' is for calls within one node: between nodes each rank's "
+                             "rows come through its node's ranks, so expert_x is packed there")
+        part = dataclasses.replace(self, num_experts=self.num_experts // nodes, max_tokens=nodes * self.max_tokens,
+                                   world=ranks_per_node, region_tokens=self.max_tokens,
+                                   ranks_on_device=ranks_on_device)
+        part.check_sizes()  # (its regions hold nodes times the tokens)
+        return part
+
+    def on_device(self, arch: str, warp: int) -> "Config":
+        """This configuration on a device of `arch` whose warps have `warp` lanes (1: the host twins)."""
+        fp8 = fp8_for_arch(self.fp8, arch) if self.fp8 else None
+        moved = fp8 if fp8 is not None else self.dispatch_dtype
+        ins = fp8 if fp8 is not None and self.in_dtype.itemsize == 1 else self.in_dtype
+        x_format = (X_COPY if not self.scale_cols else X_FP8 if ins.itemsize == 1
+                    else X_QUANTIZE_BF16 if ins.name == "bfloat16" else X_QUANTIZE_F16)
+        on_device = dataclasses.replace(self, in_dtype=ins, dispatch_dtype=moved, warp=warp, x_format=x_format,
+                                        gpu_fence_publish=publish_with_gpu_fence(arch))
+        push = push_limit(on_device, DEFAULT_PUSH_BYTES if on_device.push_tokens else DEFAULT_PUSH_BACK_BYTES)
+        return dataclasses.replace(on_device, push_max_tokens=push)
+
+    def with_geometry(self, block_threads: int, blocks: int, small_combine_tokens: int) -> "Config":
+        """This configuration launching `blocks` blocks of `block_threads` threads (pyhipa2a.legs)."""
+        return dataclasses.replace(self, block_threads=block_threads, blocks=blocks,
+                                   small_combine_tokens=small_combine_tokens)
+
+    def settled_like(self, part: "Config") -> "Config":
+        """This (world) configuration with what the device settled for its node part `part`."""
+        names = ("in_dtype", "dispatch_dtype", "warp", "x_format", "gpu_fence_publish", "push_max_tokens",
+                 "block_threads", "blocks", "small_combine_tokens")
+        return dataclasses.replace(self, **{name: getattr(part, name) for name in names})
+
+    def check_agrees(self, comm, backend_kind: str) -> None:
+        """Collective: ConfigMismatchError naming the ranks whose configuration differs from rank 0's."""
+        mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
+                self.dispatch_dtype.name, self.out_dtype.name, backend_kind, self.push_max_tokens,
+                self.narrow_partials, self.region_tokens)
+        everyone = comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
+        if len(set(everyone)) > 1:
+            configs = comm.allgather(mine)
+            differ = tuple(r for r, c in enumerate(configs) if c != configs[0])
+            raise ConfigMismatchError(
+                f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
+                f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
+                f"max_num_tokens, in_dtype, dispatch_dtype, out_dtype, backend, push_max_tokens, narrow_partials, "
+                f"region_tokens)", ranks=differ)
+
+
+def push_limit(config: Config, default_bytes: int) -> int:
+    """Calls of at most this many tokens push (0: every call stages and pulls): as asked, or while their
+    16-bit rows, a row counted once per peer it can reach, stay within `default_bytes`. Pushed rows are
+    read 8 elements a lane, so rows must be a multiple of 8 elements."""
+    requested = config.push_request
+    if requested is None:
+        peers_per_token = max(1, min(config.top_k, config.world - 1))
+        requested = default_bytes // (config.hidden * config.out_dtype.itemsize * peers_per_token)
+    return min(int(requested), config.max_tokens) if config.hidden % 8 == 0 else 0

@@ -1,0 +1,63 @@
+"""gpu-mode's stand-in for the grouped GEMM, as a kernel: expert_y = expert_x * (1 + rank) over the
+received rows (in fp8 dispatch, each fp8 row times its block scales first), written into a buffer of
+the object's own (expert_y_buffer) or the caller's."""
+from __future__ import annotations
+
+import math
+import weakref
+
+from .array import DeviceArray
+
+
+class FakeExpert:
+    def __init__(self, kernel, buffers, blocks: int, threads: int):
+        self.kernel, self.buffers, self.blocks, self.threads = kernel, buffers, blocks, threads
+        self.pack = kernel.pack()
+        kernel.prepare(self.pack, blocks, threads)
+        self.out_arg = self.pack[2 if buffers.config.scale_cols else 1]
+        self.buffer = None  # expert_y_buffer(), made on first use
+        self._views: dict = {}  # the buffer naming other streams, by handle
+        self._free = None
+
+    def set_scale(self, scale: float) -> None:
+        """Every argument but the output: our expert_x (and its scales), counts, and the factor."""
+        c, b = self.buffers.config, self.buffers
+        fixed = (b["num_tokens"].ptr, b["layout"].ptr if c.by_source else 0, c.world if c.by_source else 0,
+                 c.local_experts, c.capacity, c.hidden, scale)
+        if c.scale_cols:
+            self.pack.set_scalars(b["recv_x"].ptr, b["recv_scales"].ptr, 0, *fixed,
+                                  int(c.dispatch_dtype.name == "float8_e4m3fnuz"))
+        else:
+            self.pack.set_scalars(b["recv_x"].ptr, 0, *fixed)
+
+    def launch(self, out_ptr: int, stream) -> None:
+        self.out_arg.value = out_ptr
+        self.kernel.launch(self.pack, self.blocks, self.threads, stream)
+
+    def expert_y_buffer(self, stream) -> DeviceArray:
+        """A device buffer shaped like expert_y [L, W*M, H] (out_dtype), made once, freed by close(), its
+        writes ordered on `stream` (the object's own)."""
+        if self.buffer is None:
+            c, backend = self.buffers.config, self.buffers.heap.backend
+            backend.activate()  # memory is allocated on the current device
+            shape = (c.local_experts, c.capacity, c.hidden)
+            ptr = backend.malloc_ipc(math.prod(shape) * c.out_dtype.itemsize)
+            self._free = weakref.finalize(self, backend.free, ptr)  # also at exit
+            self.buffer = DeviceArray(backend, ptr, shape, c.out_dtype, owner=self.buffers.heap, stream=stream)
+        return self.buffer
+
+    def expert_y_on(self, stream, health) -> DeviceArray:
+        """expert_y_buffer() as a view that names `stream`, where the fake expert writes it (consumers that
+        order themselves by an array's stream read it there), and carries the call's `health`."""
+        base = self.buffer
+        handle = base.backend.stream_handle(stream)
+        view = self._views.get(handle)
+        if view is None:
+            view = self._views[handle] = DeviceArray(base.backend, base.ptr, base.shape, base.dtype, owner=base.owner,
+                                                     stream=stream, health=health)
+        return view
+
+    def close(self) -> None:
+        if self._free is not None:
+            self._free()
+            self.buffer = None

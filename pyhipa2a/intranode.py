@@ -1,0 +1,99 @@
+"""Dispatch and combine within one node: the ranks' symmetric heaps carry every token.
+
+A NodeExchange is one node's exchange on the device (heap, buffers, kernels, launches, the fake expert,
+the clock syncs); NodeAllToAll is the AllToAll over one, and an AllToAll across nodes runs one over the
+ranks of each node (pyhipa2a.hierarchy).
+"""
+from __future__ import annotations
+
+from .api import AllToAll
+from .bootstrap import world_size
+from .buffers import Buffers, heap_bytes
+from .clock import Clocks
+from .config import Config
+from .errors import A2ATimeoutError, Health
+from .expert import FakeExpert
+from .heap import SymmetricHeap
+from .kernels import KernelLibrary
+from .legs import exchange_legs, load_kernels, settle_geometry
+
+
+class NodeExchange:
+    def __init__(self, comm, config: Config, *, backend=None, device: int | None = None):
+        self.heap = SymmetricHeap(comm, heap_bytes(config), backend=backend, device=device, timeout=config.timeout)
+        self.library = self.stream = self.buffers = self.expert = None
+        try:
+            self._open(config)
+        except BaseException:
+            self.close(broken=True)
+            raise
+
+    def _open(self, config: Config) -> None:
+        heap = self.heap
+        backend, device = heap.backend, heap.device
+        config = config.on_device(device.arch, device.warp_size)
+        # The profiling build records per-warp timelines; the normal one compiles that away.
+        self.library = KernelLibrary(backend, device.arch, variant=".profile" if config.profile else "")
+        kernels = load_kernels(self.library, config)
+        config = settle_geometry(config, backend, device, kernels, config.ranks_on_device or heap.ranks_on_device)
+        config.check_agrees(heap.comm, backend.kind)
+        self.config = config
+        self.buffers = Buffers(heap, config)
+        self.health = Health(self.buffers.status, heap.rank)  # outputs ask it before handing data out
+        self.stream = backend.stream_create()
+        self.dispatch, self.combine = exchange_legs(kernels, config, self.buffers.exchange_args)
+        self.expert = FakeExpert(kernels.fake_expert, self.buffers, config.blocks, config.block_threads)
+        self.expert.set_scale(float(1 + heap.rank))
+        self.clocks = Clocks(self.library, self.buffers, self.stream)
+
+    def close(self, broken: bool) -> None:
+        """Waits (bounded) for peers before unmapping the heap; a peer that already timed out on us (the
+        object is `broken`) may be gone, and its absence is no news then."""
+        try:
+            self.heap.close()
+        except A2ATimeoutError:
+            if not broken:
+                raise
+        finally:
+            if self.expert is not None:
+                self.expert.close()
+            if self.buffers is not None:
+                self.buffers.close()
+            if self.library is not None:
+                self.library.close()
+            if self.stream is not None:
+                self.heap.backend.stream_destroy(self.stream)
+
+
+class NodeAllToAll(AllToAll, across_nodes=False):
+    """AllToAll within one node."""
+
+    def _open(self, comm, layout, backend, device, params: dict) -> tuple:
+        exchange = NodeExchange(comm, Config.of(world_size(comm), **params), backend=backend, device=device)
+        return exchange.config, exchange, exchange.health, exchange.heap.rank
+
+    @property
+    def buffers(self) -> Buffers:
+        """The symmetric buffers by name (buffers["recv_x"]: a DeviceArray)."""
+        return self._exchange.buffers
+
+    def _make_views(self, stream):
+        return self._exchange.buffers.views(stream, self._health)
+
+    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights) -> None:
+        leg = self._exchange.dispatch
+        call = leg.call  # (the epoch is the device's own: make_ctx in kernels_hip/exchange.h)
+        call.x, call.indices, call.x_scales, call.weights, call.num_tokens = x, indices, x_scales, weights, tokens
+        leg.launch(s, tokens)
+
+    def _launch_combine(self, s, tokens, expert_y, weights, out, scale) -> None:
+        leg = self._exchange.combine
+        call = leg.call
+        call.expert_y, call.weights, call.out, call.num_tokens, call.expert_scale = expert_y, weights, out, tokens, scale
+        leg.launch(s, tokens)
+
+    def _repeater(self, leg: str, tokens: int):
+        return getattr(self._exchange, leg).repeater(tokens)
+
+    def _close_parts(self, broken: bool) -> None:
+        self._exchange.close(broken)

@@ -1,0 +1,136 @@
+"""A node exchange's two call kinds as launches: which kernel, on how many blocks, from which arguments.
+
+Blocks of an exchange kernel wait on flags that other blocks of the same launch set, so every block
+must be resident at once, and so must every block of the ranks that drive the same device (ranks
+share a GPU under MPS). Every launch takes the whole resident grid however few items the call has:
+its roles (dispatch's routing, staging, counting and copying out; combine's contributions and reduce)
+then run in warps of their own.
+
+Each leg has two argument packs: the one the full path writes at every call, and the one a plan
+(pyhipa2a.repeat) launches from, a copy of the first made when the plan is (Kernel.repeater). Every
+launch site of both is made with the object (Kernel.prepare; on CUDA a one-node graph with device
+memory of its own), so no call takes device memory later.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .config import (COMBINE_KERNEL_CHOICES, DEFAULT_BLOCKS_PER_MP, MAX_BLOCK_THREADS, MAX_GRID_BLOCKS,
+                     MAX_WARPS_PER_BLOCK, SMALL_COMBINE_ITEMS_PER_WARP, Config, env_choice)
+from .kernels import DISPATCH_KERNELS
+
+
+def check_block_threads(threads: int, warp: int) -> None:
+    most = min(MAX_BLOCK_THREADS, MAX_WARPS_PER_BLOCK * warp)
+    if threads % warp or not warp <= threads <= most:
+        raise ValueError(f"block_threads={threads} must be a multiple of the warp size ({warp}) "
+                         f"between {warp} and {most}")
+
+
+def launch_geometry(threads: int, multiprocessors: int, per_mp: int, grid_blocks: int | None,
+                    ranks_on_device: int = 1) -> int:
+    """Blocks per launch: the device holds per_mp blocks of `threads` threads of our kernels on each
+    multiprocessor (the runtime's occupancy figure), and the ranks on it share them. Default:
+    DEFAULT_BLOCKS_PER_MP a multiprocessor, divided among those ranks."""
+    if per_mp < 1:
+        raise ValueError(f"block_threads={threads}: the kernels' registers do not fit that many threads "
+                         "in one block on this device")
+    most = min(MAX_GRID_BLOCKS, multiprocessors * per_mp // ranks_on_device)
+    if most < 1:
+        raise ValueError(f"{ranks_on_device} ranks drive this device, which holds {multiprocessors * per_mp} blocks "
+                         f"of {threads} threads of our kernels at once: fewer than one a rank")
+    blocks = grid_blocks or min(most, max(1, multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp) // ranks_on_device))
+    if not 1 <= blocks <= most:
+        shared = f", shared by the {ranks_on_device} ranks that drive this device" if ranks_on_device > 1 else ""
+        raise ValueError(f"grid_blocks={blocks} must be between 1 and {most} (all blocks of a launch resident "
+                         f"at once: {multiprocessors} multiprocessors x {per_mp} blocks of {threads} threads"
+                         f"{shared}; at most {MAX_GRID_BLOCKS} in all)")
+    return blocks
+
+
+class Kernels(NamedTuple):
+    """The kernels of a node exchange's calls, loaded when it is made (nothing may load while a capture records)."""
+    dispatch: object
+    combine: object
+    small_combine: object  # combine's small-call kernel (a warp a chunk, half the threads), or None
+    fake_expert: object
+
+
+def load_kernels(library, config: Config) -> Kernels:
+    out16 = "bf16" if config.out_dtype.name == "bfloat16" else "f16"
+    small = None
+    if config.warp > 1 and env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES) != "bulk":
+        small = library.kernel(f"a2a_combine_small_{out16}")
+    expert = f"expert_dequantize_{out16}" if config.scale_cols else f"expert_scale_{out16}"
+    return Kernels(library.kernel(DISPATCH_KERNELS[config.x_format]), library.kernel(f"a2a_combine_{out16}"),
+                   small, library.kernel(expert))
+
+
+def settle_geometry(config: Config, backend, device, kernels: Kernels, ranks_on_device: int) -> Config:
+    """`config` with its launch geometry on `device`: threads a block, blocks a launch, and the most tokens
+    a combine may have to take the small kernel (-1: none). The small kernel runs half the bulk kernels'
+    threads with up to twice their registers a thread; the blocks counted as resident must stay so
+    whichever of the two a rank runs, so it is used only where the device holds as many of its blocks a
+    multiprocessor (PYHIPA2A_COMBINE_KERNEL=small|bulk forces one). The host twins are one thread."""
+    warp = config.warp
+    if warp == 1:
+        return config.with_geometry(1, 1, -1)
+    threads = config.block_threads
+    check_block_threads(threads, warp)
+    per_mp = min(backend.resident_blocks(k.function, threads) for k in (kernels.dispatch, kernels.combine))
+    blocks = launch_geometry(threads, device.multiprocessors, per_mp, config.grid_blocks, ranks_on_device)
+    choice, half = env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES), threads // 2
+    small = kernels.small_combine
+    if small is None:
+        return config.with_geometry(threads, blocks, -1)
+    if half < warp or half % warp or backend.resident_blocks(small.function, half) < per_mp:
+        if choice == "small":
+            raise ValueError(f"PYHIPA2A_COMBINE_KERNEL=small: the small combine kernel cannot run beside "
+                             f"blocks of {threads} threads on this device")
+        return config.with_geometry(threads, blocks, -1)
+    chunks = config.nseg * (config.seg_elems // (8 * warp))  # a token's chunk items
+    most = config.max_tokens if choice == "small" else SMALL_COMBINE_ITEMS_PER_WARP * blocks * (half // warp) // chunks
+    return config.with_geometry(threads, blocks, most)
+
+
+class Leg:
+    """One call kind's launches: `choices` ((kernel, threads a block, most tokens), ...), the first whose
+    most tokens a call's fit; `call` is the per-call argument struct of the pack the full path writes."""
+
+    def __init__(self, choices: tuple, blocks: int, fixed):
+        self.choices, self.blocks = choices, blocks
+        kernel = choices[0][0]
+        self.pack, self.frozen = kernel.pack(), kernel.pack()
+        fixed(self.pack[0])
+        self.call = self.pack[1]
+        for kernel, threads, _ in choices:
+            for pack in (self.pack, self.frozen):
+                kernel.prepare(pack, blocks, threads)
+
+    def kernel_for(self, tokens: int) -> tuple:
+        """(kernel, threads a block) of a call of `tokens` tokens."""
+        for kernel, threads, most in self.choices:
+            if tokens <= most:
+                return kernel, threads
+        raise AssertionError(f"no kernel takes {tokens} tokens")  # (the last choice takes any)
+
+    def launch(self, stream, tokens: int) -> None:
+        """The call whose arguments the pack holds, on `stream`."""
+        kernel, threads = self.kernel_for(tokens)
+        kernel.launch(self.pack, self.blocks, threads, stream)
+
+    def repeater(self, tokens: int):
+        """A function of the stream that launches the call the pack holds now, whatever is written to it
+        later (a plan's launch: the one before it must be dropped, since both launch from `frozen`)."""
+        kernel, threads = self.kernel_for(tokens)
+        return kernel.repeater(self.pack, self.frozen, self.blocks, threads)
+
+
+def exchange_legs(kernels: Kernels, config: Config, fixed) -> tuple[Leg, Leg]:
+    """(dispatch, combine) of a node exchange whose kernels' fixed arguments `fixed(args)` fills."""
+    everything = config.max_tokens
+    dispatch = Leg(((kernels.dispatch, config.block_threads, everything),), config.blocks, fixed)
+    bulk = (kernels.combine, config.block_threads, everything)
+    small = (kernels.small_combine, config.block_threads // 2, config.small_combine_tokens)
+    combine = Leg((small, bulk) if config.small_combine_tokens >= 0 else (bulk,), config.blocks, fixed)
+    return dispatch, combine

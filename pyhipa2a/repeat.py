@@ -1,0 +1,180 @@
+"""A repeated call, written down once as a plan and run without its checks.
+
+A loop hands the same arrays to every call. Once the full path has made the same call twice in a row
+(`Record.same`), the leg's call is written down as a plan: the arguments that must be the recorded
+objects (or, for stream= and expert_scale, objects that stand for them), the attributes and producer
+answers that must be as they were, the kernels' status word, then what to make current, which producer
+streams to wait for, what to launch and which attributes to set, and the call's result. `run(plan,
+*args)` asks and does exactly that and returns the result, or MISSED having done nothing: the full path
+then takes the call, and says what is wrong with it, if anything.
+
+Two executors run a plan: csrc/repeat.c (built by `python -m pyhipa2a.build`, CPython's limited API),
+and `interpret` below where it is not built. They do the same steps in the same order.
+
+A plan's tuple (csrc/repeat.c's fields):
+  given     the call's arguments as recorded (compared by identity)
+  alike     for each argument None, or f(arg, recorded) -> truthy: another object standing for it
+  checks    (ATTR_IS, obj, name, want) getattr(obj, name) is want; ATTR_IS_OR_NONE the same or None;
+            (CALL_IS, f, arg, want) f(arg) is want; (CALL_EQ, f, arg, want) f(arg) == want. A check that
+            raises an Exception misses (the full path lets the producer's protocol say what is wrong)
+  status    the address of a uint32 word that must read 0 (a kernel's error report), or 0
+  activate  None; (f,): f(); or (cuCtxGetCurrent, cuCtxSetCurrent, context) as addresses
+  waits     f() each, before the launch: the call's stream waits for a producer's
+  launch    (f, stream): f(stream); or (cuGraphLaunch, executable graph, stream, keep) as addresses
+  changes   (obj, name, value) each, set once the launch is queued
+  result    what the call returns
+  failed    f(what, code): a driver call made here returned `code` (it raises), or the launch function
+            raised (code None: what it raised goes on up)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import importlib.util
+import operator
+from pathlib import Path
+from typing import NamedTuple
+
+from .streams import ANY, LAST
+
+ATTR_IS, ATTR_IS_OR_NONE, CALL_IS, CALL_EQ = range(4)
+PLAN_FIELDS = 10
+_HELPER = Path(__file__).resolve().parent / "_code" / "_repeat.abi3.so"
+
+
+class _Missed:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSED"
+
+
+def interpret(plan: tuple, *args):
+    """run() in Python: the call's result, or MISSED having done nothing."""
+    given, alike, checks, status, activate, waits, launch, changes, result, failed = plan
+    if len(args) != len(given):
+        return MISSED
+    try:
+        for arg, recorded, same in zip(args, given, alike):
+            if arg is not recorded and (same is None or not same(arg, recorded)):
+                return MISSED
+        for kind, a, b, want in checks:
+            if kind == ATTR_IS or kind == ATTR_IS_OR_NONE:
+                got = getattr(a, b)
+                if got is not want and (kind == ATTR_IS or got is not None):
+                    return MISSED
+            elif kind == CALL_IS:
+                if a(b) is not want:
+                    return MISSED
+            elif not a(b) == want:
+                return MISSED
+    except Exception:
+        return MISSED
+    if status and ctypes.c_uint32.from_address(status).value:
+        return MISSED
+    if activate is not None:
+        activate[0]()
+    for wait in waits:
+        wait()
+    try:
+        launch[0](launch[1])
+    except BaseException:
+        failed("launch", None)
+        raise
+    for obj, name, value in changes:
+        setattr(obj, name, value)
+    return result
+
+
+def _load():
+    """(run, MISSED) of the built helper, or (interpret, a MISSED of ours) where it is not built, where this
+    interpreter takes no limited-API extension (a free-threaded build), or where it does not load."""
+    fallback = interpret, _Missed()
+    if not _HELPER.exists() or ".abi3.so" not in importlib.machinery.EXTENSION_SUFFIXES:
+        return fallback
+    try:
+        loader = importlib.machinery.ExtensionFileLoader("pyhipa2a._repeat", str(_HELPER))
+        spec = importlib.util.spec_from_file_location("pyhipa2a._repeat", _HELPER, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError):  # (another platform's build, say: the Python executor stands)
+        return fallback
+    if getattr(module, "PLAN_FIELDS", None) != PLAN_FIELDS:  # (a helper left by an older build)
+        return fallback
+    return module.run, module.MISSED
+
+
+run, MISSED = _load()
+COMPILED = run is not interpret
+
+
+class Record(NamedTuple):
+    """What the full path made of a call: its arguments as given and how each is matched again (`alike`),
+    the call's stream and how it was chosen (pyhipa2a.streams), the inputs that choice looked at, each
+    device argument's object and Taken (pyhipa2a.inputs) or None, its tokens, result and changes."""
+    args: tuple
+    alike: tuple
+    stream: object
+    lead: object
+    inputs: tuple
+    arrays: tuple   # (object, Taken) of each device argument the call took
+    tokens: int
+    result: object
+    changes: tuple
+
+    def same(self, other: "Record | None") -> bool:
+        """Whether `other` made this call: the same arguments (or ones standing for them), stream and tokens."""
+        return (other is not None and self.stream is other.stream and self.tokens == other.tokens
+                and all(a is b or (f is not None and f(a, b)) for a, b, f in zip(self.args, other.args, self.alike)))
+
+
+def make_plan(record: Record, conditions: tuple, streams, backend, status: int, launch, failed,
+              compiled: bool = COMPILED) -> tuple | None:
+    """The plan of `record`'s call (its launch: a function of the stream), whose object must still meet
+    `conditions` ((obj, name, want): its call state); None where one cannot be stated: an argument a
+    repeat cannot take unasked (NumPy, a DLPack export asked at every call, our array on another stream),
+    or one library's arrays naming different streams. `compiled`: for csrc/repeat.c, which may call the
+    driver by address (Backend.plan_activate, plan_launch); else for `interpret`."""
+    if not all(taken.repeatable for _, taken in record.arrays):
+        return None
+    s, lead = record.stream, record.lead
+    checks = [(ATTR_IS, obj, name, want) for obj, name, want in conditions]
+    checks.append((ATTR_IS, streams, "capturing", None))
+    # follow() orders nothing where the last call was on this stream or none is pending; a stream chosen
+    # as the last call's is latest(): the last one's, else our own.
+    last_may_be_none = not (lead == LAST and s is not streams.own)
+    checks.append((ATTR_IS_OR_NONE if last_may_be_none else ATTR_IS, streams, "last", s))
+    if streams.capturable_elsewhere(s):
+        checks.append((CALL_IS, backend.stream_capturing, s, False))
+    named, keyed = {}, set()
+    for obj, taken in record.arrays:
+        recheck = taken.recheck
+        if recheck is not None:
+            checks.append((CALL_EQ, recheck.probe.key, obj, recheck.key))
+            named.setdefault(recheck.probe, {})[id(obj)] = (obj, recheck.stream)
+            keyed.add(id(obj))
+    if lead == ANY:
+        checks.append((CALL_IS, streams.chosen, record.inputs, s))
+    elif type(lead) is tuple:
+        probe, i, handle = lead
+        obj = record.inputs[i]
+        # (an array whose key held lives where it was described, on our device: ask the library there)
+        ask = probe.current_stream_here if id(obj) in keyed else functools.partial(probe.current_stream, obj)
+        checks.append((CALL_EQ, ask, streams.library_device, handle))
+    for probe, answers in named.items():
+        if type(lead) is tuple and probe is lead[0]:
+            continue  # (its answer stands for every array of its library, each of which named that stream)
+        streams_named = {stream for _, stream in answers.values()}
+        if len(streams_named) > 1:
+            return None
+        obj, stream = next(iter(answers.values()))
+        checks.append((CALL_EQ, probe.stream, obj, stream))
+    waits = tuple(functools.partial(streams.wait_for, streams.stream_of(streams.runtime_handle(w)), s)
+                  for w in dict.fromkeys(taken.wait for _, taken in record.arrays if taken.wait is not None))
+    launched, must_be_empty = backend.plan_launch(launch, s) if compiled else ((launch, s), ())
+    checks += [(CALL_IS, operator.not_, collection, True) for collection in must_be_empty]
+    activate = backend.plan_activate() if compiled else (None if backend.kind == "host" else (backend.activate,))
+    changes = record.changes + ((streams, "last", s),)
+    return (record.args, record.alike, tuple(checks), status, activate, waits, launched, changes, record.result,
+            failed)

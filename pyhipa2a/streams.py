@@ -1,0 +1,204 @@
+"""Where an object's calls run, in what order, and what a capture records.
+
+Calls of one object hand the device's epoch and their buffers on in queue order, so a call on another
+stream than the last call's waits for it, and a device input is read only after the writes its
+producer queued. Both come down to "work on stream B waits for what is queued on stream A now": one
+event recorded on A and waited for on B, and nothing when A is B. Nothing waits while a capture
+records (a capture may not wait for work outside it).
+
+A call's stream is the one given as stream= (a handle, a CuPy or PyTorch stream, or the backend's
+own); else the object's own (stream="own"), or the current stream of its inputs' library
+(stream="current": PyTorch's or CuPy's, as their own operations do; the last call's stream where no
+input names one).
+"""
+from __future__ import annotations
+
+from . import producers
+from .errors import A2AError
+
+LAST = "last"  # a call's stream, chosen as the last call's: no input's library names one
+ANY = "any"    # chosen by an input's library, but not the first input's that has one
+
+
+class Streams:
+    __slots__ = ("backend", "own", "follow_library", "library_device", "last", "capturing", "joined", "kept",
+                 "_waited", "_by_handle")
+
+    def __init__(self, backend, own, follow_library: bool, library_device: int | None):
+        self.backend, self.own = backend, own
+        self.follow_library = follow_library
+        self.library_device = library_device  # None on the host backend: no library's stream means anything
+        self.last = None       # the stream of the last call (or graph launch) queued; None: nothing pending
+        self.capturing = None  # the stream a capture records: ours (begin) or another library's (joined)
+        self.joined = None     # that stream while one call is recorded into another library's capture
+        self.kept = None       # what the capture's graph must keep alive
+        self._waited = []      # (producer, stream) pairs the coming call waits for already
+        # One object per stream handle: callers compare and cache by the object.
+        self._by_handle = {backend.stream_handle(own): own}
+
+    # -- a call's stream -------------------------------------------------------
+    def enter(self, stream, inputs, may_join: bool = True):
+        """(the call's stream, how it was chosen: None given or own, LAST, (probe, input, handle), ANY).
+        Outside capture() a call on a stream another library captures joins that capture, which the
+        caller leaves when the call ends (leave); `may_join` False refuses it."""
+        if self.capturing is not None:
+            if stream is not None and self.given(stream) is not self.capturing:
+                raise A2AError("inside capture(), every call must use the capturing stream (pass no stream=)")
+            return self.capturing, None
+        lead = None
+        if stream is None and self.follow_library:
+            stream, lead = self.current(inputs)
+        s = self.given(stream)
+        if self.captured_elsewhere(s):
+            if not may_join:
+                raise A2AError("a call between nodes cannot be recorded into another library's capture (its "
+                               "exchange between nodes is watched from the host): record it with capture()")
+            self.backend.capture_join(s)
+            self.capturing, self.kept, self.joined = s, [], s
+        return s, lead
+
+    def leave(self) -> None:
+        """The end of a call that joined another library's capture (nothing otherwise)."""
+        if self.joined is not None:
+            self.backend.capture_leave(self.joined)
+            self.capturing = self.kept = self.joined = None
+
+    def given(self, stream):
+        """The stream object of a call's stream= (None: our own); TypeError for what is no stream."""
+        if stream is None:
+            return self.own
+        handle = producers.foreign_stream_handle(stream)
+        if handle is None:
+            if not isinstance(stream, self.backend.stream_type):
+                raise TypeError(f"stream= must be a stream handle (an int), a CuPy or PyTorch stream, or one of "
+                                f"this backend's streams; got {type(stream).__name__}")
+            return stream
+        return self.stream_of(handle)
+
+    def current(self, inputs):
+        """stream="current": (the current stream on our device of the library of the first input that names
+        one, how it was chosen), else (the last call's stream, LAST), so that calls on our own arrays stay in
+        the order of the calls around them."""
+        if self.library_device is None:
+            return self.latest(), LAST
+        first = None
+        for i, obj in enumerate(inputs):
+            probe = producers.stream_source(obj)
+            if probe is None:
+                continue
+            try:
+                handle = probe.current_stream(obj, self.library_device)
+            except Exception:  # (the call's own checks then say what is wrong with obj)
+                handle = None
+            if first is None:
+                first = i
+            if handle is not None:
+                return self.stream_of(self.runtime_handle(handle)), ((probe, i, handle) if i == first else ANY)
+        return self.latest(), (LAST if first is None else ANY)
+
+    def chosen(self, inputs):
+        """The stream current() chooses for `inputs` now (a plan's check of a stream chosen as ANY)."""
+        return self.current(inputs)[0]
+
+    def captured_elsewhere(self, s) -> bool:
+        """Whether another library is capturing `s`, a call's stream outside capture()."""
+        return self.capturable_elsewhere(s) and self.backend.stream_capturing(s)
+
+    def capturable_elsewhere(self, s) -> bool:
+        """Whether another library may capture `s` (only capture() records our own stream, and CUDA never
+        captures its legacy one: neither is asked)."""
+        return s is not self.own and self.backend.capturable(s)
+
+    # -- order -----------------------------------------------------------------
+    def follow(self, stream) -> None:
+        """Queue the coming call on `stream` behind the last one (outside a capture: a capture may not wait
+        for work outside it, so ordering a graph's launch after its inputs' producers is the caller's part).
+        The call waits for its inputs' producers afresh (wait_for_producer)."""
+        if self.capturing is not None:
+            return
+        self._waited.clear()
+        if self.last is not None and self.last is not stream:
+            self.wait_for(self.last, stream)
+
+    def queued(self, stream) -> None:
+        """A call (or graph launch) went to `stream`: the next call on another stream waits for it."""
+        if self.capturing is None:
+            self.last = stream
+
+    def latest(self):
+        """The stream to synchronize for every call so far: the last call's, else our own."""
+        return self.last if self.last is not None else self.own
+
+    def synchronized(self, stream) -> None:
+        """The host waited for `stream`: when that was the last call's, nothing is left to wait for."""
+        if self.last is not None and self.backend.stream_handle(stream) == self.backend.stream_handle(self.last):
+            self.last = None
+
+    def wait_for(self, other, stream) -> None:
+        """Work queued on `stream` from now on waits for what is queued on `other` now."""
+        self.backend.stream_wait_stream(stream, other)
+
+    def wait_for_producer(self, producer, stream) -> None:
+        """Queue the use of an input on `stream` after its producer's writes: `producer` is one of our streams
+        (a DeviceArray's) or a foreign stream handle (as an interface or a probe names it). Once per producer
+        and stream in a call: its inputs usually share one producer, and nothing is queued on it between."""
+        if self.capturing is not None:
+            return
+        for p, s in self._waited:
+            if s is stream and (p is producer or p == producer):
+                return
+        self._waited.append((producer, stream))
+        if self.same_stream(producer, stream):
+            return
+        if isinstance(producer, int):
+            producer = self.stream_of(self.runtime_handle(producer))
+        self.wait_for(producer, stream)
+
+    def stream_of(self, handle: int):
+        """The stream object of a runtime stream handle, the same one at every call (None where the backend
+        knows no such stream)."""
+        stream = self._by_handle.get(handle)
+        if stream is None:
+            stream = self.backend.stream_from_handle(handle)
+            if stream is not None:
+                self._by_handle[handle] = stream
+        return stream
+
+    def same_stream(self, producer, stream) -> bool:
+        """Whether `producer` (one of our streams, or an interface's handle) is `stream`."""
+        if producer is stream:
+            return True
+        return isinstance(producer, int) and self.runtime_handle(producer) == self.backend.stream_handle(stream)
+
+    def runtime_handle(self, value: int) -> int:
+        """An interface's stream value as this runtime's handle: CUDA's driver takes 1 (legacy default) and
+        2 (per-thread) as they are; HIP's null stream is 0."""
+        return 0 if value == 1 and self.backend.kind != "cuda" else value
+
+    def dlpack_stream(self, stream, capturing: bool):
+        """How `__dlpack__(stream=...)` names the stream that will read an input: its handle, where CUDA
+        spells the null stream 1 and DLPack reserves 0; None on the host; -1 (do not wait) while capturing."""
+        if self.backend.kind == "host":
+            return None
+        if capturing:
+            return -1
+        handle = self.backend.stream_handle(stream)
+        return handle if handle or self.backend.kind != "cuda" else 1
+
+    # -- capture() -------------------------------------------------------------
+    def begin(self, stream) -> None:
+        self.backend.capture_begin(stream)
+        self.capturing, self.kept = stream, []
+
+    def end(self, keep: bool):
+        """(the executable graph, or None when not `keep`; what it must keep alive)."""
+        stream, kept = self.capturing, self.kept
+        self.capturing = self.kept = None
+        return self.backend.capture_end(stream, keep=keep), kept
+
+    def keep(self, objects) -> bool:
+        """Inside a capture, `objects` live as long as the graph (True); outside, the caller keeps them."""
+        if self.capturing is None:
+            return False
+        self.kept.extend(objects)
+        return True

@@ -1,0 +1,33 @@
+"""The call protocol under MPI, on the host backend and (marked gpu) on GPUs: bad inputs and
+configurations, outputs and device inputs, repeated calls and their plans, new arrays at every call,
+peers that never come, the device made current again."""
+from __future__ import annotations
+
+import pytest
+
+from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
+
+CASE = "tests.cases.calls_cases:"
+
+
+@pytest.mark.gpu
+def test_calls_switch_back_to_their_gpu():
+    run_case(CASE + "case_another_device_current", ranks_for("gpu"), env_backend("gpu"), timeout=300)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weights_at", ["combine", "dispatch"])
+@pytest.mark.parametrize("out_given", ["0", "1"])
+def test_new_arrays_at_every_call(backend, weights_at, out_given):
+    run_case(CASE + "case_new_arrays_at_every_call", ranks_for(backend), env_backend(backend),
+             args=(weights_at, out_given))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
+                                  "case_config_mismatch", "case_peer_skips_call", "case_stream_handle_views_cached",
+                                  "case_repeated_calls"])
+def test_api(case, backend):
+    run_case(CASE + case, ranks_for(backend), env_backend(backend))
+
+

@@ -1,0 +1,39 @@
+"""PyTorch, CuPy and JAX arrays in and out, on GPUs (each case skips where its library is missing)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.mpi_harness import env_backend, ranks_for, run_case
+
+CASE = "tests.cases.framework_cases:"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("producer_order,calls_on", [("protocol", "own"), ("stream", "own"), ("protocol", "current")])
+@pytest.mark.parametrize("lib", ["torch", "cupy", "jax"])
+def test_framework_arrays_in_and_out(lib, producer_order, calls_on):
+    run_case(CASE + "case_framework_arrays", ranks_for("gpu"), env_backend("gpu"),
+             args=(lib, producer_order, calls_on), timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("calls_on", ["own", "current"])
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+def test_new_framework_arrays_at_every_call(lib, calls_on):
+    run_case(CASE + "case_new_framework_arrays_at_every_call", ranks_for("gpu"), env_backend("gpu"),
+             args=(lib, calls_on), timeout=600)
+
+
+@pytest.mark.gpu
+def test_new_jax_arrays_at_every_call():
+    run_case(CASE + "case_new_jax_arrays_at_every_call", ranks_for("gpu"), env_backend("gpu"), timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("calls_on", ["own", "current"])
+@pytest.mark.parametrize("lib", ["torch", "jax"])
+def test_producer_arrays_seen_before(lib, calls_on):
+    run_case(CASE + "case_producer_arrays_seen_before", ranks_for("gpu"), env_backend("gpu"), args=(lib, calls_on),
+             timeout=600)
+
+
