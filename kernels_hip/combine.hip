@@ -18,7 +18,7 @@
 //      accumulation, one rounding to the output dtype.
 //
 // Two builds of the same steps, chosen by the host from the call's tokens
-// (AllToAll._small_combine_kernel, _launch_combine): the bulk kernel gives a warp a whole
+// (pyhipa2a/legs.py: settle_geometry, Leg.kernel_for): the bulk kernel gives a warp a whole
 // segment (A2A_CHUNKS 8-element chunks per lane, two experts' loads in
 // flight), the small kernel a warp per chunk with eight experts' loads in
 // flight: at few tokens a token's sum costs one memory latency instead of
@@ -502,7 +502,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
 // The bulk kernels (a segment a warp) and the small ones (a chunk a warp),
 // launched with at most half the threads a block so that a block of either
 // takes no more of a multiprocessor's registers than the other
-// (AllToAll._small_combine_kernel checks that on the device).
+// (pyhipa2a/legs.py: settle_geometry checks that on the device).
 #define A2A_COMBINE(name, Fmt, U, threads) \
   extern "C" __global__ void A2A_MAX_THREADS(threads) name(A2AArgs a, CombineCall c) { combine<Fmt, U>(a, c); }
 A2A_COMBINE(a2a_combine_f16, F16, A2A_CHUNKS, A2A_MAX_BLOCK_THREADS)

@@ -508,7 +508,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   finish(x, 0u, outputs);
 }
 
-// One kernel per way x becomes expert_x (pyhipa2a/a2a.py picks it).
+// One kernel per way x becomes expert_x (pyhipa2a/legs.py picks it).
 extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A2AArgs a, DispatchCall c) {
   dispatch<A2A_X_COPY>(a, c);
 }

@@ -73,8 +73,8 @@ struct Fp8Chunk {
 // The amax is found on the 16-bit magnitudes (portability.h: a2a_amax16), then converted once.
 // Out of line, called once per chunk: a segment's quantizing runs one copy of this code A2A_CHUNKS
 // times instead of A2A_CHUNKS unrolled copies. Fetching unrolled code costs a warp more than running
-// it (docs/PERFORMANCE.md, sixteenth session: 2.5 ns an instruction from L2); so did the segment's
-// quantizing in dispatch, 4.7 us a segment beyond loading a given fp8 one (twenty-second session).
+// it (2.5 ns an instruction from L2, measured at commit 64bcea6); so did the segment's
+// quantizing in dispatch, 4.7 us a segment beyond loading a given fp8 one (same commit).
 template <typename Fmt>
 A2A_DEVICE_CALLED Fp8Chunk quantize_chunk(vec16 a, vec16 b, u32 lane, Fp8Format f) {
   const u32 words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
@@ -157,7 +157,7 @@ A2A_DEVICE void store_piece(u8* codes, float* scales, u32 first, u32 lane, const
 // A pushed token's tagged words, segment by segment: segment s at s * (seg_elems / 4 +
 // seg_elems / 128), its codes first (word i of lane l at i * warp + l: each store of the warp
 // covers contiguous words), then its scales (lane b's at seg_elems / 4 + b). The host sizes
-// the inbox for the widest warp's segments (pyhipa2a/a2a.py).
+// the inbox for the widest warp's segments (pyhipa2a/config.py).
 A2A_DEVICE u64 pushed_segment(u32 seg, u32 seg_elems) { return (u64)seg * (seg_elems / 4u + seg_elems / A2A_FP8_BLOCK); }
 
 A2A_DEVICE void push_piece(u64* token, u32 seg, u32 seg_elems, u32 lane, const Fp8Piece& p, u32 epoch) {

@@ -150,7 +150,7 @@ A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
 // must be at system scope to synchronize with another GPU's acquire), in the way NCCL's LL128
 // relies on NVLink behaviour for the architectures it enables it on; it saves a MEMBAR.SYS:
 // 1.1 us of the 2.9 us a published 14 KiB segment took to be seen on two H100s (probe vis2,
-// PERFORMANCE.md, twenty-first session). Data written into a PEER's memory still needs
+// measured at commit 4fc61e2). Data written into a PEER's memory still needs
 // a2a_store_release_sys.
 A2A_DEVICE void a2a_publish_own_sys(u32* p, u32 v, u32 gpu_fence) {
   if (gpu_fence)
