@@ -5,14 +5,9 @@
         expert_y = experts(d.expert_x, d.expert_num_tokens)
         y = a2a.combine(expert_y, weights)  # weights [T, k] float32 -> y [T, H]
 
-`AllToAll(comm, ...)` makes one of two implementations of this class, by how the ranks of `comm` lie:
-within one node (pyhipa2a.intranode) or across nodes (pyhipa2a.hierarchy). Both take their calls along
-one path (pyhipa2a.calls); this class adds the object's life (construction, graphs, synchronize,
-close) and its helpers (the fake expert, profiles, clock syncs).
-
-Nothing here waits for the device: outputs are views of the library's buffers, valid until the next
-dispatch (expert_*) or combine (y, unless out= was given). `synchronize()` waits and raises what the
-kernels reported.
+`AllToAll(comm, ...)` is one of two implementations, by how the ranks of `comm` lie: within one node
+(pyhipa2a.intranode) or across nodes (pyhipa2a.hierarchy); both call along pyhipa2a.calls. Outputs are
+views of the library's buffers, valid until the next dispatch (expert_*) or combine (y, unless out=).
 """
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ class AllToAll(Calls):
         AllToAll._implementations[across_nodes] = cls
 
     def __new__(cls, comm=None, *, ranks_per_node: int | None = None, **params):
-        """A communicator whose ranks span several nodes (real ones, or groups of `ranks_per_node` ranks,
-        also set by PYHIPA2A_RANKS_PER_NODE) gets the implementation across nodes."""
+        """Ranks on several nodes (real, or `ranks_per_node` / PYHIPA2A_RANKS_PER_NODE) go across nodes."""
         layout = node_layout(comm, ranks_per_node)
         if cls is AllToAll:
             cls = AllToAll._implementations[layout.nodes > 1]
@@ -58,8 +52,7 @@ class AllToAll(Calls):
             raise
 
     def _open(self, comm, layout, backend, device, params: dict) -> tuple:
-        """Make the parts (and close them again where that fails): (the settled Config, the node exchange
-        (pyhipa2a.intranode.NodeExchange), the Health that reads its status words, this rank)."""
+        """(the settled Config, NodeExchange, Health of its status words, rank); closes what it made on failure."""
         raise NotImplementedError
 
     def _close_parts(self, broken: bool) -> None:
@@ -78,7 +71,7 @@ class AllToAll(Calls):
 
     def fake_expert(self, result, out=None, *, stream=None):
         """gpu-mode's stand-in for the grouped GEMM: expert_y = expert_x * (1 + rank), received rows only
-        (in fp8 dispatch, each fp8 row times its block scales, then times 1 + rank, in out_dtype)."""
+        (fp8 rows times their block scales first)."""
         c, streams, expert = self.config, self._streams, self._exchange.expert
         if not c.scale_cols and c.dispatch_dtype != c.out_dtype:
             raise TypeError("fake_expert needs in_dtype == out_dtype (or fp8 dispatch)")
@@ -103,11 +96,9 @@ class AllToAll(Calls):
 
     # -- graphs ---------------------------------------------------------------------
     def capture(self, step, *, stream=None) -> Graph:
-        """Record `step()` as one graph that `Graph.launch()` replays with one call. `step` makes this object's
-        calls (dispatch, your expert work on the same stream, combine) with device arrays; every dispatch in
-        it is combined in it. Each launch is a new call on the device, reading the same input buffers and
-        writing the same outputs, so fill the inputs in place between launches. Every rank captures and
-        launches the same sequence."""
+        """Record `step()` (this object's calls and your work on the same stream, every dispatch combined)
+        as one graph; each `Graph.launch()` is a new call reading the same inputs and writing the same
+        outputs (fill the inputs in place). Every rank captures and launches the same sequence."""
         self._usable()
         state, streams = self._state, self._streams
         if streams.capturing is not None:
@@ -131,7 +122,7 @@ class AllToAll(Calls):
         def before_launch():
             self._usable()
             if state.pending is not None:
-                # The graph's dispatch would take the epoch the pending call's combine has not yet handed on.
+                # (the graph's dispatch would take the epoch the pending combine has not handed on)
                 raise A2AError("a graph cannot launch while a dispatch() awaits its combine()")
             streams.follow(s)
         graph = Graph(self.backend, graph, s, kept, before_launch=before_launch, after_launch=lambda: streams.queued(s))
@@ -143,8 +134,7 @@ class AllToAll(Calls):
         """Raise where this object's calls cannot be captured."""
 
     def synchronize(self, stream=None) -> None:
-        """Wait for this rank's queued calls (on `stream`, else on the last call's stream, behind which every
-        earlier call is queued); raise what the kernels reported."""
+        """Wait for this rank's calls (on `stream`, else the last call's); raise what the kernels reported."""
         streams = self._streams
         if streams.capturing is not None:
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
@@ -179,8 +169,7 @@ class AllToAll(Calls):
 
     def clock_offset_ns(self) -> int:
         """Host monotonic clock minus this device's clock, in ns, to line up timelines across ranks
-        (pyhipa2a.clock; within a node across nodes: another node's host clock is its own). Collective: every
-        rank calls it, as often as the others. Calls (dispatch, combine) are unaffected by its failures."""
+        (pyhipa2a.clock). Collective; its failures leave calls unaffected."""
         self._usable()
         if self._streams.capturing is not None:
             raise A2AError("clock_offset_ns() cannot run while capture() records")

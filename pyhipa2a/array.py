@@ -1,12 +1,6 @@
-"""DeviceArray: a C-contiguous array in device memory, described by NumPy dtype and shape.
-
-It owns nothing: `owner` keeps the memory's owner (a heap) alive. It speaks
-`__cuda_array_interface__` (CUDA backend) and DLPack (every backend; the host
-backend's arrays are kDLCPU, so `numpy.from_dlpack` takes them without a
-copy), and `.numpy()` copies to the host. An output of an AllToAll carries
-its `health`: every way out (`.numpy()`, DLPack, the interface) raises the
-call's error instead of handing out the data of a failed call.
-"""
+"""DeviceArray: a C-contiguous device array (NumPy dtype and shape) whose `owner` keeps its heap alive. It speaks
+the CUDA array interface and DLPack (host arrays are kDLCPU); an AllToAll output's `health` makes `.numpy()`,
+DLPack and the interface raise the error of a failed call."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +20,6 @@ class DeviceArray:
         self.device_id = backend.current_device if device_id is None else device_id
         self.health = health  # None, or what check()s the failures of the call that wrote this array
 
-    # -- NumPy-like description ----------------------------------------------
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -51,7 +44,8 @@ class DeviceArray:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return f"DeviceArray(shape={self.shape}, dtype={self.dtype.name}, {self.backend.kind}:{self.device_id}, 0x{self.ptr:x})"
+        return (f"DeviceArray(shape={self.shape}, dtype={self.dtype.name}, {self.backend.kind}:{self.device_id}, "
+                f"0x{self.ptr:x})")
 
     def view(self, shape, dtype=None) -> "DeviceArray":
         """The same memory with another shape (and dtype); must not be larger."""
@@ -67,10 +61,8 @@ class DeviceArray:
             raise ValueError(f"rows({n}) outside 0..{self.shape[0]}")
         return self.view((n, *self.shape[1:]))
 
-    # -- host copies ------------------------------------------------------------
     def numpy(self) -> np.ndarray:
-        """A host copy; waits for the work queued on this array's stream, then raises the error of
-        the call that wrote it, if that call failed."""
+        """A host copy, after the work queued on this array's stream; raises the error of a failed writing call."""
         out = np.empty(self.shape, self.dtype)
         self.backend.activate()
         try:
@@ -85,7 +77,7 @@ class DeviceArray:
         return out
 
     def _refuse_if_failed(self, cause: BaseException | None = None) -> None:
-        """Raise the error of the call that wrote this array, when it failed (and is known to have)."""
+        """Raise the error of the call that wrote this array, if it is known to have failed."""
         if self.health is not None:
             self.health.check(cause)
 
@@ -101,7 +93,6 @@ class DeviceArray:
         self.backend.activate()
         self.backend.memset(self.ptr, byte, self.nbytes, self.stream)
 
-    # -- interchange ------------------------------------------------------------
     @property
     def __cuda_array_interface__(self) -> dict:
         if self.backend.kind != "cuda":
@@ -110,7 +101,7 @@ class DeviceArray:
         cai = {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
                "strides": None, "version": 3}
         if self.dtype.name == "bfloat16":
-            cai["typestr"] = "<V2"  # CAI has no bfloat16; consumers reinterpret
+            cai["typestr"] = "<V2"  # the interface has no bfloat16; consumers reinterpret
         handle = self.backend.stream_handle(self.stream) if self.stream is not None else 0
         if handle:
             cai["stream"] = handle  # consumers order their work after ours
@@ -124,8 +115,7 @@ class DeviceArray:
             raise BufferError("pyhipa2a arrays are exported without copies")
         self._refuse_if_failed()  # a failure known now; later ones show as poisoned data
         if stream != -1 and self.stream is not None and self.backend.kind != "host":
-            # The consumer reads on `stream` (None: the legacy default stream, as DLPack says): it waits
-            # on the device for the work queued on ours, and the host does not wait at all.
+            # The consumer's `stream` (None: legacy default, per DLPack) waits on the device for ours.
             handle = (1 if self.backend.kind == "cuda" else 0) if stream is None else stream
             self.backend.activate()
             self.backend.stream_wait_stream(self.backend.stream_from_handle(handle), self.stream)

@@ -10,19 +10,18 @@ import numpy as np
 from .errors import A2ATimeoutError, ConfigMismatchError
 
 
-def _mpi():
+def mpi():
     from mpi4py import MPI  # imported lazily so `import pyhipa2a` stays cheap
     return MPI
 
 
 def world_size(comm=None) -> int:
-    """Ranks in `comm` (MPI.COMM_WORLD when None)."""
-    return (_mpi().COMM_WORLD if comm is None else comm).Get_size()
+    return (mpi().COMM_WORLD if comm is None else comm).Get_size()
 
 
 def node_comm(comm=None):
     """The ranks of `comm` that share this node. pyhipa2a is single-node: all of them must."""
-    MPI = _mpi()
+    MPI = mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     sizes = comm.allgather(local.Get_size())
@@ -34,18 +33,12 @@ def node_comm(comm=None):
     return local
 
 
-# Polls that only yield the CPU before a wait starts to sleep. time.sleep(0) costs 50-75 us (the
-# kernel's timer slack), so a wait that slept from its first poll ended that long after its cause: a
-# multi-node call's synchronize() (its stream polled under a watchdog) read 88 us for an exchange that
-# takes far less. A yield costs under a microsecond when no other process wants the core, and hands it
-# over when one does (CI runs 8 ranks on 2 cores); a poll with its check takes 1-3 us, so the yielding
-# lasts a few milliseconds on an idle core, longer on a busy one (where each yield lets another run).
+# Polls that yield before a wait sleeps: sleep(0) costs 50-75 us of timer slack, a yield < 1 us, yet shares the CPU.
 YIELD_POLLS = 2000
 
 
 def sleep_backoff(attempt: int) -> None:
-    """Give the CPU away between polls: yield for the first YIELD_POLLS, then sleep longer each time,
-    up to 1 ms."""
+    """Give the CPU away between polls: yield for the first YIELD_POLLS, then sleep longer each time, up to 1 ms."""
     if attempt < YIELD_POLLS:
         os.sched_yield()
     else:
@@ -76,9 +69,8 @@ class NodeLayout:
 
 
 def node_layout(comm=None, ranks_per_node: int | None = None) -> NodeLayout:
-    """How `comm`'s ranks group into nodes (collective): the machines they run on, or groups of
-    `ranks_per_node` (else PYHIPA2A_RANKS_PER_NODE) consecutive ranks within them."""
-    MPI = _mpi()
+    """Collective: `comm`'s nodes, its machines or `ranks_per_node` (PYHIPA2A_RANKS_PER_NODE) consecutive ranks."""
+    MPI = mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
     if ranks_per_node is None and os.environ.get("PYHIPA2A_RANKS_PER_NODE"):
         ranks_per_node = int(os.environ["PYHIPA2A_RANKS_PER_NODE"])

@@ -1,9 +1,5 @@
-"""One node exchange's symmetric buffers, the kernels' fixed arguments over them, and the views of
-them that calls hand out.
-
-Every rank allocates the same buffers in the same order from its SymmetricHeap (kernels_hip/exchange.h
-reads them at the same offsets on every peer); the kernels report their first error into four status
-words in pinned host memory, which the host reads without a copy or a wait.
+"""One node exchange's symmetric buffers (the same order and offsets on every rank), the kernels' fixed
+arguments over them, the status words (pinned host memory: read without a copy or a wait), the views.
 """
 from __future__ import annotations
 
@@ -80,8 +76,7 @@ class DispatchResult:
     expert_meta: DeviceArray        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
     num_tokens: int                 # T of this rank's call
     expert_x_scales: DeviceArray | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch, else None
-    expert_layout: DeviceArray | None = None  # int32 [L, W, 2] with row_layout="by_source": (first row, rows)
-                                              # of each source's rows of each expert; None when packed
+    expert_layout: DeviceArray | None = None  # int32 [L, W, 2] by_source: (first row, rows) a source; or None
 
 
 class OutputViews:
@@ -148,12 +143,9 @@ class Buffers:
         args.div_W, args.div_peers = divisor(c.world), divisor(max(1, c.world - 1))
         args.div_chunk, args.div_chunks = divisor(args.route_chunk), divisor(route_chunks(c.top_k, c.max_tokens))
         args.push_max_tokens, args.push_row_words = c.push_max_tokens, c.push_row_words
-        args.narrow_partials = int(c.narrow_partials)
-        args.gpu_fence_publish = int(c.gpu_fence_publish)
-        args.by_source = int(c.by_source)
-        args.void_slots, args.region_tokens = int(c.void_slots), c.region_tokens
-        args.trap_on_timeout = int(c.on_timeout == "trap")
-        args.timeout_ns = timeout_ns(c.timeout)
+        args.narrow_partials, args.gpu_fence_publish = int(c.narrow_partials), int(c.gpu_fence_publish)
+        args.by_source, args.void_slots, args.region_tokens = int(c.by_source), int(c.void_slots), c.region_tokens
+        args.trap_on_timeout, args.timeout_ns = int(c.on_timeout == "trap"), timeout_ns(c.timeout)
 
     def views(self, stream, health, y: DeviceArray | None = None) -> OutputViews:
         """The outputs as views that name `stream` and carry `health` (y: ours, unless given)."""

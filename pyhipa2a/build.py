@@ -1,16 +1,8 @@
 """Build the device code ahead of time: `python -m pyhipa2a.build`.
 
-Every `kernels_hip/*.hip` file becomes one code object per target:
-  <name>.<gfx>.hsaco    for AMD (gfx942, gfx90a), by hipcc or clang >= 17
-  <name>.sm_90.fatbin   for NVIDIA (sm_90 machine code + compute_90 PTX), by nvcc
-and every `csrc/*.c` file one CPython extension of the limited API, by the C
-compiler Python was built with (or cc):
-  _<name>.abi3.so       a repeated call's plan, run in C (pyhipa2a.repeat)
-A toolchain that is absent is skipped with one line saying so. Variants (e.g.
-the profiling build) add `-D` defines and a suffix to the name.
-
-Standard library only: `pip install` runs this before numpy may be importable.
-"""
+kernels_hip/*.hip -> <name>.<gfx>.hsaco (AMD, hipcc or clang >= 17), <name>.sm_90.fatbin (NVIDIA sm_90 + PTX, nvcc);
+csrc/*.c -> _<name>.abi3.so, repeated calls' plans in C (pyhipa2a.repeat). Absent toolchains are skipped, one line
+each; variants add `-D` defines and a name suffix. Standard library only: pip runs this before numpy is importable."""
 from __future__ import annotations
 
 import argparse
@@ -29,8 +21,7 @@ HOST_SOURCES = REPO / "csrc"
 DEFAULT_OUT = Path(__file__).resolve().parent / "_code"
 AMD_ARCHS = ("gfx942", "gfx90a")
 CUDA_ARCHS = ("90",)
-# name suffix -> extra compiler defines
-VARIANTS = {"": (), ".profile": ("-DA2A_PROFILE=1",)}
+VARIANTS = {"": (), ".profile": ("-DA2A_PROFILE=1",)}  # name suffix -> extra compiler defines
 MIN_CLANG = 17
 
 
@@ -95,14 +86,8 @@ def find_c_compiler() -> str | None:
     return None
 
 
-def host_command(cc: str, include: str, src: Path, out: Path) -> list[str]:
-    return [cc, "-O2", "-shared", "-fPIC", "-Wall", "-std=c11", f"-I{include}", "-o", str(out), str(src)]
-
-
 def build_host(out_dir: Path, log=print) -> list[Path]:
-    """The C helpers, where they can be built and loaded here; one line says why not otherwise (plans of
-    repeated calls then run in Python): no compiler or Python.h, a free-threaded CPython (no limited API),
-    or a compiler that fails on them."""
+    """The C helpers where they build here; else one line says why, and repeated calls run their plans in Python."""
     cc, include = find_c_compiler(), sysconfig.get_paths()["include"]
     why = None
     if cc is None:
@@ -115,7 +100,7 @@ def build_host(out_dir: Path, log=print) -> list[Path]:
     for src in sorted(HOST_SOURCES.glob("*.c")) if why is None else ():
         out = out_dir / f"_{src.stem}.abi3.so"
         try:
-            run(host_command(cc, include, src, out))
+            run([cc, "-O2", "-shared", "-fPIC", "-Wall", "-std=c11", f"-I{include}", "-o", str(out), str(src)])
         except SystemExit as failure:  # (its first line of output, else the command, says why)
             lines = str(failure).splitlines()
             why = f"the compiler failed: {lines[1] if len(lines) > 1 else lines[0] if lines else src.name}"
@@ -147,7 +132,8 @@ def build(out_dir: Path = DEFAULT_OUT, amd_archs=AMD_ARCHS, cuda_archs=CUDA_ARCH
             log(f"pyhipa2a.build: skipping AMD ({', '.join(amd_archs)}): no hipcc or clang >= {MIN_CLANG} found")
         else:
             # clang finds lld next to its real binary (Debian puts it in /usr/lib/llvm-N/bin).
-            env = dict(os.environ, PATH=os.path.dirname(os.path.realpath(clang)) + os.pathsep + os.environ.get("PATH", ""))
+            env = dict(os.environ,
+                       PATH=os.path.dirname(os.path.realpath(clang)) + os.pathsep + os.environ.get("PATH", ""))
             for src in sources:
                 for variant in variants:
                     for arch in amd_archs:

@@ -1,9 +1,6 @@
 """The call protocol: what a dispatch or combine checks before any kernel runs, the state it hands on,
-and the path it takes (Calls).
-
-Every rank calls dispatch then combine, in turn: the device hands each call's epoch from dispatch to
-its combine, so a second dispatch before the combine would reuse it and peers would read the last
-call's data. An object that saw an error refuses further calls (peers may be mid-protocol).
+and the path it takes (Calls). Dispatch and combine alternate (the device hands each call's epoch from
+one to the other); an object that saw an error refuses further calls (peers may be mid-protocol).
 """
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ from .streams import Streams
 
 
 class CallState:
-    """What an object's calls hand on to the next. The full path records a call's changes to these
-    attributes (Calls._record), and a plan (pyhipa2a.repeat) checks and sets them the same way."""
+    """What an object's calls hand on to the next: set by Calls._record, checked and set by a plan alike."""
     __slots__ = ("broken", "pending", "sent", "joined", "keep")
 
     def __init__(self):
@@ -35,15 +31,12 @@ class CallState:
 
 
 def same_stream_given(stream, recorded) -> bool:
-    """Whether stream= names the recorded one anew: a new int (a loop that passes
-    `torch.cuda.current_stream().cuda_stream` or CuPy's `.ptr` makes a new one each time) or a new
-    PyTorch or CuPy stream object with the same handle."""
+    """Whether stream= names the recorded one anew (a new int or PyTorch/CuPy stream object, same handle)."""
     handle = foreign_stream_handle(stream)
     return handle is not None and handle == foreign_stream_handle(recorded)
 
 
-# How a plan matches each argument of a call again (pyhipa2a.repeat.Record.alike): by identity, but
-# stream= and expert_scale, which a loop may make anew at every call.
+# How a plan matches each argument again (Record.alike): by identity, but stream= and expert_scale.
 DISPATCH_ALIKE = (None, None, None, None, same_stream_given)          # x, indices, weights, x_scales, stream
 COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)     # expert_y, weights, out, stream, scale
 
@@ -77,8 +70,7 @@ def checked_dispatch(config: Config, state: CallState, x, indices, weights, x_sc
 
 
 def checked_combine_weights(state: CallState, weights):
-    """combine()'s checks of the pending dispatch and of where the weights came: the weights that
-    dispatch sent (None: they come here)."""
+    """combine()'s checks of the pending dispatch and the weights; the weights dispatch sent, or None."""
     if state.pending is None:
         raise A2AError("combine() needs a preceding dispatch() (each dispatch is combined once)")
     sent = state.sent
@@ -97,11 +89,9 @@ def checked_weights_shape(weights, T: int) -> None:
 
 
 class Calls:
-    """The call path of an AllToAll (pyhipa2a.api), shared by its implementations, which launch the calls
-    (_launch_dispatch, _launch_combine, _repeater, _make_views): a call is its plan (pyhipa2a.repeat),
-    where the last two calls of its kind were this one, or the full path: one check of the object and the
-    arguments, the call's stream, each argument through the array boundary, the launch, and one record of
-    what the call changed."""
+    """The call path of an AllToAll, shared by its implementations (they provide the launches): a call is
+    its plan (pyhipa2a.repeat) where the last two of its kind were this one, or the full path: one check,
+    the stream, each argument through the array boundary, the launch, one record of what changed."""
 
     JOINS_CAPTURES = True  # whether a call may be recorded into another library's capture
 
@@ -124,8 +114,7 @@ class Calls:
         return self._config
 
     # -- what an implementation provides ------------------------------------------
-    def _make_views(self, stream):
-        """The OutputViews that name `stream`."""
+    def _make_views(self, stream):  # the OutputViews that name `stream`
         raise NotImplementedError
 
     def _launch_dispatch(self, s, tokens: int, x: int, indices: int, x_scales: int, weights: int) -> None:
@@ -160,14 +149,13 @@ class Calls:
         return views
 
     def _check_pairing(self, leg: str) -> None:
-        """A dispatch recorded into another library's capture must be combined in that same capture, and one
-        made outside it outside it: each replay of the caller's graph is then a whole call on the device."""
+        """A dispatch recorded into another library's capture is combined in it, one made outside outside:
+        each replay of the caller's graph is then a whole call on the device."""
         state = self._state
         if state.pending is None or state.joined is self._streams.joined:
             return
         if state.joined is not None:
-            # The caller's graph may hold this dispatch alone: replaying it would take an epoch no combine
-            # hands on, so no later call of this object could be trusted.
+            # (the caller's graph may hold this dispatch alone, taking an epoch no combine hands on)
             state.broken = (f"a dispatch() recorded into another library's capture was followed by {leg}() "
                             "outside that capture: each recorded dispatch must be combined in the same capture")
             raise A2AError(state.broken)
@@ -182,22 +170,20 @@ class Calls:
         return taken.ptr
 
     def _record(self, changes: tuple) -> None:
-        """The one place a call's state is recorded: `changes` ((obj, name, value), ...), which a plan made
-        from the call sets again at each repeat (pyhipa2a.repeat)."""
+        """The one place a call's state is recorded: `changes` ((obj, name, value), ...), as a plan does."""
         for obj, name, value in changes:
             setattr(obj, name, value)
 
     def _changes(self, s, arrays: list, *changes) -> tuple:
-        """A call's changes: `changes`, then what the device may still read (kept by a capture's graph
-        instead, while one records) and the last call's stream."""
+        """`changes`, then what the device may still read (a capture's graph keeps it instead) and the stream."""
         keep = tuple(taken.keep for _, taken in arrays)
         if self._streams.keep(keep):
             return changes
         return (*changes, (self._state, "keep", keep), (self._streams, "last", s))
 
     def _plan(self, record: Record, last: Record | None, conditions: tuple, leg: str):
-        """The plan of `record`'s call where it repeats `last` (the call before it of its kind), else None.
-        A plan that cannot be made warns: it only speeds repeats up, so it never fails the call."""
+        """The plan of `record`'s call where it repeats `last`, else None (a plan only speeds repeats up, so
+        one that cannot be made warns and never fails the call)."""
         if self._streams.capturing is not None or not record.same(last):
             return None
         plan_name = f"_{leg}_plan"
@@ -326,22 +312,18 @@ class Calls:
             streams.leave()
 
     def _checked_scale(self, expert_scale) -> tuple:
-        """(expert_scale, as the float32 the kernels take): the last one's when it is the same value of the
-        same type (a scale computed afresh at every call, gpu-mode's 1 + rank); checked otherwise."""
+        """(expert_scale, as the kernels' float32): the last one's when equal in value and type, else checked."""
         if not same_scale(expert_scale, self._scale[0]):
             self._scale = (expert_scale, check_scale(expert_scale))
         return self._scale
 
     def _settle_before_host_copies(self, s, inputs: tuple) -> None:
-        """A NumPy input is copied with the host waiting for `s`, where an exchange between nodes may still
-        wait for a peer without bound (NCCL): its watch comes first."""
+        """A NumPy input's copy waits for `s`, where NCCL may wait for a peer without bound: watch it first."""
         if any(isinstance(obj, np.ndarray) for obj in inputs):
             self._health.settle(s)
 
-
     def stream_for(self, *inputs):
-        """The stream a call given these inputs and no stream= runs on now (for the caller's own events: with
-        stream="current" it follows the inputs' library)."""
+        """The stream a call given these inputs and no stream= runs on now (for the caller's own events)."""
         streams = self._streams
         if streams.capturing is not None:
             return streams.capturing

@@ -11,6 +11,7 @@ import numpy as np
 from .errors import A2AError, A2ATimeoutError
 from .kernels import HeapView, timeout_ns
 
+
 def clock_offset(backend, library, stream, tries: int = 5) -> int:
     """host monotonic ns minus device clock ns, from the tightest of `tries` probes."""
     kernel = library.kernel("clock_probe")
@@ -45,11 +46,10 @@ class ClockSync:
 
 
 def clock_sync_from_stamps(rank0: np.ndarray, peer: np.ndarray) -> ClockSync:
-    """A peer's ClockSync from rank 0's stamps with it and its own with rank 0, each [round] = (sent,
-    seen) by that rank's clock. NTP's arithmetic: in round i rank 0 sends at s0 and sees the answer at
-    r0, the peer sees the word at r1 and answers at s1; whatever each trip takes, the peer's offset
-    lies within half the round trip (r0 - s0) - (s1 - r1) of ((r1 - s0) + (s1 - r0)) / 2. The quarter
-    of the rounds with the shortest round trips give the median offset."""
+    """A peer's ClockSync from rank 0's stamps with it and its own, each [round] = (sent, seen). NTP's
+    arithmetic: rank 0 sends at s0 and sees the answer at r0, the peer sees it at r1 and answers at s1; the
+    offset lies within half of (r0 - s0) - (s1 - r1) of ((r1 - s0) + (s1 - r0)) / 2. The quarter of the
+    rounds with the shortest round trips give the median offset."""
     s0, r0 = rank0[:, 0].astype(np.int64), rank0[:, 1].astype(np.int64)
     s1, r1 = peer[:, 0].astype(np.int64), peer[:, 1].astype(np.int64)
     round_trip = (r0 - s0) - (s1 - r1)
@@ -57,8 +57,6 @@ def clock_sync_from_stamps(rank0: np.ndarray, peer: np.ndarray) -> ClockSync:
     offsets = ((r1 - s0) + (s1 - r0))[best] / 2
     return ClockSync(int(np.median(offsets)), int(round_trip[best].max() + 1) // 2,
                      float(np.median(round_trip[best])) / 2)
-
-
 
 
 class Clocks:
@@ -72,9 +70,8 @@ class Clocks:
         self._kernel = None     # (kernel, pack) of clock_sync, made on first use
 
     def offset_ns(self) -> int:
-        """Host monotonic clock minus this device's clock, in ns. A rank that never syncs makes the others
-        raise A2ATimeoutError naming it (rank 0) or rank 0 (the others) after the timeout; after any failure
-        later syncs raise A2AError."""
+        """Host monotonic clock minus this device's clock, in ns. A rank that never syncs is named in the
+        others' A2ATimeoutError; after any failure later syncs raise A2AError."""
         if self.failed is not None:
             raise A2AError(f"clock_offset_ns() is unusable after an earlier failure: {self.failed}")
         try:

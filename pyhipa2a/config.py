@@ -1,10 +1,6 @@
-"""An AllToAll's parameters: checked once, with their environment overrides, and frozen.
-
-`Config.of(world, **params)` checks everything that can be checked before a device is open and
-derives the sizes that do not depend on one; `on_device(arch, warp)` adds what the device decides
-(its warp's segment sizes, its fp8 encoding, how flags are published, the push limit) and
-`with_geometry` the launch geometry (pyhipa2a.legs). A call across nodes gives its node part
-`node_part(...)`, derived from the checked world configuration.
+"""An AllToAll's parameters: checked once, with their environment overrides, and frozen. `Config.of`
+checks what can be checked before a device is open; `on_device` and `with_geometry` add what the device
+decides; `node_part` derives a node's part of a call across nodes.
 """
 from __future__ import annotations
 
@@ -31,15 +27,12 @@ DEFAULT_BLOCK_THREADS = 256
 DEFAULT_BLOCKS_PER_MP = 2  # more warps to hide the link's latency (docs/PERFORMANCE.md)
 SEGMENT_LANE_ELEMS = 32    # a row moves in segments of 32 elements a lane (A2A_CHUNKS in exchange.h)
 MIN_WARP, MAX_WARP = 32, 64
-# A call of few tokens pushes its contributions back as tagged words (one link crossing, twice the
-# bytes) while its 16-bit rows, counted once per peer they reach, stay within these many bytes; where
-# flags follow a GPU-scope fence (GPU_FENCE_PUBLISH_ARCHS) its tokens are pulled and the smaller
-# limit holds, elsewhere its tokens are pushed too (kernels_hip/exchange.h, "Pushed calls").
+# Pushed calls (kernels_hip/exchange.h): rows as tagged words while their bytes stay within these; after a
+# GPU-scope fence (GPU_FENCE_PUBLISH_ARCHS) tokens are pulled and only contributions pushed (the smaller).
 DEFAULT_PUSH_BYTES = 768 * 1024
 DEFAULT_PUSH_BACK_BYTES = 256 * 1024
 GPU_FENCE_PUBLISH_ARCHS = ("sm_90",)
-# Combine's small kernel (a warp a chunk of 8 elements a lane) takes calls whose warps get at most
-# this many chunk items each; the bulk kernel (a warp a segment) the rest.
+# Combine's small kernel takes calls whose warps get at most this many chunk items each.
 SMALL_COMBINE_ITEMS_PER_WARP = 1
 
 STREAM_CHOICES = ("own", "current")
@@ -175,8 +168,7 @@ class Config:
            block_threads: int | None = None, grid_blocks: int | None = None, push_max_tokens: int | None = None,
            narrow_partials: bool = False, producer_order: str = "protocol", on_timeout: str = "report",
            stream: str = "own", row_layout: str = "packed") -> "Config":
-        """The checked configuration of an AllToAll over `world` ranks (ValueError or TypeError naming
-        the parameter otherwise)."""
+        """The checked configuration over `world` ranks (else ValueError or TypeError naming the parameter)."""
         ins, moved, out, fp8 = plan_dtypes(in_dtype, dispatch_dtype, out_dtype)
         E, k, H, M = int(num_experts), int(experts_per_token), int(hidden_dim), int(max_num_tokens)
         if fp8 and H % FP8_BLOCK:
@@ -228,8 +220,7 @@ class Config:
             raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank; got {self.local_experts}")
 
     def node_part(self, nodes: int, ranks_per_node: int, ranks_on_device: int) -> "Config":
-        """The configuration of one node's part of a call across `nodes` nodes: its experts, every node's
-        region of tokens, and slots whose expert is elsewhere left void."""
+        """One node's part of a call across `nodes` nodes: its experts, every node's region of tokens."""
         if self.row_layout == "by_source":
             raise ValueError("row_layout='by_source' is for calls within one node: between nodes each rank's "
                              "rows come through its node's ranks, so expert_x is packed there")
@@ -279,9 +270,8 @@ class Config:
 
 
 def push_limit(config: Config, default_bytes: int) -> int:
-    """Calls of at most this many tokens push (0: every call stages and pulls): as asked, or while their
-    16-bit rows, a row counted once per peer it can reach, stay within `default_bytes`. Pushed rows are
-    read 8 elements a lane, so rows must be a multiple of 8 elements."""
+    """Calls of at most this many tokens push (0: none): as asked, or while their 16-bit rows, once per peer
+    they reach, stay within `default_bytes`; rows must be a multiple of 8 elements (read 8 a lane)."""
     requested = config.push_request
     if requested is None:
         peers_per_token = max(1, min(config.top_k, config.world - 1))

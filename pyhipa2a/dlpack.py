@@ -1,24 +1,9 @@
-"""DLPack in pure Python: hand device (or host) memory to other array libraries and take theirs.
+"""DLPack in pure Python (ctypes and NumPy): `make_capsule` exports memory; `read_capsule` / `view_from_object`
+import into a `DLPackView`.
 
-DLPack is a C struct, `DLManagedTensor`, passed between libraries inside a
-PyCapsule named "dltensor". The rules we follow (dlpack.h and the Python
-specification at dmlc.github.io/dlpack):
-
-* The producer owns the struct and everything it points at until somebody
-  calls the struct's `deleter`.
-* A consumer takes ownership by renaming the capsule to "used_dltensor"; from
-  then on the consumer, not the capsule, must call the deleter once it no
-  longer needs the memory.
-* A capsule that is dropped while still named "dltensor" was never consumed:
-  its own destructor must call the deleter.
-
-This module does both sides with ctypes and NumPy only (no PyTorch, no C
-extension):
-
-* `make_capsule` (producer) wraps a raw pointer in a fresh capsule.
-* `read_capsule` / `view_from_object` (consumer) turn a capsule into a
-  `DLPackView` whose `keepalive` calls the producer's deleter when released.
-"""
+Ownership (dlpack.h): the producer owns a `DLManagedTensor` until its `deleter` is called. A consumer takes it
+by renaming the "dltensor" capsule to "used_dltensor" and then calls the deleter itself (our `keepalive`);
+a capsule dropped unconsumed calls the deleter from its destructor."""
 from __future__ import annotations
 
 import ctypes
@@ -36,20 +21,15 @@ __all__ = [
     "DLPackView", "make_capsule", "read_capsule", "view_from_object", "is_c_contiguous", "live_export_count",
 ]
 
-# ---------------------------------------------------------------------------
-# DLDeviceType values (enum DLDeviceType in dlpack.h) that pyhipa2a meets.
-# ---------------------------------------------------------------------------
+# DLDeviceType values (dlpack.h) that pyhipa2a meets.
 kDLCPU = 1
 kDLCUDA = 2
 kDLCUDAHost = 3   # pinned host memory
 kDLROCM = 10
 kDLROCMHost = 11  # pinned host memory
 
-# ---------------------------------------------------------------------------
+
 # The C structs of dlpack.h, field for field (the layout is the ABI).
-# ---------------------------------------------------------------------------
-
-
 class DLDevice(ctypes.Structure):
     # device_type is a C enum: an int, 4 bytes, on every ABI DLPack targets.
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
@@ -71,9 +51,7 @@ class DLTensor(ctypes.Structure):
     ]
 
 
-# void (*deleter)(DLManagedTensor *self). The argument is declared void* rather
-# than a typed pointer so the same prototype serves both struct versions and our
-# callback receives a plain int address.
+# void (*deleter)(DLManagedTensor *self), taking void* so one prototype serves both struct versions.
 DLPackDeleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
@@ -86,8 +64,7 @@ class DLPackVersion(ctypes.Structure):
 
 
 class DLManagedTensorVersioned(ctypes.Structure):
-    """DLPack >= 1.0 struct, capsule name "dltensor_versioned". A producer may hand
-    it out only to consumers that asked for it by passing `max_version`."""
+    """DLPack >= 1.0 struct ("dltensor_versioned"), only for consumers that passed `max_version`."""
     _fields_ = [
         ("version", DLPackVersion),
         ("manager_ctx", ctypes.c_void_p),
@@ -101,9 +78,7 @@ _DLPACK_MAJOR = 1
 _DLPACK_VERSION = (1, 0)  # the versioned struct we write: the 1.0 layout, no 1.1 dtypes
 _FLAG_READ_ONLY = 1 << 0
 
-# ---------------------------------------------------------------------------
-# Element types. DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
-# ---------------------------------------------------------------------------
+# DLDataTypeCode values.
 kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLBool = 0, 1, 2, 4, 6
 
 _NUMPY_TO_DLPACK = {
@@ -129,9 +104,7 @@ _SUPPORTED_NAMES = ", ".join([dt.name for dt in _NUMPY_TO_DLPACK] + list(_NAMED_
 
 
 def _dlpack_dtype(dtype) -> tuple[int, int]:
-    """(code, bits) for a NumPy dtype, a scalar type, a dtype name, "bfloat16" or an fp8 name."""
-    # NumPy has no bfloat16 or fp8: accept the name, or ml_dtypes' dtype (whose name it
-    # is) without importing ml_dtypes ourselves.
+    """(code, bits) for anything np.dtype accepts, or an ml_dtypes dtype or name (matched by name, unimported)."""
     name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
     if name in _NAMED_TO_DLPACK:
         return _NAMED_TO_DLPACK[name]
@@ -150,8 +123,7 @@ def _dlpack_dtype(dtype) -> tuple[int, int]:
 
 
 def _numpy_dtype(dl: DLDataType) -> np.dtype | str:
-    """The NumPy dtype for a DLDataType, or the ml_dtypes name ("bfloat16", "float8_e4m3fn", ...) of one
-    NumPy lacks."""
+    """The NumPy dtype for a DLDataType, or the ml_dtypes name ("bfloat16", ...) of one NumPy lacks."""
     if dl.lanes != 1:
         raise TypeError(f"DLPack import: vector dtypes (lanes={dl.lanes}) are not supported")
     key = (dl.code, dl.bits)
@@ -164,24 +136,12 @@ def _numpy_dtype(dl: DLDataType) -> np.dtype | str:
                         f"supported: {_SUPPORTED_NAMES}") from None
 
 
-# ---------------------------------------------------------------------------
-# The Python C API through ctypes.
-#
-# Each prototype is a fresh PYFUNCTYPE function object rather than a tweak of
-# `ctypes.pythonapi.X.argtypes`: those attribute objects are shared by the whole
-# process, and another module setting different argtypes on them would break us
-# (or we them). PYFUNCTYPE keeps the GIL during the call and turns a Python
-# error set by the function into a raised exception.
-# ---------------------------------------------------------------------------
-
-
+# Our own PYFUNCTYPE prototypes (GIL held, errors raised), not the process-wide ctypes.pythonapi.X.argtypes.
 def _capi(name: str, restype, *argtypes):
     return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
 
 
-# void destructor(PyObject *capsule). The argument is a void*, NOT py_object: the
-# capsule is being deallocated (refcount 0) when this runs, and py_object would
-# take and drop a reference, deallocating it a second time.
+# void destructor(PyObject *capsule), taking void*: a py_object would free the dying capsule a second time.
 _CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 _PyCapsule_New = _capi("PyCapsule_New", ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor)
@@ -189,22 +149,18 @@ _PyCapsule_IsValid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, 
 _PyCapsule_GetPointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)
 _PyCapsule_GetName = _capi("PyCapsule_GetName", ctypes.c_char_p, ctypes.py_object)
 _PyCapsule_SetName = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
-# The same two calls taking the capsule as a bare address, for use inside its destructor.
+# The same two calls on a bare address, for use inside the destructor.
 _PyCapsule_IsValid_at = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)
 _PyCapsule_GetPointer_at = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
 _PyErr_Occurred = _capi("PyErr_Occurred", ctypes.c_void_p)
 _Py_IncRef = _capi("Py_IncRef", None, ctypes.py_object)
 
-# Calls a producer's deleter with the GIL held, as C consumers (NumPy's capsule
-# destructor, for one) do: some deleters drop Python references without taking
-# the GIL themselves; ones that do take it (ours, NumPy 2's) just re-enter.
+# Calls a producer's deleter with the GIL held, as C consumers do: some deleters rely on it.
 _call_deleter = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
 
 _CapsuleType = type(datetime.datetime_CAPI)  # types.CapsuleType exists only from 3.13
 
-# Capsule names are stored as bare char* in the capsule, so the bytes behind them
-# must outlive every capsule, even ones freed late in interpreter shutdown: an
-# extra reference makes sure they are never freed.
+# A capsule stores its name as a bare char*: an extra reference keeps these bytes alive through shutdown.
 _NAME = b"dltensor"
 _USED_NAME = b"used_dltensor"
 _VERSIONED_NAME = b"dltensor_versioned"
@@ -213,24 +169,10 @@ for _name in (_NAME, _USED_NAME, _VERSIONED_NAME, _USED_VERSIONED_NAME):
     _Py_IncRef(_name)
 del _name
 
-# ---------------------------------------------------------------------------
-# C code calling back into Python with an exception already set.
-#
-# A C consumer may drop our capsule (or call our deleter) on its error path,
-# with its Python exception still set: NumPy's from_dlpack does exactly that
-# when it rejects a dtype. A ctypes callback cannot leave that exception alone:
-# the first C-level call inside it fails with SystemError, and ctypes clears the
-# error after the callback. So each callback first takes the pending exception
-# (any PYFUNCTYPE call raises it), does its cleanup with a clean slate -- nothing
-# leaks -- and then re-raises it, which ctypes reports through
-# sys.unraisablehook. The C caller then sees no exception (Python turns that
-# into a SystemError there); no ctypes code can hand the original back.
-# ---------------------------------------------------------------------------
 
-_LOST_NOTE = ("pyhipa2a.dlpack: this exception was in flight in C code that freed a DLPack capsule or "
-              "tensor; a ctypes callback cannot give it back, so it is reported here")
-
-
+# A C consumer may free our capsule or tensor with its exception set (NumPy's from_dlpack, rejecting a dtype),
+# failing the callback's first C call. So each callback takes that exception, cleans up, and re-raises it
+# for sys.unraisablehook: a ctypes callback cannot hand it back to the C caller.
 def _take_pending_exception() -> BaseException | None:
     try:
         _PyErr_Occurred()
@@ -242,13 +184,9 @@ def _take_pending_exception() -> BaseException | None:
 def _report_pending(exc: BaseException | None) -> None:
     if exc is not None:
         if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(_LOST_NOTE)
+            exc.add_note("pyhipa2a.dlpack: this exception was in flight in C code that freed a DLPack capsule or "
+                         "tensor; a ctypes callback cannot give it back, so it is reported here")
         raise exc
-
-
-# ---------------------------------------------------------------------------
-# Producer.
-# ---------------------------------------------------------------------------
 
 
 class _Export:
@@ -256,21 +194,15 @@ class _Export:
     __slots__ = ("managed", "shape", "owner")
 
 
-# Live exports, keyed by the address of their DLManagedTensor(Versioned) --
-# the pointer every deleter call receives, and unique while the entry keeps that
-# struct alive. manager_ctx holds the same number. An entry holds the struct (the
-# memory the capsule points at), the shape array and the owner of the data; the
-# deleter removes it.
+# Live exports by the address of their struct (what the deleter receives; also manager_ctx).
 _live_exports: dict[int, _Export] = {}
 
 
 @DLPackDeleter
 def _release_export(managed_addr):
-    """The deleter of everything make_capsule hands out, of either struct version.
-
-    Consumers call it from C, possibly on another thread; ctypes takes the GIL."""
+    """The deleter of every make_capsule export; called from C, possibly on another thread."""
     pending = _take_pending_exception()
-    # pop, not del: a (buggy) second call must not raise from inside C code.
+    # pop: a (buggy) second call must not raise inside C code.
     _live_exports.pop(managed_addr, None)
     _report_pending(pending)
 
@@ -289,9 +221,7 @@ def _destroy_capsule(capsule_addr):
     _report_pending(pending)
 
 
-# Module-level names keep the two callbacks (and the C thunks inside them) alive;
-# the extra references keep them alive through interpreter shutdown too, when a
-# capsule or an imported tensor may outlive this module's globals.
+# Keep the callbacks alive through shutdown, when a capsule may outlive this module's globals.
 _Py_IncRef(_release_export)
 _Py_IncRef(_destroy_capsule)
 
@@ -309,47 +239,34 @@ _INT64_MAX = (1 << 63) - 1
 
 def make_capsule(ptr: int, shape: tuple[int, ...], dtype, device_type: int, device_id: int,
                  owner: object, *, max_version: tuple[int, int] | None = None):
-    """A "dltensor" PyCapsule describing `shape` elements of `dtype` at `ptr`.
-
-    The memory is compact row-major (strides NULL) and lives on
-    (`device_type`, `device_id`), e.g. (kDLROCM, 0). `dtype` is a NumPy dtype
-    (or anything np.dtype accepts), "bfloat16", or ml_dtypes' bfloat16. `owner`
-    (whatever keeps the memory allocated) stays referenced until the consumer
-    calls the deleter, or until the capsule is dropped unconsumed.
-
-    `max_version` is the value a consumer passed to `__dlpack__`: when it allows
-    DLPack 1.x the capsule is a "dltensor_versioned" one instead, which is how a
-    consumer learns the memory is writable (NumPy makes arrays imported from
-    old-style capsules read-only).
-    """
+    """A "dltensor" PyCapsule of compact row-major `shape` elements of `dtype` at `ptr` on (`device_type`,
+    `device_id`), referencing `owner` until the deleter runs. A consumer `max_version` allowing 1.x gets
+    "dltensor_versioned", which marks the memory writable (NumPy imports old-style capsules read-only)."""
     code, bits = _dlpack_dtype(dtype)
     dims = tuple(_c_int(d, "shape entry", 0, _INT64_MAX) for d in shape)
     versioned = max_version is not None and max_version[0] >= _DLPACK_MAJOR
-
     export = _Export()
     export.owner = owner
     export.shape = (ctypes.c_int64 * len(dims))(*dims)
-
     if versioned:
         managed = DLManagedTensorVersioned()
         managed.version = DLPackVersion(*_DLPACK_VERSION)
         managed.flags = 0  # writable, not a copy
     else:
         managed = DLManagedTensor()
-    tensor = managed.dl_tensor  # a view into `managed`, not a copy
+    tensor = managed.dl_tensor  # a view into `managed`
     tensor.data = _c_int(ptr, "ptr", 0, (1 << 64) - 1)
     tensor.device = DLDevice(_c_int(device_type, "device_type", *_INT32), _c_int(device_id, "device_id", *_INT32))
     tensor.ndim = len(dims)
     tensor.dtype = DLDataType(code, bits, 1)
     # A 0-d tensor gets NULL, as NumPy exports them.
     tensor.shape = ctypes.cast(export.shape, ctypes.POINTER(ctypes.c_int64)) if dims else None
-    tensor.strides = None  # NULL: compact row-major
+    tensor.strides = None
     tensor.byte_offset = 0
     key = ctypes.addressof(managed)
     managed.manager_ctx = key
     managed.deleter = _release_export
     export.managed = managed
-
     _live_exports[key] = export
     try:
         return _PyCapsule_New(key, _VERSIONED_NAME if versioned else _NAME, _destroy_capsule)
@@ -363,24 +280,14 @@ def live_export_count() -> int:
     return len(_live_exports)
 
 
-# ---------------------------------------------------------------------------
-# Consumer.
-# ---------------------------------------------------------------------------
-
-
 class _ConsumedTensor:
-    """`DLPackView.keepalive`: owns a consumed capsule and calls the producer's
-    deleter exactly once, when released or garbage collected."""
+    """`DLPackView.keepalive`: calls the producer's deleter exactly once, when released or collected."""
     __slots__ = ("capsule", "_managed_addr", "_deleter_addr")
 
     def __init__(self, capsule, managed_addr: int, deleter_addr: int | None):
         self.capsule = capsule
         self._managed_addr = managed_addr
         self._deleter_addr = deleter_addr
-
-    @property
-    def released(self) -> bool:
-        return self._deleter_addr is None
 
     def release(self) -> None:
         """Hand the memory back to the producer now. Any view of it dangles afterwards."""
@@ -394,12 +301,8 @@ class _ConsumedTensor:
 
 @dataclass(frozen=True)
 class DLPackView:
-    """A consumed DLPack tensor. Valid for as long as `keepalive` is referenced.
-
-    `ptr` already includes byte_offset; `strides` are in elements, None when the
-    producer declared compact row-major; `dtype` is a NumPy dtype or the string
-    "bfloat16". `readonly` can only be set by a versioned (DLPack 1.x) capsule.
-    """
+    """A consumed DLPack tensor, valid while `keepalive` is referenced. `ptr` includes byte_offset; `strides`
+    are in elements (None: compact row-major); `dtype` is a NumPy dtype or an ml_dtypes name."""
     ptr: int
     shape: tuple[int, ...]
     strides: tuple[int, ...] | None
@@ -410,20 +313,15 @@ class DLPackView:
     readonly: bool = False
 
 
-# The structs as flat byte layouts, read with one ctypes.string_at and one unpack: field access
-# through ctypes Structures cost several microseconds a capsule, and inputs are read at every call.
+# The structs as flat layouts, read in one unpack: ctypes field access costs microseconds a capsule.
 _MANAGED = struct.Struct("=QiiiBBHQQQQQ")            # DLManagedTensor: dl_tensor, manager_ctx, deleter
 _VERSIONED = struct.Struct("=IIQQQQiiiBBHQQQ")       # DLManagedTensorVersioned: version, ctx, deleter, flags, dl_tensor
 assert _MANAGED.size == ctypes.sizeof(DLManagedTensor) and _VERSIONED.size == ctypes.sizeof(DLManagedTensorVersioned)
 
 
 def read_capsule(capsule) -> DLPackView:
-    """Consume a "dltensor" (or "dltensor_versioned") capsule.
-
-    The capsule is renamed to "used_dltensor" only after everything was read and
-    checked: a capsule we reject (e.g. TypeError for an unknown dtype) stays
-    unconsumed, so its own destructor returns the tensor to the producer.
-    """
+    """Consume a "dltensor" (or "dltensor_versioned") capsule. It is renamed only once everything checked out:
+    a rejected capsule stays unconsumed, so its destructor returns the tensor to the producer."""
     if type(capsule) is not _CapsuleType:
         raise TypeError(f"expected a DLPack PyCapsule, got {type(capsule).__name__}")
     if _PyCapsule_IsValid(capsule, _NAME):
@@ -447,24 +345,21 @@ def read_capsule(capsule) -> DLPackView:
     else:
         (data, device_type, device_id, ndim, code, bits, lanes, shape_ptr, strides_ptr, byte_offset, _,
          deleter_addr) = _MANAGED.unpack(ctypes.string_at(managed_addr, _MANAGED.size))
-
     dtype = _numpy_dtype(DLDataType(code, bits, lanes))
     if ndim < 0 or (ndim > 0 and not shape_ptr):
         raise BufferError(f"malformed DLTensor: ndim={ndim} with shape pointer {'set' if shape_ptr else 'NULL'}")
     shape = struct.unpack(f"={ndim}q", ctypes.string_at(shape_ptr, 8 * ndim)) if ndim else ()
-    # NULL strides mean compact row-major; a 0-d tensor has nothing to stride.
     strides = struct.unpack(f"={ndim}q", ctypes.string_at(strides_ptr, 8 * ndim)) if (ndim and strides_ptr) else None
 
-    _PyCapsule_SetName(capsule, used_name)  # we own it now
+    _PyCapsule_SetName(capsule, used_name)
     keepalive = _ConsumedTensor(capsule, managed_addr, deleter_addr or None)
     return DLPackView(ptr=data + byte_offset, shape=shape, strides=strides, dtype=dtype,
                       device_type=device_type, device_id=device_id, keepalive=keepalive, readonly=readonly)
 
 
 def view_from_object(obj, stream=None) -> DLPackView:
-    """read_capsule(obj.__dlpack__()). `stream` is passed only when given; objects
-    whose __dlpack__ rejects the keyword are asked again without it. A bare
-    capsule (the old `to_dlpack()` style) is read as it is."""
+    """read_capsule(obj.__dlpack__()), passing `stream` when given (retried without it where rejected);
+    a bare capsule (old `to_dlpack()` style) is read as it is."""
     if type(obj) is _CapsuleType:
         return read_capsule(obj)
     if stream is None:
@@ -473,8 +368,7 @@ def view_from_object(obj, stream=None) -> DLPackView:
         try:
             capsule = obj.__dlpack__(stream=stream)
         except TypeError:
-            # An exporter older than the stream keyword: it cannot order its writes before our
-            # stream, so the caller must (said once per type).
+            # An exporter older than the stream keyword cannot order its writes before our stream.
             warnings.warn(f"{type(obj).__name__}.__dlpack__ takes no stream=: pyhipa2a cannot wait for its "
                           "producer's writes; synchronize them before the call", RuntimeWarning, stacklevel=4)
             capsule = obj.__dlpack__()
@@ -482,11 +376,7 @@ def view_from_object(obj, stream=None) -> DLPackView:
 
 
 def is_c_contiguous(view: DLPackView) -> bool:
-    """True when the view's elements are compact row-major.
-
-    strides None means compact by definition; dims of size 1 may carry any
-    stride; a view with no elements is trivially compact.
-    """
+    """True when the view's elements are compact row-major (dims of size 1 may carry any stride)."""
     if view.strides is None or 0 in view.shape:
         return True
     expected = 1

@@ -4,16 +4,12 @@ from __future__ import annotations
 import numpy as np
 
 SUPPORTED = ("float16", "bfloat16")
-# fp8 dispatch (e4m3 with one float32 scale per FP8_BLOCK elements of a row): OCP e4m3fn on NVIDIA,
-# e4m3fnuz on MI300X (gfx942); "float8_e4m3" names whichever the device uses.
+# fp8 dispatch: e4m3 with a float32 scale per FP8_BLOCK elements; OCP e4m3fn on NVIDIA, e4m3fnuz on MI300X (gfx942).
 FP8 = ("float8_e4m3fn", "float8_e4m3fnuz")
-FP8_ANY = "float8_e4m3"
+FP8_ANY = "float8_e4m3"  # whichever the device uses
 FP8_BLOCK = 128
 FP8_BY_ARCH = {"gfx942": "float8_e4m3fnuz", "host": None}  # None: either (the host twins emulate both)
-
-
-# Element types NumPy lacks, by their ml_dtypes names (DLPack can spell these; the CUDA array
-# interface cannot).
+# Element types NumPy lacks, by ml_dtypes name (DLPack can spell these; the CUDA array interface cannot).
 ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 
 
@@ -63,12 +59,8 @@ def _fp8_request(dtype, what: str) -> str | None:
 
 
 def plan_dtypes(in_dtype, dispatch_dtype, out_dtype) -> tuple[np.dtype, np.dtype, np.dtype, str | None]:
-    """(in, dispatch, out dtypes, the fp8 name asked for or None) of an AllToAll.
-
-    in_dtype is what dispatch() takes, dispatch_dtype what expert_x holds (default: in_dtype), out_dtype
-    what combine() takes and returns (default: in_dtype; always 16-bit). fp8 comes two ways: x already in
-    fp8 with its scales (in_dtype fp8), or 16-bit x quantized on the way (dispatch_dtype fp8). The
-    generic "float8_e4m3" stands for e4m3fn until the device says otherwise (fp8_for_arch)."""
+    """(dispatch() input, expert_x, combine() 16-bit output dtypes, fp8 name or None); fp8 is given (in_dtype) or
+    quantized on the way (dispatch_dtype), and "float8_e4m3" means e4m3fn until fp8_for_arch decides."""
     in_fp8, dispatch_fp8 = _fp8_request(in_dtype, "in_dtype"), _fp8_request(dispatch_dtype, "dispatch_dtype")
     if in_fp8 and dispatch_fp8 and in_fp8 != dispatch_fp8:
         raise TypeError(f"in_dtype={in_fp8} is fp8 already: dispatch_dtype must be the same or None, "
@@ -94,8 +86,7 @@ def plan_dtypes(in_dtype, dispatch_dtype, out_dtype) -> tuple[np.dtype, np.dtype
 
 
 def fp8_for_arch(requested: str, arch: str) -> np.dtype:
-    """The fp8 dtype an AllToAll asking for `requested` uses on a device of `arch`; a clear error where
-    the device has no fp8 or uses the other encoding."""
+    """The fp8 dtype used for `requested` on `arch`; a clear error where it has no fp8 or the other encoding."""
     if arch.startswith("sm_"):
         native = "float8_e4m3fn"
     elif arch in FP8_BY_ARCH:

@@ -1,27 +1,15 @@
-"""Exceptions raised by pyhipa2a, and the device status codes they decode.
-
-Keep the codes in sync with kernels_hip/protocol.h.
-"""
+"""Exceptions raised by pyhipa2a, and the device status codes they decode (in sync with kernels_hip/protocol.h)."""
 from __future__ import annotations
 
 from .runtime.base import RuntimeFailure
 
-__all__ = [
-    "Health", "A2AError", "A2ATimeoutError", "A2ADeviceError", "ConfigMismatchError",
-    "AllocationMismatchError", "CodeObjectNotFound", "RuntimeFailure",
-]
+__all__ = ["Health", "A2AError", "A2ATimeoutError", "A2ADeviceError", "ConfigMismatchError", "AllocationMismatchError",
+           "CodeObjectNotFound", "RuntimeFailure"]
 
-STATUS_OK = 0
-STATUS_TIMEOUT = 1
-STATUS_BAD_INDEX = 2
-STATUS_CAPACITY = 3
-STATUS_MISMATCH = 4
-STATUS_PEER = 5
-
-# 3 was v0's combine done barrier; the number stays retired.
+STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER = range(6)
 WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights",
              6: "tokens between nodes (dispatch)", 7: "sums between nodes (combine)",
-             8: "routing and weights between nodes (combine)"}
+             8: "routing and weights between nodes (combine)"}  # what a timed-out wait awaited (3 is retired)
 
 
 class A2AError(RuntimeError):
@@ -62,31 +50,26 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
     if code == STATUS_OK:
         return None
     if code == STATUS_TIMEOUT:
-        return A2ATimeoutError(
-            f"{context}: rank {rank} timed out waiting for the {WAIT_WHAT.get(what, what)} "
-            f"of rank {peer} (detail {detail}); rank {peer} never arrived or is stuck",
-            ranks=(peer,))
+        return A2ATimeoutError(f"{context}: rank {rank} timed out waiting for the {WAIT_WHAT.get(what, what)} "
+                               f"of rank {peer} (detail {detail}); rank {peer} never arrived or is stuck",
+                               ranks=(peer,))
     if code == STATUS_BAD_INDEX:
         return A2ADeviceError(
             f"{context}: rank {rank}: expert index {detail if detail < 2**31 else detail - 2**32} at flat "
             f"position {what} is outside [0, num_experts) or repeated in its row; it was not sent")
     if code == STATUS_CAPACITY:
-        return A2ADeviceError(
-            f"{context}: rank {rank}: local expert {what} of rank {peer} overflowed its rows "
-            f"(slot {detail}); the row was not written")
+        return A2ADeviceError(f"{context}: rank {rank}: local expert {what} of rank {peer} overflowed its rows "
+                              f"(slot {detail}); the row was not written")
     if code == STATUS_PEER:
-        return A2ADeviceError(
-            f"{context}: rank {rank}: rank {peer}, on another node, failed its part of this call, so its sums "
-            f"of our tokens are poison; that rank's own error says why")
+        return A2ADeviceError(f"{context}: rank {rank}: rank {peer}, on another node, failed its part of this call, "
+                              f"so its sums of our tokens are poison; that rank's own error says why")
     if code == STATUS_MISMATCH:
         return A2ADeviceError(f"{context}: rank {rank}: {detail} words did not match the expected pattern")
     return A2ADeviceError(f"{context}: rank {rank}: unknown device status {code} ({peer}, {what}, {detail})")
 
 
 class Health:
-    """What one AllToAll's kernels reported: the four status words, mirrored by the kernels into
-    pinned host memory, so the host reads them without a copy or a wait. Calls check it before
-    launching, and the outputs check it before handing their data out (pyhipa2a.array)."""
+    """One AllToAll's status words in pinned host memory, read without a wait before launches and output reads."""
 
     def __init__(self, host_status, rank: int, context: str = "AllToAll"):
         self.host_status, self.rank, self.context = host_status, rank, context
@@ -96,9 +79,7 @@ class Health:
         return status_error(self.host_status.copy(), self.rank, self.context) if self.host_status[0] else None
 
     def settle(self, stream) -> None:
-        """Called before a host read waits for `stream`. One node's kernels bound every wait of
-        their own, so there is nothing to do; a multi-node call's exchange between nodes may wait
-        without bound (NCCL), and its health watches it here (pyhipa2a.hierarchy)."""
+        """Before a host read waits for `stream`: no-op (kernels bound their waits); multi-node health watches NCCL."""
 
     def check(self, cause: BaseException | None = None) -> None:
         """Raise the reported failure, if any (chained to `cause`, what it made fail)."""

@@ -1,6 +1,5 @@
-"""gpu-mode's stand-in for the grouped GEMM, as a kernel: expert_y = expert_x * (1 + rank) over the
-received rows (in fp8 dispatch, each fp8 row times its block scales first), written into a buffer of
-the object's own (expert_y_buffer) or the caller's."""
+"""gpu-mode's stand-in for the grouped GEMM, as a kernel: expert_y = expert_x * (1 + rank) over the received
+rows (fp8 rows times their block scales first), into the object's own buffer (expert_y_buffer) or the caller's."""
 from __future__ import annotations
 
 import math
@@ -35,8 +34,7 @@ class FakeExpert:
         self.kernel.launch(self.pack, self.blocks, self.threads, stream)
 
     def expert_y_buffer(self, stream) -> DeviceArray:
-        """A device buffer shaped like expert_y [L, W*M, H] (out_dtype), made once, freed by close(), its
-        writes ordered on `stream` (the object's own)."""
+        """A device buffer shaped like expert_y [L, W*M, H] (out_dtype), made once, freed by close()."""
         if self.buffer is None:
             c, backend = self.buffers.config, self.buffers.heap.backend
             backend.activate()  # memory is allocated on the current device
@@ -47,8 +45,7 @@ class FakeExpert:
         return self.buffer
 
     def expert_y_on(self, stream, health) -> DeviceArray:
-        """expert_y_buffer() as a view that names `stream`, where the fake expert writes it (consumers that
-        order themselves by an array's stream read it there), and carries the call's `health`."""
+        """expert_y_buffer() as a view naming `stream`, where the fake expert writes it, carrying `health`."""
         base = self.buffer
         handle = base.backend.stream_handle(stream)
         view = self._views.get(handle)

@@ -7,17 +7,11 @@ from .errors import A2AError
 
 
 class Graph:
-    """What `AllToAll.capture()` returns: `launch()` replays the step on the stream it was captured on.
+    """What `AllToAll.capture()` returns: `launch()` replays the step on its capture stream in one driver call."""
 
-    One launch costs one driver call instead of one per kernel, and the
-    kernels follow each other on the device without waiting for the host."""
-
-    def __init__(self, backend, handle, stream, keepalive: list, before_launch=lambda: None,
-                 after_launch=lambda: None):
+    def __init__(self, backend, handle, stream, keepalive: list, before_launch=lambda: None, after_launch=lambda: None):
         self.backend, self.stream = backend, stream
-        # The owner's hooks around each launch: before, it raises errors the kernels reported and
-        # queues the launch behind the owner's last call when that went to another stream; after,
-        # it notes the launch as the owner's last call.
+        # The owner's hooks: raise reported errors and queue behind its last call before; note the launch after.
         self._handle, self._keepalive = handle, keepalive
         self._before_launch, self._after_launch = before_launch, after_launch
         self._destroy = weakref.finalize(self, backend.graph_destroy, handle)

@@ -1,17 +1,8 @@
-"""SymmetricHeap: one IPC-shareable allocation per rank, mapped by every peer.
-
-Every rank allocates the same size, exports its IPC handle, gathers all
-handles over the node-local communicator (handles never leave the node) and
-maps every peer's allocation. The table of every rank's base address lives at
-the start of the heap, on the device, so kernels reach a peer's copy of any
-symmetric object by `bases[peer] + offset`.
-
-Allocation is a bump allocator that must run identically on every rank;
-`verify()` compares a fingerprint of the allocation sequence across ranks and
-names the ranks that differ.
-"""
+"""SymmetricHeap: one same-sized IPC allocation per rank, mapped by every node-local peer; kernels reach a peer's copy
+at `bases[peer] + offset` (the base table opens the heap). Allocations must match on every rank (`verify()`)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
 
@@ -38,24 +29,20 @@ class SymmetricHeap:
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
         self.device = self.backend.open_device(select_device(self.backend, self.rank, device))
-        # How many of the node's ranks drive this device (more than one when ranks share a GPU, as
-        # under MPS): kernels whose blocks wait on each other need every such rank's blocks resident.
+        # Ranks sharing this device (MPS): kernels whose blocks wait on each other need all of their blocks resident.
         self.ranks_on_device = self.comm.allgather(self.device.index).count(self.device.index)
         self.timeout = timeout
         self._fingerprint = hashlib.sha256()
         self._allocations = 0
-
         table_bytes = _align(8 * self.world, TABLE_ALIGN)
         self.nbytes = table_bytes + _align(int(nbytes), TABLE_ALIGN)
-        # Resources live in their own object so the finalizer (also run at
-        # interpreter exit) can free them without keeping the heap alive.
+        # In their own object, so the finalizer (run at exit too) frees them without keeping the heap alive.
         self._mappings = _Mappings(self.backend, self.backend.malloc_ipc(self.nbytes))
         self._finalizer = weakref.finalize(self, self._mappings.release)
         self.base = self._mappings.base
         try:
             handles = self.comm.allgather(self.backend.ipc_export(self.base))
-            self.bases = [self.base if r == self.rank else self._mappings.open_peer(h)
-                          for r, h in enumerate(handles)]
+            self.bases = [self.base if r == self.rank else self._mappings.open_peer(h) for r, h in enumerate(handles)]
             bounded_barrier(self.comm, timeout, "SymmetricHeap: mapping peers")
             if hasattr(self.backend, "ipc_exchanged"):
                 self.backend.ipc_exchanged(self.base)
@@ -66,7 +53,6 @@ class SymmetricHeap:
         self.bases_ptr = self.base  # the device table of bases sits at offset 0
         self._offset = table_bytes
 
-    # -- allocation -------------------------------------------------------------
     @property
     def free_bytes(self) -> int:
         return self.nbytes - self._offset
@@ -79,9 +65,8 @@ class SymmetricHeap:
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         start = _align(self._offset, align)
         if start + size > self.nbytes:
-            raise MemoryError(
-                f"symmetric heap exhausted: requested {size} bytes (aligned to {align}), "
-                f"{max(self.nbytes - start, 0)} of {self.nbytes} bytes free")
+            raise MemoryError(f"symmetric heap exhausted: requested {size} bytes (aligned to {align}), "
+                              f"{max(self.nbytes - start, 0)} of {self.nbytes} bytes free")
         self._offset = start + size
         self._allocations += 1
         self._fingerprint.update(f"{shape}|{dtype.str}|{align}|{start};".encode())
@@ -98,14 +83,12 @@ class SymmetricHeap:
         if len(groups) > 1:
             majority = max(groups.values(), key=len)
             odd = sorted(r for g in groups.values() if g is not majority for r in g)
-            detail = "; ".join(f"rank {r}: {n} allocations, {off} bytes used"
-                               for r, (_, n, off) in enumerate(everyone))
+            detail = "; ".join(f"rank {r}: {n} allocations, {off} bytes used" for r, (_, n, off) in enumerate(everyone))
             raise AllocationMismatchError(
                 f"symmetric heap allocations differ across ranks: ranks {odd} differ from ranks "
                 f"{majority} ({detail}). Every rank must make the same allocations in the same order.",
                 ranks=tuple(odd))
 
-    # -- addressing ---------------------------------------------------------------
     def offset_of(self, ptr: int) -> int:
         if not self.base <= ptr < self.base + self.nbytes:
             raise ValueError(f"0x{ptr:x} is not inside this rank's symmetric heap")
@@ -118,14 +101,12 @@ class SymmetricHeap:
     def peer_array(self, array: DeviceArray, peer: int) -> DeviceArray:
         return DeviceArray(self.backend, self.translate(array.ptr, peer), array.shape, array.dtype, owner=self)
 
-    # -- teardown -----------------------------------------------------------------
     def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise A2AError("SymmetricHeap is closed")
 
     def close(self, wait_for_peers: bool = True) -> None:
-        """Idempotent. Waits (bounded) for peers so nobody frees memory a peer still reads;
-        `wait_for_peers=False` skips that when a peer is known to be gone."""
+        """Idempotent; waits (bounded) so nobody frees memory a peer still reads, unless `wait_for_peers=False`."""
         if not self._finalizer.alive:
             return
         try:
@@ -158,12 +139,8 @@ class _Mappings:
 
     def release(self) -> None:
         for ptr in reversed(self.peers):
-            try:
+            with contextlib.suppress(Exception):  # best effort: at exit a peer may already be gone
                 self.backend.ipc_close(ptr)
-            except Exception:
-                pass  # best effort: at exit a peer may already be gone
         self.peers = []
-        try:
+        with contextlib.suppress(Exception):
             self.backend.free(self.base)
-        except Exception:
-            pass

@@ -1,26 +1,12 @@
 """Dispatch and combine over ranks on several nodes: within a node the symmetric heap, between nodes
-NCCL/RCCL (MPI on the host backend).
+NCCL/RCCL (MPI on the host backend); the protocol is in docs/DESIGN.md ("Across nodes").
 
 `AllToAll(comm, ...)` is a HierarchicalAllToAll when `comm` spans nodes, or when `ranks_per_node` (or
-PYHIPA2A_RANKS_PER_NODE) splits one machine into simulated nodes: the same calls, outputs and oracle.
-Ranks lie node by node (rank = node * G + place, G ranks a node): expert e lives on rank e // L as
-always, so node n holds experts [n * E/N, (n+1) * E/N).
-
-A rank's counterparts are the ranks in its place on the other nodes. A call (kernels_hip/hier.hip):
-  dispatch: our tokens go once to each counterpart as one region of max_num_tokens rows (rows,
-    routing, weights, count, the call's sequence number); each rank then runs its node's exchange over
-    all N regions, whose routing hier_localize made this node's (-1: another node's expert), so a token
-    crosses to each other node once and the node's ranks share it over the heap; expert_meta names the
-    token's true source rank (the node part's region_tokens).
-  combine: the regions' records cross again (weights given to combine, and each rank's status), since
-    counterparts may hand over their weights in different calls; the node's exchange sums each region's
-    rows over this node's experts (weighted, fp32, rounded once to out_dtype: one rounding per node, as
-    narrow_partials rounds per rank); each region's sums go home with the sender's status; hier_sum adds
-    a token's sums from every node, and reports a node whose sums never came or whose rank had failed.
-Regions move whole, so no call needs a host round trip and a step can be captured as a graph; each of
-the three exchanges between nodes is captured as a graph of its own when the object is made
-(pyhipa2a.internode), so a call launches it without NCCL's host-side group launch. Bytes between a pair
-of nodes per call: M rows each way, not T.
+PYHIPA2A_RANKS_PER_NODE) splits one machine into simulated nodes. Ranks lie node by node (rank = node *
+G + place), so node n holds experts [n * E/N, (n+1) * E/N). Each rank's tokens cross once to its
+counterpart (the rank in its place) on every other node as one region of max_num_tokens rows; each
+node runs its own exchange over all regions (kernels_hip/hier.hip), and combine sends each region's
+sums home, where hier_sum adds them. Regions move whole: no host round trip, and a step can be a graph.
 """
 from __future__ import annotations
 
@@ -31,7 +17,7 @@ import numpy as np
 
 from .api import AllToAll
 from .array import DeviceArray
-from .bootstrap import NodeLayout, _mpi
+from .bootstrap import NodeLayout, mpi
 from .config import Config
 from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
 from .internode import Transfer, make_engine
@@ -73,7 +59,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     JOINS_CAPTURES = False  # (its exchange between nodes is watched from the host)
 
     def _open(self, comm, layout: NodeLayout, backend, device, params: dict) -> tuple:
-        MPI = _mpi()
+        MPI = mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         rank = comm.Get_rank()
         engine = params.pop("engine", None)
@@ -84,8 +70,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         # Ranks of other (simulated) nodes may drive the same GPU: the grid is shared among all of them.
         machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         devices = machine.allgather(device)
-        # Which GPU, for the engine's default: the machine (named by its first rank, as MPI groups ranks that
-        # share memory) and the device index.
+        # (which GPU, for the engine's default: the machine, named by its first rank, and the device index)
         placement = (machine.bcast(rank, root=0), device)
         machine.Free()
         self.comm = comm
@@ -158,11 +143,11 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._sums = (self._sum.pack(), self._sum.pack())
         b = self._sums[0][0]
         b.own = ptr["sums"] + layout.node * M * out_row  # our own region's sums stay here
-        b.partials, b.seals, b.sequence, b.status, b.mirror = ptr["partials"], ptr["seals"], ptr["sequence"], status, mirror
+        b.partials, b.seals, b.sequence = ptr["partials"], ptr["seals"], ptr["sequence"]
+        b.status, b.mirror = status, mirror
         b.node, b.nodes, b.ranks_per_node, b.place = layout.node, N, layout.ranks_per_node, layout.place
         b.max_tokens, b.hidden = M, H
-        # One geometry for every call: the node-to-node kernels loop over their items, so the launch sites
-        # made now serve any token count.
+        # One geometry for every call (the kernels loop over their items): the sites made now serve any call.
         self._geometry = (c.blocks, c.block_threads)
         for packs in self._steps.values():
             for pack in packs:
@@ -181,8 +166,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
                                                                   if scale_bytes else [])
         sums = [Transfer(m, ptr["sums"] + m * M * out_row, ptr["partials"] + m * M * out_row, M * out_row)
                 for m in others] + [Transfer(m, ptr["sequence"], ptr["seals"] + 16 * m, 16) for m in others]
-        self._moves = {name: self._engine.exchanger(transfers, exchange.stream)
-                       for name, transfers in (("tokens", tokens), ("records", records), ("sums", sums))}
+        self._moves = {"tokens": tokens, "records": records, "sums": sums}
 
     # -- AllToAll's parts ---------------------------------------------------------
     @property
@@ -204,9 +188,8 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         pack = self._steps["dispatch"][0]
         a = pack[0]
         a.x, a.indices, a.x_scales, a.weights, a.tokens = x, indices, x_scales, weights, tokens
-        recording = self._streams.capturing is not None
         self._stage.launch(pack, *self._geometry, s)
-        self._moves["tokens"](s, recording)
+        self._engine.exchange(self._moves["tokens"], s)
         self._localize.launch(pack, *self._geometry, s)
         node_tokens = self._regions[0]
         self._exchange.dispatch.launch(s, node_tokens)
@@ -215,9 +198,8 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         pack = self._steps["combine"][0]
         a = pack[0]
         a.weights, a.tokens = weights, tokens
-        recording = self._streams.capturing is not None
         self._stage.launch(pack, *self._geometry, s)
-        self._moves["records"](s, recording)
+        self._engine.exchange(self._moves["records"], s)
         self._localize.launch(pack, *self._geometry, s)
         node_tokens, node_weights, sums = self._regions
         leg = self._exchange.combine
@@ -225,7 +207,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         call.expert_y, call.weights, call.out, call.num_tokens, call.expert_scale = (expert_y, node_weights, sums,
                                                                                      node_tokens, scale)
         leg.launch(s, node_tokens)
-        self._moves["sums"](s, recording)
+        self._engine.exchange(self._moves["sums"], s)
         b = self._sums[0][0]
         b.out, b.tokens = out, tokens
         self._sum.launch(self._sums[0], *self._geometry, s)
@@ -235,31 +217,28 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         stage = self._stage.repeater(pack, frozen, *self._geometry)
         localize = self._localize.repeater(pack, frozen, *self._geometry)
         node = getattr(self._exchange, leg).repeater(self._regions[0])
+        exchange, moves = self._engine.exchange, self._moves
         if leg == "dispatch":
-            tokens_move = self._moves["tokens"]
-
             def launch(s) -> None:
                 stage(s)
-                tokens_move(s, False)
+                exchange(moves["tokens"], s)
                 localize(s)
                 node(s)
             return launch
-        records, sums, add = self._moves["records"], self._moves["sums"], self._sum.repeater(*self._sums, *self._geometry)
+        add = self._sum.repeater(*self._sums, *self._geometry)
 
         def launch(s) -> None:
             stage(s)
-            records(s, False)
+            exchange(moves["records"], s)
             localize(s)
             node(s)
-            sums(s, False)
+            exchange(moves["sums"], s)
             add(s)
         return launch
 
     def exchange_between_nodes(self, stream=None) -> None:
-        """The bytes a call moves between nodes (dispatch's regions, then combine's records and sums), moved
-        alone by the same engine, with no kernel of ours: the bare exchange that benchmarks set a call beside.
-        Collective, as a call is, and ordered as one; between calls (it overwrites the exchanged regions,
-        which the next call writes anew)."""
+        """A call's bytes between nodes moved alone by the same engine, no kernel of ours (the bare exchange
+        benchmarks set a call beside). Collective and ordered as a call; only between calls."""
         self._usable()
         if self._state.pending is not None:
             raise A2AError("exchange_between_nodes() between a dispatch and its combine would overwrite "
@@ -268,7 +247,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         s = streams.given(stream)
         streams.follow(s)
         for name in ("tokens", "records", "sums"):
-            self._moves[name](s, False)
+            self._engine.exchange(self._moves[name], s)
         streams.queued(s)
 
     @property

@@ -1,37 +1,16 @@
-"""The array boundary: whatever a caller passes becomes a kernel argument, in one pass.
+"""The array boundary: each argument becomes a checked kernel pointer. NumPy arrays are copied to device staging;
+DeviceArray, CUDA-array-interface and DLPack arrays are used in place, typed by their protocol (not `.dtype`).
 
-Accepted: NumPy arrays (copied into the library's device staging), our own DeviceArray, and any device
-array that speaks the CUDA array interface or DLPack (PyTorch, CuPy, JAX, Numba, ...; used in place).
-One `Boundary` per AllToAll turns each argument into a device pointer: element type from the protocol
-that describes it (the interface's `typestr`, DLPack's type code, a NumPy array's dtype; never a foreign
-object's own `.dtype`), shape, C-contiguity, the device it lives on, and the producer's writes ordered
-before the call's stream. Everything is checked on the calling rank before a kernel runs.
-
-Which protocol, and how the producer is ordered (producer_order="protocol", the default):
-- our DeviceArray: the stream it names is waited for on the device;
-- an interface array that names a stream (version 3: CuPy, Numba): that stream is waited for on the
-  device, read again at every call (CuPy names its current stream); `stream: None` means no wait;
-- otherwise DLPack where the object has it (PyTorch's and JAX's interfaces name no stream): exported
-  naming the reading stream, so the producer makes that stream wait for its pending writes;
-- an interface array with neither (version 2 only): used as it is, with a warning: its producer cannot
-  be waited for.
-With producer_order="stream" the caller promises that every device input was written on the call's
-stream or ordered before it, and no producer is asked.
-
-Arrays seen before are not described again: the cache of each argument keeps the object itself (so its
-address cannot be reused by another) and its description, which stands while what the protocol says
-now matches it, or, for PyTorch, CuPy and JAX arrays, while their own attributes say the same pointer,
-shape, strides and type (pyhipa2a.producers: their protocols cost tens of microseconds a call; the probe
-asks the producer's current stream instead, which is what their protocols wait for). A new PyTorch,
-CuPy or finished JAX array of an element type its protocol named before is described by its attributes
-alone. `take` says whether a repeat of the call may take the same object again unasked (`Taken`).
-"""
+producer_order="protocol" (default) waits for: a DeviceArray's stream; the stream a version-3 interface
+names (read at every call); else a DLPack export naming the reading stream; an interface naming neither
+is used as is, with a warning. producer_order="stream": the caller vouches for the call's stream.
+Descriptions are cached per argument (keeping the object, so its address is not reused) while the protocol,
+or for PyTorch, CuPy and JAX their attributes (pyhipa2a.producers), say the same."""
 from __future__ import annotations
 
 import math
 import struct
 import warnings
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -45,44 +24,34 @@ DLPACK_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 10: "rocm", 11: "rocm_host"
 OWN, CAI, DLPACK, PROBED = "own", "cai", "dlpack", "probed"
 
 
-@dataclass(frozen=True)
-class Described:
+class Described(NamedTuple):
     """One device argument as the kernels see it, and what a later use must find to trust it."""
     ptr: int
     shape: tuple
     dtype: np.dtype
-    protocol: str            # OWN, CAI, DLPACK, or PROBED (its producer's probe alone: Boundary._from_probe)
-    key: tuple               # what the protocol said (compared at a later use); PROBED: the probe's key
-    keepalive: object = None  # a consumed DLPack capsule, a probe's hold: the producer's memory is ours until released
+    protocol: str            # OWN, CAI, DLPACK, or PROBED (described by its probe alone: Boundary._from_probe)
+    key: tuple               # what the protocol said, compared at a later use; PROBED: the probe's key
+    keepalive: object = None  # a consumed DLPack capsule or a probe's hold: the memory is ours until released
 
 
 class Recheck(NamedTuple):
-    """What a PyTorch, CuPy or JAX argument must still answer for a call on it to repeat without its
-    protocol (pyhipa2a.producers): the key of its description, and the producer stream it named then
-    (None: nothing to wait for)."""
+    """What a probed argument must still answer (key, producer stream) for a call to repeat unasked."""
     probe: object
     key: tuple
     stream: object
 
 
 class Taken(NamedTuple):
-    """An argument as a call takes it: its pointer, what keeps its memory ours while the device may read
-    it, and whether a repeat of the call on the same object and stream may take it again unasked (our own
-    array on the call's stream; anything under producer_order="stream"; a probed array whose `recheck`
-    still holds, each repeat waiting for the producer stream `wait` where that is not the call's)."""
+    """An argument as taken, and whether a repeat on the same object and stream may take it unasked."""
     ptr: int
     keep: object
     repeatable: bool
     recheck: Recheck | None = None
-    wait: object = None  # the producer stream each repeat waits for, as its probe spells it (an int)
+    wait: object = None  # the producer stream each repeat waits for (an int, as the probe spells it)
 
 
-@dataclass(frozen=True)
-class Cached:
-    """An argument's last array and its description; with the producer's probe, the key it gave then
-    and the stream the description's use was to run on, outside a capture (a DLPack export made that
-    stream wait for the producer's writes: a JAX array, which never changes, needs no other wait
-    on it, and a use on another stream waits for it)."""
+class Cached(NamedTuple):
+    """An argument's last array and description; with its probe, its key and the stream the export ordered."""
     obj: object
     described: Described
     probe: object = None
@@ -91,13 +60,12 @@ class Cached:
 
 
 def producer_stream(cai: dict) -> int | None:
-    """The stream (a handle: 1 and 2 are CUDA's legacy and per-thread default streams) on which the
-    producer of a __cuda_array_interface__ array queued its writes, or None when it needs no wait."""
+    """The stream handle a __cuda_array_interface__ producer queued its writes on, or None: no wait."""
     stream = cai.get("stream")
     if stream is None:
         return None
     if isinstance(stream, bool) or not isinstance(stream, int) or stream <= 0:
-        # (0 is ambiguous, and the interface's version 3 forbids it)
+        # (0 is ambiguous; version 3 forbids it)
         raise ValueError(f"__cuda_array_interface__ stream must be None or a stream handle, not {stream!r}")
     return stream
 
@@ -118,9 +86,7 @@ def _contiguous(shape, strides_bytes, itemsize) -> bool:
 
 
 def require_array(obj, name: str) -> None:
-    # The type's attributes first: hasattr on an instance evaluates a property, and PyTorch's
-    # __cuda_array_interface__ property costs microseconds (then the instance, for objects that carry
-    # the interface as an attribute of their own).
+    # The type first: hasattr on an instance evaluates PyTorch's costly __cuda_array_interface__ property.
     kind = type(obj)
     if not (isinstance(obj, (np.ndarray, DeviceArray)) or hasattr(kind, "__dlpack__")
             or hasattr(kind, "__cuda_array_interface__") or hasattr(obj, "__cuda_array_interface__")
@@ -130,9 +96,7 @@ def require_array(obj, name: str) -> None:
 
 
 def cai_dtype(typestr: str, want_dtype, name: str) -> np.dtype:
-    """The element type an interface's typestr names. The interface cannot spell bfloat16 or fp8:
-    producers write them as void of their size ('<V2', PyTorch and pyhipa2a for bfloat16), which
-    is taken as the argument's required type when that is one of those, and refused otherwise."""
+    """The element type a typestr names; a void of the right size ('<V2') stands for a required ml_dtype."""
     dtype = np.dtype(typestr)
     if dtype.kind != "V":
         return dtype
@@ -144,11 +108,10 @@ def cai_dtype(typestr: str, want_dtype, name: str) -> np.dtype:
 
 
 def _read_cai(obj):
-    """The interface's dict, or None when the object has none or refuses it for this array (JAX
-    does for bfloat16): then DLPack describes it."""
+    """The interface's dict, or None where absent or refused (JAX refuses bfloat16): then DLPack describes it."""
     try:
         return obj.__cuda_array_interface__
-    except Exception:  # AttributeError, or the producer's own refusal
+    except Exception:
         return None
 
 
@@ -175,9 +138,7 @@ def _warn_unordered(obj, why: str) -> None:
 
 
 class Boundary:
-    """The array boundary of one AllToAll: `take` turns an argument into a kernel pointer. `order` is the
-    object's Streams (pyhipa2a.streams): device waits for producers go through it. `producer_order` is
-    "protocol" or "stream" (module docstring)."""
+    """One AllToAll's array boundary; producers are waited for through `order`, its Streams."""
 
     def __init__(self, backend, device_index: int, order, producer_order: str = "protocol"):
         self.backend, self.device_index, self.order = backend, device_index, order
@@ -187,9 +148,8 @@ class Boundary:
 
     def take(self, name: str, obj, want_shape, want_dtype, stream, *, capturing: bool = False,
              stage_ptr: int | None = None, align: int = 1) -> Taken:
-        """Argument `name` of shape `want_shape` (None: any) and dtype `want_dtype`, its data `align`-byte
-        aligned, to be read on `stream`. NumPy arrays are copied into `stage_ptr` (refused when there is
-        none, or while capturing); the keepalive must outlive the kernel's reads."""
+        """Argument `name` (`want_shape`, None entries free; `want_dtype`; `align`-byte aligned) read on `stream`.
+        NumPy arrays are copied into `stage_ptr` (refused without one, or while capturing)."""
         if isinstance(obj, np.ndarray):
             check_numpy_input(name, obj, want_shape, want_dtype, capturing and stage_ptr is not None)
             if stage_ptr is None:
@@ -217,29 +177,27 @@ class Boundary:
         return Taken(d.ptr, keep, recheck is not None, recheck, wait)
 
     def _recheck(self, cached: Cached, obj, producer, stream):
-        """(Recheck, wait) under which a probed argument settles: what its probe must answer at the next
-        use, and the stream that use waits for (None: the call's own, or none); (None, None): it does
-        not settle (no probe; a probe that raises or names another stream than the protocol did; or a
-        JAX array used on another stream than its first export's, which names none to recheck)."""
+        """(Recheck, wait) for a probed argument's repeats, or (None, None) when it cannot repeat unasked."""
         if cached.probe is None or not (producer is None or isinstance(producer, int)):
             return None, None
-        try:
-            named = cached.probe.stream(obj)  # (a first description's DLPack export: what it names from now on)
-        except Exception:
-            return None, None
+        if cached.described.protocol == PROBED and producer is not None:
+            named = producer  # (its probe's answer already)
+        else:
+            try:
+                named = cached.probe.stream(obj)
+            except Exception:
+                return None, None
         if producer is not None and named != producer:
             return None, None
         wait = None
         if named is not None and not self.order.same_stream(named, stream):
-            if self.order.stream_of(self.order.runtime_handle(named)) is None:  # (a stream the backend cannot name)
+            if self.order.stream_of(self.order.runtime_handle(named)) is None:  # the backend cannot name it
                 return None, None
-            wait = named  # (spelled as the full path's producer, so that a call waits for it once: wait_for_producer)
+            wait = named  # spelled as the full path's producer, so a call waits for it once
         return Recheck(cached.probe, cached.probe_key, named), wait
 
     def describe(self, name: str, obj, want_dtype, stream, capturing: bool):
-        """(description, producer) of a device array, from the cache when it still stands. The
-        producer is what the use must wait for on the device: a stream of ours, a foreign stream
-        handle, or None (nothing, or a DLPack export that ordered it already)."""
+        """(description, producer: our stream, a foreign handle, or None) of a device array, cached while it stands."""
         cached = self._cache.get(name)
         d = None
         if cached is not None and cached.obj is obj:
@@ -253,7 +211,6 @@ class Boundary:
                 d, producer, self._cache[name] = probed
             else:
                 d, producer = self._describe(name, obj, want_dtype, stream, capturing)
-                # (a replaced entry's capsule lives until here: its call was queued)
                 self._cache[name] = self._cached(obj, d, producer, None if capturing else stream)
         elif cached.described is not d:
             self._cache[name] = Cached(obj, d)
@@ -262,9 +219,7 @@ class Boundary:
         return d, producer
 
     def _probed(self, cached: Cached, obj, stream, capturing: bool):
-        """(description, producer) from the probe, when its answers are still those of the cached
-        description; (None, None): describe anew (a changed answer, a probe that raised, or a
-        description made inside a capture, whose export ordered nothing)."""
+        """(description, producer) while the probe answers as cached (not for one made while capturing)."""
         if cached.ordered_on is None and not capturing:
             return None, None
         try:
@@ -274,18 +229,15 @@ class Boundary:
         except Exception:
             return None, None
         if producer is None and not capturing and cached.ordered_on is not stream:
-            producer = cached.ordered_on  # (a JAX array) its first export made that stream wait for it
+            producer = cached.ordered_on  # (JAX) its first export made that stream wait for it
         return cached.described, producer
 
     def _cached(self, obj, d: Described, producer, ordered_on) -> Cached:
-        """The cache entry of a new description, with the producer's probe when it answers as the
-        protocol did: the same pointer and shape, and, where the protocol named a stream, that one.
-        None on the host backend (its arrays live in host memory, where no probe's stream means
-        anything) and for an empty array (whose pointer producers spell differently)."""
+        """A new description's cache entry, with the probe where it agrees with the protocol (and obj is not empty)."""
         probe = producers.probe_for(obj) if d.protocol != OWN and self.backend.kind != "host" else None
         if probe is None or 0 in d.shape:
             return Cached(obj, d)
-        named = d.protocol == CAI and self.ask_producers  # (a DLPack export orders itself, naming none)
+        named = d.protocol == CAI and self.ask_producers  # a DLPack export names no stream
         try:
             key = probe.key(obj)
             shape = tuple(key[1])
@@ -299,14 +251,12 @@ class Boundary:
         return Cached(obj, d, probe, key, ordered_on)
 
     def _taught(self, probe, obj, d: Described, key: tuple) -> bool:
-        """Whether the probe's view of obj agrees with d, its protocol's description (our device, compact,
-        `key`, the probe's key of obj); where it does, the probe learns d's element type for the library's type object
-        in the key, so that the next array of that type is described by the view alone (_from_probe).
-        A void typestr ('<V2': bfloat16 through the interface) names no type of its own: nothing learned."""
+        """Whether the probe's view of obj agrees with d (our device, compact, `key`); if so the probe learns
+        d's element type for key's type object, for _from_probe. A void typestr teaches nothing."""
         if d.protocol == CAI and np.dtype(d.key[2]).kind == "V":
             return True
         seen = probe.view(obj)
-        if seen is None:  # (a JAX array not yet finished: nothing to learn from it)
+        if seen is None:  # (an unfinished JAX array)
             return True
         viewed, device, compact = seen
         if viewed != key or device != self.device_index or not compact:
@@ -314,14 +264,8 @@ class Boundary:
         return probe.element_types.setdefault(key[3], d.dtype) == d.dtype
 
     def _from_probe(self, obj, stream, capturing: bool):
-        """(description, producer, cache entry) of an array described by its producer's probe alone (a
-        PyTorch or CuPy array, or a finished JAX array, new to this argument or changed in place, whose
-        view shows it on our device and compact, of an element type its protocol named before as the
-        view saw it: _taught; with the probe's hold, where its arrays need one); None: ask its protocol,
-        which also says what is wrong with it. The producer is the stream the probe names, which the use
-        waits for on the device, as the protocol's export or interface would have it wait
-        (pyhipa2a.producers)."""
-        if self.backend.kind == "host":  # (its arrays live in host memory: no probe's stream means anything)
+        """(description, producer, cache entry) from the probe alone, for an element type _taught it; else None."""
+        if self.backend.kind == "host":  # no probe's stream means anything for host memory
             return None
         probe = producers.probe_for(obj)
         key = None if probe is None else producers.view_here(probe, obj, self.device_index)
@@ -333,19 +277,17 @@ class Boundary:
         try:
             producer = probe.stream(obj) if self.ask_producers and not capturing else None
             hold = None if probe.hold is None else probe.hold(obj)
-        except Exception:  # (the protocol says what is wrong, if anything)
+        except Exception:
             return None
         d = Described(key[0], shape, dtype, PROBED, key, hold)
         return d, producer, Cached(obj, d, probe, key, None if capturing else stream)
 
-    # -- a cached description, checked against what the protocol says now ----------------------
     def _still(self, name, d: Described, obj, want_dtype, stream, capturing):
-        """(`d`, or `d` with this use's capsule, and the producer) when `d` still describes `obj`;
-        (None, None): describe anew."""
+        """(`d`, with this use's capsule if any, and the producer) while `d` still describes `obj`."""
         if d.protocol == OWN:
             return d, obj.stream  # our arrays never change their memory
         if not self.ask_producers:
-            return d, None  # the caller vouches for the producer and for the memory
+            return d, None  # the caller vouches
         if d.protocol == CAI:
             cai = _read_cai(obj)
             if cai is None or _cai_key(cai) != d.key:
@@ -356,9 +298,8 @@ class Boundary:
             return self._from_dlpack(view, name, want_dtype), None  # checked afresh, from this export
         return Described(d.ptr, d.shape, d.dtype, DLPACK, d.key, view.keepalive), None
 
-    # -- a first description -------------------------------------------------------------------
     def _describe(self, name: str, obj, want_dtype, stream, capturing):
-        """(description, producer) of an array not seen in this argument before (or changed)."""
+        """(description, producer) of an array new to this argument (or changed)."""
         backend = self.backend
         if isinstance(obj, DeviceArray):
             if obj.backend.kind != backend.kind or obj.device_id != self.device_index:
@@ -374,8 +315,7 @@ class Boundary:
         if hasattr(obj, "__dlpack__"):
             if hasattr(obj, "__dlpack_device__"):  # refuse before exporting (an export may copy or wait)
                 _dlpack_device(*obj.__dlpack_device__(), backend, self.device_index, name)
-            # Asking producers: export naming the reading stream (the producer orders itself before it).
-            # Not asking: -1, "do not synchronize" (the caller vouches).
+            # Name the reading stream (the producer orders itself), or -1 when the caller vouches.
             exported_to = self.order.dlpack_stream(stream, capturing or not self.ask_producers)
             return self._from_dlpack(dlpack.view_from_object(obj, stream=exported_to), name, want_dtype), None
         raise TypeError(f"{name} must be a NumPy array or a device array (__cuda_array_interface__ or "
@@ -407,8 +347,7 @@ def _cai_key(cai: dict) -> tuple:
 
 
 def check_numpy_input(name: str, obj: np.ndarray, want_shape, want_dtype, capturing: bool) -> None:
-    """A NumPy argument, which the call copies to the device: its shape, dtype and layout, and no
-    capture (the copy would happen once while capturing, not at each launch of the graph)."""
+    """A NumPy argument's shape, dtype and layout; refused while capturing (see the error)."""
     check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)
     check_numpy(name, obj)
     if capturing:
@@ -421,7 +360,8 @@ def check_array(name: str, shape, dtype, want_shape, want_dtype) -> None:
     if dtype != want_dtype and np.dtype(dtype) != np.dtype(want_dtype):
         raise TypeError(f"{name} must have dtype {np.dtype(want_dtype).name}, got {np.dtype(dtype).name}")
     if len(shape) != len(want_shape):
-        raise ValueError(f"{name} must have {len(want_shape)} dimensions {_spell(want_shape)}, got shape {tuple(shape)}")
+        raise ValueError(f"{name} must have {len(want_shape)} dimensions {_spell(want_shape)}, "
+                         f"got shape {tuple(shape)}")
     for got, want in zip(shape, want_shape):
         if want is not None and got != want:
             raise ValueError(f"{name} must have shape {_spell(want_shape)}, got {tuple(shape)}")
@@ -453,22 +393,20 @@ def check_indices(indices: np.ndarray, num_experts: int) -> None:
 
 
 def same_scale(given, last) -> bool:
-    """Whether combine()'s expert_scale `given` is the scale `last` for the kernels: the same object, or
-    the same value of the same type and sign (-0.0 == 0.0, but a product's sign follows the scale's)."""
+    """Whether expert_scale `given` is `last` to the kernels: same object, or same type, value and sign."""
     return given is last or (type(given) is type(last) and given == last
                              and bool(given or math.copysign(1, given) == math.copysign(1, last)))
 
 
 def check_scale(value) -> float:
-    """combine()'s expert_scale as the float32 the kernels multiply by: a finite real number that
-    float32 holds, not rounded to 0 unless it is 0. In plain Python: it is checked at every call."""
-    if type(value) is float and value == 1.0:  # the default, with nothing to check
+    """combine()'s expert_scale as the float32 the kernels use: finite, and not rounded to 0 unless 0."""
+    if type(value) is float and value == 1.0:  # the default
         return 1.0
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"expert_scale must be a real number, not {_describe_type(value)}")
     try:
         as_f32 = struct.unpack("f", struct.pack("f", float(value)))[0]
-    except OverflowError:  # beyond float32 (or beyond any float, for a huge int)
+    except OverflowError:  # beyond float32 (or any float, for a huge int)
         as_f32 = math.inf
     if not math.isfinite(as_f32):
         raise ValueError(f"expert_scale={value!r} is not a finite float32")

@@ -1,29 +1,16 @@
-"""Engines that move a multi-node call's regions between nodes (pyhipa2a.hierarchy).
-
-An engine swaps buffers with this rank's counterparts on the other nodes (the
-ranks in the same place of their node), on the call's stream, in the call's
-order; `exchanger(transfers, stream)` gives the function of (stream,
-recording) that a call runs for one fixed list of transfers:
-- `NcclEngine`: NCCL on NVIDIA, RCCL on AMD (pyhipa2a.runtime.nccl), the
-  engine these users already run between nodes. Capturable in a graph: each
-  list of transfers is captured once, as the exchanger is made, and a call
-  launches that graph (NCCL's non-blocking group launch costs 80-115 us of
-  host time, a graph launch a few). Its waits are unbounded, so a watchdog
-  (`settle`) aborts the communicator when a call has not finished within the
-  timeout.
-- `MpiEngine`: mpi4py. On the host backend it moves the host memory itself;
-  on a GPU it stages through host copies (no graph capture), for machines
-  without NCCL and for testing the hierarchy with ranks that share a GPU.
-
-Neither raises for a peer that never came: it gives up after the timeout and
-leaves that region as it was. Every region carries the call's sequence number,
-so the kernel that reads it reports the timeout, naming that peer, and the
-call's outputs are poisoned (kernels_hip/hier.hip).
+"""Engines that swap a multi-node call's regions with this rank's counterparts on the other nodes
+(pyhipa2a.hierarchy), on the call's stream, in the call's order:
+- `NcclEngine`: NCCL/RCCL (pyhipa2a.runtime.nccl). Its waits are unbounded, so `settle` aborts the
+  communicator when a call has not finished within the timeout. Exchanges are queued eagerly: captured
+  once as graphs they launch in a few us instead of 55-115, but ncclCommAbort then blocks while such a
+  launch waits for a peer that never comes (two H200s, NCCL 2.28), so a missing node would hang the rest.
+- `MpiEngine`: mpi4py through host copies, for the host backend and for ranks that share a GPU.
+Neither raises for a missing peer: its regions keep an old sequence number, and the kernel that reads
+them reports the timeout naming that peer and poisons the call's outputs (kernels_hip/hier.hip).
 """
 from __future__ import annotations
 
 import time
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -32,8 +19,7 @@ from .bootstrap import sleep_backoff
 
 
 class Transfer(NamedTuple):
-    """`nbytes` from `send` to counterpart `peer` (a rank of the engine's communicator), and as many
-    from it into `recv`. Both sides list their transfers with each peer in the same order."""
+    """`nbytes` from `send` to `peer` and as many from it into `recv` (both list them in the same order)."""
     peer: int
     send: int
     recv: int
@@ -43,13 +29,9 @@ class Transfer(NamedTuple):
 class MpiEngine:
     def __init__(self, backend, comm, timeout: float):
         self.backend, self.comm, self.timeout = backend, comm, timeout
-        # On a GPU the host copies wait for the stream, which a graph cannot record; the host
-        # backend keeps the exchange itself as a step of its graphs.
+        # (on a GPU the host copies wait for the stream, which a graph cannot record)
         self.capturable = backend.kind == "host"
         self._unfinished: list = []  # sends to peers that never came: MPI may still read their buffers
-
-    def exchanger(self, transfers: list[Transfer], stream):
-        return lambda s, recording: self.exchange(transfers, s)
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
         if self.backend.kind == "host":
@@ -127,36 +109,6 @@ class NcclEngine:
         from .runtime import nccl
         self.backend, self.timeout = backend, timeout
         self.nccl = nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
-        self._graphs: list = []
-
-    def exchanger(self, transfers: list[Transfer], stream):
-        """The transfers moved once on `stream` (which waits for them: NCCL connects peers at its first
-        exchange), then captured there as a graph, launched on a call's stream; inside a capture of the
-        caller's, they are recorded as NCCL calls. A capture NCCL refuses leaves the NCCL calls to every
-        call, with a warning."""
-        self.exchange(transfers, stream)
-        self.settle(stream)
-        graph = None
-        if not self.nccl.aborted:
-            try:
-                self.backend.capture_begin(stream)
-                try:
-                    self.exchange(transfers, stream)
-                finally:
-                    graph = self.backend.capture_end(stream)
-                self._graphs.append(graph)
-            except Exception as error:
-                warnings.warn(f"pyhipa2a: NCCL's exchange between nodes could not be captured as a graph ({error!r}); "
-                              "calls launch it through NCCL's group calls", RuntimeWarning, stacklevel=3)
-                graph = None
-        backend = self.backend
-
-        def move(s, recording: bool) -> None:
-            if graph is None or recording:
-                self.exchange(transfers, s)
-            elif not self.nccl.aborted:  # (after an abort its kernels would wait for nothing that comes)
-                backend.graph_launch(graph, s)
-        return move
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
         """Queue the transfers; a peer that never comes is not raised here (nor after an abort): its
@@ -172,10 +124,8 @@ class NcclEngine:
             return
 
     def settle(self, stream) -> None:
-        """Wait for `stream` without hanging: when its work has not finished `timeout` seconds after
-        this wait began (eager calls and graph replays alike), or NCCL reports an error, abort the
-        communicator. NCCL's kernels then end, the regions they never received keep an old sequence
-        number, and the kernels after them report the timeout naming the rank."""
+        """Wait for `stream` without hanging: abort the communicator when its work has not finished
+        `timeout` seconds after this wait began, or NCCL reports an error (the kernels then report)."""
         from .runtime.nccl import NcclFailure
         deadline, attempt = time.monotonic() + self.timeout, 0
         while not self.backend.stream_done(stream):
@@ -196,18 +146,12 @@ class NcclEngine:
         self.nccl.abort()
 
     def close(self) -> None:
-        for graph in self._graphs:  # (they hold NCCL's work: gone before its communicator)
-            self.backend.graph_destroy(graph)
-        self._graphs.clear()
         self.nccl.close()
 
 
 def default_engine(backend_kind: str, placements: list) -> str:
-    """The engine when none is named: MPI on the host backend, and where two ranks of the exchange
-    drive one GPU (`placements`: each rank's (machine, device); simulated nodes whose ranks share a GPU
-    under MPS), since NCCL refuses a communicator with two ranks on one GPU; NCCL/RCCL otherwise.
-    (Devices are told apart by index, as the heap does: ranks of one machine are assumed to see the
-    same devices; where they do not, two GPUs may be taken for one, and MPI moves the regions.)"""
+    """The engine when none is named: MPI on the host backend and where two ranks drive one GPU
+    (`placements`: each rank's (machine, device index)), which NCCL refuses; NCCL/RCCL otherwise."""
     if backend_kind == "host" or len(set(placements)) < len(placements):
         return "mpi"
     return "nccl"

@@ -1,8 +1,5 @@
-"""Dispatch and combine within one node: the ranks' symmetric heaps carry every token.
-
-A NodeExchange is one node's exchange on the device (heap, buffers, kernels, launches, the fake expert,
-the clock syncs); NodeAllToAll is the AllToAll over one, and an AllToAll across nodes runs one over the
-ranks of each node (pyhipa2a.hierarchy).
+"""Dispatch and combine within one node over the ranks' symmetric heaps: a NodeExchange (heap, buffers,
+kernels, the fake expert, clock syncs), and NodeAllToAll, the AllToAll over one.
 """
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ class NodeExchange:
         heap = self.heap
         backend, device = heap.backend, heap.device
         config = config.on_device(device.arch, device.warp_size)
-        # The profiling build records per-warp timelines; the normal one compiles that away.
         self.library = KernelLibrary(backend, device.arch, variant=".profile" if config.profile else "")
         kernels = load_kernels(self.library, config)
         config = settle_geometry(config, backend, device, kernels, config.ranks_on_device or heap.ranks_on_device)
@@ -88,8 +84,8 @@ class NodeAllToAll(AllToAll, across_nodes=False):
 
     def _launch_combine(self, s, tokens, expert_y, weights, out, scale) -> None:
         leg = self._exchange.combine
-        call = leg.call
-        call.expert_y, call.weights, call.out, call.num_tokens, call.expert_scale = expert_y, weights, out, tokens, scale
+        c = leg.call
+        c.expert_y, c.weights, c.out, c.num_tokens, c.expert_scale = expert_y, weights, out, tokens, scale
         leg.launch(s, tokens)
 
     def _repeater(self, leg: str, tokens: int):

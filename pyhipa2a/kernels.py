@@ -1,10 +1,5 @@
-"""Find, load and launch the ahead-of-time device code.
-
-Each kernel's signature is declared here as ctypes types that mirror the C
-structs in kernels_hip/ (same field order, same natural alignment), so an
-argument buffer is built once per launch site and a launch only rewrites the
-fields that change.
-"""
+"""Find, load and launch the ahead-of-time device code. Signatures are ctypes types mirroring kernels_hip/'s structs
+(same field order and alignment): a launch site builds its arguments once, a launch rewrites what changes."""
 from __future__ import annotations
 
 import ctypes
@@ -23,14 +18,12 @@ class HeapView(ctypes.Structure):
 
     @classmethod
     def of(cls, heap) -> "HeapView":
-        """How kernels see a SymmetricHeap: its table of every rank's base, this rank, the world."""
         return cls(heap.bases_ptr, heap.rank, heap.world)
 
 
 class HeapCheckArgs(ctypes.Structure):
-    _fields_ = [("heap", HeapView), ("off_slots", u64), ("off_flags", u64), ("off_counter", u64),
-                ("off_status", u64), ("off_result", u64), ("words", u32), ("epoch", u32),
-                ("timeout_ns", u64)]
+    _fields_ = [("heap", HeapView), ("off_slots", u64), ("off_flags", u64), ("off_counter", u64), ("off_status", u64),
+                ("off_result", u64), ("words", u32), ("epoch", u32), ("timeout_ns", u64)]
 
 
 class Divisor(ctypes.Structure):
@@ -39,10 +32,8 @@ class Divisor(ctypes.Structure):
 
 
 def divisor(d: int) -> Divisor:
-    """The Divisor of d (1 <= d < 2^31): with 2^s >= d and mul = ceil(2^(32 + s) / d), the device's
-    ((n * mul) >> 32) >> s is n // d for every n < 2^31: mul * d exceeds 2^(32 + s) by e < d, so the
-    product overshoots n / d by n * e / (d * 2^(32 + s)) < 1 / d, too little to reach the next integer,
-    and n * mul stays below 2^64."""
+    """With 2^s >= d and mul = ceil(2^(32 + s) / d), ((n * mul) >> 32) >> s == n // d for all n < 2^31: it overshoots
+    n / d by under 1 / d, short of the next integer, and n * mul < 2^64. Needs 1 <= d < 2^31."""
     if not 1 <= d < 2**31:
         raise ValueError(f"divisor {d} out of range [1, 2^31)")
     shift = (d - 1).bit_length()
@@ -50,43 +41,34 @@ def divisor(d: int) -> Divisor:
 
 
 def timeout_ns(seconds: float) -> int:
-    """A timeout as kernels take it: at most 2^62 ns (146 years), since they add it to a clock twice
-    (the deadline, and the poisoner's bound past it) and that must not wrap around a 64-bit word."""
+    """A timeout in ns, at most 2^62: kernels add it to a clock twice (deadline, poisoner's bound), without wrapping."""
     return int(min(seconds * 1e9, 2.0 ** 62))
 
 
 class ClockSyncArgs(ctypes.Structure):
-    """kernels_hip/clock.hip: clock_sync's arguments."""
-    _fields_ = [("heap", HeapView), ("off_box", u64), ("off_stamps", u64), ("off_from0", u64), ("off_done", u64), ("off_verdict", u64),
-                ("host_offset", u64), ("rounds", u32), ("epoch", u32), ("timeout_ns", u64)]
+    _fields_ = [("heap", HeapView), ("off_box", u64), ("off_stamps", u64), ("off_from0", u64), ("off_done", u64),
+                ("off_verdict", u64), ("host_offset", u64), ("rounds", u32), ("epoch", u32), ("timeout_ns", u64)]
 
 
 class A2AArgs(ctypes.Structure):
-    _fields_ = [("heap", HeapView), ("local_base", u64),
-                ("off_tok_hdr", u64), ("off_tok_count", u64), ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64),
-                ("off_contrib_flag", u64), ("off_stage", u64), ("off_contrib", u64),
-                ("off_push_tok", u64), ("off_push_contrib", u64),
+    _fields_ = [("heap", HeapView), ("local_base", u64), ("off_tok_hdr", u64), ("off_tok_count", u64),
+                ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64), ("off_contrib_flag", u64),
+                ("off_stage", u64), ("off_contrib", u64), ("off_push_tok", u64), ("off_push_contrib", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_num_tokens", u64),
-                ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_epoch", u64),
-                ("off_status", u64), ("off_done", u64),
-                ("host_status", u64), ("prof", u64),
-                ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32),
-                ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32), ("seg_elems", u32), ("nseg", u32),
-                ("push_max_tokens", u32), ("push_row_words", u32), ("narrow_partials", u32),
-                ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32), ("x_format", u32),
-                ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
+                ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_epoch", u64), ("off_status", u64),
+                ("off_done", u64), ("host_status", u64), ("prof", u64), ("num_experts", i32), ("local_experts", i32),
+                ("top_k", i32), ("max_tokens", i32), ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32),
+                ("seg_elems", u32), ("nseg", u32), ("push_max_tokens", u32), ("push_row_words", u32),
+                ("narrow_partials", u32), ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32),
+                ("x_format", u32), ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
                 ("route_chunk", u32), ("void_slots", u32), ("region_tokens", u32), ("gpu_fence_publish", u32),
-                ("by_source", u32), ("pad", u32), ("timeout_ns", u64),
-                ("div_k", Divisor), ("div_L", Divisor), ("div_E", Divisor), ("div_x_nseg", Divisor),
-                ("div_chunk", Divisor), ("div_chunks", Divisor), ("div_W", Divisor), ("div_peers", Divisor),
-                ("div_nseg", Divisor)]
+                ("by_source", u32), ("pad", u32), ("timeout_ns", u64), ("div_k", Divisor), ("div_L", Divisor),
+                ("div_E", Divisor), ("div_x_nseg", Divisor), ("div_chunk", Divisor), ("div_chunks", Divisor),
+                ("div_W", Divisor), ("div_peers", Divisor), ("div_nseg", Divisor)]
 
 
-# Dispatch routes a call in chunks of tokens, a block each (kernels_hip/dispatch.hip, route): chunks of
-# about ROUTE_CHUNK_SLOTS slots keep the time a block takes short, and at most MAX_ROUTE_CHUNKS of them
-# keep short the tables of counts per chunk that receivers add up.
-ROUTE_CHUNK_SLOTS = 512
-MAX_ROUTE_CHUNKS = 8
+ROUTE_CHUNK_SLOTS = 512  # about this many slots per dispatch routing block keep blocks short
+MAX_ROUTE_CHUNKS = 8  # chunks per call at most, keeping short the per-chunk count tables receivers add up
 
 
 def route_chunk(top_k: int, max_tokens: int) -> int:
@@ -95,20 +77,16 @@ def route_chunk(top_k: int, max_tokens: int) -> int:
 
 
 def route_chunks(top_k: int, max_tokens: int) -> int:
-    """Chunks of a call of max_tokens tokens: the rows of the per-chunk count tables."""
     return -(-max_tokens // route_chunk(top_k, max_tokens))
 
 
-# How dispatch turns x into expert_x (A2A_X_* in kernels_hip/exchange.h; the host twins read it from
-# A2AArgs.x_format), and the device kernel for each.
-X_COPY, X_FP8, X_QUANTIZE_F16, X_QUANTIZE_BF16 = range(4)
+X_COPY, X_FP8, X_QUANTIZE_F16, X_QUANTIZE_BF16 = range(4)  # A2AArgs.x_format: how dispatch makes expert_x (A2A_X_*)
 DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZE_F16: "a2a_dispatch_quantize_f16",
                     X_QUANTIZE_BF16: "a2a_dispatch_quantize_bf16"}
 
 
 class DispatchCall(ctypes.Structure):
-    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32),
-                ("pad", u32)]
+    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("pad", u32)]
 
 
 class CombineCall(ctypes.Structure):
@@ -116,24 +94,21 @@ class CombineCall(ctypes.Structure):
 
 
 class HierArgs(ctypes.Structure):  # kernels_hip/hier.hip: the steps of a multi-node call around the node's exchange
-    _fields_ = [("x", u64), ("indices", u64), ("weights", u64), ("x_scales", u64),
-                ("regions_x", u64), ("regions_scales", u64), ("records", u64),
-                ("local_indices", u64), ("local_weights", u64), ("sequence", u64), ("status", u64), ("mirror", u64),
-                ("node", i32), ("nodes", i32), ("ranks_per_node", i32), ("place", i32),
-                ("tokens", i32), ("max_tokens", i32), ("top_k", i32), ("num_experts", i32),
-                ("node_experts", i32), ("x_row_bytes", u32), ("scale_bytes", u32), ("record_bytes", u32),
-                ("whole", u32), ("pad", u32)]
+    _fields_ = [("x", u64), ("indices", u64), ("weights", u64), ("x_scales", u64), ("regions_x", u64),
+                ("regions_scales", u64), ("records", u64), ("local_indices", u64), ("local_weights", u64),
+                ("sequence", u64), ("status", u64), ("mirror", u64), ("node", i32), ("nodes", i32),
+                ("ranks_per_node", i32), ("place", i32), ("tokens", i32), ("max_tokens", i32), ("top_k", i32),
+                ("num_experts", i32), ("node_experts", i32), ("x_row_bytes", u32), ("scale_bytes", u32),
+                ("record_bytes", u32), ("whole", u32), ("pad", u32)]
 
 
 class HierSumArgs(ctypes.Structure):
-    _fields_ = [("own", u64), ("partials", u64), ("seals", u64), ("out", u64), ("sequence", u64),
-                ("status", u64), ("mirror", u64),
-                ("node", i32), ("nodes", i32), ("ranks_per_node", i32), ("place", i32),
+    _fields_ = [("own", u64), ("partials", u64), ("seals", u64), ("out", u64), ("sequence", u64), ("status", u64),
+                ("mirror", u64), ("node", i32), ("nodes", i32), ("ranks_per_node", i32), ("place", i32),
                 ("tokens", i32), ("max_tokens", i32), ("hidden", i32), ("pad", i32)]
 
 
-# kernel name -> (code object, argument types)
-SIGNATURES = {
+SIGNATURES = {  # kernel name -> (code object, argument types)
     "heap_check": ("heap_check", (HeapCheckArgs,)),
     "a2a_dispatch": ("dispatch", (A2AArgs, DispatchCall)),
     "a2a_dispatch_fp8": ("dispatch", (A2AArgs, DispatchCall)),
@@ -167,7 +142,6 @@ class ArgPack:
         self.sites = {}  # what a backend keeps per (kernel, geometry) launched from here (CUDA: a one-node graph)
 
     def copy_from(self, other: "ArgPack") -> "ArgPack":
-        """This pack, holding every argument as `other` holds it now."""
         for mine, theirs in zip(self.arguments, other.arguments, strict=True):
             ctypes.memmove(ctypes.addressof(mine), ctypes.addressof(theirs), ctypes.sizeof(theirs))
         return self
@@ -180,7 +154,6 @@ class ArgPack:
         return self.arguments[i]
 
     def set_scalars(self, *values) -> None:
-        """For kernels whose arguments are plain scalars."""
         for arg, value in zip(self.arguments, values, strict=True):
             arg.value = value
 
@@ -199,13 +172,11 @@ class Kernel:
         self.backend.launch(self.function, grid, block, stream, pack)
 
     def prepare(self, pack: ArgPack, grid: int, block: int) -> None:
-        """What a launch from `pack` on this geometry makes at its first, made now (Backend.prepare_launch)."""
+        """Make now what the first launch from `pack` on this geometry would (Backend.prepare_launch)."""
         self.backend.prepare_launch(self.function, grid, block, pack)
 
     def repeater(self, pack: ArgPack, into: ArgPack, grid: int, block: int):
-        """A function of the stream that launches this kernel with the arguments `pack` holds now, whatever
-        is written to `pack` later (a plan's, pyhipa2a.repeat): they are copied into `into`, a pack written
-        only here, whose repeater made before this one must be dropped (Backend.launcher)."""
+        """launch(stream) with `pack`'s current arguments, kept in `into` (written only here: drop its old repeater)."""
         into.copy_from(pack)
         return self.backend.launcher(self.function, grid, block, into)
 
@@ -230,15 +201,11 @@ def select_code_object(arch: str, available: dict[str, Path], module: str) -> Pa
         if older:
             return available[f"sm_{max(older)}"]
     names = ", ".join(sorted(available)) or "none (run `python -m pyhipa2a.build`)"
-    raise CodeObjectNotFound(
-        f"no code object of '{module}' for device architecture {arch}; available: {names}")
+    raise CodeObjectNotFound(f"no code object of '{module}' for device architecture {arch}; available: {names}")
 
 
-# Modules shared by every library of a device context, loaded once and kept for the context's life
-# (the process's): on CUDA 13 a module loaded and unloaded for each AllToAll kept about 80 KB of
-# device memory every time (scripts/stress.py --churn), and loading cost each construction.
-# Keyed by the module's owner (Backend.module_owner), the code object's path and its file's
-# identity on disk, so a rebuilt code object is loaded afresh.
+# Modules shared by a context's libraries for its life (CUDA 13 leaked ~80 KB per load/unload, stress.py --churn),
+# keyed by owner (Backend.module_owner), path and file identity, so a rebuilt code object loads afresh.
 _SHARED_MODULES: dict[tuple, object] = {}
 
 
@@ -258,8 +225,7 @@ class KernelLibrary:
         return self._modules[name]
 
     def _load(self, name: str):
-        """Module `name`: the context's shared one, or, where there is no owner to share with (the host
-        backend, whose kernels are Python functions named by module), one of this library's own."""
+        """The context's shared module `name`, or this library's own where there is no owner (the host backend)."""
         if self.backend.code_suffix is None:
             return self._own_module(name.encode())
         path = select_code_object(self.arch, available_code_objects(self.code_dir, name, self.variant), name)

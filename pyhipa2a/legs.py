@@ -1,15 +1,9 @@
 """A node exchange's two call kinds as launches: which kernel, on how many blocks, from which arguments.
 
-Blocks of an exchange kernel wait on flags that other blocks of the same launch set, so every block
-must be resident at once, and so must every block of the ranks that drive the same device (ranks
-share a GPU under MPS). Every launch takes the whole resident grid however few items the call has:
-its roles (dispatch's routing, staging, counting and copying out; combine's contributions and reduce)
-then run in warps of their own.
-
-Each leg has two argument packs: the one the full path writes at every call, and the one a plan
-(pyhipa2a.repeat) launches from, a copy of the first made when the plan is (Kernel.repeater). Every
-launch site of both is made with the object (Kernel.prepare; on CUDA a one-node graph with device
-memory of its own), so no call takes device memory later.
+Blocks of a launch wait on each other's flags, so the whole grid (of every rank that drives the device)
+must be resident at once; every launch takes that grid however few items a call has. Each leg packs its
+arguments twice: the full path's pack, and a plan's copy of it (Kernel.repeater); both launch sites are
+made with the object (Kernel.prepare), so no call takes device memory later.
 """
 from __future__ import annotations
 
@@ -68,10 +62,8 @@ def load_kernels(library, config: Config) -> Kernels:
 
 def settle_geometry(config: Config, backend, device, kernels: Kernels, ranks_on_device: int) -> Config:
     """`config` with its launch geometry on `device`: threads a block, blocks a launch, and the most tokens
-    a combine may have to take the small kernel (-1: none). The small kernel runs half the bulk kernels'
-    threads with up to twice their registers a thread; the blocks counted as resident must stay so
-    whichever of the two a rank runs, so it is used only where the device holds as many of its blocks a
-    multiprocessor (PYHIPA2A_COMBINE_KERNEL=small|bulk forces one). The host twins are one thread."""
+    a combine may have to take the small kernel (-1: none). The small kernel (half the threads) is used
+    only where the device holds as many of its blocks a multiprocessor, so the grid stays resident."""
     warp = config.warp
     if warp == 1:
         return config.with_geometry(1, 1, -1)

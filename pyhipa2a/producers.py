@@ -1,29 +1,14 @@
-"""Quick answers from the producers users pass most: PyTorch, CuPy and JAX.
-
-The protocols describe an array fully, but they cost what the producer's own Python costs: PyTorch
-builds a stream object, an event and a capsule for every `__dlpack__(stream=s)` (about 45 us a tensor),
-JAX about as much, CuPy a new dict for every `__cuda_array_interface__`. So the boundary
-(pyhipa2a.inputs) describes an array through its protocol once and, where a probe here knows its
-producer, asks later only what can have changed:
-- `key(obj)`: pointer, shape, strides and element type, from the object's own attributes; a
-  description stands while the key is the one recorded with it;
-- `stream(obj)`: the stream the producer queues its writes on now, spelled as the CUDA array interface
-  spells it (1: the legacy default stream), which the call's stream waits for; None: nothing to wait for;
-- `current_stream(obj, device)`: the library's current stream on our device (AllToAll(stream=
-  "current")), None where obj is not on that device; `current_stream_here(device)` the same for an array
-  known to live there;
-- `view(obj)`: (key, device, compact) of an array its protocol would describe as it is (PyTorch: a plain
-  strided CUDA tensor, no gradient, no negated or conjugated view; JAX: a finished, plainly row-major
-  array in one GPU's memory), None otherwise; with `element_types` (the library's type object -> the
-  NumPy dtype its protocol named, learned when the protocol described an array of that type as the view
-  saw it) a new array of a known type is described without its protocol;
-- `hold(obj)`: what keeps a viewed array's memory ours while a call may read it, beside the array (JAX:
-  its plain export, under which JAX does not donate the buffer).
-That is what the protocols do: PyTorch's `__dlpack__(stream=s)` makes `s` wait for its current stream;
-CuPy's interface names its current stream; a JAX array never changes once written, and its first export
-made the stream of its first use wait for that write. A probe whose answers differ from the protocol's
-when an array is first described, or that raises, is not used for its type again; PyTorch's subclasses
-get none. No producer is imported here: a probe exists only for a library the caller has imported.
+"""Probes for PyTorch, CuPy and JAX arrays, whose protocols cost tens of us a call: pyhipa2a.inputs describes an
+array through its protocol once, then asks the probe only what can have changed. A probe has:
+- `key(obj)`: pointer, shape, strides, element type; a description stands while its recorded key does;
+- `stream(obj)`: the producer's current stream as the CUDA array interface spells it (1: legacy default), or
+  None; `current_stream(obj, device)` / `current_stream_here(device)`: the library's current stream there;
+- `view(obj)`: (key, device, compact) where the protocol would describe obj as it is, else None; with
+  `element_types` (type object -> NumPy dtype its protocol named), a new array needs no protocol;
+- `hold(obj)`: what keeps a viewed array's memory ours beside it (JAX: an export, so it is not donated).
+That is what the protocols wait for: PyTorch's and CuPy's current stream; a JAX array never changes once
+written. A probe that disagrees with the protocol or raises is dropped for its type; PyTorch subclasses get
+none; nothing is imported here.
 """
 from __future__ import annotations
 
@@ -34,11 +19,10 @@ class TorchProbe:
     hold = None  # (the tensor, referenced, keeps its memory)
 
     def __init__(self, torch):
-        # The raw handle of the current stream, in C (torch.cuda.current_stream() costs microseconds
-        # of Python); a build without it gets no probe (AttributeError here).
+        # In C, unlike torch.cuda.current_stream(); a build without it gets no probe (AttributeError).
         self._current = torch._C._cuda_getCurrentRawStream
         self._strided = torch.strided
-        self._viewable = hasattr(torch.Tensor, "is_neg")  # (PyTorch 1.10 on: else no view, the protocols describe)
+        self._viewable = hasattr(torch.Tensor, "is_neg")  # (PyTorch >= 1.10; else the protocols describe)
         self.element_types: dict = {}
 
     @staticmethod
@@ -46,8 +30,7 @@ class TorchProbe:
         return t.data_ptr(), t.shape, t.stride(), t.dtype
 
     def view(self, t):
-        # What PyTorch's protocols refuse to export, or export otherwise than its memory reads (a
-        # negated or conjugated view holds the values before the negation), is left to them.
+        # Left to the protocols: what they refuse, or export unlike its memory (negated/conjugated views).
         if (not self._viewable or not t.is_cuda or t.requires_grad or t.layout is not self._strided or t.is_nested
                 or t.is_neg() or t.is_conj()):
             return None
@@ -78,7 +61,7 @@ class CupyProbe:
         return self.key(a), a.device.id, a.flags.c_contiguous
 
     def stream(self, a) -> int:
-        # As CuPy's interface names it: the current stream of the current device, 1 for the null one.
+        # As CuPy's interface names it: the current device's current stream, 1 for the null one.
         return self._current().ptr or 1
 
     def current_stream(self, a, device: int) -> int | None:
@@ -91,30 +74,23 @@ class CupyProbe:
 class JaxProbe:
     def __init__(self, jax):
         self.element_types: dict = {}
-        # What a new array's view asks once for each value of the objects that describe it (they compare
-        # by value: a layout, a sharding): a layout -> whether it is plain row-major; a sharding -> the
-        # GPU it names where that is one GPU's own memory (-1 otherwise: a CPU, pinned host memory,
-        # several devices). (a.device alone costs about 0.5 us a call.)
+        # Memos by value: layout -> plain row-major?; sharding -> its one GPU's index, or -1 (a.device: 0.5 us).
         self._row_major: dict = {}
         self._device_of: dict = {}
 
     @staticmethod
     def key(a) -> tuple:
-        # (No strides: a JAX array has a layout instead, which the view reads.) unsafe_buffer_pointer
-        # raises for a deleted array, a donated one say, whose memory may hold another array by now, and
-        # for an array over several devices.
+        # No strides: the view reads the layout. unsafe_buffer_pointer raises for a deleted (e.g. donated)
+        # array, whose memory may hold another by now, and for one over several devices.
         return a.unsafe_buffer_pointer(), a.shape, None, a.dtype
 
     def view(self, a):
-        # Only an array whose producer has finished (is_ready, asked without waiting): one whose write
-        # may still be queued goes through its export, which makes our stream wait for it on the device
-        # (JAX names no stream to wait for). Nor one of another layout than plain row-major (which the
-        # protocol may still find compact: a column-major row, say), nor one outside a GPU's own memory.
-        # A build without these attributes gets no view. (is_deleted first: jaxlib's is_ready and layout
-        # dereference a deleted array's buffer, and the process dies.)
+        # Only a finished, plainly row-major array in one GPU's memory: a pending write needs the export to order
+        # it (JAX names no stream). is_deleted first: is_ready and layout on a deleted array crash the process.
         try:
             if a.is_deleted() or not a.is_ready():
                 return None
+            # (a private name: JAX's public a.format costs 2.4 us a call, its layout object 0.3)
             layout, sharding = a._pjrt_layout, a.sharding
             row_major = self._row_major.get(layout)
             if row_major is None:
@@ -128,23 +104,19 @@ class JaxProbe:
 
     @staticmethod
     def hold(a):
-        """What keeps a viewed array's buffer ours while a call may read it: its DLPack export (no stream:
-        the array is finished, nothing waits), an external reference under which JAX will not donate the
-        buffer to another computation, as it would the buffer of an array merely referenced. It raises
-        where the array's computation failed, as its export for the protocol would."""
+        """Its DLPack export, under which JAX will not donate the buffer (raises if its computation failed)."""
         return a.__dlpack__()
 
     @staticmethod
     def _is_row_major(a) -> bool:
-        """Through the public format (about 2.4 us; the layout object 0.3)."""
+        """Through the public format (about 2.4 us; hence the memo)."""
         public = a.format.layout
         return (tuple(public.major_to_minor) == tuple(range(len(a.shape))) and not public.tiling
                 and not public.sub_byte_element_size_in_bits)
 
     @staticmethod
     def _gpu_of(a, sharding) -> int:
-        """The GPU index that a's export would name (a of `sharding`), or -1 where it would name no GPU's
-        own memory (a CPU array, pinned host memory: every CPU device is device 0 of its kind too)."""
+        """The GPU index a's export would name, or -1 where it names no GPU's own memory (CPU, pinned host)."""
         if len(sharding.device_set) != 1:
             return -1
         kind, index = a.__dlpack_device__()
@@ -167,25 +139,22 @@ _GPU_MEMORY = (2, 10)  # DLPack's kDLCUDA, kDLROCM
 
 
 def foreign_stream_handle(stream) -> int | None:
-    """The runtime handle a call's stream= names where it is not one of our backend's stream objects: an
-    int as it is, a CuPy stream's `.ptr`, a PyTorch stream's `.cuda_stream`; None for anything else."""
-    for handle in (stream, getattr(stream, "ptr", None), getattr(stream, "cuda_stream", None)):  # (CuPy's, PyTorch's)
+    """The runtime handle of a foreign stream=: an int, CuPy's `.ptr` or PyTorch's `.cuda_stream`; else None."""
+    for handle in (stream, getattr(stream, "ptr", None), getattr(stream, "cuda_stream", None)):
         if isinstance(handle, int) and not isinstance(handle, bool):
             return handle
     return None
 
 
 def _remember(memo: dict, key, value):
-    """memo[key] = value, returned; a memo over 64 entries is emptied first (a build whose objects are
-    not shared between arrays must not grow it without bound)."""
+    """memo[key] = value, returned; emptied past 64 entries, for builds whose objects are not shared."""
     if len(memo) > 64:
         memo.clear()
     memo[key] = value
     return value
 
 
-# The top module of a producer's array type -> (the library's module, whether obj is one of its own
-# arrays, the probe).
+# Top module of an array type -> (the library's module, whether obj is one of its arrays, the probe).
 _KNOWN = {"torch": ("torch", lambda torch, obj: type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter,
                     TorchProbe),
           # (a subclass of CuPy's ndarray keeps its memory and stream attributes: no wrapper type there)
@@ -196,8 +165,7 @@ _disowned: set = set()  # types whose probe answered otherwise than their protoc
 
 
 def view_here(probe, obj, device: int):
-    """The key of obj as `probe` views it where that view shows it on `device` and compact (what a new
-    array must be for its view alone to describe it); None otherwise, or where the view raises."""
+    """obj's key where `probe`'s view shows it on `device` and compact; None otherwise or if the view raises."""
     try:
         seen = probe.view(obj)
     except Exception:
@@ -215,9 +183,8 @@ def probe_for(obj):
 
 
 def stream_source(obj):
-    """The probe that knows the current stream of obj's library, or None. Unlike probe_for, a probe
-    disowned for its descriptions still answers this (AllToAll(stream="current") follows the library
-    whatever one odd array of it did)."""
+    """The probe that knows the current stream of obj's library, or None; unlike probe_for, also for a
+    disowned type (AllToAll(stream="current") follows the library whatever one odd array did)."""
     kind = type(obj)
     try:
         return _by_type[kind]
@@ -229,13 +196,12 @@ def stream_source(obj):
     try:
         if module is not None and known[1](module, obj):
             probe = known[2](module)
-    except AttributeError:  # a build or version without what the probe reads
+    except AttributeError:  # a build without what the probe reads
         probe = None
     _by_type[kind] = probe
     return probe
 
 
 def disown(obj) -> None:
-    """The probe for obj's type answered otherwise than the protocol, or raised: the type's arrays are
-    described through their protocol from now on."""
+    """obj's probe disagreed with the protocol or raised: describe its type through the protocol from now on."""
     _disowned.add(type(obj))

@@ -1,17 +1,12 @@
-"""In-kernel timelines: the profiling build's buffer and what its events mean.
-
-`AllToAll(..., profile=True)` loads the profiling build of the kernels (`*.profile.*` code objects, built
-with -DA2A_PROFILE=1), whose warps record (start, end, tag, block, warp, detail) for every stage into a
-device buffer; the normal build compiles the recording away. `scripts/trace.py` lines every rank's
-timelines up (pyhipa2a.clock) into one Perfetto trace.
+"""In-kernel timelines (profile=True: the kernels built with -DA2A_PROFILE=1): each warp records (start,
+end, tag, block, warp, detail) for every stage; `scripts/trace.py` lines the ranks up into one trace.
 """
 from __future__ import annotations
 
 import numpy as np
 
-# tag -> (name, kind); kept in sync with kernels_hip/profile.h. kind: what the
-# time was spent on: "wait" (for a peer), "move" (copying / computing), "span"
-# (a warp's whole kernel), "sync" (grid-level bookkeeping).
+# tag -> (name, kind) as in kernels_hip/profile.h; kind: "wait" (for a peer), "move", "span" (a warp's kernel)
+# or "sync" (grid-level bookkeeping).
 TAGS = {
     1: ("dispatch.route", "move"),
     2: ("dispatch.stage", "move"),

@@ -1,17 +1,10 @@
-"""NumPy oracle of dispatch and combine, for the whole world at once.
-
-It takes every rank's inputs and returns every rank's expected outputs. It is
-written to be obviously correct, not fast: plain loops over ranks, tokens and
-slots, exactly as the contract below states it.
+"""NumPy oracle of dispatch and combine for the whole world, obviously correct rather than fast, per the contract:
 
     expert e lives on rank e // L, as local expert e % L   (L = E / W)
-    dispatch: rank r's local expert l receives x[s][t] for every (s, t, j)
-              with indices[s][t, j] == r * L + l, tagged (s, t, j)
+    dispatch: rank r's local expert l receives x[s][t], tagged (s, t, j), for every indices[s][t, j] == r * L + l
     combine:  y[s][t] = sum_j weights[s][t, j] * expert_y_row(s, t, j)
 
-fp8 dispatch moves each row as e4m3 codes and one float32 scale per 128 elements
-(quantize_fp8 states the rule); the experts read code * scale.
-"""
+fp8 dispatch moves e4m3 codes with a float32 scale per 128 elements (quantize_fp8); experts read code * scale."""
 from __future__ import annotations
 
 import functools
@@ -62,10 +55,8 @@ def to_fp8(values: np.ndarray, dtype) -> np.ndarray:
 
 
 def quantize_fp8(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Rows x [T, H] (16-bit) as fp8 `dtype` codes [T, H] and float32 scales [T, H / 128], block by block:
-    amax = max |x| of the block; inv = largest / amax and scale = amax / largest, each in float32;
-    codes = fp8(x * inv) (to_fp8). A block of zeros or with amax below 2^-112 (where inv would overflow):
-    zeros, scale 0. A block holding a NaN or an infinity: every code NaN, scale NaN."""
+    """16-bit x [T, H] as fp8 codes and float32 scales [T, H / 128], per block in float32: scale = amax / largest, codes
+    = to_fp8(x * (largest / amax)); amax 0 or < 2^-112: zeros, scale 0; a NaN or inf in the block: all NaN."""
     dtype = np.dtype(dtype)
     T, H = x.shape
     blocks = x.astype(np.float32).reshape(T, H // FP8_BLOCK, FP8_BLOCK)
@@ -95,26 +86,19 @@ def fake_expert_scale(expert_rank: int) -> int:
 
 
 def fake_expert(x_row: np.ndarray, expert_rank: int, alone: bool = False, out_dtype=None) -> np.ndarray:
-    """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to out_dtype (default: x's dtype).
-
-    Every expert of the oracle is called with `alone`: whether this row is the only one of its token
-    on expert_rank and crosses to another rank (see fused_expert)."""
+    """gpu-mode's stand-in for the grouped GEMM: x * (1 + rank), rounded to out_dtype (default: x's dtype)."""
     out_dtype = x_row.dtype if out_dtype is None else out_dtype
     return (x_row.astype(np.float32) * np.float32(fake_expert_scale(expert_rank))).astype(out_dtype)
 
 
 def fp8_fake_expert(out_dtype):
-    """gpu-mode's fake expert on dequantized fp8 rows (dequantize_fp8, float32): x * (1 + rank) in
-    float32, rounded to the 16-bit out_dtype."""
+    """gpu-mode's fake expert on dequantized (float32) fp8 rows, rounded to the 16-bit out_dtype."""
     return functools.partial(fake_expert, out_dtype=np.dtype(out_dtype))
 
 
 def fused_expert(scales):
-    """The expert of combine(expert_y=x, w, expert_scale=scales[r]) on each rank r, a fused epilogue:
-    the scale joins the weight in fp32, so a row is x * scale unrounded, except a row that crosses
-    to its token's owner alone, which is scaled in fp32 and rounded to x's dtype on its way (as an
-    expert kernel would round it). gpu-mode's fake expert fused into combine is
-    fused_expert([fake_expert_scale(r) for r in range(world)])."""
+    """The expert of combine(expert_y=x, w, expert_scale=scales[r]): the scale joins the weight in fp32 (x * scale
+    unrounded), except a row crossing to its owner alone, rounded to x's dtype as an expert kernel would."""
     def expert(x_row: np.ndarray, expert_rank: int, alone: bool = False) -> np.ndarray:
         scale = np.float32(scales[expert_rank])
         if alone:
@@ -129,8 +113,7 @@ def for_sources(count: int, ranks, per_source) -> list:
 
 
 def parts_by_rank(xs, indices, weights, num_experts: int, src: int, t: int, expert=fake_expert):
-    """Token t of rank src, split by the rank that hosts its experts: (rank, slots there, their weighted
-    sum in float64) for every rank hosting at least one of them, the token's owner included."""
+    """Token t of rank src split by host rank: (rank, slots there, their weighted sum in float64) per host."""
     world = len(xs)
     L = num_experts // world
     out = []
@@ -143,21 +126,14 @@ def parts_by_rank(xs, indices, weights, num_experts: int, src: int, t: int, expe
 
 
 def crosses_narrow(src: int, r: int, slots) -> bool:
-    """With AllToAll(narrow_partials=True), does rank r's part of a token of rank src cross rounded to
-    the output's 16-bit format? Only a partial sum of two or more experts does, and only from a peer:
-    the owner keeps its own part in fp32, and a single row is sent raw (it already is 16-bit)."""
+    """Under narrow_partials only a peer's sum of 2+ experts crosses rounded to 16 bits (one row goes raw)."""
     return r != src and len(slots) >= 2
 
 
 def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=None,
             partials_dtype=None) -> list[np.ndarray]:
-    """Expected y per rank in float64 (round it to the output dtype once), given
-    `expert(x_row, expert_rank, alone) -> y_row` (fake_expert, or fused_expert(scales) for an
-    expert_scale fused into combine).
-
-    `partials_dtype`: the contract of AllToAll(narrow_partials=True), where each partial sum that
-    crosses narrow (see crosses_narrow) is rounded to this dtype on its way. `ranks` limits the work
-    to those source ranks (the others get None)."""
+    """Expected y per rank in float64, for `expert(x_row, expert_rank, alone)`; `partials_dtype`: narrow_partials'
+    rounding of each partial sum crossing narrow; `ranks`: only those source ranks (the others get None)."""
     def y_of(src):
         T, H = indices[src].shape[0], xs[src].shape[1]
         y = np.zeros((T, H), np.float64)
@@ -167,18 +143,12 @@ def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=No
                     part = part.astype(partials_dtype).astype(np.float64)
                 y[t] += part
         return y
-
     return for_sources(len(xs), ranks, y_of)
 
 
 def narrow_partials_slack(xs, indices, weights, num_experts: int, unit_roundoff: float, expert=fake_expert,
                           ranks=None) -> list[np.ndarray]:
-    """Per rank [T, H]: how far combine may move off the oracle when partial sums cross in the output's
-    16-bit format (AllToAll(narrow_partials=True)) on top of the usual tolerance.
-
-    Each partial sum p_r that crosses narrow (see crosses_narrow) is rounded once: at most
-    unit_roundoff * |p_r| (round to nearest). This bounds |combine(partials_dtype=...) - combine()|
-    element by element."""
+    """Per rank [T, H]: bound on |combine(partials_dtype=...) - combine()|, sum of unit_roundoff * |p| per narrow p."""
     def slack_of(src):
         T, H = indices[src].shape[0], xs[src].shape[1]
         slack = np.zeros((T, H), np.float64)
@@ -187,5 +157,4 @@ def narrow_partials_slack(xs, indices, weights, num_experts: int, unit_roundoff:
                 if crosses_narrow(src, r, slots):
                     slack[t] += unit_roundoff * np.abs(part)
         return slack
-
     return for_sources(len(xs), ranks, slack_of)

@@ -1,30 +1,23 @@
 """A repeated call, written down once as a plan and run without its checks.
 
-A loop hands the same arrays to every call. Once the full path has made the same call twice in a row
-(`Record.same`), the leg's call is written down as a plan: the arguments that must be the recorded
-objects (or, for stream= and expert_scale, objects that stand for them), the attributes and producer
-answers that must be as they were, the kernels' status word, then what to make current, which producer
-streams to wait for, what to launch and which attributes to set, and the call's result. `run(plan,
-*args)` asks and does exactly that and returns the result, or MISSED having done nothing: the full path
-then takes the call, and says what is wrong with it, if anything.
-
-Two executors run a plan: csrc/repeat.c (built by `python -m pyhipa2a.build`, CPython's limited API),
-and `interpret` below where it is not built. They do the same steps in the same order.
+Once the full path has made the same call twice in a row (`Record.same`), the leg's call becomes a plan:
+what must still hold (arguments, attributes, producers' answers, the kernels' status word), then what to
+do (make current, wait for producers, launch, set attributes) and the result. `run(plan, *args)` does
+exactly that, or returns MISSED having done nothing and the full path takes the call. It is csrc/repeat.c
+(built by `python -m pyhipa2a.build`) or `interpret` below where that is not built: the same steps.
 
 A plan's tuple (csrc/repeat.c's fields):
   given     the call's arguments as recorded (compared by identity)
   alike     for each argument None, or f(arg, recorded) -> truthy: another object standing for it
   checks    (ATTR_IS, obj, name, want) getattr(obj, name) is want; ATTR_IS_OR_NONE the same or None;
-            (CALL_IS, f, arg, want) f(arg) is want; (CALL_EQ, f, arg, want) f(arg) == want. A check that
-            raises an Exception misses (the full path lets the producer's protocol say what is wrong)
+            (CALL_IS, f, arg, want) f(arg) is want; (CALL_EQ, f, arg, want) f(arg) == want; raising misses
   status    the address of a uint32 word that must read 0 (a kernel's error report), or 0
   activate  None; (f,): f(); or (cuCtxGetCurrent, cuCtxSetCurrent, context) as addresses
   waits     f() each, before the launch: the call's stream waits for a producer's
   launch    (f, stream): f(stream); or (cuGraphLaunch, executable graph, stream, keep) as addresses
   changes   (obj, name, value) each, set once the launch is queued
   result    what the call returns
-  failed    f(what, code): a driver call made here returned `code` (it raises), or the launch function
-            raised (code None: what it raised goes on up)
+  failed    f(what, code): a driver call here returned `code` (it raises), or the launch raised (code None)
 """
 from __future__ import annotations
 
@@ -110,9 +103,8 @@ COMPILED = run is not interpret
 
 
 class Record(NamedTuple):
-    """What the full path made of a call: its arguments as given and how each is matched again (`alike`),
-    the call's stream and how it was chosen (pyhipa2a.streams), the inputs that choice looked at, each
-    device argument's object and Taken (pyhipa2a.inputs) or None, its tokens, result and changes."""
+    """What the full path made of a call: its arguments and how each is matched again, its stream and how
+    it was chosen (pyhipa2a.streams), the inputs that choice read, each device argument, and the outcome."""
     args: tuple
     alike: tuple
     stream: object
@@ -131,18 +123,15 @@ class Record(NamedTuple):
 
 def make_plan(record: Record, conditions: tuple, streams, backend, status: int, launch, failed,
               compiled: bool = COMPILED) -> tuple | None:
-    """The plan of `record`'s call (its launch: a function of the stream), whose object must still meet
-    `conditions` ((obj, name, want): its call state); None where one cannot be stated: an argument a
-    repeat cannot take unasked (NumPy, a DLPack export asked at every call, our array on another stream),
-    or one library's arrays naming different streams. `compiled`: for csrc/repeat.c, which may call the
-    driver by address (Backend.plan_activate, plan_launch); else for `interpret`."""
+    """The plan of `record`'s call, whose object must still meet `conditions` ((obj, name, want)); None
+    where an argument must be asked anew at every call (NumPy, a DLPack export, ...) or one library's
+    arrays name different streams. `compiled`: for csrc/repeat.c (driver calls by address)."""
     if not all(taken.repeatable for _, taken in record.arrays):
         return None
     s, lead = record.stream, record.lead
     checks = [(ATTR_IS, obj, name, want) for obj, name, want in conditions]
     checks.append((ATTR_IS, streams, "capturing", None))
-    # follow() orders nothing where the last call was on this stream or none is pending; a stream chosen
-    # as the last call's is latest(): the last one's, else our own.
+    # (follow() orders nothing where the last call was on this stream or none is pending)
     last_may_be_none = not (lead == LAST and s is not streams.own)
     checks.append((ATTR_IS_OR_NONE if last_may_be_none else ATTR_IS, streams, "last", s))
     if streams.capturable_elsewhere(s):
@@ -170,7 +159,7 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
             return None
         obj, stream = next(iter(answers.values()))
         checks.append((CALL_EQ, probe.stream, obj, stream))
-    waits = tuple(functools.partial(streams.wait_for, streams.stream_of(streams.runtime_handle(w)), s)
+    waits = tuple(functools.partial(backend.stream_wait_stream, s, streams.stream_of(streams.runtime_handle(w)))
                   for w in dict.fromkeys(taken.wait for _, taken in record.arrays if taken.wait is not None))
     launched, must_be_empty = backend.plan_launch(launch, s) if compiled else ((launch, s), ())
     checks += [(CALL_IS, operator.not_, collection, True) for collection in must_be_empty]

@@ -37,8 +37,7 @@ def heap_self_test(comm=None, *, words: int = 1 << 16, rounds: int = 3, timeout:
             per_rank = heap.device.multiprocessors // heap.ranks_on_device
             grid = blocks or max(1, min(per_rank, (words + THREADS - 1) // THREADS))
             for epoch in range(1, rounds + 1):
-                # A fast rank must not overwrite a slow rank's slots (or its
-                # flag) with the next epoch while it is still verifying.
+                # (a fast rank must not overwrite a slow rank's slots or flag while it still verifies)
                 bounded_barrier(heap.comm, timeout, f"heap self-test epoch {epoch}")
                 a.epoch = epoch
                 kernel.launch(pack, grid, THREADS, stream)

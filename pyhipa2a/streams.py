@@ -1,15 +1,7 @@
-"""Where an object's calls run, in what order, and what a capture records.
+"""Where an object's calls run, in what order, and what a capture records (docs/ARRAYS.md).
 
-Calls of one object hand the device's epoch and their buffers on in queue order, so a call on another
-stream than the last call's waits for it, and a device input is read only after the writes its
-producer queued. Both come down to "work on stream B waits for what is queued on stream A now": one
-event recorded on A and waited for on B, and nothing when A is B. Nothing waits while a capture
-records (a capture may not wait for work outside it).
-
-A call's stream is the one given as stream= (a handle, a CuPy or PyTorch stream, or the backend's
-own); else the object's own (stream="own"), or the current stream of its inputs' library
-(stream="current": PyTorch's or CuPy's, as their own operations do; the last call's stream where no
-input names one).
+A call waits for the last call's stream (they hand the device's epoch on) and for its inputs' producers:
+one event recorded there and waited for here, nothing when the streams are one, nothing while capturing.
 """
 from __future__ import annotations
 
@@ -33,22 +25,20 @@ class Streams:
         self.joined = None     # that stream while one call is recorded into another library's capture
         self.kept = None       # what the capture's graph must keep alive
         self._waited = []      # (producer, stream) pairs the coming call waits for already
-        # One object per stream handle: callers compare and cache by the object.
-        self._by_handle = {backend.stream_handle(own): own}
+        self._by_handle = {backend.stream_handle(own): own}  # one object a handle: callers compare by it
 
     # -- a call's stream -------------------------------------------------------
     def enter(self, stream, inputs, may_join: bool = True):
-        """(the call's stream, how it was chosen: None given or own, LAST, (probe, input, handle), ANY).
-        Outside capture() a call on a stream another library captures joins that capture, which the
-        caller leaves when the call ends (leave); `may_join` False refuses it."""
+        """(the call's stream, how it was chosen: None, LAST, (probe, input, handle) or ANY). A call on a
+        stream another library captures joins that capture until leave(); `may_join` False refuses it."""
         if self.capturing is not None:
             if stream is not None and self.given(stream) is not self.capturing:
                 raise A2AError("inside capture(), every call must use the capturing stream (pass no stream=)")
             return self.capturing, None
-        lead = None
         if stream is None and self.follow_library:
-            stream, lead = self.current(inputs)
-        s = self.given(stream)
+            s, lead = self.current(inputs)  # (one of our stream objects already)
+        else:
+            s, lead = self.given(stream), None
         if self.captured_elsewhere(s):
             if not may_join:
                 raise A2AError("a call between nodes cannot be recorded into another library's capture (its "
@@ -76,9 +66,8 @@ class Streams:
         return self.stream_of(handle)
 
     def current(self, inputs):
-        """stream="current": (the current stream on our device of the library of the first input that names
-        one, how it was chosen), else (the last call's stream, LAST), so that calls on our own arrays stay in
-        the order of the calls around them."""
+        """stream="current": (the current stream of the first input's library that names one, how chosen),
+        else (the last call's stream, LAST): calls on our own arrays stay in order with those around them."""
         if self.library_device is None:
             return self.latest(), LAST
         first = None
@@ -105,20 +94,18 @@ class Streams:
         return self.capturable_elsewhere(s) and self.backend.stream_capturing(s)
 
     def capturable_elsewhere(self, s) -> bool:
-        """Whether another library may capture `s` (only capture() records our own stream, and CUDA never
-        captures its legacy one: neither is asked)."""
+        """Whether another library may capture `s` (not our own stream, nor CUDA's legacy one)."""
         return s is not self.own and self.backend.capturable(s)
 
     # -- order -----------------------------------------------------------------
     def follow(self, stream) -> None:
-        """Queue the coming call on `stream` behind the last one (outside a capture: a capture may not wait
-        for work outside it, so ordering a graph's launch after its inputs' producers is the caller's part).
-        The call waits for its inputs' producers afresh (wait_for_producer)."""
+        """Queue the coming call on `stream` behind the last one (not while capturing: a capture may not wait
+        for work outside it); its inputs' producers are waited for afresh (wait_for_producer)."""
         if self.capturing is not None:
             return
         self._waited.clear()
         if self.last is not None and self.last is not stream:
-            self.wait_for(self.last, stream)
+            self.backend.stream_wait_stream(stream, self.last)
 
     def queued(self, stream) -> None:
         """A call (or graph launch) went to `stream`: the next call on another stream waits for it."""
@@ -134,14 +121,9 @@ class Streams:
         if self.last is not None and self.backend.stream_handle(stream) == self.backend.stream_handle(self.last):
             self.last = None
 
-    def wait_for(self, other, stream) -> None:
-        """Work queued on `stream` from now on waits for what is queued on `other` now."""
-        self.backend.stream_wait_stream(stream, other)
-
     def wait_for_producer(self, producer, stream) -> None:
-        """Queue the use of an input on `stream` after its producer's writes: `producer` is one of our streams
-        (a DeviceArray's) or a foreign stream handle (as an interface or a probe names it). Once per producer
-        and stream in a call: its inputs usually share one producer, and nothing is queued on it between."""
+        """Queue the use of an input on `stream` after its producer's writes (`producer`: one of our streams
+        or a foreign handle); once per producer and stream in a call."""
         if self.capturing is not None:
             return
         for p, s in self._waited:
@@ -152,11 +134,10 @@ class Streams:
             return
         if isinstance(producer, int):
             producer = self.stream_of(self.runtime_handle(producer))
-        self.wait_for(producer, stream)
+        self.backend.stream_wait_stream(stream, producer)
 
     def stream_of(self, handle: int):
-        """The stream object of a runtime stream handle, the same one at every call (None where the backend
-        knows no such stream)."""
+        """The stream object of a runtime handle, the same one at every call (None: no such stream)."""
         stream = self._by_handle.get(handle)
         if stream is None:
             stream = self.backend.stream_from_handle(handle)
@@ -171,8 +152,7 @@ class Streams:
         return isinstance(producer, int) and self.runtime_handle(producer) == self.backend.stream_handle(stream)
 
     def runtime_handle(self, value: int) -> int:
-        """An interface's stream value as this runtime's handle: CUDA's driver takes 1 (legacy default) and
-        2 (per-thread) as they are; HIP's null stream is 0."""
+        """An interface's stream value as this runtime's handle (CUDA takes 1 and 2 as they are; HIP's 1 is 0)."""
         return 0 if value == 1 and self.backend.kind != "cuda" else value
 
     def dlpack_stream(self, stream, capturing: bool):

@@ -1,10 +1,5 @@
-"""Checking dispatch/combine against the oracle under MPI (tests, scripts/check.py, bench --check).
-
-Every rank draws the whole world's inputs from one seed, so every rank can
-compute the oracle for itself without gathering anything, then feeds its own
-slice to the library. Outputs are poisoned (all bits set: NaN rows, meta -1)
-before each round, so a row the library forgot to write fails the check.
-"""
+"""Checking dispatch/combine against the oracle under MPI (tests, scripts/check.py, bench --check): every rank draws
+all inputs from one seed and computes the oracle itself; outputs are poisoned (all bits set) so unwritten rows fail."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,13 +10,9 @@ from . import reference
 from .bootstrap import bounded_barrier
 from .dtypes import resolve
 
-# Combine tolerance against the float64 oracle: the result is rounded once to
-# the output dtype after fp32 accumulation, so a few ulps at most.
-TOLERANCE = {"float16": (2e-3, 1e-3), "bfloat16": (1.6e-2, 1e-2)}
+TOLERANCE = {"float16": (2e-3, 1e-3), "bfloat16": (1.6e-2, 1e-2)}  # vs the float64 oracle: fp32 sums rounded once
 GPU_MODE_TOLERANCE = (1e-2, 5e-3)  # gpu-mode's allclose(rtol, atol)
-# Unit roundoff of the 16-bit formats (half an ulp at 1.0): the most one rounding of a narrow
-# partial sum moves it, relative to its size.
-UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # half an ulp at 1.0: one rounding's relative bound
 
 
 @dataclass
@@ -32,14 +23,12 @@ class WorldInputs:
     x_scales: list[np.ndarray] | None = None  # fp8 xs: per rank [T_r, H / 128] float32
 
     def quantized(self, fp8_dtype) -> "WorldInputs":
-        """The same tokens already in fp8 with their scales (reference.quantize_fp8), as a caller of
-        AllToAll(in_dtype=fp8) passes them: its outputs must equal those of quantizing on the way."""
+        """These tokens in fp8 with scales, as AllToAll(in_dtype=fp8) takes them; outputs must match quantizing."""
         pairs = [reference.quantize_fp8(x, fp8_dtype) for x in self.xs]
         return WorldInputs([c for c, _ in pairs], self.indices, self.weights, [s for _, s in pairs])
 
 
 def dispatch(a2a, inputs: WorldInputs, **kw):
-    """a2a.dispatch of this rank's inputs (with their scales when they are fp8)."""
     r = a2a.rank
     scales = None if inputs.x_scales is None else inputs.x_scales[r]
     return a2a.dispatch(inputs.xs[r], inputs.indices[r], x_scales=scales, **kw)
@@ -60,9 +49,7 @@ def expert_rows(a2a, inputs: WorldInputs) -> list[np.ndarray]:
 
 
 def dtype_arguments(dtype="float16", dispatch_dtype=None, fp8_input: str = "quantize") -> dict:
-    """AllToAll's dtype arguments for the scripts: `dtype` throughout, or fp8 dispatch (`dispatch_dtype`)
-    with x quantized by the dispatch kernel from `dtype` ("quantize") or given in fp8 with its scales
-    ("given"); combine stays `dtype` either way."""
+    """AllToAll's dtype arguments: `dtype` throughout, or fp8 dispatch of x "quantize"d or "given" in fp8."""
     if dispatch_dtype is None or dispatch_dtype == dtype:
         return dict(in_dtype=dtype)
     if fp8_input == "quantize":
@@ -88,13 +75,8 @@ def draw_routing(rng, T: int, k: int, E: int, routing: str = "random") -> np.nda
 
 def draw_world(seed: int, world: int, num_experts: int, top_k: int, hidden: int, max_tokens: int,
                dtype="float16", token_counts=None, routing: str = "random", exact: bool = False) -> WorldInputs:
-    """gpu-mode's recipe: T_r drawn in [1, M) unless given, x ~ N(0, 1), weights ~ U[0, 1).
-
-    exact=True draws values on a coarse grid instead, so that every fp32 product and sum in combine is
-    exact (at most 20 significant bits, for up to 8 ranks and top-8): x = n/64 with |n| < 2^(p-1) for
-    the dtype's p significant bits, weights = m/16 with |m| <= 16, signed so that parts cancel. The
-    fake expert's x * (1 + rank) stays on the 1/64 grid below 2^7. Then the only roundings are the
-    ones the contract names, and combine's result can be compared bit for bit."""
+    """gpu-mode's recipe: T_r in [1, M) unless given, x ~ N(0, 1), weights ~ U[0, 1). exact=True: x = n/64 (|n| <
+    2^(p-1), p significant bits), weights = m/16 (|m| <= 16), so combine's fp32 sums are exact (<= 8 ranks, top-8)."""
     rng = np.random.default_rng(seed)
     dtype = resolve(dtype)
     if exact and (world > 8 or top_k > 8):
@@ -116,8 +98,7 @@ def draw_world(seed: int, world: int, num_experts: int, top_k: int, hidden: int,
 
 
 def poison(a2a) -> None:
-    """Set every output byte this rank can see to 0xFF. Collective: a barrier first, since peers may
-    still be pulling from our stage and contributions, and one after, before peers write to us."""
+    """Every output byte this rank sees to 0xFF, between barriers: peers may still pull from us, then write to us."""
     a2a.synchronize()  # the last call's stream: every earlier call is queued before it
     comm = getattr(a2a, "comm", None) or a2a.heap.comm  # across nodes: every rank of every node
     bounded_barrier(comm, a2a.config.timeout, "poison")
@@ -155,9 +136,7 @@ def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> N
 
 def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: reference.ExpectedDispatch,
                   rank: int) -> list:
-    """The rows of expert_x[l] that hold expert l's tokens: packed, 0 .. n - 1; by source, each source's
-    rows as expert_layout says, checked against the oracle's count of that source's rows (from row
-    s * M on, M = capacity / sources), each row's meta naming that source."""
+    """The rows of expert_x[l] holding expert l's tokens; a by-source layout is checked against the oracle's."""
     if result.expert_layout is None:
         return [range(int(n)) for n in counts]
     layout = result.expert_layout.numpy()
@@ -181,8 +160,7 @@ def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: refere
 
 
 def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None, slack=None) -> float:
-    """Largest |y - expected|; raises if outside the tolerance for `dtype` (or the one given), widened
-    element by element by `slack` where given (narrow partials' extra rounding)."""
+    """Largest |y - expected|; raises outside the tolerance (of `dtype` unless given) plus `slack` if given."""
     rtol, atol = tolerance or TOLERANCE[resolve(dtype).name]
     got = y.astype(np.float64)
     if got.shape != expected.shape:
@@ -208,9 +186,7 @@ _OWN_STREAM = object()
 
 
 def upload_inputs(a2a, inputs: WorldInputs, stream=_OWN_STREAM) -> list:
-    """This rank's x, indices and weights (and x's scales when x is fp8) copied once into device buffers
-    of their own (DeviceArrays on a2a's device, labelled with a2a's stream unless `stream` is given: None
-    for arrays that name no stream), as a loop or a captured graph takes them; free with free_inputs."""
+    """This rank's inputs in DeviceArrays of their own, on a2a's stream unless given (None: none); see free_inputs."""
     from .array import DeviceArray
     b, r = a2a.backend, a2a.rank
     stream = a2a.stream if stream is _OWN_STREAM else stream
@@ -224,7 +200,6 @@ def upload_inputs(a2a, inputs: WorldInputs, stream=_OWN_STREAM) -> list:
 
 
 def dispatch_uploaded(a2a, arrays, **kw):
-    """a2a.dispatch of upload_inputs' arrays: x, indices, weights, and x's scales when x is fp8."""
     x, indices, _, *scales = arrays
     return a2a.dispatch(x, indices, x_scales=scales[0] if scales else None, **kw)
 
@@ -235,7 +210,6 @@ def free_inputs(a2a, arrays) -> None:
 
 
 def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
-    """This rank's finished dispatch (its DispatchResult views) against the oracle."""
     if (result.expert_layout is None) != (a2a.config.row_layout == "packed"):
         raise AssertionError(f"row_layout={a2a.config.row_layout!r} but expert_layout is {result.expert_layout!r}")
     rows, scales = dispatched_tokens(a2a, inputs)
@@ -243,8 +217,7 @@ def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
 
 
 def oracle_expert(a2a, fused: bool):
-    """The oracle's fake expert: a kernel of its own (reference.fake_expert; on fp8 rows
-    reference.fp8_fake_expert), or fused into combine as fused_combine does."""
+    """The oracle's fake expert: a kernel of its own (on fp8 rows fp8_fake_expert), or fused into combine."""
     if a2a.config.scale_cols and not fused:
         return reference.fp8_fake_expert(a2a.config.out_dtype)
     if not fused:
@@ -253,15 +226,12 @@ def oracle_expert(a2a, fused: bool):
 
 
 def fused_combine(a2a, result, weights, **kw):
-    """gpu-mode's fake expert fused into combine: combine(expert_x, w, expert_scale=1 + rank), no expert
-    kernel (expert_x stands in for expert_y, so in_dtype must be out_dtype)."""
+    """gpu-mode's fake expert fused into combine (expert_x stands in for expert_y: in_dtype must be out_dtype)."""
     return a2a.combine(result.expert_x, weights, expert_scale=reference.fake_expert_scale(a2a.rank), **kw)
 
 
-def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None,
-                                 expert=reference.fake_expert) -> float:
-    """This rank's finished combine output `y` against the oracle of `expert` (see reference.combine); the
-    largest error (raises outside the tolerance)."""
+def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None, expert=reference.fake_expert) -> float:
+    """This rank's combine output `y` against the oracle of `expert`: the largest error (raises outside tolerance)."""
     rank = a2a.rank
     xs = expert_rows(a2a, inputs)
     expected = reference.combine(xs, inputs.indices, inputs.weights, a2a.config.num_experts, expert, ranks=[rank])[rank]
@@ -273,17 +243,12 @@ def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None,
 
 
 def check_combine_exact(a2a, inputs: WorldInputs, y, expert=reference.fake_expert) -> int:
-    """For inputs drawn with exact=True: this rank's combine output `y` must equal the oracle (of
-    `expert`, see reference.combine) of a2a's partials mode (fp32, or narrow_partials) rounded once to
-    the output dtype, value for value; any other rounding (of the owner's own part, toward zero,
-    twice) shows. Returns how many of this rank's elements the two modes' oracles give differently:
-    0 means these inputs cannot tell a narrow call from an fp32 one here."""
+    """exact=True inputs: `y` must equal the oracle of a2a's partials mode; returns how many fp32/narrow ones differ."""
     rank, dtype = a2a.rank, a2a.config.out_dtype
 
     def oracle(partials_dtype):
         return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.config.num_experts, expert,
                                  ranks=[rank], partials_dtype=partials_dtype)[rank].astype(dtype)
-
     wide, narrow = oracle(None), oracle(dtype)
     want, got = (narrow if a2a.config.narrow_partials else wide), y.numpy()
     if got.shape != want.shape:
@@ -298,15 +263,13 @@ def check_combine_exact(a2a, inputs: WorldInputs, y, expert=reference.fake_exper
 
 
 def check_call(a2a, inputs: WorldInputs, result, y, tolerance=None, fused: bool = False) -> float:
-    """Check a finished call (its DispatchResult views and combine output `y`, the fake expert fused into
-    combine when `fused`) against the oracle on this rank; returns the largest combine error."""
+    """Check a finished call (dispatch views, combine output `y`) against the oracle; the largest combine error."""
     check_dispatch_against_oracle(a2a, inputs, result)
     return combine_error_against_oracle(a2a, inputs, y, tolerance, oracle_expert(a2a, fused))
 
 
 def step_buffers(a2a, T: int):
-    """Device arrays of the caller's own for a captured step of T tokens on a2a's device and stream:
-    (x, indices, weights, y); free them with free_buffers."""
+    """The caller's own device arrays (x, indices, weights, y) for a captured step of T tokens; see free_buffers."""
     from .array import DeviceArray
     H, k, b = a2a.config.hidden, a2a.config.top_k, a2a.backend
 
@@ -324,8 +287,7 @@ def free_buffers(a2a, buffers) -> None:
 
 
 def replay_checked(a2a, graph, inputs: WorldInputs, buffers, result) -> float:
-    """Copy this rank's inputs into a captured step's buffers (step_buffers), poison every output,
-    replay the graph and check the call against the oracle; the largest combine error."""
+    """Inputs into step_buffers, poison, replay `graph`, check against the oracle: the largest combine error."""
     x, idx, w, y = buffers
     me = a2a.rank
     for arr, host in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
@@ -349,8 +311,7 @@ def weights_where(weights, weights_at: str) -> tuple[dict, object]:
 
 def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, fused: bool = False,
               weights_at: str = "combine") -> float:
-    """Poison, dispatch, fake expert (fused into combine when `fused`), combine, check; the weights
-    given to combine or to dispatch (`weights_at`). Returns the largest combine error on this rank."""
+    """Poison, dispatch, fake expert (fused into combine when `fused`), combine, check: the largest combine error."""
     rank = a2a.rank
     if check:
         poison(a2a)
@@ -368,6 +329,5 @@ def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, f
 
 
 def failure_line(rank: int, error: BaseException, what: str = "") -> str:
-    """One line naming a rank's failure, for the reports scripts gather from every rank:
-    'rank r<what>: Type: the message's first line' (an exception may have no message at all)."""
+    """'rank r<what>: Type: the message's first line', the line scripts gather from every failed rank."""
     return f"rank {rank}{what}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"

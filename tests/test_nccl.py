@@ -163,7 +163,7 @@ def test_every_function_called_has_a_declared_signature():
     # The fake takes any arguments; only the real CDLL converts them through argtypes, so a
     # function called without a signature would first misbehave on a machine with NCCL.
     source = Path(nccl.__file__).read_text()
-    called = set(re.findall(r'_call\(\s*"(nccl\w+)"', source)) | set(re.findall(r"_fn\.(nccl\w+)", source))
+    called = set(re.findall(r'\bcall\(\s*"(nccl\w+)"', source)) | set(re.findall(r"\bfn\.(nccl\w+)", source))
     assert called == set(nccl._SIGNATURES), called ^ set(nccl._SIGNATURES)
 
 

@@ -1,11 +1,5 @@
-"""Python implementations of the device kernels for the host backend.
-
-Each module mirrors the `.hip` file of the same name and follows its protocol
-(epoch flags and tagged words, places chosen by the sender, the poisoning tail)
-on the host backend's shared memory, so everything above the kernels is
-exercised on machines without GPUs. A host "grid" is one process, so the
-last-block hand-off is implicit.
-"""
+"""Python twins of the device kernels for the host backend, so everything above them runs without GPUs: each follows
+its namesake `.hip` file's protocol on shared memory; a host "grid" is one process (no last-block hand-off)."""
 from __future__ import annotations
 
 import ctypes
@@ -52,7 +46,6 @@ class Status:
 
 
 def poll(ready, deadline: float) -> bool:
-    """Call `ready()` with backoff until it is true (True) or the deadline passes (False)."""
     attempt = 0
     while not ready():
         if time.monotonic() > deadline:
@@ -73,7 +66,6 @@ def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, sta
     def arrived() -> bool:
         pending[:] = [i for i in pending if flags[i] != want]
         return not pending
-
     if not poll(arrived, deadline):
         status.report(STATUS_TIMEOUT, peer_of(pending[0]), what, want)
         return False
@@ -87,16 +79,14 @@ def tag(values, epoch: int) -> np.ndarray:
 
 
 def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: int, peer: int, rows=None):
-    """The 32-bit values of tagged `words` (kernels_hip/protocol.h), or of its `rows` only, once every
-    one carries `epoch`; None (reported) on timeout. `words` must be a view of the memory that peers
-    write (a fancy-indexed copy would never change: pass the selection as `rows`)."""
+    """The 32-bit values of tagged `words` (or of its `rows`) once all carry `epoch`; None (reported) on timeout.
+    `words` must be a view of the memory peers write (a fancy-indexed copy never changes: pass `rows`)."""
     seen = words
 
     def arrived() -> bool:
         nonlocal seen
         seen = (words if rows is None else words[rows]).copy()  # aligned 8-byte words: each is read whole
         return bool(np.all((seen >> np.uint64(32)) == epoch))
-
     if not poll(arrived, deadline):
         status.report(STATUS_TIMEOUT, peer, what, epoch)
         return None
@@ -104,15 +94,13 @@ def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: in
 
 
 class Recorder:
-    """The host twin of kernels_hip/profile.h: events into the same buffer layout (warp 0's ring), host
-    clock in ns."""
+    """Host twin of kernels_hip/profile.h: events in the same buffer layout (warp 0's ring), host clock in ns."""
 
     def __init__(self, buffer_ptr: int):
         self.ptr = int(buffer_ptr)
         if self.ptr:
             from ..profile import EVENT, HEADER_BYTES, events_offset
             warps, per_warp = (int(v) for v in mem(self.ptr, (4,), np.uint32)[:2])
-            # The host grid is one warp: warp 0's count and its ring of events.
             self.count = mem(self.ptr + HEADER_BYTES, (1,), np.uint32)
             self.events = mem(self.ptr + events_offset(warps), (per_warp,), EVENT)
 

@@ -1,5 +1,4 @@
-"""Host twin of kernels_hip/clock.hip: every rank of the host backend reads the same clock, so a sync
-finds no offset, up to the time a round takes."""
+"""Host twin of kernels_hip/clock.hip: host ranks share one clock, so a sync finds no offset beyond a round's time."""
 from __future__ import annotations
 
 import time

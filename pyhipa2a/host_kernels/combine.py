@@ -1,5 +1,4 @@
-"""Host twin of kernels_hip/combine.hip: raw-row or fp32 (or narrow) contributions, pulled or
-pushed, reduced by each token's owner, in NumPy."""
+"""Host twin of kernels_hip/combine.hip: raw rows or fp32/narrow partial sums, pulled or pushed, summed by owners."""
 from __future__ import annotations
 
 import time
@@ -9,6 +8,7 @@ import numpy as np
 from ..dtypes import bfloat16
 from . import mem, tag, wait_flags, wait_tagged
 from .exchange import WAIT_COMBINE_ROW, WAIT_WEIGHTS, View, count_header, finish, take_epoch, valid_slots
+
 
 def _combine(backend, a, c, dtype) -> None:
     v = View(a, take_epoch(a, dispatch=False))
@@ -29,7 +29,6 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         weights = v.buf(me, "w_in", (W, M, k), np.uint64)[me, :T].astype(np.uint32).view(np.float32)
     expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
-
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     headers = v.buf(me, "tok_count", (2, W), np.uint64)[p] & np.uint64(0xFFFFFFFF)  # every count, as dispatch left it
     span = time.monotonic_ns()
@@ -38,7 +37,6 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
             t0 = time.monotonic_ns()
             v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T] = tag(weights.view(np.uint32), v.epoch)
             v.rec.record(8, t0, r)
-
     for src in range(W):  # 2. one contribution per (peer's token, this rank) for its owner, left in our memory
         if src == me:
             continue  # our own tokens are reduced straight from expert_y
@@ -79,9 +77,7 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
             for seg in range(v.S):
                 backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), v.epoch)
         v.rec.record(10, t0, src)
-
-    # 3. reduce our tokens: our own experts' rows from expert_y, the peers' contributions from their
-    # memory, or from our inbox when our dispatch asked for them pushed (its header in our own inbox says)
+    # 3. reduce our tokens: our experts' rows from expert_y, peers' contributions from their memory (or our inbox)
     _, _, pushed = count_header(int(headers[me]), M)
     rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)

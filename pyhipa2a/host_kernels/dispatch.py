@@ -1,10 +1,4 @@
-"""Host twin of kernels_hip/dispatch.hip: the same inboxes, flags and steps, in NumPy.
-
-The device code spreads each step over warps; here each step is a loop over
-ranks with vectorised copies. The protocol (parity inboxes, epoch flags,
-one vector per (token, destination rank)) is the same, so the Python stack
-above is exercised as on a GPU.
-"""
+"""Host twin of kernels_hip/dispatch.hip: the same inboxes, flags and steps, each a loop over ranks in NumPy."""
 from __future__ import annotations
 
 import time
@@ -30,13 +24,11 @@ def a2a_dispatch(backend, a, c) -> None:
                                v.buf(v.me, "layout", (v.L, v.W, 2), np.int32)[:v.L if a.by_source else 0]))
 
 
-# The fp8 kernels are the same steps on other bytes; one name each, as on the device.
-a2a_dispatch_fp8 = a2a_dispatch_quantize_f16 = a2a_dispatch_quantize_bf16 = a2a_dispatch
+a2a_dispatch_fp8 = a2a_dispatch_quantize_f16 = a2a_dispatch_quantize_bf16 = a2a_dispatch  # same steps, other bytes
 
 
 def carried(a, c, T: int) -> np.ndarray:
-    """What each of the caller's T tokens carries across, [T, token_bytes] bytes: its 16-bit row, or its fp8
-    row then its scales (given, or quantized here as kernels_hip/fp8.h does)."""
+    """What each of T tokens carries, [T, token_bytes]: its 16-bit row, or fp8 row and scales (given or quantized)."""
     if a.x_format == X_COPY:
         return mem(c.x, (T, a.x_row_bytes), np.uint8)
     H, C = a.hidden, a.scale_cols
@@ -55,9 +47,7 @@ NO_SLOT = 0xFFFFFFFF  # a void routing slot as it travels (A2A_NO_SLOT)
 
 
 def places(rows: np.ndarray, valid: np.ndarray, num_experts: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each valid slot's place among its expert's rows from its route chunk (`chunk` tokens), and the
-    number of rows of each chunk for each expert [chunks, E]; the device takes places with shared-memory
-    atomics, in an order of its own, here they go token by token."""
+    """Each valid slot's place among its expert's rows of its `chunk`-token route chunk, and rows per chunk [C, E]."""
     chunks = -(-len(rows) // chunk)
     key = np.where(valid, rows + num_experts * (np.arange(len(rows)) // chunk)[:, None], -1).ravel()
     order = np.argsort(key, kind="stable")
@@ -80,15 +70,12 @@ def _dispatch(backend, a, c, v: View) -> None:
     if bad.any():
         pos = int(np.flatnonzero(bad)[0])
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
-
     push_back = T <= a.push_max_tokens  # a pushed call; it pushes its tokens too unless flags follow a
     push = push_back and not a.gpu_fence_publish  # GPU-scope fence (exchange.h: A2A_PUSHED_TOKENS)
     header = T | (PUSHED_TOKENS if push else 0) | (PUSHED_BACK if push_back else 0)
     P, words = a.push_max_tokens, a.push_token_words
     span = time.monotonic_ns()
-    # 1. route, by chunks of tokens: each slot's place in its chunk, the packed routing rows to every
-    # rank, us too, then the token count and each chunk's count for each of the rank's experts (zero
-    # for chunks past our tokens: the table is dense), and the weights when the caller gave them
+    # 1. route by chunks: to every rank, us too, routing rows with places, token count, dense chunk counts, weights
     t0 = time.monotonic_ns()
     chunk, C = route_chunk(k, M), route_chunks(k, M)
     place, chunk_counts = places(indices, valid, E, chunk)
@@ -106,8 +93,7 @@ def _dispatch(backend, a, c, v: View) -> None:
             mine = np.ones_like(valid) if r == me else host == r
             v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T][mine] = weights[mine]
     v.rec.record(1, t0, me)
-    # 2. every token another rank needs: pushed into its inbox as tagged words, or staged in our
-    # own memory (peers pull it) with its flags sent to them
+    # 2. every token another rank needs: pushed to its inbox as tagged words, or staged here with flags sent to it
     t0 = time.monotonic_ns()
     needed_by = {r: np.flatnonzero((valid & (indices // L == r)).any(axis=1)) for r in range(W) if r != me}
     if not push:
@@ -122,7 +108,6 @@ def _dispatch(backend, a, c, v: View) -> None:
             inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
             inbox[tokens, :tb // 4] = tag(x[tokens].view(np.uint32), v.epoch)
     v.rec.record(2, t0, me)
-
     expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
     meta = v.buf(me, "recv_meta", (L, v.cap, 3), np.int32)
     scales = v.buf(me, "recv_scales", (L, v.cap, a.scale_cols), np.float32)
@@ -184,7 +169,6 @@ def _dispatch(backend, a, c, v: View) -> None:
         slot_of[src, t, j] = l * v.cap + row
         per_source[:, src] = src_counts.sum(axis=0)
         v.rec.record(5, t0, src)
-
     # 4. expert_num_tokens: every source's count of each of our experts
     t0 = time.monotonic_ns()
     v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(per_source.sum(axis=1), v.cap)

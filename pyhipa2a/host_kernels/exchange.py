@@ -1,5 +1,4 @@
-"""Host twins of kernels_hip/exchange.h: what both exchange kernels share (the call's view of the
-heap, its epoch, valid routing slots, poisoning a failed call's outputs)."""
+"""Host twins of kernels_hip/exchange.h, shared by both exchange kernels: heap view, epoch, valid slots, poisoning."""
 from __future__ import annotations
 
 import time
@@ -9,14 +8,11 @@ import numpy as np
 from . import STATUS_OK, STATUS_TIMEOUT, Recorder, Status, bases, mem
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
-# Count header bits (A2A_PUSHED_TOKENS, A2A_PUSHED_BACK): the source pushed its tokens; it takes its
-# contributions pushed back.
-PUSHED_TOKENS, PUSHED_BACK = 0x80000000, 0x40000000
+PUSHED_TOKENS, PUSHED_BACK = 0x80000000, 0x40000000  # count header bits: source pushed tokens; takes pushed back
 
 
 def count_header(value: int, max_tokens: int) -> tuple[int, bool, bool]:
-    """A token-count header's value: (tokens, clamped to max_tokens; whether the source pushed its
-    tokens; whether it takes its contributions pushed back)."""
+    """A token-count header as (tokens clamped to max_tokens, pushed tokens, takes contributions pushed back)."""
     return (min(value & ~(PUSHED_TOKENS | PUSHED_BACK), max_tokens), bool(value & PUSHED_TOKENS),
             bool(value & PUSHED_BACK))
 
@@ -41,14 +37,10 @@ class View:
         return int(self.base[rank] + getattr(self.a, "off_" + name) + int(index) * itemsize)
 
 
-def next_epoch(e: int) -> int:
-    return e % 0xFFFFFFFE + 1
-
-
 def take_epoch(a, dispatch: bool) -> int:
-    """The device's epoch words (see read_epoch and make_ctx in exchange.h): dispatch advances [0] into [1], combine hands [1] back."""
+    """The epoch words (exchange.h: read_epoch, make_ctx): dispatch advances [0] into [1], combine hands [1] back."""
     words = mem(bases(a.heap)[a.heap.rank] + a.off_epoch, (2,), np.uint32)
-    e = next_epoch(int(words[0])) if dispatch else int(words[1])
+    e = int(words[0]) % 0xFFFFFFFE + 1 if dispatch else int(words[1])  # (next_epoch: never 0)
     words[1 if dispatch else 0] = e
     return e
 
@@ -62,9 +54,7 @@ def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def finish(backend, a, v: View, outputs) -> None:
-    """The end of every exchange kernel (finish and report in exchange.h): when this rank's
-    status holds an error, the call's outputs become all-ones bytes (NaN rows, -1 counts and meta);
-    with on_timeout="trap" a timeout then leaves the device unusable, as the GPU's trap does."""
+    """exchange.h's finish: an error status poisons the outputs (all-ones bytes); on_timeout="trap" traps too."""
     code = int(v.status.words[0])
     if code == STATUS_OK:
         return

@@ -1,5 +1,4 @@
-"""Host twin of kernels_hip/expert.hip: gpu-mode's fake expert (expert_y = expert_x * scale; in fp8
-dispatch, each fp8 row times its block scales first)."""
+"""Host twin of kernels_hip/expert.hip: gpu-mode's fake expert, expert_y = expert_x (fp8: times its scales) * scale."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,17 +8,11 @@ from . import mem
 from .fp8 import BLOCK, from_fp8
 
 
-def _counts(counts, L: int, capacity: int) -> np.ndarray:
-    """The experts' row counts; one outside [0, capacity] (-1: a failed dispatch's poison) stands for all
-    of its expert's rows, so poisoned rows become poisoned expert_y (exclusive_prefix in expert.hip)."""
-    n = mem(counts.value, (L,), np.int32)
-    return np.where((n < 0) | (n > capacity), capacity, n)
-
-
 def _rows(counts, layout, sources, L: int, capacity: int) -> list[np.ndarray]:
-    """Each expert's received rows: packed, 0 .. n - 1; by source (expert_layout), source s's from row
-    s * M on, a count outside [0, M] standing for all of them (received_row in expert.hip)."""
-    n = _counts(counts, L, capacity)
+    """Each expert's received rows (packed, or by source from row s * M); a count out of range (-1: poison) stands
+    for all the rows, so poisoned rows become poisoned expert_y (exclusive_prefix, received_row in expert.hip)."""
+    n = mem(counts.value, (L,), np.int32)
+    n = np.where((n < 0) | (n > capacity), capacity, n)
     if not layout.value:
         return [np.arange(n[l]) for l in range(L)]
     W = sources.value

@@ -1,6 +1,5 @@
-"""Host twin of the fp8 conversions (kernels_hip/portability.h) and of quantizing (kernels_hip/fp8.h),
-step for step in NumPy float32 and integer arithmetic. pyhipa2a.reference states the same rules with
-ml_dtypes; the tests hold each to the other."""
+"""Host twin of the fp8 conversions (kernels_hip/portability.h) and quantizing (kernels_hip/fp8.h), step for step
+in NumPy; pyhipa2a.reference states the same rules with ml_dtypes, and the tests hold each to the other."""
 from __future__ import annotations
 
 import numpy as np

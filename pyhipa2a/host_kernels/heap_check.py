@@ -26,8 +26,7 @@ def heap_check(backend, a) -> None:
             pattern(h.rank, peer, a.words, a.epoch)
     for peer in range(h.world):
         backend.store_release_u32(base[peer] + a.off_flags + 4 * h.rank, a.epoch)
-    if not wait_flags(backend, base[h.rank] + a.off_flags, range(h.world), a.epoch, deadline, status,
-                      WAIT_HEAP_CHECK):
+    if not wait_flags(backend, base[h.rank] + a.off_flags, range(h.world), a.epoch, deadline, status, WAIT_HEAP_CHECK):
         return
     slots = mem(base[h.rank] + a.off_slots, (h.world, a.words), np.uint32)
     bad = sum(int(np.count_nonzero(slots[w] != pattern(w, h.rank, a.words, a.epoch))) for w in range(h.world))

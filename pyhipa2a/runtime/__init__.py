@@ -1,10 +1,4 @@
-"""Runtime backends behind one interface (`base.Backend`): hip, cuda, host.
-
-`get_backend()` picks one: the `PYHIPA2A_BACKEND` variable or the `name`
-argument when given, else the first of hip (an AMD GPU is present), cuda (an
-NVIDIA GPU is present), host (no GPU). No layer above this package imports
-hip-python or cuda-python.
-"""
+"""Runtime backends behind one interface (`base.Backend`): hip, cuda, host; nothing above imports their bindings."""
 from __future__ import annotations
 
 import os
@@ -26,16 +20,8 @@ def _make(name: str) -> Backend:
     return HostBackend()
 
 
-def _with_devices(name: str) -> Backend | None:
-    """Backend `name` if it can be created here and sees at least one device."""
-    try:
-        backend = _make(name)
-        return backend if backend.device_count() > 0 else None
-    except Exception:  # missing bindings, missing driver library, no device: not this backend
-        return None
-
-
 def get_backend(name: str | None = None) -> Backend:
+    """`name`, else $PYHIPA2A_BACKEND, else the first of hip and cuda that sees a device, else host."""
     name = name or os.environ.get("PYHIPA2A_BACKEND") or None
     if name is not None:
         name = name.strip().lower()
@@ -43,18 +29,18 @@ def get_backend(name: str | None = None) -> Backend:
             raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
         return _make(name)
     for candidate in ("hip", "cuda"):
-        backend = _with_devices(candidate)
-        if backend is not None:
-            return backend
+        try:
+            backend = _make(candidate)
+            if backend.device_count() > 0:
+                return backend
+        except Exception:  # missing bindings, missing driver library, no device: not this backend
+            pass
     return _make("host")
 
 
 def select_device(backend: Backend, local_rank: int, device: int | None = None) -> int:
-    """The device this rank drives: `device`, else PYHIPA2A_DEVICE, else local rank modulo the count.
-
-    All of the node's GPUs stay visible to every rank: opening a peer's IPC
-    handle maps memory that lives on the peer's GPU.
-    """
+    """The device this rank drives: `device`, else PYHIPA2A_DEVICE, else local rank modulo the count. Every rank
+    sees all the node's GPUs: a peer's IPC handle maps memory on the peer's GPU."""
     count = backend.device_count()
     if device is None and os.environ.get("PYHIPA2A_DEVICE"):
         device = int(os.environ["PYHIPA2A_DEVICE"])

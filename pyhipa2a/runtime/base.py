@@ -1,10 +1,5 @@
-"""The one small interface every runtime backend implements.
-
-Pointers are plain Python ints (device virtual addresses; on the host backend,
-addresses in this process). Streams, events, modules and functions are opaque
-handles owned by the backend. Every method raises `RuntimeFailure` carrying the
-runtime's own error string when the underlying call fails.
-"""
+"""The interface every runtime backend implements. Pointers are ints (on the host backend, this process's addresses);
+streams, events, modules and functions are the backend's handles; a failed call raises RuntimeFailure."""
 from __future__ import annotations
 
 import functools
@@ -29,12 +24,8 @@ class DeviceInfo:
 
 
 class Backend:
-    """Device selection, streams, events, IPC-capable memory, copies, modules, launches.
-
-    `kind` names the backend ("hip", "cuda", "host"); `code_suffix` is the file
-    suffix of the ahead-of-time code objects this backend loads (".hsaco",
-    ".fatbin"; None on host, whose kernels are Python functions).
-    """
+    """Device selection, streams, events, IPC-capable memory, copies, modules, launches. `kind`: "hip",
+    "cuda" or "host"; `code_suffix`: the built code objects' (".hsaco", ".fatbin"; None on the host)."""
 
     kind: str = "abstract"
     code_suffix: str | None = None
@@ -50,12 +41,8 @@ class Backend:
         raise NotImplementedError
 
     def activate(self) -> None:
-        """Make the opened device current again on the calling thread, where another library (JAX,
-        PyTorch on another device) or another thread left a different one: on a GPU whose process sees
-        several, launches and events on our streams then fail, and allocations would land on that
-        device. Every public entry of AllToAll calls this first, and so does each call of a backend that
-        makes something bound to a device (memory, streams, events, modules); the host backend has nothing
-        to switch."""
+        """Make the opened device current again on this thread, where another library (JAX) or thread left its own:
+        every AllToAll call, and every backend call that makes something bound to a device, does this first."""
 
     # -- memory -------------------------------------------------------------
     def malloc_ipc(self, nbytes: int) -> int:
@@ -77,9 +64,7 @@ class Backend:
         raise NotImplementedError
 
     def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
-        """Zeroed pinned host memory the device can write: (host address, device address).
-
-        Kernels report errors here, so the host reads them without a copy or a sync."""
+        """Zeroed pinned host memory the device can write (kernels report errors there): (host, device)."""
         raise NotImplementedError
 
     def free_host_mapped(self, host_ptr: int) -> None:
@@ -113,9 +98,7 @@ class Backend:
     def stream_destroy(self, stream) -> None:
         raise NotImplementedError
 
-    # The type of this backend's own stream objects (stream_create's, stream_from_handle's), which a call's
-    # stream= may be; anything else must carry a handle (pyhipa2a.producers.foreign_stream_handle).
-    stream_type: type | tuple = ()
+    stream_type: type | tuple = ()  # this backend's stream objects (stream= may be one; else it carries a handle)
 
     def stream_handle(self, stream) -> int:
         """Integer value of a stream handle (for __cuda_array_interface__ / DLPack)."""
@@ -152,9 +135,7 @@ class Backend:
         raise NotImplementedError
 
     def stream_wait_stream(self, waiter, producer) -> None:
-        """Work queued on `waiter` from now on waits, on the device, for what is queued on `producer`
-        now: an event recorded there and waited for here (nothing when they are one stream). Each
-        thread records its own event, so a wait never takes another thread's record."""
+        """Work queued on `waiter` from now on waits, on the device, for what `producer` holds now (via an event)."""
         if self.stream_handle(waiter) == self.stream_handle(producer):
             return
         local = self.__dict__.get("_handoff") or self.__dict__.setdefault("_handoff", threading.local())
@@ -164,9 +145,7 @@ class Backend:
         self.event_record(event, producer)
         self.stream_wait_event(waiter, event)
 
-    # -- graphs -------------------------------------------------------------
-    # Stream capture: launches and event records on a capturing stream are
-    # recorded, not run, and replay together with one launch call.
+    # -- graphs: launches and event records on a capturing stream are recorded, replayed by one launch --
     def capture_begin(self, stream) -> None:
         raise NotImplementedError
 
@@ -186,8 +165,7 @@ class Backend:
         return True
 
     def capture_join(self, stream) -> None:
-        """Another library captures `stream`: our launches on it join that capture as they would ours
-        (GPU backends launch plainly into a capture), until capture_leave."""
+        """Another library captures `stream`: our launches on it join that capture, until capture_leave."""
 
     def capture_leave(self, stream) -> None:
         """The end of capture_join."""
@@ -200,9 +178,7 @@ class Backend:
         raise NotImplementedError
 
     def module_owner(self):
-        """What a loaded module belongs to, for sharing it among libraries: a device context that
-        lives as long as the process (the runtimes retain the primary context and never release it),
-        or None where each library loads and unloads its own (the host backend)."""
+        """What loaded modules belong to (they are shared by owner): a process-long context; None on the host."""
         return None
 
     def module_unload(self, module) -> None:
@@ -216,39 +192,25 @@ class Backend:
         raise NotImplementedError
 
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
-        """Launch `function` on a 1-D grid of `grid` blocks of `block` threads.
-
-        `pack` is a `kernels.ArgPack`: GPU backends pass `pack.kernel_params`
-        (a ctypes array of void*, one per argument, built once per launch
-        site), the CUDA backend to a one-node graph it keeps in `pack.sites`;
-        the host backend calls its Python kernel with `pack.arguments` (the
-        ctypes argument objects themselves). Each launch takes the arguments
-        as the pack holds them at that moment.
-        """
+        """Launch `function` on `grid` blocks of `block` threads with the arguments `pack` (kernels.ArgPack) holds
+        now: its void* array on GPUs (CUDA via a one-node graph kept in `pack.sites`), its ctypes values on host."""
         raise NotImplementedError
 
     def prepare_launch(self, function, grid: int, block: int, pack) -> None:
-        """Make now what launch() of `function` on this geometry from `pack` makes at its first use and
-        keeps (CUDA: the site's one-node graph, which takes device memory), so that an object can take
-        all its memory when it is made rather than in the middle of a run. Nothing to make by default."""
+        """Make what launch() makes at first use and keeps (CUDA: a graph): an object takes its memory when made."""
 
     def launcher(self, function, grid: int, block: int, pack):
-        """launch() of `function` from `pack`, a pack not written while the launcher is used (a plan's,
-        pyhipa2a.repeat), as a function of the stream alone: a backend may hand the arguments it holds
-        now to the device once, here, and launch them as they were (CUDA)."""
+        """launch() from `pack` (unwritten while this lives) as a function of the stream: CUDA passes arguments once."""
         return functools.partial(self.launch, function, grid, block, pack=pack)
 
-    # -- a repeated call's plan (pyhipa2a.repeat) ----------------------
+    # -- a repeated call's plan (pyhipa2a.repeat) --------------------------------
     def plan_activate(self):
-        """How a plan makes our device current: (f,) calls f() (activate() by default); a backend that
-        can be asked in C gives the driver's entries instead (CUDA)."""
+        """How a plan makes our device current: (f,) calls f(); CUDA gives the driver's entries instead."""
         return (self.activate,)
 
     def plan_launch(self, launch, stream) -> tuple:
-        """How a plan launches `launch` (a launcher's function of the stream) on `stream`, and the
-        collections that must be empty for that to be what `launch` would do: ((launch, stream), ())
-        calls it; a backend whose launcher is one driver call may give that call's entry and handles
-        instead (CUDA)."""
+        """How a plan launches `launch` (a launcher's) on `stream`, and the collections that must be empty for that
+        to be what `launch` does: ((launch, stream), ()) calls it; CUDA gives its graph's cuGraphLaunch."""
         return (launch, stream), ()
 
     def raise_driver_error(self, what: str, code: int) -> None:
@@ -256,8 +218,7 @@ class Backend:
         raise RuntimeFailure(f"{what} failed with code {code}")
 
     def trap(self, reason: str) -> None:
-        """A kernel aborted the device (AllToAll(..., on_timeout="trap")). GPU runtimes are left
-        unusable by the abort itself; the host backend has to be told (HostBackend.trap)."""
+        """A kernel aborted the device (on_timeout="trap"): the host backend has to be told, GPUs know."""
 
     def close(self) -> None:
         """Release per-process runtime state (streams the backend created)."""

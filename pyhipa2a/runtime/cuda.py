@@ -1,13 +1,5 @@
-"""CUDA backend over the driver API of cuda-python (`cuda.bindings.driver`).
-
-Every binding call returns a tuple whose first item is a `CUresult`; `_check`
-turns a failure into `RuntimeFailure` and hands back the remaining value(s).
-Streams, events, modules and functions are the binding's own handle objects;
-pointers cross this interface as plain ints. Copies, streams, events, modules
-and launches are the shared `DriverBackend`'s, through the `_CALLS` table
-below; what is CUDA's own (device and context set-up, IPC handles, pointer
-queries, flags) is here.
-"""
+"""CUDA backend over cuda-python's driver API (`cuda.bindings.driver`): what CUDA does its own way (one-node-graph
+launches among it); the rest is DriverBackend's."""
 from __future__ import annotations
 
 import ctypes
@@ -16,47 +8,21 @@ import os
 import weakref
 
 from .base import DeviceInfo, RuntimeFailure
-from .driver import DriverBackend, make_check
+from .driver import CALLS, DriverBackend, make_check
 
-# The binding's function for each role DriverBackend's shared methods call.
-_CALLS = {
-    "mem_free": "cuMemFree", "host_alloc": "cuMemHostAlloc",
-    "host_get_device_pointer": "cuMemHostGetDevicePointer", "host_free": "cuMemFreeHost",
-    "ipc_close_handle": "cuIpcCloseMemHandle",
-    "memcpy_htod": "cuMemcpyHtoD", "memcpy_htod_async": "cuMemcpyHtoDAsync",
-    "memcpy_dtoh": "cuMemcpyDtoH", "memcpy_dtoh_async": "cuMemcpyDtoHAsync",
-    "memcpy_dtod": "cuMemcpyDtoD", "memcpy_dtod_async": "cuMemcpyDtoDAsync",
-    "memset_d8": "cuMemsetD8", "memset_d8_async": "cuMemsetD8Async",
-    "stream_create": "cuStreamCreate", "stream_destroy": "cuStreamDestroy",
-    "stream_synchronize": "cuStreamSynchronize",
-    "event_destroy": "cuEventDestroy", "event_record": "cuEventRecord",
-    "event_synchronize": "cuEventSynchronize", "event_elapsed_time": "cuEventElapsedTime",
-    "module_load_data": "cuModuleLoadData", "module_unload": "cuModuleUnload",
-    "module_get_function": "cuModuleGetFunction", "launch_kernel": "cuLaunchKernel",
-    "mem_get_info": "cuMemGetInfo",
-    "stream_begin_capture": "cuStreamBeginCapture", "stream_end_capture": "cuStreamEndCapture",
-    "graph_instantiate": "cuGraphInstantiate", "graph_launch": "cuGraphLaunch",
-    "graph_exec_destroy": "cuGraphExecDestroy", "graph_destroy": "cuGraphDestroy",
-    "occupancy": "cuOccupancyMaxActiveBlocksPerMultiprocessor", "event_record_with_flags": "cuEventRecordWithFlags",
-    "stream_wait_event": "cuStreamWaitEvent", "stream_query": "cuStreamQuery",
-    "stream_is_capturing": "cuStreamIsCapturing",
-}
+_CALLS = {role: names[0] for role, names in CALLS.items()}
 
-# Every attribute of `driver` used here, directly below or through _CALLS; tests
-# assert they all exist, since this code cannot run on a machine without an
-# NVIDIA driver.
+# Every attribute of `driver` used, here or through _CALLS: tests check they exist, as no NVIDIA driver runs them.
 _USED_CALLS = (
-    "cuInit", "cuDeviceGetCount", "cuCtxGetDevice_v2", "cuCtxGetCurrent", "cuDeviceGet", "cuDeviceGetName", "cuDeviceGetAttribute",
-    "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuGetErrorName", "cuGetErrorString",
-    "cuMemAlloc", "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE",
-    "cuIpcGetMemHandle", "cuIpcOpenMemHandle", "cuPointerGetAttribute", "cuEventCreate",
-    "CUresult", "CUstream", "CUipcMemHandle", "CUdevice_attribute", "CUipcMem_flags",
-    "CUpointer_attribute", "CUstream_flags", "CUevent_flags", "CUstreamCaptureMode",
-    "CUDA_KERNEL_NODE_PARAMS", "CUstreamCaptureStatus", "cuGraphCreate", "cuGraphAddKernelNode", "cuGraphExecKernelNodeSetParams",
-) + tuple(_CALLS.values())
+    "cuInit", "cuDeviceGetCount", "cuCtxGetDevice_v2", "cuCtxGetCurrent", "cuDeviceGet", "cuDeviceGetName",
+    "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuGetErrorName", "cuGetErrorString",
+    "cuMemAlloc", "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE", "cuIpcGetMemHandle", "cuIpcOpenMemHandle",
+    "cuPointerGetAttribute", "cuEventCreate", "CUresult", "CUstream", "CUipcMemHandle", "CUdevice_attribute",
+    "CUipcMem_flags", "CUpointer_attribute", "CUstream_flags", "CUevent_flags", "CUstreamCaptureMode",
+    "CUDA_KERNEL_NODE_PARAMS", "CUstreamCaptureStatus", "cuGraphCreate", "cuGraphAddKernelNode",
+    "cuGraphExecKernelNodeSetParams") + tuple(_CALLS.values())
 
 _IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle), fixed by the CUDA ABI
-
 driver = None  # cuda.bindings.driver, bound by _load() so importing this module never needs it
 
 
@@ -66,34 +32,23 @@ def _load():
         try:
             from cuda.bindings import driver as _driver
         except ImportError as e:
-            raise ImportError(
-                "the CUDA backend needs NVIDIA's cuda-python driver bindings "
-                "(`pip install cuda-bindings`); importing cuda.bindings.driver failed: " + str(e)
-            ) from e
+            raise ImportError("the CUDA backend needs NVIDIA's cuda-python driver bindings "
+                              "(`pip install cuda-bindings`); importing cuda.bindings.driver failed: " + str(e)) from e
         driver = _driver
     return driver
 
 
-def _error_text(err) -> str:
-    # cuGetErrorName/String need libcuda; without it (or for a code the driver
-    # does not know) the enum's own name is still worth reporting.
-    try:
-        rn, name = driver.cuGetErrorName(err)
-        rs, text = driver.cuGetErrorString(err)
-        if rn == 0 and rs == 0 and name and text:
-            return f"{name.decode()}: {text.decode()}"
-    except Exception:
-        pass
-    return getattr(err, "name", None) or f"CUresult {int(err)}"
+def _error_text(err) -> str | None:
+    rn, name = driver.cuGetErrorName(err)
+    rs, text = driver.cuGetErrorString(err)
+    return f"{name.decode()}: {text.decode()}" if rn == 0 and rs == 0 and name and text else None
 
 
-_check = make_check(_error_text)  # raise on a failed (code, value...) tuple; return the value(s)
+_check = make_check(_error_text, "CUresult")
 
 
 def _handle_to_bytes(handle) -> bytes:
-    # The struct's only field is `reserved`, which some cuda-bindings releases
-    # do not expose; the struct's own address works in all of them.
-    return ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES)
+    return ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES)  # (not all releases expose its field `reserved`)
 
 
 def _handle_from_bytes(data: bytes):
@@ -105,8 +60,7 @@ def _handle_from_bytes(data: bytes):
 
 
 class _OneNodeGraph:
-    """One kernel of one launch site as an executable graph of a single node. Its parameters name the
-    site's void* array, so the node takes the arguments as they are at each cuGraphExecKernelNodeSetParams."""
+    """A launch site's kernel as a one-node graph; it reads the site's void* array at cuGraphExecKernelNodeSetParams."""
 
     def __init__(self, function, grid: int, block: int, kernel_params):
         params = self.params = driver.CUDA_KERNEL_NODE_PARAMS()
@@ -122,8 +76,7 @@ class _OneNodeGraph:
         except BaseException:
             driver.cuGraphDestroy(graph)
             raise
-        # The node's handle is the template's, so the template lives as long as the executable graph.
-        self.release = weakref.finalize(self, _destroy_graph, self.exec, graph)
+        self.release = weakref.finalize(self, _destroy_graph, self.exec, graph)  # (the template too: the node is its)
 
 
 def _hand_arguments(site: _OneNodeGraph) -> None:
@@ -134,7 +87,6 @@ def _hand_arguments(site: _OneNodeGraph) -> None:
 
 
 def _launch_graph(site: _OneNodeGraph, stream) -> None:
-    """The site's kernel with the arguments its node holds, on `stream`."""
     result = driver.cuGraphLaunch(site.exec, 0 if stream is None else stream)
     if result[0]:
         _check(result, "cuGraphLaunch")
@@ -142,9 +94,8 @@ def _launch_graph(site: _OneNodeGraph, stream) -> None:
 
 @functools.cache
 def _entry_points() -> dict | None:
-    """The driver's cuCtxGetCurrent, cuCtxSetCurrent and cuGraphLaunch as addresses, for a repeated call's
-    plan (pyhipa2a.repeat), from the libcuda the binding loaded; None where the binding calls the
-    per-thread-stream variants (CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM) or libcuda is not found."""
+    """Addresses of the driver's cuCtxGetCurrent, cuCtxSetCurrent and cuGraphLaunch for a plan (pyhipa2a.repeat);
+    None where libcuda is not found or the binding calls the per-thread-stream variants."""
     if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") != "0":
         return None
     try:
@@ -156,7 +107,7 @@ def _entry_points() -> dict | None:
 
 
 def _destroy_graph(executable, graph) -> None:
-    # Best effort, unchecked: this runs when a launch site is dropped, possibly at exit.
+    """Best effort, unchecked: this runs when a launch site is dropped, possibly at exit."""
     driver.cuGraphExecDestroy(executable)
     driver.cuGraphDestroy(graph)
 
@@ -177,15 +128,13 @@ class CudaBackend(DriverBackend):
         self._context = None
         self._context_handle = None  # int(self._context): activate() compares at every call
 
-    # -- device -------------------------------------------------------------
     def device_count(self) -> int:
         return _check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
 
     def open_device(self, index: int) -> DeviceInfo:
         self.current_device = index
         dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
-        # The primary context is the one the runtime API and other libraries
-        # in this process share, so buffers stay usable across them.
+        # The primary context is the one the runtime API and other libraries share: buffers stay usable across them.
         self._context = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         self._context_handle = int(self._context)
         _check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
@@ -193,18 +142,12 @@ class CudaBackend(DriverBackend):
 
         def get(a):
             return _check(driver.cuDeviceGetAttribute(a, dev), "cuDeviceGetAttribute")
-
         name = _check(driver.cuDeviceGetName(256, dev), "cuDeviceGetName")
         major = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
         minor = get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-        return DeviceInfo(
-            name=name.split(b"\0", 1)[0].decode(errors="replace"),
-            arch=f"sm_{major}{minor}",
-            index=index,
-            count=self.device_count(),
-            multiprocessors=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-            warp_size=32,  # every NVIDIA architecture so far
-        )
+        return DeviceInfo(name=name.split(b"\0", 1)[0].decode(errors="replace"), arch=f"sm_{major}{minor}", index=index,
+                          count=self.device_count(), multiprocessors=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+                          warp_size=32)  # (every NVIDIA architecture so far)
 
     def module_owner(self):
         return ("cuda", int(self._context)) if self._context is not None else None
@@ -216,11 +159,9 @@ class CudaBackend(DriverBackend):
         if current[0] or int(current[1]) != self._context_handle:
             _check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
-    # -- memory -------------------------------------------------------------
     def malloc_ipc(self, nbytes: int) -> int:
-        # cuMemAlloc memory is what cuIpcGetMemHandle accepts (VMM allocations are not).
         self.activate()
-        ptr = int(_check(driver.cuMemAlloc(nbytes), "cuMemAlloc"))
+        ptr = int(_check(driver.cuMemAlloc(nbytes), "cuMemAlloc"))  # (what cuIpcGetMemHandle takes; VMM memory is not)
         self.memset(ptr, 0, nbytes)
         return ptr
 
@@ -237,12 +178,10 @@ class CudaBackend(DriverBackend):
         return driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
 
     def pointer_device(self, ptr: int) -> int | None:
-        # The pointer's context, not CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: on the
-        # H200 machine the ordinal read 0 for memory on device 1.
+        # The pointer's context, not CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, which read 0 for memory on device 1 (H200).
         attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT
         result = driver.cuPointerGetAttribute(attr, ptr)
-        # The driver answers INVALID_VALUE for memory it did not allocate or register.
-        if result[0] == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
+        if result[0] == driver.CUresult.CUDA_ERROR_INVALID_VALUE:  # memory it did not allocate or register
             return None
         context = _check(result, "cuPointerGetAttribute")
         if self._context is not None and int(context) == int(self._context):
@@ -251,7 +190,6 @@ class CudaBackend(DriverBackend):
             return int(_check(driver.cuCtxGetDevice_v2(context), "cuCtxGetDevice_v2"))
         return -1  # another context: not the device this process drives
 
-    # -- streams and events ---------------------------------------------------
     def _non_blocking_stream_flags(self):
         return driver.CUstream_flags.CU_STREAM_NON_BLOCKING
 
@@ -271,29 +209,23 @@ class CudaBackend(DriverBackend):
         return _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
 
     def stream_capturing(self, stream) -> bool:
-        # Asked at every call on a stream not our own (Streams.enter): the bare binding call,
-        # 0.3 us on the H100 machine, where the shared wrapper's lookups took 0.75-1.4.
+        # Asked at every call on a foreign stream: the bare binding call is cheaper than the shared _call's lookups.
         result = driver.cuStreamIsCapturing(stream)
         if result[0]:
             _check(result, "cuStreamIsCapturing")
         return result[1] is not driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     def capturable(self, stream) -> bool:
-        # CU_STREAM_LEGACY (1), the legacy default stream as PyTorch's and CuPy's default current streams
-        # are named (pyhipa2a.producers), is never captured: CUDA refuses to begin a capture there. Handle
-        # 0 is asked: with CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1 it is the per-thread stream.
+        # CU_STREAM_LEGACY (1), as PyTorch and CuPy name their default streams, cannot be captured. Handle 0 is
+        # asked: with CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1 it is the per-thread stream.
         try:
             return int(stream) != 1
         except TypeError:  # (None, handle 0; or no handle we can read: ask)
             return True
 
-    # -- launches -------------------------------------------------------------
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
-        # Outside a capture a site's kernel goes out as a one-node executable graph given the pack's
-        # arguments as they are now (cuGraphExecKernelNodeSetParams, then cuGraphLaunch): on one H100
-        # that cost the host 2.1 us a launch against 3.3 for cuLaunchKernel, and the kernel was done
-        # 1.5 us sooner after the call (docs/PERFORMANCE.md). A launch into a capture stays a plain
-        # launch: the capture records it as a kernel node of its own.
+        # Outside a capture, the site's one-node graph given the pack's arguments now: cheaper for the host and
+        # sooner done than cuLaunchKernel (docs/PERFORMANCE.md). Into a capture, a plain launch: a node of its own.
         if self._recording(stream):
             super().launch(function, grid, block, stream, pack)
             return
@@ -302,8 +234,7 @@ class CudaBackend(DriverBackend):
         _launch_graph(site, stream)
 
     def _site(self, function, grid: int, block: int, pack) -> "_OneNodeGraph":
-        """The one-node graph of `function` launched from `pack` on `grid` blocks of `block` threads,
-        made by prepare_launch (AllToAll makes all of its own so) or at its first launch, and kept in the pack."""
+        """The one-node graph of `function` from `pack` on this grid, kept in the pack: made ahead or at first use."""
         key = (id(function), grid, block)  # (the site's params hold the function: its id stays)
         site = pack.sites.get(key)
         if site is None:
@@ -315,9 +246,8 @@ class CudaBackend(DriverBackend):
         self._site(function, grid, block, pack)
 
     def launcher(self, function, grid: int, block: int, pack):
-        # The site's one-node graph takes the pack's arguments once, here: each launch is cuGraphLaunch
-        # alone, 0.6 us less than one that hands the node the arguments first. The graph stays the pack's
-        # (made with the object: one made for each plan grew device memory by 2 MiB in scripts/stress.py).
+        # The node takes the arguments once, here: each launch is cuGraphLaunch alone. The graph stays the pack's
+        # (one made per plan grew device memory in scripts/stress.py).
         site, capturing, joined = self._site(function, grid, block, pack), self._capturing, self._joined
         _hand_arguments(site)
 
@@ -336,8 +266,7 @@ class CudaBackend(DriverBackend):
         return (entries["cuCtxGetCurrent"], entries["cuCtxSetCurrent"], self._context_handle)
 
     def plan_launch(self, launch, stream) -> tuple:
-        # The launcher's own test, left to the plan: with no stream of ours recording, it launches the
-        # site's graph and nothing else.
+        # The launcher's own test, left to the plan: with no stream of ours recording, it launches the site's graph.
         entries, site = _entry_points(), getattr(launch, "site", None)
         if entries is None or site is None:
             return (launch, stream), ()

@@ -1,14 +1,5 @@
-"""What the CUDA and HIP backends share: both bindings mirror one driver API.
-
-cuda-python's `driver` and hip-python's `hip` take the same arguments in the
-same order for copies, memsets, streams, events, modules and launches, and
-both return a tuple whose first item is an error code. `DriverBackend`
-implements those methods once; a subclass names its binding's function for
-each role in `_CALLS` and supplies `_api` (the binding module) and `_check`
-(its own error check, which puts the runtime's error string and the call's
-name into `RuntimeFailure`). Whatever differs between the two runtimes stays
-in cuda.py and hip.py.
-"""
+"""What the CUDA and HIP backends share: cuda-python's `driver` and hip-python's `hip` take the same arguments for
+copies, memsets, streams, events, modules and launches and return (error code, value...); DriverBackend makes them."""
 from __future__ import annotations
 
 import ctypes
@@ -17,24 +8,51 @@ import numpy as np
 
 from .base import Backend, RuntimeFailure
 
-# Every role the methods below call; each subclass's `_CALLS` maps exactly
-# these to its binding's function names (tests hold both to that).
-ROLES = (
-    "mem_free", "host_alloc", "host_get_device_pointer", "host_free", "ipc_close_handle",
-    "memcpy_htod", "memcpy_htod_async", "memcpy_dtoh", "memcpy_dtoh_async",
-    "memcpy_dtod", "memcpy_dtod_async", "memset_d8", "memset_d8_async",
-    "stream_create", "stream_destroy", "stream_synchronize",
-    "event_destroy", "event_record", "event_synchronize", "event_elapsed_time",
-    "module_load_data", "module_unload", "module_get_function", "launch_kernel", "mem_get_info",
-    "stream_begin_capture", "stream_end_capture", "graph_instantiate", "graph_launch", "graph_exec_destroy",
-    "graph_destroy", "occupancy", "event_record_with_flags", "stream_wait_event", "stream_query",
-    "stream_is_capturing",
-)
+# Each role DriverBackend's methods call -> (CUDA driver function, HIP function); each backend's _CALLS is one column.
+CALLS = {
+    "mem_free": ("cuMemFree", "hipFree"), "host_alloc": ("cuMemHostAlloc", "hipHostMalloc"),
+    "host_get_device_pointer": ("cuMemHostGetDevicePointer", "hipHostGetDevicePointer"),
+    "host_free": ("cuMemFreeHost", "hipHostFree"), "ipc_close_handle": ("cuIpcCloseMemHandle", "hipIpcCloseMemHandle"),
+    "memcpy_htod": ("cuMemcpyHtoD", "hipMemcpyHtoD"), "memcpy_htod_async": ("cuMemcpyHtoDAsync", "hipMemcpyHtoDAsync"),
+    "memcpy_dtoh": ("cuMemcpyDtoH", "hipMemcpyDtoH"), "memcpy_dtoh_async": ("cuMemcpyDtoHAsync", "hipMemcpyDtoHAsync"),
+    "memcpy_dtod": ("cuMemcpyDtoD", "hipMemcpyDtoD"), "memcpy_dtod_async": ("cuMemcpyDtoDAsync", "hipMemcpyDtoDAsync"),
+    "memset_d8": ("cuMemsetD8", "hipMemsetD8"), "memset_d8_async": ("cuMemsetD8Async", "hipMemsetD8Async"),
+    "stream_create": ("cuStreamCreate", "hipStreamCreateWithFlags"),
+    "stream_destroy": ("cuStreamDestroy", "hipStreamDestroy"),
+    "stream_synchronize": ("cuStreamSynchronize", "hipStreamSynchronize"),
+    "event_destroy": ("cuEventDestroy", "hipEventDestroy"), "event_record": ("cuEventRecord", "hipEventRecord"),
+    "event_synchronize": ("cuEventSynchronize", "hipEventSynchronize"),
+    "event_elapsed_time": ("cuEventElapsedTime", "hipEventElapsedTime"),
+    "module_load_data": ("cuModuleLoadData", "hipModuleLoadData"),
+    "module_unload": ("cuModuleUnload", "hipModuleUnload"),
+    "module_get_function": ("cuModuleGetFunction", "hipModuleGetFunction"),
+    "launch_kernel": ("cuLaunchKernel", "hipModuleLaunchKernel"), "mem_get_info": ("cuMemGetInfo", "hipMemGetInfo"),
+    "stream_begin_capture": ("cuStreamBeginCapture", "hipStreamBeginCapture"),
+    "stream_end_capture": ("cuStreamEndCapture", "hipStreamEndCapture"),
+    "graph_instantiate": ("cuGraphInstantiate", "hipGraphInstantiateWithFlags"),
+    "graph_launch": ("cuGraphLaunch", "hipGraphLaunch"), "graph_destroy": ("cuGraphDestroy", "hipGraphDestroy"),
+    "graph_exec_destroy": ("cuGraphExecDestroy", "hipGraphExecDestroy"),
+    "occupancy": ("cuOccupancyMaxActiveBlocksPerMultiprocessor", "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor"),
+    "event_record_with_flags": ("cuEventRecordWithFlags", "hipEventRecordWithFlags"),
+    "stream_wait_event": ("cuStreamWaitEvent", "hipStreamWaitEvent"),
+    "stream_query": ("cuStreamQuery", "hipStreamQuery"),
+    "stream_is_capturing": ("cuStreamIsCapturing", "hipStreamIsCapturing"),
+}
+ROLES = tuple(CALLS)
 
 
-def make_check(error_text):
-    """The `_check` of a binding whose calls return (error code, value...): raise RuntimeFailure naming
-    the call and `error_text(code)` on failure; else return None, the one value, or the tuple of them."""
+def make_check(runtime_text, code_type: str):
+    """The `_check` of a binding whose calls return (error code, value...): on failure raise RuntimeFailure naming
+    the call and `runtime_text(code)` (else the code's enum name); else return None, the one value, or the tuple."""
+    def error_text(code) -> str:
+        try:  # the runtime's text needs its native library; without it the enum's name still says what failed
+            text = runtime_text(code)
+            if text:
+                return text
+        except Exception:
+            pass
+        return getattr(code, "name", None) or f"{code_type} {int(code)}"
+
     def check(result, call: str):
         if result[0]:
             raise RuntimeFailure(f"{call} failed: {error_text(result[0])}")
@@ -49,54 +67,30 @@ def _host_buffer(a: np.ndarray) -> tuple[int, int]:
 
 
 class DriverBackend(Backend):
-    _CALLS: dict[str, str] = {}  # role (see ROLES) -> the binding's function name
-    _LAUNCH_EXTRA = None         # the launch call's `extra` argument, as the binding wants it
+    """A subclass sets _CALLS (its column of CALLS) and provides _api (the binding module, loaded on first use),
+    _check (make_check's), and the flags _host_mapped_flags (pinned host memory the device can write),
+    _non_blocking_stream_flags and _capture_mode (thread-local: other threads' calls cannot invalidate ours)."""
+    _CALLS: dict[str, str] = {}
+    _LAUNCH_EXTRA = None  # the launch call's `extra` argument, as the binding wants it
 
     def __init__(self):
         self._streams = set()  # created here and not yet destroyed; close() reclaims them
         self._capturing: set[int] = set()  # handles of streams between capture_begin and capture_end
         self._joined: set[int] = set()  # handles of streams another library captures (capture_join)
 
-    # -- what a subclass provides ---------------------------------------------
-    @staticmethod
-    def _api():
-        """The binding module (loaded on first use)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _check(result, call: str):
-        """Raise RuntimeFailure naming `call` on a failed result tuple; else return its value."""
-        raise NotImplementedError
-
-    def _host_mapped_flags(self):
-        """Flags for pinned host memory the device can write (the `host_alloc` call)."""
-        raise NotImplementedError
-
-    def _non_blocking_stream_flags(self):
-        """Flags for a stream that does not serialise against the default stream."""
-        raise NotImplementedError
-
-    def _capture_mode(self):
-        """Thread-local capture: other threads' unrelated calls cannot invalidate ours."""
-        raise NotImplementedError
-
-    # An event recorded while capturing only orders the captured work, unless it
-    # is recorded as "external": then the graph records it at every launch.
+    # An event recorded while capturing orders only captured work unless "external": then each graph launch records it.
     _EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL, hipEventRecordExternal
 
     def _call(self, role: str, *args):
-        """Make the binding's call for `role`, checked under that call's own name."""
+        """The binding's call for `role`, checked under that call's own name."""
         name = self._CALLS[role]
         return self._check(getattr(self._api(), name)(*args), name)
 
     def _on_stream(self, role: str, stream, *args, wait: bool = False) -> None:
-        """With no stream, `role`'s plain call, finished when this returns; with a stream its
-        "_async" form (stream last), followed by a stream synchronize when `wait`."""
+        """No stream: `role`'s plain call, done on return; a stream: its "_async" form, then synchronized if `wait`."""
         if stream is None:
-            # The plain forms are not all synchronous: a memset or a device-to-device copy of
-            # device memory may return before it is done, queued on the null stream, which our
-            # non-blocking streams do not wait for. A memset still running when the next kernel
-            # starts would overwrite that kernel's flags and inboxes, so wait for it here.
+            # A plain memset or device-to-device copy may return still queued on the null stream, which our
+            # non-blocking streams do not wait for: it would overwrite the next kernel's flags and inboxes.
             self._call(role, *args)
             self._call("stream_synchronize", None)
         else:
@@ -104,10 +98,6 @@ class DriverBackend(Backend):
             if wait:
                 self._call("stream_synchronize", stream)
 
-    # -- memory -------------------------------------------------------------
-    # Calls that make something bound to a device (memory, streams, events, modules) or ask about "the
-    # current device" call activate() first: a caller's own events and streams from this backend must
-    # land in our context whatever another library left current (JAX does, at start-up and after).
     def memory_in_use(self) -> int:
         self.activate()
         free, total = self._call("mem_get_info")
@@ -129,9 +119,7 @@ class DriverBackend(Backend):
     def free_host_mapped(self, host_ptr: int) -> None:
         self._call("host_free", host_ptr)
 
-    # -- copies ---------------------------------------------------------------
-    # Host<->device copies return once the data has arrived (the host buffer
-    # may be reused or read at once); device-only ops are just stream-ordered.
+    # -- copies: host<->device ones return once the host buffer may be reused or read --
     def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
         addr, nbytes = _host_buffer(src)
         self._on_stream("memcpy_htod", stream, dst, addr, nbytes, wait=True)
@@ -146,8 +134,7 @@ class DriverBackend(Backend):
     def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
         self._on_stream("memset_d8", stream, ptr, byte, nbytes)
 
-    # -- streams and events ---------------------------------------------------
-    # Stream None is the default (null) stream: both bindings turn None into handle 0.
+    # -- streams and events (stream None is the null stream: both bindings make it handle 0) --
     def stream_create(self):
         # Non-blocking: must not serialise against work other libraries put on the default stream.
         self.activate()
@@ -201,7 +188,6 @@ class DriverBackend(Backend):
     def event_elapsed_ms(self, start, end) -> float:
         return float(self._call("event_elapsed_time", start, end))
 
-    # -- graphs -------------------------------------------------------------
     def capture_begin(self, stream) -> None:
         self._call("stream_begin_capture", stream, self._capture_mode())
         self._capturing.add(self.stream_handle(stream))
@@ -233,7 +219,6 @@ class DriverBackend(Backend):
     def graph_destroy(self, graph) -> None:
         self._call("graph_exec_destroy", graph)
 
-    # -- code ---------------------------------------------------------------
     def module_load(self, image: bytes):
         self.activate()
         return self._call("module_load_data", image)
@@ -248,8 +233,7 @@ class DriverBackend(Backend):
         return int(self._call("occupancy", function, block_threads, 0))
 
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
-        # kernelParams: the binding reads a buffer-protocol object as the void**
-        # array itself, so the ctypes array goes in as is (no per-launch packing).
+        # The binding reads a buffer-protocol object as the void** array itself: the ctypes array goes in as is.
         launch = self.__dict__.get("_launch_kernel")  # looked up once: this is every call's path
         if launch is None:
             launch = self._launch_kernel = getattr(self._api(), self._CALLS["launch_kernel"])
@@ -258,10 +242,10 @@ class DriverBackend(Backend):
             self._check(result, self._CALLS["launch_kernel"])
 
     def close(self) -> None:
+        # Best effort, unchecked: a failure here must not mask shutdown.
         event = getattr(self.__dict__.get("_handoff"), "event", None)  # this thread's (stream_wait_stream)
         if event is not None:
-            getattr(self._api(), self._CALLS["event_destroy"])(event)  # best effort, as below
+            getattr(self._api(), self._CALLS["event_destroy"])(event)
         streams, self._streams = getattr(self, "_streams", set()), set()
         for stream in streams:
-            # Best effort, unchecked: a failure here must not mask shutdown.
             getattr(self._api(), self._CALLS["stream_destroy"])(stream)

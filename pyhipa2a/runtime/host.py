@@ -1,13 +1,6 @@
-"""CPU backend: the same Python stack without a GPU.
-
-"Device memory" is a POSIX shared-memory file in /dev/shm mapped into this
-process; its IPC handle is the file's name, so peers on the node map the same
-pages. Kernels are Python functions (pyhipa2a.host_kernels) that follow the
-GPU kernels' protocol on that memory. Streams execute in order at launch, so
-they and events are trivial. Cross-process atomics use POSIX record locks
-on the shared file (`fcntl.lockf` on the word's byte range); the same
-system calls order a flag store after the data it publishes on any CPU.
-"""
+"""CPU backend: "device memory" is a /dev/shm file mapped here, named by its IPC handle; kernels are Python functions
+(pyhipa2a.host_kernels) following the GPU kernels' protocol on it, run at launch. Cross-process atomics are POSIX
+record locks on the word, whose system calls also order a flag store after the data it publishes."""
 from __future__ import annotations
 
 import ctypes
@@ -37,23 +30,20 @@ class _Mapping:
     owned: bool           # created here: unlink the file when freed
 
 
+@dataclass(eq=False)
 class HostStream:
-    """Work runs at launch time, so a stream is only an identity, unless it is
-    capturing: then launches and event records are kept (as CUDA and HIP keep
-    them in a graph) and run when the graph is launched."""
-
-    def __init__(self):
-        self.captured: list | None = None
+    """Only an identity (work runs at launch), unless capturing: then launches and event records await graph_launch."""
+    captured: list | None = None
 
 
+@dataclass(eq=False)
 class HostGraph:
-    def __init__(self, steps: list):
-        self.steps = steps
+    steps: list
 
 
+@dataclass(eq=False)
 class HostEvent:
-    def __init__(self):
-        self.time = None
+    time: float | None = None
 
 
 class HostBackend(Backend):
@@ -72,15 +62,13 @@ class HostBackend(Backend):
         return None  # (no device to make current)
 
     def trap(self, reason: str) -> None:
-        """A kernel aborted (on_timeout="trap"): as a GPU context after a trap, this backend fails
-        every later launch, copy, memset, allocation and synchronize. Freeing still works."""
+        """Fail every later launch, copy, memset, allocation and synchronize (not a free), as a trapped GPU context."""
         self._trapped = reason
 
     def _alive(self) -> None:
         if self._trapped is not None:
             raise RuntimeFailure(f"host: the device is unusable after a kernel aborted ({self._trapped})")
 
-    # -- device -------------------------------------------------------------
     def device_count(self) -> int:
         return 1
 
@@ -90,7 +78,6 @@ class HostBackend(Backend):
             raise RuntimeFailure(f"host backend has one device; asked for {index}")
         return DeviceInfo(name="host CPU", arch="host", index=0, count=1, multiprocessors=1, warp_size=1)
 
-    # -- memory -------------------------------------------------------------
     def _map(self, name: str, size: int | None, create: bool) -> int:
         path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -143,8 +130,7 @@ class HostBackend(Backend):
         self._host_buffers.pop(host_ptr, None)
 
     def ipc_export(self, ptr: int) -> bytes:
-        name = self._maps[ptr].name.encode()
-        return name.ljust(HANDLE_BYTES, b"\0")
+        return self._maps[ptr].name.encode().ljust(HANDLE_BYTES, b"\0")
 
     def ipc_open(self, handle: bytes) -> int:
         return self._map(handle.rstrip(b"\0").decode(), None, create=False)
@@ -172,32 +158,26 @@ class HostBackend(Backend):
         except RuntimeFailure:
             return None
 
-    # -- copies ---------------------------------------------------------------
-    # Copies run at once; on a capturing stream they are refused, as a CUDA or
-    # HIP capture refuses a copy that waits for the host.
-    @staticmethod
-    def _not_capturing(stream, what: str) -> None:
-        if isinstance(stream, HostStream) and stream.captured is not None:
+    def _copyable(self, stream, what: str) -> None:
+        """Copies run at once: a capturing stream refuses them, as CUDA and HIP do a copy that waits for the host."""
+        self._alive()
+        if self.stream_capturing(stream):
             raise RuntimeFailure(f"host: {what} on a capturing stream is not supported")
 
     def copy_to_device(self, dst: int, src: np.ndarray, stream=None) -> None:
-        self._alive()
-        self._not_capturing(stream, "copy_to_device")
+        self._copyable(stream, "copy_to_device")
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
 
     def copy_to_host(self, dst: np.ndarray, src: int, stream=None) -> None:
-        self._alive()
-        self._not_capturing(stream, "copy_to_host")
+        self._copyable(stream, "copy_to_host")
         ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
 
     def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
-        self._alive()
-        self._not_capturing(stream, "copy_device")
+        self._copyable(stream, "copy_device")
         ctypes.memmove(dst, src, nbytes)
 
     def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
-        self._alive()
-        self._not_capturing(stream, "memset")
+        self._copyable(stream, "memset")
         ctypes.memset(ptr, byte, nbytes)
 
     # -- cross-process word operations used by the host kernels --------------
@@ -213,7 +193,6 @@ class HostBackend(Backend):
         with self._locked(ptr):
             return ctypes.c_uint32.from_address(ptr).value
 
-    # -- streams and events ---------------------------------------------------
     def stream_create(self):
         s = HostStream()
         self._streams[id(s)] = s
@@ -235,10 +214,9 @@ class HostBackend(Backend):
         return True  # work runs at launch
 
     def enqueue(self, stream, step) -> None:
-        """Run `step()` now, or keep it in the graph a capturing stream records (as launch does):
-        host work that belongs to a call's sequence (the MPI exchange between nodes)."""
+        """Run host work of a call's sequence (the MPI exchange between nodes) now, or keep it in a capturing graph."""
         self._alive()
-        if isinstance(stream, HostStream) and stream.captured is not None:
+        if self.stream_capturing(stream):
             stream.captured.append(step)
             return
         step()
@@ -250,7 +228,7 @@ class HostBackend(Backend):
         pass
 
     def event_record(self, event, stream) -> None:
-        if isinstance(stream, HostStream) and stream.captured is not None:
+        if self.stream_capturing(stream):
             stream.captured.append(lambda: self.event_record(event, None))
             return
         event.time = time.perf_counter()
@@ -266,7 +244,6 @@ class HostBackend(Backend):
             raise RuntimeFailure("host: event was never recorded")
         return (end.time - start.time) * 1e3
 
-    # -- code ---------------------------------------------------------------
     def module_load(self, image: bytes):
         """`image` is the module's name: its kernels live in pyhipa2a.host_kernels.<name>."""
         try:
@@ -285,9 +262,8 @@ class HostBackend(Backend):
 
     def launch(self, function, grid: int, block: int, stream, pack) -> None:
         self._alive()
-        if isinstance(stream, HostStream) and stream.captured is not None:
-            # The arguments as they are now: the pack is rewritten by later calls.
-            args = tuple(type(a).from_buffer_copy(a) for a in pack.arguments)
+        if self.stream_capturing(stream):
+            args = tuple(type(a).from_buffer_copy(a) for a in pack.arguments)  # as now: later calls rewrite the pack
             stream.captured.append(lambda: function(self, *args))
             return
         function(self, *pack.arguments)
@@ -295,7 +271,6 @@ class HostBackend(Backend):
     def resident_blocks(self, function, block_threads: int) -> int:
         return 1  # a host grid is one block of one thread
 
-    # -- graphs -------------------------------------------------------------
     def capture_begin(self, stream) -> None:
         if not isinstance(stream, HostStream) or stream.captured is not None:
             raise RuntimeFailure("host: capture needs a stream of this backend that is not capturing already")
@@ -319,8 +294,7 @@ class HostBackend(Backend):
         graph.steps = []
 
     def close(self) -> None:
-        for ptr in list(self._maps):
-            m = self._maps[ptr]
+        for ptr, m in list(self._maps.items()):
             self._release(ptr, unlink=m.owned)
 
 

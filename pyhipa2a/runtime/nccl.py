@@ -1,26 +1,7 @@
-"""A small communicator over NCCL (NVIDIA) or RCCL (AMD), loaded with ctypes, bootstrapped with mpi4py.
-
-It carries the traffic between nodes of a hierarchical all-to-all: one group
-of point-to-point sends and receives of raw bytes per `exchange`, on a
-CUDA/HIP stream given as a raw handle. RCCL has NCCL's C API under another
-file name (librccl.so), so one class serves both.
-
-The communicator runs in NCCL's non-blocking mode (config.blocking = 0):
-initialization, group launches and finalization return ncclInProgress and
-finish on NCCL's own threads, and we poll ncclCommGetAsyncError with a
-deadline. Past the unique id's MPI broadcast at creation (which waits for
-every rank, as MPI collectives do), no call here waits for a peer without
-bound: a peer that never comes makes the step time out (NcclTimeout), and
-the communicator is aborted. What the device then waits for (a receive whose
-sender is gone) is the caller's watchdog's to abort. NCCL_COMM_BLOCKING=1 in
-the environment overrides the config and makes NCCL's own waits unbounded.
-
-Every C call is checked: a failure raises NcclFailure with NCCL's own strings
-(ncclGetErrorString, and ncclGetLastError where the library has it). Needs
-NCCL >= 2.14 (the first with ncclCommInitRankConfig, non-blocking mode and
-ncclCommFinalize), or an RCCL built from it. No CUDA or HIP call is made
-here: the caller makes its device current before creating a communicator.
-"""
+"""A communicator over NCCL (NVIDIA) or RCCL (AMD: the same C API), loaded with ctypes, bootstrapped with mpi4py:
+one group of byte sends and receives per `exchange`, on a raw stream handle, for the traffic between nodes. It is
+non-blocking: past the unique id's broadcast no call waits for a peer without bound (NcclTimeout, and it is aborted);
+what the device waits for is the caller's watchdog's to abort. Needs NCCL >= 2.14 (or an RCCL built from it)."""
 from __future__ import annotations
 
 import ctypes
@@ -36,7 +17,6 @@ from .base import RuntimeFailure
 __all__ = ["LIBRARY_VARIABLE", "NcclComm", "NcclFailure", "NcclLibrary", "NcclTimeout", "find_library"]
 
 LIBRARY_VARIABLE = "PYHIPA2A_NCCL_LIBRARY"
-
 MIN_VERSION = 21400  # NCCL_VERSION(2, 14, 0)
 
 # ncclResult_t and ncclDataType_t values used here (the same in NCCL and RCCL).
@@ -47,10 +27,6 @@ _UINT8 = 1
 _UNIQUE_ID_BYTES = 128        # NCCL_UNIQUE_ID_BYTES
 _API_MAGIC = 0xCAFEBEEF       # NCCL_API_MAGIC
 _CONFIG_UNDEF_INT = -(2**31)  # NCCL_CONFIG_UNDEF_INT (INT_MIN): "NCCL picks"
-
-# A non-blocking group launch runs on a thread NCCL starts for it, and an exchange's host time is
-# mostly that thread's (one H100, NCCL 2.28: 55-60 us yielding between polls, ~100 us sleeping 0 s;
-# 13 us for a blocking communicator): its polls yield first (bootstrap.sleep_backoff).
 
 
 class NcclFailure(RuntimeFailure):
@@ -66,29 +42,16 @@ class _UniqueId(ctypes.Structure):
 
 
 class _Config(ctypes.Structure):
-    """The first fields of ncclConfig_t, which every version since 2.17 (and RCCL) lays out alike.
-
-    ncclConfig_t is versioned and append-only. Since 2.17 NCCL copies only the
-    `size` bytes the caller passes over a config it filled with
-    NCCL_CONFIG_INITIALIZER (parseCommConfig in init.cc), so a shorter struct
-    leaves every later field at its default. cgaClusterSize is here, unset,
-    only so the struct has no trailing padding: those 4 bytes would be copied
-    into it. NCCL 2.14-2.16 read `blocking` alone, whose struct this covers.
-    """
-    _fields_ = [
-        ("size", ctypes.c_size_t),
-        ("magic", ctypes.c_uint),
-        ("version", ctypes.c_uint),
-        ("blocking", ctypes.c_int),
-        ("cgaClusterSize", ctypes.c_int),
-    ]
+    """ncclConfig_t's first fields: NCCL >= 2.17 copies `size` bytes over its defaults (2.14-2.16 read `blocking`
+    alone); cgaClusterSize, unset, only avoids trailing padding."""
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int)]
 
 
 _COMM = ctypes.c_void_p  # ncclComm_t, an opaque pointer
 _RESULT = ctypes.c_int   # ncclResult_t
 
-# (restype, argtypes) of every function used; a library without one of the
-# required ones is too old (NcclLibrary says so).
+# (restype, argtypes) of every function used; a library without a required one is too old.
 _SIGNATURES = {
     "ncclGetVersion": (_RESULT, [ctypes.POINTER(ctypes.c_int)]),
     "ncclGetErrorString": (ctypes.c_char_p, [_RESULT]),
@@ -110,17 +73,13 @@ _OPTIONAL = {"ncclGetLastError"}  # NCCL >= 2.13; only makes messages better
 
 
 def _version_text(code: int) -> str:
-    # NCCL_VERSION: X*1000 + Y*100 + Z up to 2.8, X*10000 + Y*100 + Z after.
+    """NCCL_VERSION: X*1000 + Y*100 + Z up to 2.8, X*10000 + Y*100 + Z after."""
     major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
     return f"{major}.{rest // 100}.{rest % 100}"
 
 
-# -- finding the library -------------------------------------------------------
-
 def _wheel_candidates() -> list[Path]:
-    """libnccl.so.2 of the nvidia-nccl-cu13 / -cu12 wheels: nvidia/nccl/lib/ in the `nvidia` namespace package.
-
-    Found through import specs, which import nothing but the namespace package itself (no torch)."""
+    """libnccl.so.2 of the nvidia-nccl-cu13 / -cu12 wheels, found through import specs (which import no torch)."""
     dirs: list[Path] = []
     for name, below in (("nvidia.nccl", "."), ("nvidia", "nccl")):
         try:
@@ -135,7 +94,7 @@ def _wheel_candidates() -> list[Path]:
 def _rocm_candidates() -> list[Path]:
     roots = [os.environ["ROCM_PATH"]] if os.environ.get("ROCM_PATH") else []
     roots.append("/opt/rocm")
-    # librccl.so is the development link; a runtime-only install has just the versioned name.
+    # (librccl.so is the development link; a runtime-only install has just the versioned name)
     return list(dict.fromkeys(Path(r) / "lib" / name for r in roots for name in ("librccl.so", "librccl.so.1")))
 
 
@@ -156,11 +115,8 @@ _HOW_TO_FIX = {
 
 
 def find_library(kind: str) -> str:
-    """The NCCL ("cuda") or RCCL ("hip") library to load: a path, or a name the dynamic loader resolves.
-
-    $PYHIPA2A_NCCL_LIBRARY first (it must name a file); then, for cuda, the
-    nvidia-nccl wheels' libnccl.so.2 and the system's libnccl; for hip,
-    $ROCM_PATH/lib, /opt/rocm/lib and the system's librccl."""
+    """The NCCL ("cuda") or RCCL ("hip") library to load, as a path or a name the dynamic loader resolves:
+    $PYHIPA2A_NCCL_LIBRARY (a file), else the nvidia-nccl wheels' or ROCm's, else the system's."""
     if kind not in _HOW_TO_FIX:
         raise ValueError(f"no NCCL flavour for backend {kind!r}: choose 'cuda' (NCCL) or 'hip' (RCCL)")
     override = os.environ.get(LIBRARY_VARIABLE)
@@ -182,14 +138,9 @@ def find_library(kind: str) -> str:
     raise NcclFailure(f"no {short.upper()} library found (tried {tried}): {_HOW_TO_FIX[kind]}")
 
 
-# -- the library ---------------------------------------------------------------
-
 class NcclLibrary:
-    """An NCCL or RCCL shared library, loaded with ctypes.
-
-    `_functions` is the seam for tests: an object whose attributes stand in
-    for the C functions (same names, same arguments, out-parameters as ctypes
-    pointers); no library is loaded then."""
+    """An NCCL or RCCL shared library, loaded with ctypes. Tests pass `_functions`: an object whose attributes
+    stand in for the C functions (out-parameters as ctypes pointers); no library is loaded then."""
 
     def __init__(self, path: str, _functions=None):
         self.path = path
@@ -199,30 +150,30 @@ class NcclLibrary:
             except OSError as e:
                 raise NcclFailure(f"cannot load the NCCL library {path}: {e}") from e
             _declare(_functions, path)
-        self._fn = _functions
+        self.fn = _functions
         self._has_last_error = hasattr(_functions, "ncclGetLastError")
         version = ctypes.c_int()
-        self._call("ncclGetVersion", ctypes.pointer(version))
+        self.call("ncclGetVersion", ctypes.pointer(version))
         self.version = version.value
 
     def error_string(self, code: int) -> str:
-        text = self._fn.ncclGetErrorString(code)
+        text = self.fn.ncclGetErrorString(code)
         return text.decode(errors="replace") if text else f"ncclResult_t {code}"
 
-    def _describe(self, what: str, code: int, comm=None) -> str:
+    def describe(self, what: str, code: int, comm=None) -> str:
         """`what` failed with `code`, in NCCL's words, with its last error message where it has one."""
         message = f"{what} failed: {self.error_string(code)} (ncclResult_t {code})"
-        last = self._fn.ncclGetLastError(comm) if self._has_last_error else None
+        last = self.fn.ncclGetLastError(comm) if self._has_last_error else None
         if last:
             message += f"; NCCL's last error: {last.decode(errors='replace')}"
         return message
 
-    def _call(self, name: str, *args, comm=None, in_progress_ok: bool = False) -> int:
+    def call(self, name: str, *args, comm=None, in_progress_ok: bool = False) -> int:
         """Call `name`; raise NcclFailure unless it returned ncclSuccess (or ncclInProgress, when that is expected)."""
-        code = getattr(self._fn, name)(*args)
+        code = getattr(self.fn, name)(*args)
         if code == _SUCCESS or (in_progress_ok and code == _IN_PROGRESS):
             return code
-        raise NcclFailure(self._describe(name, code, comm))
+        raise NcclFailure(self.describe(name, code, comm))
 
 
 def _declare(cdll, path: str) -> None:
@@ -240,15 +191,9 @@ def _declare(cdll, path: str) -> None:
                           f"(or an RCCL built from it)")
 
 
-# -- the communicator ------------------------------------------------------------
-
 class NcclComm:
-    """An NCCL communicator over the ranks of an mpi4py communicator, in non-blocking mode.
-
-    Collective over `comm`: every rank constructs it, with its device current.
-    Every wait after the unique id's broadcast is bounded by `timeout` seconds;
-    a step that runs past it aborts the communicator and raises NcclTimeout
-    naming the step. Not thread-safe: one thread drives a communicator."""
+    """An NCCL communicator over an mpi4py communicator's ranks, made collectively, each with its device current.
+    A step past `timeout` aborts it and raises NcclTimeout naming the step. One thread drives it."""
 
     def __init__(self, library: NcclLibrary, comm, timeout: float):
         if timeout <= 0:
@@ -259,11 +204,9 @@ class NcclComm:
         self._lib = library
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.timeout = float(timeout)
-        self.aborted = False
-        self._closed = False
+        self.aborted = self._closed = False
         self._handle = _COMM()
-        # Reused by every poll: no allocation on the exchange path.
-        self._state = _RESULT()
+        self._state = _RESULT()  # reused by every poll: no allocation on the exchange path
         self._state_ptr = ctypes.pointer(self._state)
         self._init(self._unique_id(comm))
 
@@ -273,7 +216,7 @@ class NcclComm:
         if self.rank == 0:
             uid = _UniqueId()
             try:
-                self._lib._call("ncclGetUniqueId", ctypes.pointer(uid))
+                self._lib.call("ncclGetUniqueId", ctypes.pointer(uid))
                 sent = (True, ctypes.string_at(ctypes.addressof(uid), _UNIQUE_ID_BYTES))
             except NcclFailure as e:
                 sent = (False, str(e))
@@ -287,10 +230,10 @@ class NcclComm:
     def _init(self, uid: _UniqueId) -> None:
         config = _Config(size=ctypes.sizeof(_Config), magic=_API_MAGIC, version=self._lib.version,
                          blocking=0, cgaClusterSize=_CONFIG_UNDEF_INT)
-        code = self._lib._fn.ncclCommInitRankConfig(ctypes.pointer(self._handle), self.size, uid, self.rank,
-                                                    ctypes.pointer(config))
+        code = self._lib.fn.ncclCommInitRankConfig(ctypes.pointer(self._handle), self.size, uid, self.rank,
+                                                   ctypes.pointer(config))
         if code not in (_SUCCESS, _IN_PROGRESS):
-            message = self._lib._describe("ncclCommInitRankConfig", code, self._handle)
+            message = self._lib.describe("ncclCommInitRankConfig", code, self._handle)
             if self._handle.value:  # a communicator may exist even so: release it
                 self.abort()
             raise NcclFailure(message)
@@ -300,29 +243,27 @@ class NcclComm:
             self.abort()  # the caller gets no object to close (a no-op after a timeout's own abort)
             raise
 
-    # -- waiting for NCCL's threads -----------------------------------------------
     def _async_state(self) -> int:
-        self._lib._call("ncclCommGetAsyncError", self._handle, self._state_ptr, comm=self._handle)
+        self._lib.call("ncclCommGetAsyncError", self._handle, self._state_ptr, comm=self._handle)
         return self._state.value
 
     def _finish(self, step: str) -> None:
-        """Poll until `step` is no longer in progress. Its failure raises NcclFailure; running past the
-        timeout aborts the communicator (NCCL takes no other call on it while a step is in progress)
-        and raises NcclTimeout."""
+        """Poll until `step` is no longer in progress: NcclFailure if it failed; past the timeout, abort (NCCL takes
+        no other call while a step is in progress) and raise NcclTimeout."""
         start, attempt = time.monotonic(), 0
         while True:
             state = self._async_state()
             if state == _SUCCESS:
                 return
             if state != _IN_PROGRESS:
-                raise NcclFailure(self._lib._describe(f"{step} (asynchronously)", state, self._handle))
+                raise NcclFailure(self._lib.describe(f"{step} (asynchronously)", state, self._handle))
             waited = time.monotonic() - start
             if waited > self.timeout:
                 self.abort()
                 raise NcclTimeout(f"{step} on rank {self.rank} of {self.size} was still in progress after "
                                   f"{self.timeout:.1f} s (a rank never arrived or is stuck); the communicator "
                                   f"was aborted")
-            sleep_backoff(attempt)
+            sleep_backoff(attempt)  # yields first: NCCL's own thread runs the step (faster than sleeping)
             attempt += 1
 
     def _ensure_usable(self) -> None:
@@ -331,33 +272,27 @@ class NcclComm:
         if self._closed:
             raise NcclFailure("the NCCL communicator was closed")
 
-    # -- public ---------------------------------------------------------------
     def exchange(self, sends, recvs, stream: int) -> None:
-        """One group of sends and receives of bytes on `stream` (a raw cudaStream_t / hipStream_t).
-
-        `sends`, `recvs`: sequences of (peer, device pointer, nbytes); entries of
-        0 bytes are skipped. Returns once NCCL has queued the work on the stream;
-        nothing waits for the device, so this may run during stream capture."""
+        """One group of byte sends and receives on `stream` (a raw cudaStream_t / hipStream_t); `sends`, `recvs`:
+        (peer, device pointer, nbytes), 0 bytes skipped. Nothing waits for the device (fine during capture)."""
         self._ensure_usable()
-        # Everything that can refuse the arguments runs before the group opens.
-        stream = int(stream)
+        stream = int(stream)  # (what can refuse the arguments runs before the group opens)
         sends, recvs = _nonempty(sends, self.size), _nonempty(recvs, self.size)
         if not sends and not recvs:
             return
         lib = self._lib
-        lib._call("ncclGroupStart")
+        lib.call("ncclGroupStart")
         try:
             for peer, ptr, nbytes in sends:
-                lib._call("ncclSend", ptr, nbytes, _UINT8, peer, self._handle, stream,
-                          comm=self._handle, in_progress_ok=True)
+                lib.call("ncclSend", ptr, nbytes, _UINT8, peer, self._handle, stream,
+                         comm=self._handle, in_progress_ok=True)
             for peer, ptr, nbytes in recvs:
-                lib._call("ncclRecv", ptr, nbytes, _UINT8, peer, self._handle, stream,
-                          comm=self._handle, in_progress_ok=True)
+                lib.call("ncclRecv", ptr, nbytes, _UINT8, peer, self._handle, stream,
+                         comm=self._handle, in_progress_ok=True)
         except BaseException:
-            # Close the group we opened (groups nest per thread); the error being raised says what went wrong.
-            lib._fn.ncclGroupEnd()
+            lib.fn.ncclGroupEnd()  # close our group (groups nest per thread); the error raised says what failed
             raise
-        lib._call("ncclGroupEnd", comm=self._handle, in_progress_ok=True)
+        lib.call("ncclGroupEnd", comm=self._handle, in_progress_ok=True)
         self._finish("ncclGroupEnd")
 
     def poll(self) -> None:
@@ -365,7 +300,7 @@ class NcclComm:
         self._ensure_usable()
         state = self._async_state()
         if state not in (_SUCCESS, _IN_PROGRESS):
-            raise NcclFailure(self._lib._describe("NCCL communicator", state, self._handle))
+            raise NcclFailure(self._lib.describe("NCCL communicator", state, self._handle))
 
     def abort(self) -> None:
         """Release the communicator at once, stopping whatever it still runs on the device. Idempotent."""
@@ -374,12 +309,10 @@ class NcclComm:
         self.aborted = True
         handle, self._handle = self._handle, _COMM()
         if handle.value:
-            self._lib._call("ncclCommAbort", handle)
+            self._lib.call("ncclCommAbort", handle)
 
     def close(self) -> None:
-        """Finalize (bounded) and destroy a healthy communicator, abort any other. Idempotent.
-
-        A finalize that fails or times out aborts and raises: resources are released either way."""
+        """Finalize (bounded) and destroy a healthy communicator, else abort; a failed finalize aborts, then raises."""
         if self.aborted or self._closed:
             return
         try:
@@ -390,14 +323,14 @@ class NcclComm:
             self.abort()
             return
         try:
-            self._lib._call("ncclCommFinalize", self._handle, comm=self._handle, in_progress_ok=True)
+            self._lib.call("ncclCommFinalize", self._handle, comm=self._handle, in_progress_ok=True)
             self._finish("ncclCommFinalize")
         except NcclFailure:
             self.abort()  # no-op after _finish's own abort on a timeout
             raise
         self._closed = True
         handle, self._handle = self._handle, _COMM()
-        self._lib._call("ncclCommDestroy", handle)
+        self._lib.call("ncclCommDestroy", handle)
 
 
 def _nonempty(entries, size: int) -> list[tuple[int, int, int]]:

@@ -35,7 +35,7 @@ def _peer_dies(comm, outdir):
     inputs = draw_world(5, world, world, 1, 64, 4, token_counts=[4] * world)
     # The survivors' own communicator, made while everyone is alive: they leave together, since the
     # process manager may take the job down once a process has exited.
-    survivors = comm.Split(0 if comm.Get_rank() != dead else pyhipa2a.bootstrap._mpi().UNDEFINED)
+    survivors = comm.Split(0 if comm.Get_rank() != dead else pyhipa2a.bootstrap.mpi().UNDEFINED)
     dead_pid = comm.bcast(os.getpid(), root=dead)
     comm.Barrier()
     if a2a.rank == dead:
