@@ -28,20 +28,20 @@ class AllToAll(Calls):
 
     def __init_subclass__(cls, *, across_nodes: bool, **kwargs):
         super().__init_subclass__(**kwargs)
-        AllToAll._implementations[across_nodes] = cls
+        cls._implementations[across_nodes] = cls  # (the base class's dict, shared)
 
     def __new__(cls, comm=None, *, ranks_per_node: int | None = None, **params):
         """Ranks on several nodes (real, or `ranks_per_node` / PYHIPA2A_RANKS_PER_NODE) go across nodes."""
         layout = node_layout(comm, ranks_per_node)
         if cls is AllToAll:
-            cls = AllToAll._implementations[layout.nodes > 1]
+            cls = cls._implementations[layout.nodes > 1]
         obj = super().__new__(cls)
-        obj._layout = layout
+        obj.layout = layout  # how the ranks lie on nodes (bootstrap.NodeLayout)
         return obj
 
     def __init__(self, comm=None, *, ranks_per_node: int | None = None, backend=None, device: int | None = None,
                  **params):
-        config, exchange, health, self.rank = self._open(comm, self._layout, backend, device, params)
+        config, exchange, health, self.rank = self._open(comm, self.layout, backend, device, params)
         try:
             super().__init__(config, exchange, health)
             self.world = config.world
@@ -86,7 +86,7 @@ class AllToAll(Calls):
                 self.expert_y_buffer()
                 out = expert.expert_y_on(s, self._health)
             else:
-                self._take("fake_expert out", out, out.shape, c.out_dtype, s, [])
+                self._take("fake_expert out", out, (c.local_experts, c.capacity, c.hidden), c.out_dtype, s, [])
             expert.launch(out.ptr, s)
             streams.queued(s)
             streams.keep((out,))
@@ -138,23 +138,21 @@ class AllToAll(Calls):
         streams = self._streams
         if streams.capturing is not None:
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
-        self.backend.activate()
-        waited = streams.given(stream) if stream is not None else streams.latest()
-        self._health.settle(waited)
         try:
-            self.backend.stream_synchronize(waited)
+            waited = self._wait_for_calls(stream)
         except RuntimeFailure as e:  # a kernel that trapped (on_timeout="trap") said why first
             self._raise_reported(cause=e)
             raise
         streams.synchronized(waited)
         self._raise_reported()
 
-    def _wait_for_calls(self) -> None:
-        """The host waits for every call so far (bounded, across nodes too)."""
+    def _wait_for_calls(self, stream=None):
+        """The host waits for `stream`, else for every call so far (bounded, across nodes too); the stream."""
         self.backend.activate()
-        waited = self._streams.latest()
+        waited = self._streams.given(stream) if stream is not None else self._streams.latest()
         self._health.settle(waited)
         self.backend.stream_synchronize(waited)
+        return waited
 
     # -- profiling --------------------------------------------------------------
     def profile_events(self):

@@ -16,7 +16,7 @@ from .runtime import Backend, get_backend, select_device
 TABLE_ALIGN = 256
 
 
-def _align(n: int, a: int) -> int:
+def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
@@ -34,8 +34,8 @@ class SymmetricHeap:
         self.timeout = timeout
         self._fingerprint = hashlib.sha256()
         self._allocations = 0
-        table_bytes = _align(8 * self.world, TABLE_ALIGN)
-        self.nbytes = table_bytes + _align(int(nbytes), TABLE_ALIGN)
+        table_bytes = align_up(8 * self.world, TABLE_ALIGN)
+        self.nbytes = table_bytes + align_up(int(nbytes), TABLE_ALIGN)
         # In their own object, so the finalizer (run at exit too) frees them without keeping the heap alive.
         self._mappings = _Mappings(self.backend, self.backend.malloc_ipc(self.nbytes))
         self._finalizer = weakref.finalize(self, self._mappings.release)
@@ -63,7 +63,7 @@ class SymmetricHeap:
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         dtype = np.dtype(dtype)
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        start = _align(self._offset, align)
+        start = align_up(self._offset, align)
         if start + size > self.nbytes:
             raise MemoryError(f"symmetric heap exhausted: requested {size} bytes (aligned to {align}), "
                               f"{max(self.nbytes - start, 0)} of {self.nbytes} bytes free")

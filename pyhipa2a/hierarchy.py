@@ -20,6 +20,7 @@ from .array import DeviceArray
 from .bootstrap import NodeLayout, mpi
 from .config import Config
 from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
+from .heap import TABLE_ALIGN, align_up
 from .internode import Transfer, make_engine
 from .intranode import NodeExchange
 from .kernels import X_FP8
@@ -49,10 +50,6 @@ class NodesHealth(Health):
         self.engine.settle(stream)
 
 
-def _align(n: int, a: int = 256) -> int:
-    return (n + a - 1) // a * a
-
-
 class HierarchicalAllToAll(AllToAll, across_nodes=True):
     """AllToAll for a communicator that spans nodes (see the module's doc)."""
 
@@ -65,6 +62,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         engine = params.pop("engine", None)
         config = Config.of(comm.Get_size(), **params)
         backend = backend if isinstance(backend, Backend) else get_backend(backend)
+        config.check_agrees(comm, backend.kind)  # (each node checks its own part, not the nodes against each other)
         if device is None:  # by the rank's place on its machine, not in its (maybe simulated) node
             device = select_device(backend, layout.local_rank)
         # Ranks of other (simulated) nodes may drive the same GPU: the grid is shared among all of them.
@@ -103,16 +101,16 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         N, M, k, H, backend = layout.nodes, c.max_tokens, c.top_k, c.hidden, exchange.heap.backend
         row_bytes, out_row = H * c.in_dtype.itemsize, H * c.out_dtype.itemsize
         scale_bytes = 4 * c.scale_cols if c.x_format == X_FP8 else 0
-        record_bytes = _align(8 * M * k + 8, 16)
+        record_bytes = align_up(8 * M * k + 8, 16)
         parts = [("sequence", 16), ("seals", 16 * N), ("records", N * record_bytes),
                  ("regions_x", N * M * row_bytes), ("regions_scales", N * M * scale_bytes),
                  ("local_indices", 4 * N * M * k), ("local_weights", 4 * N * M * k),
                  ("sums", N * M * out_row), ("partials", N * M * out_row), ("y", M * out_row)]
-        base = backend.malloc_ipc(sum(_align(n) for _, n in parts))  # zero-filled: no sequence number yet
+        base = backend.malloc_ipc(sum(align_up(n, TABLE_ALIGN) for _, n in parts))  # zeroed: no sequence yet
         self._free = weakref.finalize(self, backend.free, base)
         ptr, at = {}, base
         for name, n in parts:
-            ptr[name], at = at, at + _align(n)
+            ptr[name], at = at, at + align_up(n, TABLE_ALIGN)
 
         def own(name, shape, dtype):
             return DeviceArray(backend, ptr[name], shape, dtype, owner=self, stream=exchange.stream)
@@ -123,7 +121,10 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         call = exchange.dispatch.call
         call.x, call.indices, call.weights, call.num_tokens = ptr["regions_x"], ptr["local_indices"], 0, N * M
         call.x_scales = ptr["regions_scales"] if scale_bytes else 0
-        self._regions = (N * M, ptr["local_weights"], ptr["sums"])  # node part's tokens, weights, sums
+        # Its combine takes every region too, with the regions' weights, into the sums that go home.
+        call = exchange.combine.call
+        call.weights, call.out, call.num_tokens = ptr["local_weights"], ptr["sums"], N * M
+        self._node_tokens = N * M
 
         library = exchange.library
         self._stage, self._localize = library.kernel("hier_stage"), library.kernel("hier_localize")
@@ -191,8 +192,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._stage.launch(pack, *self._geometry, s)
         self._engine.exchange(self._moves["tokens"], s)
         self._localize.launch(pack, *self._geometry, s)
-        node_tokens = self._regions[0]
-        self._exchange.dispatch.launch(s, node_tokens)
+        self._exchange.dispatch.launch(s, self._node_tokens)
 
     def _launch_combine(self, s, tokens, expert_y, weights, out, scale) -> None:
         pack = self._steps["combine"][0]
@@ -201,12 +201,9 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._stage.launch(pack, *self._geometry, s)
         self._engine.exchange(self._moves["records"], s)
         self._localize.launch(pack, *self._geometry, s)
-        node_tokens, node_weights, sums = self._regions
         leg = self._exchange.combine
-        call = leg.call
-        call.expert_y, call.weights, call.out, call.num_tokens, call.expert_scale = (expert_y, node_weights, sums,
-                                                                                     node_tokens, scale)
-        leg.launch(s, node_tokens)
+        leg.call.expert_y, leg.call.expert_scale = expert_y, scale
+        leg.launch(s, self._node_tokens)
         self._engine.exchange(self._moves["sums"], s)
         b = self._sums[0][0]
         b.out, b.tokens = out, tokens
@@ -216,7 +213,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         pack, frozen = self._steps[leg]
         stage = self._stage.repeater(pack, frozen, *self._geometry)
         localize = self._localize.repeater(pack, frozen, *self._geometry)
-        node = getattr(self._exchange, leg).repeater(self._regions[0])
+        node = getattr(self._exchange, leg).repeater(self._node_tokens)
         exchange, moves = self._engine.exchange, self._moves
         if leg == "dispatch":
             def launch(s) -> None:

@@ -164,6 +164,6 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     launched, must_be_empty = backend.plan_launch(launch, s) if compiled else ((launch, s), ())
     checks += [(CALL_IS, operator.not_, collection, True) for collection in must_be_empty]
     activate = backend.plan_activate() if compiled else (None if backend.kind == "host" else (backend.activate,))
-    changes = record.changes + ((streams, "last", s),)
-    return (record.args, record.alike, tuple(checks), status, activate, waits, launched, changes, record.result,
-            failed)
+    # (record.changes set streams.last already: a plan is made outside a capture only)
+    return (record.args, record.alike, tuple(checks), status, activate, waits, launched, record.changes,
+            record.result, failed)

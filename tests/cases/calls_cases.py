@@ -315,6 +315,8 @@ def case_bad_inputs(comm):
 
         d = a2a.dispatch(x, idx)                       # a good call after all the refusals
         expert_y = a2a.fake_expert(d)
+        with pytest.raises(ValueError, match=r"fake_expert out must have shape"):  # (it would write past it)
+            a2a.fake_expert(d, out=expert_y.view((L, cap // 2, H)))
         with pytest.raises(TypeError, match="combine\\(\\) needs the weights"):
             a2a.combine(expert_y)
         with pytest.raises(ValueError, match=r"expert_y must have shape"):
@@ -391,6 +393,10 @@ def case_config_mismatch(comm):
     push = 4 if comm.Get_rank() != odd else 2
     with pytest.raises(pyhipa2a.ConfigMismatchError, match=rf"ranks \[{odd}\].*push_max_tokens") as info:
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=64, max_num_tokens=4, push_max_tokens=push)
+    assert info.value.ranks == (odd,)
+    # Across nodes (one rank a node) each node's part agrees with itself: the nodes are compared too.
+    with pytest.raises(pyhipa2a.ConfigMismatchError, match=rf"ranks \[{odd}\]") as info:
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=H, max_num_tokens=4, ranks_per_node=1)
     assert info.value.ranks == (odd,)
 
 
