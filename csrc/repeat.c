@@ -1,7 +1,7 @@
 /* A repeated call, run from its plan in C: pyhipa2a.repeat's compiled executor.
  *
  * A plan (pyhipa2a/repeat.py says what each field holds) is a tuple:
- *   (given, alike, checks, status, activate, waits, launch, changes, result, failed)
+ *   (given, alike, checks, status, activate, waits, launch, after, changes, result, failed)
  * run(plan, *args) asks its checks and does its steps in the order pyhipa2a.repeat.interpret does, and
  * returns the call's result, or MISSED having done nothing. Driver calls named by address (CUDA's
  * context and graph launch) run with the GIL released, as the binding's own calls do.
@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 enum { ATTR_IS = 0, ATTR_IS_OR_NONE = 1, CALL_IS = 2, CALL_EQ = 3 };
-enum { GIVEN, ALIKE, CHECKS, STATUS, ACTIVATE, WAITS, LAUNCH, CHANGES, RESULT, FAILED, PLAN_FIELDS };
+enum { GIVEN, ALIKE, CHECKS, STATUS, ACTIVATE, WAITS, LAUNCH, AFTER, CHANGES, RESULT, FAILED, PLAN_FIELDS };
 
 typedef int (*ctx_get_fn)(void **);
 typedef int (*ctx_set_fn)(void *);
@@ -116,11 +116,22 @@ static int call_back(PyObject *f, PyObject *arg) {
     return 0;
 }
 
+/* f() for each f of a tuple; -1 with what one raised. */
+static int call_each(PyObject *functions) {
+    for (Py_ssize_t i = 0, n = PyTuple_Size(functions); i < n; i++) {
+        PyObject *answer = PyObject_CallNoArgs(PyTuple_GetItem(functions, i));
+        if (answer == NULL)
+            return -1;
+        Py_DECREF(answer);
+    }
+    return 0;
+}
+
 /* run(plan, *args): the call's result, or MISSED. */
 static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     (void)self;
     if (argc < 1 || !PyTuple_Check(argv[0]) || PyTuple_Size(argv[0]) != PLAN_FIELDS) {
-        PyErr_SetString(PyExc_TypeError, "run(plan, *args): plan is a tuple of 10 fields");
+        PyErr_SetString(PyExc_TypeError, "run(plan, *args): plan is a tuple of 11 fields");
         return NULL;
     }
     PyObject *plan = argv[0];
@@ -157,13 +168,8 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
                 return driver_failed(plan, "cuCtxSetCurrent", code);
         }
     }
-    PyObject *waits = PyTuple_GetItem(plan, WAITS);
-    for (Py_ssize_t i = 0, n = PyTuple_Size(waits); i < n; i++) {
-        PyObject *answer = PyObject_CallNoArgs(PyTuple_GetItem(waits, i));
-        if (answer == NULL)
-            return NULL;
-        Py_DECREF(answer);
-    }
+    if (call_each(PyTuple_GetItem(plan, WAITS)) < 0)
+        return NULL;
     PyObject *launch = PyTuple_GetItem(plan, LAUNCH);
     if (PyTuple_Size(launch) == 2) {
         if (call_back(PyTuple_GetItem(launch, 0), PyTuple_GetItem(launch, 1)) < 0)
@@ -178,6 +184,8 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
         if (code != 0)
             return driver_failed(plan, "cuGraphLaunch", code);
     }
+    if (call_each(PyTuple_GetItem(plan, AFTER)) < 0)
+        return NULL;
     PyObject *changes = PyTuple_GetItem(plan, CHANGES);
     for (Py_ssize_t i = 0, n = PyTuple_Size(changes); i < n; i++) {
         PyObject *change = PyTuple_GetItem(changes, i);

@@ -267,6 +267,24 @@ A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 first, u32 n, u32& sum) {
   return true;
 }
 
+// The call's outputs: the caller's buffers where its DispatchCall names them, else ours.
+struct Outputs {
+  u8* x;
+  i32* meta;
+  float* scales;
+  i32* num_tokens;
+  i32* layout;
+};
+
+A2A_DEVICE Outputs outputs_of(const Ctx& x, const DispatchCall& c) {
+  const A2AArgs& a = x.a;
+  return {c.expert_x ? (u8*)c.expert_x : sym<u8>(x.h, x.h.rank, a.off_recv_x),
+          c.expert_meta ? (i32*)c.expert_meta : sym<i32>(x.h, x.h.rank, a.off_recv_meta),
+          c.expert_scales ? (float*)c.expert_scales : sym<float>(x.h, x.h.rank, a.off_recv_scales),
+          c.expert_num_tokens ? (i32*)c.expert_num_tokens : sym<i32>(x.h, x.h.rank, a.off_num_tokens),
+          c.expert_layout ? (i32*)c.expert_layout : sym<i32>(x.h, x.h.rank, a.off_layout)};
+}
+
 // Lane j (< k) of the warp on token t of source src gets the row of
 // expert_x that slot j fills here (-1: its expert is not ours, or the slot is
 // void), each row at the place its sender chose in its chunk, after expert
@@ -278,7 +296,7 @@ A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 first, u32 n, u32& sum) {
 // the token's first segment) the lane also writes the row's meta and, for
 // combine, the decoded routing slot and its row. False in every lane when a
 // word never came (reported).
-A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane, i32& row) {
+A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool record, u32 lane, i32& row) {
   const u32 me = (u32)x.h.rank;
   const u64 at = ((u64)src * x.M + t) * x.k + lane;
   bool ok = true;
@@ -304,7 +322,7 @@ A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane,
       sym<i32>(x.h, (int)me, x.a.off_rows)[at] = e;
       sym<i32>(x.h, (int)me, x.a.off_slot_of)[at] = row;
       if (row >= 0) {
-        i32* meta = sym<i32>(x.h, (int)me, x.a.off_recv_meta) + (u64)row * 3u;
+        i32* meta = expert_meta + (u64)row * 3u;
         const u32 R = x.a.region_tokens;  // a node's part of a multi-node call: name the token's true source
         meta[0] = (i32)(R ? t / R * x.W + src : src);
         meta[1] = (i32)(R ? t % R : t);
@@ -320,19 +338,19 @@ A2A_DEVICE bool expert_rows(const Ctx& x, u32 src, u32 t, bool record, u32 lane,
 // staged segment is read over the link once its flag is here, a pushed one
 // from our inbox once its words carry the epoch.
 template <u32 X>
-A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, const u32* pre) {
+A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
   const u32 pushed = pre[x.W + 1], words = rb / 4u, H = (u32)x.a.hidden;
-  u8* expert_x = sym<u8>(x.h, (int)me, x.a.off_recv_x);
-  float* expert_scales = sym<float>(x.h, (int)me, x.a.off_recv_scales);
+  u8* expert_x = out.x;
+  float* expert_scales = out.scales;
   for (u32 item = first_item(g, g.warps / 2u); item < pre[x.W + 2] * x.W * S; item += g.warps) {
     u32 src, t, seg;
     if (!token_major(pre, x.W, me + 1u, x.a.div_W, quot_rem(x.a.div_x_nseg, item, seg), src, t)) continue;
     A2A_PROF_START(t1);
     i32 slot;  // lane j: slot j's row here, or -1
-    if (!expert_rows(x, src, t, seg == 0, g.lane, slot)) break;
+    if (!expert_rows(x, out.meta, src, t, seg == 0, g.lane, slot)) break;
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_HEADER, t1, src | t << 8);
     A2A_PROF_START(t3);
     u32 n = 0;
@@ -409,13 +427,12 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const WarpGrid& g, 
 // expert took one round trip each (a small call launches few blocks: at one
 // rank and M = 1, one block's 8 warps counted 256 experts, 32 round trips in
 // a row, 20 us).
-A2A_DEVICE void publish_counts(const Ctx& x, const WarpGrid& g) {
+A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g) {
   const u64* counts = chunk_counts(x, (u32)x.h.rank);
   const u32 words = x.W * route_chunks(x);
   u32 G = 1;
   while (G < words && G < A2A_WARP_SIZE) G <<= 1;
   const u32 groups = A2A_WARP_SIZE / G, q0 = g.lane % G;
-  i32* num_tokens = sym<i32>(x.h, x.h.rank, x.a.off_num_tokens);
   for (u32 l0 = first_item(g, g.warps / 4u) * groups; l0 < x.L; l0 += g.warps * groups) {
     A2A_PROF_START(t0);
     const u32 l = l0 + g.lane / G;
@@ -438,13 +455,12 @@ A2A_DEVICE void publish_counts(const Ctx& x, const WarpGrid& g) {
 // (sum_counts: every count word of a source in one round trip, as a call has
 // at most A2A_ROUTE_LOADS chunks), writes expert_layout[l][s] = (s * M,
 // rows), and the group's sum goes to expert_num_tokens.
-A2A_DEVICE void publish_source_counts(const Ctx& x, const WarpGrid& g) {
+A2A_DEVICE void publish_source_counts(const Ctx& x, const Outputs& out, const WarpGrid& g) {
   const u32 chunks = route_chunks(x);
   u32 G = 1;
   while (G < x.W) G <<= 1;
   const u32 groups = A2A_WARP_SIZE / G, s = g.lane % G;
-  i32* num_tokens = sym<i32>(x.h, x.h.rank, x.a.off_num_tokens);
-  i32* layout = sym<i32>(x.h, x.h.rank, x.a.off_layout);
+  i32 *num_tokens = out.num_tokens, *layout = out.layout;
   for (u32 l0 = first_item(g, g.warps / 4u) * groups; l0 < x.L; l0 += g.warps * groups) {
     A2A_PROF_START(t0);
     const u32 l = l0 + g.lane / G;
@@ -468,6 +484,7 @@ template <u32 X>
 A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   A2A_PROF_BEGIN(a.prof);
   const Ctx x = make_ctx(a, true);
+  const Outputs out = outputs_of(x, c);
   const WarpGrid g = warp_grid();
   A2A_PROF_START(t0);
   // A pushed call pushes its tokens too unless its flags follow a GPU-scope
@@ -492,20 +509,20 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
     __shared__ u32 pre[A2A_PREFIX_WORDS];
     const bool ok = source_prefix(x, header, pre, true, g);
     if (ok && a.by_source)
-      publish_source_counts(x, g);
+      publish_source_counts(x, out, g);
     else if (ok)
-      publish_counts(x, g);
-    if (ok) fan_out<X>(x, c, g, pre);
+      publish_counts(x, out.num_tokens, g);
+    if (ok) fan_out<X>(x, c, out, g, pre);
   }
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   const u64 rows = (u64)x.L * x.capacity;
-  const Poison outputs[5] = {{sym<u8>(x.h, x.h.rank, a.off_recv_x), rows * a.x_row_bytes},
-                             {sym<u8>(x.h, x.h.rank, a.off_recv_meta), rows * 12u},
-                             {sym<u8>(x.h, x.h.rank, a.off_num_tokens), (u64)x.L * 4u},
-                             {sym<u8>(x.h, x.h.rank, a.off_recv_scales), rows * a.scale_cols * 4u},
-                             {sym<u8>(x.h, x.h.rank, a.off_layout), a.by_source ? (u64)x.L * x.W * 8u : 0u}};
-  finish(x, 0u, outputs);
+  const Poison poisoned[5] = {{out.x, rows * a.x_row_bytes},
+                              {(u8*)out.meta, rows * 12u},
+                              {(u8*)out.num_tokens, (u64)x.L * 4u},
+                              {(u8*)out.scales, rows * a.scale_cols * 4u},
+                              {(u8*)out.layout, a.by_source ? (u64)x.L * x.W * 8u : 0u}};
+  finish(x, 0u, poisoned);
 }
 
 // One kernel per way x becomes expert_x (pyhipa2a/legs.py picks it).

@@ -122,6 +122,13 @@ struct DispatchCall {
   u64 weights;    // f32 [T][k] sent with the routing (combine then needs none), or 0: combine sends them
   i32 num_tokens;
   u32 pad;
+  // Where the outputs land, each 0 for our own buffer (off_recv_x, ...): only this rank's dispatch writes
+  // them and combine reads none, so a caller may give its own (pyhipa2a.jax: XLA's result buffers).
+  u64 expert_x;           // [L][W*M][x_row_bytes]
+  u64 expert_meta;        // i32 [L][W*M][3]
+  u64 expert_scales;      // f32 [L][W*M][scale_cols]
+  u64 expert_num_tokens;  // i32 [L]
+  u64 expert_layout;      // i32 [L][W][2]
 };
 
 struct CombineCall {
@@ -199,6 +206,8 @@ A2A_DEVICE u32* block_failed() {
 // warps' system-scope loads of the one word cost 0.5 us of every launch of
 // the full grid on two H200s (measured at commit 3cbf100).
 // Block 0 hands the epoch on once it is in.
+A2A_DEVICE_CALLED void report_failure(u32* status, u32* mirror, u32 trap_on_timeout, u32 code, u32 peer, u32 what,
+                                      u32 detail);  // (below)
 A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
   __shared__ u64 bases[A2A_MAX_WORLD];
   __shared__ u32 block_epoch;
@@ -206,6 +215,14 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
   if (a2a_thread() < (u32)a.heap.world) bases[a2a_thread()] = a.heap.bases[a2a_thread()];
   if (a2a_thread() == 0) {
     block_epoch = read_epoch(a, dispatch);
+    // A dispatch whose predecessor was never combined would take that one's epoch again, and read its
+    // flags as this call's: refused, its outputs poisoned. The host pairs its own calls; a JAX program
+    // can drop a combine whose result it never uses (pyhipa2a.jax). Block 0 asks, before it hands on.
+    const u32* words = local<u32>(a, a.off_epoch);
+    const u32 dispatched = a2a_load_relaxed_sys(&words[1]);
+    if (dispatch && a2a_block() == 0 && dispatched != a2a_load_relaxed_sys(&words[0]))
+      report_failure(status, reinterpret_cast<u32*>(a.host_status), 0u, A2A_ERR_UNPAIRED, (u32)a.heap.rank, 0u,
+                     dispatched);
     *block_failed() = a2a_load_relaxed_sys(status) != A2A_OK;
   }
   a2a_block_sync();

@@ -11,6 +11,7 @@
 #define A2A_ERR_CAPACITY 3u       // detail: the local expert that overflowed
 #define A2A_ERR_MISMATCH 4u       // heap self-test: detail = mismatching words
 #define A2A_ERR_PEER 5u           // peer: a rank between nodes whose part of the call failed (its sums are poison)
+#define A2A_ERR_UNPAIRED 6u       // a dispatch after one that was never combined; detail: that one's epoch
 
 // What a flag wait was for (status word 2 on timeout).
 #define A2A_WAIT_DISPATCH 1u

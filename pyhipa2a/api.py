@@ -118,14 +118,17 @@ class AllToAll(Calls):
             streams.end(keep=False)
             raise
         graph, kept = streams.end(keep=True)
+        replay_on = streams.replay_target(s)
 
-        def before_launch():
+        def enter(stream):
             self._usable()
             if state.pending is not None:
                 # (the graph's dispatch would take the epoch the pending combine has not handed on)
                 raise A2AError("a graph cannot launch while a dispatch() awaits its combine()")
-            streams.follow(s)
-        graph = Graph(self.backend, graph, s, kept, before_launch=before_launch, after_launch=lambda: streams.queued(s))
+            target = replay_on() if stream is None else streams.given(stream)
+            streams.follow(target)
+            return target
+        graph = Graph(self.backend, graph, kept, enter, streams.queued)
         self._graphs.add(graph)
         streams.queued(s)
         return graph

@@ -96,6 +96,9 @@ class OutputViews:
             result = self.results[tokens] = DispatchResult(*self.arrays, tokens, *self.extras)
         return result
 
+    def y(self, tokens: int) -> DeviceArray:
+        return self.y_rows[tokens]
+
 
 class Buffers:
     """The symmetric buffers of one node exchange (`buffers[name]`: a DeviceArray), its status words

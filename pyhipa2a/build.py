@@ -1,12 +1,14 @@
 """Build the device code ahead of time: `python -m pyhipa2a.build`.
 
 kernels_hip/*.hip -> <name>.<gfx>.hsaco (AMD, hipcc or clang >= 17), <name>.sm_90.fatbin (NVIDIA sm_90 + PTX, nvcc);
-csrc/*.c -> _<name>.abi3.so, repeated calls' plans in C (pyhipa2a.repeat). Absent toolchains are skipped, one line
+csrc/*.c -> _<name>.abi3.so, repeated calls' plans in C (pyhipa2a.repeat); csrc/jax_ffi.cc -> _jax_ffi.so, XLA's
+handler of pyhipa2a.jax, against the headers of the jaxlib installed here. Absent toolchains are skipped, one line
 each; variants add `-D` defines and a name suffix. Standard library only: pip runs this before numpy is importable."""
 from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -115,6 +117,36 @@ def build_host(out_dir: Path, log=print) -> list[Path]:
     return []
 
 
+def jaxlib_headers() -> Path | None:
+    """jaxlib's own XLA FFI headers (what jax.ffi.include_dir() names), found without importing JAX."""
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or spec.origin is None:
+        return None
+    include = Path(spec.origin).parent / "include"
+    return include if (include / "xla" / "ffi" / "api" / "ffi.h").exists() else None
+
+
+def build_jax_handler(out_dir: Path, log=print) -> list[Path]:
+    """XLA's handler of pyhipa2a.jax where jaxlib and a C++ compiler are here; else one line says why."""
+    out = out_dir / "_jax_ffi.so"
+    include = jaxlib_headers()
+    cxx = next(filter(None, (shutil.which(name) for name in ("c++", "g++", "clang++"))), None)
+    why = "jaxlib is not installed" if include is None else "no C++ compiler found" if cxx is None else None
+    if why is None:
+        try:
+            run([cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-Wall", "-DNDEBUG", "-isystem", str(include),
+                 "-o", str(out), str(HOST_SOURCES / "jax_ffi.cc")])
+        except SystemExit as failure:
+            lines = str(failure).splitlines()
+            why = f"the compiler failed: {lines[1] if len(lines) > 1 else lines[0]}"
+    if why is None:
+        log(f"pyhipa2a.build: JAX's handler with {cxx} against {include}")
+        return [out]
+    out.unlink(missing_ok=True)  # (an older build's handler must not stand in for this one)
+    log(f"pyhipa2a.build: skipping JAX's handler (pyhipa2a.jax then runs on JAX's CPU platform only): {why}")
+    return []
+
+
 def run(cmd: list[str], env=None) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
@@ -154,6 +186,7 @@ def build(out_dir: Path = DEFAULT_OUT, amd_archs=AMD_ARCHS, cuda_archs=CUDA_ARCH
             log(f"pyhipa2a.build: NVIDIA sm_{', sm_'.join(cuda_archs)} + PTX with {nvcc}")
     if "host" in targets:
         built += build_host(out_dir, log)
+        built += build_jax_handler(out_dir, log)
     return built
 
 

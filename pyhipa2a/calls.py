@@ -13,6 +13,7 @@ from .dtypes import FP8_BLOCK
 from .errors import A2AError
 from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array, same_scale
 from .kernels import X_FP8
+from .outputs import Outputs
 from .producers import foreign_stream_handle
 from .repeat import MISSED, Record, make_plan, run
 from .streams import Streams
@@ -104,7 +105,7 @@ class Calls:
                                 None if self.backend.kind == "host" else index)
         self._boundary = Boundary(self.backend, index, self._streams, config.producer_order)
         self._state = CallState()
-        self._views: dict = {}  # OutputViews by id(stream): the views hold their stream, so no id is reused
+        self._outputs = Outputs(config.outputs, self._streams, self._make_views)
         self._scale = (1.0, 1.0)  # combine's last expert_scale, as given and as the float32 it checked out as
         self._dispatch_plan = self._combine_plan = None
         self._dispatch_record = self._combine_record = None
@@ -141,12 +142,6 @@ class Calls:
         if error is not None:
             self._state.broken = str(error)
             raise error from cause
-
-    def _outputs(self, stream):
-        views = self._views.get(id(stream))
-        if views is None:
-            views = self._views[id(stream)] = self._make_views(stream)
-        return views
 
     def _check_pairing(self, leg: str) -> None:
         """A dispatch recorded into another library's capture is combined in it, one made outside outside:
@@ -218,7 +213,7 @@ class Calls:
     def _dispatch(self, x, indices, weights, x_scales, stream):
         self._dispatch_plan = None  # (a call that fails leaves none)
         self._usable()
-        c, state, streams = self.config, self._state, self._streams
+        c, state, streams, outputs = self.config, self._state, self._streams, self._outputs
         s, lead = streams.enter(stream, (x, indices), self.JOINS_CAPTURES)
         try:
             self._check_pairing("dispatch")
@@ -226,7 +221,8 @@ class Calls:
             streams.follow(s)
             self._settle_before_host_copies(s, (x, indices, weights, x_scales))
             arrays: list = []
-            x_ptr = self._take("x", x, (T, c.hidden), c.in_dtype, s, arrays, "x_stage")
+            # (x may be a combine's y we handed out, expert_y a dispatch's expert_x: our own arrays then)
+            x_ptr = self._take("x", outputs.ours_behind(x, lead), (T, c.hidden), c.in_dtype, s, arrays, "x_stage")
             i_ptr = self._take("indices", indices, (T, c.top_k), np.int32, s, arrays, "indices_stage")
             s_ptr = w_ptr = 0
             if x_scales is not None:
@@ -234,13 +230,15 @@ class Calls:
             if weights is not None:
                 checked_weights_shape(weights, T)
                 w_ptr = self._take("weights", weights, (T, c.top_k), np.float32, s, arrays, "weights_stage", 4)
+            library = outputs.library_of((x, indices, weights, x_scales))
+            result = outputs.views(s, library).dispatch_result(T)
             self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr)
-            result = self._outputs(s).dispatch_result(T)
+            after = self._order_reader(s, lead, library)
             changes = self._changes(s, arrays, (state, "pending", result), (state, "sent", weights),
                                     (state, "joined", streams.joined))
             self._record(changes)
             record = Record((x, indices, weights, x_scales, stream), DISPATCH_ALIKE, s, lead, (x, indices),
-                            tuple(arrays), T, result, changes)
+                            tuple(arrays), T, result, after, changes)
             self._dispatch_plan = self._plan(record, self._dispatch_record, ((state, "broken", None),
                                                                              (state, "pending", None)), "dispatch")
             self._dispatch_record = record if streams.capturing is None else None
@@ -263,7 +261,7 @@ class Calls:
     def _combine(self, expert_y, weights, given_out, stream, expert_scale):
         self._combine_plan = None  # (a call that fails leaves none)
         self._usable()
-        c, state, streams = self.config, self._state, self._streams
+        c, state, streams, outputs = self.config, self._state, self._streams, self._outputs
         sent = checked_combine_weights(state, weights)
         pending = state.pending
         T = pending.num_tokens
@@ -281,14 +279,16 @@ class Calls:
                 check_numpy_input("expert_y", host_y, y_shape, c.out_dtype, streams.capturing is not None)
                 y_ptr = 0
             else:
-                y_ptr = self._take("expert_y", expert_y, y_shape, c.out_dtype, s, arrays)
+                y_ptr = self._take("expert_y", outputs.ours_behind(expert_y, lead), y_shape, c.out_dtype, s, arrays)
             w_ptr = 0
             if sent is None:
                 checked_weights_shape(weights, T)
                 w_ptr = self._take("weights", weights, (T, c.top_k), np.float32, s, arrays, "weights_stage", 4)
+            library = None
             if given_out is None:
-                out = self._outputs(s).y_rows[T]
-                out_ptr = out.ptr
+                library = outputs.library_of((expert_y, weights))
+                out = outputs.views(s, library).y(T)
+                out_ptr = outputs.ours(s).y(T).ptr
             elif isinstance(given_out, np.ndarray):
                 raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
             else:
@@ -299,10 +299,11 @@ class Calls:
                 self.backend.copy_to_device(staging.ptr, host_y, s)
                 y_ptr = staging.ptr
             self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1])
+            after = self._order_reader(s, lead, library)
             changes = self._changes(s, arrays, (state, "pending", None), (state, "sent", None), (state, "joined", None))
             self._record(changes)
             record = Record((expert_y, weights, given_out, stream, expert_scale), COMBINE_ALIKE, s, lead, inputs,
-                            tuple(arrays), T, out, changes)
+                            tuple(arrays), T, out, after, changes)
             conditions = ((state, "broken", None), (state, "pending", pending), (state, "sent", sent),
                           (state, "joined", None))
             self._combine_plan = self._plan(record, self._combine_record, conditions, "combine")
@@ -310,6 +311,18 @@ class Calls:
             return out
         finally:
             streams.leave()
+
+    def _order_reader(self, s, lead, library) -> tuple:
+        """Queue the reads of outputs handed to `library` after the call just queued on `s`; the step, for
+        the call's plan. None where `s` is that library's current stream, asked for the call (lead) and
+        asked again by its plan."""
+        if type(lead) is tuple and lead[0] is library:
+            return ()
+        order = self._outputs.orderer(s, library)
+        if order is None:
+            return ()
+        order()
+        return (order,)
 
     def _checked_scale(self, expert_scale) -> tuple:
         """(expert_scale, as the kernels' float32): the last one's when equal in value and type, else checked."""

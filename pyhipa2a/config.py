@@ -38,6 +38,7 @@ SMALL_COMBINE_ITEMS_PER_WARP = 1
 STREAM_CHOICES = ("own", "current")
 LAYOUT_CHOICES = ("packed", "by_source")
 PRODUCER_ORDERS = ("protocol", "stream")
+OUTPUTS_CHOICES = ("inputs", "ours")  # in the library of the call's inputs (pyhipa2a.outputs), or DeviceArray
 COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
 PUBLISH_CHOICES = ("auto", "system", "gpu-fence")
 
@@ -80,6 +81,7 @@ class Config:
     push_request: int | None  # push_max_tokens asked for (PYHIPA2A_PUSH_MAX_TOKENS)
     region_tokens: int = 0  # > 0: one node's part of a call across nodes (pyhipa2a.hierarchy)
     ranks_on_device: int = 0  # ranks of the machine on our GPU where some are in other nodes; 0: ours
+    outputs: str = "inputs"  # the library outputs are handed out in (pyhipa2a.outputs)
     # Set on the device (on_device, with_geometry):
     warp: int = MIN_WARP
     x_format: int = X_COPY
@@ -167,7 +169,7 @@ class Config:
            in_dtype="float16", out_dtype=None, dispatch_dtype=None, timeout: float = 10.0, profile: bool = False,
            block_threads: int | None = None, grid_blocks: int | None = None, push_max_tokens: int | None = None,
            narrow_partials: bool = False, producer_order: str = "protocol", on_timeout: str = "report",
-           stream: str = "own", row_layout: str = "packed") -> "Config":
+           stream: str = "own", row_layout: str = "packed", outputs: str = "inputs") -> "Config":
         """The checked configuration over `world` ranks (else ValueError or TypeError naming the parameter)."""
         ins, moved, out, fp8 = plan_dtypes(in_dtype, dispatch_dtype, out_dtype)
         E, k, H, M = int(num_experts), int(experts_per_token), int(hidden_dim), int(max_num_tokens)
@@ -185,6 +187,8 @@ class Config:
             raise ValueError(f"row_layout must be one of {LAYOUT_CHOICES}, not {row_layout!r}")
         if producer_order not in PRODUCER_ORDERS:
             raise ValueError(f"producer_order must be one of {PRODUCER_ORDERS}, not {producer_order!r}")
+        if outputs not in OUTPUTS_CHOICES:
+            raise ValueError(f"outputs must be one of {OUTPUTS_CHOICES}, not {outputs!r}")
         if min(E, k, H, M) < 1:
             raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
         if push_max_tokens is None and os.environ.get("PYHIPA2A_PUSH_MAX_TOKENS") is not None:
@@ -194,7 +198,8 @@ class Config:
         config = cls(E, k, H, M, ins, moved, out, fp8, float(timeout), bool(profile), bool(narrow_partials),
                      on_timeout, producer_order, stream, row_layout, int(world),
                      block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS)),
-                     grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None, push_max_tokens)
+                     grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None, push_max_tokens,
+                     outputs=outputs)
         config.check_sizes()
         return config
 

@@ -6,7 +6,7 @@ from .runtime.base import RuntimeFailure
 __all__ = ["Health", "A2AError", "A2ATimeoutError", "A2ADeviceError", "ConfigMismatchError", "AllocationMismatchError",
            "CodeObjectNotFound", "RuntimeFailure"]
 
-STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER = range(6)
+STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER, STATUS_UNPAIRED = range(7)
 WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights",
              6: "tokens between nodes (dispatch)", 7: "sums between nodes (combine)",
              8: "routing and weights between nodes (combine)"}  # what a timed-out wait awaited (3 is retired)
@@ -63,6 +63,10 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
     if code == STATUS_PEER:
         return A2ADeviceError(f"{context}: rank {rank}: rank {peer}, on another node, failed its part of this call, "
                               f"so its sums of our tokens are poison; that rank's own error says why")
+    if code == STATUS_UNPAIRED:
+        return A2ADeviceError(f"{context}: rank {rank}: a dispatch followed a dispatch that was never combined "
+                              f"(epoch {detail}), so it was refused (a JAX program drops a combine whose result it "
+                              "never uses: use every combine's y)")
     if code == STATUS_MISMATCH:
         return A2ADeviceError(f"{context}: rank {rank}: {detail} words did not match the expected pattern")
     return A2ADeviceError(f"{context}: rank {rank}: unknown device status {code} ({peer}, {what}, {detail})")

@@ -7,22 +7,27 @@ from .errors import A2AError
 
 
 class Graph:
-    """What `AllToAll.capture()` returns: `launch()` replays the step on its capture stream in one driver call."""
+    """What `AllToAll.capture()` returns: `launch()` replays the step in one driver call."""
 
-    def __init__(self, backend, handle, stream, keepalive: list, before_launch=lambda: None, after_launch=lambda: None):
-        self.backend, self.stream = backend, stream
-        # The owner's hooks: raise reported errors and queue behind its last call before; note the launch after.
+    def __init__(self, backend, handle, keepalive: list, enter, leave):
+        self.backend = backend
+        # The owner's hooks: enter(stream=) raises reported errors and returns the stream the replay goes
+        # to, queued behind the owner's last call; leave(that stream) notes the launch.
         self._handle, self._keepalive = handle, keepalive
-        self._before_launch, self._after_launch = before_launch, after_launch
+        self._enter, self._leave = enter, leave
         self._destroy = weakref.finalize(self, backend.graph_destroy, handle)
 
-    def launch(self) -> None:
-        """Queue one replay; errors the kernels reported earlier are raised first."""
+    def launch(self, stream=None) -> None:
+        """Queue one replay on `stream` (a handle, a CuPy or PyTorch stream), else on the stream an eager
+        call of the step would take: with AllToAll(stream="current") the current stream of the library
+        whose arrays the step took, otherwise the capture's. The replay runs on that stream, so it follows
+        the work queued there before and the work queued there after follows it, with no host wait.
+        Errors the kernels reported earlier are raised first."""
         if self._handle is None:
             raise A2AError("this graph is closed")
-        self._before_launch()
-        self.backend.graph_launch(self._handle, self.stream)
-        self._after_launch()
+        s = self._enter(stream)
+        self.backend.graph_launch(self._handle, s)
+        self._leave(s)
 
     def close(self) -> None:
         """Idempotent; AllToAll.close() closes its graphs too."""

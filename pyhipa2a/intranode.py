@@ -88,6 +88,11 @@ class NodeAllToAll(AllToAll, across_nodes=False):
         c.expert_y, c.weights, c.out, c.num_tokens, c.expert_scale = expert_y, weights, out, tokens, scale
         leg.launch(s, tokens)
 
+    def launch_site(self, leg: str, tokens: int) -> tuple:
+        """(kernel, blocks, threads a block, the address of the fixed arguments) of a `leg` call ("dispatch",
+        "combine") of `tokens` tokens: what pyhipa2a.jax launches on XLA's stream with arguments of its own."""
+        return getattr(self._exchange, leg).site(tokens)
+
     def _repeater(self, leg: str, tokens: int):
         return getattr(self._exchange, leg).repeater(tokens)
 

@@ -86,7 +86,10 @@ DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZ
 
 
 class DispatchCall(ctypes.Structure):
-    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("pad", u32)]
+    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("pad", u32),
+                # where the outputs land (0: our own buffers): pyhipa2a.jax gives XLA's
+                ("expert_x", u64), ("expert_meta", u64), ("expert_scales", u64), ("expert_num_tokens", u64),
+                ("expert_layout", u64)]
 
 
 class CombineCall(ctypes.Structure):

@@ -7,6 +7,7 @@ made with the object (Kernel.prepare), so no call takes device memory later.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 from .config import (COMBINE_KERNEL_CHOICES, DEFAULT_BLOCKS_PER_MP, MAX_BLOCK_THREADS, MAX_GRID_BLOCKS,
@@ -110,6 +111,12 @@ class Leg:
         """The call whose arguments the pack holds, on `stream`."""
         kernel, threads = self.kernel_for(tokens)
         kernel.launch(self.pack, self.blocks, threads, stream)
+
+    def site(self, tokens: int) -> tuple:
+        """(kernel, blocks, threads a block, the address of the fixed arguments) of a call of `tokens` tokens,
+        for a launch from outside Python (pyhipa2a.jax) with call arguments of its own."""
+        kernel, threads = self.kernel_for(tokens)
+        return kernel, self.blocks, threads, ctypes.addressof(self.pack.arguments[0])
 
     def repeater(self, tokens: int):
         """A function of the stream that launches the call the pack holds now, whatever is written to it

@@ -5,7 +5,10 @@ array through its protocol once, then asks the probe only what can have changed.
   None; `current_stream(obj, device)` / `current_stream_here(device)`: the library's current stream there;
 - `view(obj)`: (key, device, compact) where the protocol would describe obj as it is, else None; with
   `element_types` (type object -> NumPy dtype its protocol named), a new array needs no protocol;
-- `hold(obj)`: what keeps a viewed array's memory ours beside it (JAX: an export, so it is not donated).
+- `hold(obj)`: what keeps a viewed array's memory ours beside it (JAX: an export, so it is not donated);
+- `lasting_views`: whether the library's view of one of our arrays (`export(array)`), made once, can be
+  ordered after every later call (pyhipa2a.outputs), through `consumer_stream(device)`: the stream the
+  library reads it on, or None where it names none.
 That is what the protocols wait for: PyTorch's and CuPy's current stream; a JAX array never changes once
 written. A probe that disagrees with the protocol or raises is dropped for its type; PyTorch subclasses get
 none; nothing is imported here.
@@ -17,13 +20,15 @@ import sys
 
 class TorchProbe:
     hold = None  # (the tensor, referenced, keeps its memory)
+    lasting_views = True
 
     def __init__(self, torch):
-        # In C, unlike torch.cuda.current_stream(); a build without it gets no probe (AttributeError).
-        self._current = torch._C._cuda_getCurrentRawStream
+        # In C, unlike torch.cuda.current_stream(); a build without it (one without CUDA, say) names no stream.
+        self._current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._strided = torch.strided
         self._viewable = hasattr(torch.Tensor, "is_neg")  # (PyTorch >= 1.10; else the protocols describe)
         self.element_types: dict = {}
+        self._library = torch
 
     @staticmethod
     def key(t) -> tuple:
@@ -43,15 +48,24 @@ class TorchProbe:
         return self.current_stream_here(device) if t.is_cuda and t.get_device() == device else None
 
     def current_stream_here(self, device: int) -> int:
+        if self._current is None:  # (then every GPU tensor is exported at every use, its export naming the stream)
+            raise AttributeError("this PyTorch build names no current CUDA stream")
         return self._current(device) or 1  # 0: the default stream, which is the legacy one
+
+    consumer_stream = current_stream_here
+
+    def export(self, a):
+        return self._library.from_dlpack(a)
 
 
 class CupyProbe:
     hold = None  # (the array, referenced, keeps its memory)
+    lasting_views = True
 
     def __init__(self, cupy):
         self._current, self._device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
         self.element_types: dict = {}
+        self._library = cupy
 
     @staticmethod
     def key(a) -> tuple:
@@ -70,8 +84,15 @@ class CupyProbe:
     def current_stream_here(self, device: int) -> int | None:
         return self.stream(None) if self._device() == device else None
 
+    consumer_stream = current_stream_here
+
+    def export(self, a):
+        return self._library.from_dlpack(a)
+
 
 class JaxProbe:
+    lasting_views = False  # JAX orders its reads of an outside array once, at its import
+
     def __init__(self, jax):
         self.element_types: dict = {}
         # Memos by value: layout -> plain row-major?; sharding -> its one GPU's index, or -1 (a.device: 0.5 us).
@@ -133,6 +154,7 @@ class JaxProbe:
     @staticmethod
     def current_stream_here(device: int) -> None:
         return None
+
 
 
 _GPU_MEMORY = (2, 10)  # DLPack's kDLCUDA, kDLROCM

@@ -15,6 +15,7 @@ A plan's tuple (csrc/repeat.c's fields):
   activate  None; (f,): f(); or (cuCtxGetCurrent, cuCtxSetCurrent, context) as addresses
   waits     f() each, before the launch: the call's stream waits for a producer's
   launch    (f, stream): f(stream); or (cuGraphLaunch, executable graph, stream, keep) as addresses
+  after     f() each, once the launch is queued: the stream that reads the outputs waits for the call's
   changes   (obj, name, value) each, set once the launch is queued
   result    what the call returns
   failed    f(what, code): a driver call here returned `code` (it raises), or the launch raised (code None)
@@ -32,7 +33,7 @@ from typing import NamedTuple
 from .streams import ANY, LAST
 
 ATTR_IS, ATTR_IS_OR_NONE, CALL_IS, CALL_EQ = range(4)
-PLAN_FIELDS = 10
+PLAN_FIELDS = 11
 _HELPER = Path(__file__).resolve().parent / "_code" / "_repeat.abi3.so"
 
 
@@ -45,7 +46,7 @@ class _Missed:
 
 def interpret(plan: tuple, *args):
     """run() in Python: the call's result, or MISSED having done nothing."""
-    given, alike, checks, status, activate, waits, launch, changes, result, failed = plan
+    given, alike, checks, status, activate, waits, launch, after, changes, result, failed = plan
     if len(args) != len(given):
         return MISSED
     try:
@@ -75,6 +76,8 @@ def interpret(plan: tuple, *args):
     except BaseException:
         failed("launch", None)
         raise
+    for step in after:
+        step()
     for obj, name, value in changes:
         setattr(obj, name, value)
     return result
@@ -113,6 +116,7 @@ class Record(NamedTuple):
     arrays: tuple   # (object, Taken) of each device argument the call took
     tokens: int
     result: object
+    after: tuple    # f() each, once the launch is queued (pyhipa2a.outputs orders the outputs' reader)
     changes: tuple
 
     def same(self, other: "Record | None") -> bool:
@@ -165,5 +169,5 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     checks += [(CALL_IS, operator.not_, collection, True) for collection in must_be_empty]
     activate = backend.plan_activate() if compiled else (None if backend.kind == "host" else (backend.activate,))
     # (record.changes set streams.last already: a plan is made outside a capture only)
-    return (record.args, record.alike, tuple(checks), status, activate, waits, launched, record.changes,
-            record.result, failed)
+    return (record.args, record.alike, tuple(checks), status, activate, waits, launched, record.after,
+            record.changes, record.result, failed)

@@ -14,7 +14,7 @@ ANY = "any"    # chosen by an input's library, but not the first input's that ha
 
 class Streams:
     __slots__ = ("backend", "own", "follow_library", "library_device", "last", "capturing", "joined", "kept",
-                 "_waited", "_by_handle")
+                 "capture_source", "_waited", "_by_handle")
 
     def __init__(self, backend, own, follow_library: bool, library_device: int | None):
         self.backend, self.own = backend, own
@@ -24,6 +24,7 @@ class Streams:
         self.capturing = None  # the stream a capture records: ours (begin) or another library's (joined)
         self.joined = None     # that stream while one call is recorded into another library's capture
         self.kept = None       # what the capture's graph must keep alive
+        self.capture_source = None  # the probe of the first input of the last capture() whose library names streams
         self._waited = []      # (producer, stream) pairs the coming call waits for already
         self._by_handle = {backend.stream_handle(own): own}  # one object a handle: callers compare by it
 
@@ -34,6 +35,8 @@ class Streams:
         if self.capturing is not None:
             if stream is not None and self.given(stream) is not self.capturing:
                 raise A2AError("inside capture(), every call must use the capturing stream (pass no stream=)")
+            if self.follow_library and self.capture_source is None and self.joined is None:
+                self.capture_source = next(filter(None, map(producers.stream_source, inputs)), None)
             return self.capturing, None
         if stream is None and self.follow_library:
             s, lead = self.current(inputs)  # (one of our stream objects already)
@@ -168,7 +171,19 @@ class Streams:
     # -- capture() -------------------------------------------------------------
     def begin(self, stream) -> None:
         self.backend.capture_begin(stream)
-        self.capturing, self.kept = stream, []
+        self.capturing, self.kept, self.capture_source = stream, [], None
+
+    def replay_target(self, captured):
+        """A function that names the stream a replay of the capture just ended goes to with no stream=: the
+        current stream of the library whose arrays the step took, for calls that follow it, else `captured`."""
+        source, device = self.capture_source, self.library_device
+        if not self.follow_library or source is None or device is None:
+            return lambda: captured
+
+        def current():
+            handle = source.current_stream_here(device)
+            return captured if handle is None else self.stream_of(self.runtime_handle(handle))
+        return current
 
     def end(self, keep: bool):
         """(the executable graph, or None when not `keep`; what it must keep alive)."""

@@ -97,6 +97,26 @@ def draw_world(seed: int, world: int, num_experts: int, top_k: int, hidden: int,
     return WorldInputs(xs, indices, weights)
 
 
+def host_copy(a) -> np.ndarray:
+    """A host copy of an output, once what wrote it is done: ours (DeviceArray, which raises a failed call's
+    error), or PyTorch's, CuPy's or JAX's (pyhipa2a.outputs hands those out; a failed call left poison)."""
+    if isinstance(a, np.ndarray):
+        return a
+    module = type(a).__module__.partition(".")[0]
+    if module == "torch":
+        import torch
+        t = a.detach().cpu()
+        if t.dtype == torch.bfloat16:  # (NumPy has no bfloat16 of PyTorch's: through its bits)
+            return t.view(torch.int16).numpy().view(resolve("bfloat16"))
+        return t.numpy()
+    if module == "cupy":
+        import cupy
+        return cupy.asnumpy(a)
+    if module in ("jax", "jaxlib"):
+        return np.asarray(a)
+    return a.numpy()
+
+
 def poison(a2a) -> None:
     """Every output byte this rank sees to 0xFF, between barriers: peers may still pull from us, then write to us."""
     a2a.synchronize()  # the last call's stream: every earlier call is queued before it
@@ -113,12 +133,12 @@ def poison(a2a) -> None:
 
 
 def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> None:
-    counts = result.expert_num_tokens.numpy()
+    counts = host_copy(result.expert_num_tokens)
     if not np.array_equal(counts, expected.expert_num_tokens):
         raise AssertionError(f"rank {rank}: expert_num_tokens {counts.tolist()} != "
                              f"expected {expected.expert_num_tokens.tolist()}")
-    xs, meta = result.expert_x.numpy(), result.expert_meta.numpy()
-    scales = None if expected.scales is None else result.expert_x_scales.numpy()
+    xs, meta = host_copy(result.expert_x), host_copy(result.expert_meta)
+    scales = None if expected.scales is None else host_copy(result.expert_x_scales)
     rows = received_rows(result, counts, meta, expected, rank)
     for l, want in enumerate(expected.rows):
         got = {tuple(int(v) for v in meta[l, i]): i for i in rows[l]}
@@ -139,7 +159,7 @@ def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: refere
     """The rows of expert_x[l] holding expert l's tokens; a by-source layout is checked against the oracle's."""
     if result.expert_layout is None:
         return [range(int(n)) for n in counts]
-    layout = result.expert_layout.numpy()
+    layout = host_copy(result.expert_layout)
     L, W = layout.shape[:2]
     M = result.expert_x.shape[1] // W
     rows = []
@@ -239,7 +259,7 @@ def combine_error_against_oracle(a2a, inputs: WorldInputs, y, tolerance=None, ex
     if a2a.config.narrow_partials and tolerance is None:  # a tolerance given (gpu-mode's) holds as it is
         slack = reference.narrow_partials_slack(xs, inputs.indices, inputs.weights, a2a.config.num_experts,
                                                 UNIT_ROUNDOFF[a2a.config.out_dtype.name], expert, ranks=[rank])[rank]
-    return combine_error(y.numpy(), expected, a2a.config.out_dtype, tolerance, slack)
+    return combine_error(host_copy(y), expected, a2a.config.out_dtype, tolerance, slack)
 
 
 def check_combine_exact(a2a, inputs: WorldInputs, y, expert=reference.fake_expert) -> int:
@@ -250,7 +270,7 @@ def check_combine_exact(a2a, inputs: WorldInputs, y, expert=reference.fake_exper
         return reference.combine(inputs.xs, inputs.indices, inputs.weights, a2a.config.num_experts, expert,
                                  ranks=[rank], partials_dtype=partials_dtype)[rank].astype(dtype)
     wide, narrow = oracle(None), oracle(dtype)
-    want, got = (narrow if a2a.config.narrow_partials else wide), y.numpy()
+    want, got = (narrow if a2a.config.narrow_partials else wide), host_copy(y)
     if got.shape != want.shape:
         raise AssertionError(f"rank {rank}: combine output shape {got.shape} != expected {want.shape}")
     same = got.astype(np.float64) == want.astype(np.float64)  # the NaN poison is never equal

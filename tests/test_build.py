@@ -116,7 +116,7 @@ def test_c_helper_builds_and_loads(tmp_path):
     import sysconfig
     if build.find_c_compiler() is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         pytest.skip("no C compiler or no Python.h")
-    built = build.build(tmp_path, targets=("host",), log=lambda *_: None)
+    built = build.build_host(tmp_path, log=lambda *_: None)
     assert [p.name for p in built] == ["_repeat.abi3.so"]
     loader = importlib.machinery.ExtensionFileLoader("pyhipa2a._repeat", str(built[0]))
     module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("pyhipa2a._repeat", built[0],
@@ -124,6 +124,22 @@ def test_c_helper_builds_and_loads(tmp_path):
     loader.exec_module(module)
     with pytest.raises(TypeError, match="plan is a tuple"):
         module.run(())
+
+
+def test_jax_handler_builds_against_jaxlibs_headers(tmp_path):
+    """XLA's handler of pyhipa2a.jax (csrc/jax_ffi.cc) builds against the installed jaxlib's headers and
+    exports what pyhipa2a.jax loads: the handler, the site registry, and the site layout it checks."""
+    import ctypes
+    if build.jaxlib_headers() is None:
+        pytest.skip("jaxlib is not installed")
+    lines = []
+    built = build.build_jax_handler(tmp_path, log=lines.append)
+    assert [p.name for p in built] == ["_jax_ffi.so"], lines
+    lib = ctypes.CDLL(str(built[0]))
+    lib.pyhipa2a_ffi_site_bytes.restype = ctypes.c_uint64
+    from pyhipa2a.jax import FfiSite
+    assert lib.pyhipa2a_ffi_site_bytes() == ctypes.sizeof(FfiSite)
+    assert lib.pyhipa2a_ffi_launch and lib.pyhipa2a_ffi_site
 
 
 @pytest.mark.parametrize("why", ["the compiler fails", "free-threaded"])
@@ -143,9 +159,9 @@ def test_c_helper_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, why):
             pytest.skip("no C compiler: the line says that instead")
         expected = "free-threaded"
     lines = []
-    assert build.build(tmp_path, targets=("host",), log=lines.append) == []
+    assert build.build_host(tmp_path, log=lines.append) == []
     assert len(lines) == 1 and lines[0].startswith("pyhipa2a.build: skipping the C helpers") and expected in lines[0]
-    assert not list(tmp_path.glob("*.so"))
+    assert not list(tmp_path.glob("*.abi3.so"))
 
 
 def test_missing_toolchain_is_one_line(tmp_path, monkeypatch):
@@ -154,7 +170,8 @@ def test_missing_toolchain_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(build.glob, "glob", lambda pattern: [])
     monkeypatch.setattr(build.os.path, "exists", lambda p: False)
     assert build.build(tmp_path, log=lines.append) == []
-    assert len(lines) == 3 and all(line.startswith("pyhipa2a.build: skipping") for line in lines)
+    # AMD, NVIDIA, the C helpers, JAX's handler: one line each
+    assert len(lines) == 4 and all(line.startswith("pyhipa2a.build: skipping") for line in lines), lines
 
 
 def test_code_object_selection(tmp_path):

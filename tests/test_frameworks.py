@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mpi_harness import env_backend, ranks_for, run_case
+from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
 
 CASE = "tests.cases.framework_cases:"
 
@@ -37,3 +37,11 @@ def test_producer_arrays_seen_before(lib, calls_on):
              timeout=600)
 
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("calls_on", ["own", "current"])
+@pytest.mark.parametrize("lib", ["torch", "cupy", "jax"])
+def test_outputs_in_the_callers_library(lib, calls_on, backend):
+    run_case(CASE + "case_outputs_in_the_callers_library", ranks_for(backend), env_backend(backend),
+             args=(lib, calls_on), timeout=600)

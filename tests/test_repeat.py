@@ -46,6 +46,7 @@ class Loop:
         self.y, self.w = Tensor(0x2000, (1, 2, 4)), Tensor(0x2800, (2, 4), "float32")
         self.result, self.out = SimpleNamespace(num_tokens=2), SimpleNamespace(shape=(2, 4))
         self.launched, self.failures = [], []
+        self.after = ()  # what a call does once its launch is queued (pyhipa2a.outputs orders the reader)
 
     def _take(self, s, *arguments):
         return tuple((obj, self.boundary.take(name, obj, shape, dtype, s)) for name, obj, shape, dtype in arguments)
@@ -61,7 +62,7 @@ class Loop:
         for obj, name, value in changes:
             setattr(obj, name, value)
         return repeat.Record((x, self.indices, None, None, stream), DISPATCH_ALIKE, s, lead, (x, self.indices), arrays,
-                             2, self.result, changes)
+                             2, self.result, self.after, changes)
 
     def combine(self, w=None, stream=None, scale=1.0) -> repeat.Record:
         w = self.w if w is None else w
@@ -74,7 +75,7 @@ class Loop:
         for obj, name, value in changes:
             setattr(obj, name, value)
         return repeat.Record((self.y, w, None, stream, scale), COMBINE_ALIKE, s, lead, (self.y, w, None), arrays, 2,
-                             self.out, changes)
+                             self.out, self.after, changes)
 
     def plan(self, leg: str, **given):
         """`leg`'s call twice (described, then taken again as the plan's record), then its plan."""
@@ -116,6 +117,23 @@ def test_a_plan_takes_the_loops_call_asking_the_current_stream_once_a_leg(monkey
         assert len(loop.asks) == 1 and loop.state.pending is None and len(loop.state.keep) == 2
     assert loop.launched == [("dispatch", s), ("combine", s)] * 3 and loop.streams.last is s
     assert loop.runtime.capture_queries == [s] * 6  # not the object's own stream: asked at every call
+
+
+@pytest.mark.parametrize("compiled", EXECUTORS)
+def test_a_plans_after_steps_run_once_its_launch_is_queued(monkeypatch, compiled):
+    """What orders the outputs' reader after the call (pyhipa2a.outputs) runs at every run of the plan,
+    after the launch and before the call's changes, as on the full path."""
+    loop = Loop(monkeypatch, compiled)
+    seen = []
+    loop.after = (lambda: seen.append((len(loop.launched), loop.state.pending)),)
+    plan = loop.plan("dispatch")
+    seen.clear()
+    loop.state.pending = None
+    for n in (1, 2):
+        assert loop.run(plan, "dispatch") is loop.result
+        assert seen[-1] == (n, None) and loop.state.pending is loop.result
+        loop.state.pending = None
+    assert len(seen) == 2
 
 
 DISPATCH_CHANGES = ["broken", "kernel error", "capturing here", "captured elsewhere", "pending", "other stream",

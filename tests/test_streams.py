@@ -42,6 +42,32 @@ def test_calls_on_the_current_stream_take_the_first_input_that_names_one(monkeyp
     assert streams.latest() == OURS
 
 
+def test_a_replay_goes_to_the_stream_an_eager_call_would_take(monkeypatch):
+    """Graph.launch() with no stream=: on the current stream of the library whose arrays the captured step
+    took (asked at each launch), where calls follow it; on the capture's stream otherwise. Then the replay
+    is ordered with the caller's work before and after it on that stream, as an eager call is."""
+    current = [0x55]
+    fake_torch(monkeypatch, current)
+    backend = FakeCuda()
+    backend.capture_begin = lambda stream: None
+    t = Tensor(0x1000, (2, 4))
+    follows = Streams(backend, OURS, True, 0)
+    follows.begin(OURS)
+    assert follows.enter(None, (np.zeros(2), None, t)) == (OURS, None)  # recorded on the capture's stream
+    follows.enter(None, (DeviceArray(FakeCuda(), 0x6000, (2, 4), np.float16, stream=0x99),))
+    target = follows.replay_target(OURS)
+    assert target() == 0x55
+    current[0] = 0x66
+    assert target() == 0x66  # the current stream at the launch, not at the capture
+    follows.begin(OURS)
+    follows.enter(None, (DeviceArray(FakeCuda(), 0x6000, (2, 4), np.float16, stream=0x99),))
+    assert follows.replay_target(OURS)() == OURS  # a step on our own arrays only: the capture's stream
+    own = Streams(backend, OURS, False, 0)
+    own.begin(OURS)
+    own.enter(None, (t,))
+    assert own.replay_target(OURS)() == OURS  # calls on the object's own stream: replays too
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_checks_between_back_to_back_replays(backend):
     # On the GPU at the sweep's size, where the buffers are large enough for a fill to outlast a
@@ -55,6 +81,11 @@ def test_checks_between_back_to_back_replays(backend):
 @pytest.mark.parametrize("via", ["cai", "dlpack"])
 def test_inputs_written_on_another_stream(via):
     run_case(CASE + "case_inputs_written_on_another_stream", ranks_for("gpu"), env_backend("gpu"), args=(via,))
+
+
+@pytest.mark.gpu
+def test_graph_launch_follows_the_callers_stream():
+    run_case(CASE + "case_graph_launch_follows_the_callers_stream", ranks_for("gpu"), env_backend("gpu"), timeout=300)
 
 
 @pytest.mark.gpu

@@ -203,6 +203,15 @@ class Backend:
         """launch() from `pack` (unwritten while this lives) as a function of the stream: CUDA passes arguments once."""
         return functools.partial(self.launch, function, grid, block, pack=pack)
 
+    # -- launches from outside Python (pyhipa2a.jax: XLA's handler) ----------------------------------
+    def launch_entry(self) -> int | None:
+        """The address of the driver's kernel launch (cuLaunchKernel's arguments), or None where there is none."""
+        return None
+
+    def function_address(self, function) -> int:
+        """A loaded kernel as the driver's launch takes it."""
+        raise NotImplementedError
+
     # -- a repeated call's plan (pyhipa2a.repeat) --------------------------------
     def plan_activate(self):
         """How a plan makes our device current: (f,) calls f(); CUDA gives the driver's entries instead."""

@@ -94,8 +94,9 @@ def _launch_graph(site: _OneNodeGraph, stream) -> None:
 
 @functools.cache
 def _entry_points() -> dict | None:
-    """Addresses of the driver's cuCtxGetCurrent, cuCtxSetCurrent and cuGraphLaunch for a plan (pyhipa2a.repeat);
-    None where libcuda is not found or the binding calls the per-thread-stream variants."""
+    """Addresses of the driver's cuCtxGetCurrent, cuCtxSetCurrent and cuGraphLaunch for a plan (pyhipa2a.repeat),
+    and cuLaunchKernel for XLA's handler (pyhipa2a.jax); None where libcuda is not found or the binding calls the
+    per-thread-stream variants."""
     if os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") != "0":
         return None
     try:
@@ -103,7 +104,7 @@ def _entry_points() -> dict | None:
     except OSError:
         return None
     return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-            for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuGraphLaunch")}
+            for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuGraphLaunch", "cuLaunchKernel")}
 
 
 def _destroy_graph(executable, graph) -> None:
@@ -258,6 +259,13 @@ class CudaBackend(DriverBackend):
                 _launch_graph(site, stream)
         launch.site = site  # (plan_launch: a plan launches its graph from C)
         return launch
+
+    def launch_entry(self) -> int | None:
+        entries = _entry_points()
+        return None if entries is None else entries["cuLaunchKernel"]
+
+    def function_address(self, function) -> int:
+        return int(function)
 
     def plan_activate(self):
         entries = _entry_points()

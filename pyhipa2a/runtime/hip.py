@@ -72,6 +72,15 @@ class HipBackend(DriverBackend):
         super().__init__()
         _load()
         _check(hip.hipInit(0), "hipInit")
+
+    def launch_entry(self) -> int | None:
+        try:  # (the library hip-python binds; hipModuleLaunchKernel takes cuLaunchKernel's arguments)
+            return ctypes.cast(ctypes.CDLL("libamdhip64.so").hipModuleLaunchKernel, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            return None
+
+    def function_address(self, function) -> int:
+        return int(function)
         self._opened = None  # the device open_device made current: what activate() switches back to
 
     def device_count(self) -> int:

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 
+import pyhipa2a
 from pyhipa2a import AllToAll
 from tests.cases import calls_watched
 from pyhipa2a.testing import (draw_world)
@@ -91,7 +92,7 @@ def case_framework_arrays(comm, lib, producer_order="protocol", calls_on="own"):
     world = comm.Get_size()
     E, k, H, M = 8 * world, 4, 2048, 64
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  producer_order=producer_order, stream=calls_on) as a2a:
+                  producer_order=producer_order, stream=calls_on, outputs="ours") as a2a:
         me = a2a.rank
         to_device, fill_later, consume, finish, current, drain, handle = _framework(lib, a2a.heap.device.index)
         T = M // 2
@@ -144,7 +145,8 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
     from pyhipa2a.testing import check_dispatch_against_oracle, poison
     world = comm.Get_size()
     E, k, H, M = 8 * world, 4, 2048, 64
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on) as a2a, \
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on,
+                  outputs="ours") as a2a, \
             calls_watched() as watched:
         me = a2a.rank
         to_device, fill_later, consume, finish, current, _, _ = _framework(lib, a2a.heap.device.index)
@@ -195,7 +197,7 @@ def case_new_jax_arrays_at_every_call(comm):
     from pyhipa2a.testing import check_dispatch_against_oracle, poison
     world = comm.Get_size()
     E, k, H, M = 8 * world, 4, 2048, 64
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a, \
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, outputs="ours") as a2a, \
             calls_watched() as watched:
         me = a2a.rank
         _, _, consume, finish, _, drain, _ = _framework("jax", a2a.heap.device.index)
@@ -267,7 +269,8 @@ def case_producer_arrays_seen_before(comm, lib, calls_on="own"):
     world = comm.Get_size()
     E, k, H, M = 8 * world, 4, 2048, 64
     T = M // 2
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on) as a2a:
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on,
+                  outputs="ours") as a2a:
         me = a2a.rank
         to_device, fill_later, _, _, current, _, _ = _framework(lib, a2a.heap.device.index)
         arrays = None
@@ -291,6 +294,78 @@ def case_producer_arrays_seen_before(comm, lib, calls_on="own"):
             check_dispatch_against_oracle(a2a, inputs, d)
             err = combine_error_against_oracle(a2a, inputs, y)
             print(f"rank {me} {lib} round {i}: max err {err:.3g}")
+
+
+def _library_io(lib: str, device_index: int | None):
+    """(to_device(numpy), consume(output): work queued on it by the library right away, the type of the outputs a call on the library's arrays hands out) for PyTorch, CuPy or JAX (whose calls
+    hand out our own arrays, imported by JAX); device_index None: the host backend's (CPU) arrays."""
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        dev = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
+        if device_index is not None:
+            torch.cuda.set_device(dev)
+        return lambda a: torch.from_numpy(a).to(dev), lambda t: t.float() * 2, torch.Tensor
+    if lib == "cupy":
+        if device_index is None:
+            pytest.skip("CuPy's arrays live on GPUs")
+        cp = pytest.importorskip("cupy")
+        cp.cuda.Device(device_index).use()
+        return cp.asarray, lambda a: a.astype(cp.float32) * 2, cp.ndarray
+    jax = pytest.importorskip("jax")
+    devices = jax.devices("cpu") if device_index is None else [d for d in jax.devices() if d.platform == "gpu"]
+    dev = devices[0 if device_index is None else device_index]
+    from pyhipa2a.array import DeviceArray
+    return (lambda a: jax.device_put(a, dev), lambda a: jax.dlpack.from_dlpack(a).astype(np.float32) * 2,
+            DeviceArray)
+
+
+def case_outputs_in_the_callers_library(comm, lib, calls_on="own", rounds="4"):
+    """outputs="inputs" (the default): calls on PyTorch's or CuPy's arrays hand out that library's arrays,
+    views of our buffers made once (the same objects at each call of a token count); calls on JAX's hand
+    out ours. Each output is consumed by the library right after the call, with no host wait (on the GPU
+    on the library's stream, which the call must order after its own, or JAX's import must): read too
+    early, it is the poison of the round before. Each round has new values and its own token counts, on
+    poisoned outputs, against the oracle; outputs="ours" hands out DeviceArray."""
+    from pyhipa2a import reference
+    from pyhipa2a.array import DeviceArray
+    from pyhipa2a.testing import check_dispatch_against_oracle, host_copy, poison
+    world = comm.Get_size()
+    E, k, H, M = 4 * world, 2, 256, 16
+    host = pyhipa2a.get_backend().kind == "host"
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on) as a2a:
+        me = a2a.rank
+        to_device, consume, array_type = _library_io(lib, None if host else a2a.heap.device.index)
+        handed = {}
+        for i in range(int(rounds)):
+            counts = [(M, M // 2, M, 3)[i % 4] - r % 2 for r in range(world)]
+            inputs = draw_world(1100 + i, world, E, k, H, M, token_counts=counts)
+            poison(a2a)
+            x, idx, w = (to_device(h) for h in (inputs.xs[me], inputs.indices[me], inputs.weights[me]))
+            d = a2a.dispatch(x, idx)
+            y = a2a.combine(d.expert_x, w, expert_scale=1 + me)
+            doubled, counted = consume(y), consume(d.expert_num_tokens)  # queued before anything waits
+            outputs = (d.expert_x, d.expert_num_tokens, d.expert_meta, y)
+            assert all(isinstance(a, array_type) for a in outputs), [type(a) for a in outputs]
+            assert tuple(y.shape) == (counts[me], H)
+            if counts[me] in handed:  # made once: the same objects again
+                assert all(a is b for a, b in zip(handed[counts[me]], (d, y))), i
+            handed[counts[me]] = (d, y)
+            expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E,
+                                         reference.fused_expert([1 + r for r in range(world)]), ranks=[me])[me]
+            got = host_copy(doubled).astype(np.float64) / 2
+            assert np.allclose(got, expected, rtol=1e-2, atol=5e-3), (lib, i, np.abs(got - expected).max())
+            a2a.synchronize()
+            assert (host_copy(counted) / 2 == host_copy(d.expert_num_tokens)).all()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            print(f"rank {me} {lib} round {i}: T={counts[me]} matches the oracle")
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, outputs="ours") as a2a:
+        inputs = draw_world(1199, world, E, k, H, M)
+        x, idx, w = (to_device(h) for h in (inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank]))
+        d = a2a.dispatch(x, idx)
+        y = a2a.combine(d.expert_x, w, expert_scale=1 + a2a.rank)
+        assert isinstance(d.expert_x, DeviceArray) and isinstance(y, DeviceArray)
+        a2a.synchronize()
+        check_dispatch_against_oracle(a2a, inputs, d)
 
 
 # -- fp8 dispatch --------------------------------------------------------------------------------------

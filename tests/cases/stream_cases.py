@@ -334,7 +334,8 @@ def case_calls_in_torch_graph(comm, launches="3"):
     world = comm.Get_size()
     E, k, H, M = 8 * world, 4, 2048, 64
     counts = [M // 2 - 3 * r for r in range(world)]
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream="current") as a2a:
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream="current",
+                  outputs="ours") as a2a:
         me = a2a.rank
         dev = torch.device("cuda", a2a.heap.device.index)
         torch.cuda.set_device(dev)
@@ -381,3 +382,59 @@ def case_calls_in_torch_graph(comm, launches="3"):
                 a2a.synchronize()
 
 
+
+
+def case_graph_launch_follows_the_callers_stream(comm, launches="3"):
+    """Graph.launch() is ordered with the caller's stream on the device: PyTorch tensors are written on a
+    PyTorch stream behind milliseconds of other work, the graph is launched, and a PyTorch copy of out=
+    is queued right after the launch, with no host wait between them. With AllToAll(stream="current") a
+    launch with no stream= goes to PyTorch's current stream; an object on its own stream is given
+    launch(stream=). A replay that read its inputs early (zeros), or a copy that read out= before the
+    replay wrote it (NaN), fails the check."""
+    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
+    torch = pytest.importorskip("torch")
+    if pyhipa2a.get_backend().kind != "cuda":
+        pytest.skip("PyTorch's streams need the CUDA backend")
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 64
+    T = M // 2
+    for calls_on in ("current", "own"):
+        params = {"stream": "current"} if calls_on == "current" else {}
+        with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, **params) as a2a:
+            me = a2a.rank
+            dev = torch.device("cuda", a2a.heap.device.index)
+            torch.cuda.set_device(dev)
+            x = torch.zeros((T, H), dtype=torch.float16, device=dev)
+            idx = torch.zeros((T, k), dtype=torch.int32, device=dev)
+            w = torch.zeros((T, k), dtype=torch.float32, device=dev)
+            y = torch.zeros((T, H), dtype=torch.float16, device=dev)
+            busy = torch.zeros(1 << 27, dtype=torch.float32, device=dev)  # 512 MiB, touched 16 times a launch
+            side = torch.cuda.Stream(dev)
+            a2a.expert_y_buffer()
+            torch.cuda.synchronize()
+            outs = []
+            with torch.cuda.stream(side):
+                graph = a2a.capture(lambda: outs.extend(
+                    (d := a2a.dispatch(x, idx), a2a.combine(a2a.fake_expert(d), w, out=y))))
+            for i in range(int(launches)):
+                inputs = draw_world(500 + i, world, E, k, H, M, token_counts=[T] * world)
+                sources = [torch.from_numpy(h).to(dev) for h in (inputs.xs[me], inputs.indices[me],
+                                                                 inputs.weights[me])]
+                torch.cuda.synchronize()
+                poison(a2a)
+                comm.Barrier()
+                with torch.cuda.stream(side):
+                    for t in (x, idx, w):
+                        t.zero_()
+                    y.fill_(float("nan"))
+                    for _ in range(16):
+                        busy += 1.0
+                    for t, src in zip((x, idx, w), sources):
+                        t.copy_(src)
+                    graph.launch() if calls_on == "current" else graph.launch(stream=side)
+                    seen = y.clone()
+                torch.cuda.synchronize()
+                check_dispatch_against_oracle(a2a, inputs, outs[0])
+                err = combine_error_against_oracle(a2a, inputs, types.SimpleNamespace(numpy=lambda: seen.cpu().numpy()))
+                print(f"rank {me} calls on {calls_on}, launch {i}: max err {err:.3g}")
+            graph.close()

@@ -1,0 +1,339 @@
+"""Dispatch and combine inside jax.jit: JaxAllToAll.
+
+    a2a = JaxAllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+
+    @jax.jit
+    def moe(x, indices, weights):
+        d = a2a.dispatch(x, indices)                 # JAX arrays: d.expert_x, d.expert_num_tokens, ...
+        return a2a.combine(experts(d), weights)     # y [T, H]
+
+Made like AllToAll (the same parameters, one process a GPU under mpirun). Every rank runs the same
+program: each traced call is one exchange on every rank, each dispatch combined before the next.
+
+On a GPU a call is one launch of our kernel on XLA's stream, through XLA's FFI: csrc/jax_ffi.cc, built
+by `python -m pyhipa2a.build` against the jaxlib installed, reads XLA's operands and writes XLA's
+results in place. On JAX's CPU platform (the host backend, as CI runs it) a call is the eager call, made
+through jax.experimental.io_callback. Either way the calls of one object in one traced function are
+chained by an order word (an operand and a result of each call), so XLA keeps them in program order, and
+XLA's custom calls are marked as having side effects, so XLA drops none. JAX's tracing itself drops a
+call none of whose results is used (a combine whose y is never read): the next dispatch then finds its
+predecessor uncombined and is refused on the device, never run on stale flags. A call whose kernels
+reported an error (a peer that never came, bad routing, that refusal) leaves poisoned results; the next
+call raises, and `check()` raises the error now.
+
+Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): dispatch's is a combine of the rows' gradients with
+unit weights; combine's a dispatch of y's gradient, weighted, plus the weights' gradient. Each backward
+pass is itself a dispatch then a combine, so every rank must differentiate the same program. They need
+packed rows, x of the dtype of y, the weights given to combine; `gradients=False` leaves them out (and
+the narrow exchange of the weights' rows they make).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jax._src import core as _jax_core
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from . import AllToAll
+from .errors import A2AError
+from .kernels import X_FP8, CombineCall, DispatchCall
+
+_HANDLER = Path(__file__).resolve().parent / "_code" / "_jax_ffi.so"
+_TARGET = "pyhipa2a_launch"
+_PLACES = 8
+
+
+class FfiSite(ctypes.Structure):  # csrc/jax_ffi.cc: Site
+    _fields_ = [("launch", ctypes.c_uint64), ("function", ctypes.c_uint64), ("fixed", ctypes.c_uint64),
+                ("status", ctypes.c_uint64), ("grid", ctypes.c_uint32), ("block", ctypes.c_uint32),
+                ("call_bytes", ctypes.c_uint32), ("operand_at", ctypes.c_int32 * _PLACES),
+                ("result_at", ctypes.c_int32 * _PLACES), ("call", ctypes.c_uint8 * 128)]
+
+
+class JaxDispatch(NamedTuple):
+    """dispatch()'s results (JAX arrays), as AllToAll's DispatchResult names them."""
+    expert_x: jax.Array           # [L, W*M, H]
+    expert_num_tokens: jax.Array  # int32 [L]
+    expert_meta: jax.Array        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
+    expert_x_scales: jax.Array | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch
+    expert_layout: jax.Array | None = None    # int32 [L, W, 2] with row_layout="by_source"
+
+
+@functools.lru_cache(maxsize=None)
+def _handler():
+    """The loaded handler, registered with XLA for CUDA and ROCm once a process."""
+    if not _HANDLER.exists():
+        raise A2AError(f"JaxAllToAll on a GPU needs XLA's handler {_HANDLER.name}: run `python -m pyhipa2a.build` "
+                       "where jaxlib is installed")
+    lib = ctypes.CDLL(str(_HANDLER))
+    lib.pyhipa2a_ffi_site.restype = ctypes.c_int64
+    lib.pyhipa2a_ffi_site.argtypes = [ctypes.POINTER(FfiSite)]
+    lib.pyhipa2a_ffi_site_bytes.restype = ctypes.c_uint64
+    if lib.pyhipa2a_ffi_site_bytes() != ctypes.sizeof(FfiSite):
+        raise A2AError(f"{_HANDLER.name} was built for another layout: run `python -m pyhipa2a.build` again")
+    for platform in ("CUDA", "ROCM"):
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.pyhipa2a_ffi_launch), platform=platform)
+    return lib
+
+
+def _order_word():
+    return jax.ShapeDtypeStruct((1,), jnp.int32)
+
+
+# One call of a registered site on a GPU: the operands in, `shapes` ((shape, dtype), ...) out. A primitive of
+# our own rather than jax.ffi.ffi_call(has_side_effect=True): that marks the traced function as effectful,
+# which takes JAX's dispatch off its fast path (250 us more a step on an H200), while all XLA needs to keep
+# every call is the custom call's own side-effect flag, which this lowering sets.
+_launch = Primitive(_TARGET)
+_launch.multiple_results = True
+_launch.def_abstract_eval(lambda *operands, site, shapes: [jax.core.ShapedArray(s, d) for s, d in shapes])
+_launch.def_impl(lambda *operands, site, shapes: _compiled(site, shapes)(*operands))
+_ffi_rule = jax.ffi.ffi_lowering(_TARGET, has_side_effect=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(site: int, shapes: tuple):
+    """An eager call of a site: the call alone, jitted once."""
+    return jax.jit(functools.partial(_launch.bind, site=site, shapes=shapes))
+
+for _platform in ("cuda", "rocm"):
+    mlir.register_lowering(_launch, lambda ctx, *operands, site, shapes: _ffi_rule(ctx, *operands, site=np.int64(site)),
+                           platform=_platform)
+
+
+class JaxAllToAll:
+    """AllToAll's dispatch and combine as JAX operations (see the module's doc)."""
+
+    def __init__(self, comm=None, *, gradients: bool = True, **params):
+        self._a2a = AllToAll(comm, **params)
+        try:
+            c = self._a2a.config
+            self.config, self.rank, self.world = c, self._a2a.rank, c.world
+            self.device_index = self._a2a.heap.device.index  # (the GPU, among JAX's, its arrays must be on)
+            self._on_gpu = self._a2a.backend.kind != "host"
+            if self._on_gpu:
+                if self._a2a.layout.nodes > 1:
+                    raise A2AError("JaxAllToAll on GPUs runs within one node (its calls across nodes are "
+                                   "AllToAll's eager ones)")
+                self._lib = _handler()
+                self._entry = self._a2a.backend.launch_entry()
+                if self._entry is None:
+                    raise A2AError("JaxAllToAll: the GPU driver's launch entry was not found")
+            self._sites: dict = {}
+            self._order = None   # the order word of this object's last traced call
+            self._tokens = self._indices = None  # the last dispatch's token count and indices (for combine)
+            self._grads = None
+            # Gradients need packed rows, 16-bit x of the dtype of y, and an exchange of the weights' rows.
+            self._differentiable = (gradients and not c.by_source and not c.scale_cols
+                                    and c.in_dtype == c.out_dtype == c.dispatch_dtype)
+            if self._differentiable:
+                from .jax_grad import Gradients
+                self._grads = Gradients(comm, params, c)
+        except BaseException:
+            self._a2a.close()
+            raise
+
+    # -- shapes -------------------------------------------------------------------
+    def _dispatch_shapes(self):
+        c = self.config
+        L, R = c.local_experts, c.capacity
+        shapes = [jax.ShapeDtypeStruct((L, R, c.hidden), c.dispatch_dtype), jax.ShapeDtypeStruct((L,), jnp.int32),
+                  jax.ShapeDtypeStruct((L, R, 3), jnp.int32)]
+        if c.scale_cols:
+            shapes.append(jax.ShapeDtypeStruct((L, R, c.scale_cols), jnp.float32))
+        if c.by_source:
+            shapes.append(jax.ShapeDtypeStruct((L, c.world, 2), jnp.int32))
+        return shapes
+
+    # -- calls ----------------------------------------------------------------------
+    def dispatch(self, x, indices, weights=None, x_scales=None) -> JaxDispatch:
+        """AllToAll.dispatch on JAX arrays (traceable): x [T, H], indices [T, k] int32, weights [T, k] float32
+        (sent with the routing: combine then takes none), x_scales with fp8 x. Differentiable in x where
+        neither weights nor scales are given and the rows are packed (its gradient: a combine of the rows'
+        gradients with unit weights)."""
+        order = self._chained()
+        if weights is None and x_scales is None and self._differentiable:
+            d, self._order = self._grads.dispatch(self, x, indices, order)
+        else:
+            d, self._order = self._dispatch(order, x, indices, weights, x_scales)
+        self._tokens, self._indices = int(x.shape[0]), indices
+        return d
+
+    def _dispatch(self, order, x, indices, weights=None, x_scales=None) -> tuple:
+        """(the JaxDispatch, the order word out) of a dispatch after the call whose order word is `order`."""
+        c = self.config
+        T = _checked_tokens(x, c)
+        _check_operand("indices", indices, (T, c.top_k), np.int32)
+        if weights is not None:
+            _check_operand("weights", weights, (T, c.top_k), np.float32)
+        if (x_scales is None) != (c.x_format != X_FP8):
+            raise TypeError("x_scales go with fp8 x (AllToAll(in_dtype='float8_e4m3')) and only with it")
+        operands = [x, indices] + [a for a in (weights, x_scales) if a is not None]
+        fields = ["x", "indices"] + [f for f, a in (("weights", weights), ("x_scales", x_scales)) if a is not None]
+        outputs = ["expert_x", "expert_num_tokens", "expert_meta"]
+        outputs += ["expert_scales"] if c.scale_cols else []
+        outputs += ["expert_layout"] if c.by_source else []
+        shapes = self._dispatch_shapes()
+        if self._on_gpu:
+            site = self._site("dispatch", T, DispatchCall, fields, outputs, num_tokens=T)
+            results = self._ffi(site, operands, order, shapes)
+        else:
+            results = self._host(self._host_dispatch(weights is not None, x_scales is not None), operands, order,
+                                 shapes)
+        *arrays, order = results
+        return JaxDispatch(arrays[0], arrays[1], arrays[2], arrays[3] if c.scale_cols else None,
+                           arrays[-1] if c.by_source else None), order
+
+    def combine(self, expert_y, weights=None, expert_scale: float = 1.0):
+        """AllToAll.combine on JAX arrays (traceable): y [T, H] from expert_y [L, W*M, H] and the weights
+        [T, k] float32, unless dispatch sent them. `expert_scale`: a Python number (part of the program).
+        Differentiable in expert_y and the weights after a differentiable dispatch in the same trace (the
+        gradient: a dispatch of y's gradient, weighted, and the weights' gradient)."""
+        indices, order = self._chained_value(self._indices), self._chained()
+        if weights is not None and indices is not None and self._differentiable:
+            y, self._order = self._grads.combine(self, order, expert_y, weights, indices, float(expert_scale))
+        else:
+            y, self._order = self._combine(order, expert_y, weights, expert_scale)
+        return y
+
+    def _combine(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:
+        """(y, the order word out) of a combine after the call whose order word is `order`."""
+        c = self.config
+        _check_operand("expert_y", expert_y, (c.local_experts, c.capacity, c.hidden), c.out_dtype)
+        if weights is not None:
+            T = int(weights.shape[0])
+            _check_operand("weights", weights, (T, c.top_k), np.float32)
+        elif self._tokens is None:
+            raise A2AError("combine() needs the weights, or a dispatch() traced before it that sent them")
+        else:
+            T = self._tokens
+        scale = float(expert_scale)
+        operands = [expert_y] + ([weights] if weights is not None else [])
+        shapes = [jax.ShapeDtypeStruct((T, c.hidden), c.out_dtype)]
+        if self._on_gpu:
+            fields = ["expert_y"] + (["weights"] if weights is not None else [])
+            site = self._site("combine", T, CombineCall, fields, ["out"], num_tokens=T, expert_scale=scale)
+            return tuple(self._ffi(site, operands, order, shapes))
+        return tuple(self._host(self._host_combine(T, weights is not None, scale), operands, order, shapes))
+
+    def check(self) -> None:
+        """Raise the error the kernels reported, if any (the calls' results are then poisoned)."""
+        self._a2a.synchronize()
+
+    def close(self) -> None:
+        try:
+            if self._grads is not None:
+                self._grads.close()
+        finally:
+            self._a2a.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the order of an object's calls -------------------------------------------
+    def _chained(self):
+        """The order word of this object's last call, where it can still be used."""
+        last = self._chained_value(self._order)
+        return jnp.zeros((1,), jnp.int32) if last is None else last
+
+    @staticmethod
+    def _chained_value(last):
+        """`last` (a value an earlier call left) where it can still be used: a concrete array, or a tracer of the
+        trace being traced now or of one around it (not of a trace that has ended); else None."""
+        if not isinstance(last, jax.core.Tracer):
+            return last
+        # (JAX names no public way to ask which traces are running: its trace context and each trace's
+        # parent say so, and without them no tracer is reused)
+        trace = getattr(getattr(_jax_core, "trace_ctx", None), "trace", None)
+        while trace is not None:
+            if trace is getattr(last, "_trace", None):
+                return last
+            trace = getattr(trace, "parent_trace", None)
+        return None
+
+    # -- GPU: XLA's handler ---------------------------------------------------------
+    def _site(self, leg: str, tokens: int, call_type, fields, outputs, **values) -> int:
+        """The handler's number for a `leg` call of `tokens` tokens with these operands and results."""
+        key = (leg, tokens, tuple(fields), tuple(outputs), tuple(sorted(values.items())))
+        number = self._sites.get(key)
+        if number is None:
+            kernel, blocks, threads, fixed = self._a2a.launch_site(leg, tokens)
+            call = call_type(**values)
+            site = FfiSite(launch=self._entry, function=self._a2a.backend.function_address(kernel.function),
+                           fixed=fixed, status=self._a2a.buffers.status.ctypes.data, grid=blocks, block=threads,
+                           call_bytes=ctypes.sizeof(call))
+            site.operand_at[:] = [getattr(call_type, f).offset for f in fields] + [-1] * (_PLACES - len(fields))
+            site.result_at[:] = [getattr(call_type, f).offset for f in outputs] + [-1] * (_PLACES - len(outputs))
+            ctypes.memmove(site.call, ctypes.addressof(call), ctypes.sizeof(call))
+            number = self._sites[key] = self._lib.pyhipa2a_ffi_site(ctypes.byref(site))
+            if number <= 0:
+                raise A2AError("XLA's handler refused the call's arguments")
+        return number
+
+    @staticmethod
+    def _ffi(site: int, operands, order, shapes) -> list:
+        """The results of a site's call, the order word out last."""
+        shapes = tuple((tuple(s.shape), np.dtype(s.dtype)) for s in (*shapes, _order_word()))
+        return _launch.bind(*operands, order, site=site, shapes=shapes)
+
+    # -- JAX's CPU platform: the eager call -----------------------------------------
+    @staticmethod
+    def _host(call, operands, order, shapes) -> list:
+        """The results of an eager call through io_callback, the order word out last."""
+        return list(io_callback(call, (*shapes, _order_word()), *operands, order, ordered=True))
+
+    def _host_dispatch(self, with_weights: bool, with_scales: bool):
+        a2a, c = self._a2a, self.config
+
+        def call(x, indices, *rest):
+            rest = list(rest[:-1])  # (the order word last)
+            weights = rest.pop(0) if with_weights else None
+            x_scales = rest.pop(0) if with_scales else None
+            d = a2a.dispatch(np.asarray(x), np.asarray(indices), weights=_host_array(weights),
+                             x_scales=_host_array(x_scales))
+            arrays = [d.expert_x, d.expert_num_tokens, d.expert_meta]
+            arrays += [d.expert_x_scales] if c.scale_cols else []
+            arrays += [d.expert_layout] if c.by_source else []
+            return (*(a.numpy() for a in arrays), np.zeros(1, np.int32))
+        return call
+
+    def _host_combine(self, tokens: int, with_weights: bool, scale: float):
+        a2a = self._a2a
+
+        def call(expert_y, *rest):
+            weights = np.asarray(rest[0]) if with_weights else None
+            y = a2a.combine(np.asarray(expert_y), weights, expert_scale=scale)
+            return y.numpy(), np.zeros(1, np.int32)
+        return call
+
+
+def _host_array(a):
+    return None if a is None else np.asarray(a)
+
+
+def _checked_tokens(x, c) -> int:
+    shape = tuple(x.shape)
+    if len(shape) != 2 or shape[1] != c.hidden:
+        raise ValueError(f"x must be (T, {c.hidden}), got {shape}")
+    if shape[0] > c.max_tokens:
+        raise ValueError(f"x has {shape[0]} tokens; this object was made for max_num_tokens={c.max_tokens}")
+    if np.dtype(x.dtype) != c.in_dtype:
+        raise TypeError(f"x must be {c.in_dtype.name}, got {np.dtype(x.dtype).name}")
+    return shape[0]
+
+
+def _check_operand(name: str, a, shape: tuple, dtype) -> None:
+    if tuple(a.shape) != tuple(shape) or np.dtype(a.dtype) != np.dtype(dtype):
+        raise ValueError(f"{name} must be {tuple(shape)} {np.dtype(dtype).name}, got {tuple(a.shape)} "
+                         f"{np.dtype(a.dtype).name}")

@@ -1,0 +1,140 @@
+"""Gradients of pyhipa2a.jax's dispatch and combine (jax.custom_vjp).
+
+With rows packed and x in the dtype of y, on the rank that owns row r = row(t, j) of token t's slot j
+(scale s: that rank's expert_scale):
+
+    expert_x[r] = x[t]                      ->  dx[t] = sum_j d_expert_x[row(t, j)]
+    y[t] = sum_j w[t, j] s expert_y[r]      ->  d_expert_y[r] = s w[t, j] dy[t],  dw[t, j] = s <expert_y[r], dy[t]>
+
+So the backward pass is itself an exchange: combine's gradient dispatches dy with the same indices (its
+rows land where the forward's did: the places depend on the routing alone) and dispatch's gradient
+combines d_expert_x with unit weights, which closes that dispatch. The weights travel to the rows' owners,
+and each row's dot product back to its token, through a second, narrow exchange of their own (the weights'
+rows): each fp32 value as two 16-bit halves (high, and the remainder), so nothing is lost on the way.
+Rows beyond a count hold whatever the buffer held: the forward pass under differentiation zeroes them, and
+their gradients are zero.
+
+Order: combine's gradient dispatches after the forward combine (its order word is a residual: y's
+gradient need not depend on y), the narrow pair follows that dispatch, and both gradients come out only
+once the narrow pair is done, so the calls of what follows (dispatch's gradient, an earlier layer's) come
+after it. Dispatch's gradient follows its dispatch through its data.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Gradients:
+    """The narrow exchange of a JaxAllToAll's weight rows, and the rules that use it."""
+
+    def __init__(self, comm, params: dict, config):
+        from .jax import JaxAllToAll
+        k = config.top_k
+        self.cols = max(8, -(-2 * k // 8) * 8)  # two halves a weight, in whole 16-byte pieces
+        narrow = {**params, "hidden_dim": self.cols, "in_dtype": config.out_dtype.name,
+                  "out_dtype": config.out_dtype.name}
+        narrow.pop("dispatch_dtype", None)
+        self.rows = JaxAllToAll(comm, gradients=False, **narrow)
+
+    def close(self) -> None:
+        self.rows.close()
+
+    def dispatch(self, a2a, x, indices, order):
+        """(the JaxDispatch, the order word out) of a differentiable dispatch."""
+        from .jax import JaxDispatch
+        tokens, dtype = x.shape[0], x.dtype
+
+        @jax.custom_vjp
+        def dispatch(x, indices, order):
+            d, order = a2a._dispatch(order, x, indices)
+            return d.expert_x, d.expert_num_tokens, d.expert_meta, order
+
+        def forward(x, indices, order):
+            d, order = a2a._dispatch(order, x, indices)
+            return (_zero_beyond(d.expert_x, d.expert_num_tokens), d.expert_num_tokens, d.expert_meta, order), None
+
+        def backward(_, cotangents):
+            ones = jnp.ones((tokens, a2a.config.top_k), jnp.float32)
+            dx, _ = a2a._combine(_fresh_order(), cotangents[0].astype(a2a.config.out_dtype), ones, 1.0)
+            return dx.astype(dtype), None, None
+        dispatch.defvjp(forward, backward)
+        *arrays, order = dispatch(x, indices, order)
+        return JaxDispatch(*arrays), order
+
+    def combine(self, a2a, order, expert_y, weights, indices, scale: float):
+        """(y, the order word out) of a differentiable combine after the dispatch of `indices`."""
+        rows = self.rows
+
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+        def combine(expert_y, weights, indices, order, scale):
+            return a2a._combine(order, expert_y, weights, scale)
+
+        def forward(expert_y, weights, indices, order, scale):
+            y, done = a2a._combine(order, expert_y, weights, scale)
+            return (y, done), (expert_y, weights, indices, done)
+
+        def backward(scale, res, cotangents):
+            (expert_y, weights, indices, done), dy = res, cotangents[0]
+            c, k = a2a.config, a2a.config.top_k
+            # After this combine (y's gradient may not depend on y: a linear loss), and closed by dispatch's
+            # gradient, a combine of this dispatch's rows that depends on them.
+            d, dispatched = a2a._dispatch(done, dy.astype(c.in_dtype), indices)
+            valid = _valid_rows(d.expert_num_tokens, d.expert_x.shape[1])
+            slot = jnp.clip(d.expert_meta[..., 2], 0, k - 1)
+            spread, between = rows._dispatch(dispatched, _halves(weights, self.cols, c.out_dtype), indices)
+            weight = _joined(spread.expert_x, 2 * slot)  # w[t, j] of each row
+            dy_rows = d.expert_x.astype(jnp.float32)
+            d_expert_y = jnp.where(valid[..., None], scale * weight[..., None] * dy_rows, 0.0)
+            dots = jnp.where(valid, scale * jnp.sum(expert_y.astype(jnp.float32) * dy_rows, axis=-1), 0.0)
+            back = _placed_halves(dots, 2 * slot, self.cols, c.out_dtype)
+            summed, _ = rows._combine(between, back, jnp.ones(weights.shape, jnp.float32), 1.0)
+            summed = summed.astype(jnp.float32)
+            d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
+            # Both only once the narrow exchange is done: what follows (dispatch's gradient, an earlier
+            # layer's) then comes after it, so the next layer's narrow pair cannot interleave with this one.
+            d_expert_y, d_weights = jax.lax.optimization_barrier((d_expert_y.astype(expert_y.dtype), d_weights))
+            return d_expert_y, d_weights, None, None
+        combine.defvjp(forward, backward)
+        return combine(expert_y, weights, indices, order, scale)
+
+
+def _fresh_order():
+    """The order word of dispatch's gradient, a combine that follows its dispatch through its data."""
+    return jnp.zeros((1,), jnp.int32)
+
+
+def _valid_rows(counts, capacity: int):
+    """[L, R] bool: the rows a packed dispatch filled."""
+    return jnp.arange(capacity)[None, :] < counts[:, None]
+
+
+def _zero_beyond(expert_x, counts):
+    return jnp.where(_valid_rows(counts, expert_x.shape[1])[..., None], expert_x, jnp.zeros((), expert_x.dtype))
+
+
+def _halves(weights, cols: int, dtype):
+    """[T, cols]: weight j as columns 2j (its 16-bit rounding) and 2j + 1 (the remainder)."""
+    high = weights.astype(dtype)
+    low = (weights - high.astype(jnp.float32)).astype(dtype)
+    pairs = jnp.stack([high, low], axis=-1).reshape(weights.shape[0], -1)
+    return jnp.pad(pairs, ((0, 0), (0, cols - pairs.shape[1])))
+
+
+def _joined(spread, column):
+    """Each row's value from its two halves at `column` and `column + 1`."""
+    f = spread.astype(jnp.float32)
+    take = functools.partial(jnp.take_along_axis, f, axis=-1)
+    return (take(column[..., None]) + take(column[..., None] + 1))[..., 0]
+
+
+def _placed_halves(values, column, cols: int, dtype):
+    """[L, R, cols]: each row's value as two halves at `column` and `column + 1`, zeros elsewhere."""
+    high = values.astype(dtype)
+    low = (values - high.astype(jnp.float32)).astype(dtype)
+    where = jnp.arange(cols)
+    return jnp.where(where == column[..., None], high[..., None],
+                     jnp.where(where == column[..., None] + 1, low[..., None], np.zeros((), dtype)))

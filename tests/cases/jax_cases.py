@@ -1,0 +1,192 @@
+"""Multi-rank cases of pyhipa2a.jax: dispatch and combine inside jax.jit (run under mpiexec by the tests).
+
+On the host backend the calls are the eager ones, through io_callback on JAX's CPU platform; on GPUs they
+are our kernels on XLA's stream. Each round draws the whole world's inputs from a seed and checks this
+rank's results against pyhipa2a.reference.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from pyhipa2a import reference
+from pyhipa2a.testing import check_dispatch_against_oracle, draw_world
+
+
+def _jax(a2a_backend_is_host: bool):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # (our heap shares the GPU with JAX's pool)
+    jax = pytest.importorskip("jax")
+    if not a2a_backend_is_host and not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU here")
+    return jax, pytest.importorskip("jax.numpy")
+
+
+def _made(comm, **params):
+    import pyhipa2a
+    from pyhipa2a.jax import JaxAllToAll
+    host = pyhipa2a.get_backend().kind == "host"
+    jax, jnp = _jax(host)
+    a2a = JaxAllToAll(comm, **params)
+    device = jax.devices("cpu")[0] if host else [d for d in jax.devices() if d.platform == "gpu"][a2a.device_index]
+    return a2a, jax, jnp, device
+
+
+def case_jit_step(comm, rounds="5"):
+    """One jitted function: dispatch, an expert in jnp (expert_x * 2), combine with expert_scale fused;
+    called again with new values and new token counts (a retrace each), its results against the oracle:
+    y, and the dispatch's rows, counts and meta."""
+    world = comm.Get_size()
+    E, k, H, M = 4 * world, 3, 256, 16
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me = a2a.rank
+
+        @jax.jit
+        def step(x, indices, weights):
+            d = a2a.dispatch(x, indices)
+            y = a2a.combine((d.expert_x * 2).astype(d.expert_x.dtype), weights, expert_scale=0.5 + me)
+            return d, y
+
+        for i in range(int(rounds)):
+            counts = [(M, 5, M, 1, 0)[i % 5] if r % 2 == 0 else (M, M - 1, 7, 2, M)[i % 5] for r in range(world)]
+            inputs = draw_world(40 + i, world, E, k, H, M, token_counts=counts)
+            x, idx, w = (jax.device_put(h, dev) for h in (inputs.xs[me], inputs.indices[me], inputs.weights[me]))
+            d, y = step(x, idx, w)
+            expert = reference.fused_expert([2 * (0.5 + r) for r in range(world)])
+            want = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, expert, ranks=[me])[me]
+            got = np.asarray(y).astype(np.float64)
+            assert got.shape == want.shape, (got.shape, want.shape)
+            err = float(np.abs(got - want).max(initial=0.0))
+            assert np.allclose(got, want, rtol=1e-2, atol=5e-3), (i, err)
+            check_dispatch_against_oracle(a2a, inputs, d)
+            print(f"rank {me} round {i}: T={counts[me]} max err {err:.3g}")
+        a2a.check()
+
+
+def case_two_exchanges_in_one_program(comm):
+    """Two dispatch/combine pairs in one jitted function with no data between them (two layers' branches):
+    the order words keep each dispatch combined before the next, so both are right; and weights given to
+    dispatch (combine takes none)."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me = a2a.rank
+
+        @jax.jit
+        def two(x1, i1, w1, x2, i2, w2):
+            d1 = a2a.dispatch(x1, i1)
+            d2_in = (x2, i2)
+            y1 = a2a.combine(d1.expert_x, w1)
+            d2 = a2a.dispatch(*d2_in, weights=w2)
+            y2 = a2a.combine(d2.expert_x)
+            return y1, y2
+
+        a = draw_world(70, world, E, k, H, M)
+        b = draw_world(71, world, E, k, H, M, token_counts=[3] * world)
+        put = [jax.device_put(h, dev) for inputs in (a, b)
+               for h in (inputs.xs[me], inputs.indices[me], inputs.weights[me])]
+        for inputs, y in zip((a, b), two(*put)):
+            want = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, reference.fused_expert([1.0] * world),
+                                     ranks=[me])[me]
+            got = np.asarray(y).astype(np.float64)
+            assert np.allclose(got, want, rtol=1e-2, atol=5e-3), np.abs(got - want).max(initial=0.0)
+        a2a.check()
+
+
+def case_dropped_combine_is_refused(comm):
+    """A jitted function that combines but never uses y: JAX drops that combine, so the next call's dispatch
+    follows an uncombined one. The device refuses it (its outputs poisoned) and the object says why."""
+    from pyhipa2a import A2AError
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    if pyhipa2a_backend_is_host():
+        pytest.skip("on the host backend each call is an ordered io_callback, which JAX never drops")
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with pytest.raises(A2AError, match="never combined"):
+        with a2a:
+            inputs = draw_world(80, world, E, k, H, M)
+            x, idx, w = (jax.device_put(h, dev) for h in (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
+                                                         inputs.weights[a2a.rank]))
+
+            @jax.jit
+            def counts_only(x, indices, weights):
+                d = a2a.dispatch(x, indices)
+                a2a.combine(d.expert_x, weights)  # (its y unused: dropped)
+                return d.expert_num_tokens
+            counts_only(x, idx, w).block_until_ready()
+            counts_only(x, idx, w).block_until_ready()
+            a2a.check()
+
+
+def pyhipa2a_backend_is_host() -> bool:
+    import pyhipa2a
+    return pyhipa2a.get_backend().kind == "host"
+
+
+def case_refusals(comm):
+    """Wrong shapes and types raise while tracing, naming the argument, before anything runs."""
+    world = comm.Get_size()
+    a2a, jax, jnp, dev = _made(comm, num_experts=2 * world, experts_per_token=2, hidden_dim=64, max_num_tokens=4)
+    with a2a:
+        x, idx = jnp.zeros((4, 64), jnp.float16), jnp.zeros((4, 2), jnp.int32)
+        with pytest.raises(ValueError, match="x must be"):
+            jax.jit(a2a.dispatch)(jnp.zeros((4, 32), jnp.float16), idx)
+        with pytest.raises(ValueError, match="max_num_tokens=4"):
+            jax.jit(a2a.dispatch)(jnp.zeros((5, 64), jnp.float16), jnp.zeros((5, 2), jnp.int32))
+        with pytest.raises(ValueError, match="indices must be"):
+            jax.jit(a2a.dispatch)(x, jnp.zeros((4, 2), jnp.int64 if jax.config.jax_enable_x64 else jnp.float32))
+        with pytest.raises(TypeError, match="x must be float16"):
+            jax.jit(a2a.dispatch)(jnp.zeros((4, 64), jnp.float32), idx)
+        with pytest.raises(ValueError, match="expert_y must be"):
+            jax.jit(a2a.combine)(jnp.zeros((3, 3), jnp.float16), jnp.zeros((4, 2), jnp.float32))
+
+
+def case_gradients(comm):
+    """jax.grad through dispatch, a linear expert per local expert (in jnp), and combine against jax.grad of
+    the same layer computed densely from every rank's inputs (drawn from one seed): the gradients of this
+    rank's x and weights and of its experts' matrices, of the sum over ranks of each rank's <y, g>."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me, L = a2a.rank, E // world
+        inputs = draw_world(90, world, E, k, H, M, token_counts=[M - r % 3 for r in range(world)])
+        rng = np.random.default_rng(91)
+        mats = (rng.standard_normal((E, H, H)) / np.sqrt(H)).astype(np.float32)
+        probes = [rng.standard_normal((len(inputs.xs[r]), H)).astype(np.float32) for r in range(world)]
+        put = lambda a: jax.device_put(a, dev)  # noqa: E731
+        scale = 0.5 + me
+
+        def layer(x, weights, local):
+            d = a2a.dispatch(x, put(inputs.indices[me]))
+            h = d.expert_x.astype(jnp.float32)
+            expert_y = jnp.einsum("lrh,lhg->lrg", h, local).astype(x.dtype)
+            y = a2a.combine(expert_y, weights, expert_scale=scale)
+            return jnp.sum(y.astype(jnp.float32) * put(probes[me]))
+
+        grads = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))(
+            put(inputs.xs[me]), put(inputs.weights[me]), put(mats[me * L:(me + 1) * L]))
+
+        def dense(xs, ws, mats):  # every rank's loss, each token through its experts on one device
+            total = 0.0
+            for r in range(world):
+                idx = inputs.indices[r]
+                rows = jnp.einsum("th,tkhg->tkg", xs[r].astype(jnp.float32), mats[idx])
+                owner_scale = jnp.asarray([[0.5 + e // L for e in row] for row in idx], jnp.float32) if len(idx) \
+                    else jnp.zeros((0, k), jnp.float32)
+                y = jnp.sum(rows * (ws[r] * owner_scale)[..., None], axis=1)
+                total = total + jnp.sum(y * probes[r])
+            return total
+        want = jax.grad(dense, argnums=(0, 1, 2))([jnp.asarray(a, jnp.float32) for a in inputs.xs],
+                                                 [jnp.asarray(w) for w in inputs.weights], jnp.asarray(mats))
+        pairs = ((grads[0], want[0][me], "x"), (grads[1], want[1][me], "weights"),
+                 (grads[2], want[2][me * L:(me + 1) * L], "experts"))
+        for got, expected, name in pairs:
+            got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+            err = float(np.abs(got - expected).max(initial=0.0))
+            assert np.allclose(got, expected, rtol=3e-2, atol=3e-2), (name, err)
+            print(f"rank {me} d{name}: max err {err:.3g}")
+        a2a.check()

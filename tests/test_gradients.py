@@ -1,0 +1,19 @@
+"""Gradients through dispatch and combine against the dense computation's, at several ranks: JAX's
+(pyhipa2a.jax, jax.grad inside jit) and PyTorch's (pyhipa2a.torch, autograd)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["tests.cases.jax_cases:case_gradients", "tests.cases.grad_cases:case_torch_gradients"])
+def test_gradients(case, backend):
+    run_case(case, ranks_for(backend), env_backend(backend), timeout=600)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_jax_gradients_at_fewer_ranks(ranks):
+    pytest.importorskip("jax")
+    run_case("tests.cases.jax_cases:case_gradients", ranks, "host", timeout=600)
