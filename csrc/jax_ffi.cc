@@ -10,7 +10,8 @@
 // not touched. An object whose kernels reported an error refuses the call, as its eager calls do.
 //
 // Sites are numbered from 1 in the order they are registered, so a compiled program names a site by
-// its number, never by an address of this process. Built by `python -m pyhipa2a.build` against
+// its number, never by an address of this process. A closed object retires its sites: a program
+// compiled while it lived, called after, is refused instead of launching on memory that is gone. Built by `python -m pyhipa2a.build` against
 // jaxlib's own headers where jaxlib is installed.
 #include <cstdint>
 #include <cstring>
@@ -43,7 +44,8 @@ using LaunchFn = int (*)(void* function, unsigned gx, unsigned gy, unsigned gz, 
                          unsigned bz, unsigned shared_bytes, void* stream, void** params, void** extra);
 
 std::mutex sites_lock;
-std::vector<Site> sites;  // site n is sites[n - 1]
+std::vector<Site> sites;     // site n is sites[n - 1]
+std::vector<bool> retired;  // of the same numbers
 
 ffi::Error failed(const std::string& why) { return ffi::Error(ffi::ErrorCode::kInternal, "pyhipa2a: " + why); }
 
@@ -58,6 +60,7 @@ ffi::Error launch(void* stream, ffi::RemainingArgs operands, ffi::RemainingRets 
   {
     std::lock_guard<std::mutex> hold(sites_lock);
     if (number < 1 || number > static_cast<int64_t>(sites.size())) return failed("unknown site");
+    if (retired[number - 1]) return failed("this call's object is closed");
     site = sites[number - 1];
   }
   if (*reinterpret_cast<volatile uint32_t*>(site.status) != 0)
@@ -98,7 +101,16 @@ int64_t pyhipa2a_ffi_site(const Site* site) {
   if (site->call_bytes > kMaxCallBytes) return 0;
   std::lock_guard<std::mutex> hold(sites_lock);
   sites.push_back(*site);
+  retired.push_back(false);
   return static_cast<int64_t>(sites.size());
+}
+
+// Site `number` refuses every later call (its object is closed); 0 where there is no such site.
+int pyhipa2a_ffi_retire(int64_t number) {
+  std::lock_guard<std::mutex> hold(sites_lock);
+  if (number < 1 || number > static_cast<int64_t>(sites.size())) return 0;
+  retired[number - 1] = true;
+  return 1;
 }
 
 // sizeof(Site): pyhipa2a.jax loads no handler built for another layout.

@@ -17,8 +17,8 @@ through jax.experimental.io_callback. Either way the calls of one object in one 
 chained by an order word (an operand and a result of each call), so XLA keeps them in program order, and
 XLA's custom calls are marked as having side effects, so XLA drops none. JAX's tracing itself drops a
 call none of whose results is used (a combine whose y is never read): the next dispatch then finds its
-predecessor uncombined and is refused on the device, never run on stale flags. A call whose kernels
-reported an error (a peer that never came, bad routing, that refusal) leaves poisoned results; the next
+predecessor uncombined and reports it (docs/DESIGN.md: its results are not all poison then). A call whose
+kernels reported an error (a peer that never came, bad routing, that refusal) must not be read; the next
 call raises, and `check()` raises the error now.
 
 Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): dispatch's is a combine of the rows' gradients with
@@ -77,6 +77,7 @@ def _handler():
     lib.pyhipa2a_ffi_site.restype = ctypes.c_int64
     lib.pyhipa2a_ffi_site.argtypes = [ctypes.POINTER(FfiSite)]
     lib.pyhipa2a_ffi_site_bytes.restype = ctypes.c_uint64
+    lib.pyhipa2a_ffi_retire.argtypes = [ctypes.c_int64]
     if lib.pyhipa2a_ffi_site_bytes() != ctypes.sizeof(FfiSite):
         raise A2AError(f"{_HANDLER.name} was built for another layout: run `python -m pyhipa2a.build` again")
     for platform in ("CUDA", "ROCM"):
@@ -119,6 +120,8 @@ class JaxAllToAll:
             self.config, self.rank, self.world = c, self._a2a.rank, c.world
             self.device_index = self._a2a.heap.device.index  # (the GPU, among JAX's, its arrays must be on)
             self._on_gpu = self._a2a.backend.kind != "host"
+            if not hasattr(_jax_core, "trace_ctx"):  # (without it no call could be chained: refuse, do not guess)
+                raise A2AError(f"JaxAllToAll does not know this JAX ({jax.__version__}): its trace context moved")
             if self._on_gpu:
                 if self._a2a.layout.nodes > 1:
                     raise A2AError("JaxAllToAll on GPUs runs within one node (its calls across nodes are "
@@ -129,7 +132,8 @@ class JaxAllToAll:
                     raise A2AError("JaxAllToAll: the GPU driver's launch entry was not found")
             self._sites: dict = {}
             self._order = None   # the order word of this object's last traced call
-            self._tokens = self._indices = None  # the last dispatch's token count and indices (for combine)
+            # The last dispatch traced: its token count, indices and whether it sent the weights (combine's)
+            self._tokens = self._indices = self._sent = None
             self._grads = None
             # Gradients need packed rows, 16-bit x of the dtype of y, and an exchange of the weights' rows.
             self._differentiable = (gradients and not c.by_source and not c.scale_cols
@@ -164,7 +168,7 @@ class JaxAllToAll:
             d, self._order = self._grads.dispatch(self, x, indices, order)
         else:
             d, self._order = self._dispatch(order, x, indices, weights, x_scales)
-        self._tokens, self._indices = int(x.shape[0]), indices
+        self._tokens, self._indices, self._sent = int(x.shape[0]), indices, weights is not None
         return d
 
     def _dispatch(self, order, x, indices, weights=None, x_scales=None) -> tuple:
@@ -197,6 +201,14 @@ class JaxAllToAll:
         [T, k] float32, unless dispatch sent them. `expert_scale`: a Python number (part of the program).
         Differentiable in expert_y and the weights after a differentiable dispatch in the same trace (the
         gradient: a dispatch of y's gradient, weighted, and the weights' gradient)."""
+        if self._tokens is not None:  # (the dispatch traced last: combine's own, in the same program)
+            if weights is None and not self._sent:
+                raise TypeError("combine() needs the weights [T, k] float32: here, or given to dispatch(weights=)")
+            if weights is not None and self._sent:
+                raise ValueError("the weights were given to dispatch(), which sent them: combine() takes none")
+            if weights is not None and int(weights.shape[0]) != self._tokens:
+                raise ValueError(f"weights has {int(weights.shape[0])} rows but the dispatch before had "
+                                 f"{self._tokens} tokens")
         indices, order = self._chained_value(self._indices), self._chained()
         if weights is not None and indices is not None and self._differentiable:
             y, self._order = self._grads.combine(self, order, expert_y, weights, indices, float(expert_scale))
@@ -229,6 +241,10 @@ class JaxAllToAll:
         self._a2a.synchronize()
 
     def close(self) -> None:
+        """Idempotent. A program compiled with this object's calls is refused from now on."""
+        for number in self._sites.values():  # (before the memory they name goes)
+            self._lib.pyhipa2a_ffi_retire(number)
+        self._sites.clear()
         try:
             if self._grads is not None:
                 self._grads.close()

@@ -68,8 +68,11 @@ class Outputs:
         return views
 
     def library_of(self, inputs):
-        """The probe of the first input whose library we hand arrays back to, or None (DeviceArray)."""
-        if self._follow_inputs:
+        """The probe of the first input whose library we hand arrays back to, or None (DeviceArray). A step
+        capture() records on the object's own stream hands out ours: its replays run there, and only our
+        arrays tell their readers so."""
+        streams = self._streams
+        if self._follow_inputs and (streams.capturing is None or streams.follow_library or streams.joined):
             for obj in inputs:
                 probe = producers.stream_source(obj)
                 if probe is not None:

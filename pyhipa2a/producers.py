@@ -156,7 +156,6 @@ class JaxProbe:
         return None
 
 
-
 _GPU_MEMORY = (2, 10)  # DLPack's kDLCUDA, kDLROCM
 
 

@@ -9,8 +9,9 @@ this module alone imports torch).
 The gradients are those of pyhipa2a.jax_grad: dispatch's is a combine of the rows' gradients with unit
 weights; combine's a dispatch of y's gradient with the same indices, each row weighted on its owner, and
 the weights' gradient, the rows' dot products sent back, both through a narrow exchange of the weights'
-rows of its own. The backward pass is itself a dispatch, then a combine, on every rank: every rank must
-run the same backward. Rows packed, x of the dtype of y, the weights given to combine. The forward
+rows of its own. Each rule's exchanges are whole pairs (dispatch's gradient lays the rows out again with
+a dispatch of its own; combine's closes its dispatch), so a backward where x needs no gradient keeps
+the object's calls paired; every rank must run the same backward. Rows packed, x of the dtype of y, the weights given to combine. The forward
 results are copies (autograd keeps them until the backward, past the buffers' next calls), with the rows
 beyond each expert's count zeroed.
 """
@@ -72,14 +73,19 @@ class _Dispatch(torch.autograd.Function):
         d = moe.a2a.dispatch(x.detach(), indices)
         counts, meta = _tensor(d.expert_num_tokens).clone(), _tensor(d.expert_meta).clone()
         ctx.moe, ctx.tokens = moe, int(x.shape[0])
+        ctx.save_for_backward(indices)
         ctx.mark_non_differentiable(counts, meta)
         return _copy_beyond_zeroed(_tensor(d.expert_x), counts), counts, meta
 
     @staticmethod
     def backward(ctx, d_expert_x, *_):
-        moe = ctx.moe
+        # A pair of its own (it runs only where x needs a gradient): a dispatch that lays the rows out
+        # again, of zeros, then the combine of the rows' gradients with unit weights.
+        moe, (indices,) = ctx.moe, ctx.saved_tensors
+        dtype = _torch_dtype(moe.config.out_dtype)
+        moe.a2a.dispatch(torch.zeros((ctx.tokens, moe.config.hidden), dtype=dtype, device=d_expert_x.device), indices)
         ones = torch.ones((ctx.tokens, moe.config.top_k), dtype=torch.float32, device=d_expert_x.device)
-        dx = moe.a2a.combine(d_expert_x.to(_torch_dtype(moe.config.out_dtype)).contiguous(), ones)
+        dx = moe.a2a.combine(d_expert_x.to(dtype).contiguous(), ones)
         return None, _tensor(dx).clone(), None
 
 
@@ -97,7 +103,7 @@ class _Combine(torch.autograd.Function):
         expert_y, weights, indices = ctx.saved_tensors
         c, k, cols = moe.config, moe.config.top_k, moe.cols
         dtype = _torch_dtype(c.out_dtype)
-        d = moe.a2a.dispatch(dy.to(dtype).contiguous(), indices)  # (closed by dispatch's gradient)
+        d = moe.a2a.dispatch(dy.to(dtype).contiguous(), indices)  # (closed below)
         counts, meta, dy_rows = _tensor(d.expert_num_tokens), _tensor(d.expert_meta), _tensor(d.expert_x).float()
         valid = _valid_rows(counts, dy_rows.shape[1])
         slot = meta[..., 2].clamp(0, k - 1).to(torch.int64)
@@ -112,6 +118,7 @@ class _Combine(torch.autograd.Function):
         back.scatter_(-1, (2 * slot + 1)[..., None], low[..., None])
         summed = _tensor(moe.rows.combine(back, torch.ones_like(weights))).float()
         d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
+        moe.a2a.combine(torch.zeros_like(expert_y), torch.ones_like(weights))  # (dispatch's gradient may not run)
         return None, d_expert_y, d_weights, None, None
 
 

@@ -128,7 +128,8 @@ def test_c_helper_builds_and_loads(tmp_path):
 
 def test_jax_handler_builds_against_jaxlibs_headers(tmp_path):
     """XLA's handler of pyhipa2a.jax (csrc/jax_ffi.cc) builds against the installed jaxlib's headers and
-    exports what pyhipa2a.jax loads: the handler, the site registry, and the site layout it checks."""
+    exports what pyhipa2a.jax loads: the handler, the site registry (sites numbered, retired when their
+    object closes), and the site layout it checks."""
     import ctypes
     if build.jaxlib_headers() is None:
         pytest.skip("jaxlib is not installed")
@@ -139,7 +140,15 @@ def test_jax_handler_builds_against_jaxlibs_headers(tmp_path):
     lib.pyhipa2a_ffi_site_bytes.restype = ctypes.c_uint64
     from pyhipa2a.jax import FfiSite
     assert lib.pyhipa2a_ffi_site_bytes() == ctypes.sizeof(FfiSite)
-    assert lib.pyhipa2a_ffi_launch and lib.pyhipa2a_ffi_site
+    assert lib.pyhipa2a_ffi_launch
+    lib.pyhipa2a_ffi_site.restype = ctypes.c_int64
+    lib.pyhipa2a_ffi_retire.argtypes = [ctypes.c_int64]
+    site = FfiSite(call_bytes=16)
+    first, second = (lib.pyhipa2a_ffi_site(ctypes.byref(site)) for _ in range(2))
+    assert (first, second) == (1, 2)  # numbered in order, never by address
+    site.call_bytes = 129
+    assert lib.pyhipa2a_ffi_site(ctypes.byref(site)) == 0  # call arguments past the handler's room
+    assert lib.pyhipa2a_ffi_retire(first) == 1 and lib.pyhipa2a_ffi_retire(7) == 0
 
 
 @pytest.mark.parametrize("why", ["the compiler fails", "free-threaded"])

@@ -8,7 +8,8 @@ from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["tests.cases.jax_cases:case_gradients", "tests.cases.grad_cases:case_torch_gradients"])
+@pytest.mark.parametrize("case", ["tests.cases.jax_cases:case_gradients", "tests.cases.jax_cases:case_gradients_of_two_layers",
+                                  "tests.cases.grad_cases:case_torch_gradients"])
 def test_gradients(case, backend):
     run_case(case, ranks_for(backend), env_backend(backend), timeout=600)
 
@@ -17,3 +18,10 @@ def test_gradients(case, backend):
 def test_jax_gradients_at_fewer_ranks(ranks):
     pytest.importorskip("jax")
     run_case("tests.cases.jax_cases:case_gradients", ranks, "host", timeout=600)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lib", ["jax", "torch"])
+def test_gradients_where_x_needs_none(lib, backend):
+    run_case("tests.cases.grad_cases:case_gradients_without_x", ranks_for(backend), env_backend(backend), args=(lib,),
+             timeout=600)

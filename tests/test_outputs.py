@@ -77,3 +77,15 @@ def test_a_handed_out_view_comes_back_as_ours_on_its_librarys_stream(monkeypatch
     assert outputs.ours_behind(d.expert_x, LAST) is d.expert_x  # on another stream: asked as any tensor
     lookalike = Tensor(d.expert_x.ptr, d.expert_x.shape)
     assert outputs.ours_behind(lookalike, lead) is lookalike
+
+
+def test_a_capture_on_the_objects_own_stream_hands_out_ours(monkeypatch):
+    """Replays of a step capture() recorded on the object's own stream run there: only our arrays tell their
+    readers so. Where calls follow the library's stream (their replays go there too) its views stand."""
+    outputs, streams, backend, current, _ = outputs_on_fake_torch(monkeypatch)
+    t = Tensor(0x9000, (3, 4))
+    streams.capturing = OURS
+    assert outputs.library_of((t,)) is not None  # (outputs_on_fake_torch's objects follow the library)
+    own = Streams(backend, OURS, False, 0)
+    own.capturing = OURS
+    assert Outputs("inputs", own, lambda s: None).library_of((t,)) is None

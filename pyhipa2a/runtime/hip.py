@@ -72,6 +72,7 @@ class HipBackend(DriverBackend):
         super().__init__()
         _load()
         _check(hip.hipInit(0), "hipInit")
+        self._opened = None  # the device open_device made current: what activate() switches back to
 
     def launch_entry(self) -> int | None:
         try:  # (the library hip-python binds; hipModuleLaunchKernel takes cuLaunchKernel's arguments)
@@ -81,7 +82,6 @@ class HipBackend(DriverBackend):
 
     def function_address(self, function) -> int:
         return int(function)
-        self._opened = None  # the device open_device made current: what activate() switches back to
 
     def device_count(self) -> int:
         return _check(hip.hipGetDeviceCount(), "hipGetDeviceCount")

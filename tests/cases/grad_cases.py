@@ -59,3 +59,67 @@ def case_torch_gradients(comm):
             a2a.synchronize()
         finally:
             moe.close()
+
+
+def case_gradients_without_x(comm, lib):
+    """Training the experts and the router's weights of a first layer, whose x (raw data) needs no gradient:
+    dispatch's gradient never runs, and the object's calls stay paired step after step (three steps, each
+    against the dense computation's gradient of the experts)."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    host = pyhipa2a.get_backend().kind == "host"
+    rng = np.random.default_rng(97)
+    mats = (rng.standard_normal((E, H, H)) / np.sqrt(H)).astype(np.float32)
+    probes = [rng.standard_normal((M, H)).astype(np.float32) for _ in range(world)]
+    steps = [draw_world(98 + i, world, E, k, H, M, token_counts=[M] * world) for i in range(3)]
+
+    def dense_expert_grads(inputs):
+        total = np.zeros_like(mats, dtype=np.float64)
+        for r in range(world):
+            for t in range(M):
+                for j, e in enumerate(inputs.indices[r][t]):
+                    total[e] += inputs.weights[r][t, j] * np.outer(inputs.xs[r][t].astype(np.float64), probes[r][t])
+        return total
+
+    if lib == "jax":
+        from pyhipa2a.jax import JaxAllToAll
+        jax = pytest.importorskip("jax")
+        jnp = pytest.importorskip("jax.numpy")
+        a2a = JaxAllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+        dev = jax.devices("cpu")[0] if host else [d for d in jax.devices() if d.platform == "gpu"][a2a.device_index]
+        with a2a:
+            me, L = a2a.rank, E // world
+
+            def loss(local, weights, x, indices):
+                d = a2a.dispatch(x, indices)
+                expert_y = jnp.einsum("lrh,lhg->lrg", d.expert_x.astype(jnp.float32), local).astype(x.dtype)
+                return jnp.sum(a2a.combine(expert_y, weights).astype(jnp.float32) * probes[me])
+            step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            for i, inputs in enumerate(steps):
+                put = lambda v: jax.device_put(v, dev)  # noqa: E731
+                d_local, _ = step(put(mats[me * L:(me + 1) * L]), put(inputs.weights[me]), put(inputs.xs[me]),
+                                  put(inputs.indices[me]))
+                want = dense_expert_grads(inputs)[me * L:(me + 1) * L]
+                got = np.asarray(d_local, np.float64)
+                assert np.allclose(got, want, rtol=3e-2, atol=3e-2), (i, float(np.abs(got - want).max()))
+            a2a.check()
+        return
+    torch = pytest.importorskip("torch")
+    from pyhipa2a.torch import Differentiable
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream="current") as a2a:
+        me, L = a2a.rank, E // world
+        dev = torch.device("cpu") if host else torch.device("cuda", a2a.heap.device.index)
+        moe = Differentiable(a2a)
+        try:
+            for i, inputs in enumerate(steps):
+                local = torch.from_numpy(mats[me * L:(me + 1) * L]).to(dev).requires_grad_()
+                w = torch.from_numpy(inputs.weights[me]).to(dev).requires_grad_()
+                d = moe.dispatch(torch.from_numpy(inputs.xs[me]).to(dev), torch.from_numpy(inputs.indices[me]).to(dev))
+                expert_y = torch.einsum("lrh,lhg->lrg", d.expert_x.float(), local).to(torch.float16)
+                (moe.combine(expert_y, w).float() * torch.from_numpy(probes[me]).to(dev)).sum().backward()
+                want = dense_expert_grads(inputs)[me * L:(me + 1) * L]
+                got = local.grad.double().cpu().numpy()
+                assert np.allclose(got, want, rtol=3e-2, atol=3e-2), (i, float(np.abs(got - want).max()))
+            a2a.synchronize()
+        finally:
+            moe.close()

@@ -142,6 +142,14 @@ def case_refusals(comm):
             jax.jit(a2a.dispatch)(jnp.zeros((4, 64), jnp.float32), idx)
         with pytest.raises(ValueError, match="expert_y must be"):
             jax.jit(a2a.combine)(jnp.zeros((3, 3), jnp.float16), jnp.zeros((4, 2), jnp.float32))
+        # (refused while tracing: nothing of these programs runs)
+        with pytest.raises(TypeError, match="needs the weights"):
+            jax.jit(lambda x, i: a2a.combine(a2a.dispatch(x, i).expert_x))(x, idx)
+        with pytest.raises(ValueError, match="weights has 3 rows but the dispatch before had 4 tokens"):
+            jax.jit(lambda x, i, w: a2a.combine(a2a.dispatch(x, i).expert_x, w))(x, idx, jnp.zeros((3, 2), jnp.float32))
+        with pytest.raises(ValueError, match="which sent them"):
+            jax.jit(lambda x, i, w: a2a.combine(a2a.dispatch(x, i, weights=w).expert_x, w))(
+                x, idx, jnp.zeros((4, 2), jnp.float32))
 
 
 def case_gradients(comm):
@@ -189,4 +197,45 @@ def case_gradients(comm):
             err = float(np.abs(got - expected).max(initial=0.0))
             assert np.allclose(got, expected, rtol=3e-2, atol=3e-2), (name, err)
             print(f"rank {me} d{name}: max err {err:.3g}")
+        a2a.check()
+
+
+def case_gradients_of_two_layers(comm):
+    """Two MoE layers on one object in one jitted loss (the second's x is the first's y): each backward pass
+    is a dispatch then a combine per layer, in reverse order; x's gradient against the dense computation's."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me, L = a2a.rank, E // world
+        a = draw_world(94, world, E, k, H, M, token_counts=[M] * world)
+        b = draw_world(95, world, E, k, H, M, token_counts=[M] * world)
+        rng = np.random.default_rng(96)
+        mats = [(rng.standard_normal((E, H, H)) / np.sqrt(H)).astype(np.float32) for _ in range(2)]
+        probes = [rng.standard_normal((M, H)).astype(np.float32) for _ in range(world)]
+        put = lambda v: jax.device_put(v, dev)  # noqa: E731
+        routes = [(put(a.indices[me]), put(a.weights[me])), (put(b.indices[me]), put(b.weights[me]))]
+
+        def loss(x):
+            for (indices, weights), m in zip(routes, mats):
+                d = a2a.dispatch(x, indices)
+                expert_y = jnp.einsum("lrh,lhg->lrg", d.expert_x.astype(jnp.float32),
+                                      put(m[me * L:(me + 1) * L])).astype(x.dtype)
+                x = a2a.combine(expert_y, weights)
+            return jnp.sum(x.astype(jnp.float32) * put(probes[me]))
+        got = np.asarray(jax.jit(jax.grad(loss))(put(a.xs[me])), np.float64)
+
+        def dense(xs):  # every rank's two layers on one device, in fp32
+            total = 0.0
+            for r in range(world):
+                x = xs[r]
+                for inputs, m in zip((a, b), mats):
+                    rows = jnp.einsum("th,tkhg->tkg", x, jnp.asarray(m)[inputs.indices[r]])
+                    x = jnp.sum(rows * jnp.asarray(inputs.weights[r])[..., None], axis=1)
+                total = total + jnp.sum(x * probes[r])
+            return total
+        want = np.asarray(jax.grad(dense)([jnp.asarray(v, jnp.float32) for v in a.xs])[me], np.float64)
+        err = float(np.abs(got - want).max(initial=0.0))
+        assert np.allclose(got, want, rtol=5e-2, atol=5e-2), err
+        print(f"rank {me} two layers' dx: max err {err:.3g}")
         a2a.check()
