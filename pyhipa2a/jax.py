@@ -98,16 +98,15 @@ _launch.multiple_results = True
 _launch.def_abstract_eval(lambda *operands, site, shapes: [jax.core.ShapedArray(s, d) for s, d in shapes])
 _launch.def_impl(lambda *operands, site, shapes: _compiled(site, shapes)(*operands))
 _ffi_rule = jax.ffi.ffi_lowering(_TARGET, has_side_effect=True)
+for _platform in ("cuda", "rocm"):
+    mlir.register_lowering(_launch, lambda ctx, *operands, site, shapes: _ffi_rule(ctx, *operands, site=np.int64(site)),
+                           platform=_platform)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(site: int, shapes: tuple):
     """An eager call of a site: the call alone, jitted once."""
     return jax.jit(functools.partial(_launch.bind, site=site, shapes=shapes))
-
-for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(_launch, lambda ctx, *operands, site, shapes: _ffi_rule(ctx, *operands, site=np.int64(site)),
-                           platform=_platform)
 
 
 class JaxAllToAll:
