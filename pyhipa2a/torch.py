@@ -11,9 +11,9 @@ weights; combine's a dispatch of y's gradient with the same indices, each row we
 the weights' gradient, the rows' dot products sent back, both through a narrow exchange of the weights'
 rows of its own. Each rule's exchanges are whole pairs (dispatch's gradient lays the rows out again with
 a dispatch of its own; combine's closes its dispatch), so a backward where x needs no gradient keeps
-the object's calls paired; every rank must run the same backward. Rows packed, x of the dtype of y, the weights given to combine. The forward
-results are copies (autograd keeps them until the backward, past the buffers' next calls), with the rows
-beyond each expert's count zeroed.
+the object's calls paired; every rank must run the same backward. Rows packed, x of the dtype of y, the
+weights given to combine. The forward results are copies (autograd keeps them until the backward, past
+the buffers' next calls), with the rows beyond each expert's count zeroed.
 """
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["tests.cases.jax_cases:case_gradients", "tests.cases.jax_cases:case_gradients_of_two_layers",
-                                  "tests.cases.grad_cases:case_torch_gradients"])
+@pytest.mark.parametrize("case", ["tests.cases.jax_cases:case_gradients",
+                                  "tests.cases.jax_cases:case_gradients_of_two_layers",
+                                  "tests.cases.grad_cases:case_torch_gradients",
+                                  "tests.cases.grad_cases:case_torch_gradients_of_two_layers"])
 def test_gradients(case, backend):
     run_case(case, ranks_for(backend), env_backend(backend), timeout=600)
 

@@ -123,3 +123,48 @@ def case_gradients_without_x(comm, lib):
             a2a.synchronize()
         finally:
             moe.close()
+
+
+def case_torch_gradients_of_two_layers(comm):
+    """Two layers on one object (the second's x is the first's y), backward through both: x's gradient
+    against autograd of the same two layers computed densely from every rank's inputs."""
+    torch = pytest.importorskip("torch")
+    from pyhipa2a.torch import Differentiable
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    host = pyhipa2a.get_backend().kind == "host"
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream="current") as a2a:
+        me, L = a2a.rank, E // world
+        dev = torch.device("cpu") if host else torch.device("cuda", a2a.heap.device.index)
+        moe = Differentiable(a2a)
+        try:
+            layers = [draw_world(110 + i, world, E, k, H, M, token_counts=[M] * world) for i in range(2)]
+            rng = np.random.default_rng(112)
+            mats = [(rng.standard_normal((E, H, H)) / np.sqrt(H)).astype(np.float32) for _ in range(2)]
+            probes = [rng.standard_normal((M, H)).astype(np.float32) for _ in range(world)]
+            x = torch.from_numpy(layers[0].xs[me]).to(dev).requires_grad_()
+            h = x
+            for inputs, m in zip(layers, mats):
+                d = moe.dispatch(h, torch.from_numpy(inputs.indices[me]).to(dev))
+                local = torch.from_numpy(m[me * L:(me + 1) * L]).to(dev)
+                expert_y = torch.einsum("lrh,lhg->lrg", d.expert_x.float(), local).to(torch.float16)
+                h = moe.combine(expert_y, torch.from_numpy(inputs.weights[me]).to(dev))
+            (h.float() * torch.from_numpy(probes[me]).to(dev)).sum().backward()
+
+            xs = [torch.from_numpy(layers[0].xs[r].astype(np.float32)).requires_grad_() for r in range(world)]
+            total = 0.0
+            for r in range(world):
+                h = xs[r]
+                for inputs, m in zip(layers, mats):
+                    rows = torch.einsum("th,tkhg->tkg", h, torch.from_numpy(m)[torch.from_numpy(
+                        inputs.indices[r].astype(np.int64))])
+                    h = (rows * torch.from_numpy(inputs.weights[r])[..., None]).sum(1)
+                total = total + (h * torch.from_numpy(probes[r])).sum()
+            total.backward()
+            got, want = x.grad.float().cpu().numpy(), xs[me].grad.numpy()
+            err = float(np.abs(got - want).max(initial=0.0))
+            assert np.allclose(got, want, rtol=5e-2, atol=5e-2), err
+            print(f"rank {me} two layers' dx: max err {err:.3g}")
+            a2a.synchronize()
+        finally:
+            moe.close()

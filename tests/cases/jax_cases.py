@@ -89,7 +89,8 @@ def case_two_exchanges_in_one_program(comm):
         put = [jax.device_put(h, dev) for inputs in (a, b)
                for h in (inputs.xs[me], inputs.indices[me], inputs.weights[me])]
         for inputs, y in zip((a, b), two(*put)):
-            want = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, reference.fused_expert([1.0] * world),
+            identity = reference.fused_expert([1.0] * world)
+            want = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, identity,
                                      ranks=[me])[me]
             got = np.asarray(y).astype(np.float64)
             assert np.allclose(got, want, rtol=1e-2, atol=5e-3), np.abs(got - want).max(initial=0.0)
