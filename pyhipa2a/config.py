@@ -96,6 +96,12 @@ class Config:
         return self.num_experts // self.world
 
     @property
+    def weight_row_cols(self) -> int:
+        """Columns of a row that carries a token's weights as two 16-bit halves each, in whole 16-byte
+        pieces (the gradients' narrow exchange: pyhipa2a.jax_grad, pyhipa2a.torch)."""
+        return max(8, -(-2 * self.top_k // 8) * 8)
+
+    @property
     def capacity(self) -> int:
         return self.world * self.max_tokens
 

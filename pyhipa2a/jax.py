@@ -44,6 +44,7 @@ from jax.interpreters import mlir
 
 from . import AllToAll
 from .errors import A2AError
+from .jax_grad import Gradients, no_order
 from .kernels import X_FP8, CombineCall, DispatchCall
 
 _HANDLER = Path(__file__).resolve().parent / "_code" / "_jax_ffi.so"
@@ -87,6 +88,7 @@ def _handler():
 
 def _order_word():
     return jax.ShapeDtypeStruct((1,), jnp.int32)
+
 
 
 # One call of a registered site on a GPU: the operands in, `shapes` ((shape, dtype), ...) out. A primitive of
@@ -137,9 +139,10 @@ class JaxAllToAll:
             # Gradients need packed rows, 16-bit x of the dtype of y, and an exchange of the weights' rows.
             self._differentiable = (gradients and not c.by_source and not c.scale_cols
                                     and c.in_dtype == c.out_dtype == c.dispatch_dtype)
-            if self._differentiable:
-                from .jax_grad import Gradients
-                self._grads = Gradients(comm, params, c)
+            if self._differentiable:  # (the weights' rows: two 16-bit halves a weight)
+                narrow = {**params, "hidden_dim": c.weight_row_cols, "in_dtype": c.out_dtype.name,
+                          "out_dtype": c.out_dtype.name, "dispatch_dtype": None}
+                self._grads = Gradients(JaxAllToAll(comm, gradients=False, **narrow))
         except BaseException:
             self._a2a.close()
             raise
@@ -164,14 +167,16 @@ class JaxAllToAll:
         gradients with unit weights)."""
         order = self._chained()
         if weights is None and x_scales is None and self._differentiable:
-            d, self._order = self._grads.dispatch(self, x, indices, order)
+            *arrays, self._order = self._grads.dispatch(self, x, indices, order)
+            d = JaxDispatch(*arrays)
         else:
-            d, self._order = self._dispatch(order, x, indices, weights, x_scales)
+            d, self._order = self.dispatch_after(order, x, indices, weights, x_scales)
         self._tokens, self._indices, self._sent = int(x.shape[0]), indices, weights is not None
         return d
 
-    def _dispatch(self, order, x, indices, weights=None, x_scales=None) -> tuple:
-        """(the JaxDispatch, the order word out) of a dispatch after the call whose order word is `order`."""
+    def dispatch_after(self, order, x, indices, weights=None, x_scales=None) -> tuple:
+        """(the JaxDispatch, the order word out) of a dispatch after the call whose order word is `order`
+        (no_order() for none): dispatch() without its bookkeeping, for rules that order calls themselves."""
         c = self.config
         T = _checked_tokens(x, c)
         _check_operand("indices", indices, (T, c.top_k), np.int32)
@@ -212,11 +217,11 @@ class JaxAllToAll:
         if weights is not None and indices is not None and self._differentiable:
             y, self._order = self._grads.combine(self, order, expert_y, weights, indices, float(expert_scale))
         else:
-            y, self._order = self._combine(order, expert_y, weights, expert_scale)
+            y, self._order = self.combine_after(order, expert_y, weights, expert_scale)
         return y
 
-    def _combine(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:
-        """(y, the order word out) of a combine after the call whose order word is `order`."""
+    def combine_after(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:
+        """(y, the order word out) of a combine after the call whose order word is `order` (see dispatch_after)."""
         c = self.config
         _check_operand("expert_y", expert_y, (c.local_experts, c.capacity, c.hidden), c.out_dtype)
         if weights is not None:
@@ -246,7 +251,7 @@ class JaxAllToAll:
         self._sites.clear()
         try:
             if self._grads is not None:
-                self._grads.close()
+                self._grads.rows.close()
         finally:
             self._a2a.close()
 
@@ -260,7 +265,7 @@ class JaxAllToAll:
     def _chained(self):
         """The order word of this object's last call, where it can still be used."""
         last = self._chained_value(self._order)
-        return jnp.zeros((1,), jnp.int32) if last is None else last
+        return no_order() if last is None else last
 
     @staticmethod
     def _chained_value(last):

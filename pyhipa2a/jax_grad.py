@@ -32,33 +32,29 @@ import jax.numpy as jnp
 import numpy as np
 
 
+
+def no_order():
+    """The order word of a call that follows the calls before it through its data alone."""
+    return jnp.zeros((1,), jnp.int32)
+
+
 class Gradients:
-    """The narrow exchange of a JaxAllToAll's weight rows, and the rules that use it."""
+    """The rules, over `rows`: a JaxAllToAll of the weights' rows (config.weight_row_cols wide)."""
 
-    def __init__(self, comm, params: dict, config):
-        from .jax import JaxAllToAll
-        k = config.top_k
-        self.cols = max(8, -(-2 * k // 8) * 8)  # two halves a weight, in whole 16-byte pieces
-        narrow = {**params, "hidden_dim": self.cols, "in_dtype": config.out_dtype.name,
-                  "out_dtype": config.out_dtype.name}
-        narrow.pop("dispatch_dtype", None)
-        self.rows = JaxAllToAll(comm, gradients=False, **narrow)
-
-    def close(self) -> None:
-        self.rows.close()
+    def __init__(self, rows):
+        self.rows, self.cols = rows, rows.config.hidden
 
     def dispatch(self, a2a, x, indices, order):
-        """(the JaxDispatch, the order word out) of a differentiable dispatch."""
-        from .jax import JaxDispatch
+        """(expert_x, expert_num_tokens, expert_meta, the order word out) of a differentiable dispatch."""
         tokens, dtype = x.shape[0], x.dtype
 
         @jax.custom_vjp
         def dispatch(x, indices, order):
-            d, order = a2a._dispatch(order, x, indices)
+            d, order = a2a.dispatch_after(order, x, indices)
             return d.expert_x, d.expert_num_tokens, d.expert_meta, order
 
         def forward(x, indices, order):
-            d, order = a2a._dispatch(order, x, indices)
+            d, order = a2a.dispatch_after(order, x, indices)
             return (_zero_beyond(d.expert_x, d.expert_num_tokens), d.expert_num_tokens, d.expert_meta, order), indices
 
         def backward(indices, cotangents):
@@ -66,13 +62,12 @@ class Gradients:
             # are in), then the combine of those gradients with unit weights.
             c = a2a.config
             zeros, d_expert_x = jax.lax.optimization_barrier((jnp.zeros((tokens, c.hidden), c.in_dtype), cotangents[0]))
-            _, laid_out = a2a._dispatch(_fresh_order(), zeros, indices)
+            _, laid_out = a2a.dispatch_after(no_order(), zeros, indices)
             ones = jnp.ones((tokens, c.top_k), jnp.float32)
-            dx, _ = a2a._combine(laid_out, d_expert_x.astype(c.out_dtype), ones, 1.0)
+            dx, _ = a2a.combine_after(laid_out, d_expert_x.astype(c.out_dtype), ones, 1.0)
             return dx.astype(dtype), None, None
         dispatch.defvjp(forward, backward)
-        *arrays, order = dispatch(x, indices, order)
-        return JaxDispatch(*arrays), order
+        return dispatch(x, indices, order)
 
     def combine(self, a2a, order, expert_y, weights, indices, scale: float):
         """(y, the order word out) of a differentiable combine after the dispatch of `indices`."""
@@ -80,10 +75,10 @@ class Gradients:
 
         @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
         def combine(expert_y, weights, indices, order, scale):
-            return a2a._combine(order, expert_y, weights, scale)
+            return a2a.combine_after(order, expert_y, weights, scale)
 
         def forward(expert_y, weights, indices, order, scale):
-            y, done = a2a._combine(order, expert_y, weights, scale)
+            y, done = a2a.combine_after(order, expert_y, weights, scale)
             return (y, done), (expert_y, weights, indices, done)
 
         def backward(scale, res, cotangents):
@@ -91,19 +86,20 @@ class Gradients:
             c, k = a2a.config, a2a.config.top_k
             # A pair of its own, after this combine (y's gradient need not depend on y: a linear loss): the
             # dispatch of dy, closed below whether or not x has a gradient to take.
-            d, dispatched = a2a._dispatch(done, dy.astype(c.in_dtype), indices)
+            d, dispatched = a2a.dispatch_after(done, dy.astype(c.in_dtype), indices)
             valid = _valid_rows(d.expert_num_tokens, d.expert_x.shape[1])
             slot = jnp.clip(d.expert_meta[..., 2], 0, k - 1)
-            spread, between = rows._dispatch(dispatched, _halves(weights, self.cols, c.out_dtype), indices)
+            spread, between = rows.dispatch_after(dispatched, _halves(weights, self.cols, c.out_dtype), indices)
             weight = _joined(spread.expert_x, 2 * slot)  # w[t, j] of each row
             dy_rows = d.expert_x.astype(jnp.float32)
             d_expert_y = jnp.where(valid[..., None], scale * weight[..., None] * dy_rows, 0.0)
             dots = jnp.where(valid, scale * jnp.sum(expert_y.astype(jnp.float32) * dy_rows, axis=-1), 0.0)
             back = _placed_halves(dots, 2 * slot, self.cols, c.out_dtype)
-            summed, _ = rows._combine(between, back, jnp.ones(weights.shape, jnp.float32), 1.0)
+            ones = jnp.ones(weights.shape, jnp.float32)
+            summed, _ = rows.combine_after(between, back, ones, 1.0)
             summed = summed.astype(jnp.float32)
             d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
-            closed, _ = a2a._combine(dispatched, jnp.zeros_like(expert_y), jnp.ones(weights.shape, jnp.float32), 1.0)
+            closed, _ = a2a.combine_after(dispatched, jnp.zeros_like(expert_y), ones, 1.0)
             # Both only once both exchanges are closed: what follows (dispatch's gradient, an earlier layer's)
             # comes after them, so no other pair interleaves with these.
             d_expert_y, d_weights, _ = jax.lax.optimization_barrier(
@@ -111,11 +107,6 @@ class Gradients:
             return d_expert_y, d_weights, None, None
         combine.defvjp(forward, backward)
         return combine(expert_y, weights, indices, order, scale)
-
-
-def _fresh_order():
-    """The order word of a call that follows the calls before it through its data."""
-    return jnp.zeros((1,), jnp.int32)
 
 
 def _valid_rows(counts, capacity: int):

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from . import producers
 from .array import DeviceArray
-from .buffers import DispatchResult, OutputViews
+from .buffers import OutputViews
 
 
-class LibraryViews:
-    """One stream's OutputViews as one library's arrays, exported once, with the DispatchResult of each
-    token count and y's rows of each, made when first asked for."""
+class LibraryViews(OutputViews):
+    """One stream's OutputViews as one library's arrays, exported once (OutputViews' DispatchResult of each
+    token count), and y's rows of each count, sliced when first asked for."""
 
     def __init__(self, probe, views: OutputViews, behind: dict):
+        # (OutputViews' lists, filled from exports rather than made: no super().__init__)
         self._behind = behind  # id(view) -> (the view, our DeviceArray under it): Outputs.ours_behind
 
         def export(a):
@@ -33,19 +34,13 @@ class LibraryViews:
         self.extras = tuple(None if a is None else export(a) for a in views.extras)
         self._y = export(views.y_rows[-1])
         self._ours_y = views.y_rows
-        self._y_rows: list = [None] * len(views.y_rows)
-        self._results: list[DispatchResult | None] = [None] * len(views.y_rows)
-
-    def dispatch_result(self, tokens: int) -> DispatchResult:
-        result = self._results[tokens]
-        if result is None:
-            result = self._results[tokens] = DispatchResult(*self.arrays, tokens, *self.extras)
-        return result
+        self.y_rows: list = [None] * len(views.y_rows)
+        self.results = [None] * len(views.y_rows)
 
     def y(self, tokens: int):
-        rows = self._y_rows[tokens]
+        rows = self.y_rows[tokens]
         if rows is None:
-            rows = self._y_rows[tokens] = self._y[:tokens]  # (a slice: the library's own view, no import)
+            rows = self.y_rows[tokens] = self._y[:tokens]  # (a slice: the library's own view, no import)
             self._behind[id(rows)] = (rows, self._ours_y[tokens])
         return rows
 

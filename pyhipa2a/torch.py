@@ -34,7 +34,7 @@ class Differentiable:
         if c.by_source or c.scale_cols or not c.in_dtype == c.out_dtype == c.dispatch_dtype:
             raise A2AError("gradients need packed rows and x, expert_x and y of one 16-bit dtype")
         self.a2a, self.config = a2a, c
-        self.cols = max(8, -(-2 * c.top_k // 8) * 8)  # two halves a weight, in whole 16-byte pieces
+        self.cols = c.weight_row_cols
         self.rows = AllToAll(a2a.heap.comm, num_experts=c.num_experts, experts_per_token=c.top_k,
                              hidden_dim=self.cols, max_num_tokens=c.max_tokens, in_dtype=c.out_dtype.name,
                              timeout=c.timeout, stream=c.stream, backend=a2a.backend, device=a2a.heap.device.index,
