@@ -13,6 +13,7 @@
 // its number, never by an address of this process. A closed object retires its sites: a program
 // compiled while it lived, called after, is refused instead of launching on memory that is gone. Built by `python -m pyhipa2a.build` against
 // jaxlib's own headers where jaxlib is installed.
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -35,6 +36,7 @@ struct Site {  // pyhipa2a/jax.py: FfiSite
   uint64_t status;      // the object's status words (host memory); a nonzero first word is an error
   uint32_t grid, block;
   uint32_t call_bytes;  // its second argument's size
+  int32_t device;       // the GPU (its ordinal, XLA's and the driver's alike) whose memory the object holds
   int32_t operand_at[kMaxPlaces];  // where operand i's address goes in `call` (-1: nowhere)
   int32_t result_at[kMaxPlaces];   // where result i's goes
   uint8_t call[kMaxCallBytes];     // the second argument as packed (token count, scale); addresses patched
@@ -55,7 +57,8 @@ void place(uint8_t* call, int32_t at, void* address) {
   std::memcpy(call + at, &value, sizeof value);
 }
 
-ffi::Error launch(void* stream, ffi::RemainingArgs operands, ffi::RemainingRets results, int64_t number) {
+ffi::Error launch(void* stream, int32_t device, ffi::RemainingArgs operands, ffi::RemainingRets results,
+                  int64_t number) {
   Site site;
   {
     std::lock_guard<std::mutex> hold(sites_lock);
@@ -63,6 +66,9 @@ ffi::Error launch(void* stream, ffi::RemainingArgs operands, ffi::RemainingRets 
     if (retired[number - 1]) return failed("this call's object is closed");
     site = sites[number - 1];
   }
+  if (device != site.device)  // (the kernel, the heap and the peers' mappings all belong to that GPU)
+    return failed("this program runs on GPU " + std::to_string(device) + ", but the object's memory is on GPU " +
+                  std::to_string(site.device) + ": place the program's arguments there (jax.device_put)");
   if (*reinterpret_cast<volatile uint32_t*>(site.status) != 0)
     return failed("an earlier call of this object failed; its synchronize() says why, and it takes no more calls");
   if (operands.size() > kMaxPlaces || results.size() > kMaxPlaces) return failed("too many operands");
@@ -90,6 +96,7 @@ ffi::Error launch(void* stream, ffi::RemainingArgs operands, ffi::RemainingRets 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pyhipa2a_ffi_launch, launch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("site"));
@@ -115,5 +122,14 @@ int pyhipa2a_ffi_retire(int64_t number) {
 
 // sizeof(Site): pyhipa2a.jax loads no handler built for another layout.
 uint64_t pyhipa2a_ffi_site_bytes() { return sizeof(Site); }
+
+// Where each of Site's members lies, in order (tests/test_build.py checks pyhipa2a.jax's FfiSite).
+void pyhipa2a_ffi_site_layout(uint64_t* at) {
+  const uint64_t places[] = {offsetof(Site, launch),     offsetof(Site, function),   offsetof(Site, fixed),
+                             offsetof(Site, status),     offsetof(Site, grid),       offsetof(Site, block),
+                             offsetof(Site, call_bytes), offsetof(Site, device),     offsetof(Site, operand_at),
+                             offsetof(Site, result_at),  offsetof(Site, call)};
+  std::memcpy(at, places, sizeof places);
+}
 
 }  // extern "C"

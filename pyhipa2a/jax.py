@@ -23,7 +23,9 @@ call raises, and `check()` raises the error now.
 
 Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): dispatch's is a combine of the rows' gradients with
 unit weights; combine's a dispatch of y's gradient, weighted, plus the weights' gradient. Each backward
-pass is itself a dispatch then a combine, so every rank must differentiate the same program. They need
+pass is itself a dispatch then a combine, so every rank must differentiate the same program. Under
+differentiation dispatch zeroes expert_x's rows beyond each count; outside it they are left as they are
+(a pass over expert_x saved). They need
 packed rows, x of the dtype of y, the weights given to combine; `gradients=False` leaves them out (and
 the narrow exchange of the weights' rows they make).
 """
@@ -44,7 +46,7 @@ from jax.interpreters import mlir
 
 from . import AllToAll
 from .errors import A2AError
-from .jax_grad import Gradients, no_order
+from .jax_grad import Gradients, differentiating, no_order, running_traces
 from .kernels import X_FP8, CombineCall, DispatchCall
 
 _HANDLER = Path(__file__).resolve().parent / "_code" / "_jax_ffi.so"
@@ -55,8 +57,9 @@ _PLACES = 8
 class FfiSite(ctypes.Structure):  # csrc/jax_ffi.cc: Site
     _fields_ = [("launch", ctypes.c_uint64), ("function", ctypes.c_uint64), ("fixed", ctypes.c_uint64),
                 ("status", ctypes.c_uint64), ("grid", ctypes.c_uint32), ("block", ctypes.c_uint32),
-                ("call_bytes", ctypes.c_uint32), ("operand_at", ctypes.c_int32 * _PLACES),
-                ("result_at", ctypes.c_int32 * _PLACES), ("call", ctypes.c_uint8 * 128)]
+                ("call_bytes", ctypes.c_uint32), ("device", ctypes.c_int32),
+                ("operand_at", ctypes.c_int32 * _PLACES), ("result_at", ctypes.c_int32 * _PLACES),
+                ("call", ctypes.c_uint8 * 128)]
 
 
 class JaxDispatch(NamedTuple):
@@ -166,7 +169,7 @@ class JaxAllToAll:
         neither weights nor scales are given and the rows are packed (its gradient: a combine of the rows'
         gradients with unit weights)."""
         order = self._chained()
-        if weights is None and x_scales is None and self._differentiable:
+        if weights is None and x_scales is None and self._differentiable and differentiating():
             *arrays, self._order = self._grads.dispatch(self, x, indices, order)
             d = JaxDispatch(*arrays)
         else:
@@ -214,7 +217,7 @@ class JaxAllToAll:
                 raise ValueError(f"weights has {int(weights.shape[0])} rows but the dispatch before had "
                                  f"{self._tokens} tokens")
         indices, order = self._chained_value(self._indices), self._chained()
-        if weights is not None and indices is not None and self._differentiable:
+        if weights is not None and indices is not None and self._differentiable and differentiating():
             y, self._order = self._grads.combine(self, order, expert_y, weights, indices, float(expert_scale))
         else:
             y, self._order = self.combine_after(order, expert_y, weights, expert_scale)
@@ -273,14 +276,7 @@ class JaxAllToAll:
         trace being traced now or of one around it (not of a trace that has ended); else None."""
         if not isinstance(last, jax.core.Tracer):
             return last
-        # (JAX names no public way to ask which traces are running: its trace context and each trace's
-        # parent say so, and without them no tracer is reused)
-        trace = getattr(getattr(_jax_core, "trace_ctx", None), "trace", None)
-        while trace is not None:
-            if trace is getattr(last, "_trace", None):
-                return last
-            trace = getattr(trace, "parent_trace", None)
-        return None
+        return last if any(t is getattr(last, "_trace", None) for t in running_traces()) else None
 
     # -- GPU: XLA's handler ---------------------------------------------------------
     def _site(self, leg: str, tokens: int, call_type, fields, outputs, **values) -> int:
@@ -292,7 +288,7 @@ class JaxAllToAll:
             call = call_type(**values)
             site = FfiSite(launch=self._entry, function=self._a2a.backend.function_address(kernel.function),
                            fixed=fixed, status=self._a2a.buffers.status.ctypes.data, grid=blocks, block=threads,
-                           call_bytes=ctypes.sizeof(call))
+                           call_bytes=ctypes.sizeof(call), device=self.device_index)
             site.operand_at[:] = [getattr(call_type, f).offset for f in fields] + [-1] * (_PLACES - len(fields))
             site.result_at[:] = [getattr(call_type, f).offset for f in outputs] + [-1] * (_PLACES - len(outputs))
             ctypes.memmove(site.call, ctypes.addressof(call), ctypes.sizeof(call))

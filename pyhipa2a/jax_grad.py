@@ -14,8 +14,11 @@ then combines d_expert_x with unit weights. The weights travel to the rows' owne
 and each row's dot product back to its token, through a second, narrow exchange of their own (the weights'
 rows): each fp32 value as two 16-bit halves (high, and the remainder), 22 of fp32's 24 significant bits
 in fp16, 16 in bf16; in fp16 a dot product must stay within its range (65504).
-Rows beyond a count hold whatever the buffer held: the forward pass under differentiation zeroes them, and
-their gradients are zero.
+Rows beyond a count hold whatever the buffer held (in XLA's buffers, NaN as often as not). A function of
+expert_x over all its rows (an expert as one einsum) puts them into its gradients through 0 * garbage, so
+under differentiation dispatch zeroes them, whether or not x itself needs a gradient, and their gradients
+are zero. Outside it (a forward pass; an eager call) the rules are left out: they would cost a full pass
+over expert_x, and in an eager call JAX's custom_vjp alone costs more than the exchange.
 
 Order: combine's gradient dispatches after the forward combine (its order word is a residual: y's
 gradient need not depend on y), the narrow pair and the closing combine follow that dispatch, and both
@@ -30,12 +33,31 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as _jax_core
+from jax._src.interpreters import ad as _ad
 
 
 
 def no_order():
     """The order word of a call that follows the calls before it through its data alone."""
     return jnp.zeros((1,), jnp.int32)
+
+
+def running_traces():
+    """The traces running now, innermost first. (JAX names no public way to ask: its trace context and each
+    trace's parent say so; pyhipa2a.jax refuses a JAX without them.)"""
+    trace = _jax_core.trace_ctx.trace
+    while trace is not None:
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
+
+
+def differentiating() -> bool:
+    """Whether a call traced now can be differentiated: a JVP or linearization runs around it (jax.grad,
+    jax.vjp, jax.jvp; jit or scan inside them included). A JAX whose traces are named otherwise is taken to
+    be differentiating: the rules then run always, correct and slower."""
+    kinds = tuple(getattr(_ad, name) for name in ("JVPTrace", "LinearizeTrace") if hasattr(_ad, name))
+    return len(kinds) < 2 or any(isinstance(t, kinds) for t in running_traces())
 
 
 class Gradients:
@@ -49,13 +71,12 @@ class Gradients:
         tokens, dtype = x.shape[0], x.dtype
 
         @jax.custom_vjp
-        def dispatch(x, indices, order):
+        def dispatch(x, indices, order):  # (what runs where x needs no gradient: its rows zeroed all the same)
             d, order = a2a.dispatch_after(order, x, indices)
-            return d.expert_x, d.expert_num_tokens, d.expert_meta, order
+            return _zero_beyond(d.expert_x, d.expert_num_tokens), d.expert_num_tokens, d.expert_meta, order
 
         def forward(x, indices, order):
-            d, order = a2a.dispatch_after(order, x, indices)
-            return (_zero_beyond(d.expert_x, d.expert_num_tokens), d.expert_num_tokens, d.expert_meta, order), indices
+            return dispatch(x, indices, order), indices
 
         def backward(indices, cotangents):
             # A pair of its own: a dispatch that lays the rows out again (of zeros, once the rows' gradients

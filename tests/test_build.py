@@ -140,6 +140,9 @@ def test_jax_handler_builds_against_jaxlibs_headers(tmp_path):
     lib.pyhipa2a_ffi_site_bytes.restype = ctypes.c_uint64
     from pyhipa2a.jax import FfiSite
     assert lib.pyhipa2a_ffi_site_bytes() == ctypes.sizeof(FfiSite)
+    places = (ctypes.c_uint64 * len(FfiSite._fields_))()
+    lib.pyhipa2a_ffi_site_layout(places)
+    assert list(places) == [getattr(FfiSite, name).offset for name, _ in FfiSite._fields_]
     assert lib.pyhipa2a_ffi_launch
     lib.pyhipa2a_ffi_site.restype = ctypes.c_int64
     lib.pyhipa2a_ffi_retire.argtypes = [ctypes.c_int64]

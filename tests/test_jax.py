@@ -10,8 +10,10 @@ CASE = "tests.cases.jax_cases:"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["case_jit_step", "case_two_exchanges_in_one_program", "case_dropped_combine_is_refused",
-                                  "case_refusals"])
+@pytest.mark.parametrize("case", ["case_jit_step", "case_two_exchanges_in_one_program",
+                                  "case_dropped_combine_is_refused", "case_refusals",
+                                  "case_rows_beyond_counts_under_differentiation",
+                                  "case_program_on_another_gpu_is_refused"])
 def test_jax(case, backend):
     pytest.importorskip("jax")
     run_case(CASE + case, ranks_for(backend), env_backend(backend), timeout=600)
@@ -21,3 +23,30 @@ def test_jax(case, backend):
 def test_jit_step_at_fewer_ranks(ranks):
     pytest.importorskip("jax")
     run_case(CASE + "case_jit_step", ranks, "host", args=("3",), timeout=600)
+
+
+def test_differentiating_is_seen_through_jit_and_scan():
+    """The gradient rules (and the zeroing of rows beyond the counts) run where a call can be differentiated:
+    under jax.grad, jax.vjp, jax.jvp, with jit or scan inside them; not in a plain jit or an eager call."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    from pyhipa2a.jax_grad import differentiating
+    seen = []
+
+    def made():  # (a new function each time: JAX caches a traced function's program)
+        def f(a):
+            seen.append(differentiating())
+            return a * 2.0
+        return f
+
+    def scanned(a):
+        return jax.lax.scan(lambda c, _: (made()(c), None), a, jnp.zeros(2))[0]
+    transforms = (lambda a: jax.grad(made())(a), lambda a: jax.grad(jax.jit(made()))(a),
+                  lambda a: jax.jit(jax.grad(made()))(a), jax.grad(scanned), lambda a: jax.vjp(made(), a),
+                  lambda a: jax.jvp(made(), (a,), (a,)))
+    for differentiated, calls in ((True, transforms), (False, (lambda a: made()(a), lambda a: jax.jit(made())(a),
+                                                                scanned))):
+        for call in calls:
+            seen.clear()
+            call(jnp.float32(1.0))
+            assert seen == [differentiated], (differentiated, seen)

@@ -153,6 +153,39 @@ def case_refusals(comm):
                 x, idx, jnp.zeros((4, 2), jnp.float32))
 
 
+def case_program_on_another_gpu_is_refused(comm):
+    """A program whose arrays are on a GPU other than the object's is refused by XLA's handler, naming both
+    GPUs, before any kernel runs (on every rank: no peer is left waiting); the object then serves a program
+    on its own GPU, against the oracle."""
+    if pyhipa2a_backend_is_host():
+        pytest.skip("a GPU's matter")
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 4
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        pytest.skip("JAX sees one GPU")
+    with a2a:
+        me = a2a.rank
+        inputs = draw_world(130, world, E, k, H, M)
+
+        @jax.jit
+        def step(x, indices, weights):
+            d = a2a.dispatch(x, indices)
+            return d, a2a.combine(d.expert_x, weights)
+        other = gpus[(a2a.device_index + 1) % len(gpus)]
+        with pytest.raises(jax.errors.JaxRuntimeError, match=f"runs on GPU {other.id}, but the object's memory is "
+                                                             f"on GPU {a2a.device_index}"):
+            d, y = step(*(jax.device_put(a[me], other) for a in (inputs.xs, inputs.indices, inputs.weights)))
+            np.asarray(y)
+        d, y = step(*(jax.device_put(a[me], dev) for a in (inputs.xs, inputs.indices, inputs.weights)))
+        check_dispatch_against_oracle(a2a, inputs, d)
+        want = reference.combine(inputs.xs, inputs.indices, inputs.weights, E, reference.fused_expert([1.0] * world),
+                                 ranks=[me])[me]
+        assert np.allclose(np.asarray(y).astype(np.float64), want, rtol=1e-2, atol=5e-3)
+        a2a.check()
+
+
 def case_gradients(comm):
     """jax.grad through dispatch, a linear expert per local expert (in jnp), and combine against jax.grad of
     the same layer computed densely from every rank's inputs (drawn from one seed): the gradients of this
@@ -198,6 +231,33 @@ def case_gradients(comm):
             err = float(np.abs(got - expected).max(initial=0.0))
             assert np.allclose(got, expected, rtol=3e-2, atol=3e-2), (name, err)
             print(f"rank {me} d{name}: max err {err:.3g}")
+        a2a.check()
+
+
+def case_rows_beyond_counts_under_differentiation(comm):
+    """Under jax.vjp, where x needs no gradient (only the expert's scale does), dispatch's rows beyond each
+    count are zeros although the buffer holds an earlier call's rows there, and the rows within are x's."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me = a2a.rank
+        put = lambda a: jax.device_put(a, dev)  # noqa: E731
+        full = draw_world(120, world, E, k, H, M, token_counts=[M] * world)  # (fills rows the next leaves)
+        a2a.combine(a2a.dispatch(put(full.xs[me]), put(full.indices[me])).expert_x, put(full.weights[me]))
+        fewer = draw_world(121, world, E, k, H, M, token_counts=[1 + r % 2 for r in range(world)])
+        x, idx, w = (put(a[me]) for a in (fewer.xs, fewer.indices, fewer.weights))
+
+        def layer(s):
+            d = a2a.dispatch(x, idx)
+            y = a2a.combine((d.expert_x.astype(jnp.float32) * s).astype(x.dtype), w)
+            return d, jnp.sum(y.astype(jnp.float32))
+
+        (d, _), _ = jax.vjp(jax.jit(layer), put(np.float32(2.0)))  # (the program runs where its argument is)
+        counts, rows = np.asarray(d.expert_num_tokens), np.asarray(d.expert_x)
+        for e, n in enumerate(counts):
+            assert not rows[e, n:].any(), f"expert {e}: rows beyond its count {n} are not zero"
+        check_dispatch_against_oracle(a2a, fewer, d)
         a2a.check()
 
 
