@@ -1,7 +1,8 @@
 /* A repeated call, run from its plan in C: pyhipa2a.repeat's compiled executor.
  *
  * A plan (pyhipa2a/repeat.py says what each field holds) is a tuple:
- *   (given, alike, checks, status, activate, waits, launch, after, changes, result, failed)
+ *   (given, alike, checks, status, activate, waits, launch, after, changes, result, failed, places, rehand,
+ *    stood)
  * run(plan, *args) asks its checks and does its steps in the order pyhipa2a.repeat.interpret does, and
  * returns the call's result, or MISSED having done nothing. Driver calls named by address (CUDA's
  * context and graph launch) run with the GIL released, as the binding's own calls do.
@@ -13,7 +14,15 @@
 #include <stdint.h>
 
 enum { ATTR_IS = 0, ATTR_IS_OR_NONE = 1, CALL_IS = 2, CALL_EQ = 3 };
-enum { GIVEN, ALIKE, CHECKS, STATUS, ACTIVATE, WAITS, LAUNCH, AFTER, CHANGES, RESULT, FAILED, PLAN_FIELDS };
+enum { GIVEN, ALIKE, CHECKS, STATUS, ACTIVATE, WAITS, LAUNCH, AFTER, CHANGES, RESULT, FAILED, PLACES, REHAND,
+       STOOD, PLAN_FIELDS };
+enum { MAX_PLACES = 8 };
+
+/* A pointer this call's argument puts in the launch's arguments, and where. */
+typedef struct {
+    uint64_t *address;
+    uint64_t pointer;
+} Place;
 
 typedef int (*ctx_get_fn)(void **);
 typedef int (*ctx_set_fn)(void *);
@@ -55,24 +64,47 @@ static int check_passes(PyObject *check) {
     return passes;
 }
 
-static int arguments_pass(PyObject *plan, PyObject *const *args, Py_ssize_t nargs) {
+/* 1 with the arguments' pointers in places[0 .. *count) where they have places; 0: misses. */
+static int arguments_pass(PyObject *plan, PyObject *const *args, Py_ssize_t nargs, Place *places, int *count) {
     PyObject *given = PyTuple_GetItem(plan, GIVEN), *alike = PyTuple_GetItem(plan, ALIKE);
-    if (PyTuple_Size(given) != nargs)
+    PyObject *where = PyTuple_GetItem(plan, PLACES), *stood = PyTuple_GetItem(plan, STOOD);
+    Py_ssize_t placed = PyTuple_Size(where);
+    if (PyTuple_Size(given) != nargs || (placed != 0 && (placed != nargs || nargs > MAX_PLACES
+                                                         || !PyList_Check(stood) || PyList_Size(stood) != nargs)))
         return 0;
+    *count = 0;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *recorded = PyTuple_GetItem(given, i);
-        if (args[i] == recorded)
-            continue;
-        PyObject *same = PyTuple_GetItem(alike, i);
-        if (same == Py_None)
-            return 0;
-        PyObject *answer = PyObject_CallFunctionObjArgs(same, args[i], recorded, NULL);
-        if (answer == NULL)
+        PyObject *place = placed ? PyTuple_GetItem(where, i) : Py_None;
+        uint64_t pointer;
+        if (args[i] == recorded) {
+            if (place == Py_None)
+                continue;
+            pointer = PyLong_AsUnsignedLongLong(PyTuple_GetItem(place, 1));
+        } else {
+            PyObject *same = PyTuple_GetItem(alike, i);
+            if (same == Py_None || (place != Py_None && PyList_GetItem(stood, i) == args[i]))
+                return 0;
+            PyObject *answer = PyObject_CallFunctionObjArgs(same, args[i], recorded, NULL);
+            if (answer == NULL)
+                return outcome_of_error();
+            int truth = PyObject_IsTrue(answer);
+            if (truth <= 0) {
+                Py_DECREF(answer);
+                return truth < 0 ? outcome_of_error() : 0;
+            }
+            if (place == Py_None) {
+                Py_DECREF(answer);
+                continue;
+            }
+            pointer = PyLong_AsUnsignedLongLong(answer);
+            Py_DECREF(answer);
+        }
+        if (PyErr_Occurred())
             return outcome_of_error();
-        int truth = PyObject_IsTrue(answer);
-        Py_DECREF(answer);
-        if (truth <= 0)
-            return truth < 0 ? outcome_of_error() : 0;
+        places[*count].address = (uint64_t *)PyLong_AsVoidPtr(PyTuple_GetItem(place, 0));
+        places[*count].pointer = pointer;
+        ++*count;
     }
     return 1;
 }
@@ -131,11 +163,13 @@ static int call_each(PyObject *functions) {
 static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     (void)self;
     if (argc < 1 || !PyTuple_Check(argv[0]) || PyTuple_Size(argv[0]) != PLAN_FIELDS) {
-        PyErr_SetString(PyExc_TypeError, "run(plan, *args): plan is a tuple of 11 fields");
+        PyErr_SetString(PyExc_TypeError, "run(plan, *args): plan is a tuple of 14 fields");
         return NULL;
     }
     PyObject *plan = argv[0];
-    int passes = arguments_pass(plan, argv + 1, argc - 1);
+    Place places[MAX_PLACES];
+    int placed = 0;
+    int passes = arguments_pass(plan, argv + 1, argc - 1, places, &placed);
     PyObject *checks = PyTuple_GetItem(plan, CHECKS);
     for (Py_ssize_t i = 0, n = PyTuple_Size(checks); passes > 0 && i < n; i++)
         passes = check_passes(PyTuple_GetItem(checks, i));
@@ -170,6 +204,20 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     }
     if (call_each(PyTuple_GetItem(plan, WAITS)) < 0)
         return NULL;
+    int moved = 0;
+    for (int i = 0; i < placed; i++) {
+        if (*places[i].address != places[i].pointer) {
+            *places[i].address = places[i].pointer;
+            moved = 1;
+        }
+    }
+    PyObject *rehand = PyTuple_GetItem(plan, REHAND);
+    if (moved && rehand != Py_None) {
+        PyObject *answer = PyObject_CallNoArgs(rehand);
+        if (answer == NULL)
+            return launch_failed(plan);
+        Py_DECREF(answer);
+    }
     PyObject *launch = PyTuple_GetItem(plan, LAUNCH);
     if (PyTuple_Size(launch) == 2) {
         if (call_back(PyTuple_GetItem(launch, 0), PyTuple_GetItem(launch, 1)) < 0)
@@ -188,8 +236,29 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
         return NULL;
     PyObject *changes = PyTuple_GetItem(plan, CHANGES);
     for (Py_ssize_t i = 0, n = PyTuple_Size(changes); i < n; i++) {
-        PyObject *change = PyTuple_GetItem(changes, i);
-        if (PyObject_SetAttr(PyTuple_GetItem(change, 0), PyTuple_GetItem(change, 1), PyTuple_GetItem(change, 2)) < 0)
+        PyObject *change = PyTuple_GetItem(changes, i), *value = PyTuple_GetItem(change, 2), *pair = NULL;
+        if (PyTuple_Size(change) == 4) {  /* (obj, name, value, None): (the call's arguments, value) */
+            PyObject *arguments = PyTuple_New(argc - 1);
+            if (arguments == NULL)
+                return NULL;
+            for (Py_ssize_t j = 1; j < argc; j++)
+                PyTuple_SetItem(arguments, j - 1, Py_NewRef(argv[j]));
+            pair = PyTuple_Pack(2, arguments, value);
+            Py_DECREF(arguments);
+            if (pair == NULL)
+                return NULL;
+            value = pair;
+        }
+        int set = PyObject_SetAttr(PyTuple_GetItem(change, 0), PyTuple_GetItem(change, 1), value);
+        Py_XDECREF(pair);
+        if (set < 0)
+            return NULL;
+    }
+    PyObject *where = PyTuple_GetItem(plan, PLACES), *given = PyTuple_GetItem(plan, GIVEN);
+    PyObject *stood = PyTuple_GetItem(plan, STOOD);
+    for (Py_ssize_t i = 0, n = PyTuple_Size(where); i < n; i++) {
+        int stood_in = PyTuple_GetItem(where, i) != Py_None && argv[1 + i] != PyTuple_GetItem(given, i);
+        if (PyList_SetItem(stood, i, Py_NewRef(stood_in ? argv[1 + i] : Py_None)) < 0)
             return NULL;
     }
     return Py_NewRef(PyTuple_GetItem(plan, RESULT));

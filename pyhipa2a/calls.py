@@ -37,9 +37,12 @@ def same_stream_given(stream, recorded) -> bool:
     return handle is not None and handle == foreign_stream_handle(recorded)
 
 
-# How a plan matches each argument again (Record.alike): by identity, but stream= and expert_scale.
-DISPATCH_ALIKE = (None, None, None, None, same_stream_given)          # x, indices, weights, x_scales, stream
-COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)     # expert_y, weights, out, stream, scale
+# How a plan matches each argument again (Record.alike): by identity, but stream= and expert_scale, and the
+# arrays another may stand in for (stand_ins).
+DISPATCH_ARGS = ("x", "indices", "weights", "x_scales", "stream")
+DISPATCH_ALIKE = (None, None, None, None, same_stream_given)
+COMBINE_ARGS = ("expert_y", "weights", "out", "stream", "expert_scale")
+COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)
 
 
 def checked_dispatch(config: Config, state: CallState, x, indices, weights, x_scales) -> int:
@@ -89,6 +92,20 @@ def checked_weights_shape(weights, T: int) -> None:
         raise ValueError(f"weights has {shape[0]} rows but the call has {T} tokens")
 
 
+def stand_ins(where: dict, names: tuple, alike: tuple, args: tuple, arrays) -> tuple:
+    """(alike, places) of a call's Record: `alike` with each array argument another array may stand in for at
+    a repeat (Taken.stand_in) where `where` (argument name -> address) gives its pointer a place in the
+    launch; (alike, ()) where none has."""
+    if not where:
+        return alike, ()
+    alike, places = list(alike), [None] * len(args)
+    for obj, taken in arrays:
+        i = next((i for i, arg in enumerate(args) if arg is obj), None)  # (None: an output of ours behind it)
+        if i is not None and taken.stand_in is not None and names[i] in where:
+            alike[i], places[i] = taken.stand_in, (where[names[i]], taken.ptr)
+    return tuple(alike), (tuple(places) if any(places) else ())
+
+
 class Calls:
     """The call path of an AllToAll, shared by its implementations (they provide the launches): a call is
     its plan (pyhipa2a.repeat) where the last two of its kind were this one, or the full path: one check,
@@ -127,6 +144,11 @@ class Calls:
     def _repeater(self, leg: str, tokens: int):
         """A function of the stream that launches the call of `leg` just made again ("dispatch", "combine")."""
         raise NotImplementedError
+
+    def _argument_places(self, leg: str) -> dict:
+        """Argument name -> the host address of its kernel pointer in what the repeater launches from, for the
+        arguments whose new arrays a repeat may take; {} for none."""
+        return {}
 
     def _usable(self) -> None:
         if self.heap.closed:
@@ -237,8 +259,10 @@ class Calls:
             changes = self._changes(s, arrays, (state, "pending", result), (state, "sent", weights),
                                     (state, "joined", streams.joined))
             self._record(changes)
-            record = Record((x, indices, weights, x_scales, stream), DISPATCH_ALIKE, s, lead, (x, indices),
-                            tuple(arrays), T, result, after, changes)
+            args = (x, indices, weights, x_scales, stream)
+            alike, places = stand_ins(self._argument_places("dispatch"), DISPATCH_ARGS, DISPATCH_ALIKE, args, arrays)
+            record = Record(args, alike, s, lead, (x, indices), tuple(arrays), T, result, after, changes, places,
+                            (state, "keep"))
             self._dispatch_plan = self._plan(record, self._dispatch_record, ((state, "broken", None),
                                                                              (state, "pending", None)), "dispatch")
             self._dispatch_record = record if streams.capturing is None else None
@@ -302,8 +326,10 @@ class Calls:
             after = self._order_reader(s, lead, library)
             changes = self._changes(s, arrays, (state, "pending", None), (state, "sent", None), (state, "joined", None))
             self._record(changes)
-            record = Record((expert_y, weights, given_out, stream, expert_scale), COMBINE_ALIKE, s, lead, inputs,
-                            tuple(arrays), T, out, after, changes)
+            args = (expert_y, weights, given_out, stream, expert_scale)
+            alike, places = stand_ins(self._argument_places("combine"), COMBINE_ARGS, COMBINE_ALIKE, args, arrays)
+            record = Record(args, alike, s, lead, inputs, tuple(arrays), T, out, after, changes, places,
+                            (state, "keep"))
             conditions = ((state, "broken", None), (state, "pending", pending), (state, "sent", sent),
                           (state, "joined", None))
             self._combine_plan = self._plan(record, self._combine_record, conditions, "combine")

@@ -48,6 +48,40 @@ class Taken(NamedTuple):
     repeatable: bool
     recheck: Recheck | None = None
     wait: object = None  # the producer stream each repeat waits for (an int, as the probe spells it)
+    # f(new, recorded) -> new's pointer where a repeat may take `new` in place of this argument as it takes
+    # the argument itself (the same description but the pointer: the same checks pass, the same waits
+    # serve), else 0; None where no other array may stand in
+    stand_in: object = None
+
+
+def own_stand_in(d: Described, obj: DeviceArray, align: int):
+    """Taken.stand_in of our array `obj`: another of ours of its shape, type, device and stream."""
+    shape, dtype, backend, device, stream = d.shape, d.dtype, obj.backend, obj.device_id, obj.stream
+
+    def stand_in(new, recorded) -> int:
+        if (type(new) is not DeviceArray or new.stream is not stream or new.shape != shape or new.dtype != dtype
+                or new.device_id != device or new.backend is not backend):
+            return 0
+        return new.ptr if new.ptr % align == 0 else 0
+    return stand_in
+
+
+def probed_stand_in(recheck: Recheck, device: int, align: int):
+    """Taken.stand_in of a probed array (PyTorch, CuPy): one of its type the probe views as it viewed the
+    recorded one on our device (shape, strides, element type; compact), written on the same stream."""
+    probe, rest, named = recheck.probe, recheck.key[1:], recheck.stream
+
+    def stand_in(new, recorded) -> int:
+        if type(new) is not type(recorded):
+            return 0
+        seen = probe.view(new)
+        if seen is None or seen[0][1:] != rest or seen[1] != device or not seen[2]:
+            return 0
+        if probe.stream(new) != named:
+            return 0
+        ptr = seen[0][0]
+        return ptr if ptr and ptr % align == 0 else 0
+    return stand_in
 
 
 class Cached(NamedTuple):
@@ -169,12 +203,16 @@ class Boundary:
             self.order.wait_for_producer(producer, stream)
         if capturing:
             return Taken(d.ptr, keep, False)
+        if d.protocol == OWN:
+            repeatable = not self.ask_producers or producer is None or self.order.same_stream(producer, stream)
+            return Taken(d.ptr, keep, repeatable, stand_in=own_stand_in(d, obj, align))
         if not self.ask_producers:
             return Taken(d.ptr, keep, True)
-        if d.protocol == OWN:
-            return Taken(d.ptr, keep, producer is None or self.order.same_stream(producer, stream))
         recheck, wait = self._recheck(self._cache[name], obj, producer, stream)
-        return Taken(d.ptr, keep, recheck is not None, recheck, wait)
+        stand_in = None
+        if recheck is not None and recheck.probe.hold is None:  # (JAX's hold, an export, is one array's own)
+            stand_in = probed_stand_in(recheck, self.device_index, align)
+        return Taken(d.ptr, keep, recheck is not None, recheck, wait, stand_in)
 
     def _recheck(self, cached: Cached, obj, producer, stream):
         """(Recheck, wait) for a probed argument's repeats, or (None, None) when it cannot repeat unasked."""

@@ -96,5 +96,10 @@ class NodeAllToAll(AllToAll, across_nodes=False):
     def _repeater(self, leg: str, tokens: int):
         return getattr(self._exchange, leg).repeater(tokens)
 
+    def _argument_places(self, leg: str) -> dict:
+        # (out is combine's result as well: a call on another takes the full path)
+        names = ("x", "indices", "x_scales", "weights") if leg == "dispatch" else ("expert_y", "weights")
+        return getattr(self._exchange, leg).repeater_places(names)
+
     def _close_parts(self, broken: bool) -> None:
         self._exchange.close(broken)

@@ -94,6 +94,7 @@ class Leg:
         self.choices, self.blocks = choices, blocks
         kernel = choices[0][0]
         self.pack, self.frozen = kernel.pack(), kernel.pack()
+        self._places: dict = {}  # (repeater_places)
         fixed(self.pack[0])
         self.call = self.pack[1]
         for kernel, threads, _ in choices:
@@ -117,6 +118,15 @@ class Leg:
         for a launch from outside Python (pyhipa2a.jax) with call arguments of its own."""
         kernel, threads = self.kernel_for(tokens)
         return kernel, self.blocks, threads, ctypes.addressof(self.pack.arguments[0])
+
+    def repeater_places(self, fields: tuple) -> dict:
+        """field -> the host address of that call argument in the pack the repeater launches from."""
+        places = self._places.get(fields)
+        if places is None:
+            call = self.frozen[1]
+            places = self._places[fields] = {name: ctypes.addressof(call) + getattr(type(call), name).offset
+                                             for name in fields}
+        return places
 
     def repeater(self, tokens: int):
         """A function of the stream that launches the call the pack holds now, whatever is written to it

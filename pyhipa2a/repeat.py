@@ -2,13 +2,17 @@
 
 Once the full path has made the same call twice in a row (`Record.same`), the leg's call becomes a plan:
 what must still hold (arguments, attributes, producers' answers, the kernels' status word), then what to
-do (make current, wait for producers, launch, set attributes) and the result. `run(plan, *args)` does
-exactly that, or returns MISSED having done nothing and the full path takes the call. It is csrc/repeat.c
-(built by `python -m pyhipa2a.build`) or `interpret` below where that is not built: the same steps.
+do (make current, wait for producers, launch, set attributes) and the result. The same call may come on
+new arrays like the last (a layer's activations are new tensors at every step): where the arguments'
+kernel pointers have a place in the launch's arguments, the plan takes the new arrays and writes their
+pointers there. `run(plan, *args)` does exactly that, or returns MISSED having done nothing and the full
+path takes the call. It is csrc/repeat.c (built by `python -m pyhipa2a.build`) or `interpret` below where
+that is not built: the same steps.
 
 A plan's tuple (csrc/repeat.c's fields):
   given     the call's arguments as recorded (compared by identity)
-  alike     for each argument None, or f(arg, recorded) -> truthy: another object standing for it
+  alike     for each argument None, or f(arg, recorded) -> truthy: another object standing for it (for an
+            argument with a place, the pointer the launch takes from it)
   checks    (ATTR_IS, obj, name, want) getattr(obj, name) is want; ATTR_IS_OR_NONE the same or None;
             (CALL_IS, f, arg, want) f(arg) is want; (CALL_EQ, f, arg, want) f(arg) == want; raising misses
   status    the address of a uint32 word that must read 0 (a kernel's error report), or 0
@@ -16,9 +20,16 @@ A plan's tuple (csrc/repeat.c's fields):
   waits     f() each, before the launch: the call's stream waits for a producer's
   launch    (f, stream): f(stream); or (cuGraphLaunch, executable graph, stream, keep) as addresses
   after     f() each, once the launch is queued: the stream that reads the outputs waits for the call's
-  changes   (obj, name, value) each, set once the launch is queued
+  changes   (obj, name, value) each, set once the launch is queued; (obj, name, value, None): set to the pair
+            (the call's arguments, value): what the device reads, whichever arrays stood in
   result    what the call returns
   failed    f(what, code): a driver call here returned `code` (it raises), or the launch raised (code None)
+  places    () or, for each argument, None or (address, pointer): where its kernel pointer lies in the
+            launch's arguments (a uint64 in host memory), and the recorded argument's pointer
+  rehand    None, or f(): the launch takes its arguments anew (after a pointer was written: CUDA's graph)
+  stood     a list, written by the executor: for each argument the array that stood in for it at the last
+            run, else None. That array given again misses: the full path makes the plan anew with it as
+            the recorded one, so a loop on one set of arrays matches them by identity, not by asking
 """
 from __future__ import annotations
 
@@ -33,7 +44,7 @@ from typing import NamedTuple
 from .streams import ANY, LAST
 
 ATTR_IS, ATTR_IS_OR_NONE, CALL_IS, CALL_EQ = range(4)
-PLAN_FIELDS = 11
+PLAN_FIELDS = 14
 _HELPER = Path(__file__).resolve().parent / "_code" / "_repeat.abi3.so"
 
 
@@ -46,13 +57,24 @@ class _Missed:
 
 def interpret(plan: tuple, *args):
     """run() in Python: the call's result, or MISSED having done nothing."""
-    given, alike, checks, status, activate, waits, launch, after, changes, result, failed = plan
+    given, alike, checks, status, activate, waits, launch, after, changes, result, failed, places, rehand, stood = plan
     if len(args) != len(given):
         return MISSED
+    pointers = []  # (address, the pointer this call's argument puts there)
     try:
-        for arg, recorded, same in zip(args, given, alike):
-            if arg is not recorded and (same is None or not same(arg, recorded)):
+        for i, (arg, recorded, same) in enumerate(zip(args, given, alike)):
+            place = places[i] if places else None
+            if arg is recorded:
+                if place is not None:
+                    pointers.append(place)
+                continue
+            if place is not None and stood[i] is arg:
                 return MISSED
+            answer = None if same is None else same(arg, recorded)
+            if not answer:
+                return MISSED
+            if place is not None:
+                pointers.append((place[0], int(answer)))
         for kind, a, b, want in checks:
             if kind == ATTR_IS or kind == ATTR_IS_OR_NONE:
                 got = getattr(a, b)
@@ -71,15 +93,25 @@ def interpret(plan: tuple, *args):
         activate[0]()
     for wait in waits:
         wait()
+    moved = False
+    for address, pointer in pointers:
+        held = ctypes.c_uint64.from_address(address)
+        if held.value != pointer:
+            held.value, moved = pointer, True
     try:
+        if moved and rehand is not None:
+            rehand()
         launch[0](launch[1])
     except BaseException:
         failed("launch", None)
         raise
     for step in after:
         step()
-    for obj, name, value in changes:
-        setattr(obj, name, value)
+    for change in changes:
+        setattr(change[0], change[1], change[2] if len(change) == 3 else (args, change[2]))
+    if places:
+        stood[:] = [None if place is None or arg is recorded else arg
+                    for arg, recorded, place in zip(args, given, places)]
     return result
 
 
@@ -118,11 +150,14 @@ class Record(NamedTuple):
     result: object
     after: tuple    # f() each, once the launch is queued (pyhipa2a.outputs orders the outputs' reader)
     changes: tuple
+    places: tuple = ()  # the plan's places (see the module's doc): () where no argument has one
+    keep: tuple = ()    # (obj, name) of the change that keeps what the device reads, where places are given
 
     def same(self, other: "Record | None") -> bool:
-        """Whether `other` made this call: the same arguments (or ones standing for them), stream and tokens."""
+        """Whether this call repeats `other`'s: the same stream and tokens, and each argument the same or
+        one that stands for it by `other`'s test."""
         return (other is not None and self.stream is other.stream and self.tokens == other.tokens
-                and all(a is b or (f is not None and f(a, b)) for a, b, f in zip(self.args, other.args, self.alike)))
+                and all(a is b or (f is not None and f(a, b)) for a, b, f in zip(self.args, other.args, other.alike)))
 
 
 def make_plan(record: Record, conditions: tuple, streams, backend, status: int, launch, failed,
@@ -168,6 +203,12 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     launched, must_be_empty = backend.plan_launch(launch, s) if compiled else ((launch, s), ())
     checks += [(CALL_IS, operator.not_, collection, True) for collection in must_be_empty]
     activate = backend.plan_activate() if compiled else (None if backend.kind == "host" else (backend.activate,))
+    changes, rehand = record.changes, None
+    if record.places:  # what the device reads is the call's arguments, whichever stood in
+        owner, kept = record.keep
+        changes = tuple((obj, name, value, None) if obj is owner and name == kept else (obj, name, value)
+                        for obj, name, value in changes)
+        rehand = getattr(launch, "rehand", None)
     # (record.changes set streams.last already: a plan is made outside a capture only)
     return (record.args, record.alike, tuple(checks), status, activate, waits, launched, record.after,
-            record.changes, record.result, failed)
+            changes, record.result, failed, record.places, rehand, [None] * len(record.places))

@@ -25,6 +25,14 @@ def test_new_framework_arrays_at_every_call(lib, calls_on):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("calls_on", ["own", "current"])
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+def test_new_framework_arrays_like_the_last(lib, calls_on):
+    run_case(CASE + "case_new_framework_arrays_like_the_last", ranks_for("gpu"), env_backend("gpu"),
+             args=(lib, calls_on), timeout=300)
+
+
+@pytest.mark.gpu
 def test_new_jax_arrays_at_every_call():
     run_case(CASE + "case_new_jax_arrays_at_every_call", ranks_for("gpu"), env_backend("gpu"), timeout=600)
 

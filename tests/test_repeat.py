@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pyhipa2a import repeat
-from pyhipa2a.calls import COMBINE_ALIKE, DISPATCH_ALIKE, CallState
+from pyhipa2a.calls import COMBINE_ALIKE, DISPATCH_ALIKE, DISPATCH_ARGS, CallState, stand_ins
 from pyhipa2a.inputs import Boundary
 from pyhipa2a.runtime.base import RuntimeFailure
 from pyhipa2a.streams import Streams
@@ -45,8 +45,9 @@ class Loop:
         self.x, self.indices = Tensor(0x1000, (2, 4)), Tensor(0x1800, (2, 4), "int32")
         self.y, self.w = Tensor(0x2000, (1, 2, 4)), Tensor(0x2800, (2, 4), "float32")
         self.result, self.out = SimpleNamespace(num_tokens=2), SimpleNamespace(shape=(2, 4))
-        self.launched, self.failures = [], []
+        self.launched, self.failures, self.rehands = [], [], []
         self.after = ()  # what a call does once its launch is queued (pyhipa2a.outputs orders the reader)
+        self.where = {}  # argument name -> where the launch reads its pointer (none: arrays by identity)
 
     def _take(self, s, *arguments):
         return tuple((obj, self.boundary.take(name, obj, shape, dtype, s)) for name, obj, shape, dtype in arguments)
@@ -61,8 +62,10 @@ class Loop:
                    (state, "keep", tuple(t.keep for _, t in arrays)), (self.streams, "last", s))
         for obj, name, value in changes:
             setattr(obj, name, value)
-        return repeat.Record((x, self.indices, None, None, stream), DISPATCH_ALIKE, s, lead, (x, self.indices), arrays,
-                             2, self.result, self.after, changes)
+        args = (x, self.indices, None, None, stream)
+        alike, places = stand_ins(self.where, DISPATCH_ARGS, DISPATCH_ALIKE, args, arrays)
+        return repeat.Record(args, alike, s, lead, (x, self.indices), arrays, 2, self.result, self.after, changes,
+                             places, (state, "keep"))
 
     def combine(self, w=None, stream=None, scale=1.0) -> repeat.Record:
         w = self.w if w is None else w
@@ -90,8 +93,11 @@ class Loop:
             self.failures.append((what, code))
             if code is not None:
                 self.runtime.raise_driver_error(what, code)
+        def launch(s):
+            self.launched.append((leg, s))
+        launch.rehand = lambda: self.rehands.append(leg)
         return repeat.make_plan(records[1], conditions, self.streams, self.runtime, self.status.ctypes.data,
-                                lambda s: self.launched.append((leg, s)), failed, compiled=self.compiled)
+                                launch, failed, compiled=self.compiled)
 
     def run(self, plan, leg: str, **changed):
         """The plan run on the loop's arguments, `changed` replacing some."""
@@ -117,6 +123,39 @@ def test_a_plan_takes_the_loops_call_asking_the_current_stream_once_a_leg(monkey
         assert len(loop.asks) == 1 and loop.state.pending is None and len(loop.state.keep) == 2
     assert loop.launched == [("dispatch", s), ("combine", s)] * 3 and loop.streams.last is s
     assert loop.runtime.capture_queries == [s] * 6  # not the object's own stream: asked at every call
+
+
+@pytest.mark.parametrize("compiled", EXECUTORS)
+def test_new_tensors_like_the_last_stand_in_their_pointers_written_where_the_launch_reads_them(monkeypatch,
+                                                                                             compiled):
+    """Where the arguments' pointers have places in the launch's arguments, a tensor the probe views as it
+    viewed the recorded one (shape, strides, element type; our device; the same stream) stands in for it:
+    its pointer is written there, the launch takes its arguments anew only when one moved, and what the
+    device reads is kept (the call's arguments, beside what the recorded call kept). Another shape, another
+    element type, an array of another kind miss, writing nothing."""
+    loop = Loop(monkeypatch, compiled)
+    held = (ctypes.c_uint64 * 2)(loop.x.ptr, loop.indices.ptr)
+    loop.where = {"x": ctypes.addressof(held), "indices": ctypes.addressof(held) + 8}
+    plan = loop.plan("dispatch")
+    new_x, other_x = Tensor(0x5000, (2, 4)), Tensor(0x7000, (2, 4))
+    for x, pointers, rehands in ((loop.x, [0x1000, 0x1800], 0), (new_x, [0x5000, 0x1800], 1),
+                                 (other_x, [0x7000, 0x1800], 2), (loop.x, [0x1000, 0x1800], 3)):
+        loop.state.pending = None
+        assert loop.run(plan, "dispatch", x=x) is loop.result
+        assert list(held) == pointers and len(loop.rehands) == rehands, (x.ptr, list(held), loop.rehands)
+        arguments, recorded = loop.state.keep
+        assert arguments[0] is x and arguments[1] is loop.indices and len(recorded) == 2
+    loop.state.pending = None
+    launched = len(loop.launched)
+    for odd in (Tensor(0x6000, (3, 4)), Tensor(0x6000, (2, 4), "int32"), SimpleNamespace(ptr=0x6000)):
+        assert loop.run(plan, "dispatch", x=odd) is repeat.MISSED
+        assert list(held) == [0x1000, 0x1800] and len(loop.launched) == launched and loop.state.pending is None
+    # The array that stood in at the last run, given again, misses: the full path makes the plan anew with it
+    # as the recorded one (a loop on one set of arrays then matches by identity).
+    assert loop.run(plan, "dispatch", x=new_x) is loop.result
+    loop.state.pending = None
+    assert loop.run(plan, "dispatch", x=new_x) is repeat.MISSED and list(held) == [0x5000, 0x1800]
+    assert loop.state.pending is None and len(loop.launched) == launched + 1
 
 
 @pytest.mark.parametrize("compiled", EXECUTORS)
@@ -353,10 +392,45 @@ def a2a():
         yield a2a
 
 
+def checked_step(a2a, watched, arrays, inputs) -> list:
+    """One step (dispatch, combine with the fused expert) on `arrays` holding `inputs`, on poisoned outputs,
+    against the oracle; whether a plan took each call (calls_watched's `plans`)."""
+    from pyhipa2a.testing import check_call, poison
+    poison(a2a)
+    watched.clear()
+    d = a2a.dispatch(arrays[0], arrays[1])
+    y = a2a.combine(d.expert_x, arrays[2], expert_scale=1.0 + a2a.rank)
+    a2a.synchronize()
+    check_call(a2a, inputs, d, y, fused=True)
+    return watched.plans
+
+
+@pytest.mark.parametrize("compiled", EXECUTORS)
+def test_a_loop_on_new_arrays_like_the_last_takes_its_plans_from_its_third_call(monkeypatch, a2a, compiled):
+    """New arrays of ours at every call, of one shape and stream: the plans take them from the third call,
+    each new array's pointer written where the launch reads it (the host kernels read the pack). The last
+    call's arrays given again take the full path once (which makes the plans anew with them), then match
+    by identity; arrays of another stream take the full path. Every call right on poisoned outputs."""
+    from pyhipa2a import calls
+    from pyhipa2a.testing import draw_world, upload_inputs
+    from tests.cases import calls_watched
+    monkeypatch.setattr(calls, "run", executor(compiled))
+    with calls_watched() as watched:
+        for i in range(5):
+            inputs = draw_world(20 + i, 1, 4, 2, 64, 8, token_counts=[5])
+            arrays = upload_inputs(a2a, inputs)
+            assert checked_step(a2a, watched, arrays, inputs) == ([True, True] if i >= 2 else []), i
+        for i in range(3):  # (the same arrays again: their stand-in ends, their own plans take over)
+            assert checked_step(a2a, watched, arrays, inputs) == [[False, False], [True, True], [True, True]][i], i
+        inputs = draw_world(30, 1, 4, 2, 64, 8, token_counts=[5])
+        elsewhere = upload_inputs(a2a, inputs, stream=a2a.backend.stream_create())
+        assert checked_step(a2a, watched, elsewhere, inputs) == [False, False]
+
+
 @pytest.mark.parametrize("compiled", EXECUTORS)
 def test_a_loop_on_the_same_arrays_takes_its_plans_from_its_third_call(monkeypatch, a2a, compiled):
     from pyhipa2a import calls
-    from pyhipa2a.testing import check_call, draw_world, poison, upload_inputs
+    from pyhipa2a.testing import draw_world, upload_inputs
     from tests.cases import calls_watched
     monkeypatch.setattr(calls, "run", executor(compiled))
     with calls_watched() as watched:
@@ -365,13 +439,7 @@ def test_a_loop_on_the_same_arrays_takes_its_plans_from_its_third_call(monkeypat
             inputs = draw_world(10 + i, 1, 4, 2, 64, 8, token_counts=[5])
             for arr, fresh in zip(arrays, (inputs.xs[0], inputs.indices[0], inputs.weights[0])):
                 arr.copy_from(fresh)
-            poison(a2a)
-            watched.clear()
-            d = a2a.dispatch(arrays[0], arrays[1])
-            y = a2a.combine(d.expert_x, arrays[2], expert_scale=1.0 + a2a.rank)
-            a2a.synchronize()
-            check_call(a2a, inputs, d, y, fused=True)
-            assert watched.plans == ([True, True] if i >= 2 else []), (i, watched.plans)
+            assert checked_step(a2a, watched, arrays, inputs) == ([True, True] if i >= 2 else []), i
         assert watched.forms == [("python", "python")] * 2  # (the host backend: its launch function, no device)
         # A launch that fails (the device unusable after a trap) raises and leaves no plan.
         a2a.backend.trap("a test's trap")

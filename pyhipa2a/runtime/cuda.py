@@ -258,6 +258,7 @@ class CudaBackend(DriverBackend):
             else:
                 _launch_graph(site, stream)
         launch.site = site  # (plan_launch: a plan launches its graph from C)
+        launch.rehand = functools.partial(_hand_arguments, site)  # (a plan that wrote a pointer into the pack)
         return launch
 
     def launch_entry(self) -> int | None:

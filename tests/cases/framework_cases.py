@@ -133,6 +133,29 @@ def case_framework_arrays(comm, lib, producer_order="protocol", calls_on="own"):
         print(f"rank {me} {lib} ({producer_order}): 3 rounds match the oracle")
 
 
+def _late_written_step(a2a, tools, inputs, stream, what) -> None:
+    """One step on new arrays of a library (`tools`: _framework's), each written late on its own stream:
+    dispatch, combine with the fused expert, y consumed by the library with no host wait, on poisoned
+    outputs; y and the dispatch's outputs against the oracle (`what` names the step in a failure)."""
+    from pyhipa2a import reference
+    from pyhipa2a.testing import check_dispatch_against_oracle, poison
+    to_device, fill_later, consume, finish, current, _, _ = tools
+    me, world, E = a2a.rank, a2a.world, a2a.config.num_experts
+    poison(a2a)
+    with current():
+        arrays = [to_device(np.zeros_like(h)) for h in (inputs.xs[me], inputs.indices[me], inputs.weights[me])]
+        for dst, h in zip(arrays, (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+            fill_later(dst, to_device(h))  # (new objects in new memory, written late)
+        d = a2a.dispatch(arrays[0], arrays[1], stream=stream)
+        y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me, stream=stream)
+        got = finish(consume(y)).astype(np.float64)
+    expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E,
+                                 reference.fused_expert([1 + r for r in range(world)]), ranks=[me])[me]
+    assert np.allclose(got, expected, rtol=1e-2, atol=5e-3), (what, np.abs(got - expected).max())
+    a2a.synchronize()
+    check_dispatch_against_oracle(a2a, inputs, d)
+
+
 def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
     """New PyTorch or CuPy arrays at every call (a layer's activations, a router's output), each written
     late on the library's own stream, with another token count at most calls, some given a stream object
@@ -141,15 +164,13 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
     the later ones' each described by its probe's view alone. Every call must wait for the stream the
     library names, or read zeros or the last round's data. Each round on poisoned outputs against the
     oracle, the results consumed by the library with no host wait."""
-    from pyhipa2a import reference
-    from pyhipa2a.testing import check_dispatch_against_oracle, poison
     world = comm.Get_size()
     E, k, H, M = 8 * world, 4, 2048, 64
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on,
                   outputs="ours") as a2a, \
             calls_watched() as watched:
         me = a2a.rank
-        to_device, fill_later, consume, finish, current, _, _ = _framework(lib, a2a.heap.device.index)
+        tools = _framework(lib, a2a.heap.device.index)
         if lib == "torch":  # (the stream object lives to the end: its handle is used after it)
             import torch
             side = torch.cuda.Stream()
@@ -160,26 +181,37 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
             side_again = cupy.cuda.ExternalStream(side.ptr)
         for i, (T, given) in enumerate(((32, None), (16, None), (32, None), (64, None), (8, side), (16, side_again))):
             inputs = draw_world(900 + i, world, E, k, H, M, token_counts=[T] * world)
-            host = (inputs.xs[me], inputs.indices[me], inputs.weights[me])
-            poison(a2a)
             watched.clear()
-            with current():
-                arrays = [to_device(np.zeros_like(h)) for h in host]  # new objects in new memory, written late
-                for dst, h in zip(arrays, host):
-                    fill_later(dst, to_device(h))
-                d = a2a.dispatch(arrays[0], arrays[1], stream=given)
-                y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me, stream=given)
-                got = finish(consume(y)).astype(np.float64)
-            expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E,
-                                         reference.fused_expert([1 + r for r in range(world)]), ranks=[me])[me]
-            assert np.allclose(got, expected, rtol=1e-2, atol=5e-3), (lib, calls_on, i, np.abs(got - expected).max())
-            a2a.synchronize()
-            check_dispatch_against_oracle(a2a, inputs, d)
+            _late_written_step(a2a, tools, inputs, given, (lib, calls_on, i))
             # (expert_y is our own array: "own")
             protocols = ["probed"] * 3 if i else ["cai" if lib == "cupy" else "dlpack"] * 3
             assert watched.plans == [] and watched.described == [*protocols[:2], "own", protocols[2]], \
                 (i, watched.plans, watched.described)
         print(f"rank {me} {lib} ({calls_on}): 6 rounds of new arrays match the oracle")
+
+
+def case_new_framework_arrays_like_the_last(comm, lib, calls_on="own"):
+    """New PyTorch or CuPy arrays at every call, of one token count, each written late on the library's own
+    stream (a training loop's activations and router outputs): from the third call on, each leg's plan
+    takes the call, its new arrays standing in for the last (their pointers written into the launch). Every
+    call must still wait for the stream the library names, or read zeros or the last step's data. Another
+    token count takes the full path until two calls of it were made. Each step on poisoned outputs against
+    the oracle."""
+    world = comm.Get_size()
+    E, k, H, M = 8 * world, 4, 2048, 64
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on,
+                  outputs="ours") as a2a, \
+            calls_watched() as watched:
+        me = a2a.rank
+        tools = _framework(lib, a2a.heap.device.index)
+        for i, T in enumerate((32, 32, 32, 32, 32, 16, 16, 16)):
+            inputs = draw_world(1000 + i, world, E, k, H, M, token_counts=[T] * world)
+            watched.clear()
+            _late_written_step(a2a, tools, inputs, None, (lib, calls_on, i))
+            # (16 tokens from step 5: the plans miss, and take the calls again from step 7)
+            want = [True, True] if i in (2, 3, 4, 7) else [False, False] if i == 5 else []
+            assert watched.plans == want, (lib, calls_on, i, watched.plans)
+        print(f"rank {me} {lib} ({calls_on}): 8 steps of new arrays like the last match the oracle")
 
 
 def case_new_jax_arrays_at_every_call(comm):
