@@ -7,6 +7,7 @@ each; variants add `-D` defines and a name suffix. Standard library only: pip ru
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import glob
 import importlib.util
 import os
@@ -153,6 +154,15 @@ def run(cmd: list[str], env=None) -> None:
         raise SystemExit(f"build failed: {' '.join(cmd)}\n{result.stdout}{result.stderr}")
 
 
+def run_all(commands: list, env=None) -> None:
+    """Each command, as many at once as there are CPUs (each compile is one process and one core); the
+    first that fails raises once the others are done."""
+    workers = max(1, min(len(commands), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for done in [pool.submit(run, cmd, env) for cmd in commands]:
+            done.result()
+
+
 def build(out_dir: Path = DEFAULT_OUT, amd_archs=AMD_ARCHS, cuda_archs=CUDA_ARCHS,
           targets=("amd", "nvidia", "host"), variants=tuple(VARIANTS), log=print) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -166,23 +176,20 @@ def build(out_dir: Path = DEFAULT_OUT, amd_archs=AMD_ARCHS, cuda_archs=CUDA_ARCH
             # clang finds lld next to its real binary (Debian puts it in /usr/lib/llvm-N/bin).
             env = dict(os.environ,
                        PATH=os.path.dirname(os.path.realpath(clang)) + os.pathsep + os.environ.get("PATH", ""))
-            for src in sources:
-                for variant in variants:
-                    for arch in amd_archs:
-                        out = out_dir / f"{src.stem}{variant}.{arch}.hsaco"
-                        run(amd_command(clang, arch, src, out, VARIANTS[variant]), env)
-                        built.append(out)
+            jobs = [(src, variant, arch, out_dir / f"{src.stem}{variant}.{arch}.hsaco")
+                    for src in sources for variant in variants for arch in amd_archs]
+            run_all([amd_command(clang, arch, src, out, VARIANTS[variant]) for src, variant, arch, out in jobs], env)
+            built += [out for *_, out in jobs]
             log(f"pyhipa2a.build: AMD {', '.join(amd_archs)} with {clang}")
     if "nvidia" in targets:
         nvcc = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
         if not nvcc:
             log("pyhipa2a.build: skipping NVIDIA (sm_" + ", sm_".join(cuda_archs) + "): no nvcc found")
         else:
-            for src in sources:
-                for variant in variants:
-                    out = out_dir / f"{src.stem}{variant}.sm_{min(cuda_archs)}.fatbin"
-                    run(nvidia_command(nvcc, cuda_archs, src, out, VARIANTS[variant]))
-                    built.append(out)
+            jobs = [(src, variant, out_dir / f"{src.stem}{variant}.sm_{min(cuda_archs)}.fatbin")
+                    for src in sources for variant in variants]
+            run_all([nvidia_command(nvcc, cuda_archs, src, out, VARIANTS[variant]) for src, variant, out in jobs])
+            built += [out for *_, out in jobs]
             log(f"pyhipa2a.build: NVIDIA sm_{', sm_'.join(cuda_archs)} + PTX with {nvcc}")
     if "host" in targets:
         built += build_host(out_dir, log)

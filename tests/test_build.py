@@ -23,7 +23,7 @@ def gfx942_objects(tmp_path_factory):
     if build.find_clang() is None:
         pytest.skip("no hipcc or clang >= 17 to build gfx942 code objects")
     out = tmp_path_factory.mktemp("gfx942")
-    build.build(out, amd_archs=("gfx942",), targets=("amd",), log=lambda *_: None)
+    build.build(out, amd_archs=("gfx942",), targets=("amd",), variants=("",), log=lambda *_: None)
     return out
 
 
@@ -97,14 +97,14 @@ def test_every_kernel_is_in_its_gfx942_code_object(gfx942_objects):
 def test_gfx90a_builds(tmp_path):
     if build.find_clang() is None:
         pytest.skip("no hipcc or clang >= 17")
-    built = build.build(tmp_path, amd_archs=("gfx90a",), targets=("amd",), log=lambda *_: None)
+    built = build.build(tmp_path, amd_archs=("gfx90a",), targets=("amd",), variants=("",), log=lambda *_: None)
     assert {p.name for p in built} >= {"dispatch.gfx90a.hsaco", "combine.gfx90a.hsaco", "heap_check.gfx90a.hsaco"}
 
 
 def test_nvidia_fatbin_builds(tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc")
-    built = build.build(tmp_path, targets=("nvidia",), log=lambda *_: None)
+    built = build.build(tmp_path, targets=("nvidia",), variants=("",), log=lambda *_: None)
     assert {p.name for p in built} >= {"dispatch.sm_90.fatbin", "combine.sm_90.fatbin", "heap_check.sm_90.fatbin"}
     assert all(p.stat().st_size > 0 for p in built)
 
