@@ -10,7 +10,7 @@ CASE = "tests.cases.jax_cases:"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["case_jit_step", "case_two_exchanges_in_one_program",
+@pytest.mark.parametrize("case", ["case_jit_step", "case_inside_shard_map", "case_two_exchanges_in_one_program",
                                   "case_dropped_combine_is_refused", "case_refusals",
                                   "case_rows_beyond_counts_under_differentiation",
                                   "case_program_on_another_gpu_is_refused"])

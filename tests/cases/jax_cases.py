@@ -65,6 +65,33 @@ def case_jit_step(comm, rounds="5"):
         a2a.check()
 
 
+def case_inside_shard_map(comm):
+    """The step inside jax.shard_map over a mesh of the process's one device (how a JAX model marks its
+    expert-parallel region), jitted, called with new values twice: y against the oracle, and the same as
+    the step jitted alone."""
+    from jax.sharding import Mesh, PartitionSpec
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me = a2a.rank
+
+        def step(x, indices, weights):
+            return a2a.combine(a2a.dispatch(x, indices).expert_x, weights, expert_scale=0.5 + me)
+        mesh, whole = Mesh(np.array([dev]), ("device",)), PartitionSpec()
+        sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(whole,) * 3, out_specs=whole))
+        alone = jax.jit(step)
+        for i in range(2):
+            inputs = draw_world(140 + i, world, E, k, H, M)
+            args = [jax.device_put(a[me], dev) for a in (inputs.xs, inputs.indices, inputs.weights)]
+            y = np.asarray(sharded(*args)).astype(np.float64)
+            expected = reference.combine(inputs.xs, inputs.indices, inputs.weights, E,
+                                         reference.fused_expert([0.5 + r for r in range(world)]), ranks=[me])[me]
+            assert np.allclose(y, expected, rtol=1e-2, atol=5e-3), (i, float(np.abs(y - expected).max()))
+            assert np.array_equal(y, np.asarray(alone(*args)).astype(np.float64)), i
+        a2a.check()
+
+
 def case_two_exchanges_in_one_program(comm):
     """Two dispatch/combine pairs in one jitted function with no data between them (two layers' branches):
     the order words keep each dispatch combined before the next, so both are right; and weights given to
