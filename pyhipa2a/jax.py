@@ -25,9 +25,8 @@ Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): dispatch's is a combine of the 
 unit weights; combine's a dispatch of y's gradient, weighted, plus the weights' gradient. Each backward
 pass is itself a dispatch then a combine, so every rank must differentiate the same program. Under
 differentiation dispatch zeroes expert_x's rows beyond each count; outside it they are left as they are
-(a pass over expert_x saved). They need
-packed rows, x of the dtype of y, the weights given to combine; `gradients=False` leaves them out (and
-the narrow exchange of the weights' rows they make).
+(a pass over expert_x saved). They need packed rows, x of the dtype of y, the weights given to combine;
+`gradients=False` leaves them out (and the narrow exchange of the weights' rows they make).
 """
 from __future__ import annotations
 
