@@ -2,6 +2,7 @@
 all inputs from one seed and computes the oracle itself; outputs are poisoned (all bits set) so unwritten rows fail."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -227,6 +228,24 @@ def dispatch_uploaded(a2a, arrays, **kw):
 def free_inputs(a2a, arrays) -> None:
     for arr in arrays:
         a2a.backend.free(arr.ptr)
+
+
+@contextlib.contextmanager
+def fused_step_graph(a2a, inputs: WorldInputs):
+    """The graph of gpu-mode's fused step (dispatch, then combine with expert_scale 1 + rank) on this rank's
+    inputs in arrays of their own; the graph and the arrays go on exit."""
+    arrays = upload_inputs(a2a, inputs)
+    try:
+        scale = 1.0 + a2a.rank
+        graph = a2a.capture(lambda: a2a.combine(dispatch_uploaded(a2a, arrays).expert_x, arrays[2],
+                                                expert_scale=scale))
+        try:
+            yield graph
+        finally:
+            graph.close()
+    finally:
+        a2a.synchronize()
+        free_inputs(a2a, arrays)
 
 
 def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:

@@ -32,7 +32,7 @@ from mpi4py import MPI  # noqa: E402
 import pyhipa2a  # noqa: E402
 from pyhipa2a import AllToAll  # noqa: E402
 from pyhipa2a.jax import JaxAllToAll  # noqa: E402
-from pyhipa2a.testing import draw_world, upload_inputs  # noqa: E402
+from pyhipa2a.testing import draw_world, fused_step_graph  # noqa: E402
 
 SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 
@@ -128,24 +128,20 @@ def bench(comm, args) -> list:
 
             def eager():  # (JAX's op-by-op dispatch of the same two calls, outside jit)
                 ja.combine(ja.dispatch(x, idx).expert_x, w, expert_scale=1.0 + me).block_until_ready()
-            own = upload_inputs(a2a, inputs)
-            graph = a2a.capture(lambda: a2a.combine(a2a.dispatch(own[0], own[1]).expert_x, own[2],
-                                                    expert_scale=1.0 + me))
-
-            def replayed():
-                graph.launch()
-                a2a.synchronize()
             row = {"shape": [E, k, H, M]}
-            for name, once in (("jit", jitted), ("eager", eager), ("graph", replayed)):
-                times = []
-                for i in range(args.iters + 10):
-                    comm.Barrier()
-                    t0 = time.perf_counter()
-                    once()
-                    if i >= 10:
-                        times.append(time.perf_counter() - t0)
-                row[name] = comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
-            graph.close()
+            with fused_step_graph(a2a, inputs) as graph:
+                def replayed():
+                    graph.launch()
+                    a2a.synchronize()
+                for name, once in (("jit", jitted), ("eager", eager), ("graph", replayed)):
+                    times = []
+                    for i in range(args.iters + 10):
+                        comm.Barrier()
+                        t0 = time.perf_counter()
+                        once()
+                        if i >= 10:
+                            times.append(time.perf_counter() - t0)
+                    row[name] = comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
             ja.check()
             rows.append(row)
             if me == 0:

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import pyhipa2a
 from pyhipa2a import AllToAll
-from pyhipa2a.testing import draw_world, upload_inputs
+from pyhipa2a.testing import draw_world, fused_step_graph
 
 SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 
@@ -99,20 +99,16 @@ def main() -> int:
                 a2a.synchronize()
                 comm.Barrier()
                 return time.perf_counter() - t0
-            own = upload_inputs(a2a, inputs)
-            graph = a2a.capture(lambda: a2a.combine(a2a.dispatch(own[0], own[1]).expert_x, own[2],
-                                                    expert_scale=1 + me))
-
-            def graph_wall():
-                a2a.synchronize()
-                comm.Barrier()
-                t0 = time.perf_counter()
-                graph.launch()
-                a2a.synchronize()
-                comm.Barrier()
-                return time.perf_counter() - t0
-            row = [median_us(comm, f, iters, min(10, iters)) for f in (handing_out, eager_wall, graph_wall)]
-            graph.close()
+            with fused_step_graph(a2a, inputs) as graph:
+                def graph_wall():
+                    a2a.synchronize()
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    graph.launch()
+                    a2a.synchronize()
+                    comm.Barrier()
+                    return time.perf_counter() - t0
+                row = [median_us(comm, f, iters, min(10, iters)) for f in (handing_out, eager_wall, graph_wall)]
             rows.append(row)
             if me == 0:
                 print(f"{name} ({calls_on}) E={E} k={k} H={H} M={M}: handing out {row[0]:.1f} us an array, "
