@@ -121,10 +121,16 @@ class Backend:
     def event_destroy(self, event) -> None:
         raise NotImplementedError
 
-    def event_record(self, event, stream) -> None:
+    def event_record(self, event, stream, *, within_capture: bool = False) -> None:
+        """Record `event` on `stream`. On a stream we capture (or joined), the record is one each replay makes
+        (external), unless `within_capture`: then it is a dependency inside the graph (a fork or a join)."""
         raise NotImplementedError
 
     def event_synchronize(self, event) -> None:
+        raise NotImplementedError
+
+    def event_done(self, event) -> bool:
+        """Whether the work before `event`'s last record has finished, without waiting."""
         raise NotImplementedError
 
     def stream_wait_event(self, stream, event) -> None:
@@ -134,16 +140,33 @@ class Backend:
     def event_elapsed_ms(self, start, end) -> float:
         raise NotImplementedError
 
-    def stream_wait_stream(self, waiter, producer) -> None:
-        """Work queued on `waiter` from now on waits, on the device, for what `producer` holds now (via an event)."""
+    def stream_wait_stream(self, waiter, producer, *, within_capture: bool = False) -> None:
+        """Work queued on `waiter` from now on waits, on the device, for what `producer` holds now (via an event);
+        `within_capture`: both are (or become) one capture's streams, so the wait is a graph's edge."""
         if self.stream_handle(waiter) == self.stream_handle(producer):
             return
         local = self.__dict__.get("_handoff") or self.__dict__.setdefault("_handoff", threading.local())
         event = getattr(local, "event", None)
         if event is None:
             event = local.event = self.event_create()
-        self.event_record(event, producer)
+        self.event_record(event, producer, within_capture=within_capture)
         self.stream_wait_event(waiter, event)
+
+    # -- words on the device: one stream signals another, on this GPU or a peer's, with no kernel --------
+    def stream_write_word(self, stream, ptr: int, value: int) -> None:
+        """After the work queued on `stream`, and after its writes are visible, write the 32-bit `value` at
+        `ptr` (ours or a peer's mapping)."""
+        raise NotImplementedError
+
+    def stream_wait_word(self, stream, ptr: int, value: int, timeout: float, timed_out) -> None:
+        """Work queued on `stream` from now on waits until the 32-bit word at `ptr` equals `value`. GPUs wait on
+        the device, holding no multiprocessor and without a bound (the host bounds them); the host backend
+        waits at most `timeout` seconds and then raises `timed_out()`."""
+        raise NotImplementedError
+
+    def open_blas(self):
+        """This backend's matrix multiply (pyhipa2a.runtime.blas.Blas), for the current device."""
+        raise NotImplementedError
 
     # -- graphs: launches and event records on a capturing stream are recorded, replayed by one launch --
     def capture_begin(self, stream) -> None:

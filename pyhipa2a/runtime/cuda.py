@@ -204,6 +204,10 @@ class CudaBackend(DriverBackend):
     def stream_type(self):
         return driver.CUstream
 
+    def open_blas(self):
+        from .blas import CUBLAS, VendorBlas
+        return VendorBlas(self, CUBLAS)
+
     def event_create(self):
         # Default flags keep timing on (CU_EVENT_DISABLE_TIMING would break event_elapsed_ms).
         self.activate()

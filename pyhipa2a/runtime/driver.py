@@ -35,8 +35,10 @@ CALLS = {
     "occupancy": ("cuOccupancyMaxActiveBlocksPerMultiprocessor", "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor"),
     "event_record_with_flags": ("cuEventRecordWithFlags", "hipEventRecordWithFlags"),
     "stream_wait_event": ("cuStreamWaitEvent", "hipStreamWaitEvent"),
-    "stream_query": ("cuStreamQuery", "hipStreamQuery"),
+    "stream_query": ("cuStreamQuery", "hipStreamQuery"), "event_query": ("cuEventQuery", "hipEventQuery"),
     "stream_is_capturing": ("cuStreamIsCapturing", "hipStreamIsCapturing"),
+    "stream_write_value32": ("cuStreamWriteValue32", "hipStreamWriteValue32"),
+    "stream_wait_value32": ("cuStreamWaitValue32", "hipStreamWaitValue32"),
 }
 ROLES = tuple(CALLS)
 
@@ -156,12 +158,28 @@ class DriverBackend(Backend):
 
     def stream_done(self, stream) -> bool:
         """Whether everything queued on `stream` has finished; never waits (a watchdog polls it)."""
-        name = self._CALLS["stream_query"]
-        result = getattr(self._api(), name)(stream)
+        return self._query(self._CALLS["stream_query"], stream)
+
+    def event_done(self, event) -> bool:
+        return self._query(self._CALLS["event_query"], event)
+
+    def _query(self, name: str, handle) -> bool:
+        """A query call's answer: done (success), or not yet (NOT_READY); any other code raises."""
+        result = getattr(self._api(), name)(handle)
         if int(result[0]) == self._NOT_READY:
             return False
         self._check(result, name)
         return True
+
+    # Flags shared by both runtimes: a write after a fence over the stream's earlier writes (DEFAULT), a
+    # wait for equality (CU_STREAM_WAIT_VALUE_EQ, hipStreamWaitValueEq); HIP's wait also takes a mask.
+    _WRITE_FENCED, _WAIT_EQUAL, _WAIT_MASK = 0, 1, ()
+
+    def stream_write_word(self, stream, ptr: int, value: int) -> None:
+        self._call("stream_write_value32", stream, ptr, value, self._WRITE_FENCED)
+
+    def stream_wait_word(self, stream, ptr: int, value: int, timeout: float, timed_out) -> None:
+        self._call("stream_wait_value32", stream, ptr, value, self._WAIT_EQUAL, *self._WAIT_MASK)
 
     def event_destroy(self, event) -> None:
         self._call("event_destroy", event)
@@ -173,8 +191,8 @@ class DriverBackend(Backend):
         handle = self.stream_handle(stream)
         return handle in self._capturing or handle in self._joined
 
-    def event_record(self, event, stream) -> None:
-        if self._recording(stream):
+    def event_record(self, event, stream, *, within_capture: bool = False) -> None:
+        if not within_capture and self._recording(stream):
             self._call("event_record_with_flags", event, stream, self._EVENT_RECORD_EXTERNAL)
         else:
             self._call("event_record", event, stream)

@@ -65,6 +65,7 @@ class HipBackend(DriverBackend):
     dlpack_device_type = 10  # kDLROCM
     _CALLS = _CALLS
     _LAUNCH_EXTRA = None  # plain hipModuleLaunchKernel: one-node graphs were measured cheaper on NVIDIA only
+    _WAIT_MASK = (0xFFFFFFFF,)  # hipStreamWaitValue32 compares (word & mask) with the value
     _api = staticmethod(_load)
     _check = staticmethod(_check)
 
@@ -150,6 +151,10 @@ class HipBackend(DriverBackend):
     @property
     def stream_type(self):
         return hip.ihipStream_t
+
+    def open_blas(self):
+        from .blas import HIPBLAS, VendorBlas
+        return VendorBlas(self, HIPBLAS)
 
     def event_create(self):
         # hipEventCreate uses default flags, so timing stays on for event_elapsed_ms.

@@ -57,6 +57,7 @@ class HostBackend(Backend):
         self._streams: dict[int, HostStream] = {}
         self._host_buffers: dict[int, ctypes.Array] = {}
         self._trapped: str | None = None
+        self._forked: dict[int, list] = {}  # id(capturing stream) -> streams that joined its capture
 
     def plan_activate(self):
         return None  # (no device to make current)
@@ -159,7 +160,8 @@ class HostBackend(Backend):
             return None
 
     def _copyable(self, stream, what: str) -> None:
-        """Copies run at once: a capturing stream refuses them, as CUDA and HIP do a copy that waits for the host."""
+        """Copies with the host run at once: a capturing stream refuses them, as CUDA and HIP do a copy that waits
+        for the host (copies and memsets within the device are recorded, as there)."""
         self._alive()
         if self.stream_capturing(stream):
             raise RuntimeFailure(f"host: {what} on a capturing stream is not supported")
@@ -173,12 +175,10 @@ class HostBackend(Backend):
         ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
 
     def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
-        self._copyable(stream, "copy_device")
-        ctypes.memmove(dst, src, nbytes)
+        self.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes))
 
     def memset(self, ptr: int, byte: int, nbytes: int, stream=None) -> None:
-        self._copyable(stream, "memset")
-        ctypes.memset(ptr, byte, nbytes)
+        self.enqueue(stream, lambda: ctypes.memset(ptr, byte, nbytes))
 
     # -- cross-process word operations used by the host kernels --------------
     def _locked(self, ptr: int):
@@ -192,6 +192,23 @@ class HostBackend(Backend):
     def load_acquire_u32(self, ptr: int) -> int:
         with self._locked(ptr):
             return ctypes.c_uint32.from_address(ptr).value
+
+    def stream_write_word(self, stream, ptr: int, value: int) -> None:
+        self.enqueue(stream, lambda: self.store_release_u32(ptr, value))
+
+    def stream_wait_word(self, stream, ptr: int, value: int, timeout: float, timed_out) -> None:
+        def wait() -> None:
+            deadline, pause = time.monotonic() + timeout, 1e-5
+            while self.load_acquire_u32(ptr) != value:
+                if time.monotonic() > deadline:
+                    raise timed_out()
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        self.enqueue(stream, wait)
+
+    def open_blas(self):
+        from .blas import HostBlas
+        return HostBlas(self)
 
     def stream_create(self):
         s = HostStream()
@@ -227,7 +244,7 @@ class HostBackend(Backend):
     def event_destroy(self, event) -> None:
         pass
 
-    def event_record(self, event, stream) -> None:
+    def event_record(self, event, stream, *, within_capture: bool = False) -> None:
         if self.stream_capturing(stream):
             stream.captured.append(lambda: self.event_record(event, None))
             return
@@ -236,8 +253,18 @@ class HostBackend(Backend):
     def event_synchronize(self, event) -> None:
         pass
 
+    def event_done(self, event) -> bool:
+        return True  # work runs at launch
+
     def stream_wait_event(self, stream, event) -> None:
         pass  # host streams run their work as it is queued, so every stream is already in order
+
+    def stream_wait_stream(self, waiter, producer, *, within_capture: bool = False) -> None:
+        """In order already; but a stream that waits for a capturing one joins its capture until it ends (as
+        CUDA's fork does): its work is the graph's, queued among the capturing stream's in the order given."""
+        if self.stream_capturing(producer) and isinstance(waiter, HostStream) and waiter.captured is None:
+            waiter.captured = producer.captured
+            self._forked.setdefault(id(producer), []).append(waiter)
 
     def event_elapsed_ms(self, start, end) -> float:
         if start.time is None or end.time is None:
@@ -280,6 +307,8 @@ class HostBackend(Backend):
         if not isinstance(stream, HostStream) or stream.captured is None:
             raise RuntimeFailure("host: capture_end on a stream that is not capturing")
         steps, stream.captured = stream.captured, None
+        for joined in self._forked.pop(id(stream), []):
+            joined.captured = None
         return HostGraph(steps) if keep else None
 
     def stream_capturing(self, stream) -> bool:

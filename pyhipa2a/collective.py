@@ -1,0 +1,362 @@
+"""CollectiveMatmul: tensor parallelism's all-gather + GEMM and GEMM + reduce-scatter, the exchange hidden behind
+the GEMMs chunk by chunk.
+
+    with CollectiveMatmul(comm, max_rows=M, k=K, n=N, dtype="bfloat16") as cm:
+        c = cm.all_gather_matmul(a_shard, b)        # a_shard [M/W, K], b [K, N] -> c [M, N]
+        c_shard = cm.matmul_reduce_scatter(a, b)    # a [M, K/W], b [K/W, N] -> c_shard [M/W, N]
+
+How a call runs (docs/COLLECTIVE.md has the picture): the caller's stream runs the GEMMs, one chunk of rows a
+rank; a copy stream a peer moves rows between heaps with the copy engine and raises a readiness word in the
+peer's heap (pyhipa2a.signals); the GEMM of a chunk waits for its word on the device. Chunks go in ring order:
+all_gather_matmul starts on its own rows while the others arrive (rank r - 1's first); matmul_reduce_scatter
+starts on the rows for rank r + 1, so its own partial sums are computed last, behind the copies of the others.
+The call's stream waits for the copy streams before it returns, so it covers everything the call does.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+
+from . import producers
+from .array import DeviceArray
+from .bootstrap import bounded_barrier, world_size
+from .dtypes import check_supported
+from .errors import A2AError, A2ATimeoutError, ConfigMismatchError
+from .heap import SymmetricHeap
+from .inputs import Boundary
+from .streams import Streams
+
+KINDS = ("rows", "rows_read", "sums", "sums_read")  # (readiness words: pyhipa2a.signals)
+VIEWS_KEPT = 256  # the caller's-library views of our memory kept for gemm= (a new array's are made anew)
+
+
+class CollectiveMatmul:
+    """Heap buffers for one (max_rows, k, n, dtype), made once; every rank makes the same calls in order."""
+
+    def __init__(self, comm=None, *, max_rows: int, k: int, n: int, dtype="bfloat16", backend=None,
+                 device: int | None = None, timeout: float = 60.0):
+        for name, value in (("max_rows", max_rows), ("k", k), ("n", n)):
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        self.dtype = check_supported(dtype, "dtype")
+        self.world = world_size(comm)
+        self.max_rows, self.k, self.n = int(max_rows), int(k), int(n)
+        self.shard_rows = -(-self.max_rows // self.world)  # the most rows a rank holds
+        w, m, item = self.world, self.shard_rows, self.dtype.itemsize
+        nbytes = (w * m * k + 3 * w * m * n + m * n + w) * item + 2 * len(KINDS) * w * 4 + 8 * 256
+        self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
+        self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
+        self._blas = self._broken = self._last = self._finished = None
+        self._made: list = []
+        self._staging: dict = {}  # argument name -> (pointer, bytes): NumPy arguments' device copies
+        try:
+            from .signals import Signals
+            self.gathered = heap.alloc((w, m, k), self.dtype)   # all_gather_matmul: rank s's rows land in [s]
+            self.partials = heap.alloc((w, m, n), self.dtype)   # matmul_reduce_scatter: rank s's sums of ours
+            self.staged = heap.alloc((w, m, n), self.dtype)     # ... and ours of rank d's rows, before the copy
+            self.ag_out = heap.alloc((w * m, n), self.dtype)    # outputs when no out= is given
+            self.rs_out = heap.alloc((m, n), self.dtype)
+            self.ones = heap.alloc((w,), self.dtype)
+            self.ones.copy_from(np.ones(w, self.dtype))
+            self.signals = Signals(heap, KINDS, raised_at_start=("rows_read", "sums_read"))
+            heap.verify()
+            self.stream = self._made_stream()
+            self.copies = [None if p == self.rank else self._made_stream() for p in range(w)]
+            self.watch = self._made_stream()  # reads words while the others may be stuck
+            self._finished = self.backend.event_create()  # recorded after each call (its stream may go first)
+            library_device = None if self.backend.kind == "host" else heap.device.index
+            self._streams = Streams(self.backend, self.stream, True, library_device)
+            self._boundary = Boundary(self.backend, heap.device.index, self._streams)
+            self._views: dict = {}
+            bounded_barrier(heap.comm, self.timeout, "CollectiveMatmul setup")
+        except BaseException:
+            self._release()
+            heap.close(wait_for_peers=False)
+            raise
+
+    def _made_stream(self):
+        stream = self.backend.stream_create()
+        self._made.append(stream)
+        return stream
+
+    # -- the two operations -----------------------------------------------------------------------
+    def all_gather_matmul(self, a_shard, b, out=None, *, gathered=None, gemm=None, stream=None):
+        """C [W*m, n] = all_gather(a_shard [m, k]) @ b [k, n]; `gathered` [W*m, k], where given, receives the
+        gathered rows. `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM instead of the vendor's."""
+        w, r, k, n = self.world, self.rank, self.k, self.n
+        s, m = self._begin("all_gather_matmul", stream, (a_shard, b, out, gathered), a_shard, "a_shard", k)
+        take = self._taker(s)
+        a_ptr = take("a_shard", a_shard, (m, k))
+        b_ptr = take("b", b, (k, n))
+        out, out_ptr = self._output("out", out, self.ag_out, (w * m, n), take, a_shard, s)
+        g_ptr = take("gathered", gathered, (w * m, k)) if gathered is not None else None
+        row_out, row_a = n * self.dtype.itemsize, k * self.dtype.itemsize
+        # Slots lie the most rows a rank apart: a rank that sent another count overwrites only its own slot.
+        slot = self.shard_rows * row_a
+        sig, awaited = self.signals, []
+        try:
+            for i in range(1, w):  # every copy stream at once: rank r's rows to rank (r + i)'s slot [r]
+                p, copy = (r + i) % w, self.copies[(r + i) % w]
+                self.backend.stream_wait_stream(copy, s, within_capture=True)
+                what = "word that it read our all_gather_matmul rows"
+                sig.wait(p, "rows_read", copy, what)
+                self.backend.copy_device(self.heap.translate(self.gathered.ptr + r * slot, p), a_ptr, m * row_a,
+                                         copy)
+                sig.raise_on(p, "rows", copy, count=m)
+                awaited.append((p, "rows_read", 0, what))
+            for i in range(w):  # own rows first, then rank r - 1's (the first to arrive), r - 2's, ...
+                src = (r - i) % w
+                rows = a_ptr if src == r else self.gathered.ptr + src * slot
+                if src != r:
+                    sig.wait(src, "rows", s, "all_gather_matmul rows (count: rows a rank)", count=m)
+                    awaited.append((src, "rows", m, "all_gather_matmul rows (count: rows a rank)"))
+                if gemm is None:
+                    self._vendor().matmul(s, rows, b_ptr, out_ptr + src * m * row_out, m, n, k, lda=k, ldb=n, ldc=n,
+                                          dtype=self.dtype)
+                else:
+                    a_rows = a_shard if src == r else self._ours(rows, (m, k), b)
+                    gemm(a_rows, b, self._rows(out, src * m, m, out_ptr, n, b), self.backend.stream_handle(s))
+                if g_ptr is not None:
+                    self.backend.copy_device(g_ptr + src * m * row_a, rows, m * row_a, s)
+                if src != r:
+                    sig.raise_on(src, "rows_read", s)
+            for copy in self.copies:
+                if copy is not None:
+                    self.backend.stream_wait_stream(s, copy, within_capture=True)
+        except (A2ATimeoutError, ConfigMismatchError):  # (the host backend's waits are bounded where they run)
+            self._fail(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
+            raise
+        self._end(s, awaited, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
+        return out
+
+    def matmul_reduce_scatter(self, a, b, out=None, *, gemm=None, stream=None):
+        """C_shard [m, n] = rows r*m.. of sum over ranks of (a [W*m, k_r] @ b [k_r, n]), summed in fp32.
+        `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM of the partial sums."""
+        w, r, n = self.world, self.rank, self.n
+        s, rows_total = self._begin("matmul_reduce_scatter", stream, (a, b, out), a, "a", None)
+        if rows_total % w:
+            raise ValueError(f"a has {rows_total} rows: matmul_reduce_scatter needs a multiple of the {w} ranks")
+        m, k = rows_total // w, int(a.shape[1])
+        take = self._taker(s)
+        a_ptr = take("a", a, (w * m, k))
+        b_ptr = take("b", b, (k, n))
+        out, out_ptr = self._output("out", out, self.rs_out, (m, n), take, a, s)
+        item = self.dtype.itemsize
+        slot = self.shard_rows * n * item
+        sig, awaited = self.signals, []
+        try:
+            for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
+                d, copy = (r + i) % w, self.copies[(r + i) % w]
+                staged = self.staged.ptr + d * slot
+                self._partial(gemm, s, a, a_ptr, d * m, m, b, b_ptr, staged)
+                self.backend.stream_wait_stream(copy, s, within_capture=True)
+                what = "word that it reduced our matmul_reduce_scatter sums"
+                sig.wait(d, "sums_read", copy, what)
+                self.backend.copy_device(self.heap.translate(self.partials.ptr + r * slot, d), staged, m * n * item,
+                                         copy)
+                sig.raise_on(d, "sums", copy, count=m)
+                awaited.append((d, "sums_read", 0, what))
+            self._partial(gemm, s, a, a_ptr, r * m, m, b, b_ptr, self.partials.ptr + r * slot)
+            for i in range(1, w):
+                src = (r - i) % w
+                what = "matmul_reduce_scatter sums (count: rows a rank)"
+                sig.wait(src, "sums", s, what, count=m)
+                awaited.append((src, "sums", m, what))
+            # The sum over ranks as one GEMM: [1, W] ones times the [W, m*n] slots (rows shard_rows*n apart),
+            # accumulated in fp32 and rounded once.
+            self._vendor().matmul(s, self.ones.ptr, self.partials.ptr, out_ptr, 1, m * n, w, lda=w,
+                                  ldb=self.shard_rows * n, ldc=m * n, dtype=self.dtype)
+            for i in range(1, w):
+                sig.raise_on((r - i) % w, "sums_read", s)
+            for copy in self.copies:
+                if copy is not None:
+                    self.backend.stream_wait_stream(s, copy, within_capture=True)
+        except (A2ATimeoutError, ConfigMismatchError):
+            self._fail(s, ((out_ptr, m * n * item),))
+            raise
+        self._end(s, awaited, ((out_ptr, m * n * item),))
+        return out
+
+    # -- one call's steps ---------------------------------------------------------------------------
+    def _begin(self, op: str, stream, arrays, lead, name: str, k):
+        """(the call's stream, the lead array's rows) after the checks every call makes before queuing work."""
+        if self._broken is not None:
+            raise A2AError(f"CollectiveMatmul: {op} refused: an earlier call failed ({self._broken}); close() it")
+        if self.heap.closed:
+            raise A2AError("CollectiveMatmul is closed")
+        shape = getattr(lead, "shape", None)
+        if shape is None or len(shape) != 2:
+            raise TypeError(f"{name} must be a 2-D array, not {type(lead).__name__}"
+                            + ("" if shape is None else f" of shape {tuple(shape)}"))
+        rows = int(shape[0])
+        if k is not None:  # (all_gather_matmul: the lead is the shard)
+            if not 1 <= rows <= self.shard_rows:
+                raise ValueError(f"{name} has {rows} rows: this CollectiveMatmul takes 1 to {self.shard_rows} a "
+                                 f"rank (max_rows={self.max_rows} over {self.world} ranks)")
+        elif not self.world <= rows <= self.shard_rows * self.world:
+            raise ValueError(f"{name} has {rows} rows: this CollectiveMatmul takes {self.world} to "
+                             f"{self.shard_rows * self.world}")
+        self.backend.activate()
+        streams = self._streams
+        if stream is None:
+            s = streams.current(arrays)[0]
+        else:
+            s = streams.given(stream)
+        if not self._capturing(s):
+            streams.follow(s)  # after the last call on another stream: our buffers are reused in its order
+        return s, rows
+
+    def _capturing(self, s) -> bool:
+        return self._streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
+
+    def _taker(self, s):
+        capturing = self._capturing(s)
+        keep = []
+
+        def take(name, obj, shape):
+            stage = self._stage(name, obj) if isinstance(obj, np.ndarray) and not capturing else None
+            taken = self._boundary.take(name, obj, shape, self.dtype, s, capturing=capturing, stage_ptr=stage)
+            keep.append(taken.keep)
+            return taken.ptr
+        return take
+
+    def _stage(self, name: str, host: np.ndarray) -> int:
+        """Device memory a NumPy argument `name` is copied to (made at its first use, grown as needed)."""
+        ptr, nbytes = self._staging.get(name, (None, 0))
+        if nbytes < host.nbytes:
+            if ptr is not None:
+                self.backend.free(ptr)
+                del self._staging[name]
+            ptr, nbytes = self.backend.malloc_ipc(max(host.nbytes, 1)), max(host.nbytes, 1)
+            self._staging[name] = (ptr, nbytes)
+        return ptr
+
+    def _output(self, name, given, ours, shape, take, like, s):
+        """(the array the call returns, its pointer): `given` (out=), else our buffer's first rows (valid until
+        the next call of the operation), as an array of the library of `like` where it has one."""
+        if given is not None:
+            return given, take(name, given, shape)
+        probe = producers.stream_source(like)
+        if probe is not None and probe.lasting_views:
+            return self._ours(ours.ptr, shape, like), ours.ptr
+        return DeviceArray(self.backend, ours.ptr, shape, self.dtype, owner=self.heap, stream=s), ours.ptr
+
+    def _vendor(self):
+        if self._blas is None:
+            self._blas = self.backend.open_blas()
+        return self._blas
+
+    def _partial(self, gemm, s, a, a_ptr, first: int, m: int, b, b_ptr, c_ptr) -> None:
+        """[m, n] at c_ptr = rows first.. of a, times b: the vendor's GEMM, or the caller's."""
+        k, n = int(a.shape[1]), self.n
+        rows = a_ptr + first * k * self.dtype.itemsize
+        if gemm is None:
+            self._vendor().matmul(s, rows, b_ptr, c_ptr, m, n, k, lda=k, ldb=n, ldc=n, dtype=self.dtype)
+        else:
+            gemm(self._rows(a, first, m, a_ptr, k, b), b, self._ours(c_ptr, (m, n), b), self.backend.stream_handle(s))
+
+    def _rows(self, obj, first: int, count: int, ptr: int, cols: int, like):
+        """Rows first..first+count of the caller's array `obj` (at ptr, `cols` wide) for the caller's GEMM: its
+        own slice where it has one, else a view of ours."""
+        if type(obj) is not DeviceArray and hasattr(obj, "__getitem__"):
+            return obj[first:first + count]
+        return self._ours(ptr + first * cols * self.dtype.itemsize, (count, cols), like)
+
+    def _ours(self, ptr: int, shape, like):
+        """Our memory at `ptr` as an array of the library of `like` (made once and kept: an import costs more
+        than a call's host work), else as a DeviceArray."""
+        probe = producers.stream_source(like)
+        key = (ptr, shape, probe)
+        view = self._views.get(key)
+        if view is None:
+            view = DeviceArray(self.backend, ptr, shape, self.dtype, owner=self.heap)
+            if probe is not None and probe.lasting_views:
+                view = probe.export(view)
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            self._views[key] = view
+        return view
+
+    def _end(self, s, awaited, outputs) -> None:
+        if self._capturing(s):
+            return  # (nothing ran: a replay of the graph is the graph's caller's to wait for)
+        self._streams.queued(s)
+        self.backend.event_record(self._finished, s)
+        self._last = (s, awaited, outputs)
+
+    def _fail(self, s, outputs) -> None:
+        """A call that timed out: its outputs read as poison (NaN), and the object refuses later calls."""
+        for ptr, nbytes in outputs:
+            if ptr is not None:
+                self.backend.memset(ptr, 0xFF, nbytes, s)
+        self.backend.event_record(self._finished, s)
+        self._broken = "a peer never came, or disagreed"
+
+    # -- host waits -------------------------------------------------------------------------------
+    def synchronize(self, stream=None) -> None:
+        """Wait for this rank's last call (or for `stream`), at most `timeout` seconds. Past it, the ranks whose
+        words never came are named (A2ATimeoutError), the stuck waits are released so the streams drain, the last
+        call's outputs are poisoned, and the object refuses later calls."""
+        if self._last is None and stream is None:
+            return
+        self.backend.activate()
+        if stream is None:
+            done = functools.partial(self.backend.event_done, self._finished)
+        else:
+            done = functools.partial(self.backend.stream_done, self._streams.given(stream))
+        deadline, pause = time.monotonic() + self.timeout, 1e-5
+        while not done():
+            if time.monotonic() > deadline:
+                if self._last is None:
+                    raise A2ATimeoutError(f"CollectiveMatmul: the stream did not finish in {self.timeout:g} s")
+                self._give_up()
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        self._last = None if stream is None else self._last
+
+    def _give_up(self) -> None:
+        s, awaited, outputs = self._last
+        stuck = self.signals.not_seen(awaited, self.watch)
+        error = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
+            f"CollectiveMatmul: rank {self.rank}'s last call did not finish in {self.timeout:g} s, though every "
+            "rank's words came")
+        self.signals.force(stuck, self.watch)
+        self._fail(s, outputs)
+        self._last = None
+        deadline = time.monotonic() + self.timeout  # (released, the stream drains; then the poison is in place)
+        while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        raise error
+
+    # -- teardown ---------------------------------------------------------------------------------------
+    def _release(self) -> None:
+        if self._blas is not None:
+            self._blas.close()
+            self._blas = None
+        for stream in self._made:
+            self.backend.stream_destroy(stream)
+        if self._finished is not None:
+            self.backend.event_destroy(self._finished)
+            self._finished = None
+        for ptr, _ in self._staging.values():
+            self.backend.free(ptr)
+        self._made, self._staging = [], {}
+
+    def close(self) -> None:
+        """Idempotent; waits (bounded) for this rank's calls and for peers before unmapping the heap."""
+        if self.heap.closed:
+            return
+        try:
+            if self._broken is None:
+                self.synchronize()
+        finally:
+            self._release()
+            self.heap.close(wait_for_peers=self._broken is None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

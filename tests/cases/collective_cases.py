@@ -1,0 +1,260 @@
+"""Multi-rank cases of CollectiveMatmul (run under mpiexec by tests/test_collective.py).
+
+Every case draws the whole world's inputs from a seed, poisons the outputs (NaN bytes), runs the library and
+checks this rank's result against NumPy in fp32 (the GEMM's accumulation), within the rounding of the result.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from pyhipa2a import A2AError, A2ATimeoutError, ConfigMismatchError, DeviceArray
+from pyhipa2a.collective import CollectiveMatmul
+from pyhipa2a.dtypes import resolve
+
+DTYPES = ("bfloat16", "float16")
+
+
+def upload(cm, host: np.ndarray) -> DeviceArray:
+    """`host` in device memory of its own (freed with the object's backend at exit)."""
+    arr = DeviceArray(cm.backend, cm.backend.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype)
+    arr.copy_from(host)
+    return arr
+
+
+def poisoned(cm, shape, dtype) -> DeviceArray:
+    arr = upload(cm, np.zeros(shape, dtype))
+    arr.fill_bytes(0xFF)
+    return arr
+
+
+def draw(seed: int, shape, dtype) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) / np.sqrt(shape[-1])).astype(dtype)
+
+
+def close_to(got: np.ndarray, want: np.ndarray, dtype, what: str) -> None:
+    """Within two roundings of the result's type (fp32 sums differ in order only)."""
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all(), f"{what}: poison left in the result"
+    eps = 2.0 ** -7 if resolve(dtype).name == "bfloat16" else 2.0 ** -10
+    bound = 2 * eps * np.abs(want) + 1e-3
+    worst = np.abs(got - want) - bound
+    where = np.unravel_index(worst.argmax(), worst.shape)
+    assert (worst <= 0).all(), f"{what}: off by {np.abs(got - want).max():.3g} at {where}"
+
+
+def k_slices(k: int, world: int) -> list[tuple[int, int]]:
+    """Uneven slices of K across ranks (matmul_reduce_scatter takes any k a rank)."""
+    edges = np.linspace(0, k, world + 1).astype(int)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def case_against_numpy(comm, shapes="64,48,40;37,48,40;1,16,8"):
+    """Both operations, both types, full and ragged shard rows, with and without out= and gathered=, each call
+    twice on fresh inputs (the readiness words reused)."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    shapes = [tuple(map(int, s.split(","))) for s in shapes.split(";")]
+    seed = 10
+    for dtype in DTYPES:
+        d = resolve(dtype)
+        with CollectiveMatmul(comm, max_rows=max(m for m, _, _ in shapes) * world, k=shapes[0][1],
+                              n=shapes[0][2], dtype=dtype, timeout=30) as cm:
+            for m, k, n in shapes:
+                if (k, n) != (cm.k, cm.n):
+                    continue
+                for turn in range(2):
+                    seed += 1
+                    a = draw(seed, (world * m, k), d)
+                    b = draw(seed + 1, (k, n), d)
+                    out = poisoned(cm, (world * m, n), d) if turn else None
+                    gathered = poisoned(cm, (world * m, k), d) if turn else None
+                    c = cm.all_gather_matmul(upload(cm, a[rank * m:(rank + 1) * m]), upload(cm, b), out,
+                                             gathered=gathered)
+                    assert out is None or c is out
+                    cm.synchronize()  # (a DeviceArray of ours that names no stream is read on the legacy one)
+                    close_to(c.numpy(), a.astype(np.float32) @ b.astype(np.float32), d,
+                             f"all_gather_matmul {dtype} m={m} turn {turn}")
+                    if gathered is not None:
+                        np.testing.assert_array_equal(gathered.numpy(), a)
+                    cut = k_slices(k, world)
+                    lo, hi = cut[rank]
+                    out = poisoned(cm, (m, n), d) if turn else None
+                    c = cm.matmul_reduce_scatter(upload(cm, np.ascontiguousarray(a[:, lo:hi])),
+                                                 upload(cm, np.ascontiguousarray(b[lo:hi])), out)
+                    cm.synchronize()
+                    partials = [(a[:, x:y].astype(np.float32) @ b[x:y].astype(np.float32)).astype(d)
+                                for x, y in cut]
+                    want = np.sum([p.astype(np.float32) for p in partials], axis=0)[rank * m:(rank + 1) * m]
+                    close_to(c.numpy(), want, d, f"matmul_reduce_scatter {dtype} m={m} turn {turn}")
+            cm.synchronize()
+    print(f"rank {rank}: {len(shapes)} shapes x {len(DTYPES)} types x 2 turns agree with NumPy")
+
+
+def case_numpy_inputs_and_caller_gemm(comm):
+    """NumPy arguments (copied in), and gemm= a callable of the caller's, given the rows it must multiply."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    d = resolve("bfloat16")
+    m, k, n = 24, 32, 16
+    calls = []
+
+    def gemm(a_rows, b, out_rows, stream):
+        calls.append(a_rows.shape)
+        host = a_rows.numpy().astype(np.float32) @ b.numpy().astype(np.float32)
+        out_rows.copy_from(host.astype(d))
+
+    with CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=30) as cm:
+        if cm.backend.kind != "host":
+            pytest.skip("a GEMM of NumPy's runs at once: the host backend's order (GPUs: torch's gemm=, bench)")
+        a, b = draw(1, (world * m, k), d), draw(2, (k, n), d)
+        c = cm.all_gather_matmul(a[rank * m:(rank + 1) * m], b)
+        close_to(c.numpy(), a.astype(np.float32) @ b.astype(np.float32), d, "NumPy inputs")
+        c = cm.all_gather_matmul(upload(cm, a[rank * m:(rank + 1) * m]), upload(cm, b), gemm=gemm)
+        close_to(c.numpy(), a.astype(np.float32) @ b.astype(np.float32), d, "gemm= all_gather_matmul")
+        assert calls == [(m, k)] * world, calls
+        lo, hi = k_slices(k, world)[rank]
+        c = cm.matmul_reduce_scatter(upload(cm, np.ascontiguousarray(a[:, lo:hi])),
+                                     upload(cm, np.ascontiguousarray(b[lo:hi])), gemm=gemm)
+        want = sum((a[:, x:y].astype(np.float32) @ b[x:y].astype(np.float32)).astype(d).astype(np.float32)
+                   for x, y in k_slices(k, world))[rank * m:(rank + 1) * m]
+        close_to(c.numpy(), want, d, "gemm= matmul_reduce_scatter")
+
+
+def case_bad_input_is_refused(comm):
+    """Every mistake is a clear exception on the calling rank before any work is queued, and the object still
+    works; ranks that disagree on the rows a rank are named on every rank (the readiness words carry the count)."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    d = resolve("float16")
+    m, k, n = 8, 16, 8
+    with pytest.raises(ValueError, match="max_rows must be a positive integer"):
+        CollectiveMatmul(comm, max_rows=0, k=k, n=n)
+    cm = CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=2.0)
+    a, b = upload(cm, draw(1, (m, k), d)), upload(cm, draw(2, (k, n), d))
+    with pytest.raises(TypeError, match="a_shard must be a 2-D array"):
+        cm.all_gather_matmul(upload(cm, np.zeros(k, d)), b)
+    with pytest.raises(ValueError, match=f"takes 1 to {m} a rank"):
+        cm.all_gather_matmul(upload(cm, np.zeros((m + 1, k), d)), b)
+    with pytest.raises(TypeError, match="float32"):
+        cm.all_gather_matmul(upload(cm, np.zeros((m, k), np.float32)), b)
+    with pytest.raises(ValueError, match="b"):
+        cm.all_gather_matmul(a, upload(cm, np.zeros((k + 1, n), d)))
+    with pytest.raises(ValueError, match="out"):
+        cm.all_gather_matmul(a, b, poisoned(cm, (world * m + 1, n), d))
+    if world > 1:
+        with pytest.raises(ValueError, match=f"multiple of the {world} ranks"):
+            cm.matmul_reduce_scatter(upload(cm, np.zeros((world * m - 1, k), d)), b)
+    full = draw(4, (world * m, k), d)
+    c = cm.all_gather_matmul(upload(cm, full[rank * m:(rank + 1) * m]), b)
+    close_to(c.numpy(), full.astype(np.float32) @ b.numpy().astype(np.float32), d, "after the refusals")
+    if world > 1:
+        odd = world - 1
+        with pytest.raises(ConfigMismatchError, match="ranks disagree") as info:
+            cm.all_gather_matmul(upload(cm, draw(3, (m - 1 if rank == odd else m, k), d)), b)
+            cm.synchronize()
+        named = info.value.ranks  # (the odd rank names the first of the others it waited for, or all)
+        assert named == (odd,) if rank != odd else named and set(named) <= set(range(odd)), named
+    cm.close()
+
+
+def case_missing_peer_times_out(comm):
+    """The last rank never calls: every other rank's call (host) or synchronize() (GPU) raises A2ATimeoutError
+    naming it, the output reads as NaN, and later calls are refused."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    if world == 1:
+        pytest.skip("one rank has no peer to miss")
+    d = resolve("bfloat16")
+    m, k, n = 8, 16, 8
+    cm = CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=2.0)
+    a, b = upload(cm, draw(1, (m, k), d)), upload(cm, draw(2, (k, n), d))
+    missing = world - 1
+    if rank == missing:
+        time.sleep(6.0)  # never calls, and outlives its peers' timeouts
+        with pytest.raises(A2ATimeoutError, match="SymmetricHeap.close"):
+            cm.close()  # its peers left without the closing barrier: a bounded wait, then unmapped anyway
+    else:
+        out = poisoned(cm, (world * m, n), d)
+        out.fill_bytes(0)
+        start = time.monotonic()
+        with pytest.raises(A2ATimeoutError, match=f"rank {missing}") as info:
+            cm.all_gather_matmul(a, b, out)
+            cm.synchronize()
+        assert info.value.ranks == (missing,) and time.monotonic() - start < 4.0, info.value.ranks
+        assert np.isnan(out.numpy().astype(np.float32)).all(), "a failed call's output must read as poison"
+        with pytest.raises(A2AError, match="an earlier call failed"):
+            cm.all_gather_matmul(a, b)
+        cm.close()
+    comm.Barrier()
+    print(f"[rank {rank}] tests.cases.collective_cases:case_missing_peer_times_out ok", flush=True)
+    os._exit(0)  # (the last rank's unmatched closing barrier must not hold MPI_Finalize)
+
+
+def case_captured_graph_replays(comm):
+    """Both operations recorded on a capturing stream, replayed on new inputs filled in place."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    d = resolve("bfloat16")
+    m, k, n = 16, 32, 24
+    with CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=30) as cm:
+        backend = cm.backend
+        a, b = upload(cm, np.zeros((m, k), d)), upload(cm, np.zeros((k, n), d))
+        a_rs = upload(cm, np.zeros((world * m, k), d))
+        out, out_rs = poisoned(cm, (world * m, n), d), poisoned(cm, (m, n), d)
+        stream = backend.stream_create()
+        cm.all_gather_matmul(a, b, out, stream=stream)  # (once before the capture: cuBLAS's first call sets up)
+        cm.matmul_reduce_scatter(a_rs, b, out_rs, stream=stream)
+        cm.synchronize()
+        backend.capture_begin(stream)
+        cm.all_gather_matmul(a, b, out, stream=stream)
+        cm.matmul_reduce_scatter(a_rs, b, out_rs, stream=stream)
+        graph = backend.capture_end(stream)
+        for turn in range(3):
+            full, bb = draw(20 + turn, (world * m, k), d), draw(30 + turn, (k, n), d)
+            rs = draw(40 + turn, (world * m, k), d)
+            a.copy_from(full[rank * m:(rank + 1) * m])
+            b.copy_from(bb)  # (the same b on every rank, so the reduce-scatter's sum is rs_all @ b summed)
+            a_rs.copy_from(rs)
+            out.fill_bytes(0xFF)
+            out_rs.fill_bytes(0xFF)
+            comm.Barrier()
+            backend.graph_launch(graph, stream)
+            backend.stream_synchronize(stream)
+            close_to(out.numpy(), full.astype(np.float32) @ bb.astype(np.float32), d, f"replay {turn}")
+            everyone = comm.allgather(rs)
+            want = sum((x.astype(np.float32) @ bb.astype(np.float32)).astype(d).astype(np.float32)
+                       for x in everyone)[rank * m:(rank + 1) * m]
+            close_to(out_rs.numpy(), want, d, f"replay {turn} (reduce-scatter)")
+        backend.graph_destroy(graph)
+        backend.stream_destroy(stream)
+
+
+def case_torch_tensors_and_gemm(comm):
+    """PyTorch tensors in, PyTorch tensors out (views of ours, read on the current stream), with the vendor's GEMM
+    and with torch.matmul as gemm= on the stream it is given."""
+    torch = pytest.importorskip("torch")
+    rank, world = comm.Get_rank(), comm.Get_size()
+    m, k, n = 40, 64, 48
+    with CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype="bfloat16", timeout=30) as cm:
+        if cm.backend.kind != "cuda":
+            pytest.skip("PyTorch's GPU tensors need the CUDA backend")
+        d = resolve("bfloat16")
+
+        def gemm(a_rows, b, out_rows, stream):
+            assert isinstance(a_rows, torch.Tensor) and isinstance(out_rows, torch.Tensor)
+            # (the handle as the CUDA array interface spells it: 1 is the legacy default stream)
+            with torch.cuda.stream(torch.cuda.default_stream() if stream == 1 else torch.cuda.ExternalStream(stream)):
+                torch.matmul(a_rows, b, out=out_rows)
+
+        for turn, chosen in enumerate((None, gemm, None, gemm)):
+            full, b = draw(50 + turn, (world * m, k), d), draw(60 + turn, (k, n), d)
+            def as_torch(x):
+                return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16).cuda()
+            c = cm.all_gather_matmul(as_torch(full[rank * m:(rank + 1) * m]), as_torch(b), gemm=chosen)
+            assert isinstance(c, torch.Tensor) and c.shape == (world * m, n)
+            close_to(c.float().cpu().numpy(), full.astype(np.float32) @ b.astype(np.float32), d, f"torch AG {turn}")
+            lo, hi = k_slices(k, world)[rank]
+            c = cm.matmul_reduce_scatter(as_torch(np.ascontiguousarray(full[:, lo:hi])),
+                                         as_torch(np.ascontiguousarray(b[lo:hi])), gemm=chosen)
+            want = sum((full[:, x:y].astype(np.float32) @ b[x:y].astype(np.float32)).astype(d).astype(np.float32)
+                       for x, y in k_slices(k, world))[rank * m:(rank + 1) * m]
+            close_to(c.float().cpu().numpy(), want, d, f"torch RS {turn}")
