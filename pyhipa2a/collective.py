@@ -28,24 +28,24 @@ from .heap import SymmetricHeap
 from .inputs import Boundary
 from .streams import Streams
 
-KINDS = ("rows", "rows_read", "sums", "sums_read")  # (readiness words: pyhipa2a.signals)
 VIEWS_KEPT = 256  # the caller's-library views of our memory kept for gemm= (a new array's are made anew)
 
 
 class CollectiveMatmul:
     """Heap buffers for one (max_rows, k, n, dtype), made once; every rank makes the same calls in order."""
 
-    def __init__(self, comm=None, *, max_rows: int, k: int, n: int, dtype="bfloat16", backend=None,
-                 device: int | None = None, timeout: float = 60.0):
-        for name, value in (("max_rows", max_rows), ("k", k), ("n", n)):
+    def __init__(self, comm=None, *, max_rows: int, k: int, n: int, dtype="bfloat16", pieces: int = 1,
+                 backend=None, device: int | None = None, timeout: float = 60.0):
+        for name, value in (("max_rows", max_rows), ("k", k), ("n", n), ("pieces", pieces)):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
         self.dtype = check_supported(dtype, "dtype")
         self.world = world_size(comm)
-        self.max_rows, self.k, self.n = int(max_rows), int(k), int(n)
+        self.max_rows, self.k, self.n, self.pieces = int(max_rows), int(k), int(n), int(pieces)
         self.shard_rows = -(-self.max_rows // self.world)  # the most rows a rank holds
         w, m, item = self.world, self.shard_rows, self.dtype.itemsize
-        nbytes = (w * m * k + 3 * w * m * n + m * n + w) * item + 2 * len(KINDS) * w * 4 + 8 * 256
+        kinds = ("rows_read", "sums_read") + tuple(f"{kind}{j}" for kind in ("rows", "sums") for j in range(pieces))
+        nbytes = (w * m * k + 3 * w * m * n + m * n + w) * item + 2 * len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
         self._blas = self._broken = self._last = self._finished = None
@@ -60,10 +60,13 @@ class CollectiveMatmul:
             self.rs_out = heap.alloc((m, n), self.dtype)
             self.ones = heap.alloc((w,), self.dtype)
             self.ones.copy_from(np.ones(w, self.dtype))
-            self.signals = Signals(heap, KINDS, raised_at_start=("rows_read", "sums_read"))
+            self.signals = Signals(heap, kinds, raised_at_start=("rows_read", "sums_read"))
             heap.verify()
             self.stream = self._made_stream()
-            self.copies = [None if p == self.rank else self._made_stream() for p in range(w)]
+            # A copy stream a (peer, piece): each piece of our rows to a peer on its own copy engine where the
+            # GPU has enough.
+            self.copies = [None if p == self.rank else [self._made_stream() for _ in range(self.pieces)]
+                           for p in range(w)]
             self.watch = self._made_stream()  # reads words while the others may be stuck
             self._finished = self.backend.event_create()  # recorded after each call (its stream may go first)
             library_device = None if self.backend.kind == "host" else heap.device.index
@@ -95,36 +98,37 @@ class CollectiveMatmul:
         row_out, row_a = n * self.dtype.itemsize, k * self.dtype.itemsize
         # Slots lie the most rows a rank apart: a rank that sent another count overwrites only its own slot.
         slot = self.shard_rows * row_a
-        sig, awaited = self.signals, []
+        sig, awaited, cuts = self.signals, [], self._cuts(m)
         try:
             for i in range(1, w):  # every copy stream at once: rank r's rows to rank (r + i)'s slot [r]
-                p, copy = (r + i) % w, self.copies[(r + i) % w]
-                self.backend.stream_wait_stream(copy, s, within_capture=True)
+                p = (r + i) % w
                 what = "word that it read our all_gather_matmul rows"
-                sig.wait(p, "rows_read", copy, what)
-                self.backend.copy_device(self.heap.translate(self.gathered.ptr + r * slot, p), a_ptr, m * row_a,
-                                         copy)
-                sig.raise_on(p, "rows", copy, count=m)
-                awaited.append((p, "rows_read", 0, what))
+                self._free_slot(p, "rows_read", what, s, awaited)
+                for j, (first, count) in enumerate(cuts):
+                    copy = self.copies[p][j]
+                    self.backend.copy_device(self.heap.translate(self.gathered.ptr + r * slot + first * row_a, p),
+                                             a_ptr + first * row_a, count * row_a, copy)
+                    sig.raise_on(p, f"rows{j}", copy, count=m)
             for i in range(w):  # own rows first, then rank r - 1's (the first to arrive), r - 2's, ...
                 src = (r - i) % w
-                rows = a_ptr if src == r else self.gathered.ptr + src * slot
-                if src != r:
-                    sig.wait(src, "rows", s, "all_gather_matmul rows (count: rows a rank)", count=m)
-                    awaited.append((src, "rows", m, "all_gather_matmul rows (count: rows a rank)"))
-                if gemm is None:
-                    self._vendor().matmul(s, rows, b_ptr, out_ptr + src * m * row_out, m, n, k, lda=k, ldb=n, ldc=n,
-                                          dtype=self.dtype)
-                else:
-                    a_rows = a_shard if src == r else self._ours(rows, (m, k), b)
-                    gemm(a_rows, b, self._rows(out, src * m, m, out_ptr, n, b), self.backend.stream_handle(s))
-                if g_ptr is not None:
-                    self.backend.copy_device(g_ptr + src * m * row_a, rows, m * row_a, s)
+                for j, (first, count) in enumerate(cuts if src != r else [(0, m)]):
+                    rows = a_ptr if src == r else self.gathered.ptr + src * slot + first * row_a
+                    if src != r:
+                        what = f"all_gather_matmul rows, piece {j} (count: rows a rank)"
+                        sig.wait(src, f"rows{j}", s, what, count=m)
+                        awaited.append((src, f"rows{j}", m, what))
+                    out_row = src * m + first
+                    if gemm is None:
+                        self._vendor().matmul(s, rows, b_ptr, out_ptr + out_row * row_out, count, n, k, lda=k, ldb=n,
+                                              ldc=n, dtype=self.dtype)
+                    else:
+                        a_rows = a_shard if src == r else self._ours(rows, (count, k), b)
+                        gemm(a_rows, b, self._rows(out, out_row, count, out_ptr, n, b), self.backend.stream_handle(s))
+                    if g_ptr is not None:
+                        self.backend.copy_device(g_ptr + out_row * row_a, rows, count * row_a, s)
                 if src != r:
                     sig.raise_on(src, "rows_read", s)
-            for copy in self.copies:
-                if copy is not None:
-                    self.backend.stream_wait_stream(s, copy, within_capture=True)
+            self._join_copies(s)
         except (A2ATimeoutError, ConfigMismatchError):  # (the host backend's waits are bounded where they run)
             self._fail(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
             raise
@@ -145,34 +149,37 @@ class CollectiveMatmul:
         out, out_ptr = self._output("out", out, self.rs_out, (m, n), take, a, s)
         item = self.dtype.itemsize
         slot = self.shard_rows * n * item
-        sig, awaited = self.signals, []
+        sig, awaited, cuts = self.signals, [], self._cuts(m)
+        row_c = n * item
         try:
             for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
-                d, copy = (r + i) % w, self.copies[(r + i) % w]
-                staged = self.staged.ptr + d * slot
-                self._partial(gemm, s, a, a_ptr, d * m, m, b, b_ptr, staged)
-                self.backend.stream_wait_stream(copy, s, within_capture=True)
-                what = "word that it reduced our matmul_reduce_scatter sums"
-                sig.wait(d, "sums_read", copy, what)
-                self.backend.copy_device(self.heap.translate(self.partials.ptr + r * slot, d), staged, m * n * item,
-                                         copy)
-                sig.raise_on(d, "sums", copy, count=m)
-                awaited.append((d, "sums_read", 0, what))
+                d = (r + i) % w
+                for j, (first, count) in enumerate(cuts):
+                    staged = self.staged.ptr + d * slot + first * row_c
+                    self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, staged)
+                    if j == 0:
+                        what = "word that it reduced our matmul_reduce_scatter sums"
+                        self._free_slot(d, "sums_read", what, s, awaited)
+                    else:
+                        self.backend.stream_wait_stream(self.copies[d][j], s, within_capture=True)
+                    copy = self.copies[d][j]
+                    self.backend.copy_device(self.heap.translate(self.partials.ptr + r * slot + first * row_c, d),
+                                             staged, count * row_c, copy)
+                    sig.raise_on(d, f"sums{j}", copy, count=m)
             self._partial(gemm, s, a, a_ptr, r * m, m, b, b_ptr, self.partials.ptr + r * slot)
             for i in range(1, w):
                 src = (r - i) % w
-                what = "matmul_reduce_scatter sums (count: rows a rank)"
-                sig.wait(src, "sums", s, what, count=m)
-                awaited.append((src, "sums", m, what))
+                for j in range(len(cuts)):
+                    what = f"matmul_reduce_scatter sums, piece {j} (count: rows a rank)"
+                    sig.wait(src, f"sums{j}", s, what, count=m)
+                    awaited.append((src, f"sums{j}", m, what))
             # The sum over ranks as one GEMM: [1, W] ones times the [W, m*n] slots (rows shard_rows*n apart),
             # accumulated in fp32 and rounded once.
             self._vendor().matmul(s, self.ones.ptr, self.partials.ptr, out_ptr, 1, m * n, w, lda=w,
                                   ldb=self.shard_rows * n, ldc=m * n, dtype=self.dtype)
             for i in range(1, w):
                 sig.raise_on((r - i) % w, "sums_read", s)
-            for copy in self.copies:
-                if copy is not None:
-                    self.backend.stream_wait_stream(s, copy, within_capture=True)
+            self._join_copies(s)
         except (A2ATimeoutError, ConfigMismatchError):
             self._fail(s, ((out_ptr, m * n * item),))
             raise
@@ -210,6 +217,27 @@ class CollectiveMatmul:
 
     def _capturing(self, s) -> bool:
         return self._streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
+
+    def _cuts(self, m: int) -> list:
+        """(first row, rows) of each piece of a rank's m rows."""
+        size = -(-m // self.pieces)
+        return [(first, min(size, m - first)) for first in range(0, m, size)]
+
+    def _free_slot(self, peer: int, kind: str, what: str, s, awaited) -> None:
+        """Queue the copies to `peer` after what `s` queued so far and after `peer` said its slot of ours is free:
+        the first piece's stream waits for the word, the others for that stream."""
+        first, *others = self.copies[peer]
+        self.backend.stream_wait_stream(first, s, within_capture=True)
+        self.signals.wait(peer, kind, first, what)
+        awaited.append((peer, kind, 0, what))
+        for copy in others:
+            self.backend.stream_wait_stream(copy, first, within_capture=True)
+
+    def _join_copies(self, s) -> None:
+        """The call's stream waits for every copy stream: it covers all the call did (and reuses its buffers)."""
+        for copies in self.copies:
+            for copy in copies or ():
+                self.backend.stream_wait_stream(s, copy, within_capture=True)
 
     def _taker(self, s):
         capturing = self._capturing(s)

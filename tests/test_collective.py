@@ -16,9 +16,15 @@ def test_collective_matmul(case, backend):
     run_case(CASES + case, ranks_for(backend), env_backend(backend), timeout=120)
 
 
-@pytest.mark.parametrize("ranks", [1, 3])
-def test_collective_matmul_other_world_sizes(ranks):
-    run_case(CASES + "case_against_numpy", ranks, "host", timeout=120)
+@pytest.mark.parametrize("ranks, pieces", [(1, 1), (3, 3)])
+def test_collective_matmul_other_world_sizes(ranks, pieces):
+    run_case(CASES + "case_against_numpy", ranks, "host", timeout=120, args=("64,48,40;37,48,40;1,16,8", pieces))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_in_pieces(backend):
+    run_case(CASES + "case_against_numpy", ranks_for(backend), env_backend(backend), timeout=120,
+             args=("64,48,40;37,48,40;2,16,8", 4))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
