@@ -11,7 +11,8 @@ CASES = "tests.cases.collective_cases:"
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_against_numpy", "case_numpy_inputs_and_caller_gemm",
                                   "case_bad_input_is_refused",
-                                  "case_captured_graph_replays", "case_torch_tensors_and_gemm"])
+                                  "case_captured_graph_replays", "case_torch_tensors_and_gemm",
+                                  "case_torch_graph_replays"])
 def test_collective_matmul(case, backend):
     run_case(CASES + case, ranks_for(backend), env_backend(backend), timeout=120)
 
@@ -38,3 +39,8 @@ def test_missing_peer_times_out(backend):
                    allow_rank_death=True)
     for rank in range(ranks):
         assert f"[rank {rank}] tests.cases.collective_cases:case_missing_peer_times_out ok" in run.stdout, run.stdout
+
+
+@pytest.mark.gpu
+def test_issue_shapes_on_gpus():
+    run_case(CASES + "case_issue_shapes", ranks_for("gpu"), env_backend("gpu"), timeout=300)

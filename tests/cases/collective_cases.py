@@ -258,3 +258,73 @@ def case_torch_tensors_and_gemm(comm):
             want = sum((full[:, x:y].astype(np.float32) @ b[x:y].astype(np.float32)).astype(d).astype(np.float32)
                        for x, y in k_slices(k, world))[rank * m:(rank + 1) * m]
             close_to(c.float().cpu().numpy(), want, d, f"torch RS {turn}")
+
+
+def case_torch_graph_replays(comm):
+    """Both operations inside torch.cuda.graph (PyTorch's capture of its current stream), replayed on inputs
+    refilled in place: the copy streams and the readiness words are the graph's."""
+    torch = pytest.importorskip("torch")
+    rank, world = comm.Get_rank(), comm.Get_size()
+    m, k, n = 32, 64, 48
+    with CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype="bfloat16", pieces=2, timeout=30) as cm:
+        if cm.backend.kind != "cuda":
+            pytest.skip("PyTorch's graphs need the CUDA backend")
+        d = resolve("bfloat16")
+        a = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.zeros(k, n, device="cuda", dtype=torch.bfloat16)
+        a_rs = torch.zeros(world * m, k, device="cuda", dtype=torch.bfloat16)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # (warm-up on the capture's stream, as PyTorch asks)
+            cm.all_gather_matmul(a, b)
+            cm.matmul_reduce_scatter(a_rs, b)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c = cm.all_gather_matmul(a, b)
+            c_rs = cm.matmul_reduce_scatter(a_rs, b)
+        for turn in range(3):
+            full, rs = draw(70 + turn, (world * m, k), d), draw(90 + turn, (world * m, k), d)
+            bb = draw(80 + turn, (k, n), d)
+            for dst, src in ((a, full[rank * m:(rank + 1) * m]), (b, bb), (a_rs, rs)):
+                dst.copy_(torch.from_numpy(np.ascontiguousarray(src).view(np.int16)).view(torch.bfloat16))
+            c.fill_(float("nan"))
+            c_rs.fill_(float("nan"))
+            torch.cuda.synchronize()
+            comm.Barrier()
+            graph.replay()
+            torch.cuda.synchronize()
+            close_to(c.float().cpu().numpy(), full.astype(np.float32) @ bb.astype(np.float32), d, f"replay {turn}")
+            want = sum((x.astype(np.float32) @ bb.astype(np.float32)).astype(d).astype(np.float32)
+                       for x in comm.allgather(rs))[rank * m:(rank + 1) * m]
+            close_to(c_rs.float().cpu().numpy(), want, d, f"replay {turn} (reduce-scatter)")
+        del graph
+
+
+def case_issue_shapes(comm, rows_checked="192"):
+    """The benchmark's shapes (issue 56's table, M up to 16384), both types: rows drawn from every rank's block
+    checked against NumPy in fp32."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    shapes = ((2048, 7168, 4096), (8192, 7168, 4096), (16384, 8192, 8192))
+    for dtype in DTYPES:
+        d = resolve(dtype)
+        for M, K, N in shapes:
+            m = M // world
+            with CollectiveMatmul(comm, max_rows=M, k=K, n=N, dtype=dtype, pieces=2, timeout=60) as cm:
+                if cm.backend.kind == "host":
+                    pytest.skip("NumPy's GEMMs of these sizes take minutes on the host backend")
+                a, b = draw(M, (M, K), d), draw(K, (K, N), d)
+                check = np.sort(np.random.default_rng(M + 1).choice(M, int(rows_checked), replace=False))
+                c = cm.all_gather_matmul(upload(cm, a[rank * m:(rank + 1) * m]), upload(cm, b))
+                got = c.numpy()[check]
+                close_to(got, a[check].astype(np.float32) @ b.astype(np.float32), d, f"AG {dtype} {M},{K},{N}")
+                cut = k_slices(K, world)
+                lo, hi = cut[rank]
+                c = cm.matmul_reduce_scatter(upload(cm, np.ascontiguousarray(a[:, lo:hi])),
+                                             upload(cm, np.ascontiguousarray(b[lo:hi])))
+                mine = check[(check >= rank * m) & (check < (rank + 1) * m)]
+                want = sum((a[mine, x:y].astype(np.float32) @ b[x:y].astype(np.float32)).astype(d).astype(np.float32)
+                           for x, y in cut)
+                close_to(c.numpy()[mine - rank * m], want, d, f"RS {dtype} {M},{K},{N}")
+    print(f"rank {rank}: {len(shapes)} shapes x {len(DTYPES)} types agree with NumPy on {rows_checked} rows each")
