@@ -15,6 +15,7 @@ The call's stream waits for the copy streams before it returns, so it covers eve
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ from .errors import A2AError, A2ATimeoutError, ConfigMismatchError
 from .heap import SymmetricHeap
 from .inputs import Boundary
 from .streams import Streams
+from .watchdog import Watchdog
 
 VIEWS_KEPT = 256  # the caller's-library views of our memory kept for gemm= (a new array's are made anew)
 
@@ -48,7 +50,8 @@ class CollectiveMatmul:
         nbytes = (w * m * k + 3 * w * m * n + m * n + w) * item + 2 * len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
-        self._blas = self._broken = self._last = self._finished = None
+        self._blas = self._broken = self._last = self._finished = self._failure = self._watchdog = None
+        self._lock = threading.Lock()  # a call's queuing, and giving up on it (the watchdog's thread too)
         self._made: list = []
         self._staging: dict = {}  # argument name -> (pointer, bytes): NumPy arguments' device copies
         try:
@@ -69,6 +72,7 @@ class CollectiveMatmul:
                            for p in range(w)]
             self.watch = self._made_stream()  # reads words while the others may be stuck
             self._finished = self.backend.event_create()  # recorded after each call (its stream may go first)
+            self._watchdog = Watchdog(self.backend, self._finished, self._abandon)
             library_device = None if self.backend.kind == "host" else heap.device.index
             self._streams = Streams(self.backend, self.stream, True, library_device)
             self._boundary = Boundary(self.backend, heap.device.index, self._streams)
@@ -88,6 +92,16 @@ class CollectiveMatmul:
     def all_gather_matmul(self, a_shard, b, out=None, *, gathered=None, gemm=None, stream=None):
         """C [W*m, n] = all_gather(a_shard [m, k]) @ b [k, n]; `gathered` [W*m, k], where given, receives the
         gathered rows. `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM instead of the vendor's."""
+        with self._lock:
+            return self._all_gather_matmul(a_shard, b, out, gathered, gemm, stream)
+
+    def matmul_reduce_scatter(self, a, b, out=None, *, gemm=None, stream=None):
+        """C_shard [m, n] = rows r*m.. of sum over ranks of (a [W*m, k_r] @ b [k_r, n]), summed in fp32.
+        `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM of the partial sums."""
+        with self._lock:
+            return self._matmul_reduce_scatter(a, b, out, gemm, stream)
+
+    def _all_gather_matmul(self, a_shard, b, out, gathered, gemm, stream):
         w, r, k, n = self.world, self.rank, self.k, self.n
         s, m = self._begin("all_gather_matmul", stream, (a_shard, b, out, gathered), a_shard, "a_shard", k)
         take = self._taker(s)
@@ -135,9 +149,7 @@ class CollectiveMatmul:
         self._end(s, awaited, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
         return out
 
-    def matmul_reduce_scatter(self, a, b, out=None, *, gemm=None, stream=None):
-        """C_shard [m, n] = rows r*m.. of sum over ranks of (a [W*m, k_r] @ b [k_r, n]), summed in fp32.
-        `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM of the partial sums."""
+    def _matmul_reduce_scatter(self, a, b, out, gemm, stream):
         w, r, n = self.world, self.rank, self.n
         s, rows_total = self._begin("matmul_reduce_scatter", stream, (a, b, out), a, "a", None)
         if rows_total % w:
@@ -189,6 +201,8 @@ class CollectiveMatmul:
     # -- one call's steps ---------------------------------------------------------------------------
     def _begin(self, op: str, stream, arrays, lead, name: str, k):
         """(the call's stream, the lead array's rows) after the checks every call makes before queuing work."""
+        if self._failure is not None:
+            raise self._reported()
         if self._broken is not None:
             raise A2AError(f"CollectiveMatmul: {op} refused: an earlier call failed ({self._broken}); close() it")
         if self.heap.closed:
@@ -313,6 +327,7 @@ class CollectiveMatmul:
         self._streams.queued(s)
         self.backend.event_record(self._finished, s)
         self._last = (s, awaited, outputs)
+        self._watchdog.arm(time.monotonic() + self.timeout)
 
     def _fail(self, s, outputs) -> None:
         """A call that timed out: its outputs read as poison (NaN), and the object refuses later calls."""
@@ -324,9 +339,12 @@ class CollectiveMatmul:
 
     # -- host waits -------------------------------------------------------------------------------
     def synchronize(self, stream=None) -> None:
-        """Wait for this rank's last call (or for `stream`), at most `timeout` seconds. Past it, the ranks whose
-        words never came are named (A2ATimeoutError), the stuck waits are released so the streams drain, the last
-        call's outputs are poisoned, and the object refuses later calls."""
+        """Wait for this rank's last call (or for `stream`), at most `timeout` seconds. A call not done by then
+        (here, or by the watchdog's count when no one waits) is given up on: its ranks never heard from are
+        named (A2ATimeoutError; ConfigMismatchError for a rank that sent another row count), its stuck waits
+        released so the streams drain, its outputs poisoned (NaN), and the object refuses later calls."""
+        if self._failure is not None:
+            raise self._reported()
         if self._last is None and stream is None:
             return
         self.backend.activate()
@@ -337,29 +355,48 @@ class CollectiveMatmul:
         deadline, pause = time.monotonic() + self.timeout, 1e-5
         while not done():
             if time.monotonic() > deadline:
-                if self._last is None:
+                self._abandon()
+                if self._failure is not None:
+                    raise self._reported()
+                if not done():  # (a stream of the caller's, busy with more than our call)
                     raise A2ATimeoutError(f"CollectiveMatmul: the stream did not finish in {self.timeout:g} s")
-                self._give_up()
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
-        self._last = None if stream is None else self._last
+        if stream is None:
+            with self._lock:
+                self._last = None
+                self._watchdog.disarm()
+        if self._failure is not None:  # (given up on by the watchdog meanwhile)
+            raise self._reported()
 
-    def _give_up(self) -> None:
-        s, awaited, outputs = self._last
-        stuck = self.signals.not_seen(awaited, self.watch)
-        error = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
-            f"CollectiveMatmul: rank {self.rank}'s last call did not finish in {self.timeout:g} s, though every "
-            "rank's words came")
-        self.signals.force(stuck, self.watch)
-        self._fail(s, outputs)
-        self._last = None
+    def _abandon(self) -> None:
+        """Give up on the last call, if it is still pending (synchronize past its timeout, or the watchdog):
+        keep the error for the caller, release the stuck waits, poison the outputs, let the streams drain."""
+        with self._lock:
+            if self._last is None or self.backend.event_done(self._finished):
+                return
+            s, awaited, outputs = self._last
+            self._last = None
+            stuck = self.signals.not_seen(awaited, self.watch)
+            self._failure = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
+                f"CollectiveMatmul: rank {self.rank}'s last call did not finish in {self.timeout:g} s, though every "
+                "rank's words came")
+            self.signals.force(stuck, self.watch)
+            self._fail(s, outputs)
         deadline = time.monotonic() + self.timeout  # (released, the stream drains; then the poison is in place)
         while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
             time.sleep(1e-4)
-        raise error
+
+    def _reported(self) -> BaseException:
+        """The kept failure, handed to the caller once (later calls are refused as broken)."""
+        failure, self._failure = self._failure, None
+        return failure
 
     # -- teardown ---------------------------------------------------------------------------------------
     def _release(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
         if self._blas is not None:
             self._blas.close()
             self._blas = None

@@ -158,19 +158,22 @@ def case_bad_input_is_refused(comm):
     cm.close()
 
 
-def case_missing_peer_times_out(comm):
-    """The last rank never calls: every other rank's call (host) or synchronize() (GPU) raises A2ATimeoutError
-    naming it, the output reads as NaN, and later calls are refused."""
+def case_missing_peer_times_out(comm, noticed_by="synchronize"):
+    """The last rank never calls: every other rank's call raises A2ATimeoutError naming it: on the host backend
+    at once; on GPUs at synchronize(), or, where nobody waits through us (`noticed_by="watchdog"`), at the next
+    call, after the watchdog released the stream and poisoned the output. Later calls are refused."""
     rank, world = comm.Get_rank(), comm.Get_size()
     if world == 1:
         pytest.skip("one rank has no peer to miss")
     d = resolve("bfloat16")
     m, k, n = 8, 16, 8
     cm = CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=2.0)
+    if noticed_by == "watchdog" and cm.backend.kind == "host":
+        pytest.skip("the host backend's waits are bounded where they run: the call itself raises")
     a, b = upload(cm, draw(1, (m, k), d)), upload(cm, draw(2, (k, n), d))
     missing = world - 1
     if rank == missing:
-        time.sleep(6.0)  # never calls, and outlives its peers' timeouts
+        time.sleep(7.0)  # never calls, and outlives its peers' timeouts
         with pytest.raises(A2ATimeoutError, match="SymmetricHeap.close"):
             cm.close()  # its peers left without the closing barrier: a bounded wait, then unmapped anyway
     else:
@@ -179,8 +182,14 @@ def case_missing_peer_times_out(comm):
         start = time.monotonic()
         with pytest.raises(A2ATimeoutError, match=f"rank {missing}") as info:
             cm.all_gather_matmul(a, b, out)
-            cm.synchronize()
-        assert info.value.ranks == (missing,) and time.monotonic() - start < 4.0, info.value.ranks
+            if noticed_by == "watchdog":
+                time.sleep(3.0)  # (no host wait of ours: the watchdog gives up after the 2 s timeout)
+                cm.backend.stream_synchronize(cm.stream)  # (a wait of the caller's: it returns)
+                assert np.isnan(out.numpy().astype(np.float32)).all(), "the watchdog must poison the output"
+                cm.all_gather_matmul(a, b, out)
+            else:
+                cm.synchronize()
+        assert info.value.ranks == (missing,) and time.monotonic() - start < 5.0, info.value.ranks
         assert np.isnan(out.numpy().astype(np.float32)).all(), "a failed call's output must read as poison"
         with pytest.raises(A2AError, match="an earlier call failed"):
             cm.all_gather_matmul(a, b)

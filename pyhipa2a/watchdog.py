@@ -1,0 +1,63 @@
+"""Watchdog: a bound, kept from the host, on device waits that have none of their own (a stream waiting for a
+readiness word, pyhipa2a.signals). Its owner arms it after each call with the call's deadline; a thread polls
+the event recorded after the call, and once the deadline passes with the event still pending it calls the
+owner's `give_up()`, which names the ranks, releases the waits and poisons the outputs. So a rank whose peer
+never comes is not held forever even by a host wait outside the library (`torch.cuda.synchronize()`)."""
+from __future__ import annotations
+
+import threading
+import time
+
+POLL_S = 0.01  # how often an armed watchdog asks the event: far below any timeout, far above its cost
+
+
+class Watchdog:
+    def __init__(self, backend, event, give_up):
+        self._backend, self._event, self._give_up = backend, event, give_up
+        self._cond = threading.Condition()
+        self._deadline = None  # of the call armed last; None: nothing pending
+        self._thread = None
+        self._closed = False
+
+    def arm(self, deadline: float) -> None:
+        """The call just queued (its event recorded) must be done by `deadline` (time.monotonic())."""
+        with self._cond:
+            self._deadline = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pyhipa2a-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        """Nothing is pending: the owner saw the event done, or gave up itself."""
+        with self._cond:
+            self._deadline = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        self._backend.activate()  # (this thread's current device: the owner's)
+        while True:
+            with self._cond:
+                while self._deadline is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                deadline = self._deadline
+            time.sleep(POLL_S)
+            done = self._backend.event_done(self._event)
+            with self._cond:
+                if self._deadline != deadline:  # (re-armed or disarmed meanwhile: ask again)
+                    continue
+                if done:
+                    self._deadline = None
+                    continue
+                if time.monotonic() <= deadline:
+                    continue
+                self._deadline = None
+            self._give_up()
