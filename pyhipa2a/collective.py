@@ -34,20 +34,25 @@ VIEWS_KEPT = 256  # the caller's-library views of our memory kept for gemm= (a n
 
 
 class CollectiveMatmul:
-    """Heap buffers for one (max_rows, k, n, dtype), made once; every rank makes the same calls in order."""
+    """Heap buffers for one (max_rows, k, n, dtype), made once; every rank makes the same calls in order.
+    `pieces`: each rank's rows move in this many pieces, each on its own copy stream and awaited by its own word.
+    `remote_sums`: matmul_reduce_scatter's GEMMs write a peer's partial sums straight into its heap, across the
+    link, instead of into ours for a copy engine to move."""
 
     def __init__(self, comm=None, *, max_rows: int, k: int, n: int, dtype="bfloat16", pieces: int = 1,
-                 backend=None, device: int | None = None, timeout: float = 60.0):
+                 remote_sums: bool = False, backend=None, device: int | None = None, timeout: float = 60.0):
         for name, value in (("max_rows", max_rows), ("k", k), ("n", n), ("pieces", pieces)):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
         self.dtype = check_supported(dtype, "dtype")
         self.world = world_size(comm)
         self.max_rows, self.k, self.n, self.pieces = int(max_rows), int(k), int(n), int(pieces)
+        self.remote_sums = bool(remote_sums)
         self.shard_rows = -(-self.max_rows // self.world)  # the most rows a rank holds
         w, m, item = self.world, self.shard_rows, self.dtype.itemsize
         kinds = ("rows_read", "sums_read") + tuple(f"{kind}{j}" for kind in ("rows", "sums") for j in range(pieces))
-        nbytes = (w * m * k + 3 * w * m * n + m * n + w) * item + 2 * len(kinds) * w * 4 + 8 * 256
+        slabs = 2 if remote_sums else 3  # [W, m, n] each: partial sums received, AG's output, staged sums
+        nbytes = (w * m * k + slabs * w * m * n + m * n + w) * item + 2 * len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
         self._blas = self._broken = self._last = self._finished = self._failure = self._watchdog = None
@@ -58,7 +63,8 @@ class CollectiveMatmul:
             from .signals import Signals
             self.gathered = heap.alloc((w, m, k), self.dtype)   # all_gather_matmul: rank s's rows land in [s]
             self.partials = heap.alloc((w, m, n), self.dtype)   # matmul_reduce_scatter: rank s's sums of ours
-            self.staged = heap.alloc((w, m, n), self.dtype)     # ... and ours of rank d's rows, before the copy
+            # ... and ours of rank d's rows, before the copy (none where the GEMM writes them to the peer)
+            self.staged = None if remote_sums else heap.alloc((w, m, n), self.dtype)
             self.ag_out = heap.alloc((w * m, n), self.dtype)    # outputs when no out= is given
             self.rs_out = heap.alloc((m, n), self.dtype)
             self.ones = heap.alloc((w,), self.dtype)
@@ -167,6 +173,15 @@ class CollectiveMatmul:
             for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
                 d = (r + i) % w
                 for j, (first, count) in enumerate(cuts):
+                    theirs = self.heap.translate(self.partials.ptr + r * slot + first * row_c, d)
+                    if self.remote_sums:  # (the GEMM's own stores cross the link: no staging, no copy)
+                        if j == 0:
+                            what = "word that it reduced our matmul_reduce_scatter sums"
+                            sig.wait(d, "sums_read", s, what)
+                            awaited.append((d, "sums_read", 0, what))
+                        self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, theirs)
+                        sig.raise_on(d, f"sums{j}", s, count=m)
+                        continue
                     staged = self.staged.ptr + d * slot + first * row_c
                     self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, staged)
                     if j == 0:
@@ -175,8 +190,7 @@ class CollectiveMatmul:
                     else:
                         self.backend.stream_wait_stream(self.copies[d][j], s, within_capture=True)
                     copy = self.copies[d][j]
-                    self.backend.copy_device(self.heap.translate(self.partials.ptr + r * slot + first * row_c, d),
-                                             staged, count * row_c, copy)
+                    self.backend.copy_device(theirs, staged, count * row_c, copy)
                     sig.raise_on(d, f"sums{j}", copy, count=m)
             self._partial(gemm, s, a, a_ptr, r * m, m, b, b_ptr, self.partials.ptr + r * slot)
             for i in range(1, w):

@@ -65,7 +65,10 @@ def main() -> int:
     rows, piece_counts = [], [int(p) for p in args.pieces.split(",")]
     for op, M, K, N in shapes:
         m = M // world
-        objects = {p: CollectiveMatmul(comm, max_rows=M, k=K, n=N, dtype=args.dtype, pieces=p) for p in piece_counts}
+        # (p, remote): remote, the reduce-scatter's GEMMs write a peer's sums into its heap themselves
+        variants = [(p, False) for p in piece_counts] + ([(p, True) for p in piece_counts] if op == "rs" else [])
+        objects = {(p, remote): CollectiveMatmul(comm, max_rows=M, k=K, n=N, dtype=args.dtype, pieces=p,
+                                                 remote_sums=remote) for p, remote in variants}
         if op == "ag":
             a = torch.randn(m, K, device="cuda", dtype=dtype, generator=gen) / K ** 0.5
             b = torch.randn(K, N, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(7))
@@ -113,11 +116,11 @@ def main() -> int:
                 errors.append(float((got.float() - want).abs().max() / (want.abs().max() + 1e-6)))
         row = dict(op=op, M=M, K=K, N=N, ranks=world, nccl=timed(nccl), gemm=timed(gemm_alone),
                    sequence=timed(sequence), max_relative_error=max(comm.allgather(max(errors))))
-        for p, cm in objects.items():
-            row[f"ours_{p}"] = timed(lambda: ours(cm))
-        row["ours_torch_gemm"] = timed(lambda: ours(objects[piece_counts[0]], torch_gemm))
-        best = min(piece_counts, key=lambda p: row[f"ours_{p}"])
-        row.update(ours=row[f"ours_{best}"], best_pieces=best)
+        for (p, remote), cm in objects.items():
+            row[variant_name(p, remote)] = timed(lambda: ours(cm))
+        row["ours_torch_gemm"] = timed(lambda: ours(objects[variants[0]], torch_gemm))
+        best = min(variants, key=lambda v: row[variant_name(*v)])
+        row.update(ours=row[variant_name(*best)], best=variant_name(*best))
         row["x_sequence"] = row["ours"] / row["sequence"]
         row["x_gemm"] = row["ours"] / row["gemm"]
         rows.append(row)
@@ -129,11 +132,10 @@ def main() -> int:
     if rank == 0:
         print(f"\ncollective matmul, {world} ranks, {torch.cuda.get_device_name()}, {args.dtype}, us (median, "
               "slowest rank)")
-        pieces = "/".join(f"p={p}" for p in piece_counts)
         print(f"{'op':3} {'M':>6} {'K':>5} {'N':>5} {'NCCL':>8} {'GEMM':>8} {'seq':>8} {'ours best':>9} {'x seq':>6} "
-              f"{'x GEMM':>6}  ours {pieces}  torch gemm= {'rel err':>8}")
+              f"{'x GEMM':>6}  each variant (p: pieces, r: remote sums)  torch gemm= {'rel err':>8}")
         for r in rows:
-            each = " ".join(f"{r[f'ours_{p}']:.1f}" for p in piece_counts)
+            each = " ".join(f"{k[5:]}={v:.1f}" for k, v in r.items() if k.startswith("ours_p"))
             print(f"{r['op']:3} {r['M']:6} {r['K']:5} {r['N']:5} {r['nccl']:8.1f} {r['gemm']:8.1f} "
                   f"{r['sequence']:8.1f} {r['ours']:9.1f} {r['x_sequence']:6.2f} {r['x_gemm']:6.2f}  {each}  "
                   f"{r['ours_torch_gemm']:.1f} {r['max_relative_error']:8.1e}")
@@ -144,6 +146,10 @@ def main() -> int:
                 json.dump(dict(rows=rows, idle=idle), f, indent=1)
     dist.destroy_process_group()
     return 0
+
+
+def variant_name(pieces: int, remote: bool) -> str:
+    return f"ours_p{pieces}" + ("r" if remote else "")
 
 
 def torch_gemm(a, b, out, stream):

@@ -23,9 +23,10 @@ def test_collective_matmul_other_world_sizes(ranks, pieces):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_in_pieces(backend):
+@pytest.mark.parametrize("pieces, remote_sums", [(4, 0), (3, 1)])
+def test_rows_in_pieces_and_remote_sums(backend, pieces, remote_sums):
     run_case(CASES + "case_against_numpy", ranks_for(backend), env_backend(backend), timeout=120,
-             args=("64,48,40;37,48,40;2,16,8", 4))
+             args=("64,48,40;37,48,40;2,16,8", pieces, remote_sums))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -52,7 +52,7 @@ def k_slices(k: int, world: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def case_against_numpy(comm, shapes="64,48,40;37,48,40;1,16,8", pieces="1"):
+def case_against_numpy(comm, shapes="64,48,40;37,48,40;1,16,8", pieces="1", remote_sums="0"):
     """Both operations, both types, full and ragged shard rows, with and without out= and gathered=, each call
     twice on fresh inputs (the readiness words reused); each rank's rows moved in `pieces` pieces."""
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -61,7 +61,8 @@ def case_against_numpy(comm, shapes="64,48,40;37,48,40;1,16,8", pieces="1"):
     for dtype in DTYPES:
         d = resolve(dtype)
         with CollectiveMatmul(comm, max_rows=max(m for m, _, _ in shapes) * world, k=shapes[0][1],
-                              n=shapes[0][2], dtype=dtype, pieces=int(pieces), timeout=30) as cm:
+                              n=shapes[0][2], dtype=dtype, pieces=int(pieces), remote_sums=remote_sums == "1",
+                              timeout=30) as cm:
             for m, k, n in shapes:
                 if (k, n) != (cm.k, cm.n):
                     continue
