@@ -109,8 +109,9 @@ class CollectiveMatmul:
 
     def _all_gather_matmul(self, a_shard, b, out, gathered, gemm, stream):
         w, r, k, n = self.world, self.rank, self.k, self.n
-        s, m = self._begin("all_gather_matmul", stream, (a_shard, b, out, gathered), a_shard, "a_shard", k)
-        take = self._taker(s)
+        s, capturing, m = self._begin("all_gather_matmul", stream, (a_shard, b, out, gathered), a_shard, "a_shard",
+                                      k)
+        take = self._taker(s, capturing)
         a_ptr = take("a_shard", a_shard, (m, k))
         b_ptr = take("b", b, (k, n))
         out, out_ptr = self._output("out", out, self.ag_out, (w * m, n), take, a_shard, s)
@@ -152,16 +153,16 @@ class CollectiveMatmul:
         except (A2ATimeoutError, ConfigMismatchError):  # (the host backend's waits are bounded where they run)
             self._fail(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
             raise
-        self._end(s, awaited, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
+        self._end(s, capturing, awaited, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
         return out
 
     def _matmul_reduce_scatter(self, a, b, out, gemm, stream):
         w, r, n = self.world, self.rank, self.n
-        s, rows_total = self._begin("matmul_reduce_scatter", stream, (a, b, out), a, "a", None)
+        s, capturing, rows_total = self._begin("matmul_reduce_scatter", stream, (a, b, out), a, "a", None)
         if rows_total % w:
             raise ValueError(f"a has {rows_total} rows: matmul_reduce_scatter needs a multiple of the {w} ranks")
         m, k = rows_total // w, int(a.shape[1])
-        take = self._taker(s)
+        take = self._taker(s, capturing)
         a_ptr = take("a", a, (w * m, k))
         b_ptr = take("b", b, (k, n))
         out, out_ptr = self._output("out", out, self.rs_out, (m, n), take, a, s)
@@ -209,12 +210,13 @@ class CollectiveMatmul:
         except (A2ATimeoutError, ConfigMismatchError):
             self._fail(s, ((out_ptr, m * n * item),))
             raise
-        self._end(s, awaited, ((out_ptr, m * n * item),))
+        self._end(s, capturing, awaited, ((out_ptr, m * n * item),))
         return out
 
     # -- one call's steps ---------------------------------------------------------------------------
     def _begin(self, op: str, stream, arrays, lead, name: str, k):
-        """(the call's stream, the lead array's rows) after the checks every call makes before queuing work."""
+        """(the call's stream, whether another library captures it, the lead array's rows) after the checks every
+        call makes before queuing work."""
         if self._failure is not None:
             raise self._reported()
         if self._broken is not None:
@@ -239,12 +241,10 @@ class CollectiveMatmul:
             s = streams.current(arrays)[0]
         else:
             s = streams.given(stream)
-        if not self._capturing(s):
+        capturing = self._streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
+        if not capturing:
             streams.follow(s)  # after the last call on another stream: our buffers are reused in its order
-        return s, rows
-
-    def _capturing(self, s) -> bool:
-        return self._streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
+        return s, capturing, rows
 
     def _cuts(self, m: int) -> list:
         """(first row, rows) of each piece of a rank's m rows."""
@@ -267,8 +267,7 @@ class CollectiveMatmul:
             for copy in copies or ():
                 self.backend.stream_wait_stream(s, copy, within_capture=True)
 
-    def _taker(self, s):
-        capturing = self._capturing(s)
+    def _taker(self, s, capturing: bool):
         keep = []
 
         def take(name, obj, shape):
@@ -335,8 +334,8 @@ class CollectiveMatmul:
             self._views[key] = view
         return view
 
-    def _end(self, s, awaited, outputs) -> None:
-        if self._capturing(s):
+    def _end(self, s, capturing: bool, awaited, outputs) -> None:
+        if capturing:
             return  # (nothing ran: a replay of the graph is the graph's caller's to wait for)
         self._streams.queued(s)
         self.backend.event_record(self._finished, s)
