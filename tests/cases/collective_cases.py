@@ -5,6 +5,7 @@ checks this rank's result against NumPy in fp32 (the GEMM's accumulation), withi
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -18,11 +19,33 @@ from pyhipa2a.dtypes import resolve
 DTYPES = ("bfloat16", "float16")
 
 
+_UPLOADED: list = []  # (backend, pointer) of every array upload() made, freed when its case ends
+
+
 def upload(cm, host: np.ndarray) -> DeviceArray:
-    """`host` in device memory of its own (freed with the object's backend at exit)."""
-    arr = DeviceArray(cm.backend, cm.backend.malloc_ipc(max(host.nbytes, 1)), host.shape, host.dtype)
+    """`host` in device memory of its own (freed when the case ends: frees_uploads)."""
+    ptr = cm.backend.malloc_ipc(max(host.nbytes, 1))
+    _UPLOADED.append((cm.backend, ptr))
+    arr = DeviceArray(cm.backend, ptr, host.shape, host.dtype)
     arr.copy_from(host)
     return arr
+
+
+def free_uploads() -> None:
+    while _UPLOADED:
+        backend, ptr = _UPLOADED.pop()
+        backend.free(ptr)
+
+
+def frees_uploads(case):
+    """The case's uploads are freed when it ends, however (the host backend's are files in /dev/shm)."""
+    @functools.wraps(case)
+    def run(*args, **kwargs):
+        try:
+            return case(*args, **kwargs)
+        finally:
+            free_uploads()
+    return run
 
 
 def poisoned(cm, shape, dtype) -> DeviceArray:
@@ -52,6 +75,7 @@ def k_slices(k: int, world: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+@frees_uploads
 def case_against_numpy(comm, shapes="64,48,40;37,48,40;1,16,8", pieces="1", remote_sums="0"):
     """Both operations, both types, full and ragged shard rows, with and without out= and gathered=, each call
     twice on fresh inputs (the readiness words reused); each rank's rows moved in `pieces` pieces."""
@@ -94,6 +118,7 @@ def case_against_numpy(comm, shapes="64,48,40;37,48,40;1,16,8", pieces="1", remo
     print(f"rank {rank}: {len(shapes)} shapes x {len(DTYPES)} types x 2 turns agree with NumPy")
 
 
+@frees_uploads
 def case_numpy_inputs_and_caller_gemm(comm):
     """NumPy arguments (copied in), and gemm= a callable of the caller's, given the rows it must multiply."""
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -123,6 +148,7 @@ def case_numpy_inputs_and_caller_gemm(comm):
         close_to(c.numpy(), want, d, "gemm= matmul_reduce_scatter")
 
 
+@frees_uploads
 def case_bad_input_is_refused(comm):
     """Every mistake is a clear exception on the calling rank before any work is queued, and the object still
     works; ranks that disagree on the rows a rank are named on every rank (the readiness words carry the count)."""
@@ -159,6 +185,7 @@ def case_bad_input_is_refused(comm):
     cm.close()
 
 
+@frees_uploads
 def case_missing_peer_times_out(comm, noticed_by="synchronize"):
     """The last rank never calls: every other rank's call raises A2ATimeoutError naming it: on the host backend
     at once; on GPUs at synchronize(), or, where nobody waits through us (`noticed_by="watchdog"`), at the next
@@ -195,11 +222,13 @@ def case_missing_peer_times_out(comm, noticed_by="synchronize"):
         with pytest.raises(A2AError, match="an earlier call failed"):
             cm.all_gather_matmul(a, b)
         cm.close()
+    free_uploads()
     comm.Barrier()
     print(f"[rank {rank}] tests.cases.collective_cases:case_missing_peer_times_out ok", flush=True)
     os._exit(0)  # (the last rank's unmatched closing barrier must not hold MPI_Finalize)
 
 
+@frees_uploads
 def case_captured_graph_replays(comm):
     """Both operations recorded on a capturing stream, replayed on new inputs filled in place."""
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -238,6 +267,7 @@ def case_captured_graph_replays(comm):
         backend.stream_destroy(stream)
 
 
+@frees_uploads
 def case_torch_tensors_and_gemm(comm):
     """PyTorch tensors in, PyTorch tensors out (views of ours, read on the current stream), with the vendor's GEMM
     and with torch.matmul as gemm= on the stream it is given."""
@@ -270,6 +300,7 @@ def case_torch_tensors_and_gemm(comm):
             close_to(c.float().cpu().numpy(), want, d, f"torch RS {turn}")
 
 
+@frees_uploads
 def case_torch_graph_replays(comm):
     """Both operations inside torch.cuda.graph (PyTorch's capture of its current stream), replayed on inputs
     refilled in place: the copy streams and the readiness words are the graph's."""
@@ -312,6 +343,7 @@ def case_torch_graph_replays(comm):
         del graph
 
 
+@frees_uploads
 def case_issue_shapes(comm, rows_checked="192"):
     """The benchmark's shapes (issue 56's table, M up to 16384), both types: rows drawn from every rank's block
     checked against NumPy in fp32."""
