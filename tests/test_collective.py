@@ -12,7 +12,7 @@ CASES = "tests.cases.collective_cases:"
 @pytest.mark.parametrize("case", ["case_against_numpy", "case_numpy_inputs_and_caller_gemm",
                                   "case_bad_input_is_refused",
                                   "case_captured_graph_replays", "case_torch_tensors_and_gemm",
-                                  "case_torch_graph_replays"])
+                                  "case_torch_graph_replays", "case_jax_arrays"])
 def test_collective_matmul(case, backend):
     run_case(CASES + case, ranks_for(backend), env_backend(backend), timeout=120)
 

@@ -370,3 +370,25 @@ def case_issue_shapes(comm, rows_checked="192"):
                            for x, y in cut)
                 close_to(c.numpy()[mine - rank * m], want, d, f"RS {dtype} {M},{K},{N}")
     print(f"rank {rank}: {len(shapes)} shapes x {len(DTYPES)} types agree with NumPy on {rows_checked} rows each")
+
+
+@frees_uploads
+def case_jax_arrays(comm):
+    """JAX arrays in (eager): read where they lie, through DLPack; the result is ours (a DeviceArray)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # (our heap shares the GPU with JAX's pool)
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    rank, world = comm.Get_rank(), comm.Get_size()
+    d = resolve("bfloat16")
+    m, k, n = 24, 32, 16
+    with CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=30) as cm:
+        platform = "cpu" if cm.backend.kind == "host" else "gpu"
+        try:
+            device = jax.devices(platform)[cm.heap.device.index if platform == "gpu" else 0]
+        except RuntimeError:
+            pytest.skip(f"this JAX has no {platform} device")
+        for turn in range(2):
+            full, b = draw(100 + turn, (world * m, k), d), draw(110 + turn, (k, n), d)
+            a_shard = jax.device_put(jnp.asarray(full[rank * m:(rank + 1) * m]), device)
+            c = cm.all_gather_matmul(a_shard, jax.device_put(jnp.asarray(b), device))
+            close_to(c.numpy(), full.astype(np.float32) @ b.astype(np.float32), d, f"JAX inputs, turn {turn}")
