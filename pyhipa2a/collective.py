@@ -6,31 +6,57 @@ the GEMMs chunk by chunk.
         c_shard = cm.matmul_reduce_scatter(a, b)    # a [M, K/W], b [K/W, N] -> c_shard [M/W, N]
 
 How a call runs (docs/COLLECTIVE.md has the picture): the caller's stream runs the GEMMs, one chunk of rows a
-rank; a copy stream a peer moves rows between heaps with the copy engine and raises a readiness word in the
-peer's heap (pyhipa2a.signals); the GEMM of a chunk waits for its word on the device. Chunks go in ring order:
+rank (or a piece of one); a copy stream for each peer (and piece) moves rows between heaps with the copy engine
+and raises a readiness word in the peer's heap (pyhipa2a.signals); the GEMM of a chunk waits for its word on
+the device. Chunks go in ring order:
 all_gather_matmul starts on its own rows while the others arrive (rank r - 1's first); matmul_reduce_scatter
 starts on the rows for rank r + 1, so its own partial sums are computed last, behind the copies of the others.
 The call's stream waits for the copy streams before it returns, so it covers everything the call does.
 """
 from __future__ import annotations
 
-import functools
 import threading
-import time
 
 import numpy as np
 
-from . import producers
-from .array import DeviceArray
 from .bootstrap import bounded_barrier, world_size
 from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError
+from .collective_arrays import CallerArrays
 from .heap import SymmetricHeap
-from .inputs import Boundary
+from .inflight import InFlight
+from .signals import Signals
 from .streams import Streams
-from .watchdog import Watchdog
 
-VIEWS_KEPT = 256  # the caller's-library views of our memory kept for gemm= (a new array's are made anew)
+def cut_rows(m: int, pieces: int) -> list:
+    """(first row, rows) of each piece of a rank's m rows (fewer pieces where m is smaller)."""
+    size = -(-m // pieces)
+    return [(first, min(size, m - first)) for first in range(0, m, size)]
+
+
+class CopyStreams:
+    """A copy stream for each (peer, piece): each piece of our rows goes to a peer on its own copy engine, where
+    the GPU has enough of them."""
+
+    def __init__(self, backend, signals, world: int, rank: int, pieces: int, make_stream):
+        self.backend, self.signals = backend, signals
+        self.to = [None if p == rank else [make_stream() for _ in range(pieces)] for p in range(world)]
+
+    def after_free_slot(self, peer: int, kind: str, what: str, s, awaited) -> None:
+        """Queue the copies to `peer` after what `s` queued so far and after `peer` raised `kind` (its slot of
+        ours is free): the first piece's stream waits for the word, the others for that stream."""
+        first, *others = self.to[peer]
+        self.backend.stream_wait_stream(first, s, within_capture=True)
+        self.signals.wait(peer, kind, first, what)
+        awaited.append((peer, kind, 0, what))
+        for copy in others:
+            self.backend.stream_wait_stream(copy, first, within_capture=True)
+
+    def join(self, s) -> None:
+        """`s` waits for every copy stream: the call's stream covers all the call did (and reuses its buffers)."""
+        for streams in self.to:
+            for copy in streams or ():
+                self.backend.stream_wait_stream(s, copy, within_capture=True)
 
 
 class CollectiveMatmul:
@@ -55,12 +81,11 @@ class CollectiveMatmul:
         nbytes = (w * m * k + slabs * w * m * n + m * n + w) * item + 2 * len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
-        self._blas = self._broken = self._last = self._finished = self._failure = self._watchdog = None
-        self._lock = threading.Lock()  # a call's queuing, and giving up on it (the watchdog's thread too)
+        self._blas = self._flight = None
+        self._lock = threading.Lock()  # a call's queuing, and giving up on one (the watchdog's thread too)
         self._made: list = []
-        self._staging: dict = {}  # argument name -> (pointer, bytes): NumPy arguments' device copies
+        self._arrays = None
         try:
-            from .signals import Signals
             self.gathered = heap.alloc((w, m, k), self.dtype)   # all_gather_matmul: rank s's rows land in [s]
             self.partials = heap.alloc((w, m, n), self.dtype)   # matmul_reduce_scatter: rank s's sums of ours
             # ... and ours of rank d's rows, before the copy (none where the GEMM writes them to the peer)
@@ -72,17 +97,12 @@ class CollectiveMatmul:
             self.signals = Signals(heap, kinds, raised_at_start=("rows_read", "sums_read"))
             heap.verify()
             self.stream = self._made_stream()
-            # A copy stream a (peer, piece): each piece of our rows to a peer on its own copy engine where the
-            # GPU has enough.
-            self.copies = [None if p == self.rank else [self._made_stream() for _ in range(self.pieces)]
-                           for p in range(w)]
+            self.copies = CopyStreams(self.backend, self.signals, w, self.rank, self.pieces, self._made_stream)
             self.watch = self._made_stream()  # reads words while the others may be stuck
-            self._finished = self.backend.event_create()  # recorded after each call (its stream may go first)
-            self._watchdog = Watchdog(self.backend, self._finished, self._abandon)
+            self._flight = InFlight(self.backend, self.signals, self.watch, self.timeout, self._lock)
             library_device = None if self.backend.kind == "host" else heap.device.index
             self._streams = Streams(self.backend, self.stream, True, library_device)
-            self._boundary = Boundary(self.backend, heap.device.index, self._streams)
-            self._views: dict = {}
+            self._arrays = CallerArrays(self.backend, heap, self.dtype, self._streams)
             bounded_barrier(heap.comm, self.timeout, "CollectiveMatmul setup")
         except BaseException:
             self._release()
@@ -111,22 +131,22 @@ class CollectiveMatmul:
         w, r, k, n = self.world, self.rank, self.k, self.n
         s, capturing, m = self._begin("all_gather_matmul", stream, (a_shard, b, out, gathered), a_shard, "a_shard",
                                       k)
-        take = self._taker(s, capturing)
+        take = self._arrays.taker(s, capturing)
         a_ptr = take("a_shard", a_shard, (m, k))
         b_ptr = take("b", b, (k, n))
-        out, out_ptr = self._output("out", out, self.ag_out, (w * m, n), take, a_shard, s)
+        out, out_ptr = self._arrays.output(take, "out", out, self.ag_out, (w * m, n), a_shard, s)
         g_ptr = take("gathered", gathered, (w * m, k)) if gathered is not None else None
         row_out, row_a = n * self.dtype.itemsize, k * self.dtype.itemsize
         # Slots lie the most rows a rank apart: a rank that sent another count overwrites only its own slot.
         slot = self.shard_rows * row_a
-        sig, awaited, cuts = self.signals, [], self._cuts(m)
+        sig, awaited, cuts = self.signals, [], cut_rows(m, self.pieces)
         try:
             for i in range(1, w):  # every copy stream at once: rank r's rows to rank (r + i)'s slot [r]
                 p = (r + i) % w
                 what = "word that it read our all_gather_matmul rows"
-                self._free_slot(p, "rows_read", what, s, awaited)
+                self.copies.after_free_slot(p, "rows_read", what, s, awaited)
                 for j, (first, count) in enumerate(cuts):
-                    copy = self.copies[p][j]
+                    copy = self.copies.to[p][j]
                     self.backend.copy_device(self.heap.translate(self.gathered.ptr + r * slot + first * row_a, p),
                                              a_ptr + first * row_a, count * row_a, copy)
                     sig.raise_on(p, f"rows{j}", copy, count=m)
@@ -143,15 +163,16 @@ class CollectiveMatmul:
                         self._vendor().matmul(s, rows, b_ptr, out_ptr + out_row * row_out, count, n, k, lda=k, ldb=n,
                                               ldc=n, dtype=self.dtype)
                     else:
-                        a_rows = a_shard if src == r else self._ours(rows, (count, k), b)
-                        gemm(a_rows, b, self._rows(out, out_row, count, out_ptr, n, b), self.backend.stream_handle(s))
+                        a_rows = a_shard if src == r else self._arrays.ours(rows, (count, k), b)
+                        out_rows = self._arrays.rows(out, out_row, count, out_ptr, n, b)
+                        gemm(a_rows, b, out_rows, self.backend.stream_handle(s))
                     if g_ptr is not None:
                         self.backend.copy_device(g_ptr + out_row * row_a, rows, count * row_a, s)
                 if src != r:
                     sig.raise_on(src, "rows_read", s)
-            self._join_copies(s)
+            self.copies.join(s)
         except (A2ATimeoutError, ConfigMismatchError):  # (the host backend's waits are bounded where they run)
-            self._fail(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
+            self._flight.failed(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
             raise
         self._end(s, capturing, awaited, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
         return out
@@ -162,13 +183,13 @@ class CollectiveMatmul:
         if rows_total % w:
             raise ValueError(f"a has {rows_total} rows: matmul_reduce_scatter needs a multiple of the {w} ranks")
         m, k = rows_total // w, int(a.shape[1])
-        take = self._taker(s, capturing)
+        take = self._arrays.taker(s, capturing)
         a_ptr = take("a", a, (w * m, k))
         b_ptr = take("b", b, (k, n))
-        out, out_ptr = self._output("out", out, self.rs_out, (m, n), take, a, s)
+        out, out_ptr = self._arrays.output(take, "out", out, self.rs_out, (m, n), a, s)
         item = self.dtype.itemsize
         slot = self.shard_rows * n * item
-        sig, awaited, cuts = self.signals, [], self._cuts(m)
+        sig, awaited, cuts = self.signals, [], cut_rows(m, self.pieces)
         row_c = n * item
         try:
             for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
@@ -187,10 +208,10 @@ class CollectiveMatmul:
                     self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, staged)
                     if j == 0:
                         what = "word that it reduced our matmul_reduce_scatter sums"
-                        self._free_slot(d, "sums_read", what, s, awaited)
+                        self.copies.after_free_slot(d, "sums_read", what, s, awaited)
                     else:
-                        self.backend.stream_wait_stream(self.copies[d][j], s, within_capture=True)
-                    copy = self.copies[d][j]
+                        self.backend.stream_wait_stream(self.copies.to[d][j], s, within_capture=True)
+                    copy = self.copies.to[d][j]
                     self.backend.copy_device(theirs, staged, count * row_c, copy)
                     sig.raise_on(d, f"sums{j}", copy, count=m)
             self._partial(gemm, s, a, a_ptr, r * m, m, b, b_ptr, self.partials.ptr + r * slot)
@@ -206,9 +227,9 @@ class CollectiveMatmul:
                                   ldb=self.shard_rows * n, ldc=m * n, dtype=self.dtype)
             for i in range(1, w):
                 sig.raise_on((r - i) % w, "sums_read", s)
-            self._join_copies(s)
+            self.copies.join(s)
         except (A2ATimeoutError, ConfigMismatchError):
-            self._fail(s, ((out_ptr, m * n * item),))
+            self._flight.failed(s, ((out_ptr, m * n * item),))
             raise
         self._end(s, capturing, awaited, ((out_ptr, m * n * item),))
         return out
@@ -217,10 +238,7 @@ class CollectiveMatmul:
     def _begin(self, op: str, stream, arrays, lead, name: str, k):
         """(the call's stream, whether another library captures it, the lead array's rows) after the checks every
         call makes before queuing work."""
-        if self._failure is not None:
-            raise self._reported()
-        if self._broken is not None:
-            raise A2AError(f"CollectiveMatmul: {op} refused: an earlier call failed ({self._broken}); close() it")
+        self._flight.refuse_if_failed(op)
         if self.heap.closed:
             raise A2AError("CollectiveMatmul is closed")
         shape = getattr(lead, "shape", None)
@@ -246,58 +264,6 @@ class CollectiveMatmul:
             streams.follow(s)  # after the last call on another stream: our buffers are reused in its order
         return s, capturing, rows
 
-    def _cuts(self, m: int) -> list:
-        """(first row, rows) of each piece of a rank's m rows."""
-        size = -(-m // self.pieces)
-        return [(first, min(size, m - first)) for first in range(0, m, size)]
-
-    def _free_slot(self, peer: int, kind: str, what: str, s, awaited) -> None:
-        """Queue the copies to `peer` after what `s` queued so far and after `peer` said its slot of ours is free:
-        the first piece's stream waits for the word, the others for that stream."""
-        first, *others = self.copies[peer]
-        self.backend.stream_wait_stream(first, s, within_capture=True)
-        self.signals.wait(peer, kind, first, what)
-        awaited.append((peer, kind, 0, what))
-        for copy in others:
-            self.backend.stream_wait_stream(copy, first, within_capture=True)
-
-    def _join_copies(self, s) -> None:
-        """The call's stream waits for every copy stream: it covers all the call did (and reuses its buffers)."""
-        for copies in self.copies:
-            for copy in copies or ():
-                self.backend.stream_wait_stream(s, copy, within_capture=True)
-
-    def _taker(self, s, capturing: bool):
-        keep = []
-
-        def take(name, obj, shape):
-            stage = self._stage(name, obj) if isinstance(obj, np.ndarray) and not capturing else None
-            taken = self._boundary.take(name, obj, shape, self.dtype, s, capturing=capturing, stage_ptr=stage)
-            keep.append(taken.keep)
-            return taken.ptr
-        return take
-
-    def _stage(self, name: str, host: np.ndarray) -> int:
-        """Device memory a NumPy argument `name` is copied to (made at its first use, grown as needed)."""
-        ptr, nbytes = self._staging.get(name, (None, 0))
-        if nbytes < host.nbytes:
-            if ptr is not None:
-                self.backend.free(ptr)
-                del self._staging[name]
-            ptr, nbytes = self.backend.malloc_ipc(max(host.nbytes, 1)), max(host.nbytes, 1)
-            self._staging[name] = (ptr, nbytes)
-        return ptr
-
-    def _output(self, name, given, ours, shape, take, like, s):
-        """(the array the call returns, its pointer): `given` (out=), else our buffer's first rows (valid until
-        the next call of the operation), as an array of the library of `like` where it has one."""
-        if given is not None:
-            return given, take(name, given, shape)
-        probe = producers.stream_source(like)
-        if probe is not None and probe.lasting_views:
-            return self._ours(ours.ptr, shape, like), ours.ptr
-        return DeviceArray(self.backend, ours.ptr, shape, self.dtype, owner=self.heap, stream=s), ours.ptr
-
     def _vendor(self):
         if self._blas is None:
             self._blas = self.backend.open_blas()
@@ -310,128 +276,49 @@ class CollectiveMatmul:
         if gemm is None:
             self._vendor().matmul(s, rows, b_ptr, c_ptr, m, n, k, lda=k, ldb=n, ldc=n, dtype=self.dtype)
         else:
-            gemm(self._rows(a, first, m, a_ptr, k, b), b, self._ours(c_ptr, (m, n), b), self.backend.stream_handle(s))
-
-    def _rows(self, obj, first: int, count: int, ptr: int, cols: int, like):
-        """Rows first..first+count of the caller's array `obj` (at ptr, `cols` wide) for the caller's GEMM: its
-        own slice where it has one, else a view of ours."""
-        if type(obj) is not DeviceArray and hasattr(obj, "__getitem__"):
-            return obj[first:first + count]
-        return self._ours(ptr + first * cols * self.dtype.itemsize, (count, cols), like)
-
-    def _ours(self, ptr: int, shape, like):
-        """Our memory at `ptr` as an array of the library of `like` (made once and kept: an import costs more
-        than a call's host work), else as a DeviceArray."""
-        probe = producers.stream_source(like)
-        key = (ptr, shape, probe)
-        view = self._views.get(key)
-        if view is None:
-            view = DeviceArray(self.backend, ptr, shape, self.dtype, owner=self.heap)
-            if probe is not None and probe.lasting_views:
-                view = probe.export(view)
-            if len(self._views) >= VIEWS_KEPT:
-                self._views.clear()
-            self._views[key] = view
-        return view
+            arrays = self._arrays
+            gemm(arrays.rows(a, first, m, a_ptr, k, b), b, arrays.ours(c_ptr, (m, n), b), self.backend.stream_handle(s))
 
     def _end(self, s, capturing: bool, awaited, outputs) -> None:
         if capturing:
             return  # (nothing ran: a replay of the graph is the graph's caller's to wait for)
         self._streams.queued(s)
-        self.backend.event_record(self._finished, s)
-        self._last = (s, awaited, outputs)
-        self._watchdog.arm(time.monotonic() + self.timeout)
+        self._flight.queued(s, awaited, outputs)
 
-    def _fail(self, s, outputs) -> None:
-        """A call that timed out: its outputs read as poison (NaN), and the object refuses later calls."""
-        for ptr, nbytes in outputs:
-            if ptr is not None:
-                self.backend.memset(ptr, 0xFF, nbytes, s)
-        self.backend.event_record(self._finished, s)
-        self._broken = "a peer never came, or disagreed"
-
-    # -- host waits -------------------------------------------------------------------------------
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's last call (or for `stream`), at most `timeout` seconds. A call not done by then
         (here, or by the watchdog's count when no one waits) is given up on: its ranks never heard from are
         named (A2ATimeoutError; ConfigMismatchError for a rank that sent another row count), its stuck waits
         released so the streams drain, its outputs poisoned (NaN), and the object refuses later calls."""
-        if self._failure is not None:
-            raise self._reported()
-        if self._last is None and stream is None:
-            return
         self.backend.activate()
-        if stream is None:
-            done = functools.partial(self.backend.event_done, self._finished)
-        else:
-            done = functools.partial(self.backend.stream_done, self._streams.given(stream))
-        deadline, pause = time.monotonic() + self.timeout, 1e-5
-        while not done():
-            if time.monotonic() > deadline:
-                self._abandon()
-                if self._failure is not None:
-                    raise self._reported()
-                if not done():  # (a stream of the caller's, busy with more than our call)
-                    raise A2ATimeoutError(f"CollectiveMatmul: the stream did not finish in {self.timeout:g} s")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-        if stream is None:
-            with self._lock:
-                self._last = None
-                self._watchdog.disarm()
-        if self._failure is not None:  # (given up on by the watchdog meanwhile)
-            raise self._reported()
-
-    def _abandon(self) -> None:
-        """Give up on the last call, if it is still pending (synchronize past its timeout, or the watchdog):
-        keep the error for the caller, release the stuck waits, poison the outputs, let the streams drain."""
-        with self._lock:
-            if self._last is None or self.backend.event_done(self._finished):
-                return
-            s, awaited, outputs = self._last
-            self._last = None
-            stuck = self.signals.not_seen(awaited, self.watch)
-            self._failure = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
-                f"CollectiveMatmul: rank {self.rank}'s last call did not finish in {self.timeout:g} s, though every "
-                "rank's words came")
-            self.signals.force(stuck, self.watch)
-            self._fail(s, outputs)
-        deadline = time.monotonic() + self.timeout  # (released, the stream drains; then the poison is in place)
-        while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
-            time.sleep(1e-4)
-
-    def _reported(self) -> BaseException:
-        """The kept failure, handed to the caller once (later calls are refused as broken)."""
-        failure, self._failure = self._failure, None
-        return failure
+        self._flight.wait(None if stream is None else self._streams.given(stream))
 
     # -- teardown ---------------------------------------------------------------------------------------
     def _release(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.close()
-            self._watchdog = None
+        if self._flight is not None:
+            self._flight.close()
+            self._flight = None
         if self._blas is not None:
             self._blas.close()
             self._blas = None
         for stream in self._made:
             self.backend.stream_destroy(stream)
-        if self._finished is not None:
-            self.backend.event_destroy(self._finished)
-            self._finished = None
-        for ptr, _ in self._staging.values():
-            self.backend.free(ptr)
-        self._made, self._staging = [], {}
+        if self._arrays is not None:
+            self._arrays.close()
+        self._made = []
 
     def close(self) -> None:
         """Idempotent; waits (bounded) for this rank's calls and for peers before unmapping the heap."""
         if self.heap.closed:
             return
+        broken = self._flight.broken is not None
         try:
-            if self._broken is None:
+            if not broken:
                 self.synchronize()
         finally:
+            broken = self._flight.broken is not None
             self._release()
-            self.heap.close(wait_for_peers=self._broken is None)
+            self.heap.close(wait_for_peers=not broken)
 
     def __enter__(self):
         return self

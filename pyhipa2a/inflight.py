@@ -1,0 +1,102 @@
+"""InFlight: a CollectiveMatmul's last call on the device, and what becomes of it when a peer never comes.
+
+The device waits for readiness words without a bound (pyhipa2a.signals), so the bound is kept here, on the
+host: by `wait()` (synchronize) and, where nobody waits through us, by a watchdog thread. Past `timeout` the
+call is given up on: the ranks never heard from are named, the stuck waits released so the streams drain, the
+call's outputs poisoned (NaN), and the failure kept for the caller's next call or synchronize; the object
+refuses every call after that."""
+from __future__ import annotations
+
+import time
+
+from .errors import A2AError, A2ATimeoutError
+from .watchdog import Watchdog
+
+
+class InFlight:
+    def __init__(self, backend, signals, watch, timeout: float, lock):
+        self.backend, self.signals, self.watch, self.timeout = backend, signals, watch, timeout
+        self._lock = lock  # the owner's: held while a call is queued, and while we give up on one
+        self._finished = backend.event_create()  # recorded after each call (its stream may be gone before us)
+        self._last = None      # (stream, awaited waits, outputs) of the last call queued and not seen done
+        self._failure = None   # the error of a call given up on, until the caller is handed it
+        self.broken = None     # why calls are refused, once one failed
+        self._watchdog = Watchdog(backend, self._finished, self.abandon)
+
+    def refuse_if_failed(self, op: str) -> None:
+        """Before a call: hand the caller a failure not yet reported, or refuse the call of a broken object."""
+        if self._failure is not None:
+            raise self._reported()
+        if self.broken is not None:
+            raise A2AError(f"CollectiveMatmul: {op} refused: an earlier call failed ({self.broken}); close() it")
+
+    def queued(self, s, awaited, outputs) -> None:
+        """A call went to stream `s`: `awaited`, its waits ((source, kind, count, what)); `outputs`, the (pointer,
+        bytes) it writes."""
+        self.backend.event_record(self._finished, s)
+        self._last = (s, awaited, outputs)
+        self._watchdog.arm(time.monotonic() + self.timeout)
+
+    def failed(self, s, outputs) -> None:
+        """The call on `s` failed: its outputs read as poison (NaN) after it, and later calls are refused."""
+        for ptr, nbytes in outputs:
+            if ptr is not None:
+                self.backend.memset(ptr, 0xFF, nbytes, s)
+        self.backend.event_record(self._finished, s)
+        self.broken = "a peer never came, or disagreed"
+
+    def wait(self, stream=None) -> None:
+        """Wait for the last call (or for a stream of the caller's), at most `timeout` seconds; then give up."""
+        if self._failure is not None:
+            raise self._reported()
+        if self._last is None and stream is None:
+            return
+        if stream is None:
+            def done():
+                return self.backend.event_done(self._finished)
+        else:
+            def done():
+                return self.backend.stream_done(stream)
+        deadline, pause = time.monotonic() + self.timeout, 1e-5
+        while not done():
+            if time.monotonic() > deadline:
+                self.abandon()
+                if self._failure is not None:
+                    raise self._reported()
+                if not done():  # (a stream of the caller's, busy with more than our call)
+                    raise A2ATimeoutError(f"CollectiveMatmul: the stream did not finish in {self.timeout:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        if stream is None:
+            with self._lock:
+                self._last = None
+                self._watchdog.disarm()
+        if self._failure is not None:  # (given up on by the watchdog meanwhile)
+            raise self._reported()
+
+    def abandon(self) -> None:
+        """Give up on the last call if it is still pending (wait() past its timeout, or the watchdog): keep the
+        error for the caller, release the stuck waits, poison the outputs, let the streams drain."""
+        with self._lock:
+            if self._last is None or self.backend.event_done(self._finished):
+                return
+            s, awaited, outputs = self._last
+            self._last = None
+            stuck = self.signals.not_seen(awaited, self.watch)
+            self._failure = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
+                f"CollectiveMatmul: rank {self.signals.rank}'s last call did not finish in {self.timeout:g} s, "
+                "though every rank's words came")
+            self.signals.force(stuck, self.watch)
+            self.failed(s, outputs)
+        deadline = time.monotonic() + self.timeout  # (released, the stream drains; then the poison is in place)
+        while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
+            time.sleep(1e-4)
+
+    def _reported(self) -> BaseException:
+        """The kept failure, handed to the caller once (later calls are refused as broken)."""
+        failure, self._failure = self._failure, None
+        return failure
+
+    def close(self) -> None:
+        self._watchdog.close()
+        self.backend.event_destroy(self._finished)
