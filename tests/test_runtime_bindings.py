@@ -277,6 +277,9 @@ def test_arguments_pass_binding_conversion(rt):
         ("resident_blocks", (function, 256)),
         ("capture_begin", (stream,)), ("capture_end", (stream,)), ("capture_end", (stream, False)),
         ("graph_launch", (graph, stream)), ("graph_destroy", (graph,)), ("stream_capturing", (stream,)),
+        ("stream_write_word", (stream, ptr, 7)), ("stream_wait_word", (stream, ptr, 7, 1.0, None)),
+        ("event_done", (event,)), ("stream_done", (stream,)),
+        ("event_record", (event, stream)),
     ]
     for name, args in calls:
         with pytest.raises(missing):
@@ -284,6 +287,8 @@ def test_arguments_pass_binding_conversion(rt):
     backend._capturing.add(backend.stream_handle(stream))  # an event on a capturing stream: recorded "external"
     with pytest.raises(missing):
         backend.event_record(event, stream)
+    with pytest.raises(missing):  # ... or, a fork or join within the capture, plain
+        backend.event_record(event, stream, within_capture=True)
     backend.close()
     backend.close()  # idempotent
 

@@ -1,0 +1,85 @@
+"""pyhipa2a.runtime.blas without a GPU: the host's GEMM against NumPy, and the vendor's call as the driver gets it
+(row-major operands swapped for the column-major library, leading dimensions, types, checked status)."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from pyhipa2a.dtypes import resolve
+from pyhipa2a.runtime import blas
+from pyhipa2a.runtime.base import RuntimeFailure
+from pyhipa2a.runtime.host import HostBackend
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_host_matmul_reads_and_writes_with_leading_dimensions(dtype):
+    d = resolve(dtype)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((5, 9)).astype(d)    # A = a[:, :7] (lda 9)
+    b = rng.standard_normal((7, 6)).astype(d)    # B = b (ldb 6)
+    c = np.full((5, 8), np.nan, d)               # C = c[:, :4]... of B[:, :4] (ldc 8)
+    backend = HostBackend()
+    blas.HostBlas(backend).matmul(None, a.ctypes.data, b.ctypes.data, c.ctypes.data, 5, 4, 7, lda=9, ldb=6, ldc=8,
+                                  dtype=d)
+    want = (a[:, :7].astype(np.float32) @ b[:, :4].astype(np.float32)).astype(d)
+    np.testing.assert_array_equal(c[:, :4], want)
+    assert np.isnan(c[:, 4:].astype(np.float32)).all()  # nothing beyond the rows' n columns
+
+
+class FakeLibrary:
+    """Records the vendor's calls; `status` is what GemmEx returns."""
+
+    def __init__(self, api: blas.VendorApi, status: int = 0):
+        self.calls, self._name = [], "fake"
+        for name in (api.create, api.destroy, api.set_stream) + ((api.set_workspace,) if api.set_workspace else ()):
+            setattr(self, name, self._recorder(name, 0))
+        setattr(self, api.gemm[-1], self._recorder("gemm", status))
+        setattr(self, api.status_text, lambda status: b"CUBLAS_STATUS_NOT_SUPPORTED")
+
+    def _recorder(self, name, status):
+        def call(*args):
+            self.calls.append((name, args))
+            return status
+        return call
+
+
+def vendor(api, status=0, monkeypatch=None):
+    lib = FakeLibrary(api, status)
+    monkeypatch.setattr(blas, "load_library", lambda _: lib)
+    backend = types.SimpleNamespace(activate=lambda: None, stream_handle=lambda s: 0xABC,
+                                    malloc_ipc=lambda n: 0x5000, free=lambda p: None)
+    return blas.VendorBlas(backend, api), lib
+
+
+@pytest.mark.parametrize("api", [blas.CUBLAS, blas.HIPBLAS], ids=["cublas", "hipblas"])
+def test_vendor_gets_the_column_major_call_of_a_row_major_product(api, monkeypatch):
+    v, lib = vendor(api, monkeypatch=monkeypatch)
+    v._gemm = getattr(lib, api.gemm[-1])  # (the fake has no ctypes argtypes to check)
+    v.matmul("stream", 0x100, 0x200, 0x300, 5, 4, 7, lda=9, ldb=6, ldc=8, dtype=resolve("bfloat16"))
+    (name, args), = [c for c in lib.calls if c[0] == "gemm"]
+    op, compute = api.op_n, api.compute_32f
+    assert args[1:6] == (op, op, 4, 5, 7)                   # C^T [n, m] = B^T [n, k] A^T [k, m]
+    assert (args[7], args[8], args[9]) == (0x200, 14, 6)    # B first, bf16, ldb
+    assert (args[10], args[11], args[12]) == (0x100, 14, 9)  # then A, lda
+    assert (args[14], args[15], args[16], args[17], args[18]) == (0x300, 14, 8, compute, api.algo_default)
+    assert [c[0] for c in lib.calls].count(api.set_stream) == 1
+    v.matmul("stream", 0x100, 0x200, 0x300, 5, 4, 7, lda=9, ldb=6, ldc=8, dtype=resolve("float16"))
+    assert [c[0] for c in lib.calls].count(api.set_stream) == 1  # (set once while the stream stays)
+    v.close()
+    assert lib.calls[-1][0] == api.destroy
+
+
+def test_vendor_failure_names_the_call_and_the_status(monkeypatch):
+    v, lib = vendor(blas.CUBLAS, status=15, monkeypatch=monkeypatch)
+    v._gemm = getattr(lib, "cublasGemmEx")
+    with pytest.raises(RuntimeFailure, match=r"cublasGemmEx failed: CUBLAS_STATUS_NOT_SUPPORTED \(status 15\)"):
+        v.matmul(None, 1, 2, 3, 1, 1, 1, lda=1, ldb=1, ldc=1, dtype=resolve("float16"))
+
+
+def test_a_missing_library_says_where_it_looked(monkeypatch):
+    api = blas.VendorApi(("libnot-a-blas.so",), ("nowhere/lib*.so",), "c", "d", "s", None, ("g",), "t", op_n=0,
+                         compute_32f=0, algo_default=0, types={})
+    with pytest.raises(RuntimeFailure, match="no libnot-a-blas.so found .*pass gemm= your own"):
+        blas.load_library(api)
