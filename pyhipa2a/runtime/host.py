@@ -260,8 +260,10 @@ class HostBackend(Backend):
         pass  # host streams run their work as it is queued, so every stream is already in order
 
     def stream_wait_stream(self, waiter, producer, *, within_capture: bool = False) -> None:
-        """In order already; but a stream that waits for a capturing one joins its capture until it ends (as
-        CUDA's fork does): its work is the graph's, queued among the capturing stream's in the order given."""
+        """In order already (the event is recorded and waited for all the same); but a stream that waits for a
+        capturing one joins its capture until it ends (as CUDA's fork does): its work is then the graph's,
+        queued among the capturing stream's in the order given."""
+        super().stream_wait_stream(waiter, producer, within_capture=within_capture)  # (an event, as GPUs order)
         if self.stream_capturing(producer) and isinstance(waiter, HostStream) and waiter.captured is None:
             waiter.captured = producer.captured
             self._forked.setdefault(id(producer), []).append(waiter)

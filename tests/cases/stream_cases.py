@@ -66,7 +66,7 @@ def case_calls_on_different_streams(comm, H, M, rounds="4"):
         streams = [b.stream_create() for _ in range(4)]
         handoffs, owned = [], []
         record, wait = b.event_record, b.stream_wait_event
-        b.event_record = lambda ev, s: (handoffs.append(("record", b.stream_handle(s))), record(ev, s))[1]
+        b.event_record = lambda ev, s, **kw: (handoffs.append(("record", b.stream_handle(s))), record(ev, s, **kw))[1]
         b.stream_wait_event = lambda s, ev: (handoffs.append(("wait", b.stream_handle(s))), wait(s, ev))[1]
         h, hA = [b.stream_handle(s) for s in streams], b.stream_handle(a2a.stream)
 
