@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
-
 from .bootstrap import bounded_barrier, world_size
 from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError
 from .collective_arrays import CallerArrays
 from .heap import SymmetricHeap
 from .inflight import InFlight
+from .kernels import KernelLibrary
 from .signals import Signals
 from .streams import Streams
+
+SUM_THREADS, SUM_BLOCKS_PER_SM = 256, 4  # the sum's geometry: enough loads in flight to be bound by bytes
+
 
 def cut_rows(m: int, pieces: int) -> list:
     """(first row, rows) of each piece of a rank's m rows (fewer pieces where m is smaller)."""
@@ -78,10 +80,10 @@ class CollectiveMatmul:
         w, m, item = self.world, self.shard_rows, self.dtype.itemsize
         kinds = ("rows_read", "sums_read") + tuple(f"{kind}{j}" for kind in ("rows", "sums") for j in range(pieces))
         slabs = 2 if remote_sums else 3  # [W, m, n] each: partial sums received, AG's output, staged sums
-        nbytes = (w * m * k + slabs * w * m * n + m * n + w) * item + 2 * len(kinds) * w * 4 + 8 * 256
+        nbytes = (w * m * k + slabs * w * m * n + m * n) * item + 2 * len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
-        self._blas = self._flight = None
+        self._blas = self._flight = self._library = self._joined = None
         self._lock = threading.Lock()  # a call's queuing, and giving up on one (the watchdog's thread too)
         self._made: list = []
         self._arrays = None
@@ -92,8 +94,6 @@ class CollectiveMatmul:
             self.staged = None if remote_sums else heap.alloc((w, m, n), self.dtype)
             self.ag_out = heap.alloc((w * m, n), self.dtype)    # outputs when no out= is given
             self.rs_out = heap.alloc((m, n), self.dtype)
-            self.ones = heap.alloc((w,), self.dtype)
-            self.ones.copy_from(np.ones(w, self.dtype))
             self.signals = Signals(heap, kinds, raised_at_start=("rows_read", "sums_read"))
             heap.verify()
             self.stream = self._made_stream()
@@ -103,6 +103,11 @@ class CollectiveMatmul:
             library_device = None if self.backend.kind == "host" else heap.device.index
             self._streams = Streams(self.backend, self.stream, True, library_device)
             self._arrays = CallerArrays(self.backend, heap, self.dtype, self._streams)
+            # The reduce-scatter's last step: the ranks' partial sums of our rows added (kernels_hip/reduce.hip).
+            self._library = KernelLibrary(self.backend, heap.device.arch)
+            self._sum_kernel = self._library.kernel("sum_slots_" + ("bf16" if self.dtype.name == "bfloat16" else "f16"))
+            self._sum = self._sum_kernel.pack()
+            self._sum_blocks = SUM_BLOCKS_PER_SM * heap.device.multiprocessors
             bounded_barrier(heap.comm, self.timeout, "CollectiveMatmul setup")
         except BaseException:
             self._release()
@@ -119,13 +124,19 @@ class CollectiveMatmul:
         """C [W*m, n] = all_gather(a_shard [m, k]) @ b [k, n]; `gathered` [W*m, k], where given, receives the
         gathered rows. `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM instead of the vendor's."""
         with self._lock:
-            return self._all_gather_matmul(a_shard, b, out, gathered, gemm, stream)
+            try:
+                return self._all_gather_matmul(a_shard, b, out, gathered, gemm, stream)
+            finally:
+                self._leave_capture()
 
     def matmul_reduce_scatter(self, a, b, out=None, *, gemm=None, stream=None):
         """C_shard [m, n] = rows r*m.. of sum over ranks of (a [W*m, k_r] @ b [k_r, n]), summed in fp32.
         `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM of the partial sums."""
         with self._lock:
-            return self._matmul_reduce_scatter(a, b, out, gemm, stream)
+            try:
+                return self._matmul_reduce_scatter(a, b, out, gemm, stream)
+            finally:
+                self._leave_capture()
 
     def _all_gather_matmul(self, a_shard, b, out, gathered, gemm, stream):
         w, r, k, n = self.world, self.rank, self.k, self.n
@@ -221,10 +232,8 @@ class CollectiveMatmul:
                     what = f"matmul_reduce_scatter sums, piece {j} (count: rows a rank)"
                     sig.wait(src, f"sums{j}", s, what, count=m)
                     awaited.append((src, f"sums{j}", m, what))
-            # The sum over ranks as one GEMM: [1, W] ones times the [W, m*n] slots (rows shard_rows*n apart),
-            # accumulated in fp32 and rounded once.
-            self._vendor().matmul(s, self.ones.ptr, self.partials.ptr, out_ptr, 1, m * n, w, lda=w,
-                                  ldb=self.shard_rows * n, ldc=m * n, dtype=self.dtype)
+            self._sum.set_scalars(self.partials.ptr, out_ptr, m * n, self.shard_rows * n, w)
+            self._sum_kernel.launch(self._sum, self._sum_blocks, SUM_THREADS, s)
             for i in range(1, w):
                 sig.raise_on((r - i) % w, "sums_read", s)
             self.copies.join(s)
@@ -260,9 +269,17 @@ class CollectiveMatmul:
         else:
             s = streams.given(stream)
         capturing = self._streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
-        if not capturing:
+        if capturing:  # (another library's capture: our launches on s join it as nodes of their own)
+            self.backend.capture_join(s)
+            self._joined = s
+        else:
             streams.follow(s)  # after the last call on another stream: our buffers are reused in its order
         return s, capturing, rows
+
+    def _leave_capture(self) -> None:
+        if self._joined is not None:
+            self.backend.capture_leave(self._joined)
+            self._joined = None
 
     def _vendor(self):
         if self._blas is None:
@@ -305,6 +322,9 @@ class CollectiveMatmul:
             self.backend.stream_destroy(stream)
         if self._arrays is not None:
             self._arrays.close()
+        if self._library is not None:
+            self._library.close()
+            self._library = None
         self._made = []
 
     def close(self) -> None:

@@ -130,6 +130,8 @@ SIGNATURES = {  # kernel name -> (code object, argument types)
     "hier_sum_f16": ("hier", (HierSumArgs,)),
     "hier_sum_bf16": ("hier", (HierSumArgs,)),
     "copy_bytes": ("copy", (u64, u64, u64)),
+    "sum_slots_f16": ("reduce", (u64, u64, u64, u64, u32)),
+    "sum_slots_bf16": ("reduce", (u64, u64, u64, u64, u32)),
     "clock_probe": ("clock", (u64,)),
     "clock_sync": ("clock", (ClockSyncArgs,)),
     "nothing": ("copy", ()),
