@@ -10,11 +10,16 @@ CASES = "tests.cases.collective_cases:"
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_against_numpy", "case_numpy_inputs_and_caller_gemm",
-                                  "case_bad_input_is_refused",
-                                  "case_captured_graph_replays", "case_torch_tensors_and_gemm",
-                                  "case_torch_graph_replays", "case_jax_arrays"])
+                                  "case_bad_input_is_refused", "case_captured_graph_replays", "case_jax_arrays"])
 def test_collective_matmul(case, backend):
     run_case(CASES + case, ranks_for(backend), env_backend(backend), timeout=120)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["case_torch_tensors_and_gemm", "case_torch_graph_replays"])
+def test_collective_matmul_with_pytorch(case):
+    # (PyTorch's GPU tensors and graphs: nothing of it runs on the host backend)
+    run_case(CASES + case, ranks_for("gpu"), env_backend("gpu"), timeout=120)
 
 
 @pytest.mark.parametrize("ranks, pieces", [(1, 1), (3, 3)])
