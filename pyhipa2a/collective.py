@@ -44,11 +44,16 @@ class CopyStreams:
         self.backend, self.signals = backend, signals
         self.to = [None if p == rank else [make_stream() for _ in range(pieces)] for p in range(world)]
 
-    def after_free_slot(self, peer: int, kind: str, what: str, s, awaited) -> None:
-        """Queue the copies to `peer` after what `s` queued so far and after `peer` raised `kind` (its slot of
-        ours is free): the first piece's stream waits for the word, the others for that stream."""
+    def fork(self, s, peer: int | None = None) -> None:
+        """The first piece's copy stream to `peer` (to every peer: None) waits for what `s` queued so far."""
+        for p in range(len(self.to)) if peer is None else (peer,):
+            if self.to[p] is not None:
+                self.backend.stream_wait_stream(self.to[p][0], s, within_capture=True)
+
+    def after_free_slot(self, peer: int, kind: str, what: str, awaited) -> None:
+        """Queue the copies to `peer` (forked already) after `peer` raised `kind` (its slot of ours is free): the
+        first piece's stream waits for the word, the others for that stream."""
         first, *others = self.to[peer]
-        self.backend.stream_wait_stream(first, s, within_capture=True)
         self.signals.wait(peer, kind, first, what)
         awaited.append((peer, kind, 0, what))
         for copy in others:
@@ -151,36 +156,39 @@ class CollectiveMatmul:
         # Slots lie the most rows a rank apart: a rank that sent another count overwrites only its own slot.
         slot = self.shard_rows * row_a
         sig, awaited, cuts = self.signals, [], cut_rows(m, self.pieces)
+
+        def multiply(src: int, first: int, count: int, rows: int) -> None:
+            out_row = src * m + first
+            if gemm is None:
+                self._vendor().matmul(s, rows, b_ptr, out_ptr + out_row * row_out, count, n, k, lda=k, ldb=n, ldc=n,
+                                      dtype=self.dtype)
+            else:
+                a_rows = a_shard if src == r else self._arrays.ours(rows, (count, k), b)
+                gemm(a_rows, b, self._arrays.rows(out, out_row, count, out_ptr, n, b), self.backend.stream_handle(s))
+            if g_ptr is not None:
+                self.backend.copy_device(g_ptr + out_row * row_a, rows, count * row_a, s)
         try:
+            # The copies leave once a_shard is ready (forked before anything else is queued on s), and the GPU
+            # starts on our own rows while the host queues the rest.
+            self.copies.fork(s)
+            multiply(r, 0, m, a_ptr)
             for i in range(1, w):  # every copy stream at once: rank r's rows to rank (r + i)'s slot [r]
                 p = (r + i) % w
                 what = "word that it read our all_gather_matmul rows"
-                self.copies.after_free_slot(p, "rows_read", what, s, awaited)
+                self.copies.after_free_slot(p, "rows_read", what, awaited)
                 for j, (first, count) in enumerate(cuts):
                     copy = self.copies.to[p][j]
                     self.backend.copy_device(self.heap.translate(self.gathered.ptr + r * slot + first * row_a, p),
                                              a_ptr + first * row_a, count * row_a, copy)
                     sig.raise_on(p, f"rows{j}", copy, count=m)
-            for i in range(w):  # own rows first, then rank r - 1's (the first to arrive), r - 2's, ...
+            for i in range(1, w):  # rank r - 1's rows (the first to arrive), then r - 2's, ...
                 src = (r - i) % w
-                for j, (first, count) in enumerate(cuts if src != r else [(0, m)]):
-                    rows = a_ptr if src == r else self.gathered.ptr + src * slot + first * row_a
-                    if src != r:
-                        what = f"all_gather_matmul rows, piece {j} (count: rows a rank)"
-                        sig.wait(src, f"rows{j}", s, what, count=m)
-                        awaited.append((src, f"rows{j}", m, what))
-                    out_row = src * m + first
-                    if gemm is None:
-                        self._vendor().matmul(s, rows, b_ptr, out_ptr + out_row * row_out, count, n, k, lda=k, ldb=n,
-                                              ldc=n, dtype=self.dtype)
-                    else:
-                        a_rows = a_shard if src == r else self._arrays.ours(rows, (count, k), b)
-                        out_rows = self._arrays.rows(out, out_row, count, out_ptr, n, b)
-                        gemm(a_rows, b, out_rows, self.backend.stream_handle(s))
-                    if g_ptr is not None:
-                        self.backend.copy_device(g_ptr + out_row * row_a, rows, count * row_a, s)
-                if src != r:
-                    sig.raise_on(src, "rows_read", s)
+                for j, (first, count) in enumerate(cuts):
+                    what = f"all_gather_matmul rows, piece {j} (count: rows a rank)"
+                    sig.wait(src, f"rows{j}", s, what, count=m)
+                    awaited.append((src, f"rows{j}", m, what))
+                    multiply(src, first, count, self.gathered.ptr + src * slot + first * row_a)
+                sig.raise_on(src, "rows_read", s)
             self.copies.join(s)
         except (A2ATimeoutError, ConfigMismatchError):  # (the host backend's waits are bounded where they run)
             self._flight.failed(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
@@ -219,7 +227,8 @@ class CollectiveMatmul:
                     self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, staged)
                     if j == 0:
                         what = "word that it reduced our matmul_reduce_scatter sums"
-                        self.copies.after_free_slot(d, "sums_read", what, s, awaited)
+                        self.copies.fork(s, d)
+                        self.copies.after_free_slot(d, "sums_read", what, awaited)
                     else:
                         self.backend.stream_wait_stream(self.copies.to[d][j], s, within_capture=True)
                     copy = self.copies.to[d][j]

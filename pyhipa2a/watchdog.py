@@ -22,11 +22,12 @@ class Watchdog:
     def arm(self, deadline: float) -> None:
         """The call just queued (its event recorded) must be done by `deadline` (time.monotonic())."""
         with self._cond:
-            self._deadline = deadline
+            idle, self._deadline = self._deadline is None, deadline
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pyhipa2a-watchdog", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if idle:  # (an armed thread reads the new deadline at its next poll)
+                self._cond.notify()
 
     def disarm(self) -> None:
         """Nothing is pending: the owner saw the event done, or gave up itself."""
