@@ -12,6 +12,6 @@ from .heap import SymmetricHeap
 from .runtime import BACKENDS, get_backend
 
 __all__ = ["AllToAll", "CollectiveMatmul", "DispatchResult", "DeviceArray", "Graph", "SymmetricHeap", "get_backend",
-           "BACKENDS", "A2AError", "A2ATimeoutError", "A2ADeviceError", "AllocationMismatchError", "ConfigMismatchError",
-           "CodeObjectNotFound", "RuntimeFailure"]
+           "BACKENDS", "A2AError", "A2ATimeoutError", "A2ADeviceError", "AllocationMismatchError",
+           "ConfigMismatchError", "CodeObjectNotFound", "RuntimeFailure"]
 __version__ = "0.1.0"

@@ -8,19 +8,19 @@ the GEMMs chunk by chunk.
 How a call runs (docs/COLLECTIVE.md has the picture): the caller's stream runs the GEMMs, one chunk of rows a
 rank (or a piece of one); a copy stream for each peer (and piece) moves rows between heaps with the copy engine
 and raises a readiness word in the peer's heap (pyhipa2a.signals); the GEMM of a chunk waits for its word on
-the device. Chunks go in ring order:
-all_gather_matmul starts on its own rows while the others arrive (rank r - 1's first); matmul_reduce_scatter
-starts on the rows for rank r + 1, so its own partial sums are computed last, behind the copies of the others.
-The call's stream waits for the copy streams before it returns, so it covers everything the call does.
+the device. Chunks go in ring order: all_gather_matmul starts on its own rows while the others arrive (rank
+r - 1's first); matmul_reduce_scatter starts on the rows for rank r + 1, so its own partial sums are computed
+last, behind the copies of the others. The call's stream waits for the copy streams before the call returns,
+so it covers everything the call does.
 """
 from __future__ import annotations
 
 import threading
 
 from .bootstrap import bounded_barrier, world_size
+from .collective_arrays import CallerArrays
 from .dtypes import check_supported
 from .errors import A2AError, A2ATimeoutError, ConfigMismatchError
-from .collective_arrays import CallerArrays
 from .heap import SymmetricHeap
 from .inflight import InFlight
 from .kernels import KernelLibrary
@@ -146,7 +146,7 @@ class CollectiveMatmul:
     def _all_gather_matmul(self, a_shard, b, out, gathered, gemm, stream):
         w, r, k, n = self.world, self.rank, self.k, self.n
         s, capturing, m = self._begin("all_gather_matmul", stream, (a_shard, b, out, gathered), a_shard, "a_shard",
-                                      k)
+                                      shard=True)
         take = self._arrays.taker(s, capturing)
         a_ptr = take("a_shard", a_shard, (m, k))
         b_ptr = take("b", b, (k, n))
@@ -198,7 +198,7 @@ class CollectiveMatmul:
 
     def _matmul_reduce_scatter(self, a, b, out, gemm, stream):
         w, r, n = self.world, self.rank, self.n
-        s, capturing, rows_total = self._begin("matmul_reduce_scatter", stream, (a, b, out), a, "a", None)
+        s, capturing, rows_total = self._begin("matmul_reduce_scatter", stream, (a, b, out), a, "a", shard=False)
         if rows_total % w:
             raise ValueError(f"a has {rows_total} rows: matmul_reduce_scatter needs a multiple of the {w} ranks")
         m, k = rows_total // w, int(a.shape[1])
@@ -253,9 +253,9 @@ class CollectiveMatmul:
         return out
 
     # -- one call's steps ---------------------------------------------------------------------------
-    def _begin(self, op: str, stream, arrays, lead, name: str, k):
+    def _begin(self, op: str, stream, arrays, lead, name: str, shard: bool):
         """(the call's stream, whether another library captures it, the lead array's rows) after the checks every
-        call makes before queuing work."""
+        call makes before queuing work; `shard`: the lead holds one rank's rows (else all ranks')."""
         self._flight.refuse_if_failed(op)
         if self.heap.closed:
             raise A2AError("CollectiveMatmul is closed")
@@ -264,7 +264,7 @@ class CollectiveMatmul:
             raise TypeError(f"{name} must be a 2-D array, not {type(lead).__name__}"
                             + ("" if shape is None else f" of shape {tuple(shape)}"))
         rows = int(shape[0])
-        if k is not None:  # (all_gather_matmul: the lead is the shard)
+        if shard:
             if not 1 <= rows <= self.shard_rows:
                 raise ValueError(f"{name} has {rows} rows: this CollectiveMatmul takes 1 to {self.shard_rows} a "
                                  f"rank (max_rows={self.max_rows} over {self.world} ranks)")
@@ -277,7 +277,7 @@ class CollectiveMatmul:
             s = streams.current(arrays)[0]
         else:
             s = streams.given(stream)
-        capturing = self._streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
+        capturing = streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
         if capturing:  # (another library's capture: our launches on s join it as nodes of their own)
             self.backend.capture_join(s)
             self._joined = s
@@ -340,9 +340,8 @@ class CollectiveMatmul:
         """Idempotent; waits (bounded) for this rank's calls and for peers before unmapping the heap."""
         if self.heap.closed:
             return
-        broken = self._flight.broken is not None
         try:
-            if not broken:
+            if self._flight.broken is None:
                 self.synchronize()
         finally:
             broken = self._flight.broken is not None
