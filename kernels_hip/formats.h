@@ -1,7 +1,7 @@
 // The 16-bit formats the exchange and the fake expert compute in: element
 // access, and the 8-wide loads, stores and sums of a lane's chunk.
 #pragma once
-#include "portability.h"
+#include "exchange.h"  // (A2A_CHUNKS, the loads a lane keeps in flight)
 
 // Element access for the two 16-bit formats combine reduces.
 struct F16 {

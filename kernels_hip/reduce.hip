@@ -3,7 +3,6 @@
 // rank's partial sums of our rows), added in fp32 and rounded once. 8 elements
 // a lane where the slots allow 16-byte loads, else one: the pass is bound by
 // the bytes it reads.
-#include "exchange.h"  // (formats.h reads its A2A_CHUNKS)
 #include "formats.h"
 
 template <typename Fmt>
