@@ -16,6 +16,7 @@ so it covers everything the call does.
 from __future__ import annotations
 
 import threading
+import weakref
 
 from .bootstrap import bounded_barrier, world_size
 from .collective_arrays import CallerArrays
@@ -105,6 +106,9 @@ class CollectiveMatmul:
             self.copies = CopyStreams(self.backend, self.signals, w, self.rank, self.pieces, self._made_stream)
             self.watch = self._made_stream()  # reads words while the others may be stuck
             self._flight = InFlight(self.backend, self.signals, self.watch, self.timeout, self._lock)
+            # (stopped at exit too, while the runtime still answers: a watchdog polling a call of an object never
+            # closed would otherwise ask the driver as the process tears it down)
+            self._stop_flight = weakref.finalize(self, self._flight.close)
             library_device = None if self.backend.kind == "host" else heap.device.index
             self._streams = Streams(self.backend, self.stream, True, library_device)
             self._arrays = CallerArrays(self.backend, heap, self.dtype, self._streams)
@@ -322,7 +326,7 @@ class CollectiveMatmul:
     # -- teardown ---------------------------------------------------------------------------------------
     def _release(self) -> None:
         if self._flight is not None:
-            self._flight.close()
+            self._stop_flight()
             self._flight = None
         if self._blas is not None:
             self._blas.close()
