@@ -1,4 +1,4 @@
-"""InFlight: a CollectiveMatmul's last call on the device, and what becomes of it when a peer never comes.
+"""InFlight: a CollectiveMatmul's calls on the device, and what becomes of them when a peer never comes.
 
 The device waits for readiness words without a bound (pyhipa2a.signals), so the bound is kept here, on the
 host: by `wait()` (synchronize) and, where nobody waits through us, by a watchdog thread. Past `timeout` the
@@ -18,7 +18,7 @@ class InFlight:
         self.backend, self.signals, self.watch, self.timeout = backend, signals, watch, timeout
         self._lock = lock  # the owner's: held while a call is queued, and while we give up on one
         self._finished = backend.event_create()  # recorded after each call (its stream may be gone before us)
-        self._last = None      # (stream, awaited waits, outputs) of the last call queued and not seen done
+        self._pending = []     # (stream, awaited waits, outputs) of each call queued and not seen done
         self._failure = None   # the error of a call given up on, until the caller is handed it
         self.broken = None     # why calls are refused, once one failed
         self._watchdog = Watchdog(backend, self._finished, self.abandon)
@@ -33,8 +33,10 @@ class InFlight:
     def queued(self, s, awaited, outputs) -> None:
         """A call went to stream `s`: `awaited`, its waits ((source, kind, count, what)); `outputs`, the (pointer,
         bytes) it writes."""
+        if self._pending and self.backend.event_done(self._finished):
+            self._pending.clear()  # (every call before this one is done)
         self.backend.event_record(self._finished, s)
-        self._last = (s, awaited, outputs)
+        self._pending.append((s, awaited, outputs))
         self._watchdog.arm(time.monotonic() + self.timeout)
 
     def failed(self, s, outputs) -> None:
@@ -49,7 +51,7 @@ class InFlight:
         """Wait for the last call (or for a stream of the caller's), at most `timeout` seconds; then give up."""
         if self._failure is not None:
             raise self._reported()
-        if self._last is None and stream is None:
+        if not self._pending and stream is None:
             return
         if stream is None:
             def done():
@@ -69,28 +71,35 @@ class InFlight:
             pause = min(2 * pause, 1e-3)
         if stream is None:
             with self._lock:
-                self._last = None
+                self._pending.clear()
                 self._watchdog.disarm()
         if self._failure is not None:  # (given up on by the watchdog meanwhile)
             raise self._reported()
 
     def abandon(self) -> None:
-        """Give up on the last call if it is still pending (wait() past its timeout, or the watchdog): keep the
-        error for the caller, release the stuck waits, poison the outputs, let the streams drain."""
+        """Give up on the calls still pending (wait() past its timeout, or the watchdog): keep the error for the
+        caller, poison the calls' outputs, and release their stuck waits until the streams drain. Released, a
+        wait passes and the next call's wait on the same word may stick in turn: the release repeats (bounded)."""
         with self._lock:
-            if self._last is None or self.backend.event_done(self._finished):
+            if not self._pending or self.backend.event_done(self._finished):
                 return
-            s, awaited, outputs = self._last
-            self._last = None
+            pending, self._pending = self._pending, []
+            awaited = [entry for _, waits, _ in pending for entry in waits]
             stuck = self.signals.not_seen(awaited, self.watch)
             self._failure = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
-                f"CollectiveMatmul: rank {self.signals.rank}'s last call did not finish in {self.timeout:g} s, "
-                "though every rank's words came")
-            self.signals.force(stuck, self.watch)
-            self.failed(s, outputs)
-        deadline = time.monotonic() + self.timeout  # (released, the stream drains; then the poison is in place)
-        while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
-            time.sleep(1e-4)
+                f"CollectiveMatmul: rank {self.signals.rank}'s calls did not finish in {self.timeout:g} s, though "
+                "every rank's words came")
+            for s, _, outputs in pending:  # (queued behind the stuck work: in place once the streams drain)
+                self.failed(s, outputs)
+            deadline = time.monotonic() + self.timeout
+            while stuck and time.monotonic() < deadline:
+                self.signals.force(stuck, self.watch)
+                time.sleep(1e-3)
+                if self.backend.event_done(self._finished):
+                    break
+                stuck = self.signals.not_seen(awaited, self.watch)
+            while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
+                time.sleep(1e-4)
 
     def _reported(self) -> BaseException:
         """The kept failure, handed to the caller once (later calls are refused as broken)."""

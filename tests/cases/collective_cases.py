@@ -188,15 +188,16 @@ def case_bad_input_is_refused(comm):
 @frees_uploads
 def case_missing_peer_times_out(comm, noticed_by="synchronize"):
     """The last rank never calls: every other rank's call raises A2ATimeoutError naming it: on the host backend
-    at once; on GPUs at synchronize(), or, where nobody waits through us (`noticed_by="watchdog"`), at the next
-    call, after the watchdog released the stream and poisoned the output. Later calls are refused."""
+    at once; on GPUs at synchronize(), or, where nobody waits through us (`noticed_by="watchdog"`, also with a
+    second call queued behind the first), at the next call, after the watchdog released the streams and
+    poisoned the output. Later calls are refused."""
     rank, world = comm.Get_rank(), comm.Get_size()
     if world == 1:
         pytest.skip("one rank has no peer to miss")
     d = resolve("bfloat16")
     m, k, n = 8, 16, 8
     cm = CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=1.0)
-    if noticed_by == "watchdog" and cm.backend.kind == "host":
+    if noticed_by.startswith("watchdog") and cm.backend.kind == "host":
         pytest.skip("the host backend's waits are bounded where they run: the call itself raises")
     a, b = upload(cm, draw(1, (m, k), d)), upload(cm, draw(2, (k, n), d))
     missing = world - 1
@@ -210,7 +211,9 @@ def case_missing_peer_times_out(comm, noticed_by="synchronize"):
         start = time.monotonic()
         with pytest.raises(A2ATimeoutError, match=f"rank {missing}") as info:
             cm.all_gather_matmul(a, b, out)
-            if noticed_by == "watchdog":
+            if noticed_by == "watchdog, two calls":  # (the second queued behind the first's stuck wait)
+                cm.all_gather_matmul(a, b, out)
+            if noticed_by.startswith("watchdog"):
                 time.sleep(2.0)  # (no host wait of ours: the watchdog gives up after the 1 s timeout)
                 cm.backend.stream_synchronize(cm.stream)  # (a wait of the caller's: it returns)
                 assert np.isnan(out.numpy().astype(np.float32)).all(), "the watchdog must poison the output"
