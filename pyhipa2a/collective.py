@@ -21,7 +21,8 @@ import weakref
 from .bootstrap import bounded_barrier, world_size
 from .collective_arrays import CallerArrays
 from .dtypes import check_supported
-from .errors import A2AError, A2ATimeoutError, ConfigMismatchError
+from .errors import A2AError
+from .runtime.base import RuntimeFailure
 from .heap import SymmetricHeap
 from .inflight import InFlight
 from .kernels import KernelLibrary
@@ -44,12 +45,18 @@ class CopyStreams:
     def __init__(self, backend, signals, world: int, rank: int, pieces: int, make_stream):
         self.backend, self.signals = backend, signals
         self.to = [None if p == rank else [make_stream() for _ in range(pieces)] for p in range(world)]
+        self._used: list = []  # the streams this call gave work (a capture may join no other)
+
+    def follow(self, copy, producer) -> None:
+        """`copy` waits for what `producer` (the call's stream, or another copy stream) queued so far."""
+        self.backend.stream_wait_stream(copy, producer, within_capture=True)
+        self._used.append(copy)
 
     def fork(self, s, peer: int | None = None) -> None:
         """The first piece's copy stream to `peer` (to every peer: None) waits for what `s` queued so far."""
         for p in range(len(self.to)) if peer is None else (peer,):
             if self.to[p] is not None:
-                self.backend.stream_wait_stream(self.to[p][0], s, within_capture=True)
+                self.follow(self.to[p][0], s)
 
     def after_free_slot(self, peer: int, kind: str, what: str, awaited) -> None:
         """Queue the copies to `peer` (forked already) after `peer` raised `kind` (its slot of ours is free): the
@@ -58,13 +65,14 @@ class CopyStreams:
         self.signals.wait(peer, kind, first, what)
         awaited.append((peer, kind, 0, what))
         for copy in others:
-            self.backend.stream_wait_stream(copy, first, within_capture=True)
+            self.follow(copy, first)
 
     def join(self, s) -> None:
-        """`s` waits for every copy stream: the call's stream covers all the call did (and reuses its buffers)."""
-        for streams in self.to:
-            for copy in streams or ():
-                self.backend.stream_wait_stream(s, copy, within_capture=True)
+        """`s` waits for every copy stream the call used: the call's stream covers all the call did (and reuses
+        its buffers)."""
+        used, self._used = self._used, []
+        for copy in dict.fromkeys(used):
+            self.backend.stream_wait_stream(s, copy, within_capture=True)
 
 
 class CollectiveMatmul:
@@ -90,7 +98,9 @@ class CollectiveMatmul:
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
         self._blas = self._flight = self._library = self._joined = None
-        self._lock = threading.Lock()  # a call's queuing, and giving up on one (the watchdog's thread too)
+        # A call's queuing, and giving up on calls (the watchdog's thread too); re-entered where a call waits for
+        # the ones before it (a NumPy argument's copy) and gives up on them.
+        self._lock = threading.RLock()
         self._made: list = []
         self._arrays = None
         try:
@@ -111,12 +121,16 @@ class CollectiveMatmul:
             self._stop_flight = weakref.finalize(self, self._flight.close)
             library_device = None if self.backend.kind == "host" else heap.device.index
             self._streams = Streams(self.backend, self.stream, True, library_device)
-            self._arrays = CallerArrays(self.backend, heap, self.dtype, self._streams)
+            self._arrays = CallerArrays(self.backend, heap, self.dtype, self._streams, lambda: self._flight.wait())
             # The reduce-scatter's last step: the ranks' partial sums of our rows added (kernels_hip/reduce.hip).
             self._library = KernelLibrary(self.backend, heap.device.arch)
             self._sum_kernel = self._library.kernel("sum_slots_" + ("bf16" if self.dtype.name == "bfloat16" else "f16"))
             self._sum = self._sum_kernel.pack()
             self._sum_blocks = SUM_BLOCKS_PER_SM * heap.device.multiprocessors
+            try:  # (now, not at a first GEMM that a capture records: making it allocates)
+                self._blas = self.backend.open_blas()
+            except RuntimeFailure as e:
+                self._blas = e
             bounded_barrier(heap.comm, self.timeout, "CollectiveMatmul setup")
         except BaseException:
             self._release()
@@ -194,7 +208,8 @@ class CollectiveMatmul:
                     multiply(src, first, count, self.gathered.ptr + src * slot + first * row_a)
                 sig.raise_on(src, "rows_read", s)
             self.copies.join(s)
-        except (A2ATimeoutError, ConfigMismatchError):  # (the host backend's waits are bounded where they run)
+        except BaseException:  # (a timeout where the host backend waits, or anything once words were touched)
+            self.copies.join(s)
             self._flight.failed(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
             raise
         self._end(s, capturing, awaited, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
@@ -234,7 +249,7 @@ class CollectiveMatmul:
                         self.copies.fork(s, d)
                         self.copies.after_free_slot(d, "sums_read", what, awaited)
                     else:
-                        self.backend.stream_wait_stream(self.copies.to[d][j], s, within_capture=True)
+                        self.copies.follow(self.copies.to[d][j], s)
                     copy = self.copies.to[d][j]
                     self.backend.copy_device(theirs, staged, count * row_c, copy)
                     sig.raise_on(d, f"sums{j}", copy, count=m)
@@ -250,7 +265,8 @@ class CollectiveMatmul:
             for i in range(1, w):
                 sig.raise_on((r - i) % w, "sums_read", s)
             self.copies.join(s)
-        except (A2ATimeoutError, ConfigMismatchError):
+        except BaseException:
+            self.copies.join(s)
             self._flight.failed(s, ((out_ptr, m * n * item),))
             raise
         self._end(s, capturing, awaited, ((out_ptr, m * n * item),))
@@ -260,9 +276,9 @@ class CollectiveMatmul:
     def _begin(self, op: str, stream, arrays, lead, name: str, shard: bool):
         """(the call's stream, whether another library captures it, the lead array's rows) after the checks every
         call makes before queuing work; `shard`: the lead holds one rank's rows (else all ranks')."""
-        self._flight.refuse_if_failed(op)
         if self.heap.closed:
             raise A2AError("CollectiveMatmul is closed")
+        self._flight.refuse_if_failed(op)
         shape = getattr(lead, "shape", None)
         if shape is None or len(shape) != 2:
             raise TypeError(f"{name} must be a 2-D array, not {type(lead).__name__}"
@@ -295,8 +311,8 @@ class CollectiveMatmul:
             self._joined = None
 
     def _vendor(self):
-        if self._blas is None:
-            self._blas = self.backend.open_blas()
+        if isinstance(self._blas, Exception):  # (a caller with gemm= of their own may never need it)
+            raise RuntimeFailure(f"the vendor's GEMM is unavailable: {self._blas}") from self._blas
         return self._blas
 
     def _partial(self, gemm, s, a, a_ptr, first: int, m: int, b, b_ptr, c_ptr) -> None:
@@ -320,6 +336,8 @@ class CollectiveMatmul:
         (here, or by the watchdog's count when no one waits) is given up on: its ranks never heard from are
         named (A2ATimeoutError; ConfigMismatchError for a rank that sent another row count), its stuck waits
         released so the streams drain, its outputs poisoned (NaN), and the object refuses later calls."""
+        if self.heap.closed:
+            raise A2AError("CollectiveMatmul is closed")
         self.backend.activate()
         self._flight.wait(None if stream is None else self._streams.given(stream))
 
@@ -328,9 +346,9 @@ class CollectiveMatmul:
         if self._flight is not None:
             self._stop_flight()
             self._flight = None
-        if self._blas is not None:
+        if self._blas is not None and not isinstance(self._blas, Exception):
             self._blas.close()
-            self._blas = None
+        self._blas = None
         for stream in self._made:
             self.backend.stream_destroy(stream)
         if self._arrays is not None:

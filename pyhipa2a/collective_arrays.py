@@ -12,8 +12,9 @@ VIEWS_KEPT = 256  # library views of our memory kept (a call on other arrays mak
 
 
 class CallerArrays:
-    def __init__(self, backend, heap, dtype, streams):
+    def __init__(self, backend, heap, dtype, streams, settle):
         self.backend, self.heap, self.dtype = backend, heap, dtype
+        self._settle = settle  # waits (bounded) for the calls before: a NumPy copy in waits for its stream
         self._boundary = Boundary(backend, heap.device.index, streams)
         self._staging: dict = {}  # argument name -> (pointer, bytes): NumPy arguments' device copies
         self._views: dict = {}
@@ -24,7 +25,10 @@ class CallerArrays:
         kept = self._kept = []
 
         def take(name, obj, shape):
-            stage = self._stage(name, obj) if isinstance(obj, np.ndarray) and not capturing else None
+            stage = None
+            if isinstance(obj, np.ndarray) and not capturing:
+                self._settle()
+                stage = self._stage(name, obj)
             taken = self._boundary.take(name, obj, shape, self.dtype, s, capturing=capturing, stage_ptr=stage)
             kept.append(taken.keep)
             return taken.ptr

@@ -81,25 +81,33 @@ class InFlight:
         caller, poison the calls' outputs, and release their stuck waits until the streams drain. Released, a
         wait passes and the next call's wait on the same word may stick in turn: the release repeats (bounded)."""
         with self._lock:
-            if not self._pending or self.backend.event_done(self._finished):
-                return
-            pending, self._pending = self._pending, []
-            awaited = [entry for _, waits, _ in pending for entry in waits]
-            stuck = self.signals.not_seen(awaited, self.watch)
-            self._failure = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
-                f"CollectiveMatmul: rank {self.signals.rank}'s calls did not finish in {self.timeout:g} s, though "
-                "every rank's words came")
-            for s, _, outputs in pending:  # (queued behind the stuck work: in place once the streams drain)
-                self.failed(s, outputs)
-            deadline = time.monotonic() + self.timeout
-            while stuck and time.monotonic() < deadline:
-                self.signals.force(stuck, self.watch)
-                time.sleep(1e-3)
-                if self.backend.event_done(self._finished):
-                    break
-                stuck = self.signals.not_seen(awaited, self.watch)
-            while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
-                time.sleep(1e-4)
+            try:
+                self._give_up()
+            except Exception as e:  # (the driver failing us now: that is the error to hand the caller)
+                if self._failure is None:
+                    self._failure = e
+                self.broken = self.broken or f"giving up on a call failed: {e}"
+
+    def _give_up(self) -> None:
+        if not self._pending or self.backend.event_done(self._finished):
+            return
+        pending, self._pending = self._pending, []
+        awaited = [entry for _, waits, _ in pending for entry in waits]
+        stuck = self.signals.waiting(awaited, self.watch)
+        self._failure = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
+            f"CollectiveMatmul: rank {self.signals.rank}'s calls did not finish in {self.timeout:g} s, though "
+            "every rank's words came")
+        for s, _, outputs in pending:  # (queued behind the stuck work: in place once the streams drain)
+            self.failed(s, outputs)
+        deadline = time.monotonic() + self.timeout
+        while stuck and time.monotonic() < deadline:
+            self.signals.force(stuck, self.watch)
+            time.sleep(1e-3)
+            if self.backend.event_done(self._finished):
+                break
+            stuck = self.signals.waiting(awaited, self.watch)
+        while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
+            time.sleep(1e-4)
 
     def _reported(self) -> BaseException:
         """The kept failure, handed to the caller once (later calls are refused as broken)."""

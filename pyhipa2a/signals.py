@@ -9,14 +9,17 @@ only after the consumer said it is done with what the word covered (a second kin
 way), so a word is never raised twice before it is lowered. A raised word holds a count (count + 1), which the
 consumer's wait must match: ranks that disagree on it (rows a rank, say) are named, not mixed.
 
-GPUs wait without a bound; the host backend bounds each wait. A wait that passed marks a local "seen" word,
-so when the host gives up on a stream (CollectiveMatmul.synchronize) it can name the ranks never heard from.
+GPUs wait without a bound; the host backend bounds each wait. Each wait marks a local "seen" word while a
+stream stands at it, so when the host gives up on a call (pyhipa2a.inflight) it names the ranks the streams
+are stuck on, and releases exactly those waits.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .errors import A2ATimeoutError, ConfigMismatchError
+
+WAITING, PASSED = 2, 1  # a wait's "seen" word: a stream stands at it; a stream went past it (0: never reached)
 
 
 class Signals:
@@ -43,21 +46,26 @@ class Signals:
                                        count + 1)
 
     def wait(self, source: int, kind: str, stream, what: str, count: int = 0) -> None:
-        """Queue on `stream`: wait until `source` raised its word of `kind` here with `count`, lower it, mark it
-        seen (unmarked first, so a wait stuck now reads as unseen). `what` names what was awaited."""
+        """Queue on `stream`: wait until `source` raised its word of `kind` here with `count`, then lower it. The
+        wait's "seen" word reads WAITING while the stream stands at it, PASSED after. `what` names what was
+        awaited."""
         word, seen = self._word(self.words, kind, source), self._word(self.seen, kind, source)
-        self.backend.stream_write_word(stream, seen, 0)
+        self.backend.stream_write_word(stream, seen, WAITING)
         self.backend.stream_wait_word(stream, word, count + 1, self.heap.timeout,
                                       lambda: self.stuck_error([(source, kind, count, what)], None))
         self.backend.stream_write_word(stream, word, 0)
-        self.backend.stream_write_word(stream, seen, 1)
+        self.backend.stream_write_word(stream, seen, PASSED)
 
-    def not_seen(self, awaited, watch) -> list:
-        """The (source, kind, ...) entries of `awaited` whose wait has not passed, read now on `watch` (a stream
-        that waits for nothing)."""
+    def waiting(self, awaited, watch) -> list:
+        """The (source, kind, ...) entries of `awaited` whose wait a stream stands at now (not those it has
+        passed, nor those it has not reached), read on `watch` (a stream that waits for nothing)."""
         seen = np.empty(self.seen.shape, np.uint32)
         self.backend.copy_to_host(seen, self.seen.ptr, watch)
-        return [entry for entry in awaited if not seen[self._row[entry[1]], entry[0]]]
+        stuck = {}
+        for entry in awaited:
+            if seen[self._row[entry[1]], entry[0]] == WAITING:
+                stuck.setdefault((entry[0], entry[1]), entry)
+        return list(stuck.values())
 
     def stuck_error(self, stuck, watch):
         """The error of waits `stuck` ((source, kind, count, what) entries) that never passed: a rank that
@@ -65,7 +73,7 @@ class Signals:
         words = np.empty(self.words.shape, np.uint32)
         self.backend.copy_to_host(words, self.words.ptr, watch)
         odd = [(source, int(words[self._row[kind], source]) - 1, count, what)
-               for source, kind, count, what in stuck if words[self._row[kind], source]]
+               for source, kind, count, what in stuck if words[self._row[kind], source] not in (0, count + 1)]
         if odd:
             return ConfigMismatchError("; ".join(f"rank {source} sent {what} with count {theirs}, rank {self.rank} "
                                                  f"expects {count}" for source, theirs, count, what in odd)

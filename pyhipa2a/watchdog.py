@@ -51,7 +51,10 @@ class Watchdog:
                     return
                 deadline = self._deadline
             time.sleep(POLL_S)
-            done = self._backend.event_done(self._event)
+            try:
+                done = self._backend.event_done(self._event)
+            except Exception:  # (the owner's give_up asks again, and keeps what fails for its caller)
+                done = False
             with self._cond:
                 if self._deadline != deadline:  # (re-armed or disarmed meanwhile: ask again)
                     continue

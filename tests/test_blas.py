@@ -31,8 +31,10 @@ def test_host_matmul_reads_and_writes_with_leading_dimensions(dtype):
 class FakeLibrary:
     """Records the vendor's calls; `status` is what GemmEx returns."""
 
-    def __init__(self, api: blas.VendorApi, status: int = 0):
+    def __init__(self, api: blas.VendorApi, status: int = 0, old: bool = False):
         self.calls, self._name = [], "fake"
+        if api.enums_since and not old:
+            setattr(self, api.enums_since, lambda *args: 0)
         for name in (api.create, api.destroy, api.set_stream) + ((api.set_workspace,) if api.set_workspace else ()):
             setattr(self, name, self._recorder(name, 0))
         setattr(self, api.gemm[-1], self._recorder("gemm", status))
@@ -45,8 +47,8 @@ class FakeLibrary:
         return call
 
 
-def vendor(api, status=0, monkeypatch=None):
-    lib = FakeLibrary(api, status)
+def vendor(api, status=0, monkeypatch=None, old=False):
+    lib = FakeLibrary(api, status, old)
     monkeypatch.setattr(blas, "load_library", lambda _: lib)
     backend = types.SimpleNamespace(activate=lambda: None, stream_handle=lambda s: 0xABC,
                                     malloc_ipc=lambda n: 0x5000, free=lambda p: None)
@@ -79,7 +81,12 @@ def test_vendor_failure_names_the_call_and_the_status(monkeypatch):
 
 
 def test_a_missing_library_says_where_it_looked(monkeypatch):
-    api = blas.VendorApi(("libnot-a-blas.so",), ("nowhere/lib*.so",), "c", "d", "s", None, ("g",), "t", op_n=0,
+    api = blas.VendorApi(("libnot-a-blas.so",), ("nowhere/lib*.so",), "c", "d", "s", None, ("g",), "t", None, op_n=0,
                          compute_32f=0, algo_default=0, types={})
     with pytest.raises(RuntimeFailure, match="no libnot-a-blas.so found .*pass gemm= your own"):
         blas.load_library(api)
+
+
+def test_a_hipblas_whose_gemmex_takes_the_old_enums_is_refused(monkeypatch):
+    with pytest.raises(RuntimeFailure, match=r"too old: its hipblasGemmEx takes other type enums \(ROCm >= 6"):
+        vendor(blas.HIPBLAS, monkeypatch=monkeypatch, old=True)

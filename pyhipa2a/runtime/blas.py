@@ -37,6 +37,9 @@ class VendorApi:
     set_workspace: str | None
     gemm: tuple             # GemmEx's names, newest first (ROCm 6 spells the hipDataType one hipblasGemmEx_v2)
     status_text: str
+    # A symbol only libraries whose last name in `gemm` takes these enums have (hipBLAS >= 2.1: ROCm 5's
+    # hipblasGemmEx took hipblasDatatype_t), or None
+    enums_since: str | None
     op_n: int
     compute_32f: int
     algo_default: int
@@ -47,12 +50,12 @@ _DATA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0}  # CUDA_R_16F, CUDA_R
 CUBLAS = VendorApi(("libcublas.so", "libcublas.so.13", "libcublas.so.12"),
                    ("nvidia/cublas/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*"),
                    "cublasCreate_v2", "cublasDestroy_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2",
-                   ("cublasGemmEx",), "cublasGetStatusString", op_n=0, compute_32f=68, algo_default=-1,
+                   ("cublasGemmEx",), "cublasGetStatusString", None, op_n=0, compute_32f=68, algo_default=-1,
                    types=_DATA_TYPES)
 HIPBLAS = VendorApi(("libhipblas.so", "libhipblas.so.3", "libhipblas.so.2"), (),
                     "hipblasCreate", "hipblasDestroy", "hipblasSetStream", None,
-                    ("hipblasGemmEx_v2", "hipblasGemmEx"), "hipblasStatusToString", op_n=111, compute_32f=2,
-                    algo_default=160, types=_DATA_TYPES)
+                    ("hipblasGemmEx_v2", "hipblasGemmEx"), "hipblasStatusToString", "hipblasGetMathMode", op_n=111,
+                    compute_32f=2, algo_default=160, types=_DATA_TYPES)
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's own, given once: a capture must not allocate it
 
 
@@ -80,6 +83,8 @@ class VendorBlas(Blas):
         gemm_name = next((n for n in api.gemm if hasattr(lib, n)), None)
         if gemm_name is None:
             raise RuntimeFailure(f"{lib._name} has none of {', '.join(api.gemm)}")
+        if gemm_name == api.gemm[-1] and len(api.gemm) > 1 and api.enums_since and not hasattr(lib, api.enums_since):
+            raise RuntimeFailure(f"{lib._name} is too old: its {gemm_name} takes other type enums (ROCm >= 6 needed)")
         self._gemm = getattr(lib, gemm_name)
         self._gemm.restype = ctypes.c_int
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -110,6 +115,9 @@ class VendorBlas(Blas):
         handle = self.backend.stream_handle(stream)
         if handle != self._stream:
             self._call(self.api.set_stream, self.handle, ctypes.c_void_p(handle))
+            if self.workspace is not None:  # (setting a stream puts back the library's own workspace)
+                self._call(self.api.set_workspace, self.handle, ctypes.c_void_p(self.workspace),
+                           ctypes.c_size_t(WORKSPACE_BYTES))
             self._stream = handle
         types = self.api.types
         ab, cd = types[np.dtype(dtype).name], types[np.dtype(out_dtype or dtype).name]
