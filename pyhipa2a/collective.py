@@ -32,6 +32,11 @@ from .streams import Streams
 SUM_THREADS, SUM_BLOCKS_PER_SM = 256, 4  # the sum's geometry: enough loads in flight to be bound by bytes
 
 
+def failure(e: BaseException) -> str:
+    """Why a call that raised `e` once its words were touched leaves the object refusing calls."""
+    return f"{type(e).__name__}: {e}"
+
+
 def cut_rows(m: int, pieces: int) -> list:
     """(first row, rows) of each piece of a rank's m rows (fewer pieces where m is smaller)."""
     size = -(-m // pieces)
@@ -208,9 +213,9 @@ class CollectiveMatmul:
                     multiply(src, first, count, self.gathered.ptr + src * slot + first * row_a)
                 sig.raise_on(src, "rows_read", s)
             self.copies.join(s)
-        except BaseException:  # (a timeout where the host backend waits, or anything once words were touched)
+        except BaseException as e:  # (a timeout where the host backend waits, or anything once words were touched)
             self.copies.join(s)
-            self._flight.failed(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
+            self._flight.failed(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)), failure(e))
             raise
         self._end(s, capturing, awaited, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
         return out
@@ -265,9 +270,9 @@ class CollectiveMatmul:
             for i in range(1, w):
                 sig.raise_on((r - i) % w, "sums_read", s)
             self.copies.join(s)
-        except BaseException:
+        except BaseException as e:
             self.copies.join(s)
-            self._flight.failed(s, ((out_ptr, m * n * item),))
+            self._flight.failed(s, ((out_ptr, m * n * item),), failure(e))
             raise
         self._end(s, capturing, awaited, ((out_ptr, m * n * item),))
         return out

@@ -39,13 +39,13 @@ class InFlight:
         self._pending.append((s, awaited, outputs))
         self._watchdog.arm(time.monotonic() + self.timeout)
 
-    def failed(self, s, outputs) -> None:
+    def failed(self, s, outputs, why: str = "a peer never came, or disagreed") -> None:
         """The call on `s` failed: its outputs read as poison (NaN) after it, and later calls are refused."""
         for ptr, nbytes in outputs:
             if ptr is not None:
                 self.backend.memset(ptr, 0xFF, nbytes, s)
         self.backend.event_record(self._finished, s)
-        self.broken = "a peer never came, or disagreed"
+        self.broken = self.broken or why
 
     def wait(self, stream=None) -> None:
         """Wait for the last call (or for a stream of the caller's), at most `timeout` seconds; then give up."""

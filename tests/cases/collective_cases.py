@@ -147,6 +147,13 @@ def case_numpy_inputs_and_caller_gemm(comm):
                    for x, y in k_slices(k, world))[rank * m:(rank + 1) * m]
         close_to(c.numpy(), want, d, "gemm= matmul_reduce_scatter")
 
+        def failing_gemm(a_rows, b, out_rows, stream):
+            raise RuntimeError("the caller's GEMM failed")
+        with pytest.raises(RuntimeError, match="the caller's GEMM failed"):  # (on every rank: nobody waits)
+            cm.all_gather_matmul(a[rank * m:(rank + 1) * m], b, gemm=failing_gemm)
+        with pytest.raises(A2AError, match=r"earlier call failed \(RuntimeError: the caller's GEMM failed\)"):
+            cm.all_gather_matmul(a[rank * m:(rank + 1) * m], b)
+
 
 @frees_uploads
 def case_bad_input_is_refused(comm):
