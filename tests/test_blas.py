@@ -32,7 +32,7 @@ class FakeLibrary:
     """Records the vendor's calls; `status` is what GemmEx returns."""
 
     def __init__(self, api: blas.VendorApi, status: int = 0, old: bool = False):
-        self.calls, self._name = [], "fake"
+        self.calls = []
         if api.enums_since and not old:
             setattr(self, api.enums_since, lambda *args: 0)
         for name in (api.create, api.destroy, api.set_stream) + ((api.set_workspace,) if api.set_workspace else ()):
@@ -49,7 +49,7 @@ class FakeLibrary:
 
 def vendor(api, status=0, monkeypatch=None, old=False):
     lib = FakeLibrary(api, status, old)
-    monkeypatch.setattr(blas, "load_library", lambda _: lib)
+    monkeypatch.setattr(blas, "load_library", lambda _: (lib, "fake"))
     backend = types.SimpleNamespace(activate=lambda: None, stream_handle=lambda s: 0xABC,
                                     malloc_ipc=lambda n: 0x5000, free=lambda p: None)
     return blas.VendorBlas(backend, api), lib

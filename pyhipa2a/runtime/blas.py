@@ -59,15 +59,16 @@ HIPBLAS = VendorApi(("libhipblas.so", "libhipblas.so.3", "libhipblas.so.2"), (),
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's own, given once: a capture must not allocate it
 
 
-def load_library(api: VendorApi) -> ctypes.CDLL:
-    """The vendor's library: by soname (the loader's path), else where a pip wheel (PyTorch's, CuPy's) put it."""
+def load_library(api: VendorApi) -> tuple[ctypes.CDLL, str]:
+    """(the vendor's library, the name it was found by): by soname (the loader's path), else where a pip wheel
+    (PyTorch's, CuPy's) put it."""
     tried = list(api.libraries)
     for root in filter(os.path.isdir, sys.path):
         for pattern in api.wheel_globs:
             tried.extend(sorted(glob.glob(os.path.join(root, pattern))))
     for name in tried:
         try:
-            return ctypes.CDLL(name)
+            return ctypes.CDLL(name), name
         except OSError:
             continue
     raise RuntimeFailure(f"no {api.libraries[0]} found (tried {', '.join(tried)}): install the vendor's BLAS, or "
@@ -79,12 +80,13 @@ class VendorBlas(Blas):
 
     def __init__(self, backend, api: VendorApi):
         self.backend, self.api = backend, api
-        lib = self._lib = load_library(api)
+        lib, found = load_library(api)
+        self._lib = lib
         gemm_name = next((n for n in api.gemm if hasattr(lib, n)), None)
         if gemm_name is None:
-            raise RuntimeFailure(f"{lib._name} has none of {', '.join(api.gemm)}")
+            raise RuntimeFailure(f"{found} has none of {', '.join(api.gemm)}")
         if gemm_name == api.gemm[-1] and len(api.gemm) > 1 and api.enums_since and not hasattr(lib, api.enums_since):
-            raise RuntimeFailure(f"{lib._name} is too old: its {gemm_name} takes other type enums (ROCm >= 6 needed)")
+            raise RuntimeFailure(f"{found} is too old: its {gemm_name} takes other type enums (ROCm >= 6 needed)")
         self._gemm = getattr(lib, gemm_name)
         self._gemm.restype = ctypes.c_int
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
