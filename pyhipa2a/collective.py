@@ -32,6 +32,37 @@ from .streams import Streams
 SUM_THREADS, SUM_BLOCKS_PER_SM = 256, 4  # the sum's geometry: enough loads in flight to be bound by bytes
 
 
+class SlotSum:
+    """The reduce-scatter's last step (kernels_hip/reduce.hip): n slots of 16-bit partial sums added in fp32,
+    rounded once; its code and arguments made once."""
+
+    def __init__(self, backend, device, dtype):
+        self._library = KernelLibrary(backend, device.arch)
+        self._kernel = self._library.kernel("sum_slots_" + ("bf16" if dtype.name == "bfloat16" else "f16"))
+        self._pack = self._kernel.pack()
+        self._blocks = SUM_BLOCKS_PER_SM * device.multiprocessors
+
+    def launch(self, s, slots: int, out: int, count: int, stride: int, n: int) -> None:
+        """out[count] = the sum of the n slots at `slots`, `stride` elements apart, on stream `s`."""
+        self._pack.set_scalars(slots, out, count, stride, n)
+        self._kernel.launch(self._pack, self._blocks, SUM_THREADS, s)
+
+    def close(self) -> None:
+        self._library.close()
+
+
+def lead_rows(lead, name: str, least: int, most: int, per: str) -> int:
+    """The rows of a call's first array, a 2-D one of `least` to `most` rows (else a clear error)."""
+    shape = getattr(lead, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise TypeError(f"{name} must be a 2-D array, not {type(lead).__name__}"
+                        + ("" if shape is None else f" of shape {tuple(shape)}"))
+    rows = int(shape[0])
+    if not least <= rows <= most:
+        raise ValueError(f"{name} has {rows} rows: this CollectiveMatmul takes {least} to {most}{per}")
+    return rows
+
+
 def failure(e: BaseException) -> str:
     """Why a call that raised `e` once its words were touched leaves the object refusing calls."""
     return f"{type(e).__name__}: {e}"
@@ -97,12 +128,17 @@ class CollectiveMatmul:
         self.remote_sums = bool(remote_sums)
         self.shard_rows = -(-self.max_rows // self.world)  # the most rows a rank holds
         w, m, item = self.world, self.shard_rows, self.dtype.itemsize
-        kinds = ("rows_read", "sums_read") + tuple(f"{kind}{j}" for kind in ("rows", "sums") for j in range(pieces))
+        # Each piece's word (its kind, and what its timeout message calls it), named once
+        self._rows_words = tuple((f"rows{j}", f"all_gather_matmul rows, piece {j} (count: rows a rank)")
+                                 for j in range(pieces))
+        self._sums_words = tuple((f"sums{j}", f"matmul_reduce_scatter sums, piece {j} (count: rows a rank)")
+                                 for j in range(pieces))
+        kinds = ("rows_read", "sums_read") + tuple(kind for kind, _ in self._rows_words + self._sums_words)
         slabs = 2 if remote_sums else 3  # [W, m, n] each: partial sums received, AG's output, staged sums
         nbytes = (w * m * k + slabs * w * m * n + m * n) * item + 2 * len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
-        self._blas = self._flight = self._library = self._joined = None
+        self._blas = self._flight = self._sum = self._joined = None
         # A call's queuing, and giving up on calls (the watchdog's thread too); re-entered where a call waits for
         # the ones before it (a NumPy argument's copy) and gives up on them.
         self._lock = threading.RLock()
@@ -127,11 +163,7 @@ class CollectiveMatmul:
             library_device = None if self.backend.kind == "host" else heap.device.index
             self._streams = Streams(self.backend, self.stream, True, library_device)
             self._arrays = CallerArrays(self.backend, heap, self.dtype, self._streams, lambda: self._flight.wait())
-            # The reduce-scatter's last step: the ranks' partial sums of our rows added (kernels_hip/reduce.hip).
-            self._library = KernelLibrary(self.backend, heap.device.arch)
-            self._sum_kernel = self._library.kernel("sum_slots_" + ("bf16" if self.dtype.name == "bfloat16" else "f16"))
-            self._sum = self._sum_kernel.pack()
-            self._sum_blocks = SUM_BLOCKS_PER_SM * heap.device.multiprocessors
+            self._sum = SlotSum(self.backend, heap.device, self.dtype)
             try:  # (now, not at a first GEMM that a capture records: making it allocates)
                 self._blas = self.backend.open_blas()
             except RuntimeFailure as e:
@@ -203,13 +235,13 @@ class CollectiveMatmul:
                     copy = self.copies.to[p][j]
                     self.backend.copy_device(self.heap.translate(self.gathered.ptr + r * slot + first * row_a, p),
                                              a_ptr + first * row_a, count * row_a, copy)
-                    sig.raise_on(p, f"rows{j}", copy, count=m)
+                    sig.raise_on(p, self._rows_words[j][0], copy, count=m)
             for i in range(1, w):  # rank r - 1's rows (the first to arrive), then r - 2's, ...
                 src = (r - i) % w
                 for j, (first, count) in enumerate(cuts):
-                    what = f"all_gather_matmul rows, piece {j} (count: rows a rank)"
-                    sig.wait(src, f"rows{j}", s, what, count=m)
-                    awaited.append((src, f"rows{j}", m, what))
+                    kind, what = self._rows_words[j]
+                    sig.wait(src, kind, s, what, count=m)
+                    awaited.append((src, kind, m, what))
                     multiply(src, first, count, self.gathered.ptr + src * slot + first * row_a)
                 sig.raise_on(src, "rows_read", s)
             self.copies.join(s)
@@ -245,7 +277,7 @@ class CollectiveMatmul:
                             sig.wait(d, "sums_read", s, what)
                             awaited.append((d, "sums_read", 0, what))
                         self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, theirs)
-                        sig.raise_on(d, f"sums{j}", s, count=m)
+                        sig.raise_on(d, self._sums_words[j][0], s, count=m)
                         continue
                     staged = self.staged.ptr + d * slot + first * row_c
                     self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, staged)
@@ -257,16 +289,14 @@ class CollectiveMatmul:
                         self.copies.follow(self.copies.to[d][j], s)
                     copy = self.copies.to[d][j]
                     self.backend.copy_device(theirs, staged, count * row_c, copy)
-                    sig.raise_on(d, f"sums{j}", copy, count=m)
+                    sig.raise_on(d, self._sums_words[j][0], copy, count=m)
             self._partial(gemm, s, a, a_ptr, r * m, m, b, b_ptr, self.partials.ptr + r * slot)
             for i in range(1, w):
                 src = (r - i) % w
-                for j in range(len(cuts)):
-                    what = f"matmul_reduce_scatter sums, piece {j} (count: rows a rank)"
-                    sig.wait(src, f"sums{j}", s, what, count=m)
-                    awaited.append((src, f"sums{j}", m, what))
-            self._sum.set_scalars(self.partials.ptr, out_ptr, m * n, self.shard_rows * n, w)
-            self._sum_kernel.launch(self._sum, self._sum_blocks, SUM_THREADS, s)
+                for kind, what in self._sums_words[:len(cuts)]:
+                    sig.wait(src, kind, s, what, count=m)
+                    awaited.append((src, kind, m, what))
+            self._sum.launch(s, self.partials.ptr, out_ptr, m * n, self.shard_rows * n, w)
             for i in range(1, w):
                 sig.raise_on((r - i) % w, "sums_read", s)
             self.copies.join(s)
@@ -284,18 +314,11 @@ class CollectiveMatmul:
         if self.heap.closed:
             raise A2AError("CollectiveMatmul is closed")
         self._flight.refuse_if_failed(op)
-        shape = getattr(lead, "shape", None)
-        if shape is None or len(shape) != 2:
-            raise TypeError(f"{name} must be a 2-D array, not {type(lead).__name__}"
-                            + ("" if shape is None else f" of shape {tuple(shape)}"))
-        rows = int(shape[0])
         if shard:
-            if not 1 <= rows <= self.shard_rows:
-                raise ValueError(f"{name} has {rows} rows: this CollectiveMatmul takes 1 to {self.shard_rows} a "
-                                 f"rank (max_rows={self.max_rows} over {self.world} ranks)")
-        elif not self.world <= rows <= self.shard_rows * self.world:
-            raise ValueError(f"{name} has {rows} rows: this CollectiveMatmul takes {self.world} to "
-                             f"{self.shard_rows * self.world}")
+            rows = lead_rows(lead, name, 1, self.shard_rows,
+                             f" a rank (max_rows={self.max_rows} over {self.world} ranks)")
+        else:
+            rows = lead_rows(lead, name, self.world, self.shard_rows * self.world, "")
         self.backend.activate()
         streams = self._streams
         if stream is None:
@@ -358,9 +381,9 @@ class CollectiveMatmul:
             self.backend.stream_destroy(stream)
         if self._arrays is not None:
             self._arrays.close()
-        if self._library is not None:
-            self._library.close()
-            self._library = None
+        if self._sum is not None:
+            self._sum.close()
+            self._sum = None
         self._made = []
 
     def close(self) -> None:
