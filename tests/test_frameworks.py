@@ -19,17 +19,11 @@ def test_framework_arrays_in_and_out(lib, producer_order, calls_on):
 @pytest.mark.gpu
 @pytest.mark.parametrize("calls_on", ["own", "current"])
 @pytest.mark.parametrize("lib", ["torch", "cupy"])
-def test_new_framework_arrays_at_every_call(lib, calls_on):
-    run_case(CASE + "case_new_framework_arrays_at_every_call", ranks_for("gpu"), env_backend("gpu"),
-             args=(lib, calls_on), timeout=600)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("calls_on", ["own", "current"])
-@pytest.mark.parametrize("lib", ["torch", "cupy"])
-def test_new_framework_arrays_like_the_last(lib, calls_on):
-    run_case(CASE + "case_new_framework_arrays_like_the_last", ranks_for("gpu"), env_backend("gpu"),
-             args=(lib, calls_on), timeout=300)
+@pytest.mark.parametrize("case, timeout", [("case_new_framework_arrays_at_every_call", 600),
+                                           ("case_new_framework_arrays_like_the_last", 300)])
+def test_new_framework_arrays(case, timeout, lib, calls_on):
+    """New arrays at every call: of changing token counts (the full path), and like the last (plans)."""
+    run_case(CASE + case, ranks_for("gpu"), env_backend("gpu"), args=(lib, calls_on), timeout=timeout)
 
 
 @pytest.mark.gpu

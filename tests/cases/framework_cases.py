@@ -156,6 +156,20 @@ def _late_written_step(a2a, tools, inputs, stream, what) -> None:
     check_dispatch_against_oracle(a2a, inputs, d)
 
 
+def new_arrays_shape(world: int) -> tuple:
+    """(E, k, H, M) of the cases of new arrays at every call."""
+    return 8 * world, 4, 2048, 64
+
+
+@contextlib.contextmanager
+def _new_arrays_object(comm, lib: str, calls_on: str):
+    """(AllToAll handing out our arrays, its calls watched, `lib`'s tools) for the cases of new arrays."""
+    E, k, H, M = new_arrays_shape(comm.Get_size())
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on,
+                  outputs="ours") as a2a, calls_watched() as watched:
+        yield a2a, watched, _framework(lib, a2a.heap.device.index)
+
+
 def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
     """New PyTorch or CuPy arrays at every call (a layer's activations, a router's output), each written
     late on the library's own stream, with another token count at most calls, some given a stream object
@@ -165,12 +179,9 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
     library names, or read zeros or the last round's data. Each round on poisoned outputs against the
     oracle, the results consumed by the library with no host wait."""
     world = comm.Get_size()
-    E, k, H, M = 8 * world, 4, 2048, 64
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on,
-                  outputs="ours") as a2a, \
-            calls_watched() as watched:
+    E, k, H, M = new_arrays_shape(world)
+    with _new_arrays_object(comm, lib, calls_on) as (a2a, watched, tools):
         me = a2a.rank
-        tools = _framework(lib, a2a.heap.device.index)
         if lib == "torch":  # (the stream object lives to the end: its handle is used after it)
             import torch
             side = torch.cuda.Stream()
@@ -198,12 +209,9 @@ def case_new_framework_arrays_like_the_last(comm, lib, calls_on="own"):
     token count takes the full path until two calls of it were made. Each step on poisoned outputs against
     the oracle."""
     world = comm.Get_size()
-    E, k, H, M = 8 * world, 4, 2048, 64
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream=calls_on,
-                  outputs="ours") as a2a, \
-            calls_watched() as watched:
+    E, k, H, M = new_arrays_shape(world)
+    with _new_arrays_object(comm, lib, calls_on) as (a2a, watched, tools):
         me = a2a.rank
-        tools = _framework(lib, a2a.heap.device.index)
         for i, T in enumerate((32, 32, 32, 32, 32, 16, 16, 16)):
             inputs = draw_world(1000 + i, world, E, k, H, M, token_counts=[T] * world)
             watched.clear()
