@@ -11,7 +11,8 @@ and raises a readiness word in the peer's heap (pyhipa2a.signals); the GEMM of a
 the device. Chunks go in ring order: all_gather_matmul starts on its own rows while the others arrive (rank
 r - 1's first); matmul_reduce_scatter starts on the rows for rank r + 1, so its own partial sums are computed
 last, behind the copies of the others. The call's stream waits for the copy streams before the call returns,
-so it covers everything the call does.
+so it covers everything the call does. A call that comes back with the same pointers and row counts is
+launched as one graph recorded from the first ones (pyhipa2a.replays): one driver call instead of twenty.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .runtime.base import RuntimeFailure
 from .heap import SymmetricHeap
 from .inflight import InFlight
 from .kernels import KernelLibrary
+from .replays import Replays
 from .signals import Signals
 from .streams import Streams
 
@@ -138,7 +140,7 @@ class CollectiveMatmul:
         nbytes = (w * m * k + slabs * w * m * n + m * n) * item + 2 * len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
-        self._blas = self._flight = self._sum = self._joined = None
+        self._blas = self._flight = self._sum = self._joined = self._replays = None
         # A call's queuing, and giving up on calls (the watchdog's thread too); re-entered where a call waits for
         # the ones before it (a NumPy argument's copy) and gives up on them.
         self._lock = threading.RLock()
@@ -156,6 +158,7 @@ class CollectiveMatmul:
             self.stream = self._made_stream()
             self.copies = CopyStreams(self.backend, self.signals, w, self.rank, self.pieces, self._made_stream)
             self.watch = self._made_stream()  # reads words while the others may be stuck
+            self._replays = Replays(self.backend, self._made_stream())
             self._flight = InFlight(self.backend, self.signals, self.watch, self.timeout, self._lock)
             # (stopped at exit too, while the runtime still answers: a watchdog polling a call of an object never
             # closed would otherwise ask the driver as the process tears it down)
@@ -210,9 +213,9 @@ class CollectiveMatmul:
         row_out, row_a = n * self.dtype.itemsize, k * self.dtype.itemsize
         # Slots lie the most rows a rank apart: a rank that sent another count overwrites only its own slot.
         slot = self.shard_rows * row_a
-        sig, awaited, cuts = self.signals, [], cut_rows(m, self.pieces)
+        sig, cuts = self.signals, cut_rows(m, self.pieces)
 
-        def multiply(src: int, first: int, count: int, rows: int) -> None:
+        def multiply(s, src: int, first: int, count: int, rows: int) -> None:
             out_row = src * m + first
             if gemm is None:
                 self._vendor().matmul(s, rows, b_ptr, out_ptr + out_row * row_out, count, n, k, lda=k, ldb=n, ldc=n,
@@ -222,34 +225,38 @@ class CollectiveMatmul:
                 gemm(a_rows, b, self._arrays.rows(out, out_row, count, out_ptr, n, b), self.backend.stream_handle(s))
             if g_ptr is not None:
                 self.backend.copy_device(g_ptr + out_row * row_a, rows, count * row_a, s)
-        try:
-            # The copies leave once a_shard is ready (forked before anything else is queued on s), and the GPU
-            # starts on our own rows while the host queues the rest.
-            self.copies.fork(s)
-            multiply(r, 0, m, a_ptr)
-            for i in range(1, w):  # every copy stream at once: rank r's rows to rank (r + i)'s slot [r]
-                p = (r + i) % w
-                what = "word that it read our all_gather_matmul rows"
-                self.copies.after_free_slot(p, "rows_read", what, awaited)
-                for j, (first, count) in enumerate(cuts):
-                    copy = self.copies.to[p][j]
-                    self.backend.copy_device(self.heap.translate(self.gathered.ptr + r * slot + first * row_a, p),
-                                             a_ptr + first * row_a, count * row_a, copy)
-                    sig.raise_on(p, self._rows_words[j][0], copy, count=m)
-            for i in range(1, w):  # rank r - 1's rows (the first to arrive), then r - 2's, ...
-                src = (r - i) % w
-                for j, (first, count) in enumerate(cuts):
-                    kind, what = self._rows_words[j]
-                    sig.wait(src, kind, s, what, count=m)
-                    awaited.append((src, kind, m, what))
-                    multiply(src, first, count, self.gathered.ptr + src * slot + first * row_a)
-                sig.raise_on(src, "rows_read", s)
-            self.copies.join(s)
-        except BaseException as e:  # (a timeout where the host backend waits, or anything once words were touched)
-            self.copies.join(s)
-            self._flight.failed(s, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)), failure(e))
-            raise
-        self._end(s, capturing, awaited, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
+
+        def queue(s) -> list:
+            """Queue the call on `s`; the waits it queued ((source, kind, count, what) each)."""
+            awaited = []
+            try:
+                # The copies leave once a_shard is ready (forked before anything else is queued on s), and the
+                # GPU starts on our own rows while the host queues the rest.
+                self.copies.fork(s)
+                multiply(s, r, 0, m, a_ptr)
+                for i in range(1, w):  # every copy stream at once: rank r's rows to rank (r + i)'s slot [r]
+                    p = (r + i) % w
+                    what = "word that it read our all_gather_matmul rows"
+                    self.copies.after_free_slot(p, "rows_read", what, awaited)
+                    for j, (first, count) in enumerate(cuts):
+                        copy = self.copies.to[p][j]
+                        self.backend.copy_device(self.heap.translate(self.gathered.ptr + r * slot + first * row_a, p),
+                                                 a_ptr + first * row_a, count * row_a, copy)
+                        sig.raise_on(p, self._rows_words[j][0], copy, count=m)
+                for i in range(1, w):  # rank r - 1's rows (the first to arrive), then r - 2's, ...
+                    src = (r - i) % w
+                    for j, (first, count) in enumerate(cuts):
+                        kind, what = self._rows_words[j]
+                        sig.wait(src, kind, s, what, count=m)
+                        awaited.append((src, kind, m, what))
+                        multiply(s, src, first, count, self.gathered.ptr + src * slot + first * row_a)
+                    sig.raise_on(src, "rows_read", s)
+            finally:
+                self.copies.join(s)
+            return awaited
+        outputs = ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a))
+        key = None if gemm is not None else ("all_gather_matmul", m, a_ptr, b_ptr, out_ptr, g_ptr)
+        self._queue(s, capturing, key, queue, outputs)
         return out
 
     def _matmul_reduce_scatter(self, a, b, out, gemm, stream):
@@ -264,47 +271,50 @@ class CollectiveMatmul:
         out, out_ptr = self._arrays.output(take, "out", out, self.rs_out, (m, n), a, s)
         item = self.dtype.itemsize
         slot = self.shard_rows * n * item
-        sig, awaited, cuts = self.signals, [], cut_rows(m, self.pieces)
+        sig, cuts = self.signals, cut_rows(m, self.pieces)
         row_c = n * item
-        try:
-            for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
-                d = (r + i) % w
-                for j, (first, count) in enumerate(cuts):
-                    theirs = self.heap.translate(self.partials.ptr + r * slot + first * row_c, d)
-                    if self.remote_sums:  # (the GEMM's own stores cross the link: no staging, no copy)
+
+        def queue(s) -> list:
+            """Queue the call on `s`; the waits it queued ((source, kind, count, what) each)."""
+            awaited = []
+            try:
+                for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
+                    d = (r + i) % w
+                    for j, (first, count) in enumerate(cuts):
+                        theirs = self.heap.translate(self.partials.ptr + r * slot + first * row_c, d)
+                        if self.remote_sums:  # (the GEMM's own stores cross the link: no staging, no copy)
+                            if j == 0:
+                                what = "word that it reduced our matmul_reduce_scatter sums"
+                                sig.wait(d, "sums_read", s, what)
+                                awaited.append((d, "sums_read", 0, what))
+                            self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, theirs)
+                            sig.raise_on(d, self._sums_words[j][0], s, count=m)
+                            continue
+                        staged = self.staged.ptr + d * slot + first * row_c
+                        self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, staged)
                         if j == 0:
                             what = "word that it reduced our matmul_reduce_scatter sums"
-                            sig.wait(d, "sums_read", s, what)
-                            awaited.append((d, "sums_read", 0, what))
-                        self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, theirs)
-                        sig.raise_on(d, self._sums_words[j][0], s, count=m)
-                        continue
-                    staged = self.staged.ptr + d * slot + first * row_c
-                    self._partial(gemm, s, a, a_ptr, d * m + first, count, b, b_ptr, staged)
-                    if j == 0:
-                        what = "word that it reduced our matmul_reduce_scatter sums"
-                        self.copies.fork(s, d)
-                        self.copies.after_free_slot(d, "sums_read", what, awaited)
-                    else:
-                        self.copies.follow(self.copies.to[d][j], s)
-                    copy = self.copies.to[d][j]
-                    self.backend.copy_device(theirs, staged, count * row_c, copy)
-                    sig.raise_on(d, self._sums_words[j][0], copy, count=m)
-            self._partial(gemm, s, a, a_ptr, r * m, m, b, b_ptr, self.partials.ptr + r * slot)
-            for i in range(1, w):
-                src = (r - i) % w
-                for kind, what in self._sums_words[:len(cuts)]:
-                    sig.wait(src, kind, s, what, count=m)
-                    awaited.append((src, kind, m, what))
-            self._sum.launch(s, self.partials.ptr, out_ptr, m * n, self.shard_rows * n, w)
-            for i in range(1, w):
-                sig.raise_on((r - i) % w, "sums_read", s)
-            self.copies.join(s)
-        except BaseException as e:
-            self.copies.join(s)
-            self._flight.failed(s, ((out_ptr, m * n * item),), failure(e))
-            raise
-        self._end(s, capturing, awaited, ((out_ptr, m * n * item),))
+                            self.copies.fork(s, d)
+                            self.copies.after_free_slot(d, "sums_read", what, awaited)
+                        else:
+                            self.copies.follow(self.copies.to[d][j], s)
+                        copy = self.copies.to[d][j]
+                        self.backend.copy_device(theirs, staged, count * row_c, copy)
+                        sig.raise_on(d, self._sums_words[j][0], copy, count=m)
+                self._partial(gemm, s, a, a_ptr, r * m, m, b, b_ptr, self.partials.ptr + r * slot)
+                for i in range(1, w):
+                    src = (r - i) % w
+                    for kind, what in self._sums_words[:len(cuts)]:
+                        sig.wait(src, kind, s, what, count=m)
+                        awaited.append((src, kind, m, what))
+                self._sum.launch(s, self.partials.ptr, out_ptr, m * n, self.shard_rows * n, w)
+                for i in range(1, w):
+                    sig.raise_on((r - i) % w, "sums_read", s)
+            finally:
+                self.copies.join(s)
+            return awaited
+        key = None if gemm is not None else ("matmul_reduce_scatter", m, k, a_ptr, b_ptr, out_ptr)
+        self._queue(s, capturing, key, queue, ((out_ptr, m * n * item),))
         return out
 
     # -- one call's steps ---------------------------------------------------------------------------
@@ -353,7 +363,15 @@ class CollectiveMatmul:
             arrays = self._arrays
             gemm(arrays.rows(a, first, m, a_ptr, k, b), b, arrays.ours(c_ptr, (m, n), b), self.backend.stream_handle(s))
 
-    def _end(self, s, capturing: bool, awaited, outputs) -> None:
+    def _queue(self, s, capturing: bool, key, queue, outputs) -> None:
+        """Queue a call on `s` with `queue(stream) -> its waits` (or replay it: pyhipa2a.replays; never into
+        another library's capture) and note it in flight; `outputs`: the (pointer, bytes) it writes, poisoned
+        if it fails once its words were touched."""
+        try:
+            awaited = queue(s) if capturing else self._replays.queue(key, s, queue)
+        except BaseException as e:  # (a timeout where the host backend waits, or anything once words were touched)
+            self._flight.failed(s, outputs, failure(e))
+            raise
         if capturing:
             return  # (nothing ran: a replay of the graph is the graph's caller's to wait for)
         self._streams.queued(s)
@@ -371,6 +389,9 @@ class CollectiveMatmul:
 
     # -- teardown ---------------------------------------------------------------------------------------
     def _release(self) -> None:
+        if self._replays is not None:
+            self._replays.close()
+            self._replays = None
         if self._flight is not None:
             self._stop_flight()
             self._flight = None

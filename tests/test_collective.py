@@ -10,7 +10,8 @@ CASES = "tests.cases.collective_cases:"
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_against_numpy", "case_numpy_inputs_and_caller_gemm",
-                                  "case_bad_input_is_refused", "case_captured_graph_replays", "case_jax_arrays"])
+                                  "case_bad_input_is_refused", "case_captured_graph_replays", "case_jax_arrays",
+                                  "case_repeated_calls_replay"])
 def test_collective_matmul(case, backend):
     run_case(CASES + case, ranks_for(backend), env_backend(backend), timeout=120)
 

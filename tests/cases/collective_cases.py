@@ -278,6 +278,44 @@ def case_captured_graph_replays(comm):
 
 
 @frees_uploads
+def case_repeated_calls_replay(comm, pieces="1"):
+    """The same arrays called again and again, refilled in place, with two output arrays in turn and without
+    out=: the first calls queue step by step, a call that comes back is recorded and later ones replay the
+    graph (pyhipa2a.replays); every result is checked, the outputs poisoned before each call."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    d = resolve("float16")
+    m, k, n = 12, 32, 24
+    with CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, pieces=int(pieces), timeout=30) as cm:
+        a, b = upload(cm, np.zeros((m, k), d)), upload(cm, np.zeros((k, n), d))
+        lo, hi = k_slices(k, world)[rank]
+        a_rs, b_rs = upload(cm, np.zeros((world * m, hi - lo), d)), upload(cm, np.zeros((hi - lo, n), d))
+        outs = [poisoned(cm, (world * m, n), d) for _ in range(2)]
+        outs_rs = [poisoned(cm, (m, n), d) for _ in range(2)]
+        gathered = poisoned(cm, (world * m, k), d)
+        for turn in range(8):
+            full, bb = draw(50 + turn, (world * m, k), d), draw(60 + turn, (k, n), d)
+            a.copy_from(full[rank * m:(rank + 1) * m])
+            b.copy_from(bb)
+            a_rs.copy_from(np.ascontiguousarray(full[:, lo:hi]))
+            b_rs.copy_from(np.ascontiguousarray(bb[lo:hi]))
+            given = turn < 5  # (turns 5 to 7: our own buffers, returned)
+            out, out_rs = (outs[turn % 2], outs_rs[turn % 2]) if given else (None, None)
+            for arr in (out, out_rs, gathered):
+                if arr is not None:
+                    arr.fill_bytes(0xFF)
+            c = cm.all_gather_matmul(a, b, out, gathered=gathered)
+            c_rs = cm.matmul_reduce_scatter(a_rs, b_rs, out_rs)
+            cm.synchronize()
+            assert not given or (c is out and c_rs is out_rs)
+            close_to(c.numpy(), full.astype(np.float32) @ bb.astype(np.float32), d, f"all_gather_matmul turn {turn}")
+            np.testing.assert_array_equal(gathered.numpy(), full)
+            partials = [(full[:, x:y].astype(np.float32) @ bb[x:y].astype(np.float32)).astype(d)
+                        for x, y in k_slices(k, world)]
+            want = np.sum([p.astype(np.float32) for p in partials], axis=0)[rank * m:(rank + 1) * m]
+            close_to(c_rs.numpy(), want, d, f"matmul_reduce_scatter turn {turn}")
+
+
+@frees_uploads
 def case_torch_tensors_and_gemm(comm):
     """PyTorch tensors in, PyTorch tensors out (views of ours, read on the current stream), with the vendor's GEMM
     and with torch.matmul as gemm= on the stream it is given."""
