@@ -12,11 +12,14 @@ the device. Chunks go in ring order: all_gather_matmul starts on its own rows wh
 r - 1's first); matmul_reduce_scatter starts on the rows for rank r + 1, so its own partial sums are computed
 last, behind the copies of the others. The call's stream waits for the copy streams before the call returns,
 so it covers everything the call does. A call that comes back with the same pointers and row counts is
-launched as one graph recorded from the first ones (pyhipa2a.replays): one driver call instead of twenty.
+launched as one graph recorded from the first ones (pyhipa2a.replays): one driver call instead of twenty;
+one that also repeats the last call's argument objects runs as its plan (pyhipa2a.repeat), checks and launch.
 """
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 import weakref
 
 from .bootstrap import bounded_barrier, world_size
@@ -27,6 +30,7 @@ from .runtime.base import RuntimeFailure
 from .heap import SymmetricHeap
 from .inflight import InFlight
 from .kernels import KernelLibrary
+from .repeat import MISSED, Record, make_plan, run
 from .replays import Replays
 from .signals import Signals
 from .streams import Streams
@@ -146,6 +150,10 @@ class CollectiveMatmul:
         self._lock = threading.RLock()
         self._made: list = []
         self._arrays = None
+        # Each operation's last call (pyhipa2a.repeat's Record) and, once a replayed call repeats it with the
+        # same arguments, its plan with the key of the graph it launches
+        self._records: dict = {}
+        self._plans: dict = {}
         try:
             self.gathered = heap.alloc((w, m, k), self.dtype)   # all_gather_matmul: rank s's rows land in [s]
             self.partials = heap.alloc((w, m, n), self.dtype)   # matmul_reduce_scatter: rank s's sums of ours
@@ -187,6 +195,11 @@ class CollectiveMatmul:
         """C [W*m, n] = all_gather(a_shard [m, k]) @ b [k, n]; `gathered` [W*m, k], where given, receives the
         gathered rows. `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM instead of the vendor's."""
         with self._lock:
+            entry = self._plans.get("all_gather_matmul")
+            if entry is not None:
+                result = run(entry[0], a_shard, b, out, gathered, gemm, stream)
+                if result is not MISSED:
+                    return result
             try:
                 return self._all_gather_matmul(a_shard, b, out, gathered, gemm, stream)
             finally:
@@ -196,6 +209,11 @@ class CollectiveMatmul:
         """C_shard [m, n] = rows r*m.. of sum over ranks of (a [W*m, k_r] @ b [k_r, n]), summed in fp32.
         `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM of the partial sums."""
         with self._lock:
+            entry = self._plans.get("matmul_reduce_scatter")
+            if entry is not None:
+                result = run(entry[0], a, b, out, gemm, stream)
+                if result is not MISSED:
+                    return result
             try:
                 return self._matmul_reduce_scatter(a, b, out, gemm, stream)
             finally:
@@ -203,9 +221,10 @@ class CollectiveMatmul:
 
     def _all_gather_matmul(self, a_shard, b, out, gathered, gemm, stream):
         w, r, k, n = self.world, self.rank, self.k, self.n
-        s, capturing, m = self._begin("all_gather_matmul", stream, (a_shard, b, out, gathered), a_shard, "a_shard",
-                                      shard=True)
-        take = self._arrays.taker(s, capturing)
+        inputs = (a_shard, b, out, gathered)
+        s, lead, capturing, m = self._begin("all_gather_matmul", stream, inputs, a_shard, "a_shard", shard=True)
+        arrays: list = []
+        take = self._arrays.taker(s, capturing, arrays)
         a_ptr = take("a_shard", a_shard, (m, k))
         b_ptr = take("b", b, (k, n))
         out, out_ptr = self._arrays.output(take, "out", out, self.ag_out, (w * m, n), a_shard, s)
@@ -256,16 +275,20 @@ class CollectiveMatmul:
             return awaited
         outputs = ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a))
         key = None if gemm is not None else ("all_gather_matmul", m, a_ptr, b_ptr, out_ptr, g_ptr)
-        self._queue(s, capturing, key, queue, outputs)
+        awaited = self._queue(s, capturing, key, queue, outputs)
+        if not capturing:
+            self._remember(key, s, lead, inputs + (gemm, stream), inputs, arrays, m, out, awaited, outputs)
         return out
 
     def _matmul_reduce_scatter(self, a, b, out, gemm, stream):
         w, r, n = self.world, self.rank, self.n
-        s, capturing, rows_total = self._begin("matmul_reduce_scatter", stream, (a, b, out), a, "a", shard=False)
+        inputs = (a, b, out)
+        s, lead, capturing, rows_total = self._begin("matmul_reduce_scatter", stream, inputs, a, "a", shard=False)
         if rows_total % w:
             raise ValueError(f"a has {rows_total} rows: matmul_reduce_scatter needs a multiple of the {w} ranks")
         m, k = rows_total // w, int(a.shape[1])
-        take = self._arrays.taker(s, capturing)
+        arrays: list = []
+        take = self._arrays.taker(s, capturing, arrays)
         a_ptr = take("a", a, (w * m, k))
         b_ptr = take("b", b, (k, n))
         out, out_ptr = self._arrays.output(take, "out", out, self.rs_out, (m, n), a, s)
@@ -314,34 +337,37 @@ class CollectiveMatmul:
                 self.copies.join(s)
             return awaited
         key = None if gemm is not None else ("matmul_reduce_scatter", m, k, a_ptr, b_ptr, out_ptr)
-        self._queue(s, capturing, key, queue, ((out_ptr, m * n * item),))
+        outputs = ((out_ptr, m * n * item),)
+        awaited = self._queue(s, capturing, key, queue, outputs)
+        if not capturing:
+            self._remember(key, s, lead, inputs + (gemm, stream), inputs, arrays, m, out, awaited, outputs)
         return out
 
     # -- one call's steps ---------------------------------------------------------------------------
-    def _begin(self, op: str, stream, arrays, lead, name: str, shard: bool):
-        """(the call's stream, whether another library captures it, the lead array's rows) after the checks every
-        call makes before queuing work; `shard`: the lead holds one rank's rows (else all ranks')."""
+    def _begin(self, op: str, stream, arrays, first, name: str, shard: bool):
+        """(the call's stream, how it was chosen (pyhipa2a.streams), whether another library captures it, the
+        rows of `first`, the call's first array) after the checks every call makes before queuing work;
+        `shard`: `first` holds one rank's rows (else all ranks'). The operation's plan is dropped: a call that
+        fails leaves none."""
+        self._plans.pop(op, None)
         if self.heap.closed:
             raise A2AError("CollectiveMatmul is closed")
         self._flight.refuse_if_failed(op)
         if shard:
-            rows = lead_rows(lead, name, 1, self.shard_rows,
+            rows = lead_rows(first, name, 1, self.shard_rows,
                              f" a rank (max_rows={self.max_rows} over {self.world} ranks)")
         else:
-            rows = lead_rows(lead, name, self.world, self.shard_rows * self.world, "")
+            rows = lead_rows(first, name, self.world, self.shard_rows * self.world, "")
         self.backend.activate()
         streams = self._streams
-        if stream is None:
-            s = streams.current(arrays)[0]
-        else:
-            s = streams.given(stream)
+        s, lead = streams.current(arrays) if stream is None else (streams.given(stream), None)
         capturing = streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
         if capturing:  # (another library's capture: our launches on s join it as nodes of their own)
             self.backend.capture_join(s)
             self._joined = s
         else:
             streams.follow(s)  # after the last call on another stream: our buffers are reused in its order
-        return s, capturing, rows
+        return s, lead, capturing, rows
 
     def _leave_capture(self) -> None:
         if self._joined is not None:
@@ -363,19 +389,58 @@ class CollectiveMatmul:
             arrays = self._arrays
             gemm(arrays.rows(a, first, m, a_ptr, k, b), b, arrays.ours(c_ptr, (m, n), b), self.backend.stream_handle(s))
 
-    def _queue(self, s, capturing: bool, key, queue, outputs) -> None:
+    def _queue(self, s, capturing: bool, key, queue, outputs) -> list:
         """Queue a call on `s` with `queue(stream) -> its waits` (or replay it: pyhipa2a.replays; never into
         another library's capture) and note it in flight; `outputs`: the (pointer, bytes) it writes, poisoned
-        if it fails once its words were touched."""
+        if it fails once its words were touched. Its waits ((source, kind, count, what) each)."""
         try:
             awaited = queue(s) if capturing else self._replays.queue(key, s, queue)
         except BaseException as e:  # (a timeout where the host backend waits, or anything once words were touched)
             self._flight.failed(s, outputs, failure(e))
             raise
-        if capturing:
-            return  # (nothing ran: a replay of the graph is the graph's caller's to wait for)
-        self._streams.queued(s)
-        self._flight.queued(s, awaited, outputs)
+        for op, (_, held) in list(self._plans.items()):  # (a recording may have dropped another plan's graph)
+            if not self._replays.holds(held):
+                del self._plans[op]
+        if not capturing:  # (else nothing ran: a replay of the graph is the graph's caller's to wait for)
+            self._streams.queued(s)
+            self._flight.queued(s, awaited, outputs)
+        return awaited
+
+    def _remember(self, key, s, lead, args: tuple, inputs: tuple, arrays: list, rows: int, result, awaited,
+                  outputs) -> None:
+        """Note the call just queued on `s` (key None: one never replayed); where it was replayed and repeats
+        its operation's last call with the same arguments, make its plan (pyhipa2a.repeat): the checks that
+        must still hold, then the graph's launch, in one step. A plan only speeds repeats up: one that cannot
+        be made warns and never fails the call."""
+        if key is None:
+            return
+        op = key[0]
+        record = Record(args, (None,) * len(args), s, lead, inputs, tuple(arrays), rows, result,
+                        (functools.partial(self._flight.queued, s, awaited, outputs),), ((self._streams, "last", s),))
+        last, self._records[op] = self._records.get(op), record
+        if not (self._replays.holds(key) and record.same(last)):
+            return
+
+        def launch(stream) -> None:
+            try:
+                self._replays.launch(key, stream)
+            except BaseException as e:
+                self._flight.failed(stream, outputs, failure(e))
+                raise
+
+        def failed(what: str, code) -> None:
+            self._plans.pop(op, None)
+            if code is not None:
+                self.backend.raise_driver_error(what, code)
+        conditions = ((self.heap, "closed", False), (self._flight, "broken", None), (self._flight, "unreported", None))
+        try:
+            plan = make_plan(record, conditions, self._streams, self.backend, 0, launch, failed)
+        except Exception as error:
+            warnings.warn(f"pyhipa2a: a repeated call's plan could not be made ({error!r}); its repeats take the "
+                          "full path", RuntimeWarning, stacklevel=4)
+            plan = None
+        if plan is not None:
+            self._plans[op] = (plan, key)
 
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's last call (or for `stream`), at most `timeout` seconds. A call not done by then
@@ -389,6 +454,7 @@ class CollectiveMatmul:
 
     # -- teardown ---------------------------------------------------------------------------------------
     def _release(self) -> None:
+        self._plans, self._records = {}, {}
         if self._replays is not None:
             self._replays.close()
             self._replays = None

@@ -20,8 +20,9 @@ class CallerArrays:
         self._views: dict = {}
         self._kept: list = []     # what the last call read (a DLPack export, a JAX hold): ours until the next
 
-    def taker(self, s, capturing: bool):
-        """take(name, obj, shape) -> obj's pointer, read on stream `s` (this call's; what it took is kept)."""
+    def taker(self, s, capturing: bool, arrays: list):
+        """take(name, obj, shape) -> obj's pointer, read on stream `s` (this call's; what it took is kept, and
+        (obj, how it was taken) appended to `arrays`, for the call's plan)."""
         kept = self._kept = []
 
         def take(name, obj, shape):
@@ -31,6 +32,7 @@ class CallerArrays:
                 stage = self._stage(name, obj)
             taken = self._boundary.take(name, obj, shape, self.dtype, s, capturing=capturing, stage_ptr=stage)
             kept.append(taken.keep)
+            arrays.append((obj, taken))
             return taken.ptr
         return take
 

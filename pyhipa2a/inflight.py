@@ -19,13 +19,13 @@ class InFlight:
         self._lock = lock  # the owner's: held while a call is queued, and while we give up on one
         self._finished = backend.event_create()  # recorded after each call (its stream may be gone before us)
         self._pending = []     # (stream, awaited waits, outputs) of each call queued and not seen done
-        self._failure = None   # the error of a call given up on, until the caller is handed it
+        self.unreported = None   # the error of a call given up on, until the caller is handed it
         self.broken = None     # why calls are refused, once one failed
         self._watchdog = Watchdog(backend, self._finished, self.abandon)
 
     def refuse_if_failed(self, op: str) -> None:
         """Before a call: hand the caller a failure not yet reported, or refuse the call of a broken object."""
-        if self._failure is not None:
+        if self.unreported is not None:
             raise self._reported()
         if self.broken is not None:
             raise A2AError(f"CollectiveMatmul: {op} refused: an earlier call failed ({self.broken}); close() it")
@@ -49,7 +49,7 @@ class InFlight:
 
     def wait(self, stream=None) -> None:
         """Wait for the last call (or for a stream of the caller's), at most `timeout` seconds; then give up."""
-        if self._failure is not None:
+        if self.unreported is not None:
             raise self._reported()
         if not self._pending and stream is None:
             return
@@ -63,7 +63,7 @@ class InFlight:
         while not done():
             if time.monotonic() > deadline:
                 self.abandon()
-                if self._failure is not None:
+                if self.unreported is not None:
                     raise self._reported()
                 if not done():  # (a stream of the caller's, busy with more than our call)
                     raise A2ATimeoutError(f"CollectiveMatmul: the stream did not finish in {self.timeout:g} s")
@@ -73,7 +73,7 @@ class InFlight:
             with self._lock:
                 self._pending.clear()
                 self._watchdog.disarm()
-        if self._failure is not None:  # (given up on by the watchdog meanwhile)
+        if self.unreported is not None:  # (given up on by the watchdog meanwhile)
             raise self._reported()
 
     def abandon(self) -> None:
@@ -84,8 +84,8 @@ class InFlight:
             try:
                 self._give_up()
             except Exception as e:  # (the driver failing us now: that is the error to hand the caller)
-                if self._failure is None:
-                    self._failure = e
+                if self.unreported is None:
+                    self.unreported = e
                 self.broken = self.broken or f"giving up on a call failed: {e}"
 
     def _give_up(self) -> None:
@@ -94,7 +94,7 @@ class InFlight:
         pending, self._pending = self._pending, []
         awaited = [entry for _, waits, _ in pending for entry in waits]
         stuck = self.signals.waiting(awaited, self.watch)
-        self._failure = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
+        self.unreported = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
             f"CollectiveMatmul: rank {self.signals.rank}'s calls did not finish in {self.timeout:g} s, though "
             "every rank's words came")
         for s, _, outputs in pending:  # (queued behind the stuck work: in place once the streams drain)
@@ -111,7 +111,7 @@ class InFlight:
 
     def _reported(self) -> BaseException:
         """The kept failure, handed to the caller once (later calls are refused as broken)."""
-        failure, self._failure = self._failure, None
+        failure, self.unreported = self.unreported, None
         return failure
 
     def close(self) -> None:

@@ -26,8 +26,7 @@ class Replays:
         a call that must not be recorded) by calling queue(s)."""
         if key is None or self.refused is not None:
             return queue(s)
-        kept = self._graphs.pop(key, None)
-        if kept is None:
+        if key not in self._graphs:
             if self._seen.pop(key, None) is None:
                 self._seen[key] = True
                 while len(self._seen) > 2 * self._kept:
@@ -38,6 +37,16 @@ class Replays:
                 return queue(s)
             while len(self._graphs) >= self._kept:
                 self.backend.graph_destroy(self._graphs.pop(next(iter(self._graphs)))[0])
+            self._graphs[key] = kept
+        return self.launch(key, s)
+
+    def holds(self, key) -> bool:
+        """Whether a graph is kept for `key` (a call with it is replayed)."""
+        return key in self._graphs
+
+    def launch(self, key, s):
+        """Launch the graph kept for `key` on stream `s`; what its recording's queue() returned."""
+        kept = self._graphs.pop(key)
         self._graphs[key] = kept  # (last: the most recently used)
         self.backend.graph_launch(kept[0], s)
         return kept[1]

@@ -279,9 +279,10 @@ def case_captured_graph_replays(comm):
 
 @frees_uploads
 def case_repeated_calls_replay(comm, pieces="1"):
-    """The same arrays called again and again, refilled in place, with two output arrays in turn and without
-    out=: the first calls queue step by step, a call that comes back is recorded and later ones replay the
-    graph (pyhipa2a.replays); every result is checked, the outputs poisoned before each call."""
+    """The same arrays called again and again, refilled in place, with two output arrays in turn, then without
+    out=, then with the first again: the first calls queue step by step, a call that comes back is recorded
+    and later ones replay the graph (pyhipa2a.replays), a call that repeats the last with the same arguments
+    runs as its plan (pyhipa2a.repeat); every result is checked, the outputs poisoned before each call."""
     rank, world = comm.Get_rank(), comm.Get_size()
     d = resolve("float16")
     m, k, n = 12, 32, 24
@@ -292,13 +293,13 @@ def case_repeated_calls_replay(comm, pieces="1"):
         outs = [poisoned(cm, (world * m, n), d) for _ in range(2)]
         outs_rs = [poisoned(cm, (m, n), d) for _ in range(2)]
         gathered = poisoned(cm, (world * m, k), d)
-        for turn in range(8):
+        for turn in range(10):
             full, bb = draw(50 + turn, (world * m, k), d), draw(60 + turn, (k, n), d)
             a.copy_from(full[rank * m:(rank + 1) * m])
             b.copy_from(bb)
             a_rs.copy_from(np.ascontiguousarray(full[:, lo:hi]))
             b_rs.copy_from(np.ascontiguousarray(bb[lo:hi]))
-            given = turn < 5  # (turns 5 to 7: our own buffers, returned)
+            given = turn < 5 or turn == 9  # (turns 5 to 8: our own buffers, returned)
             out, out_rs = (outs[turn % 2], outs_rs[turn % 2]) if given else (None, None)
             for arr in (out, out_rs, gathered):
                 if arr is not None:
