@@ -4,8 +4,6 @@ one to the other); an object that saw an error refuses further calls (peers may 
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from .config import Config
@@ -15,7 +13,7 @@ from .inputs import Boundary, check_array, check_indices, check_numpy_input, che
 from .kernels import X_FP8
 from .outputs import Outputs
 from .producers import foreign_stream_handle
-from .repeat import MISSED, Record, make_plan, run
+from .repeat import MISSED, Record, plan_or_none, run
 from .streams import Streams
 
 
@@ -203,20 +201,9 @@ class Calls:
         one that cannot be made warns and never fails the call)."""
         if self._streams.capturing is not None or not record.same(last):
             return None
-        plan_name = f"_{leg}_plan"
-
-        def failed(what: str, code) -> None:
-            if what != "cuCtxSetCurrent":  # (a launch that fails leaves no plan, as a failed full path)
-                setattr(self, plan_name, None)
-            if code is not None:
-                self.backend.raise_driver_error(what, code)
-        try:
-            return make_plan(record, conditions, self._streams, self.backend,
-                             self._exchange.buffers.status.ctypes.data, self._repeater(leg, record.tokens), failed)
-        except Exception as error:
-            warnings.warn(f"pyhipa2a: a repeated call's plan could not be made ({error!r}); its repeats take the "
-                          "full path", RuntimeWarning, stacklevel=4)
-            return None
+        return plan_or_none(record, conditions, self._streams, self.backend,
+                            self._exchange.buffers.status.ctypes.data, self._repeater(leg, record.tokens),
+                            lambda: setattr(self, f"_{leg}_plan", None))
 
     # -- calls -------------------------------------------------------------------
     def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 import weakref
 
 from .bootstrap import bounded_barrier, world_size
@@ -30,7 +29,7 @@ from .runtime.base import RuntimeFailure
 from .heap import SymmetricHeap
 from .inflight import InFlight
 from .kernels import KernelLibrary
-from .repeat import MISSED, Record, make_plan, run
+from .repeat import MISSED, Record, plan_or_none, run
 from .replays import Replays
 from .signals import Signals
 from .streams import Streams
@@ -428,17 +427,9 @@ class CollectiveMatmul:
                 self._flight.failed(stream, outputs, failure(e))
                 raise
 
-        def failed(what: str, code) -> None:
-            self._plans.pop(op, None)
-            if code is not None:
-                self.backend.raise_driver_error(what, code)
         conditions = ((self.heap, "closed", False), (self._flight, "broken", None), (self._flight, "unreported", None))
-        try:
-            plan = make_plan(record, conditions, self._streams, self.backend, 0, launch, failed)
-        except Exception as error:
-            warnings.warn(f"pyhipa2a: a repeated call's plan could not be made ({error!r}); its repeats take the "
-                          "full path", RuntimeWarning, stacklevel=4)
-            plan = None
+        plan = plan_or_none(record, conditions, self._streams, self.backend, 0, launch,
+                            lambda: self._plans.pop(op, None))
         if plan is not None:
             self._plans[op] = (plan, key)
 

@@ -38,6 +38,7 @@ import functools
 import importlib.machinery
 import importlib.util
 import operator
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -212,3 +213,20 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     # (record.changes set streams.last already: a plan is made outside a capture only)
     return (record.args, record.alike, tuple(checks), status, activate, waits, launched, record.after,
             changes, record.result, failed, record.places, rehand, [None] * len(record.places))
+
+
+def plan_or_none(record: Record, conditions: tuple, streams, backend, status: int, launch, drop) -> tuple | None:
+    """make_plan for an owner's call: a launch whose driver call fails calls `drop()` (the call leaves no plan,
+    as a failed full path) and raises; a plan that cannot be made warns and is None (a plan only speeds repeats
+    up: it never fails the call)."""
+    def failed(what: str, code) -> None:
+        if what != "cuCtxSetCurrent":
+            drop()
+        if code is not None:
+            backend.raise_driver_error(what, code)
+    try:
+        return make_plan(record, conditions, streams, backend, status, launch, failed)
+    except Exception as error:
+        warnings.warn(f"pyhipa2a: a repeated call's plan could not be made ({error!r}); its repeats take the "
+                      "full path", RuntimeWarning, stacklevel=5)
+        return None
