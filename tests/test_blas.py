@@ -14,16 +14,22 @@ from pyhipa2a.runtime.host import HostBackend
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_host_matmul_reads_and_writes_with_leading_dimensions(dtype):
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_host_matmul_reads_and_writes_with_leading_dimensions(dtype, accumulate):
     d = resolve(dtype)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((5, 9)).astype(d)    # A = a[:, :7] (lda 9)
     b = rng.standard_normal((7, 6)).astype(d)    # B = b (ldb 6)
     c = np.full((5, 8), np.nan, d)               # C = c[:, :4]... of B[:, :4] (ldc 8)
+    before = rng.standard_normal((5, 4)).astype(d)
+    c[:, :4] = before
     backend = HostBackend()
     blas.HostBlas(backend).matmul(None, a.ctypes.data, b.ctypes.data, c.ctypes.data, 5, 4, 7, lda=9, ldb=6, ldc=8,
-                                  dtype=d)
-    want = (a[:, :7].astype(np.float32) @ b[:, :4].astype(np.float32)).astype(d)
+                                  dtype=d, accumulate=accumulate)
+    product = a[:, :7].astype(np.float32) @ b[:, :4].astype(np.float32)
+    if accumulate:  # (as cuBLAS does: the product rounded to C's type, then added to C in fp32)
+        product = product.astype(d).astype(np.float32) + before.astype(np.float32)
+    want = product.astype(d)
     np.testing.assert_array_equal(c[:, :4], want)
     assert np.isnan(c[:, 4:].astype(np.float32)).all()  # nothing beyond the rows' n columns
 
@@ -67,8 +73,10 @@ def test_vendor_gets_the_column_major_call_of_a_row_major_product(api, monkeypat
     assert (args[10], args[11], args[12]) == (0x100, 14, 9)  # then A, lda
     assert (args[14], args[15], args[16], args[17], args[18]) == (0x300, 14, 8, compute, api.algo_default)
     assert [c[0] for c in lib.calls].count(api.set_stream) == 1
-    v.matmul("stream", 0x100, 0x200, 0x300, 5, 4, 7, lda=9, ldb=6, ldc=8, dtype=resolve("float16"))
+    assert (args[6]._obj.value, args[13]._obj.value) == (1.0, 0.0)  # alpha, beta: C = A @ B
+    v.matmul("stream", 0x100, 0x200, 0x300, 5, 4, 7, lda=9, ldb=6, ldc=8, dtype=resolve("float16"), accumulate=True)
     assert [c[0] for c in lib.calls].count(api.set_stream) == 1  # (set once while the stream stays)
+    assert lib.calls[-1][1][13]._obj.value == 1.0  # beta: C += A @ B
     v.close()
     assert lib.calls[-1][0] == api.destroy
 

@@ -23,9 +23,11 @@ def test_collective_matmul_with_pytorch(case):
     run_case(CASES + case, ranks_for("gpu"), env_backend("gpu"), timeout=120)
 
 
-@pytest.mark.parametrize("ranks, pieces", [(1, 1), (3, 3)])
-def test_collective_matmul_other_world_sizes(ranks, pieces):
-    run_case(CASES + "case_against_numpy", ranks, "host", timeout=120, args=("64,48,40;37,48,40;1,16,8", pieces))
+@pytest.mark.parametrize("ranks, pieces, remote_sums", [(1, 1, 0), (2, 2, 0), (2, 3, 1), (3, 3, 0)])
+def test_collective_matmul_other_world_sizes(ranks, pieces, remote_sums):
+    # (two ranks with rows in pieces: our own partial sums are added onto the peer's by the GEMM)
+    run_case(CASES + "case_against_numpy", ranks, "host", timeout=120,
+             args=("64,48,40;37,48,40;1,16,8", pieces, remote_sums))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -33,6 +35,13 @@ def test_collective_matmul_other_world_sizes(ranks, pieces):
 def test_rows_in_pieces_and_remote_sums(backend, pieces, remote_sums):
     run_case(CASES + "case_against_numpy", ranks_for(backend), env_backend(backend), timeout=120,
              args=("64,48,40;37,48,40;2,16,8", pieces, remote_sums))
+
+
+@pytest.mark.parametrize("backend, ranks", [("host", 2), ("host", 4), pytest.param("gpu", 0, marks=pytest.mark.gpu)])
+def test_repeated_calls_in_pieces(backend, ranks):
+    # (recorded and replayed with copy streams forked from copy streams; two ranks add onto the peer's sums)
+    run_case(CASES + "case_repeated_calls_replay", ranks or ranks_for(backend), env_backend(backend), timeout=120,
+             args=(2,))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -92,3 +92,21 @@ def test_a_call_that_cannot_be_recorded_is_queued_step_by_step(host):
     assert len(recording) == 1 and call.queued == 3
     assert replays.refused == "RuntimeError: not recordable"
     assert not host.stream_capturing(recording[0])  # (the failed recording was ended)
+
+
+def test_streams_forked_from_a_forked_stream_leave_the_capture_at_its_end(host):
+    # (as CUDA's capture: a stream that waited for a stream in the capture joined it, however far from its origin;
+    # when the capture ends every one of them runs its work at once again, outside the graph)
+    origin, first, second = host.stream_create(), host.stream_create(), host.stream_create()
+    ran = []
+    host.capture_begin(origin)
+    host.stream_wait_stream(first, origin, within_capture=True)
+    host.stream_wait_stream(second, first, within_capture=True)
+    host.enqueue(second, lambda: ran.append("in the graph"))
+    host.stream_wait_stream(origin, second, within_capture=True)
+    graph = host.capture_end(origin)
+    assert ran == [] and not any(map(host.stream_capturing, (origin, first, second)))
+    host.enqueue(second, lambda: ran.append("at once"))
+    assert ran == ["at once"]
+    host.graph_launch(graph, origin)
+    assert ran == ["at once", "in the graph"]

@@ -17,9 +17,11 @@ from .base import RuntimeFailure
 
 class Blas:
     def matmul(self, stream, a: int, b: int, c: int, m: int, n: int, k: int, *, lda: int, ldb: int, ldc: int,
-               dtype: np.dtype, out_dtype: np.dtype | None = None) -> None:
-        """Queue C[m, n] = A[m, k] @ B[k, n] on `stream`; leading dimensions in elements; A and B of `dtype`,
-        C of `out_dtype` (default `dtype`)."""
+               dtype: np.dtype, out_dtype: np.dtype | None = None, accumulate: bool = False) -> None:
+        """Queue C[m, n] = A[m, k] @ B[k, n] on `stream`, or C += A @ B where `accumulate` (beta = 1: cuBLAS
+        rounds the product to C's type, then adds it to C in fp32 and rounds again, as summing two rounded
+        partial sums would); leading dimensions in elements; A and B of `dtype`, C of `out_dtype` (default
+        `dtype`)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -94,7 +96,7 @@ class VendorBlas(Blas):
                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._gemm_name = gemm_name
-        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._alpha, self._betas = ctypes.c_float(1.0), (ctypes.c_float(0.0), ctypes.c_float(1.0))
         self._stream = None
         handle = ctypes.c_void_p()
         backend.activate()
@@ -113,7 +115,7 @@ class VendorBlas(Blas):
     def _call(self, name: str, *args) -> None:
         self._status(name, getattr(self._lib, name)(*args))
 
-    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None) -> None:
+    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, accumulate=False) -> None:
         handle = self.backend.stream_handle(stream)
         if handle != self._stream:
             self._call(self.api.set_stream, self.handle, ctypes.c_void_p(handle))
@@ -126,7 +128,7 @@ class VendorBlas(Blas):
         op = self.api.op_n
         self._status(self._gemm_name, self._gemm(
             self.handle, op, op, n, m, k, ctypes.byref(self._alpha), b, ab, ldb, a, ab, lda,
-            ctypes.byref(self._beta), c, cd, ldc, self.api.compute_32f, self.api.algo_default))
+            ctypes.byref(self._betas[bool(accumulate)]), c, cd, ldc, self.api.compute_32f, self.api.algo_default))
 
     def close(self) -> None:
         if self.handle is not None:
@@ -153,9 +155,11 @@ class HostBlas(Blas):
     def __init__(self, backend):
         self.backend = backend
 
-    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None) -> None:
+    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, accumulate=False) -> None:
         def step() -> None:
             left = host_matrix(a, m, k, lda, dtype).astype(np.float32)
             right = host_matrix(b, k, n, ldb, dtype).astype(np.float32)
-            host_matrix(c, m, n, ldc, out_dtype or dtype)[...] = left @ right
+            out = host_matrix(c, m, n, ldc, out_dtype or dtype)
+            out[...] = (left @ right).astype(out.dtype).astype(np.float32) + out.astype(np.float32) if accumulate \
+                else left @ right
         self.backend.enqueue(stream, step)

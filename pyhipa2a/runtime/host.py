@@ -57,7 +57,9 @@ class HostBackend(Backend):
         self._streams: dict[int, HostStream] = {}
         self._host_buffers: dict[int, ctypes.Array] = {}
         self._trapped: str | None = None
-        self._forked: dict[int, list] = {}  # id(capturing stream) -> streams that joined its capture
+        # id(a capture's list of steps) -> the streams that joined that capture (from its stream, or from a stream
+        # that joined it before: every one leaves it when it ends)
+        self._forked: dict[int, list] = {}
 
     def plan_activate(self):
         return None  # (no device to make current)
@@ -266,7 +268,7 @@ class HostBackend(Backend):
         super().stream_wait_stream(waiter, producer, within_capture=within_capture)  # (an event, as GPUs order)
         if self.stream_capturing(producer) and isinstance(waiter, HostStream) and waiter.captured is None:
             waiter.captured = producer.captured
-            self._forked.setdefault(id(producer), []).append(waiter)
+            self._forked.setdefault(id(producer.captured), []).append(waiter)
 
     def event_elapsed_ms(self, start, end) -> float:
         if start.time is None or end.time is None:
@@ -309,7 +311,7 @@ class HostBackend(Backend):
         if not isinstance(stream, HostStream) or stream.captured is None:
             raise RuntimeFailure("host: capture_end on a stream that is not capturing")
         steps, stream.captured = stream.captured, None
-        for joined in self._forked.pop(id(stream), []):
+        for joined in self._forked.pop(id(steps), []):
             joined.captured = None
         return HostGraph(steps) if keep else None
 
