@@ -1,18 +1,28 @@
 """Run a test case on several MPI ranks from inside one pytest process.
 
 `run_case("tests.cases.heap_cases:case_exchange", ranks=4, backend="host")`
-starts `mpiexec -n 4 python tests/run_case.py ...`. Every rank runs the case
-function; a rank whose case raises prints its traceback and aborts the whole
-job, and a job that outlives `timeout` is killed. Either way the pytest test
-fails with every rank's output, within the time limit, never hanging.
+runs the case function on every rank of `mpiexec -n 4 python tests/run_case.py ...`;
+a rank whose case raises prints its traceback and aborts the whole job, and a job
+that outlives `timeout` is killed. Either way the pytest test fails with the ranks'
+output, within the time limit, never hanging.
+
+Cases on the host backend with no environment of their own and no rank meant to die
+run in a pool: one job per rank count, kept for the session, that runs case after
+case (`run_case.py --serve`), so a case pays neither a job's start nor its imports.
+A case that fails or outlives its time takes its job down, and the next case starts
+another. PYHIPA2A_TEST_POOL=0 runs every case in a job of its own.
 """
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,18 +52,7 @@ def run_mpi(argv: list[str], ranks: int, backend: str | None, timeout: float = 3
     `allow_rank_death`: a rank is meant to die; keep the others running and accept the job's exit code
     (the job itself prints what must be seen)."""
     what = what or " ".join(argv)
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    full_env.pop("PYHIPA2A_BACKEND", None)
-    if backend:
-        full_env["PYHIPA2A_BACKEND"] = backend
-    full_env.update(env or {})
-    prefix = list(mpiexec_prefix())
-    if allow_rank_death:
-        prefix += (["--mca", "orte_abort_on_non_zero_status", "0"] if "--allow-run-as-root" in prefix
-                   else ["-disable-auto-cleanup"])
-    cmd = [*prefix, "-n", str(ranks), sys.executable, *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=full_env, start_new_session=True)
+    proc = start_mpi(argv, ranks, backend, env, allow_rank_death)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -62,13 +61,111 @@ def run_mpi(argv: list[str], ranks: int, backend: str | None, timeout: float = 3
         raise AssertionError(f"{what} on {ranks} ranks did not finish within {timeout:.0f} s:\n{out}")
     if proc.returncode != 0 and not allow_rank_death:
         raise AssertionError(f"{what} on {ranks} ranks failed (exit {proc.returncode}):\n{out}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def start_mpi(argv: list[str], ranks: int, backend: str | None, env: dict | None = None,
+              allow_rank_death: bool = False, stdin=None) -> subprocess.Popen:
+    """`mpiexec -n ranks python argv...` started from the repository root in a session of its own, its output
+    (stdout and stderr together) a pipe."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1",
+                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env.pop("PYHIPA2A_BACKEND", None)
+    if backend:
+        full_env["PYHIPA2A_BACKEND"] = backend
+    full_env.update(env or {})
+    prefix = list(mpiexec_prefix())
+    if allow_rank_death:
+        prefix += (["--mca", "orte_abort_on_non_zero_status", "0"] if "--allow-run-as-root" in prefix
+                   else ["-disable-auto-cleanup"])
+    return subprocess.Popen([*prefix, "-n", str(ranks), sys.executable, *argv], stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=full_env, start_new_session=True)
+
+
+class Pool:
+    """A job of `ranks` ranks on `backend` that runs case after case (tests/run_case.py --serve)."""
+    MARK = "@@run_case "  # (run_case.MARK: the line that answers a case)
+
+    def __init__(self, ranks: int, backend: str):
+        self.ranks = ranks
+        self.proc = start_mpi([str(RUNNER), "--serve"], ranks, backend, stdin=subprocess.PIPE)
+        self._pending = b""  # output read past the last full line
+
+    def run(self, case: str, args: tuple, timeout: float) -> subprocess.CompletedProcess:
+        """The case's run: its ranks' output, its job's exit code 0; AssertionError (the job killed or gone)
+        where it failed or outlived `timeout`."""
+        self.proc.stdin.write(json.dumps({"case": case, "args": list(args)}) + "\n")
+        self.proc.stdin.flush()
+        deadline, stray = time.monotonic() + timeout, []
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if text.startswith(self.MARK):
+                    answer = json.loads(text[len(self.MARK):])
+                    return subprocess.CompletedProcess(case, 0, "".join(stray) + "".join(answer["output"]), "")
+                stray.append(text + "\n")  # (written outside Python's streams: the MPI library's, say)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close(kill=True)
+                raise AssertionError(f"{case} on {self.ranks} ranks did not finish within {timeout:.0f} s:\n"
+                                     + "".join(stray) + self._pending.decode(errors="replace"))
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:  # (the job is gone: a case failed and aborted it)
+                    self.close(kill=True)
+                    raise AssertionError(f"{case} on {self.ranks} ranks failed (exit {self.proc.returncode}):\n"
+                                         + "".join(stray) + self._pending.decode(errors="replace"))
+                self._pending += chunk
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            try:
+                self.proc.stdin.close()  # (the ranks return, and the job ends as a lone case's does)
+                self.proc.wait(timeout=30)
+                return
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+_POOLS: dict = {}  # (ranks, backend) -> Pool: one kept at a time (each rank holds its imports' memory)
+
+
+def pooled(case: str, ranks: int, backend: str, args: tuple, timeout: float) -> subprocess.CompletedProcess:
+    key = (ranks, backend)
+    if key not in _POOLS:
+        while _POOLS:
+            _POOLS.popitem()[1].close()
+        _POOLS[key] = Pool(ranks, backend)
+    pool = _POOLS[key]
+    try:
+        return pool.run(case, args, timeout)
+    except AssertionError:
+        del _POOLS[key]
+        raise
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
 
 
 def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0, args: tuple = (),
              env: dict | None = None, allow_rank_death: bool = False) -> subprocess.CompletedProcess:
-    """One case function of tests/cases on every rank (see run_mpi); a case that skips on a rank skips the test."""
-    run = run_mpi([str(RUNNER), case, *map(str, args)], ranks, backend, timeout, env, allow_rank_death, what=case)
+    """One case function of tests/cases on every rank (see run_mpi; in the pool where it may run there); a case
+    that skips on a rank skips the test."""
+    if backend == "host" and env is None and not allow_rank_death and os.environ.get("PYHIPA2A_TEST_POOL") != "0":
+        run = pooled(case, ranks, backend, tuple(map(str, args)), timeout)
+    else:
+        run = run_mpi([str(RUNNER), case, *map(str, args)], ranks, backend, timeout, env, allow_rank_death,
+                      what=case)
     skipped = [line.split("SKIPPED: ", 1)[1] for line in run.stdout.splitlines() if "] SKIPPED: " in line]
     if skipped:
         pytest.skip(skipped[0])

@@ -1,7 +1,19 @@
-"""One rank of an MPI test case: `python tests/run_case.py module:function [args...]`."""
+"""One rank of an MPI test case: `python tests/run_case.py module:function [args...]`.
+
+`python tests/run_case.py --serve`: one rank of a job that runs case after case (tests/mpi_harness.py's pool),
+so that a case pays neither the job's start nor its imports (PyTorch's alone is seconds a rank). Rank 0 reads a
+request a line from stdin (JSON: case, args) and every rank runs it with its output kept; rank 0 answers with
+one line: MARK, then JSON of the case and every rank's output. A case that fails takes the job down as a lone
+case does: its rank prints what it wrote and the traceback, and aborts. Each case starts from the environment
+variables and the warnings not yet shown that the job started with.
+"""
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
+import io
+import json
 import os
 import sys
 import traceback
@@ -11,23 +23,66 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+MARK = "@@run_case "  # (starts the answer's line: nothing a case prints starts so)
+
+
+def run(comm, case: str, args) -> tuple[str, str]:
+    """(status, text) of case(comm, *args) on this rank: ("ok", ""), ("skipped", why) or ("failed", traceback)."""
+    module, function = case.split(":")
+    try:
+        getattr(importlib.import_module(module), function)(comm, *args)
+    except pytest.skip.Exception as skip:  # every rank decides alike; the harness turns it into a skip
+        return "skipped", skip.msg
+    except BaseException:
+        return "failed", traceback.format_exc()
+    return "ok", ""
+
+
+def finish(comm, case: str, status: str, text: str, out) -> None:
+    """Print the case's outcome on `out`; a failed case takes the whole job down (peers may be blocked in a
+    collective)."""
+    rank = comm.Get_rank()
+    if status == "failed":
+        out.write(f"[rank {rank}] case {case} failed:\n{text}")
+        out.flush()
+        sys.stderr.flush()
+        comm.Abort(1)
+        os._exit(1)
+    out.write(f"[rank {rank}] SKIPPED: {text}\n" if status == "skipped" else f"[rank {rank}] {case} ok\n")
+    out.flush()
+
+
+def serve(comm) -> None:
+    rank, real_out = comm.Get_rank(), sys.stdout
+    while True:
+        line = sys.stdin.readline() if rank == 0 else None
+        request = comm.bcast(json.loads(line) if line and line.strip() else None)
+        if request is None:  # (the harness closed our stdin: the session is over)
+            return
+        case, environ, kept = request["case"], dict(os.environ), io.StringIO()
+        for module in list(sys.modules.values()):  # (each case sees its warnings, as in a job of its own)
+            registry = getattr(module, "__warningregistry__", None)
+            if isinstance(registry, dict):
+                registry.clear()
+        with contextlib.redirect_stdout(kept), contextlib.redirect_stderr(kept):
+            status, text = run(comm, case, request["args"])
+            os.environ.clear()
+            os.environ.update(environ)
+            gc.collect()  # (objects a case left behind let go of their heaps now, not during a later case)
+        if status == "failed":
+            real_out.write(kept.getvalue())  # (what the case wrote before it failed)
+        finish(comm, case, status, text, real_out if status == "failed" else kept)
+        answers = comm.gather(kept.getvalue())
+        if rank == 0:
+            real_out.write(MARK + json.dumps({"case": case, "output": answers}) + "\n")
+            real_out.flush()
+
 
 def main() -> None:
-    module, function = sys.argv[1].split(":")
     comm = MPI.COMM_WORLD
-    try:
-        getattr(importlib.import_module(module), function)(comm, *sys.argv[2:])
-    except pytest.skip.Exception as skip:  # every rank decides alike; the harness turns it into a skip
-        print(f"[rank {comm.Get_rank()}] SKIPPED: {skip.msg}", flush=True)
-        return
-    except BaseException:
-        print(f"[rank {comm.Get_rank()}] case {sys.argv[1]} failed:", flush=True)
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        comm.Abort(1)  # peers may be blocked in a collective: take the whole job down
-        os._exit(1)
-    print(f"[rank {comm.Get_rank()}] {sys.argv[1]} ok", flush=True)
+    if sys.argv[1] == "--serve":
+        return serve(comm)
+    finish(comm, sys.argv[1], *run(comm, sys.argv[1], sys.argv[2:]), sys.stdout)
 
 
 if __name__ == "__main__":
