@@ -127,7 +127,8 @@ class MatmulReduceScatter(Operation):
     """C_shard [m, n] = rows r*m.. of the sum over ranks of a [W*m, k_r] @ b [k_r, n], in fp32. The partial sums
     for rank r + 1 come first (it waits for ours first), our own last, behind the copies of the others'.
 
-    How our own are added to the others' (one rounding to the output's type either way):
+    How our own are added to the others' (rounded alike either way: each rank's partial sums to the output's
+    type, then their sum in fp32, once):
     - two ranks, the vendor's GEMM and rows in pieces: each piece of the peer's partial sums, once in, is
       copied into the output by a copy engine, and our own GEMM of that piece adds onto it (beta = 1), so no
       pass over the sums is left after the last GEMM (the peer's pieces arrive while our GEMMs of the earlier
