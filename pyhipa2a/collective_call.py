@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .errors import A2AError
 from .repeat import MISSED, Record, plan_or_none, run
+from .runtime.base import RuntimeFailure
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,6 @@ class Shared:
     def vendor(self):
         """The vendor's BLAS (a caller with gemm= of their own may never need it)."""
         if isinstance(self.blas, Exception):
-            from .runtime.base import RuntimeFailure
             raise RuntimeFailure(f"the vendor's GEMM is unavailable: {self.blas}") from self.blas
         return self.blas
 
