@@ -202,10 +202,11 @@ class MatmulReduceScatter(Operation):
                 sig.raise_on(d, kind, copy, count=m)
 
         def add_onto_peer(s, awaited: list) -> None:
-            """Two ranks: out = the peer's partial sums, piece by piece as they come, plus our own GEMM's."""
-            peer = 1 - r
-            for (kind, what), (first, count), copy in zip(self.piece_words, cuts, copies.to[peer]):
-                copies.follow(copy, s)
+            """Two ranks: out = the peer's partial sums, piece by piece as they come, plus our own GEMM's. The
+            pieces come in on one copy stream, in order (after what s queued so far: out's earlier readers)."""
+            peer, copy = 1 - r, copies.to[1 - r][0]
+            copies.follow(copy, s)
+            for (kind, what), (first, count) in zip(self.piece_words, cuts):
                 sig.wait(peer, kind, copy, what, count=m)
                 awaited.append((peer, kind, m, what))
                 sh.backend.copy_device(out_ptr + first * row_c, self.partials.ptr + peer * slot + first * row_c,
