@@ -102,6 +102,9 @@ class AllGatherMatmul(Operation):
                 # GPU starts on our own rows while the host queues the rest.
                 copies.fork(s)
                 multiply(s, r, 0, m, a_ptr)
+                if gemm is None and w > 1:  # (the kernels of the GEMMs queued behind waits, loaded now)
+                    sh.vendor().prime(s, [(a_ptr, b_ptr, count, n, k, k, n, n, sh.dtype, False) for _, count in cuts],
+                                      self.out.ptr)
                 for i in range(1, w):  # every copy stream at once: rank r's rows to rank (r + i)'s slot [r]
                     p = (r + i) % w
                     copies.after_free_slot(p, self.FREED, "word that it read our all_gather_matmul rows", awaited)
@@ -228,6 +231,11 @@ class MatmulReduceScatter(Operation):
         def queue(s) -> list:
             awaited = []
             try:
+                if gemm is None and w > 1:  # (the kernels of the GEMMs queued behind waits, loaded now)
+                    kinds = [(count, False) for _, count in cuts] + [(m, False)] + \
+                        [(count, True) for _, count in cuts if onto_peers]
+                    sh.vendor().prime(s, [(a_ptr, b_ptr, rows, n, k, k, n, n, sh.dtype, accumulate)
+                                          for rows, accumulate in kinds], self.out.ptr)
                 for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
                     send(s, (r + i) % w, awaited)
                 (add_onto_peer if onto_peers else add_slots)(s, awaited)

@@ -57,7 +57,8 @@ def vendor(api, status=0, monkeypatch=None, old=False):
     lib = FakeLibrary(api, status, old)
     monkeypatch.setattr(blas, "load_library", lambda _: (lib, "fake"))
     backend = types.SimpleNamespace(activate=lambda: None, stream_handle=lambda s: 0xABC,
-                                    malloc_ipc=lambda n: 0x5000, free=lambda p: None)
+                                    malloc_ipc=lambda n: 0x5000, free=lambda p: None,
+                                    stream_capturing=lambda s: s == "capturing")
     return blas.VendorBlas(backend, api), lib
 
 
@@ -98,3 +99,21 @@ def test_a_missing_library_says_where_it_looked(monkeypatch):
 def test_a_hipblas_whose_gemmex_takes_the_old_enums_is_refused(monkeypatch):
     with pytest.raises(RuntimeFailure, match=r"too old: its hipblasGemmEx takes other type enums \(ROCm >= 6"):
         vendor(blas.HIPBLAS, monkeypatch=monkeypatch, old=True)
+
+
+def test_prime_launches_each_kind_of_gemm_once_and_never_into_a_capture(monkeypatch):
+    # (a call primes the GEMMs it queues behind waits on peers: their kernels must be loaded before such a wait)
+    v, lib = vendor(blas.CUBLAS, monkeypatch=monkeypatch)
+    v._gemm = getattr(lib, "cublasGemmEx")
+    bf16 = resolve("bfloat16")
+    kinds = [(0x100, 0x200, 4, 8, 16, 16, 8, 8, bf16, False), (0x100, 0x200, 4, 8, 16, 16, 8, 8, bf16, True)]
+
+    def gemms():
+        return [args for name, args in lib.calls if name == "gemm"]
+    v.prime("capturing", kinds, 0x900)
+    assert gemms() == []
+    v.prime("stream", kinds, 0x900)
+    assert [(g[14], g[13]._obj.value) for g in gemms()] == [(0x900, 0.0), (0x900, 1.0)]  # into the scratch
+    v.matmul("stream", 0x100, 0x200, 0x300, 2, 8, 16, lda=16, ldb=8, ldc=8, dtype=bf16)
+    v.prime("stream", kinds + [(0x100, 0x200, 2, 8, 16, 16, 8, 8, bf16, False)], 0x900)
+    assert len(gemms()) == 3  # (every kind launched already)

@@ -24,6 +24,13 @@ class Blas:
         `dtype`)."""
         raise NotImplementedError
 
+    def prime(self, stream, gemms, c: int) -> None:
+        """Queue on `stream`, into scratch at `c`, each GEMM of `gemms` ((a, b, m, n, k, lda, ldb, ldc, dtype,
+        accumulate) each) whose kind was never launched here: a call queues these before its first wait on a
+        peer. The driver loads a kernel at its first launch (CUDA's lazy loading), and that load waits for
+        the streams of the context: a first launch queued behind a wait on a rank that never comes would hold
+        the caller's thread in the driver, where no timeout of ours can reach it."""
+
     def close(self) -> None:
         pass
 
@@ -98,6 +105,7 @@ class VendorBlas(Blas):
         self._gemm_name = gemm_name
         self._alpha, self._betas = ctypes.c_float(1.0), (ctypes.c_float(0.0), ctypes.c_float(1.0))
         self._stream = None
+        self._launched: set = set()  # the (m, n, k, lda, ldb, ldc, dtype, accumulate) launched: kernels loaded
         handle = ctypes.c_void_p()
         backend.activate()
         self._call(api.create, ctypes.byref(handle))
@@ -129,6 +137,16 @@ class VendorBlas(Blas):
         self._status(self._gemm_name, self._gemm(
             self.handle, op, op, n, m, k, ctypes.byref(self._alpha), b, ab, ldb, a, ab, lda,
             ctypes.byref(self._betas[bool(accumulate)]), c, cd, ldc, self.api.compute_32f, self.api.algo_default))
+        self._launched.add((m, n, k, lda, ldb, ldc, ab, cd, bool(accumulate)))
+
+    def prime(self, stream, gemms, c) -> None:
+        types = self.api.types
+        new = [g for g in gemms if (*g[2:8], types[np.dtype(g[8]).name], types[np.dtype(g[8]).name], bool(g[9]))
+               not in self._launched]
+        if not new or self.backend.stream_capturing(stream):  # (a capture would replay them at every launch)
+            return
+        for a, b, m, n, k, lda, ldb, ldc, dtype, accumulate in new:
+            self.matmul(stream, a, b, c, m, n, k, lda=lda, ldb=ldb, ldc=ldc, dtype=dtype, accumulate=accumulate)
 
     def close(self) -> None:
         if self.handle is not None:

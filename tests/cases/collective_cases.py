@@ -193,44 +193,47 @@ def case_bad_input_is_refused(comm):
 
 
 @frees_uploads
-def case_missing_peer_times_out(comm, noticed_by="synchronize"):
-    """The last rank never calls: every other rank's call raises A2ATimeoutError naming it: on the host backend
-    at once; on GPUs at synchronize(), or, where nobody waits through us (`noticed_by="watchdog"`, also with a
-    second call queued behind the first), at the next call, after the watchdog released the streams and
+def case_missing_peer_times_out(comm, noticed_by="synchronize", op="all_gather_matmul", pieces="1"):
+    """The last rank never calls: every other rank's call of `op` raises A2ATimeoutError naming it: on the host
+    backend at once; on GPUs at synchronize(), or, where nobody waits through us (`noticed_by="watchdog"`, also
+    with a second call queued behind the first), at the next call, after the watchdog released the streams and
     poisoned the output. Later calls are refused."""
     rank, world = comm.Get_rank(), comm.Get_size()
     if world == 1:
         pytest.skip("one rank has no peer to miss")
     d = resolve("bfloat16")
     m, k, n = 8, 16, 8
-    cm = CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=1.0)
+    cm = CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, pieces=int(pieces), timeout=1.0)
     if noticed_by.startswith("watchdog") and cm.backend.kind == "host":
         pytest.skip("the host backend's waits are bounded where they run: the call itself raises")
-    a, b = upload(cm, draw(1, (m, k), d)), upload(cm, draw(2, (k, n), d))
+    gather = op == "all_gather_matmul"
+    a = upload(cm, draw(1, (m, k) if gather else (world * m, k), d))  # (reduce-scatter: any k a rank)
+    b = upload(cm, draw(2, (k, n), d))
+    call = getattr(cm, op)
     missing = world - 1
     if rank == missing:
         time.sleep(4.0)  # never calls, and outlives its peers' timeouts
         with pytest.raises(A2ATimeoutError, match="SymmetricHeap.close"):
             cm.close()  # its peers left without the closing barrier: a bounded wait, then unmapped anyway
     else:
-        out = poisoned(cm, (world * m, n), d)
+        out = poisoned(cm, (world * m if gather else m, n), d)
         out.fill_bytes(0)
         start = time.monotonic()
         with pytest.raises(A2ATimeoutError, match=f"rank {missing}") as info:
-            cm.all_gather_matmul(a, b, out)
+            call(a, b, out)
             if noticed_by == "watchdog, two calls":  # (the second queued behind the first's stuck wait)
-                cm.all_gather_matmul(a, b, out)
+                call(a, b, out)
             if noticed_by.startswith("watchdog"):
                 time.sleep(2.0)  # (no host wait of ours: the watchdog gives up after the 1 s timeout)
                 cm.backend.stream_synchronize(cm.stream)  # (a wait of the caller's: it returns)
                 assert np.isnan(out.numpy().astype(np.float32)).all(), "the watchdog must poison the output"
-                cm.all_gather_matmul(a, b, out)
+                call(a, b, out)
             else:
                 cm.synchronize()
         assert info.value.ranks == (missing,) and time.monotonic() - start < 3.5, info.value.ranks
         assert np.isnan(out.numpy().astype(np.float32)).all(), "a failed call's output must read as poison"
         with pytest.raises(A2AError, match="an earlier call failed"):
-            cm.all_gather_matmul(a, b)
+            call(a, b)
         cm.close()
     free_uploads()
     comm.Barrier()
