@@ -75,13 +75,17 @@ class CollectiveMatmul:
             except RuntimeFailure as e:
                 self._blas = e
             copies = CopyStreams(self.backend, signals, w, self.rank, self.pieces, self._made_stream)
-            shared = Shared(self.backend, heap, signals, streams, self._arrays, self._flight, self._replays, copies,
-                            self._blas, w, self.rank, self.max_rows, m, self.k, self.n, self.dtype, self.pieces)
+            shared = Shared(backend=self.backend, heap=heap, signals=signals, streams=streams, arrays=self._arrays,
+                            flight=self._flight, replays=self._replays, copies=copies, blas=self._blas, world=w,
+                            rank=self.rank, max_rows=self.max_rows, shard_rows=m, k=self.k, n=self.n, dtype=self.dtype,
+                            pieces=self.pieces)
             self._streams = streams
             self._gather = AllGatherMatmul(shared)
             self._scatter = MatmulReduceScatter(shared, self.remote_sums)
-            heap.verify()
+            # (every rank made its parts, else a timeout here; then the collective check, which must not wait on
+            # a rank that failed before it)
             bounded_barrier(heap.comm, self.timeout, "CollectiveMatmul setup")
+            heap.verify()
         except BaseException:
             self._release()
             heap.close(wait_for_peers=False)

@@ -41,8 +41,8 @@ class Shared:
 
 
 @dataclass
-class Queued:
-    """What an operation's full path made of a call before its work is queued."""
+class Prepared:
+    """What an operation made of a call before its work is queued (or replayed)."""
     result: object       # what the call returns
     rows: int            # the rows that name the call (a rank's)
     key: tuple | None    # what its work depends on (pyhipa2a.replays); None: never replayed (gemm= given)
@@ -69,7 +69,7 @@ def lead_rows(lead, name: str, least: int, most: int, per: str) -> int:
 
 class Operation:
     """A call of one operation: `op(*inputs, gemm, stream)`. A subclass names itself and its words, checks its
-    first array (`check(inputs)`) and makes the call's work (`prepare(take, s, *inputs, gemm)` -> Queued)."""
+    first array (`check(inputs)`) and makes the call's work (`prepare(take, s, *inputs, gemm)` -> Prepared)."""
     name = ""
     FREED = ""        # the word a receiver raises once done with its slot of ours (raised at the start)
     WORD = ("", "")   # each piece's readiness word: its kind's prefix, and what a timeout calls it
@@ -108,7 +108,7 @@ class Operation:
     def check(self, inputs) -> None:
         raise NotImplementedError
 
-    def prepare(self, take, s, *inputs_and_gemm) -> Queued:
+    def prepare(self, take, s, *inputs_and_gemm) -> Prepared:
         raise NotImplementedError
 
     def _full(self, args: tuple):
@@ -142,7 +142,7 @@ class Operation:
                                         call.result, (noted,), ((streams, "last", s),)))
         return call.result
 
-    def _remember(self, call: Queued, record: Record) -> None:
+    def _remember(self, call: Prepared, record: Record) -> None:
         """Note the call just queued; where it was replayed and repeats the last call with the same arguments,
         make its plan: the checks that must still hold, then the graph's launch, in one step. A plan only speeds
         repeats up: one that cannot be made warns and never fails the call."""

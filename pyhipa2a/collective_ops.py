@@ -7,7 +7,7 @@ copy streams before the call returns, so it covers everything the call does.
 """
 from __future__ import annotations
 
-from .collective_call import Operation, Queued, lead_rows
+from .collective_call import Operation, Prepared, lead_rows
 from .kernels import KernelLibrary
 
 SUM_THREADS, SUM_BLOCKS_PER_SM = 256, 4  # the sum's geometry: enough loads in flight to be bound by bytes
@@ -72,7 +72,7 @@ class AllGatherMatmul(Operation):
         sh = self.shared
         lead_rows(inputs[0], "a_shard", 1, sh.shard_rows, f" a rank (max_rows={sh.max_rows} over {sh.world} ranks)")
 
-    def prepare(self, take, s, a_shard, b, out, gathered, gemm) -> Queued:
+    def prepare(self, take, s, a_shard, b, out, gathered, gemm) -> Prepared:
         sh = self.shared
         w, r, k, n, m = sh.world, sh.rank, sh.k, sh.n, int(a_shard.shape[0])
         a_ptr = take("a_shard", a_shard, (m, k))
@@ -100,11 +100,12 @@ class AllGatherMatmul(Operation):
             try:
                 # The copies leave once a_shard is ready (forked before anything else is queued on s), and the
                 # GPU starts on our own rows while the host queues the rest.
+                if gemm is None and w > 1:  # (the kernels of the GEMMs queued behind waits, loaded now, into
+                    # out: the call writes every row of it after)
+                    sh.vendor().prime(s, [(a_ptr, b_ptr, count, n, k, k, n, n, sh.dtype, False) for _, count in cuts],
+                                      out_ptr)
                 copies.fork(s)
                 multiply(s, r, 0, m, a_ptr)
-                if gemm is None and w > 1:  # (the kernels of the GEMMs queued behind waits, loaded now)
-                    sh.vendor().prime(s, [(a_ptr, b_ptr, count, n, k, k, n, n, sh.dtype, False) for _, count in cuts],
-                                      self.out.ptr)
                 for i in range(1, w):  # every copy stream at once: rank r's rows to rank (r + i)'s slot [r]
                     p = (r + i) % w
                     copies.after_free_slot(p, self.FREED, "word that it read our all_gather_matmul rows", awaited)
@@ -123,15 +124,15 @@ class AllGatherMatmul(Operation):
                 copies.join(s)
             return awaited
         key = None if gemm is not None else (self.name, m, a_ptr, b_ptr, out_ptr, g_ptr)
-        return Queued(out, m, key, queue, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
+        return Prepared(out, m, key, queue, ((out_ptr, w * m * row_out), (g_ptr, w * m * row_a)))
 
 
 class MatmulReduceScatter(Operation):
     """C_shard [m, n] = rows r*m.. of the sum over ranks of a [W*m, k_r] @ b [k_r, n], in fp32. The partial sums
     for rank r + 1 come first (it waits for ours first), our own last, behind the copies of the others'.
 
-    How our own are added to the others' (rounded alike either way: each rank's partial sums to the output's
-    type, then their sum in fp32, once):
+    How our own are added to the others' (the others' rounded to the output's type, the sum in fp32, rounded
+    once; ours rounded first too by the sum of slots, and by those of cuBLAS's kernels that round the product):
     - two ranks, the vendor's GEMM and rows in pieces: each piece of the peer's partial sums, once in, is
       copied into the output by a copy engine, and our own GEMM of that piece adds onto it (beta = 1), so no
       pass over the sums is left after the last GEMM (the peer's pieces arrive while our GEMMs of the earlier
@@ -159,7 +160,7 @@ class MatmulReduceScatter(Operation):
         if rows % sh.world:
             raise ValueError(f"a has {rows} rows: matmul_reduce_scatter needs a multiple of the {sh.world} ranks")
 
-    def prepare(self, take, s, a, b, out, gemm) -> Queued:
+    def prepare(self, take, s, a, b, out, gemm) -> Prepared:
         sh = self.shared
         w, r, n, item = sh.world, sh.rank, sh.n, sh.dtype.itemsize
         m, k = int(a.shape[0]) // w, int(a.shape[1])
@@ -206,9 +207,9 @@ class MatmulReduceScatter(Operation):
 
         def add_onto_peer(s, awaited: list) -> None:
             """Two ranks: out = the peer's partial sums, piece by piece as they come, plus our own GEMM's. The
-            pieces come in on one copy stream, in order (after what s queued so far: out's earlier readers)."""
+            pieces come in on one copy stream, in order; it followed s at the call's start, so a piece is copied
+            as soon as it is in, not once our GEMMs of the peer's sums are done."""
             peer, copy = 1 - r, copies.to[1 - r][0]
-            copies.follow(copy, s)
             for (kind, what), (first, count) in zip(self.piece_words, cuts):
                 sig.wait(peer, kind, copy, what, count=m)
                 awaited.append((peer, kind, m, what))
@@ -231,11 +232,14 @@ class MatmulReduceScatter(Operation):
         def queue(s) -> list:
             awaited = []
             try:
-                if gemm is None and w > 1:  # (the kernels of the GEMMs queued behind waits, loaded now)
-                    kinds = [(count, False) for _, count in cuts] + [(m, False)] + \
-                        [(count, True) for _, count in cuts if onto_peers]
+                if gemm is None and w > 1:  # (the kernels of the GEMMs queued behind waits, loaded now, into
+                    # out: the call writes every row of it after)
+                    shapes = [(count, False) for _, count in cuts] + (
+                        [(count, True) for _, count in cuts] if onto_peers else [(m, False)])
                     sh.vendor().prime(s, [(a_ptr, b_ptr, rows, n, k, k, n, n, sh.dtype, accumulate)
-                                          for rows, accumulate in kinds], self.out.ptr)
+                                          for rows, accumulate in dict.fromkeys(shapes)], out_ptr)
+                if onto_peers:  # (the peer's pieces come into out after its earlier readers, and early)
+                    copies.follow(copies.to[1 - r][0], s)
                 for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
                     send(s, (r + i) % w, awaited)
                 (add_onto_peer if onto_peers else add_slots)(s, awaited)
@@ -245,7 +249,7 @@ class MatmulReduceScatter(Operation):
                 copies.join(s)
             return awaited
         key = None if gemm is not None else (self.name, m, k, a_ptr, b_ptr, out_ptr)
-        return Queued(out, m, key, queue, ((out_ptr, m * n * item),))
+        return Prepared(out, m, key, queue, ((out_ptr, m * n * item),))
 
     def close(self) -> None:
         super().close()

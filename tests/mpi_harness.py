@@ -120,24 +120,34 @@ class Pool:
                 self._pending += chunk
 
     def close(self, kill: bool = False) -> None:
-        if not kill:
-            try:
-                self.proc.stdin.close()  # (the ranks return, and the job ends as a lone case's does)
-                self.proc.wait(timeout=30)
-                return
-            except (OSError, subprocess.TimeoutExpired):
-                pass
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+            if not kill:
+                try:
+                    self.proc.stdin.close()  # (the ranks return, and the job ends as a lone case's does)
+                    self.proc.wait(timeout=30)
+                except (OSError, subprocess.TimeoutExpired):
+                    kill = True
+            if kill:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        finally:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
 
 
 _POOLS: dict = {}  # (ranks, backend) -> Pool: one kept at a time (each rank holds its imports' memory)
 
 
 def pooled(case: str, ranks: int, backend: str, args: tuple, timeout: float) -> subprocess.CompletedProcess:
+    """The case's run in the pool. One that fails there runs again in a job of its own, for every rank's output
+    as it was written (a pooled rank's is kept until the case ends): failing again, that job's failure is
+    the test's; passing, the test fails all the same, as a case that depends on what an earlier case left."""
     key = (ranks, backend)
     if key not in _POOLS:
         while _POOLS:
@@ -146,9 +156,15 @@ def pooled(case: str, ranks: int, backend: str, args: tuple, timeout: float) -> 
     pool = _POOLS[key]
     try:
         return pool.run(case, args, timeout)
-    except AssertionError:
+    except BaseException as failure:
+        pool.close(kill=True)
         del _POOLS[key]
-        raise
+        if not isinstance(failure, AssertionError):
+            raise
+        pooled_failure = str(failure)
+    run_mpi([str(RUNNER), case, *args], ranks, backend, timeout, what=case)
+    raise AssertionError(f"{case} failed in the pool of jobs but passed in a job of its own: it depends on what "
+                         f"an earlier case left in the process. In the pool:\n{pooled_failure}")
 
 
 @atexit.register

@@ -5,7 +5,7 @@ so that a case pays neither the job's start nor its imports (PyTorch's alone is 
 request a line from stdin (JSON: case, args) and every rank runs it with its output kept; rank 0 answers with
 one line: MARK, then JSON of the case and every rank's output. A case that fails takes the job down as a lone
 case does: its rank prints what it wrote and the traceback, and aborts. Each case starts from the environment
-variables and the warnings not yet shown that the job started with.
+variables, warning filters and warnings not yet shown that the job started with.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -59,7 +60,7 @@ def serve(comm) -> None:
         request = comm.bcast(json.loads(line) if line and line.strip() else None)
         if request is None:  # (the harness closed our stdin: the session is over)
             return
-        case, environ, kept = request["case"], dict(os.environ), io.StringIO()
+        case, environ, kept, filters = request["case"], dict(os.environ), io.StringIO(), warnings.filters[:]
         for module in list(sys.modules.values()):  # (each case sees its warnings, as in a job of its own)
             registry = getattr(module, "__warningregistry__", None)
             if isinstance(registry, dict):
@@ -68,6 +69,7 @@ def serve(comm) -> None:
             status, text = run(comm, case, request["args"])
             os.environ.clear()
             os.environ.update(environ)
+            warnings.filters[:] = filters
             gc.collect()  # (objects a case left behind let go of their heaps now, not during a later case)
         if status == "failed":
             real_out.write(kept.getvalue())  # (what the case wrote before it failed)
