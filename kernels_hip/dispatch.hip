@@ -22,7 +22,8 @@
 //      sent at the start, so they are usually in), works out its rows --
 //      packed, expert l's rows hold source 0's chunks first, in order, then
 //      source 1's; by source (row_layout="by_source"), source s's chunks
-//      from row s * M on; each row at the place its sender chose -- then
+//      from row s * M on; contiguous, packed from expert l's first row of
+//      one buffer (publish_offsets); each row at the place its sender chose -- then
 //      takes the segment (a staged one read ONCE over the link after its
 //      flag, a pushed one from our inbox) and copies it to each of its
 //      expert rows; the warp of segment 0 also writes the rows' meta
@@ -30,7 +31,8 @@
 //      row and where each slot went;
 //   4. a few warps sum every chunk's count of each of our experts into
 //      expert_num_tokens (by source, each source's sum into expert_layout
-//      too), while the others copy.
+//      too; contiguous, one warp then sums them into each expert's first
+//      row), while the others copy.
 // No receiver-side reservation, no hand-off between warps, no grid-wide step
 // (a failed call's poisoning waits for the grid: finish in exchange.h).
 //
@@ -274,6 +276,7 @@ struct Outputs {
   float* scales;
   i32* num_tokens;
   i32* layout;
+  i32* offsets;
 };
 
 A2A_DEVICE Outputs outputs_of(const Ctx& x, const DispatchCall& c) {
@@ -282,7 +285,30 @@ A2A_DEVICE Outputs outputs_of(const Ctx& x, const DispatchCall& c) {
           c.expert_meta ? (i32*)c.expert_meta : sym<i32>(x.h, x.h.rank, a.off_recv_meta),
           c.expert_scales ? (float*)c.expert_scales : sym<float>(x.h, x.h.rank, a.off_recv_scales),
           c.expert_num_tokens ? (i32*)c.expert_num_tokens : sym<i32>(x.h, x.h.rank, a.off_num_tokens),
-          c.expert_layout ? (i32*)c.expert_layout : sym<i32>(x.h, x.h.rank, a.off_layout)};
+          c.expert_layout ? (i32*)c.expert_layout : sym<i32>(x.h, x.h.rank, a.off_layout),
+          c.expert_offsets ? (i32*)c.expert_offsets : sym<i32>(x.h, x.h.rank, a.off_offsets)};
+}
+
+// A tagged word that this rank's own warps write from its peers' words (contiguous rows: an expert's
+// rows, its first row). Those warps report a late peer by name, so this wait gives up once the status
+// holds an error and reports no timeout of its own before a second timeout has passed: that bound is
+// for a fault of ours, not for a peer. False when it gives up.
+A2A_DEVICE bool take_own(const Ctx& x, const u64* p, u32& v) {
+  for (u32 spins = 1;; ++spins) {
+    const u64 w = a2a_load_relaxed_sys_u64(p);
+    if ((u32)(w >> 32) == x.epoch) {
+      v = (u32)w;
+      return true;
+    }
+    if ((spins & 63u) == 0) {
+      if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return false;
+      if (a2a_clock_ns() > x.deadline + x.a.timeout_ns) {
+        report(x, A2A_ERR_TIMEOUT, (u32)x.h.rank, A2A_WAIT_DISPATCH, 0u);
+        return false;
+      }
+    }
+    a2a_pause();
+  }
 }
 
 // Lane j (< k) of the warp on token t of source src gets the row of
@@ -290,7 +316,8 @@ A2A_DEVICE Outputs outputs_of(const Ctx& x, const DispatchCall& c) {
 // void), each row at the place its sender chose in its chunk, after expert
 // l's rows from the chunks before t's: packed, those of every source before
 // src and src's own earlier chunks (expert l's rows hold source 0's chunks
-// first, then source 1's); by source (expert_layout), src's own earlier
+// first, then source 1's), from row l * W * M, or contiguous from expert l's
+// first row (row_starts); by source (expert_layout), src's own earlier
 // chunks after row src * M, so a token of its source's first chunk (every
 // token of a small call) reads no count at all. With `record` (the warp of
 // the token's first segment) the lane also writes the row's meta and, for
@@ -310,11 +337,13 @@ A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool
     const i32 e = ok && v[0] != A2A_NO_SLOT ? (i32)expert : -1;
     if (e >= 0 && quot_rem(x.a.div_L, (u32)e, l) == me) {
       const u32 chunk = quot(x.a.div_chunk, t), from = src * route_chunks(x);
-      u32 before = 0;
+      u32 before = 0, first = 0;
       ok = sum_counts(x, l, x.a.by_source ? from : 0u, x.a.by_source ? chunk : from + chunk, before);
-      const u32 r = (x.a.by_source ? src * x.M : 0u) + before + place;  // below W * M while senders keep the protocol
-      if (ok && r < x.capacity)
-        row = (i32)(l * x.capacity + r);
+      if (ok && x.a.row_align) ok = take_own(x, local<u64>(x.a, x.a.off_row_starts) + l, first);
+      // (below W * M, or R contiguous, while senders keep the protocol and the rows fit)
+      const u32 r = (x.a.by_source ? src * x.M : 0u) + first + before + place;
+      if (ok && r < (x.a.row_align ? x.a.recv_rows : x.capacity))
+        row = (i32)(x.a.row_align ? r : l * x.capacity + r);
       else if (ok)
         report(x, A2A_ERR_CAPACITY, me, l, r);
     }
@@ -445,9 +474,48 @@ A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g)
     }
     if (!warp_all(ok)) return;
     for (u32 d = 1; d < G; d <<= 1) n += (u32)a2a_shfl((int)n, (int)(g.lane ^ d));  // within the group
-    if (q0 == 0 && l < x.L) num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
+    n = n < x.capacity ? n : x.capacity;
+    if (q0 == 0 && l < x.L) {
+      num_tokens[l] = (i32)n;
+      if (x.a.row_align) a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
+    }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l0);
   }
+}
+
+// Contiguous rows: expert l's rows start at expert_offsets[l], the rows of
+// the experts before it, each expert's rounded up to row_align, and
+// expert_offsets[L] is where the last expert's rounded rows end. One warp
+// (the first of publish_counts') does it once that step has counted every
+// expert (its tagged totals): lane i takes experts i, i + 32, ..., a scan
+// across the warp a warp's width at a time. Each first row also goes out as
+// a tagged word (row_starts), which the copying warps wait for. Rows that
+// would end past R are reported (A2A_ERR_CAPACITY, naming the first expert
+// that does; the call's outputs are poisoned), never dropped unseen.
+A2A_DEVICE void publish_offsets(const Ctx& x, i32* offsets, const WarpGrid& g) {
+  const u64* totals = local<u64>(x.a, x.a.off_expert_totals);
+  u64* starts = local<u64>(x.a, x.a.off_row_starts);
+  const u32 align = x.a.row_align, R = x.a.recv_rows;
+  u32 base = 0;
+  for (u32 l0 = 0; l0 < x.L; l0 += A2A_WARP_SIZE) {
+    const u32 l = l0 + g.lane;
+    u32 n = 0;
+    if (!warp_all(l >= x.L || take_own(x, totals + l, n))) return;
+    const u32 rounded = (n + align - 1u) / align * align;  // (the host keeps these sums below 2^32)
+    u32 end = rounded;  // of experts l0 .. l, after base
+    for (u32 d = 1; d < A2A_WARP_SIZE; d <<= 1) {
+      const u32 up = (u32)a2a_shfl((int)end, (int)(g.lane >= d ? g.lane - d : g.lane));
+      if (g.lane >= d) end += up;
+    }
+    const u32 first = base + end - rounded;
+    if (l < x.L && first <= R && base + end > R) report(x, A2A_ERR_CAPACITY, (u32)x.h.rank, l, base + end);  // (ends grow)
+    if (l < x.L) {
+      offsets[l] = (i32)first;
+      a2a_store_relaxed_sys_u64(starts + l, a2a_tag(first, x.epoch));
+    }
+    base += (u32)a2a_shfl((int)end, A2A_WARP_SIZE - 1);
+  }
+  if (g.lane == 0) offsets[x.L] = (i32)base;
 }
 
 // publish_counts for a call laid out by source: lane s of a group of G lanes
@@ -512,16 +580,18 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
       publish_source_counts(x, out, g);
     else if (ok)
       publish_counts(x, out.num_tokens, g);
+    if (ok && a.row_align && g.warp == g.warps / 4u) publish_offsets(x, out.offsets, g);
     if (ok) fan_out<X>(x, c, out, g, pre);
   }
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
   A2A_PROF_END(a.prof);
-  const u64 rows = (u64)x.L * x.capacity;
-  const Poison poisoned[5] = {{out.x, rows * a.x_row_bytes},
+  const u64 rows = a.recv_rows;
+  const Poison poisoned[6] = {{out.x, rows * a.x_row_bytes},
                               {(u8*)out.meta, rows * 12u},
                               {(u8*)out.num_tokens, (u64)x.L * 4u},
                               {(u8*)out.scales, rows * a.scale_cols * 4u},
-                              {(u8*)out.layout, a.by_source ? (u64)x.L * x.W * 8u : 0u}};
+                              {(u8*)out.layout, a.by_source ? (u64)x.L * x.W * 8u : 0u},
+                              {(u8*)out.offsets, a.row_align ? ((u64)x.L + 1u) * 4u : 0u}};
   finish(x, 0u, poisoned);
 }
 

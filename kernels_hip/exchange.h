@@ -53,13 +53,16 @@ struct A2AArgs {
   u64 off_push_tok;        // u64 [2][W][P][push_token_words] tagged words of src's token t
   u64 off_push_contrib;    // u64 [W][P][push_row_words]   tagged words of r's contribution to our t
   // local
-  u64 off_recv_x;          // u8  [L][W*M][x_row_bytes]    expert_x
-  u64 off_recv_meta;       // i32 [L][W*M][3]              expert_meta
-  u64 off_recv_scales;     // f32 [L][W*M][scale_cols]     expert_x_scales (fp8 dispatch)
+  u64 off_recv_x;          // u8  [recv_rows][x_row_bytes] expert_x
+  u64 off_recv_meta;       // i32 [recv_rows][3]           expert_meta
+  u64 off_recv_scales;     // f32 [recv_rows][scale_cols]  expert_x_scales (fp8 dispatch)
   u64 off_num_tokens;      // i32 [L]                      expert_num_tokens
   u64 off_rows;            // i32 [W][M][k]                routing rows by (src, t), decoded (-1: void), ours too
   u64 off_slot_of;         // i32 [W][M][k]                row of (src, t, j) in expert_x
   u64 off_layout;          // i32 [L][W][2]                expert_layout (by_source): (first row, rows) of each source
+  u64 off_expert_totals;   // u64 [L]                      contiguous: tagged rows of each of our experts this call
+  u64 off_row_starts;      // u64 [L]                      contiguous: tagged first row of each of our experts
+  u64 off_offsets;         // i32 [L + 1]                  expert_offsets (contiguous): where each expert's rows start
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 off_done;            // u32 [2][A2A_MAX_GRID + 1]     epoch: block b of the last dispatch [0] / combine [1] is done; [.][A2A_MAX_GRID]: the poisoner's claim
@@ -95,6 +98,9 @@ struct A2AArgs {
                            // not a system-scope release (portability.h: a2a_publish_own_sys)
   u32 by_source;           // 1: expert l's rows from source s start at row s * M (expert_layout), not after
                            // the rows of every source before s (packed, the default)
+  u32 row_align;           // > 0: contiguous, expert l's rows (packed) from row expert_offsets[l] of one [R] buffer,
+                           // each expert's first row a multiple of row_align; 0: expert l's from row l * W * M
+  u32 recv_rows;           // rows of expert_x: L * W * M, or R contiguous
   u32 pad;
   u64 timeout_ns;
   // The call's fixed divisors (pyhipa2a/kernels.py: divisor), for quot/rem below.
@@ -124,15 +130,16 @@ struct DispatchCall {
   u32 pad;
   // Where the outputs land, each 0 for our own buffer (off_recv_x, ...): only this rank's dispatch writes
   // them and combine reads none, so a caller may give its own (pyhipa2a.jax: XLA's result buffers).
-  u64 expert_x;           // [L][W*M][x_row_bytes]
-  u64 expert_meta;        // i32 [L][W*M][3]
-  u64 expert_scales;      // f32 [L][W*M][scale_cols]
+  u64 expert_x;           // [recv_rows][x_row_bytes]
+  u64 expert_meta;        // i32 [recv_rows][3]
+  u64 expert_scales;      // f32 [recv_rows][scale_cols]
   u64 expert_num_tokens;  // i32 [L]
   u64 expert_layout;      // i32 [L][W][2]
+  u64 expert_offsets;     // i32 [L + 1]
 };
 
 struct CombineCall {
-  u64 expert_y;   // [L][W*M][y_row_bytes], local
+  u64 expert_y;   // [recv_rows][y_row_bytes], local
   u64 weights;    // f32 [T][k], or 0: dispatch sent them (our own are in our w_in)
   u64 out;        // [T][hidden]
   i32 num_tokens;

@@ -33,13 +33,34 @@ A2A_DEVICE void exclusive_prefix(u32* prefix, const i32* counts, u32 L, u32 capa
   a2a_block_sync();
 }
 
-// Where the rows of each expert lie: packed (rows 0 .. n - 1), or by source
-// (expert_layout [L][W][2]: source s's rows of expert l from row s * M on,
-// M = capacity / W).
+// Where the rows of each expert lie: packed (rows 0 .. n - 1 of its
+// [capacity] rows), by source (expert_layout [L][W][2]: source s's rows of
+// expert l from row s * M on, M = capacity / W), or contiguous (rows
+// expert_offsets[l] .. + n - 1 of one [recv_rows] buffer).
 struct Rows {
-  const i32* layout;  // null: packed
+  const i32* layout;   // by source, else null
+  const i32* offsets;  // contiguous, else null
   u32 sources;
+  u32 recv_rows;
 };
+
+// Contiguous rows: whether expert_offsets hold every expert's counted rows,
+// in order, within the buffer (a failed dispatch's poison, -1 everywhere,
+// does not: the walk then takes every row, so that poisoned rows turn into
+// poisoned expert_y and nothing past the buffer is touched). The same in
+// every thread of the block.
+A2A_DEVICE bool offsets_hold(const u32* prefix, const Rows& rows, u32 L) {
+  __shared__ u32 broken;
+  if (a2a_thread() == 0) broken = 0u;
+  a2a_block_sync();
+  for (u32 l = a2a_thread(); l < L; l += a2a_block_dim()) {
+    const i32 first = rows.offsets[l], next = rows.offsets[l + 1];
+    if (first < 0 || next < first || (u32)next > rows.recv_rows || (u32)(next - first) < prefix[l + 1] - prefix[l])
+      broken = 1u;
+  }
+  a2a_block_sync();
+  return !broken;
+}
 
 // Row index in the [L][capacity] expert-major buffer of the q-th received row
 // (the same in every lane of the warp): packed, row i of its expert l; by
@@ -51,6 +72,7 @@ A2A_DEVICE u64 received_row(const u32* prefix, u32 L, u32 capacity, u32 q, const
   u32 lo = 0, hi = L;  // largest l with prefix[l] <= q
   while (hi - lo > 1u) { const u32 mid = (lo + hi) / 2u; if (prefix[mid] <= q) lo = mid; else hi = mid; }
   const u32 i = q - prefix[lo];
+  if (rows.offsets) return (u64)rows.offsets[lo] + i;
   if (!rows.layout) return (u64)lo * capacity + i;
   const u32 W = rows.sources, M = capacity / W;
   const i32 c = lane < W ? rows.layout[((u64)lo * W + lane) * 2u + 1u] : 0;
@@ -70,29 +92,31 @@ A2A_DEVICE u64 received_row(const u32* prefix, u32 L, u32 capacity, u32 q, const
 
 // The stand-in for a grouped GEMM used by scripts and tests (gpu-mode's fake
 // expert: expert_y = expert_x * scale), applied to received rows only: warps
-// walk the filled rows through the prefix of the counts, 8 elements a lane.
+// walk the filled rows through the prefix of the counts, 8 elements a lane
+// (every row of a contiguous buffer whose offsets are poison).
 template <typename Fmt>
 A2A_DEVICE void scale_rows(const u16* x, u16* y, const i32* counts, const Rows& rows, u32 L, u32 capacity,
                            u32 hidden, float scale) {
   __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
   exclusive_prefix(prefix, counts, L, capacity);
+  const bool held = !rows.offsets || offsets_hold(prefix, rows, L);
   const WarpGrid g = warp_grid();
-  for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
-    const u64 row = received_row(prefix, L, capacity, q, rows, g.lane) * hidden;
+  for (u32 q = g.warp; q < (held ? prefix[L] : rows.recv_rows); q += g.warps) {
+    const u64 row = (held ? received_row(prefix, L, capacity, q, rows, g.lane) : q) * hidden;
     copy_row_scaled<Fmt>(y + row, x + row, hidden, scale, g.lane);
   }
 }
 
-// `layout`: expert_layout of a call laid out by source (its `sources` ranks), or 0: packed rows.
-extern "C" __global__ void expert_scale_f16(u64 x, u64 y, u64 counts, u64 layout, u32 sources, u32 L, u32 capacity,
-                                            u32 hidden, float scale) {
-  scale_rows<F16>((const u16*)x, (u16*)y, (const i32*)counts, Rows{(const i32*)layout, sources}, L, capacity, hidden,
-                  scale);
+// `layout`: expert_layout of a call laid out by source (its `sources` ranks), `offsets`: expert_offsets of a
+// contiguous one (its buffers of `recv_rows` rows), or both 0: packed rows.
+#define A2A_ROWS Rows{(const i32*)layout, (const i32*)offsets, sources, recv_rows}
+extern "C" __global__ void expert_scale_f16(u64 x, u64 y, u64 counts, u64 layout, u64 offsets, u32 sources,
+                                            u32 recv_rows, u32 L, u32 capacity, u32 hidden, float scale) {
+  scale_rows<F16>((const u16*)x, (u16*)y, (const i32*)counts, A2A_ROWS, L, capacity, hidden, scale);
 }
-extern "C" __global__ void expert_scale_bf16(u64 x, u64 y, u64 counts, u64 layout, u32 sources, u32 L, u32 capacity,
-                                             u32 hidden, float scale) {
-  scale_rows<BF16>((const u16*)x, (u16*)y, (const i32*)counts, Rows{(const i32*)layout, sources}, L, capacity, hidden,
-                   scale);
+extern "C" __global__ void expert_scale_bf16(u64 x, u64 y, u64 counts, u64 layout, u64 offsets, u32 sources,
+                                             u32 recv_rows, u32 L, u32 capacity, u32 hidden, float scale) {
+  scale_rows<BF16>((const u16*)x, (u16*)y, (const i32*)counts, A2A_ROWS, L, capacity, hidden, scale);
 }
 
 // The fp8 rows' fake expert: y = (code * block scale) * scale, each product
@@ -103,10 +127,11 @@ A2A_DEVICE void dequantize_rows(const u8* x, const float* scales, u16* y, const 
                                 u32 capacity, u32 hidden, float scale, Fp8Format f) {
   __shared__ u32 prefix[A2A_MAX_LOCAL_EXPERTS + 1];
   exclusive_prefix(prefix, counts, L, capacity);
+  const bool held = !rows.offsets || offsets_hold(prefix, rows, L);
   const WarpGrid g = warp_grid();
   const u32 cols = hidden / A2A_FP8_BLOCK;
-  for (u32 q = g.warp; q < prefix[L]; q += g.warps) {
-    const u64 row = received_row(prefix, L, capacity, q, rows, g.lane);
+  for (u32 q = g.warp; q < (held ? prefix[L] : rows.recv_rows); q += g.warps) {
+    const u64 row = held ? received_row(prefix, L, capacity, q, rows, g.lane) : q;
     const u8* codes = x + row * hidden;
     for (u32 e0 = g.lane * 8u; e0 < hidden; e0 += A2A_WARP_SIZE * 8u) {  // 8 elements of one block a lane
       const float block = scales[row * cols + e0 / A2A_FP8_BLOCK];
@@ -128,13 +153,15 @@ A2A_DEVICE void dequantize_rows(const u8* x, const float* scales, u16* y, const 
   }
 }
 
-extern "C" __global__ void expert_dequantize_f16(u64 x, u64 scales, u64 y, u64 counts, u64 layout, u32 sources,
-                                                 u32 L, u32 capacity, u32 hidden, float scale, u32 fnuz) {
-  dequantize_rows<F16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts,
-                       Rows{(const i32*)layout, sources}, L, capacity, hidden, scale, Fp8Format{fnuz != 0u});
+extern "C" __global__ void expert_dequantize_f16(u64 x, u64 scales, u64 y, u64 counts, u64 layout, u64 offsets,
+                                                 u32 sources, u32 recv_rows, u32 L, u32 capacity, u32 hidden,
+                                                 float scale, u32 fnuz) {
+  dequantize_rows<F16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts, A2A_ROWS, L, capacity, hidden,
+                       scale, Fp8Format{fnuz != 0u});
 }
-extern "C" __global__ void expert_dequantize_bf16(u64 x, u64 scales, u64 y, u64 counts, u64 layout, u32 sources,
-                                                  u32 L, u32 capacity, u32 hidden, float scale, u32 fnuz) {
-  dequantize_rows<BF16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts,
-                        Rows{(const i32*)layout, sources}, L, capacity, hidden, scale, Fp8Format{fnuz != 0u});
+extern "C" __global__ void expert_dequantize_bf16(u64 x, u64 scales, u64 y, u64 counts, u64 layout, u64 offsets,
+                                                  u32 sources, u32 recv_rows, u32 L, u32 capacity, u32 hidden,
+                                                  float scale, u32 fnuz) {
+  dequantize_rows<BF16>((const u8*)x, (const float*)scales, (u16*)y, (const i32*)counts, A2A_ROWS, L, capacity, hidden,
+                        scale, Fp8Format{fnuz != 0u});
 }

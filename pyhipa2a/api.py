@@ -86,7 +86,7 @@ class AllToAll(Calls):
                 self.expert_y_buffer()
                 out = expert.expert_y_on(s, self._health)
             else:
-                self._take("fake_expert out", out, (c.local_experts, c.capacity, c.hidden), c.out_dtype, s, [])
+                self._take("fake_expert out", out, (*c.rows_shape, c.hidden), c.out_dtype, s, [])
             expert.launch(out.ptr, s)
             streams.queued(s)
             streams.keep((out,))

@@ -20,7 +20,7 @@ from .profile import ProfileBuffer
 def layout(config: Config) -> list[tuple[str, tuple, object]]:
     """Every symmetric buffer, in allocation order (identical on all ranks)."""
     W, L, M, k, H = config.world, config.local_experts, config.max_tokens, config.top_k, config.hidden
-    S, P, C = config.nseg, config.push_room, config.scale_cols
+    S, P, C, rows = config.nseg, config.push_room, config.scale_cols, config.rows_shape
     return [
         # written by peers, as tagged words (value in the low half, epoch in the high half); headers
         # alternate by epoch parity
@@ -37,13 +37,17 @@ def layout(config: Config) -> list[tuple[str, tuple, object]]:
         ("push_tok", (2, W, P, config.push_token_words), np.uint64),
         ("push_contrib", (W, P, config.push_row_words), np.uint64),
         # local
-        ("recv_x", (L, W * M, H), config.dispatch_dtype),
-        ("recv_meta", (L, W * M, 3), np.int32),
-        ("recv_scales", (L, W * M, C), np.float32),
+        ("recv_x", (*rows, H), config.dispatch_dtype),
+        ("recv_meta", (*rows, 3), np.int32),
+        ("recv_scales", (*rows, C), np.float32),
         ("num_tokens", (L,), np.int32),
         ("rows", (W, M, k), np.int32),
         ("slot_of", (W, M, k), np.int32),
         ("layout", (L, W, 2), np.int32),  # expert_layout (row_layout="by_source")
+        # row_layout="contiguous": each expert's rows (tagged), first rows (tagged), expert_offsets
+        ("expert_totals", (L,), np.uint64),
+        ("row_starts", (L,), np.uint64),
+        ("offsets", (L + 1,), np.int32),
         ("epoch", (2,), np.uint32),
         ("status", (4,), np.uint32),
         # clock sync (kernels_hip/clock.hip): box r written by rank r; this rank's stamps with each rank;
@@ -72,11 +76,12 @@ def heap_bytes(config: Config) -> int:
 @dataclass(frozen=True)
 class DispatchResult:
     expert_num_tokens: DeviceArray  # int32 [L]
-    expert_x: DeviceArray           # [L, W*M, H]
-    expert_meta: DeviceArray        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
+    expert_x: DeviceArray           # [L, W*M, H], or [R, H] contiguous
+    expert_meta: DeviceArray        # int32 [L, W*M, 3] (or [R, 3]): (src_rank, src_token, src_k)
     num_tokens: int                 # T of this rank's call
-    expert_x_scales: DeviceArray | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch, else None
+    expert_x_scales: DeviceArray | None = None  # float32 [L, W*M, H / 128] (or [R, ...]) in fp8 dispatch, else None
     expert_layout: DeviceArray | None = None  # int32 [L, W, 2] by_source: (first row, rows) a source; or None
+    expert_offsets: DeviceArray | None = None  # int32 [L + 1] contiguous: expert l's rows from expert_offsets[l]
 
 
 class OutputViews:
@@ -84,9 +89,10 @@ class OutputViews:
     the views always show the same buffers, so no object is made on a call's path."""
 
     def __init__(self, num_tokens: DeviceArray, expert_x: DeviceArray, expert_meta: DeviceArray,
-                 expert_x_scales: DeviceArray | None, y: DeviceArray, expert_layout: DeviceArray | None = None):
+                 expert_x_scales: DeviceArray | None, y: DeviceArray, expert_layout: DeviceArray | None = None,
+                 expert_offsets: DeviceArray | None = None):
         self.arrays = (num_tokens, expert_x, expert_meta)
-        self.extras = (expert_x_scales, expert_layout)
+        self.extras = (expert_x_scales, expert_layout, expert_offsets)
         self.y_rows = [y.rows(t) for t in range(y.shape[0] + 1)]  # y [T, H] of a call of T tokens
         self.results: list[DispatchResult | None] = [None] * len(self.y_rows)
 
@@ -148,6 +154,7 @@ class Buffers:
         args.push_max_tokens, args.push_row_words = c.push_max_tokens, c.push_row_words
         args.narrow_partials, args.gpu_fence_publish = int(c.narrow_partials), int(c.gpu_fence_publish)
         args.by_source, args.void_slots, args.region_tokens = int(c.by_source), int(c.void_slots), c.region_tokens
+        args.row_align, args.recv_rows = (c.row_align if c.contiguous else 0), c.recv_rows
         args.trap_on_timeout, args.timeout_ns = int(c.on_timeout == "trap"), timeout_ns(c.timeout)
 
     def views(self, stream, health, y: DeviceArray | None = None) -> OutputViews:
@@ -158,7 +165,8 @@ class Buffers:
         c = self.config
         y = out("y") if y is None else y
         return OutputViews(out("num_tokens"), out("recv_x"), out("recv_meta"),
-                           out("recv_scales") if c.scale_cols else None, y, out("layout") if c.by_source else None)
+                           out("recv_scales") if c.scale_cols else None, y, out("layout") if c.by_source else None,
+                           out("offsets") if c.contiguous else None)
 
     def close(self) -> None:
         if self.profile is not None:

@@ -284,7 +284,7 @@ class Calls:
             streams.follow(s)
             self._settle_before_host_copies(s, (expert_y, weights))
             arrays: list = []
-            y_shape = (c.local_experts, c.capacity, c.hidden)
+            y_shape = (*c.rows_shape, c.hidden)
             host_y = expert_y if isinstance(expert_y, np.ndarray) else None
             if host_y is not None:  # checked now, copied last: a refused call overwrites nothing
                 check_numpy_input("expert_y", host_y, y_shape, c.out_dtype, streams.capturing is not None)

@@ -36,7 +36,9 @@ GPU_FENCE_PUBLISH_ARCHS = ("sm_90",)
 SMALL_COMBINE_ITEMS_PER_WARP = 1
 
 STREAM_CHOICES = ("own", "current")
-LAYOUT_CHOICES = ("packed", "by_source")
+LAYOUT_CHOICES = ("packed", "by_source", "contiguous")
+DEFAULT_ROW_ALIGN = 128  # row_layout="contiguous": each expert's rows start at a multiple of this (a GEMM tile's rows)
+MAX_ROW_ALIGN = 2**16  # keeps the kernels' sums of rounded rows below 2^32
 PRODUCER_ORDERS = ("protocol", "stream")
 OUTPUTS_CHOICES = ("inputs", "ours")  # in the library of the call's inputs (pyhipa2a.outputs), or DeviceArray
 COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
@@ -82,6 +84,8 @@ class Config:
     region_tokens: int = 0  # > 0: one node's part of a call across nodes (pyhipa2a.hierarchy)
     ranks_on_device: int = 0  # ranks of the machine on our GPU where some are in other nodes; 0: ours
     outputs: str = "inputs"  # the library outputs are handed out in (pyhipa2a.outputs)
+    row_align: int = DEFAULT_ROW_ALIGN  # row_layout="contiguous" only, as max_recv_rows
+    max_recv_rows: int | None = None  # None: recv_rows_bound()
     # Set on the device (on_device, with_geometry):
     warp: int = MIN_WARP
     x_format: int = X_COPY
@@ -103,7 +107,31 @@ class Config:
 
     @property
     def capacity(self) -> int:
+        """Rows an expert may receive: one a token of every rank."""
         return self.world * self.max_tokens
+
+    @property
+    def contiguous(self) -> bool:
+        return self.row_layout == "contiguous"
+
+    def recv_rows_bound(self) -> int:
+        """The rows a contiguous expert_x needs at most: every rank's every token sends a row to each of at most
+        min(k, L) of our experts, and each expert's rows may end up to row_align - 1 rows short of the next
+        multiple of row_align, where the next expert's start."""
+        rows = self.capacity * min(self.top_k, self.local_experts) + self.local_experts * (self.row_align - 1)
+        return -(-rows // self.row_align) * self.row_align
+
+    @property
+    def recv_rows(self) -> int:
+        """Rows of expert_x (and its meta, scales): L * W * M, or R = max_recv_rows contiguous."""
+        if not self.contiguous:
+            return self.local_experts * self.capacity
+        return self.recv_rows_bound() if self.max_recv_rows is None else self.max_recv_rows
+
+    @property
+    def rows_shape(self) -> tuple[int, ...]:
+        """The leading shape of expert_x, expert_meta, expert_x_scales and expert_y: [L, W*M], or [R] contiguous."""
+        return (self.recv_rows,) if self.contiguous else (self.local_experts, self.capacity)
 
     @property
     def scale_cols(self) -> int:
@@ -175,7 +203,8 @@ class Config:
            in_dtype="float16", out_dtype=None, dispatch_dtype=None, timeout: float = 10.0, profile: bool = False,
            block_threads: int | None = None, grid_blocks: int | None = None, push_max_tokens: int | None = None,
            narrow_partials: bool = False, producer_order: str = "protocol", on_timeout: str = "report",
-           stream: str = "own", row_layout: str = "packed", outputs: str = "inputs") -> "Config":
+           stream: str = "own", row_layout: str = "packed", outputs: str = "inputs", row_align: int | None = None,
+           max_recv_rows: int | None = None) -> "Config":
         """The checked configuration over `world` ranks (else ValueError or TypeError naming the parameter)."""
         ins, moved, out, fp8 = plan_dtypes(in_dtype, dispatch_dtype, out_dtype)
         E, k, H, M = int(num_experts), int(experts_per_token), int(hidden_dim), int(max_num_tokens)
@@ -191,6 +220,13 @@ class Config:
                              f"object or handle), not {stream!r}")
         if row_layout not in LAYOUT_CHOICES:
             raise ValueError(f"row_layout must be one of {LAYOUT_CHOICES}, not {row_layout!r}")
+        if (row_align is not None or max_recv_rows is not None) and row_layout != "contiguous":
+            raise ValueError("row_align and max_recv_rows are for row_layout='contiguous'")
+        row_align = DEFAULT_ROW_ALIGN if row_align is None else _whole("row_align", row_align)
+        if not 1 <= row_align <= MAX_ROW_ALIGN:
+            raise ValueError(f"row_align must be in [1, {MAX_ROW_ALIGN}]; got {row_align}")
+        if max_recv_rows is not None and _whole("max_recv_rows", max_recv_rows) < 1:
+            raise ValueError(f"max_recv_rows must be >= 1; got {max_recv_rows}")
         if producer_order not in PRODUCER_ORDERS:
             raise ValueError(f"producer_order must be one of {PRODUCER_ORDERS}, not {producer_order!r}")
         if outputs not in OUTPUTS_CHOICES:
@@ -205,7 +241,7 @@ class Config:
                      on_timeout, producer_order, stream, row_layout, int(world),
                      block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS)),
                      grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None, push_max_tokens,
-                     outputs=outputs)
+                     outputs=outputs, row_align=row_align, max_recv_rows=max_recv_rows)
         config.check_sizes()
         return config
 
@@ -229,6 +265,9 @@ class Config:
             raise ValueError(f"at most {MAX_WORLD} ranks; got {self.world}")
         if self.local_experts > MAX_LOCAL_EXPERTS:
             raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank; got {self.local_experts}")
+        # A row's index travels as an int32 (slot_of, the kernels' rows).
+        if self.recv_rows >= 2**31:
+            raise ValueError(f"expert_x would have {self.recv_rows} rows; at most 2**31 - 1")
 
     def node_part(self, nodes: int, ranks_per_node: int, ranks_on_device: int) -> "Config":
         """One node's part of a call across `nodes` nodes: its experts, every node's region of tokens."""
@@ -268,7 +307,7 @@ class Config:
         """Collective: ConfigMismatchError naming the ranks whose configuration differs from rank 0's."""
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
                 self.dispatch_dtype.name, self.out_dtype.name, backend_kind, self.push_max_tokens,
-                self.narrow_partials, self.region_tokens)
+                self.narrow_partials, self.region_tokens, self.row_layout, self.row_align, self.recv_rows)
         everyone = comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
         if len(set(everyone)) > 1:
             configs = comm.allgather(mine)
@@ -277,7 +316,13 @@ class Config:
                 f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
                 f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
                 f"max_num_tokens, in_dtype, dispatch_dtype, out_dtype, backend, push_max_tokens, narrow_partials, "
-                f"region_tokens)", ranks=differ)
+                f"region_tokens, row_layout, row_align, rows of expert_x)", ranks=differ)
+
+
+def _whole(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    return int(value)
 
 
 def push_limit(config: Config, default_bytes: int) -> int:

@@ -59,7 +59,8 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
             f"position {what} is outside [0, num_experts) or repeated in its row; it was not sent")
     if code == STATUS_CAPACITY:
         return A2ADeviceError(f"{context}: rank {rank}: local expert {what} of rank {peer} overflowed its rows "
-                              f"(slot {detail}); the row was not written")
+                              f"(up to row {detail}; an expert has W * max_num_tokens rows, and contiguous rows "
+                              f"have max_recv_rows in all); the call's outputs are poison")
     if code == STATUS_PEER:
         return A2ADeviceError(f"{context}: rank {rank}: rank {peer}, on another node, failed its part of this call, "
                               f"so its sums of our tokens are poison; that rank's own error says why")

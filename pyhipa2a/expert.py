@@ -21,8 +21,8 @@ class FakeExpert:
     def set_scale(self, scale: float) -> None:
         """Every argument but the output: our expert_x (and its scales), counts, and the factor."""
         c, b = self.buffers.config, self.buffers
-        fixed = (b["num_tokens"].ptr, b["layout"].ptr if c.by_source else 0, c.world if c.by_source else 0,
-                 c.local_experts, c.capacity, c.hidden, scale)
+        fixed = (b["num_tokens"].ptr, b["layout"].ptr if c.by_source else 0, b["offsets"].ptr if c.contiguous else 0,
+                 c.world if c.by_source else 0, c.recv_rows, c.local_experts, c.capacity, c.hidden, scale)
         if c.scale_cols:
             self.pack.set_scalars(b["recv_x"].ptr, b["recv_scales"].ptr, 0, *fixed,
                                   int(c.dispatch_dtype.name == "float8_e4m3fnuz"))
@@ -34,11 +34,12 @@ class FakeExpert:
         self.kernel.launch(self.pack, self.blocks, self.threads, stream)
 
     def expert_y_buffer(self, stream) -> DeviceArray:
-        """A device buffer shaped like expert_y [L, W*M, H] (out_dtype), made once, freed by close()."""
+        """A device buffer shaped like expert_y [L, W*M, H] ([R, H] contiguous; out_dtype), made once, freed by
+        close()."""
         if self.buffer is None:
             c, backend = self.buffers.config, self.buffers.heap.backend
             backend.activate()  # memory is allocated on the current device
-            shape = (c.local_experts, c.capacity, c.hidden)
+            shape = (*c.rows_shape, c.hidden)
             ptr = backend.malloc_ipc(math.prod(shape) * c.out_dtype.itemsize)
             self._free = weakref.finalize(self, backend.free, ptr)  # also at exit
             self.buffer = DeviceArray(backend, ptr, shape, c.out_dtype, owner=self.buffers.heap, stream=stream)

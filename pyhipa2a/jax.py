@@ -63,11 +63,12 @@ class FfiSite(ctypes.Structure):  # csrc/jax_ffi.cc: Site
 
 class JaxDispatch(NamedTuple):
     """dispatch()'s results (JAX arrays), as AllToAll's DispatchResult names them."""
-    expert_x: jax.Array           # [L, W*M, H]
+    expert_x: jax.Array           # [L, W*M, H], or [R, H] with row_layout="contiguous"
     expert_num_tokens: jax.Array  # int32 [L]
-    expert_meta: jax.Array        # int32 [L, W*M, 3]: (src_rank, src_token, src_k)
-    expert_x_scales: jax.Array | None = None  # float32 [L, W*M, H / 128] in fp8 dispatch
+    expert_meta: jax.Array        # int32 [L, W*M, 3] (or [R, 3]): (src_rank, src_token, src_k)
+    expert_x_scales: jax.Array | None = None  # float32 [L, W*M, H / 128] (or [R, ...]) in fp8 dispatch
     expert_layout: jax.Array | None = None    # int32 [L, W, 2] with row_layout="by_source"
+    expert_offsets: jax.Array | None = None   # int32 [L + 1] with row_layout="contiguous"
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +140,7 @@ class JaxAllToAll:
             self._tokens = self._indices = self._sent = None
             self._grads = None
             # Gradients need packed rows, 16-bit x of the dtype of y, and an exchange of the weights' rows.
-            self._differentiable = (gradients and not c.by_source and not c.scale_cols
+            self._differentiable = (gradients and c.row_layout == "packed" and not c.scale_cols
                                     and c.in_dtype == c.out_dtype == c.dispatch_dtype)
             if self._differentiable:  # (the weights' rows: two 16-bit halves a weight)
                 narrow = {**params, "hidden_dim": c.weight_row_cols, "in_dtype": c.out_dtype.name,
@@ -152,13 +153,15 @@ class JaxAllToAll:
     # -- shapes -------------------------------------------------------------------
     def _dispatch_shapes(self):
         c = self.config
-        L, R = c.local_experts, c.capacity
-        shapes = [jax.ShapeDtypeStruct((L, R, c.hidden), c.dispatch_dtype), jax.ShapeDtypeStruct((L,), jnp.int32),
-                  jax.ShapeDtypeStruct((L, R, 3), jnp.int32)]
+        L, rows = c.local_experts, c.rows_shape
+        shapes = [jax.ShapeDtypeStruct((*rows, c.hidden), c.dispatch_dtype), jax.ShapeDtypeStruct((L,), jnp.int32),
+                  jax.ShapeDtypeStruct((*rows, 3), jnp.int32)]
         if c.scale_cols:
-            shapes.append(jax.ShapeDtypeStruct((L, R, c.scale_cols), jnp.float32))
+            shapes.append(jax.ShapeDtypeStruct((*rows, c.scale_cols), jnp.float32))
         if c.by_source:
             shapes.append(jax.ShapeDtypeStruct((L, c.world, 2), jnp.int32))
+        if c.contiguous:
+            shapes.append(jax.ShapeDtypeStruct((L + 1,), jnp.int32))
         return shapes
 
     # -- calls ----------------------------------------------------------------------
@@ -191,6 +194,7 @@ class JaxAllToAll:
         outputs = ["expert_x", "expert_num_tokens", "expert_meta"]
         outputs += ["expert_scales"] if c.scale_cols else []
         outputs += ["expert_layout"] if c.by_source else []
+        outputs += ["expert_offsets"] if c.contiguous else []
         shapes = self._dispatch_shapes()
         if self._on_gpu:
             site = self._site("dispatch", T, DispatchCall, fields, outputs, num_tokens=T)
@@ -200,7 +204,7 @@ class JaxAllToAll:
                                  shapes)
         *arrays, order = results
         return JaxDispatch(arrays[0], arrays[1], arrays[2], arrays[3] if c.scale_cols else None,
-                           arrays[-1] if c.by_source else None), order
+                           arrays[-1] if c.by_source else None, arrays[-1] if c.contiguous else None), order
 
     def combine(self, expert_y, weights=None, expert_scale: float = 1.0):
         """AllToAll.combine on JAX arrays (traceable): y [T, H] from expert_y [L, W*M, H] and the weights
@@ -225,7 +229,7 @@ class JaxAllToAll:
     def combine_after(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:
         """(y, the order word out) of a combine after the call whose order word is `order` (see dispatch_after)."""
         c = self.config
-        _check_operand("expert_y", expert_y, (c.local_experts, c.capacity, c.hidden), c.out_dtype)
+        _check_operand("expert_y", expert_y, (*c.rows_shape, c.hidden), c.out_dtype)
         if weights is not None:
             T = int(weights.shape[0])
             _check_operand("weights", weights, (T, c.top_k), np.float32)
@@ -320,6 +324,7 @@ class JaxAllToAll:
             arrays = [d.expert_x, d.expert_num_tokens, d.expert_meta]
             arrays += [d.expert_x_scales] if c.scale_cols else []
             arrays += [d.expert_layout] if c.by_source else []
+            arrays += [d.expert_offsets] if c.contiguous else []
             return (*(a.numpy() for a in arrays), np.zeros(1, np.int32))
         return call
 

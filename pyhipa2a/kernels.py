@@ -55,16 +55,18 @@ class A2AArgs(ctypes.Structure):
                 ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64), ("off_contrib_flag", u64),
                 ("off_stage", u64), ("off_contrib", u64), ("off_push_tok", u64), ("off_push_contrib", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_num_tokens", u64),
-                ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_epoch", u64), ("off_status", u64),
+                ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_expert_totals", u64),
+                ("off_row_starts", u64), ("off_offsets", u64), ("off_epoch", u64), ("off_status", u64),
                 ("off_done", u64), ("host_status", u64), ("prof", u64), ("num_experts", i32), ("local_experts", i32),
                 ("top_k", i32), ("max_tokens", i32), ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32),
                 ("seg_elems", u32), ("nseg", u32), ("push_max_tokens", u32), ("push_row_words", u32),
                 ("narrow_partials", u32), ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32),
                 ("x_format", u32), ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
                 ("route_chunk", u32), ("void_slots", u32), ("region_tokens", u32), ("gpu_fence_publish", u32),
-                ("by_source", u32), ("pad", u32), ("timeout_ns", u64), ("div_k", Divisor), ("div_L", Divisor),
-                ("div_E", Divisor), ("div_x_nseg", Divisor), ("div_chunk", Divisor), ("div_chunks", Divisor),
-                ("div_W", Divisor), ("div_peers", Divisor), ("div_nseg", Divisor)]
+                ("by_source", u32), ("row_align", u32), ("recv_rows", u32), ("pad", u32), ("timeout_ns", u64),
+                ("div_k", Divisor), ("div_L", Divisor), ("div_E", Divisor), ("div_x_nseg", Divisor),
+                ("div_chunk", Divisor), ("div_chunks", Divisor), ("div_W", Divisor), ("div_peers", Divisor),
+                ("div_nseg", Divisor)]
 
 
 ROUTE_CHUNK_SLOTS = 512  # about this many slots per dispatch routing block keep blocks short
@@ -89,7 +91,7 @@ class DispatchCall(ctypes.Structure):
     _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("pad", u32),
                 # where the outputs land (0: our own buffers): pyhipa2a.jax gives XLA's
                 ("expert_x", u64), ("expert_meta", u64), ("expert_scales", u64), ("expert_num_tokens", u64),
-                ("expert_layout", u64)]
+                ("expert_layout", u64), ("expert_offsets", u64)]
 
 
 class CombineCall(ctypes.Structure):
@@ -121,10 +123,10 @@ SIGNATURES = {  # kernel name -> (code object, argument types)
     "a2a_combine_bf16": ("combine", (A2AArgs, CombineCall)),
     "a2a_combine_small_f16": ("combine", (A2AArgs, CombineCall)),
     "a2a_combine_small_bf16": ("combine", (A2AArgs, CombineCall)),
-    "expert_scale_f16": ("expert", (u64, u64, u64, u64, u32, u32, u32, u32, f32)),
-    "expert_scale_bf16": ("expert", (u64, u64, u64, u64, u32, u32, u32, u32, f32)),
-    "expert_dequantize_f16": ("expert", (u64, u64, u64, u64, u64, u32, u32, u32, u32, f32, u32)),
-    "expert_dequantize_bf16": ("expert", (u64, u64, u64, u64, u64, u32, u32, u32, u32, f32, u32)),
+    "expert_scale_f16": ("expert", (u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32)),
+    "expert_scale_bf16": ("expert", (u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32)),
+    "expert_dequantize_f16": ("expert", (u64, u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32, u32)),
+    "expert_dequantize_bf16": ("expert", (u64, u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32, u32)),
     "hier_stage": ("hier", (HierArgs,)),
     "hier_localize": ("hier", (HierArgs,)),
     "hier_sum_f16": ("hier", (HierSumArgs,)),

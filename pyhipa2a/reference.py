@@ -42,6 +42,13 @@ def dispatch(xs: list[np.ndarray], indices: list[np.ndarray], num_experts: int,
     return out
 
 
+def contiguous_offsets(counts: np.ndarray, row_align: int) -> np.ndarray:
+    """row_layout="contiguous": where each local expert's rows start in the one [R, H] buffer, [L + 1] int32: after
+    the rows of every expert before it, each expert's rounded up to a multiple of row_align."""
+    rounded = -(-np.asarray(counts, np.int64) // row_align) * row_align
+    return np.concatenate([[0], np.cumsum(rounded)]).astype(np.int32)
+
+
 def fp8_largest(dtype) -> np.float32:
     import ml_dtypes
     return np.float32(ml_dtypes.finfo(dtype).max)

@@ -58,6 +58,14 @@ def dtype_arguments(dtype="float16", dispatch_dtype=None, fp8_input: str = "quan
     return dict(in_dtype=dispatch_dtype, out_dtype=dtype)
 
 
+def layout_arguments(spec: str = "packed") -> dict:
+    """AllToAll's row-layout arguments from a test's spec: "packed", "by_source", "contiguous", or
+    "contiguous/A" and "contiguous/A/R" (row_align A, max_recv_rows R)."""
+    name, *numbers = spec.split("/")
+    names = ("row_align", "max_recv_rows")[:len(numbers)]
+    return {"row_layout": name, **{n: int(v) for n, v in zip(names, numbers)}}
+
+
 def inputs_as_given(a2a, inputs: WorldInputs, fp8_input: str = "quantize") -> WorldInputs:
     """The inputs as a2a takes them: with fp8 given, the same tokens quantized, with their scales."""
     return inputs.quantized(a2a.config.dispatch_dtype) if a2a.config.scale_cols and fp8_input == "given" else inputs
@@ -124,7 +132,7 @@ def poison(a2a) -> None:
     comm = getattr(a2a, "comm", None) or a2a.heap.comm  # across nodes: every rank of every node
     bounded_barrier(comm, a2a.config.timeout, "poison")
     for name in ("recv_x", "recv_meta", "recv_scales", "num_tokens", "y", "stage", "tok_hdr", "w_in", "contrib",
-                 "rows", "slot_of", "layout"):
+                 "rows", "slot_of", "layout", "offsets", "expert_totals", "row_starts"):
         a2a.buffers[name].fill_bytes(0xFF)  # no stream: done when it returns
     for scratch in getattr(a2a, "exchange_buffers", ()):  # across nodes: regions, records, sums, seals
         scratch.fill_bytes(0xFF)
@@ -133,36 +141,50 @@ def poison(a2a) -> None:
     bounded_barrier(comm, a2a.config.timeout, "poison")
 
 
-def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int) -> None:
+def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int, row_align: int = 0) -> None:
+    """`row_align`: that of a contiguous result (its expert_offsets)."""
     counts = host_copy(result.expert_num_tokens)
     if not np.array_equal(counts, expected.expert_num_tokens):
         raise AssertionError(f"rank {rank}: expert_num_tokens {counts.tolist()} != "
                              f"expected {expected.expert_num_tokens.tolist()}")
     xs, meta = host_copy(result.expert_x), host_copy(result.expert_meta)
     scales = None if expected.scales is None else host_copy(result.expert_x_scales)
-    rows = received_rows(result, counts, meta, expected, rank)
+    H = xs.shape[-1]
+    xs, meta = xs.reshape(-1, H), meta.reshape(-1, 3)  # (every layout's rows, as indices into these)
+    scales = None if scales is None else scales.reshape(-1, scales.shape[-1])
+    rows = received_rows(result, counts, meta, expected, rank, row_align)
     for l, want in enumerate(expected.rows):
-        got = {tuple(int(v) for v in meta[l, i]): i for i in rows[l]}
+        got = {tuple(int(v) for v in meta[i]): i for i in rows[l]}
         if set(got) != set(want):
             missing, extra = sorted(set(want) - set(got))[:5], sorted(set(got) - set(want))[:5]
             raise AssertionError(f"rank {rank} expert {l}: rows keyed by (src, token, slot) differ; "
                                  f"missing {missing}, unexpected {extra}")
         for key, i in got.items():
-            if xs[l, i].tobytes() != want[key].tobytes():
+            if xs[i].tobytes() != want[key].tobytes():
                 raise AssertionError(f"rank {rank} expert {l} row {i} {key}: token vector differs")
-            if scales is not None and scales[l, i].tobytes() != expected.scales[l][key].tobytes():
-                raise AssertionError(f"rank {rank} expert {l} row {i} {key}: scales {scales[l, i][:4]}... differ "
+            if scales is not None and scales[i].tobytes() != expected.scales[l][key].tobytes():
+                raise AssertionError(f"rank {rank} expert {l} row {i} {key}: scales {scales[i][:4]}... differ "
                                      f"from {expected.scales[l][key][:4]}...")
 
 
 def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: reference.ExpectedDispatch,
-                  rank: int) -> list:
-    """The rows of expert_x[l] holding expert l's tokens; a by-source layout is checked against the oracle's."""
+                  rank: int, row_align: int) -> list:
+    """Each expert's rows, as indices into the flattened expert_x and `meta`: packed, an expert's first rows;
+    contiguous, from its expert_offsets (checked against the oracle's); by source, each source's first rows from
+    row s * M (expert_layout, checked against the oracle's)."""
+    if result.expert_offsets is not None:
+        offsets = host_copy(result.expert_offsets)
+        want = reference.contiguous_offsets(expected.expert_num_tokens, row_align)
+        if not np.array_equal(offsets, want):
+            raise AssertionError(f"rank {rank}: expert_offsets {offsets.tolist()} != expected {want.tolist()} "
+                                 f"(each expert's rows rounded up to {row_align})")
+        return [range(int(offsets[l]), int(offsets[l]) + int(n)) for l, n in enumerate(counts)]
+    capacity = result.expert_x.shape[1]
     if result.expert_layout is None:
-        return [range(int(n)) for n in counts]
+        return [range(l * capacity, l * capacity + int(n)) for l, n in enumerate(counts)]
     layout = host_copy(result.expert_layout)
     L, W = layout.shape[:2]
-    M = result.expert_x.shape[1] // W
+    M = capacity // W
     rows = []
     for l in range(L):
         want = np.bincount(np.array([src for src, _, _ in expected.rows[l]], np.int64), minlength=W)
@@ -170,12 +192,12 @@ def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: refere
         if not np.array_equal(layout[l], want_layout):
             raise AssertionError(f"rank {rank} expert {l}: expert_layout {layout[l].tolist()} != expected "
                                  f"{want_layout.tolist()} (first row, rows) by source")
-        mine = [(s, s * M + i) for s in range(W) for i in range(int(want[s]))]
-        wrong = [(s, row) for s, row in mine if meta[l, row, 0] != s]
+        mine = [(s, l * capacity + s * M + i) for s in range(W) for i in range(int(want[s]))]
+        wrong = [(s, row) for s, row in mine if meta[row, 0] != s]
         if wrong:
             s, row = wrong[0]
             raise AssertionError(f"rank {rank} expert {l}: row {row}, in source {s}'s rows, holds a token of "
-                                 f"source {meta[l, row, 0]}")
+                                 f"source {meta[row, 0]}")
         rows.append([row for _, row in mine])
     return rows
 
@@ -249,10 +271,15 @@ def fused_step_graph(a2a, inputs: WorldInputs):
 
 
 def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
-    if (result.expert_layout is None) != (a2a.config.row_layout == "packed"):
-        raise AssertionError(f"row_layout={a2a.config.row_layout!r} but expert_layout is {result.expert_layout!r}")
+    c = a2a.config
+    if (result.expert_layout is not None, result.expert_offsets is not None) != (c.by_source, c.contiguous):
+        raise AssertionError(f"row_layout={c.row_layout!r} but expert_layout is {result.expert_layout!r} and "
+                             f"expert_offsets {result.expert_offsets!r}")
+    if tuple(result.expert_x.shape) != (*c.rows_shape, c.hidden):
+        raise AssertionError(f"row_layout={c.row_layout!r} but expert_x is {tuple(result.expert_x.shape)}")
     rows, scales = dispatched_tokens(a2a, inputs)
-    check_dispatch(result, reference.dispatch(rows, inputs.indices, a2a.config.num_experts, scales)[a2a.rank], a2a.rank)
+    expected = reference.dispatch(rows, inputs.indices, c.num_experts, scales)[a2a.rank]
+    check_dispatch(result, expected, a2a.rank, c.row_align if c.contiguous else 0)
 
 
 def oracle_expert(a2a, fused: bool):

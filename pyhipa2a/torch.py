@@ -31,7 +31,7 @@ class Differentiable:
 
     def __init__(self, a2a, **narrow_params):
         c = a2a.config
-        if c.by_source or c.scale_cols or not c.in_dtype == c.out_dtype == c.dispatch_dtype:
+        if c.row_layout != "packed" or c.scale_cols or not c.in_dtype == c.out_dtype == c.dispatch_dtype:
             raise A2AError("gradients need packed rows and x, expert_x and y of one 16-bit dtype")
         self.a2a, self.config = a2a, c
         self.cols = c.weight_row_cols

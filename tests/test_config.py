@@ -39,3 +39,40 @@ def test_a_node_part_keeps_its_slot_indices_below_2_31():
     with pytest.raises(ValueError, match="row_layout='by_source' is for calls within one node"):
         Config.of(4, num_experts=4, experts_per_token=1, hidden_dim=8, max_num_tokens=4,
                   row_layout="by_source").node_part(2, 2, 0)
+
+
+def test_contiguous_rows_default_to_the_bound():
+    """row_layout="contiguous": R rows in all, by default every row that can arrive (each token of every rank to
+    min(k, L) of our experts) plus each expert's rounding to row_align, itself a multiple of row_align; the
+    packed layout holds W * M rows an expert."""
+    deepseek = dict(num_experts=256, experts_per_token=8, hidden_dim=7168, max_num_tokens=4096)
+    packed = Config.of(8, **deepseek)
+    contiguous = Config.of(8, **deepseek, row_layout="contiguous")
+    assert packed.rows_shape == (32, 8 * 4096) and packed.recv_rows == 32 * 8 * 4096
+    assert contiguous.rows_shape == (contiguous.recv_rows,)
+    assert contiguous.recv_rows == 266240  # 8 * 4096 * 8 + 32 * 127 = 266208 rows, rounded up to 128
+    few = Config.of(2, num_experts=4, experts_per_token=4, hidden_dim=8, max_num_tokens=5, row_layout="contiguous",
+                    row_align=4)
+    assert few.recv_rows == 28  # k = 4 but L = 2, so 2 rows a token at most: 2 * 5 * 2 + 2 * 3 = 26, rounded up to 4
+    given = Config.of(2, num_experts=4, experts_per_token=2, hidden_dim=8, max_num_tokens=5, row_layout="contiguous",
+                      max_recv_rows=7)
+    assert given.recv_rows == 7 and given.node_part(2, 1, 0).recv_rows == 7  # (a node's part keeps R)
+    part = Config.of(4, **deepseek, row_layout="contiguous").node_part(2, 2, 0)
+    assert part.recv_rows == Config.of(4, **deepseek, row_layout="contiguous").recv_rows
+
+
+@pytest.mark.parametrize("params,error,match", [
+    (dict(row_align=8), ValueError, "row_align and max_recv_rows are for row_layout='contiguous'"),
+    (dict(row_layout="by_source", max_recv_rows=8), ValueError, "are for row_layout='contiguous'"),
+    (dict(row_layout="contiguous", row_align=0), ValueError, r"row_align must be in \[1, 65536\]; got 0"),
+    (dict(row_layout="contiguous", row_align=2**17), ValueError, "row_align must be in"),
+    (dict(row_layout="contiguous", row_align=True), TypeError, "row_align must be an int, not bool"),
+    (dict(row_layout="contiguous", max_recv_rows=0), ValueError, "max_recv_rows must be >= 1; got 0"),
+    (dict(row_layout="contiguous", max_recv_rows=2.0), TypeError, "max_recv_rows must be an int, not float"),
+    (dict(row_layout="contiguous", max_recv_rows=2**31), ValueError, "expert_x would have 2147483648 rows"),
+    (dict(row_layout="rows"), ValueError, r"row_layout must be one of \('packed', 'by_source', 'contiguous'\)"),
+])
+def test_contiguous_rows_parameters_are_checked(params, error, match):
+    with pytest.raises(error, match=match):
+        Config.of(2, num_experts=4, experts_per_token=2, hidden_dim=8, max_num_tokens=4, **params)
+

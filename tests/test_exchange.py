@@ -77,8 +77,17 @@ EDGE_CASES = {
 BY_SOURCE_EDGE_CASES = ("some_ranks_empty", "T_equals_M", "one_hot_expert_full_capacity", "many_route_chunks",
                         "count_words_not_a_power_of_two", "capacity_one_token", "small_call_every_expert",
                         "hidden_1001_unaligned_rows", "experts_over_route_windows", "bf16_hot_full")
+# AllToAll(row_layout="contiguous"): every expert's rows in one buffer from expert_offsets[l], each
+# expert's rounded up to row_align (the default 128, and 1, 8 and 3 here: every expert a few rows apart,
+# none, and a row count no power of two). The edge cases for it: experts that receive nothing (their
+# offsets equal), one expert holding a source's every row, several route chunks, more experts than a
+# warp's width (publish_offsets takes 32 at a time), crowded small calls, rows not whole words.
+CONTIGUOUS_EDGE_CASES = {"some_ranks_empty": "contiguous", "one_hot_expert_full_capacity": "contiguous/8",
+                         "many_route_chunks": "contiguous/1", "experts_over_route_windows": "contiguous/3",
+                         "small_call_every_expert": "contiguous/8", "hidden_1001_unaligned_rows": "contiguous"}
 EDGE_RUNS = ([(name, "packed") for name in sorted(EDGE_CASES)]
-             + [(name, "by_source") for name in BY_SOURCE_EDGE_CASES])
+             + [(name, "by_source") for name in BY_SOURCE_EDGE_CASES]
+             + sorted(CONTIGUOUS_EDGE_CASES.items()))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -102,7 +111,7 @@ TRANSFER_MODES = {"pull": ("0", "full"), "push": ("64", "full"), "mixed": ("8", 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
 @pytest.mark.parametrize("H", [1000, 2048])
-@pytest.mark.parametrize("row_layout", ["packed", "by_source"])
+@pytest.mark.parametrize("row_layout", ["packed", "by_source", "contiguous/8"])
 def test_transfer_modes(mode, H, row_layout, backend):
     threshold, counts = TRANSFER_MODES[mode]
     ranks = ranks_for(backend)
@@ -170,11 +179,13 @@ def test_fused_expert(mode, narrow, H, dtype, values, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode,narrow", [("push", "1"), ("mixed", "0"), ("pull", "0")])
-def test_fused_expert_rows_by_source(mode, narrow, backend):
-    """The fused expert reads its rows where dispatch left them, laid out by source too (exact inputs)."""
+@pytest.mark.parametrize("row_layout", ["by_source", "contiguous/8"])
+def test_fused_expert_rows_laid_out(mode, narrow, row_layout, backend):
+    """The fused expert reads its rows where dispatch left them, laid out by source or contiguous too (exact
+    inputs)."""
     run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]},
-             args=(1024, "float16", "exact", narrow, 2, "by_source"))
+             args=(1024, "float16", "exact", narrow, 2, row_layout))
 
 
 # Combine has a bulk kernel (a warp a segment) and a small one (a warp a chunk), chosen per call from

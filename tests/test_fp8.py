@@ -244,14 +244,15 @@ def test_fp8_edge_cases(name, way, backend):
              args=(way, fp8_name(fmt, backend), in16, per_rank, k, H, M, counts, routing, values, 2, 13))
 
 
-# fp8 rows (and their scales) laid out by source: both ways in, pulled, pushed (its fp8 pieces) and mixed,
-# the fake expert's dequantizing kernel reading each source's rows.
+# fp8 rows (and their scales) laid out by source or contiguous: both ways in, pulled, pushed (its fp8
+# pieces) and mixed, the fake expert's dequantizing kernel reading each expert's rows where they lie.
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("way", FP8_WAYS)
 @pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
-def test_fp8_rows_by_source(way, mode, backend):
+@pytest.mark.parametrize("row_layout", ["by_source", "contiguous/8"])
+def test_fp8_rows_laid_out(way, mode, row_layout, backend):
     run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
              env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
                   "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
              args=(way, fp8_name("float8_e4m3fn", backend), "bfloat16", 4, 4, 1024, 32,
-                   "staggered" if mode == "mixed" else "full", "random", "normal", 2, 19, "by_source"))
+                   "staggered" if mode == "mixed" else "full", "random", "normal", 2, 19, row_layout))

@@ -18,7 +18,8 @@ def layout_for(backend: str) -> tuple[int, int]:
     return (4, 2) if backend == "host" else (gpu_ranks(), max(1, gpu_ranks() // 2))
 
 
-# (E per rank, k, H, M, dtype, token counts, where the experts are, fused expert[, fp8 dispatch])
+# (E per rank, k, H, M, dtype, token counts, where the experts are, fused expert[, fp8 dispatch, the
+# object's stream, row layout])
 CASES = {
     "fp8_quantize_bf16": (4, 4, 256, 16, "bfloat16", "random", "random", "0", "quantize"),
     "fp8_given": (4, 3, 384, 8, "float16", "full", "other", "0", "given"),
@@ -31,6 +32,9 @@ CASES = {
     "k1": (2, 1, 128, 8, "float16", "random", "random", "0"),
     "fused_expert": (4, 4, 512, 16, "float16", "random", "random", "1"),
     "hidden_1001": (2, 2, 1001, 8, "float16", "random", "random", "0"),
+    # row_layout="contiguous": a node's rows of each expert in one buffer (fp8 scales with them)
+    "contiguous_fused": (4, 4, 256, 16, "float16", "random", "random", "1", "none", "own", "contiguous/8"),
+    "contiguous_fp8": (4, 3, 384, 8, "bfloat16", "full", "other", "0", "quantize", "own", "contiguous"),
 }
 
 

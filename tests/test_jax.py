@@ -19,6 +19,15 @@ def test_jax(case, backend):
     run_case(CASE + case, ranks_for(backend), env_backend(backend), timeout=600)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("row_layout", ["by_source", "contiguous/8"])
+def test_jit_step_rows_laid_out(row_layout, backend):
+    """dispatch's results inside jit where the rows are laid out by source or contiguous (their shapes, and
+    expert_layout or expert_offsets among the results)."""
+    pytest.importorskip("jax")
+    run_case(CASE + "case_jit_step", ranks_for(backend), env_backend(backend), args=("3", row_layout), timeout=600)
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_jit_step_at_fewer_ranks(ranks):
     pytest.importorskip("jax")

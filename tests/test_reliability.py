@@ -54,10 +54,15 @@ def test_a_skipped_call_leaves_no_readable_output(backend, leg, on_timeout):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("row_layout", ["packed", "by_source"])
+@pytest.mark.parametrize("row_layout", ["packed", "by_source", "contiguous"])
 def test_a_failed_rank_poisons_later_calls(row_layout, backend):
     run_case(CASE + "case_failed_rank_poisons_later_calls", ranks_for(backend), env_backend(backend),
              args=(row_layout,), timeout=120)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_contiguous_rows_beyond_R_are_reported(backend):
+    run_case(CASE + "case_contiguous_rows_beyond_R", ranks_for(backend), env_backend(backend), timeout=120)
 
 
 def test_foreign_non_contiguous():

@@ -27,7 +27,7 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         weights = mem(c.weights, (T, k), np.float32)
     else:  # dispatch sent them, ours into our own w_in
         weights = v.buf(me, "w_in", (W, M, k), np.uint64)[me, :T].astype(np.uint32).view(np.float32)
-    expert_y = mem(c.expert_y, (L * v.cap, H), dtype)
+    expert_y = mem(c.expert_y, (a.recv_rows, H), dtype)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     headers = v.buf(me, "tok_count", (2, W), np.uint64)[p] & np.uint64(0xFFFFFFFF)  # every count, as dispatch left it

@@ -17,11 +17,12 @@ def a2a_dispatch(backend, a, c) -> None:
     try:
         _dispatch(backend, a, c, v)
     finally:
-        finish(backend, a, v, (v.buf(v.me, "recv_x", (v.L, v.cap, a.x_row_bytes), np.uint8),
-                               v.buf(v.me, "recv_meta", (v.L, v.cap, 3), np.int32),
+        finish(backend, a, v, (v.buf(v.me, "recv_x", (a.recv_rows, a.x_row_bytes), np.uint8),
+                               v.buf(v.me, "recv_meta", (a.recv_rows, 3), np.int32),
                                v.buf(v.me, "num_tokens", (v.L,), np.int32),
-                               v.buf(v.me, "recv_scales", (v.L, v.cap, a.scale_cols), np.float32),
-                               v.buf(v.me, "layout", (v.L, v.W, 2), np.int32)[:v.L if a.by_source else 0]))
+                               v.buf(v.me, "recv_scales", (a.recv_rows, a.scale_cols), np.float32),
+                               v.buf(v.me, "layout", (v.L, v.W, 2), np.int32)[:v.L if a.by_source else 0],
+                               v.buf(v.me, "offsets", (v.L + 1,), np.int32)[:v.L + 1 if a.row_align else 0]))
 
 
 a2a_dispatch_fp8 = a2a_dispatch_quantize_f16 = a2a_dispatch_quantize_bf16 = a2a_dispatch  # same steps, other bytes
@@ -56,6 +57,26 @@ def places(rows: np.ndarray, valid: np.ndarray, num_experts: int, chunk: int) ->
     place[order] = np.arange(len(key)) - first
     counts = np.bincount(key[key >= 0], minlength=chunks * num_experts).reshape(chunks, num_experts)
     return place.reshape(rows.shape), counts
+
+
+def row_starts(a, v: View, counts: np.ndarray) -> np.ndarray | None:
+    """Contiguous rows: each of our experts' first row, once every source's counts are in (None: one never came),
+    into expert_offsets, each expert's rows rounded up to row_align; rows ending past R are reported, as
+    publish_offsets in dispatch.hip does."""
+    totals = np.zeros(v.L, np.int64)
+    for src in range(v.W):
+        src_counts = wait_tagged(counts[src], v.epoch, v.deadline, v.status, WAIT_DISPATCH, src)
+        if src_counts is None:
+            return None
+        totals += src_counts.astype(np.int64).sum(axis=0)
+    rounded = -(-np.minimum(totals, v.cap) // a.row_align) * a.row_align
+    ends = np.cumsum(rounded)
+    starts = ends - rounded
+    v.buf(v.me, "offsets", (v.L + 1,), np.int32)[:] = np.append(starts, ends[-1])
+    over = np.flatnonzero(ends > a.recv_rows)
+    if len(over):
+        v.status.report(STATUS_CAPACITY, v.me, int(over[0]), int(ends[over[0]]))
+    return starts
 
 
 def _dispatch(backend, a, c, v: View) -> None:
@@ -108,12 +129,15 @@ def _dispatch(backend, a, c, v: View) -> None:
             inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
             inbox[tokens, :tb // 4] = tag(x[tokens].view(np.uint32), v.epoch)
     v.rec.record(2, t0, me)
-    expert_x = v.buf(me, "recv_x", (L, v.cap, rb), np.uint8)
-    meta = v.buf(me, "recv_meta", (L, v.cap, 3), np.int32)
-    scales = v.buf(me, "recv_scales", (L, v.cap, a.scale_cols), np.float32)
+    expert_x = v.buf(me, "recv_x", (a.recv_rows, rb), np.uint8)  # (row l * W * M + i of expert l, or contiguous
+    meta = v.buf(me, "recv_meta", (a.recv_rows, 3), np.int32)   # its row from its first)
+    scales = v.buf(me, "recv_scales", (a.recv_rows, a.scale_cols), np.float32)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     counts = v.buf(me, "expert_counts", (2, W, C, L), np.uint64)[p]
+    starts = row_starts(a, v, counts) if a.row_align else np.zeros(L, np.int64)
+    if starts is None:
+        return
     per_source = np.zeros((L, W), np.int64)  # rows of each of our experts from each source placed so far
     for src in range(W):  # 3. each source's tokens with experts here, copied to the rows its places give
         t0 = time.monotonic_ns()
@@ -152,21 +176,24 @@ def _dispatch(backend, a, c, v: View) -> None:
         t0 = time.monotonic_ns()
         l = rows[tokens, slots] % L
         src_counts = src_counts.astype(np.int64)  # [C, L]: the rows of each of src's chunks
-        # where each chunk's rows begin: packed, after every earlier source's; by source, at src * M
-        first = src * M if a.by_source else per_source[:, :src].sum(axis=1)
+        # where each chunk's rows begin: packed, after every earlier source's (contiguous: from the expert's
+        # first row); by source, at src * M
+        first = src * M if a.by_source else starts + per_source[:, :src].sum(axis=1)
         chunk_start = first + np.cumsum(src_counts, axis=0) - src_counts
         row = chunk_start[tokens // chunk, l] + place[tokens, slots]
-        fits = row < v.cap
+        fits = row < (a.recv_rows if a.row_align else v.cap)
         if not fits.all():
             v.status.report(STATUS_CAPACITY, me, int(l[~fits][0]), int(row[~fits][0]))
         t, j, l, row = tokens[fits], slots[fits], l[fits], row[fits]
+        if not a.row_align:
+            row = l * v.cap + row
         slot_of[src, :count] = -1
-        expert_x[l, row] = vecs[t, :rb]
+        expert_x[row] = vecs[t, :rb]
         if a.scale_cols:
-            scales[l, row] = vecs[t, a.hidden:a.hidden + 4 * a.scale_cols].copy().view(np.float32)
+            scales[row] = vecs[t, a.hidden:a.hidden + 4 * a.scale_cols].copy().view(np.float32)
         R = a.region_tokens  # a node's part of a multi-node call names each token's true source
-        meta[l, row] = np.stack([t // R * W + src, t % R, j] if R else [np.full_like(t, src), t, j], axis=1)
-        slot_of[src, t, j] = l * v.cap + row
+        meta[row] = np.stack([t // R * W + src, t % R, j] if R else [np.full_like(t, src), t, j], axis=1)
+        slot_of[src, t, j] = row
         per_source[:, src] = src_counts.sum(axis=0)
         v.rec.record(5, t0, src)
     # 4. expert_num_tokens: every source's count of each of our experts

@@ -8,27 +8,35 @@ from . import mem
 from .fp8 import BLOCK, from_fp8
 
 
-def _rows(counts, layout, sources, L: int, capacity: int) -> list[np.ndarray]:
-    """Each expert's received rows (packed, or by source from row s * M); a count out of range (-1: poison) stands
-    for all the rows, so poisoned rows become poisoned expert_y (exclusive_prefix, received_row in expert.hip)."""
+def _rows(counts, layout, offsets, sources, recv_rows, L: int, capacity: int) -> list[np.ndarray]:
+    """Each expert's received rows, as indices into the [recv_rows] buffer: packed (from row l * capacity), by
+    source (from row l * capacity + s * M) or contiguous (from expert_offsets[l]); a count out of range (-1: poison)
+    stands for all the rows, so poisoned rows become poisoned expert_y (exclusive_prefix, received_row,
+    offsets_hold in expert.hip; contiguous offsets that do not hold the rows: every row of the buffer)."""
     n = mem(counts.value, (L,), np.int32)
     n = np.where((n < 0) | (n > capacity), capacity, n)
+    if offsets.value:
+        first = mem(offsets.value, (L + 1,), np.int32).astype(np.int64)
+        spans = np.diff(first)
+        if first[0] < 0 or (spans < 0).any() or first[L] > recv_rows.value or (spans < n).any():
+            return [np.arange(recv_rows.value)]
+        return [first[l] + np.arange(n[l]) for l in range(L)]
     if not layout.value:
-        return [np.arange(n[l]) for l in range(L)]
+        return [l * capacity + np.arange(n[l]) for l in range(L)]
     W = sources.value
     M = capacity // W
     c = mem(layout.value, (L, W, 2), np.int32)[:, :, 1]
     c = np.where((c < 0) | (c > M), M, c)
-    return [np.concatenate([s * M + np.arange(c[l, s]) for s in range(W)])[:n[l]] for l in range(L)]
+    return [l * capacity + np.concatenate([s * M + np.arange(c[l, s]) for s in range(W)])[:n[l]] for l in range(L)]
 
 
-def _scale(x, y, counts, layout, sources, L, capacity, hidden, scale, dtype) -> None:
+def _scale(x, y, counts, layout, offsets, sources, recv_rows, L, capacity, hidden, scale, dtype) -> None:
     """Arguments arrive as the ctypes objects of the device kernel's signature."""
     L, capacity, hidden = L.value, capacity.value, hidden.value
-    xs = mem(x.value, (L, capacity, hidden), dtype)
-    ys = mem(y.value, (L, capacity, hidden), dtype)
-    for l, rows in enumerate(_rows(counts, layout, sources, L, capacity)):
-        ys[l, rows] = (xs[l, rows].astype(np.float32) * np.float32(scale.value)).astype(dtype)
+    xs = mem(x.value, (recv_rows.value, hidden), dtype)
+    ys = mem(y.value, (recv_rows.value, hidden), dtype)
+    for rows in _rows(counts, layout, offsets, sources, recv_rows, L, capacity):
+        ys[rows] = (xs[rows].astype(np.float32) * np.float32(scale.value)).astype(dtype)
 
 
 def expert_scale_f16(backend, *args) -> None:
@@ -39,14 +47,15 @@ def expert_scale_bf16(backend, *args) -> None:
     _scale(*args, bfloat16())
 
 
-def _dequantize(x, scales, y, counts, layout, sources, L, capacity, hidden, scale, fnuz, dtype) -> None:
-    L, capacity, hidden = L.value, capacity.value, hidden.value
-    codes = mem(x.value, (L, capacity, hidden), np.uint8)
-    block = mem(scales.value, (L, capacity, hidden // BLOCK), np.float32)
-    ys = mem(y.value, (L, capacity, hidden), dtype)
-    for l, rows in enumerate(_rows(counts, layout, sources, L, capacity)):
-        values = from_fp8(codes[l, rows], bool(fnuz.value)) * np.repeat(block[l, rows], BLOCK, axis=1)
-        ys[l, rows] = (values.astype(np.float32) * np.float32(scale.value)).astype(dtype)
+def _dequantize(x, scales, y, counts, layout, offsets, sources, recv_rows, L, capacity, hidden, scale, fnuz,
+                dtype) -> None:
+    L, capacity, hidden, R = L.value, capacity.value, hidden.value, recv_rows.value
+    codes = mem(x.value, (R, hidden), np.uint8)
+    block = mem(scales.value, (R, hidden // BLOCK), np.float32)
+    ys = mem(y.value, (R, hidden), dtype)
+    for rows in _rows(counts, layout, offsets, sources, recv_rows, L, capacity):
+        values = from_fp8(codes[rows], bool(fnuz.value)) * np.repeat(block[rows], BLOCK, axis=1)
+        ys[rows] = (values.astype(np.float32) * np.float32(scale.value)).astype(dtype)
 
 
 def expert_dequantize_f16(backend, *args) -> None:

@@ -15,7 +15,7 @@ from pyhipa2a import AllToAll
 from pyhipa2a.config import DEFAULT_PUSH_BACK_BYTES, DEFAULT_PUSH_BYTES
 from pyhipa2a.dtypes import resolve
 from pyhipa2a.kernels import route_chunks
-from pyhipa2a.testing import (WEIGHTS_AT, draw_world, run_round,
+from pyhipa2a.testing import (WEIGHTS_AT, draw_world, layout_arguments, run_round,
                               weights_where)
 
 
@@ -38,7 +38,7 @@ def case_shape(comm, E, k, H, M, dtype="float16", counts="random", routing="rand
     E, k, H, M, rounds, seed = int(E), int(k), int(H), int(M), int(rounds), int(seed)
     world = comm.Get_size()
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  in_dtype=dtype, row_layout=row_layout) as a2a:
+                  in_dtype=dtype, **layout_arguments(row_layout)) as a2a:
         for i in range(rounds):
             rng = np.random.default_rng(1000 * seed + i)
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, dtype,
@@ -199,7 +199,7 @@ def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rou
     H, rounds, exact, world = int(H), int(rounds), values == "exact", comm.Get_size()
     E, k, M = 4 * world, 4, 32  # several of a token's experts on one rank, and single ones
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype=dtype,
-                  narrow_partials=narrow == "1", row_layout=row_layout) as a2a:
+                  narrow_partials=narrow == "1", **layout_arguments(row_layout)) as a2a:
         me = a2a.rank
         for i in range(rounds):
             rng = np.random.default_rng(700 + i)

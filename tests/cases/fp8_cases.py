@@ -12,7 +12,7 @@ import pytest
 from pyhipa2a import AllToAll
 from tests.cases.exchange_cases import token_counts
 from pyhipa2a.dtypes import resolve
-from pyhipa2a.testing import (dispatch, draw_world, dtype_arguments, inputs_as_given, run_round)
+from pyhipa2a.testing import dispatch, draw_world, dtype_arguments, inputs_as_given, layout_arguments, run_round
 
 
 def fp8_values(inputs, kind: str, seed: int) -> None:
@@ -68,7 +68,7 @@ def case_fp8(comm, way, fp8="float8_e4m3", in16="bfloat16", E_per_rank="4", k="4
     world = comm.Get_size()
     E, k, H, M, rounds, seed = int(E_per_rank) * world, int(k), int(H), int(M), int(rounds), int(seed)
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  **dtype_arguments(in16, fp8, way), row_layout=row_layout) as a2a:
+                  **dtype_arguments(in16, fp8, way), **layout_arguments(row_layout)) as a2a:
         assert a2a.config.dispatch_dtype.name in ("float8_e4m3fn", "float8_e4m3fnuz") and a2a.config.out_dtype == resolve(in16)
         for i in range(rounds):
             rng = np.random.default_rng(1000 * seed + i)

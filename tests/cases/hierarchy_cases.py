@@ -14,8 +14,8 @@ from pyhipa2a import A2AError, AllToAll
 from pyhipa2a.errors import ConfigMismatchError
 from pyhipa2a.bootstrap import node_layout
 from pyhipa2a.hierarchy import HierarchicalAllToAll
-from pyhipa2a.testing import (WEIGHTS_AT, draw_world, dtype_arguments, free_buffers, inputs_as_given, replay_checked,
-                              run_round, step_buffers)
+from pyhipa2a.testing import (WEIGHTS_AT, draw_world, dtype_arguments, free_buffers, inputs_as_given,
+                              layout_arguments, replay_checked, run_round, step_buffers)
 
 
 def _nodes(comm, G: int) -> int:
@@ -42,11 +42,11 @@ def _route(inputs, world: int, G: int, E: int, k: int, where: str, seed: int):
 
 
 def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="random", fused="0", rounds="2",
-               seed="0", fp8="none", calls_on="own"):
+               seed="0", fp8="none", calls_on="own", row_layout="packed"):
     """Oracle equality for a call across nodes, the weights given to combine and to dispatch in turn,
     each rank in its own turn (counterparts choose differently, and each one both ways);
     `fp8`: 'quantize' or 'given' dispatches in fp8 (x quantized by the kernels, or given with its scales);
-    `calls_on`: AllToAll(stream=...), which the node's object takes."""
+    `calls_on`: AllToAll(stream=...), which the node's object takes; `row_layout`: layout_arguments' spec."""
     G, E, k, H, M, rounds, seed, fused = int(G), int(E), int(k), int(H), int(M), int(rounds), int(seed), fused == "1"
     _nodes(comm, G)
     world = comm.Get_size()
@@ -54,7 +54,7 @@ def case_nodes(comm, G, E, k, H, M, dtype="float16", counts="random", where="ran
               "some_empty": [0 if r % 2 == 0 else M for r in range(world)]}[counts]
     types = dtype_arguments(dtype, None if fp8 == "none" else "float8_e4m3", fp8)
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, ranks_per_node=G,
-                  stream=calls_on, **types) as a2a:
+                  stream=calls_on, **types, **layout_arguments(row_layout)) as a2a:
         assert isinstance(a2a, HierarchicalAllToAll)
         assert a2a.config.stream == calls_on
         for i in range(rounds):

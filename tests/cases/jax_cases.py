@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pyhipa2a import reference
-from pyhipa2a.testing import check_dispatch_against_oracle, draw_world
+from pyhipa2a.testing import check_dispatch_against_oracle, draw_world, layout_arguments
 
 
 def _jax(a2a_backend_is_host: bool):
@@ -33,13 +33,15 @@ def _made(comm, **params):
     return a2a, jax, jnp, device
 
 
-def case_jit_step(comm, rounds="5"):
+def case_jit_step(comm, rounds="5", row_layout="packed"):
     """One jitted function: dispatch, an expert in jnp (expert_x * 2), combine with expert_scale fused;
     called again with new values and new token counts (a retrace each), its results against the oracle:
-    y, and the dispatch's rows, counts and meta."""
+    y, and the dispatch's rows, counts and meta (and expert_layout or expert_offsets: `row_layout`, a spec of
+    layout_arguments)."""
     world = comm.Get_size()
     E, k, H, M = 4 * world, 3, 256, 16
-    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                               **layout_arguments(row_layout))
     with a2a:
         me = a2a.rank
 

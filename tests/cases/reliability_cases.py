@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import pyhipa2a
+from mpi4py import MPI
 from pyhipa2a import A2ADeviceError, A2AError, A2ATimeoutError, AllToAll, DeviceArray
-from pyhipa2a.testing import draw_world
+from pyhipa2a.testing import draw_world, run_round
 
 
 def case_peer_dies(comm, outdir):
@@ -90,11 +91,51 @@ def case_device_checks_indices(comm):
             a2a.dispatch(inputs.xs[a2a.rank], inputs.indices[a2a.rank])
 
 
+def case_contiguous_rows_beyond_R(comm):
+    """row_layout="contiguous" with max_recv_rows R: rows that fit R exactly (each expert's rounded up to
+    row_align) arrive whole; one row more than R is an error reported on the rank that receives them, with
+    every output poisoned, never a row dropped unseen."""
+    from pyhipa2a import reference
+    from pyhipa2a.testing import check_dispatch_against_oracle, poison
+    world = comm.Get_size()
+    E, k, H, M, align = 4 * world, 3, 64, 16, 8
+    inputs = draw_world(31, world, E, k, H, M, token_counts=[M] * world)
+    me = comm.Get_rank()
+    counts = reference.dispatch(inputs.xs, inputs.indices, E)[me].expert_num_tokens
+    mine = int(reference.contiguous_offsets(counts, align)[-1])
+    need = comm.allreduce(mine, op=MPI.MAX)  # (R is the same on every rank: the buffers are in the heap)
+    params = dict(num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, row_layout="contiguous",
+                  row_align=align, timeout=5.0)
+    with AllToAll(comm, max_recv_rows=need, **params) as a2a:
+        assert a2a.config.recv_rows == need
+        run_round(a2a, inputs)
+        poison(a2a)
+        d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+        a2a.synchronize()
+        check_dispatch_against_oracle(a2a, inputs, d)
+        a2a.combine(d.expert_x, inputs.weights[me], expert_scale=2.0)
+        a2a.synchronize()
+    with AllToAll(comm, max_recv_rows=need - 1, **params) as a2a:
+        d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+        if mine < need:
+            a2a.synchronize()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            return
+        with pytest.raises(A2ADeviceError, match=f"rank {me}: local expert .* overflowed its rows"):
+            a2a.synchronize()
+        assert (a2a.buffers["num_tokens"].numpy() == -1).all()
+        assert (a2a.buffers["offsets"].numpy() == -1).all()
+        assert (a2a.buffers["recv_meta"].numpy() == -1).all()
+        assert (a2a.buffers["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
+        with pytest.raises(A2ADeviceError, match="overflowed"):
+            d.expert_offsets.numpy()
+
+
 def case_failed_rank_poisons_later_calls(comm, row_layout="packed"):
     """A kernel that starts while its rank's status already holds an error (an earlier call failed on
     the device, and the host has not seen it yet, as in a graph replayed blindly) poisons the outputs it
     would have written, even where the call itself sees nothing go wrong (expert_layout too, where the
-    rows are laid out by source)."""
+    rows are laid out by source, expert_offsets where they are contiguous)."""
     world = comm.Get_size()
     E, k, H, M = 4 * world, 2, 256, 8
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=5.0,
@@ -114,9 +155,10 @@ def case_failed_rank_poisons_later_calls(comm, row_layout="packed"):
         assert (a2a.buffers["num_tokens"].numpy() == -1).all()
         assert (a2a.buffers["recv_meta"].numpy() == -1).all()
         assert (a2a.buffers["recv_x"].numpy().view(np.uint16) == 0xFFFF).all()
-        assert (d.expert_layout is None) == (row_layout == "packed")
-        if row_layout == "by_source":
-            assert (a2a.buffers["layout"].numpy() == -1).all()
+        assert (d.expert_layout is not None, d.expert_offsets is not None) == (row_layout == "by_source",
+                                                                                row_layout == "contiguous")
+        if row_layout != "packed":
+            assert (a2a.buffers["layout" if row_layout == "by_source" else "offsets"].numpy() == -1).all()
         # The fake expert reads poisoned counts (-1) as "all rows": poison in, poison out, nothing
         # read or written past its buffers.
         expert_y = a2a.fake_expert(d)
