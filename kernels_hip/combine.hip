@@ -238,6 +238,18 @@ A2A_DEVICE Elems part_elems(const Ctx& x, u32 seg, u32 part, u32 width) {
   return {begin, begin + width < seg_end ? begin + width : seg_end};
 }
 
+// After dispatch(groups=G), a token's contribution leaves with the part of
+// combine that follows its last group here: the largest group, over its
+// slots here (`here`), of the slot's expert l (l * G / L), in every lane.
+A2A_DEVICE u32 last_group(const Ctx& x, const RowSlot& s, u32 here, u32 G, u32 lane) {
+  u32 grp = lane < x.k && (here >> lane & 1u) ? rem(x.a.div_L, (u32)s.e) * G / x.L : 0u;
+  for (u32 d = 1; d < A2A_WARP_SIZE; d <<= 1) {
+    const u32 other = (u32)a2a_shfl((int)grp, (int)(lane ^ d));
+    grp = other > grp ? other : grp;
+  }
+  return grp;
+}
+
 // Our contributions to the peers' tokens. Items are (part, token, peer,
 // segment): Q = A2A_CHUNKS / U parts a segment, U chunks a lane each, when
 // the owner pushed (its words are tagged, one each: any warp may write any of
@@ -273,6 +285,7 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     const RowSlot lane_slot = load_row_slot(rows + ((u64)src * x.M + t) * x.k, g.lane, x.k, x.a.num_experts);
     const u32 here = slots_on(lane_slot, x.a.div_L, me);
     if (!here) continue;
+    if (c.part != A2A_WHOLE_COMBINE && last_group(x, lane_slot, here, c.groups, g.lane) != c.part - 1u) continue;
     const i32 lane_slot_of = U < A2A_CHUNKS ? early_slot : load_slot_of(token_slots, g.lane, x.k);
     if (!keep_slots(sc.slots, lane_slot_of, here, x.k, g.lane)) continue;  // the owner's wait ends on the reported error
     const float* w = nullptr;  // a single row goes back unweighted: no need to wait for the weights
@@ -477,7 +490,15 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   __shared__ float w_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
-  if (a2a_block() == 0 && c.weights) send_weights(x, c, g);
+  // After dispatch(groups=) combine comes in parts (CombineCall.part): one that sends each group's
+  // tokens, queued behind the caller's groups, then the reduce, which also clears the dispatch's
+  // counters of landed rows for the next one (every group's rows are in by now).
+  const bool sends = c.part != A2A_REDUCE_ONLY, reduces = c.part == A2A_WHOLE_COMBINE || !sends;
+  // (send_contributions is never called with A2A_REDUCE_ONLY, so a part there is one of 1 .. G)
+  if (reduces && c.groups && a2a_block() == 0)
+    for (u32 i = a2a_thread(); i < A2A_GROUP_STRIPES * A2A_MAX_GROUPS; i += a2a_block_dim())
+      local<u32>(a, a.off_group_landed)[i] = 0u;
+  if (a2a_block() == 0 && c.weights && sends) send_weights(x, c, g);
   // Every header came with dispatch, ours too, so one table serves both steps: the
   // peers' token counts for sending, and our dispatch's choice (pushed back) for
   // reducing. (Alone, there are no peers' tokens and nothing comes back: skip the headers.)
@@ -486,15 +507,18 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   if (x.W > 1) {
     source_prefix(x, 0u, pre, false, g);
     pushed_back = (pre[x.W + 3] >> x.h.rank & 1u) != 0u;
-    send_contributions<Fmt, U>(x, c, g, sc, pre);
+    if (sends) send_contributions<Fmt, U>(x, c, g, sc, pre);
   }
   // A lane may still read the warp's scratch (sc.slots, sc.w) for the last
   // contribution it pushed (that path skips the loop's closing sync) when
   // another lane starts rewriting it for its first token.
   a2a_wave_sync();
-  reduce_tokens<Fmt, U>(x, c, g, sc, pushed_back);
+  if (reduces) reduce_tokens<Fmt, U>(x, c, g, sc, pushed_back);
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
   A2A_PROF_END(a.prof);
+  // A part that only sends writes none of the call's outputs, and must not mark the blocks of the
+  // leg done before the reduce (finish): its failures reach the reduce through the status words.
+  if (!reduces) return;
   const Poison outputs[1] = {{reinterpret_cast<u8*>(c.out), (u64)c.num_tokens * a.y_row_bytes}};
   finish(x, 1u, outputs);
 }

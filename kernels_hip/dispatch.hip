@@ -319,11 +319,12 @@ A2A_DEVICE bool take_own(const Ctx& x, const u64* p, u32& v) {
 // first, then source 1's), from row l * W * M, or contiguous from expert l's
 // first row (row_starts); by source (expert_layout), src's own earlier
 // chunks after row src * M, so a token of its source's first chunk (every
-// token of a small call) reads no count at all. With `record` (the warp of
-// the token's first segment) the lane also writes the row's meta and, for
-// combine, the decoded routing slot and its row. False in every lane when a
-// word never came (reported).
-A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool record, u32 lane, i32& row) {
+// token of a small call) reads no count at all. `expert_here`: the row's
+// expert here (l). With `record` (the warp of the token's first segment) the
+// lane also writes the row's meta and, for combine, the decoded routing slot
+// and its row. False in every lane when a word never came (reported).
+A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool record, u32 lane, i32& row,
+                            u32& expert_here) {
   const u32 me = (u32)x.h.rank;
   const u64 at = ((u64)src * x.M + t) * x.k + lane;
   bool ok = true;
@@ -336,6 +337,7 @@ A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool
     const u32 place = quot_rem(x.a.div_E, v[0], expert);  // (v[0] = e + E * place)
     const i32 e = ok && v[0] != A2A_NO_SLOT ? (i32)expert : -1;
     if (e >= 0 && quot_rem(x.a.div_L, (u32)e, l) == me) {
+      expert_here = l;
       const u32 chunk = quot(x.a.div_chunk, t), from = src * route_chunks(x);
       u32 before = 0, first = 0;
       ok = sum_counts(x, l, x.a.by_source ? from : 0u, x.a.by_source ? chunk : from + chunk, before);
@@ -362,6 +364,15 @@ A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool
   return warp_all(ok);
 }
 
+// Rows of group `group` this warp just wrote (each lane its own row): one
+// more each in the warp's stripe of the group's counter, after the rows
+// (watch_groups adds up the stripes).
+A2A_DEVICE void count_landed(const Ctx& x, const WarpGrid& g, i32 row, u32 group) {
+  a2a_release_before_barrier_dev();
+  a2a_wave_sync();  // every lane's part of every row is written
+  if (row >= 0) a2a_fetch_add_acq_rel_dev(local<u32>(x.a, x.a.off_group_landed) + group_stripe(g.warp, group), 1u);
+}
+
 // Each segment of each (src, t) with experts here is copied by one warp to
 // all of its expert rows, as soon as the slots and the segment are in: a
 // staged segment is read over the link once its flag is here, a pushed one
@@ -379,7 +390,9 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
     if (!token_major(pre, x.W, me + 1u, x.a.div_W, quot_rem(x.a.div_x_nseg, item, seg), src, t)) continue;
     A2A_PROF_START(t1);
     i32 slot;  // lane j: slot j's row here, or -1
-    if (!expert_rows(x, out.meta, src, t, seg == 0, g.lane, slot)) break;
+    u32 l = 0;  // lane j: slot j's expert here
+    if (!expert_rows(x, out.meta, src, t, seg == 0, g.lane, slot, l)) break;
+    const u32 group = c.groups ? l * (u32)c.groups / x.L : 0u;
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_HEADER, t1, src | t << 8);
     A2A_PROF_START(t3);
     u32 n = 0;
@@ -412,6 +425,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
         store_piece(expert_x + (u64)slots[d] * rb, expert_scales + (u64)slots[d] * x.a.scale_cols,
                     seg * x.a.x_seg_elems, g.lane, p);
       a2a_wave_sync();  // slots[] is reused by this warp's next item
+      if (c.groups) count_landed(x, g, slot, group);
       A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
       continue;
     }
@@ -431,6 +445,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
           if (i < count) row[i * A2A_WARP_SIZE] = v[i];
       }
       a2a_wave_sync();  // slots[] is reused by this warp's next item
+      if (c.groups) count_landed(x, g, slot, group);
       A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
       continue;
     }
@@ -443,7 +458,51 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
     const u8* vec = token_vector(x, c, src, t);
     copy_row_fanout(expert_x + sg.first, rb, slots, n, vec + sg.first, sg.bytes, g.lane);
     a2a_wave_sync();  // slots[] is reused by this warp's next item
+    if (c.groups) count_landed(x, g, slot, group);
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
+  }
+}
+
+// dispatch(groups=G): group g holds our experts l with l * G / L == g, and
+// its readiness word rises once every row of it is written (the caller's
+// stream waits for it on the device: pyhipa2a.groups). One warp, given no
+// other work (the last of the grid), watches: once every expert's rows are
+// counted (publish_counts' tagged totals) lane g knows how many row
+// segments group g takes, and polls the group's stripes (count_landed)
+// until they add up to that; then it raises the word. A failed call raises
+// every word once its outputs are poisoned (finish), so no waiting stream
+// is left behind.
+A2A_DEVICE void watch_groups(const Ctx& x, u32 G, const WarpGrid& g) {
+  const u64* totals = local<u64>(x.a, x.a.off_expert_totals);
+  const u32* landed = local<u32>(x.a, x.a.off_group_landed);
+  const u32 grp = g.lane;
+  u32 want = 0;  // lane g: the row segments of group g
+  bool ok = true;
+  for (u32 l = 0; l < x.L && ok; ++l) {  // (every lane takes every total: a few loads, all in L2)
+    u32 n = 0;
+    ok = take_own(x, totals + l, n);
+    if (grp < G && l * G / x.L == grp) want += n * x.a.x_nseg;
+  }
+  if (!warp_all(ok)) return;
+  bool raised = grp >= G;
+  for (u32 spins = 1; !warp_all(raised); ++spins) {
+    if (!raised) {
+      u32 sum = 0;
+      for (u32 stripe = 0; stripe < A2A_GROUP_STRIPES; ++stripe)
+        sum += a2a_load_acquire_dev(landed + group_stripe(stripe, grp));
+      if (sum == want) {
+        a2a_store_release_sys(local<u32>(x.a, x.a.off_group_ready) + grp, 1u);
+        raised = true;
+      }
+    }
+    if ((spins & 63u) == 0) {  // the copying warps report a late peer; past a second timeout, a fault of ours
+      if (a2a_load_relaxed_sys(&x.status[0]) != A2A_OK) return;
+      if (a2a_clock_ns() > x.deadline + x.a.timeout_ns) {
+        report(x, A2A_ERR_TIMEOUT, (u32)x.h.rank, A2A_WAIT_DISPATCH, 0u);
+        return;
+      }
+    }
+    a2a_pause();
   }
 }
 
@@ -455,8 +514,10 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
 // sums up to a warp's width of experts in one round trip where a warp an
 // expert took one round trip each (a small call launches few blocks: at one
 // rank and M = 1, one block's 8 warps counted 256 experts, 32 round trips in
-// a row, 20 us).
-A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g) {
+// a row, 20 us). With `totals` each count also goes out as a tagged word
+// (expert_totals), for the steps that wait for every expert's
+// (publish_offsets, watch_groups).
+A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g, bool totals) {
   const u64* counts = chunk_counts(x, (u32)x.h.rank);
   const u32 words = x.W * route_chunks(x);
   u32 G = 1;
@@ -477,7 +538,7 @@ A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g)
     n = n < x.capacity ? n : x.capacity;
     if (q0 == 0 && l < x.L) {
       num_tokens[l] = (i32)n;
-      if (x.a.row_align) a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
+      if (totals) a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
     }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l0);
   }
@@ -522,8 +583,9 @@ A2A_DEVICE void publish_offsets(const Ctx& x, i32* offsets, const WarpGrid& g) {
 // (a power of two, at least W) sums source s's chunks of an expert
 // (sum_counts: every count word of a source in one round trip, as a call has
 // at most A2A_ROUTE_LOADS chunks), writes expert_layout[l][s] = (s * M,
-// rows), and the group's sum goes to expert_num_tokens.
-A2A_DEVICE void publish_source_counts(const Ctx& x, const Outputs& out, const WarpGrid& g) {
+// rows), and the group's sum goes to expert_num_tokens (and with `totals`
+// to expert_totals, as publish_counts does).
+A2A_DEVICE void publish_source_counts(const Ctx& x, const Outputs& out, const WarpGrid& g, bool totals) {
   const u32 chunks = route_chunks(x);
   u32 G = 1;
   while (G < x.W) G <<= 1;
@@ -543,7 +605,11 @@ A2A_DEVICE void publish_source_counts(const Ctx& x, const Outputs& out, const Wa
       layout[((u64)l * x.W + s) * 2u + 1u] = (i32)n;
     }
     for (u32 d = 1; d < G; d <<= 1) n += (u32)a2a_shfl((int)n, (int)(g.lane ^ d));  // within the group
-    if (s == 0 && l < x.L) num_tokens[l] = (i32)(n < x.capacity ? n : x.capacity);
+    n = n < x.capacity ? n : x.capacity;
+    if (s == 0 && l < x.L) {
+      num_tokens[l] = (i32)n;
+      if (totals) a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
+    }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l0);
   }
 }
@@ -554,6 +620,11 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   const Ctx x = make_ctx(a, true);
   const Outputs out = outputs_of(x, c);
   const WarpGrid g = warp_grid();
+  // With groups the grid's last warp watches them (watch_groups) and the others share the rest.
+  const u32 G = (u32)c.groups;
+  const bool watcher = G && g.warp == g.warps - 1u, dedicated = G && g.warps > 1u;
+  WarpGrid w = g;
+  if (dedicated) w.warps -= 1u;
   A2A_PROF_START(t0);
   // A pushed call pushes its tokens too unless its flags follow a GPU-scope
   // fence (exchange.h: A2A_PUSHED_TOKENS). Pushed words are read 4 bytes at
@@ -576,12 +647,16 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
       stage_tokens<X>(x, c, g);
     __shared__ u32 pre[A2A_PREFIX_WORDS];
     const bool ok = source_prefix(x, header, pre, true, g);
-    if (ok && a.by_source)
-      publish_source_counts(x, out, g);
-    else if (ok)
-      publish_counts(x, out.num_tokens, g);
-    if (ok && a.row_align && g.warp == g.warps / 4u) publish_offsets(x, out.offsets, g);
-    if (ok) fan_out<X>(x, c, out, g, pre);
+    if (ok && !(watcher && dedicated)) {
+      // (tagged totals for the offsets and the groups, which wait for every expert's)
+      if (a.by_source)
+        publish_source_counts(x, out, w, G != 0u);
+      else
+        publish_counts(x, out.num_tokens, w, a.row_align || G);
+      if (a.row_align && w.warp == w.warps / 4u) publish_offsets(x, out.offsets, w);
+      fan_out<X>(x, c, out, w, pre);
+    }
+    if (ok && watcher) watch_groups(x, G, g);
   }
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
   A2A_PROF_END(a.prof);
@@ -592,7 +667,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
                               {(u8*)out.scales, rows * a.scale_cols * 4u},
                               {(u8*)out.layout, a.by_source ? (u64)x.L * x.W * 8u : 0u},
                               {(u8*)out.offsets, a.row_align ? ((u64)x.L + 1u) * 4u : 0u}};
-  finish(x, 0u, poisoned);
+  finish(x, 0u, poisoned, Raise{local<u32>(a, a.off_group_ready), G});
 }
 
 // One kernel per way x becomes expert_x (pyhipa2a/legs.py picks it).

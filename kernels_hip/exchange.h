@@ -63,6 +63,8 @@ struct A2AArgs {
   u64 off_expert_totals;   // u64 [L]                      contiguous: tagged rows of each of our experts this call
   u64 off_row_starts;      // u64 [L]                      contiguous: tagged first row of each of our experts
   u64 off_offsets;         // i32 [L + 1]                  expert_offsets (contiguous): where each expert's rows start
+  u64 off_group_landed;    // u32 [STRIPES][MAX_GROUPS]    dispatch(groups=): row segments written, by warp stripe and group
+  u64 off_group_ready;     // u32 [MAX_GROUPS]             1: group g's rows are in (lowered by the caller's stream)
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 off_done;            // u32 [2][A2A_MAX_GRID + 1]     epoch: block b of the last dispatch [0] / combine [1] is done; [.][A2A_MAX_GRID]: the poisoner's claim
@@ -127,7 +129,7 @@ struct DispatchCall {
   u64 x_scales;   // f32 [T][scale_cols] (A2A_X_FP8 only)
   u64 weights;    // f32 [T][k] sent with the routing (combine then needs none), or 0: combine sends them
   i32 num_tokens;
-  u32 pad;
+  u32 groups;     // G > 0: raise a readiness word per group of our experts as its rows land (0: none)
   // Where the outputs land, each 0 for our own buffer (off_recv_x, ...): only this rank's dispatch writes
   // them and combine reads none, so a caller may give its own (pyhipa2a.jax: XLA's result buffers).
   u64 expert_x;           // [recv_rows][x_row_bytes]
@@ -144,7 +146,18 @@ struct CombineCall {
   u64 out;        // [T][hidden]
   i32 num_tokens;
   float expert_scale;  // our expert rows count as expert_y * this (a fused elementwise epilogue; 1: none)
+  u32 part;       // A2A_WHOLE_COMBINE (0); or after dispatch(groups=G): g + 1 for g < G, send the contributions
+                  // of the tokens whose last group here is g; A2A_REDUCE_ONLY, the reduce alone
+  u32 groups;     // the dispatch's G (0: none)
 };
+#define A2A_WHOLE_COMBINE 0u
+#define A2A_REDUCE_ONLY 0xffffffffu
+
+// dispatch(groups=): a group's landed-rows counter is striped over warps, each stripe in a line of its
+// own (a group's adds would otherwise all meet at one address).
+#define A2A_MAX_GROUPS 32u
+#define A2A_GROUP_STRIPES 32u
+A2A_DEVICE u32 group_stripe(u32 warp, u32 group) { return (warp % A2A_GROUP_STRIPES) * A2A_MAX_GROUPS + group; }
 
 // The call's epoch lives on the device, not in the arguments, so a captured
 // graph replays with a fresh epoch each time. Dispatch takes the successor of
@@ -278,8 +291,14 @@ struct Poison {
   u8* p;
   u64 bytes;
 };
+// Words to raise (1) once a failed call's outputs are poisoned: dispatch's
+// group readiness words, which streams may wait for on the device.
+struct Raise {
+  u32* words;
+  u32 n;
+};
 template <u32 N>
-A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N]) {
+A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N], Raise raise = {nullptr, 0u}) {
   u32* done = local<u32>(x.a, x.a.off_done) + leg * (A2A_MAX_GRID + 1u);
   a2a_release_before_barrier_dev();
   a2a_block_sync();
@@ -296,6 +315,10 @@ A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N]) {
   a2a_block_sync();
   if (!claimed) return;
   for (u32 i = 0; i < N; ++i) a2a_fill_bytes(outputs[i].p, outputs[i].bytes, 0xffu);
+  if (!raise.n) return;
+  a2a_release_before_barrier_dev();
+  a2a_block_sync();  // the poison is written
+  if (a2a_thread() < raise.n) a2a_store_release_sys(raise.words + a2a_thread(), 1u);
 }
 
 // Lane 0 polls, the warp follows: true once *flag == epoch; on timeout the

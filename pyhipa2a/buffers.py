@@ -12,7 +12,7 @@ import numpy as np
 
 from .array import DeviceArray
 from .config import MAX_GRID_BLOCKS, Config
-from .kernels import A2AArgs, HeapView, divisor, route_chunk, route_chunks, timeout_ns
+from .kernels import GROUP_STRIPES, MAX_GROUPS, A2AArgs, HeapView, divisor, route_chunk, route_chunks, timeout_ns
 from .clock import CLOCK_ROUNDS
 from .profile import ProfileBuffer
 
@@ -48,6 +48,10 @@ def layout(config: Config) -> list[tuple[str, tuple, object]]:
         ("expert_totals", (L,), np.uint64),
         ("row_starts", (L,), np.uint64),
         ("offsets", (L + 1,), np.int32),
+        # dispatch(groups=): rows landed by warp stripe and group (cleared by combine); readiness words
+        ("group_landed", (GROUP_STRIPES, MAX_GROUPS), np.uint32),
+        ("group_ready", (MAX_GROUPS,), np.uint32),
+        ("group_done", (MAX_GROUPS,), np.uint32),  # raised by the caller's stream, lowered by combine's
         ("epoch", (2,), np.uint32),
         ("status", (4,), np.uint32),
         # clock sync (kernels_hip/clock.hip): box r written by rank r; this rank's stamps with each rank;

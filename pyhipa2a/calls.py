@@ -4,13 +4,16 @@ one to the other); an object that saw an error refuses further calls (peers may 
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from .config import Config
 from .dtypes import FP8_BLOCK
 from .errors import A2AError
+from .groups import Groups
 from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array, same_scale
-from .kernels import X_FP8
+from .kernels import WHOLE_COMBINE, X_FP8
 from .outputs import Outputs
 from .producers import foreign_stream_handle
 from .repeat import MISSED, Record, plan_or_none, run
@@ -37,8 +40,8 @@ def same_stream_given(stream, recorded) -> bool:
 
 # How a plan matches each argument again (Record.alike): by identity, but stream= and expert_scale, and the
 # arrays another may stand in for (stand_ins).
-DISPATCH_ARGS = ("x", "indices", "weights", "x_scales", "stream")
-DISPATCH_ALIKE = (None, None, None, None, same_stream_given)
+DISPATCH_ARGS = ("x", "indices", "weights", "x_scales", "stream", "groups")
+DISPATCH_ALIKE = (None, None, None, None, same_stream_given, operator.eq)
 COMBINE_ARGS = ("expert_y", "weights", "out", "stream", "expert_scale")
 COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)
 
@@ -110,6 +113,7 @@ class Calls:
     the stream, each argument through the array boundary, the launch, one record of what changed."""
 
     JOINS_CAPTURES = True  # whether a call may be recorded into another library's capture
+    GROUPS = True  # whether dispatch(groups=) works here
 
     def __init__(self, config: Config, exchange, health):
         self._config, self._exchange, self._health = config, exchange, health
@@ -120,6 +124,8 @@ class Calls:
                                 None if self.backend.kind == "host" else index)
         self._boundary = Boundary(self.backend, index, self._streams, config.producer_order)
         self._state = CallState()
+        self._groups = Groups(self.backend, heap.rank, config.local_experts, config.timeout,
+                              exchange.buffers["group_ready"], exchange.buffers["group_done"])
         self._outputs = Outputs(config.outputs, self._streams, self._make_views)
         self._scale = (1.0, 1.0)  # combine's last expert_scale, as given and as the float32 it checked out as
         self._dispatch_plan = self._combine_plan = None
@@ -133,10 +139,11 @@ class Calls:
     def _make_views(self, stream):  # the OutputViews that name `stream`
         raise NotImplementedError
 
-    def _launch_dispatch(self, s, tokens: int, x: int, indices: int, x_scales: int, weights: int) -> None:
+    def _launch_dispatch(self, s, tokens: int, x: int, indices: int, x_scales: int, weights: int, groups: int) -> None:
         raise NotImplementedError
 
-    def _launch_combine(self, s, tokens: int, expert_y: int, weights: int, out: int, scale: float) -> None:
+    def _launch_combine(self, s, tokens: int, expert_y: int, weights: int, out: int, scale: float, part: int,
+                        groups: int) -> None:
         raise NotImplementedError
 
     def _repeater(self, leg: str, tokens: int):
@@ -206,20 +213,21 @@ class Calls:
                             lambda: setattr(self, f"_{leg}_plan", None))
 
     # -- calls -------------------------------------------------------------------
-    def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None):
+    def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None, groups=None):
         """Send each token to the ranks of its experts. `x` [T, H] in_dtype, `indices` [T, k] int32, T <= M;
         with fp8 x (in_dtype fp8), `x_scales` [T, H / 128] float32: element i of row t stands for
         x[t, i] * x_scales[t, i // 128]. `weights` [T, k] float32, the gate's weights, may come here
-        instead of to combine: they then travel with the routing (combine's fastest form). Returns a
+        instead of to combine: they then travel with the routing (combine's fastest form). `groups` G:
+        our experts' rows become ready group by group (wait_group, group_done: pyhipa2a.groups). Returns a
         DispatchResult of views."""
         plan = self._dispatch_plan
         if plan is not None:
-            result = run(plan, x, indices, weights, x_scales, stream)
+            result = run(plan, x, indices, weights, x_scales, stream, groups)
             if result is not MISSED:
                 return result
-        return self._dispatch(x, indices, weights, x_scales, stream)
+        return self._dispatch(x, indices, weights, x_scales, stream, groups)
 
-    def _dispatch(self, x, indices, weights, x_scales, stream):
+    def _dispatch(self, x, indices, weights, x_scales, stream, groups):
         self._dispatch_plan = None  # (a call that fails leaves none)
         self._usable()
         c, state, streams, outputs = self.config, self._state, self._streams, self._outputs
@@ -227,6 +235,9 @@ class Calls:
         try:
             self._check_pairing("dispatch")
             T = checked_dispatch(c, state, x, indices, weights, x_scales)
+            G = self._groups.checked_count(groups, weights, streams.capturing is not None)
+            if G and not self.GROUPS:
+                raise A2AError("dispatch(groups=) is for calls within one node")
             streams.follow(s)
             self._settle_before_host_copies(s, (x, indices, weights, x_scales))
             arrays: list = []
@@ -241,12 +252,13 @@ class Calls:
                 w_ptr = self._take("weights", weights, (T, c.top_k), np.float32, s, arrays, "weights_stage", 4)
             library = outputs.library_of((x, indices, weights, x_scales))
             result = outputs.views(s, library).dispatch_result(T)
-            self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr)
+            self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G)
             after = self._order_reader(s, lead, library)
             changes = self._changes(s, arrays, (state, "pending", result), (state, "sent", weights),
-                                    (state, "joined", streams.joined))
+                                    (state, "joined", streams.joined), (self._groups, "count", G),
+                                    (self._groups, "finished", frozenset()))
             self._record(changes)
-            args = (x, indices, weights, x_scales, stream)
+            args = (x, indices, weights, x_scales, stream, groups)
             alike, places = stand_ins(self._argument_places("dispatch"), DISPATCH_ARGS, DISPATCH_ALIKE, args, arrays)
             record = Record(args, alike, s, lead, (x, indices), tuple(arrays), T, result, after, changes, places,
                             (state, "keep"))
@@ -276,6 +288,8 @@ class Calls:
         sent = checked_combine_weights(state, weights)
         pending = state.pending
         T = pending.num_tokens
+        groups = self._groups
+        G = groups.ready_to_combine()
         inputs = (expert_y, weights, given_out)
         s, lead = streams.enter(stream, inputs, self.JOINS_CAPTURES)
         try:
@@ -309,21 +323,47 @@ class Calls:
                 staging = self.expert_y_buffer()
                 self.backend.copy_to_device(staging.ptr, host_y, s)
                 y_ptr = staging.ptr
-            self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1])
+            if G:
+                groups.queue_combine(s, lambda part: self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1], part,
+                                                                          G))
+            else:
+                self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1], WHOLE_COMBINE, 0)
             after = self._order_reader(s, lead, library)
-            changes = self._changes(s, arrays, (state, "pending", None), (state, "sent", None), (state, "joined", None))
+            changes = self._changes(s, arrays, (state, "pending", None), (state, "sent", None), (state, "joined", None),
+                                    (groups, "count", 0))
             self._record(changes)
             args = (expert_y, weights, given_out, stream, expert_scale)
             alike, places = stand_ins(self._argument_places("combine"), COMBINE_ARGS, COMBINE_ALIKE, args, arrays)
             record = Record(args, alike, s, lead, inputs, tuple(arrays), T, out, after, changes, places,
                             (state, "keep"))
             conditions = ((state, "broken", None), (state, "pending", pending), (state, "sent", sent),
-                          (state, "joined", None))
-            self._combine_plan = self._plan(record, self._combine_record, conditions, "combine")
-            self._combine_record = record if streams.capturing is None and host_y is None else None
+                          (state, "joined", None), (groups, "count", 0))
+            self._combine_plan = self._plan(record, self._combine_record, conditions, "combine") if not G else None
+            self._combine_record = record if streams.capturing is None and host_y is None and not G else None
             return out
         finally:
             streams.leave()
+
+    # -- groups (dispatch(groups=G): pyhipa2a.groups) ---------------------------------
+    def wait_group(self, group: int, stream=None) -> None:
+        """Work queued on `stream` from now on (None: the stream of this object's calls) waits, on the device,
+        until group `group`'s rows of the pending dispatch(groups=G) are in expert_x."""
+        self._usable()
+        self._groups.wait(group, self._caller_stream(stream))
+
+    def group_done(self, group: int, stream=None) -> None:
+        """After the work queued on `stream` so far (None: the stream of this object's calls), group `group`'s
+        rows of expert_y are written: combine may send them. Every group, once, in any order, before combine."""
+        self._usable()
+        self._groups.done(group, self._caller_stream(stream))
+
+    def group_experts(self, group: int) -> range:
+        """The local experts of group `group` of the pending dispatch(groups=G): l with l * G // L == group (their
+        rows: expert_offsets[first] .. expert_offsets[last + 1] with row_layout="contiguous")."""
+        return self._groups.experts(group)
+
+    def _caller_stream(self, stream):
+        return self.stream_for() if stream is None else self._streams.given(stream)
 
     def _order_reader(self, s, lead, library) -> tuple:
         """Queue the reads of outputs handed to `library` after the call just queued on `s`; the step, for

@@ -54,6 +54,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     """AllToAll for a communicator that spans nodes (see the module's doc)."""
 
     JOINS_CAPTURES = False  # (its exchange between nodes is watched from the host)
+    GROUPS = False  # (its combine's exchange between nodes moves every token's sums at once)
 
     def _open(self, comm, layout: NodeLayout, backend, device, params: dict) -> tuple:
         MPI = mpi()
@@ -185,7 +186,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             raise A2AError("capture() between nodes needs the NCCL engine: the MPI engine stages regions "
                            "through the host, which a graph cannot record")
 
-    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights) -> None:
+    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups) -> None:  # (groups: 0, GROUPS)
         pack = self._steps["dispatch"][0]
         a = pack[0]
         a.x, a.indices, a.x_scales, a.weights, a.tokens = x, indices, x_scales, weights, tokens
@@ -194,7 +195,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._localize.launch(pack, *self._geometry, s)
         self._exchange.dispatch.launch(s, self._node_tokens)
 
-    def _launch_combine(self, s, tokens, expert_y, weights, out, scale) -> None:
+    def _launch_combine(self, s, tokens, expert_y, weights, out, scale, part, groups) -> None:  # (the whole)
         pack = self._steps["combine"][0]
         a = pack[0]
         a.weights, a.tokens = weights, tokens

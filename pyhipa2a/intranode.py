@@ -76,16 +76,18 @@ class NodeAllToAll(AllToAll, across_nodes=False):
     def _make_views(self, stream):
         return self._exchange.buffers.views(stream, self._health)
 
-    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights) -> None:
+    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups) -> None:
         leg = self._exchange.dispatch
         call = leg.call  # (the epoch is the device's own: make_ctx in kernels_hip/exchange.h)
         call.x, call.indices, call.x_scales, call.weights, call.num_tokens = x, indices, x_scales, weights, tokens
+        call.groups = groups
         leg.launch(s, tokens)
 
-    def _launch_combine(self, s, tokens, expert_y, weights, out, scale) -> None:
+    def _launch_combine(self, s, tokens, expert_y, weights, out, scale, part, groups) -> None:
         leg = self._exchange.combine
         c = leg.call
         c.expert_y, c.weights, c.out, c.num_tokens, c.expert_scale = expert_y, weights, out, tokens, scale
+        c.part, c.groups = part, groups
         leg.launch(s, tokens)
 
     def launch_site(self, leg: str, tokens: int) -> tuple:

@@ -56,7 +56,8 @@ class A2AArgs(ctypes.Structure):
                 ("off_stage", u64), ("off_contrib", u64), ("off_push_tok", u64), ("off_push_contrib", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_num_tokens", u64),
                 ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_expert_totals", u64),
-                ("off_row_starts", u64), ("off_offsets", u64), ("off_epoch", u64), ("off_status", u64),
+                ("off_row_starts", u64), ("off_offsets", u64), ("off_group_landed", u64),
+                ("off_group_ready", u64), ("off_epoch", u64), ("off_status", u64),
                 ("off_done", u64), ("host_status", u64), ("prof", u64), ("num_experts", i32), ("local_experts", i32),
                 ("top_k", i32), ("max_tokens", i32), ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32),
                 ("seg_elems", u32), ("nseg", u32), ("push_max_tokens", u32), ("push_row_words", u32),
@@ -88,14 +89,21 @@ DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZ
 
 
 class DispatchCall(ctypes.Structure):
-    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("pad", u32),
+    _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("groups", u32),
                 # where the outputs land (0: our own buffers): pyhipa2a.jax gives XLA's
                 ("expert_x", u64), ("expert_meta", u64), ("expert_scales", u64), ("expert_num_tokens", u64),
                 ("expert_layout", u64), ("expert_offsets", u64)]
 
 
 class CombineCall(ctypes.Structure):
-    _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("expert_scale", f32)]
+    _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("expert_scale", f32),
+                ("part", u32), ("groups", u32)]
+
+
+# CombineCall.part: the whole combine (0), or after dispatch(groups=G) one of its parts: g + 1 sends the
+# contributions of the tokens whose last group here is g, REDUCE_ONLY reduces (kernels_hip/exchange.h).
+WHOLE_COMBINE, REDUCE_ONLY = 0, 0xFFFFFFFF
+MAX_GROUPS, GROUP_STRIPES = 32, 32  # dispatch(groups=) at most; A2A_MAX_GROUPS, A2A_GROUP_STRIPES
 
 
 class HierArgs(ctypes.Structure):  # kernels_hip/hier.hip: the steps of a multi-node call around the node's exchange

@@ -7,15 +7,24 @@ import numpy as np
 
 from ..dtypes import bfloat16
 from . import mem, tag, wait_flags, wait_tagged
+from ..kernels import REDUCE_ONLY, WHOLE_COMBINE
 from .exchange import WAIT_COMBINE_ROW, WAIT_WEIGHTS, View, count_header, finish, take_epoch, valid_slots
 
 
 def _combine(backend, a, c, dtype) -> None:
     v = View(a, take_epoch(a, dispatch=False))
+    if c.part != WHOLE_COMBINE and c.part != REDUCE_ONLY:  # a part that only sends (see combine.hip)
+        _combine_body(backend, a, c, dtype, v)
+        return
     try:
         _combine_body(backend, a, c, dtype, v)
     finally:
         finish(backend, a, v, (mem(c.out, (c.num_tokens, a.hidden), dtype),))
+
+
+def last_groups(rows: np.ndarray, here: np.ndarray, L: int, groups: int) -> np.ndarray:
+    """After dispatch(groups=G): each token's last group here (the largest l * G // L over its experts l here)."""
+    return np.where(here, (rows % L) * groups // L, -1).max(axis=1)
 
 
 def _combine_body(backend, a, c, dtype, v: View) -> None:
@@ -32,17 +41,20 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     headers = v.buf(me, "tok_count", (2, W), np.uint64)[p] & np.uint64(0xFFFFFFFF)  # every count, as dispatch left it
     span = time.monotonic_ns()
+    sends, reduces = c.part != REDUCE_ONLY, c.part in (WHOLE_COMBINE, REDUCE_ONLY)
     for r in range(W):  # 1. our weights to every peer, as tagged words (unless dispatch sent them)
-        if r != me and c.weights:
+        if r != me and c.weights and sends:
             t0 = time.monotonic_ns()
             v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T] = tag(weights.view(np.uint32), v.epoch)
             v.rec.record(8, t0, r)
-    for src in range(W):  # 2. one contribution per (peer's token, this rank) for its owner, left in our memory
-        if src == me:
+    for src in range(W) if sends else ():  # 2. one contribution per (peer's token, this rank) for its owner,
+        if src == me:                         # left in our memory
             continue  # our own tokens are reduced straight from expert_y
         count, _, src_pushed = count_header(int(headers[src]), M)  # it takes its contributions pushed
         rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
+        if c.part != WHOLE_COMBINE:  # this part's tokens alone
+            here &= (last_groups(rows, here, L, c.groups) == c.part - 1)[:, None]
         tokens = np.flatnonzero(here.any(axis=1))
         if len(tokens) == 0:
             continue
@@ -78,6 +90,8 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
                 backend.store_release_u32(v.addr(src, "contrib_flag", (me * M + t) * v.S + seg), v.epoch)
         v.rec.record(10, t0, src)
     # 3. reduce our tokens: our experts' rows from expert_y, peers' contributions from their memory (or our inbox)
+    if not reduces:
+        return
     _, _, pushed = count_header(int(headers[me]), M)
     rows = decoded[me, :T]
     valid = valid_slots(rows, v.E)

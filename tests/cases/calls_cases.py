@@ -385,7 +385,7 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, narrow_partials="no")
     with pytest.raises(ValueError, match=r"stream must be one of \('own', 'current'\)"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, stream="torch")
-    with pytest.raises(ValueError, match=r"row_layout must be one of \('packed', 'by_source'\), not 'source'"):
+    with pytest.raises(ValueError, match=r"row_layout must be one of \('packed', 'by_source', 'contiguous'\), not 'source'"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, row_layout="source")
 
 

@@ -1,0 +1,110 @@
+"""dispatch(groups=G): the caller's expert GEMMs overlap the exchange, with no multiprocessor spent waiting.
+
+Our local experts fall into G groups (group g: the experts l with l * G // L == g, `experts(g)`). Dispatch raises
+a readiness word per group once every row of it is written (kernels_hip/dispatch.hip: watch_groups); `wait(g,
+stream)` makes the caller's stream wait for it on the device. `done(g, stream)` says, after the caller's GEMM of
+the group, that its expert_y rows are written. Combine then comes in parts on its own stream: part g waits for
+groups 0..g to be done and sends the contributions of the tokens whose last group here is g, so its traffic
+overlaps the GEMMs still to come; the reduce comes last. Groups may be done in any order; combine's parts follow
+them in index order.
+
+The words are constants (1 raised, 0 lowered), each with one raiser and one lowerer: ready[g] is raised by the
+dispatch kernel (also when the call fails, once its outputs are poisoned) and lowered by done()'s stream, after a
+wait of its own, so a group nobody waited for is lowered as well; done[g] is raised by done()'s stream and lowered
+by combine's. Combine refuses to start before every group is done, so no word is left raised for the next call.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import A2AError, A2ATimeoutError
+from .kernels import MAX_GROUPS, REDUCE_ONLY
+
+
+class Groups:
+    """The readiness words of one object's grouped dispatches, and the pending call's groups. A call's state is
+    `count` (G of the pending dispatch, 0: none) and `finished` (the groups done() queued), set by the calls'
+    records (and their plans) alike."""
+
+    __slots__ = ("backend", "rank", "local_experts", "timeout", "_ready", "_done", "count", "finished")
+
+    def __init__(self, backend, rank: int, local_experts: int, timeout: float, ready, done):
+        self.backend, self.rank, self.local_experts, self.timeout = backend, rank, local_experts, timeout
+        self._ready, self._done = ready.ptr, done.ptr  # uint32 [MAX_GROUPS] each, in the heap
+        self.count = 0
+        self.finished = frozenset()
+
+    def checked_count(self, groups, weights, capturing: bool) -> int:
+        """dispatch()'s `groups` as a count (0: none), or the error a caller should see."""
+        if groups is None:
+            return 0
+        if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer)):
+            raise TypeError(f"groups must be an int, not {type(groups).__name__}")
+        limit = min(self.local_experts, MAX_GROUPS)
+        if not 1 <= groups <= limit:
+            raise ValueError(f"groups must be in [1, {limit}] (at most one a local expert, and {MAX_GROUPS}); "
+                             f"got {groups}")
+        if weights is None:
+            raise TypeError("dispatch(groups=) needs the gate's weights here (weights=): combine's parts send none")
+        if capturing:
+            raise A2AError("dispatch(groups=) cannot be recorded in a graph: its combine comes in parts that wait "
+                           "for your streams")
+        return int(groups)
+
+    def experts(self, group: int) -> range:
+        """The local experts of group `group` of the pending dispatch (l with l * G // L == group)."""
+        self._check(group, "group_experts")
+        L, G = self.local_experts, self.count
+        return range(-(-group * L // G), -(-(group + 1) * L // G))
+
+    def wait(self, group: int, stream) -> None:
+        """Work queued on `stream` from now on waits until group `group`'s rows are in."""
+        self._check(group, "wait_group")
+        self.backend.stream_wait_word(stream, self._word(self._ready, group), 1, self.timeout,
+                                      lambda: self._never_ready(group))
+
+    def done(self, group: int, stream) -> None:
+        """After the work queued on `stream` so far, group `group`'s expert_y rows are written."""
+        self._check(group, "group_done")
+        ready = self._word(self._ready, group)
+        self.backend.stream_wait_word(stream, ready, 1, self.timeout, lambda: self._never_ready(group))
+        self.backend.stream_write_word(stream, ready, 0)
+        self.backend.stream_write_word(stream, self._word(self._done, group), 1)
+        self.finished = self.finished | {group}
+
+    def ready_to_combine(self) -> int:
+        """The pending dispatch's G (0: not grouped), once every group is done; else the error."""
+        left = sorted(set(range(self.count)) - self.finished)
+        if left:
+            raise A2AError(f"combine() after dispatch(groups={self.count}) needs group_done() of every group "
+                           f"first; groups {left} are not done")
+        return self.count
+
+    def queue_combine(self, stream, launch) -> None:
+        """Combine's parts on `stream`, `launch(part)` each: part g + 1 once group g is done, then the reduce."""
+        for group in range(self.count):
+            word = self._word(self._done, group)
+            self.backend.stream_wait_word(stream, word, 1, self.timeout, lambda g=group: self._never_done(g))
+            self.backend.stream_write_word(stream, word, 0)
+            launch(group + 1)
+        launch(REDUCE_ONLY)
+
+    def _check(self, group: int, what: str) -> None:
+        if not self.count:
+            raise A2AError(f"{what}() needs a pending dispatch(groups=...)")
+        if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) \
+                or not 0 <= group < self.count:
+            raise ValueError(f"{what}(): the group must be an int in [0, {self.count}); got {group!r}")
+        if group in self.finished and what != "group_experts":
+            raise A2AError(f"{what}(): group {group} is done already (group_done was queued for it)")
+
+    def _word(self, base: int, group: int) -> int:
+        return base + 4 * group
+
+    def _never_ready(self, group: int) -> A2ATimeoutError:
+        return A2ATimeoutError(f"rank {self.rank}: group {group}'s rows were never ready (its dispatch never ran "
+                               f"or never finished)", ranks=(self.rank,))
+
+    def _never_done(self, group: int) -> A2ATimeoutError:
+        return A2ATimeoutError(f"rank {self.rank}: combine waited for group_done({group}), whose stream never got "
+                               f"there", ranks=(self.rank,))

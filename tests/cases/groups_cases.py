@@ -1,0 +1,154 @@
+"""Multi-rank cases of dispatch(groups=G) (pyhipa2a.groups), run under mpiexec by tests/test_groups.py.
+
+The caller's expert runs group by group on a stream of its own: wait_group(g), the group's rows of expert_y,
+group_done(g); combine then sends each group's tokens as the groups are done. On GPUs the expert is PyTorch's on
+a stream of its own while the dispatch is held back behind a long kernel on ours, so an expert that ran before
+its group's rows were in would read poison; on the host backend streams run at once and the expert is the same
+PyTorch code on the CPU. Every result is checked against pyhipa2a.reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyhipa2a
+from pyhipa2a import A2AError, AllToAll
+from pyhipa2a import reference
+from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, draw_world,
+                              layout_arguments, poison)
+
+
+def _order(order: str, G: int, seed: int) -> list[int]:
+    if order == "forward":
+        return list(range(G))
+    if order == "reverse":
+        return list(range(G))[::-1]
+    return [int(g) for g in np.random.default_rng(seed).permutation(G)]
+
+
+class TorchExpert:
+    """gpu-mode's fake expert (expert_y = expert_x * (1 + rank)), one group's rows at a time, in PyTorch on a
+    stream of its own (GPU) or on the CPU (host backend), writing into the object's expert_y buffer."""
+
+    def __init__(self, a2a, torch):
+        self.torch, self.a2a = torch, a2a
+        self.gpu = a2a.backend.kind != "host"
+        # Views made once, before any call: a view's making may order PyTorch's stream after ours.
+        self.x = torch.from_dlpack(a2a.buffers["recv_x"])
+        self.y = torch.from_dlpack(a2a.expert_y_buffer())
+        self.offsets = torch.from_dlpack(a2a.buffers["offsets"]) if a2a.config.contiguous else None
+        self.stream = torch.cuda.Stream() if self.gpu else None
+        self.ours = torch.cuda.ExternalStream(a2a.backend.stream_handle(a2a.stream)) if self.gpu else None
+        self.factor = float(1 + a2a.rank)
+
+    def hold_back_ours(self) -> None:
+        """Our stream (where dispatch runs) busy for a while first: an expert that did not wait reads poison."""
+        if self.gpu:
+            with self.torch.cuda.stream(self.ours):
+                self.torch.cuda._sleep(20_000_000)
+
+    def run(self, group: int) -> None:
+        a2a, torch = self.a2a, self.torch
+        experts = a2a.group_experts(group)
+        handle = self.stream.cuda_stream if self.gpu else None
+        a2a.wait_group(group, handle)
+        with torch.cuda.stream(self.stream) if self.gpu else _nothing():
+            if self.offsets is None:  # [L, W*M, H]: the group's experts' slabs whole (rows past a count too)
+                part = slice(experts.start, experts.stop)
+                self.y[part] = (self.x[part].float() * self.factor).to(self.y.dtype)
+            else:  # [R, H]: the rows from its first expert's offset to past its last's, found on the device
+                rows = torch.arange(self.x.shape[0], device=self.x.device)[:, None]
+                mine = (rows >= self.offsets[experts.start]) & (rows < self.offsets[experts.stop])
+                self.y.copy_(torch.where(mine, (self.x.float() * self.factor).to(self.y.dtype), self.y))
+        a2a.group_done(group, handle)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3"):
+    """dispatch(groups=G), the expert group by group in `order` (forward, reverse, shuffled), combine: every
+    result against the oracle, with the outputs poisoned before each round and token counts changing."""
+    torch = pytest.importorskip("torch")
+    world, G = comm.Get_size(), int(G)
+    E, k, H, M = 8 * world, 3, 256, 24
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=30.0,
+                  **layout_arguments(row_layout)) as a2a:
+        me = a2a.rank
+        expert = TorchExpert(a2a, torch)
+        for i in range(int(rounds)):
+            inputs = draw_world(60 + i, world, E, k, H, M, token_counts=[(M, 7, 0, M)[(i + r) % 4]
+                                                                        for r in range(world)])
+            poison(a2a)
+            expert.hold_back_ours()
+            d = a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=G)
+            assert [list(a2a.group_experts(g)) for g in range(G)] == \
+                [[l for l in range(E // world) if l * G // (E // world) == g] for g in range(G)]
+            for g in _order(order, G, 90 + i):
+                expert.run(g)
+            y = a2a.combine(a2a.expert_y_buffer())
+            a2a.synchronize()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            err = combine_error_against_oracle(a2a, inputs, y, expert=reference.fake_expert)
+            # The next call of the same object without groups: nothing of the grouped one is left over.
+            poison(a2a)
+            d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+            y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
+            a2a.synchronize()
+            combine_error_against_oracle(a2a, inputs, y, expert=reference.fake_expert)
+            print(f"rank {me} round {i}: T={len(inputs.xs[me])} groups {G} in {order} order, max err {err:.3g}")
+
+
+def case_groups_refusals(comm):
+    """What groups= refuses, each before any kernel runs, leaving the object usable."""
+    world = comm.Get_size()
+    E, k, H, M = 4 * world, 2, 64, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        me = a2a.rank
+        inputs = draw_world(5, world, E, k, H, M, token_counts=[4] * world)
+        x, idx, w = inputs.xs[me], inputs.indices[me], inputs.weights[me]
+        with pytest.raises(A2AError, match=r"wait_group\(\) needs a pending dispatch\(groups=...\)"):
+            a2a.wait_group(0)
+        with pytest.raises(TypeError, match=r"dispatch\(groups=\) needs the gate's weights here"):
+            a2a.dispatch(x, idx, groups=2)
+        with pytest.raises(ValueError, match=r"groups must be in \[1, 4\] .*; got 5"):
+            a2a.dispatch(x, idx, weights=w, groups=5)
+        with pytest.raises(TypeError, match="groups must be an int, not float"):
+            a2a.dispatch(x, idx, weights=w, groups=2.0)
+        d = a2a.dispatch(x, idx, weights=w, groups=2)
+        with pytest.raises(ValueError, match=r"group_done\(\): the group must be an int in \[0, 2\); got 2"):
+            a2a.group_done(2)
+        a2a.wait_group(1)
+        a2a.group_done(1)
+        with pytest.raises(A2AError, match="group 1 is done already"):
+            a2a.group_done(1)
+        with pytest.raises(A2AError, match="group 1 is done already"):
+            a2a.wait_group(1)
+        with pytest.raises(A2AError, match=r"needs group_done\(\) of every group first; groups \[0\] are not done"):
+            a2a.combine(d.expert_x)
+        a2a.group_done(0)  # (never waited for: done() waits for it itself)
+        y = a2a.combine(d.expert_x, expert_scale=1.0 + me)
+        a2a.synchronize()
+        expert = reference.fused_expert([1.0 + r for r in range(world)])
+        combine_error_against_oracle(a2a, inputs, y, expert=expert)
+        with pytest.raises(A2AError, match=r"group_done\(\) needs a pending dispatch\(groups=...\)"):
+            a2a.group_done(0)
+
+
+def case_groups_across_nodes_refused(comm, G="2"):
+    world = comm.Get_size()
+    if world % int(G) or world // int(G) < 2:
+        pytest.skip(f"needs two nodes of {G} ranks")
+    E, k, H, M = 2 * world, 2, 64, 4
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=int(G)) as a2a:
+        inputs = draw_world(7, world, E, k, H, M, token_counts=[M] * world)
+        me = a2a.rank
+        with pytest.raises(A2AError, match=r"dispatch\(groups=\) is for calls within one node"):
+            a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=1)
+    assert pyhipa2a.AllToAll is AllToAll
