@@ -552,8 +552,12 @@ A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g,
 // across the warp a warp's width at a time. Each first row also goes out as
 // a tagged word (row_starts), which the copying warps wait for. Rows that
 // would end past R are reported (A2A_ERR_CAPACITY, naming the first expert
-// that does; the call's outputs are poisoned), never dropped unseen.
-A2A_DEVICE void publish_offsets(const Ctx& x, i32* offsets, const WarpGrid& g) {
+// that does; the call's outputs are poisoned), never dropped unseen. With a
+// ticket the offsets also go to the host (host_offsets), each tagged with
+// it, so that the caller learns where a group's rows will lie while they
+// are still on their way (pyhipa2a.groups: group_rows).
+A2A_DEVICE void publish_offsets(const Ctx& x, i32* offsets, const WarpGrid& g, u32 ticket) {
+  u64* host = reinterpret_cast<u64*>(x.a.host_offsets);
   const u64* totals = local<u64>(x.a, x.a.off_expert_totals);
   u64* starts = local<u64>(x.a, x.a.off_row_starts);
   const u32 align = x.a.row_align, R = x.a.recv_rows;
@@ -573,10 +577,12 @@ A2A_DEVICE void publish_offsets(const Ctx& x, i32* offsets, const WarpGrid& g) {
     if (l < x.L) {
       offsets[l] = (i32)first;
       a2a_store_relaxed_sys_u64(starts + l, a2a_tag(first, x.epoch));
+      if (ticket) a2a_store_relaxed_sys_u64(host + l, a2a_tag(first, ticket));
     }
     base += (u32)a2a_shfl((int)end, A2A_WARP_SIZE - 1);
   }
   if (g.lane == 0) offsets[x.L] = (i32)base;
+  if (g.lane == 0 && ticket) a2a_store_relaxed_sys_u64(host + x.L, a2a_tag(base, ticket));
 }
 
 // publish_counts for a call laid out by source: lane s of a group of G lanes
@@ -653,7 +659,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
         publish_source_counts(x, out, w, G != 0u);
       else
         publish_counts(x, out.num_tokens, w, a.row_align || G);
-      if (a.row_align && w.warp == w.warps / 4u) publish_offsets(x, out.offsets, w);
+      if (a.row_align && w.warp == w.warps / 4u) publish_offsets(x, out.offsets, w, c.ticket);
       fan_out<X>(x, c, out, w, pre);
     }
     if (ok && watcher) watch_groups(x, G, g);

@@ -69,6 +69,8 @@ struct A2AArgs {
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 off_done;            // u32 [2][A2A_MAX_GRID + 1]     epoch: block b of the last dispatch [0] / combine [1] is done; [.][A2A_MAX_GRID]: the poisoner's claim
   u64 host_status;         // u32 [4]                      its mirror in pinned host memory
+  u64 host_offsets;        // u64 [L + 1]                  contiguous: expert_offsets for the host, in pinned host
+                           //                              memory, each tagged with the call's ticket
   u64 prof;                // ProfBuffer*                  timelines (profiling build; 0 = off)
   i32 num_experts;
   i32 local_experts;
@@ -130,6 +132,8 @@ struct DispatchCall {
   u64 weights;    // f32 [T][k] sent with the routing (combine then needs none), or 0: combine sends them
   i32 num_tokens;
   u32 groups;     // G > 0: raise a readiness word per group of our experts as its rows land (0: none)
+  u32 ticket;     // > 0 (contiguous): expert_offsets go to the host too, tagged with this (the host's call number)
+  u32 pad;
   // Where the outputs land, each 0 for our own buffer (off_recv_x, ...): only this rank's dispatch writes
   // them and combine reads none, so a caller may give its own (pyhipa2a.jax: XLA's result buffers).
   u64 expert_x;           // [recv_rows][x_row_bytes]

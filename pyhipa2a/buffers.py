@@ -122,6 +122,12 @@ class Buffers:
         self._free_status = weakref.finalize(self, backend.free_host_mapped, host)
         self.status = np.frombuffer((ctypes.c_uint32 * 4).from_address(host), np.uint32)
         self.status_device = device
+        # Contiguous rows: where each expert's begin, for the host (dispatch(groups=) tells group_rows), as
+        # tagged words (value, call ticket), so a word of an earlier call is never read as this one's
+        L = config.local_experts
+        host, self.host_offsets_device = backend.malloc_host_mapped(8 * (L + 1))
+        self._free_offsets = weakref.finalize(self, backend.free_host_mapped, host)
+        self.host_offsets = np.frombuffer((ctypes.c_uint64 * (L + 1)).from_address(host), np.uint64)
         warps = config.blocks * max(1, config.block_threads // config.warp)
         self.profile = ProfileBuffer(backend, warps) if config.profile else None
 
@@ -146,7 +152,7 @@ class Buffers:
         args.scale_cols, args.x_format = c.scale_cols, c.x_format
         args.fp8_fnuz = int(c.dispatch_dtype.name == "float8_e4m3fnuz")
         args.y_row_bytes = c.hidden * c.out_dtype.itemsize
-        args.host_status = self.status_device
+        args.host_status, args.host_offsets = self.status_device, self.host_offsets_device
         args.prof = self.profile.ptr if self.profile is not None else 0
         args.seg_elems, args.nseg = c.seg_elems, c.nseg
         args.x_seg_elems, args.x_nseg = c.x_seg_elems, c.x_nseg
@@ -176,3 +182,4 @@ class Buffers:
         if self.profile is not None:
             self.profile.free()
         self._free_status()
+        self._free_offsets()

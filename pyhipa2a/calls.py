@@ -124,8 +124,9 @@ class Calls:
                                 None if self.backend.kind == "host" else index)
         self._boundary = Boundary(self.backend, index, self._streams, config.producer_order)
         self._state = CallState()
-        self._groups = Groups(self.backend, heap.rank, config.local_experts, config.timeout,
-                              exchange.buffers["group_ready"], exchange.buffers["group_done"])
+        buffers = exchange.buffers
+        self._groups = Groups(self.backend, heap.rank, config, buffers["group_ready"], buffers["group_done"],
+                              buffers.host_offsets, health)
         self._outputs = Outputs(config.outputs, self._streams, self._make_views)
         self._scale = (1.0, 1.0)  # combine's last expert_scale, as given and as the float32 it checked out as
         self._dispatch_plan = self._combine_plan = None
@@ -139,7 +140,8 @@ class Calls:
     def _make_views(self, stream):  # the OutputViews that name `stream`
         raise NotImplementedError
 
-    def _launch_dispatch(self, s, tokens: int, x: int, indices: int, x_scales: int, weights: int, groups: int) -> None:
+    def _launch_dispatch(self, s, tokens: int, x: int, indices: int, x_scales: int, weights: int, groups: int,
+                         ticket: int) -> None:
         raise NotImplementedError
 
     def _launch_combine(self, s, tokens: int, expert_y: int, weights: int, out: int, scale: float, part: int,
@@ -252,7 +254,8 @@ class Calls:
                 w_ptr = self._take("weights", weights, (T, c.top_k), np.float32, s, arrays, "weights_stage", 4)
             library = outputs.library_of((x, indices, weights, x_scales))
             result = outputs.views(s, library).dispatch_result(T)
-            self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G)
+            ticket = self._groups.next_ticket() if G and c.contiguous else 0
+            self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G, ticket)
             after = self._order_reader(s, lead, library)
             changes = self._changes(s, arrays, (state, "pending", result), (state, "sent", weights),
                                     (state, "joined", streams.joined), (self._groups, "count", G),
@@ -264,7 +267,8 @@ class Calls:
                             (state, "keep"))
             self._dispatch_plan = self._plan(record, self._dispatch_record, ((state, "broken", None),
                                                                              (state, "pending", None)), "dispatch")
-            self._dispatch_record = record if streams.capturing is None else None
+            # (a call that tells the host its offsets does so under a ticket of its own: never a plan)
+            self._dispatch_record = record if streams.capturing is None and not ticket else None
             return result
         finally:
             streams.leave()
@@ -356,6 +360,13 @@ class Calls:
         rows of expert_y are written: combine may send them. Every group, once, in any order, before combine."""
         self._usable()
         self._groups.done(group, self._caller_stream(stream))
+
+    def group_rows(self, group: int) -> range:
+        """row_layout="contiguous": the rows of expert_x that group `group` of the pending dispatch(groups=G) fills
+        (each expert's rounded up to row_align), once the dispatch has counted them, before they land: the host
+        waits for that (bounded), so a GEMM of the group can be launched on these rows right after wait_group."""
+        self._usable()
+        return self._groups.rows(group)
 
     def group_experts(self, group: int) -> range:
         """The local experts of group `group` of the pending dispatch(groups=G): l with l * G // L == group (their

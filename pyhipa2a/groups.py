@@ -6,7 +6,9 @@ stream)` makes the caller's stream wait for it on the device. `done(g, stream)` 
 the group, that its expert_y rows are written. Combine then comes in parts on its own stream: part g waits for
 groups 0..g to be done and sends the contributions of the tokens whose last group here is g, so its traffic
 overlaps the GEMMs still to come; the reduce comes last. Groups may be done in any order; combine's parts follow
-them in index order.
+them in index order. With row_layout="contiguous", `rows(g)` tells the host where group g's rows lie (a GEMM's
+row range) as soon as the dispatch has counted them, before they land: the kernel writes expert_offsets into
+pinned host memory too, each word tagged with the call's ticket, and the host waits for this call's.
 
 The words are constants (1 raised, 0 lowered), each with one raiser and one lowerer: ready[g] is raised by the
 dispatch kernel (also when the call fails, once its outputs are poisoned) and lowered by done()'s stream, after a
@@ -14,6 +16,8 @@ wait of its own, so a group nobody waited for is lowered as well; done[g] is rai
 by combine's. Combine refuses to start before every group is done, so no word is left raised for the next call.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -26,13 +30,16 @@ class Groups:
     `count` (G of the pending dispatch, 0: none) and `finished` (the groups done() queued), set by the calls'
     records (and their plans) alike."""
 
-    __slots__ = ("backend", "rank", "local_experts", "timeout", "_ready", "_done", "count", "finished")
+    __slots__ = ("backend", "rank", "local_experts", "timeout", "_ready", "_done", "_host_offsets", "_health",
+                 "_contiguous", "count", "finished", "ticket")
 
-    def __init__(self, backend, rank: int, local_experts: int, timeout: float, ready, done):
-        self.backend, self.rank, self.local_experts, self.timeout = backend, rank, local_experts, timeout
+    def __init__(self, backend, rank: int, config, ready, done, host_offsets, health):
+        self.backend, self.rank, self.local_experts, self.timeout = backend, rank, config.local_experts, config.timeout
         self._ready, self._done = ready.ptr, done.ptr  # uint32 [MAX_GROUPS] each, in the heap
+        self._host_offsets, self._health, self._contiguous = host_offsets, health, config.contiguous
         self.count = 0
         self.finished = frozenset()
+        self.ticket = 0  # the last grouped dispatch's (its offsets' tag for the host); counts up from 1
 
     def checked_count(self, groups, weights, capturing: bool) -> int:
         """dispatch()'s `groups` as a count (0: none), or the error a caller should see."""
@@ -51,9 +58,36 @@ class Groups:
                            "for your streams")
         return int(groups)
 
+    def next_ticket(self) -> int:
+        """The ticket of a grouped dispatch about to launch (never 0, which sends no offsets to the host)."""
+        self.ticket = self.ticket % 0xFFFFFFFF + 1
+        return self.ticket
+
+    def rows(self, group: int) -> range:
+        """Where group `group`'s rows lie in a contiguous expert_x (from its first expert's offset to past its last
+        expert's rounded rows): waits on the host until the dispatch has counted every expert's rows (not until
+        they land), bounded by the timeout; the call's reported error if it failed."""
+        self._check(group, "group_rows", done_too=True)
+        if not self._contiguous:
+            raise A2AError("group_rows() is for row_layout='contiguous' (otherwise expert l's rows start at row "
+                           "l * W * max_num_tokens of expert_x [L, W * M, H])")
+        experts = self.experts(group)
+        deadline, pause = time.monotonic() + self.timeout, 0.0
+        want = np.uint64(self.ticket)
+        while True:
+            words = self._host_offsets[[experts.start, experts.stop]]
+            if ((words >> np.uint64(32)) == want).all():
+                return range(int(words[0] & np.uint64(0xFFFFFFFF)), int(words[1] & np.uint64(0xFFFFFFFF)))
+            self._health.check()
+            if time.monotonic() > deadline:
+                raise A2ATimeoutError(f"rank {self.rank}: group_rows({group}) waited {self.timeout} s for the "
+                                      f"dispatch to count its rows (it never ran, or is stuck)", ranks=(self.rank,))
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-6, 1e-4)
+
     def experts(self, group: int) -> range:
         """The local experts of group `group` of the pending dispatch (l with l * G // L == group)."""
-        self._check(group, "group_experts")
+        self._check(group, "group_experts", done_too=True)
         L, G = self.local_experts, self.count
         return range(-(-group * L // G), -(-(group + 1) * L // G))
 
@@ -89,13 +123,13 @@ class Groups:
             launch(group + 1)
         launch(REDUCE_ONLY)
 
-    def _check(self, group: int, what: str) -> None:
+    def _check(self, group: int, what: str, done_too: bool = False) -> None:
         if not self.count:
             raise A2AError(f"{what}() needs a pending dispatch(groups=...)")
         if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) \
                 or not 0 <= group < self.count:
             raise ValueError(f"{what}(): the group must be an int in [0, {self.count}); got {group!r}")
-        if group in self.finished and what != "group_experts":
+        if group in self.finished and not done_too:
             raise A2AError(f"{what}(): group {group} is done already (group_done was queued for it)")
 
     def _word(self, base: int, group: int) -> int:

@@ -186,7 +186,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             raise A2AError("capture() between nodes needs the NCCL engine: the MPI engine stages regions "
                            "through the host, which a graph cannot record")
 
-    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups) -> None:  # (groups: 0, GROUPS)
+    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups, ticket) -> None:  # (no groups)
         pack = self._steps["dispatch"][0]
         a = pack[0]
         a.x, a.indices, a.x_scales, a.weights, a.tokens = x, indices, x_scales, weights, tokens

@@ -76,11 +76,11 @@ class NodeAllToAll(AllToAll, across_nodes=False):
     def _make_views(self, stream):
         return self._exchange.buffers.views(stream, self._health)
 
-    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups) -> None:
+    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups, ticket) -> None:
         leg = self._exchange.dispatch
         call = leg.call  # (the epoch is the device's own: make_ctx in kernels_hip/exchange.h)
         call.x, call.indices, call.x_scales, call.weights, call.num_tokens = x, indices, x_scales, weights, tokens
-        call.groups = groups
+        call.groups, call.ticket = groups, ticket
         leg.launch(s, tokens)
 
     def _launch_combine(self, s, tokens, expert_y, weights, out, scale, part, groups) -> None:

@@ -58,7 +58,8 @@ class A2AArgs(ctypes.Structure):
                 ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_expert_totals", u64),
                 ("off_row_starts", u64), ("off_offsets", u64), ("off_group_landed", u64),
                 ("off_group_ready", u64), ("off_epoch", u64), ("off_status", u64),
-                ("off_done", u64), ("host_status", u64), ("prof", u64), ("num_experts", i32), ("local_experts", i32),
+                ("off_done", u64), ("host_status", u64), ("host_offsets", u64), ("prof", u64), ("num_experts", i32),
+                ("local_experts", i32),
                 ("top_k", i32), ("max_tokens", i32), ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32),
                 ("seg_elems", u32), ("nseg", u32), ("push_max_tokens", u32), ("push_row_words", u32),
                 ("narrow_partials", u32), ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32),
@@ -90,6 +91,7 @@ DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZ
 
 class DispatchCall(ctypes.Structure):
     _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("groups", u32),
+                ("ticket", u32), ("pad", u32),
                 # where the outputs land (0: our own buffers): pyhipa2a.jax gives XLA's
                 ("expert_x", u64), ("expert_meta", u64), ("expert_scales", u64), ("expert_num_tokens", u64),
                 ("expert_layout", u64), ("expert_offsets", u64)]

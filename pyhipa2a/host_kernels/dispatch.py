@@ -63,10 +63,10 @@ def places(rows: np.ndarray, valid: np.ndarray, num_experts: int, chunk: int) ->
     return place.reshape(rows.shape), counts
 
 
-def row_starts(a, v: View, counts: np.ndarray) -> np.ndarray | None:
+def row_starts(a, v: View, counts: np.ndarray, ticket: int) -> np.ndarray | None:
     """Contiguous rows: each of our experts' first row, once every source's counts are in (None: one never came),
-    into expert_offsets, each expert's rows rounded up to row_align; rows ending past R are reported, as
-    publish_offsets in dispatch.hip does."""
+    into expert_offsets (with a ticket, to the host too, tagged with it), each expert's rows rounded up to
+    row_align; rows ending past R are reported, as publish_offsets in dispatch.hip does."""
     totals = np.zeros(v.L, np.int64)
     for src in range(v.W):
         src_counts = wait_tagged(counts[src], v.epoch, v.deadline, v.status, WAIT_DISPATCH, src)
@@ -77,6 +77,8 @@ def row_starts(a, v: View, counts: np.ndarray) -> np.ndarray | None:
     ends = np.cumsum(rounded)
     starts = ends - rounded
     v.buf(v.me, "offsets", (v.L + 1,), np.int32)[:] = np.append(starts, ends[-1])
+    if ticket:
+        mem(a.host_offsets, (v.L + 1,), np.uint64)[:] = tag(np.append(starts, ends[-1]), ticket)
     over = np.flatnonzero(ends > a.recv_rows)
     if len(over):
         v.status.report(STATUS_CAPACITY, v.me, int(over[0]), int(ends[over[0]]))
@@ -139,7 +141,7 @@ def _dispatch(backend, a, c, v: View) -> None:
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     counts = v.buf(me, "expert_counts", (2, W, C, L), np.uint64)[p]
-    starts = row_starts(a, v, counts) if a.row_align else np.zeros(L, np.int64)
+    starts = row_starts(a, v, counts, c.ticket) if a.row_align else np.zeros(L, np.int64)
     if starts is None:
         return
     per_source = np.zeros((L, W), np.int64)  # rows of each of our experts from each source placed so far

@@ -8,6 +8,8 @@ PyTorch code on the CPU. Every result is checked against pyhipa2a.reference.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -36,7 +38,7 @@ class TorchExpert:
         # Views made once, before any call: a view's making may order PyTorch's stream after ours.
         self.x = torch.from_dlpack(a2a.buffers["recv_x"])
         self.y = torch.from_dlpack(a2a.expert_y_buffer())
-        self.offsets = torch.from_dlpack(a2a.buffers["offsets"]) if a2a.config.contiguous else None
+        self.contiguous = a2a.config.contiguous
         self.stream = torch.cuda.Stream() if self.gpu else None
         self.ours = torch.cuda.ExternalStream(a2a.backend.stream_handle(a2a.stream)) if self.gpu else None
         self.factor = float(1 + a2a.rank)
@@ -49,26 +51,15 @@ class TorchExpert:
 
     def run(self, group: int) -> None:
         a2a, torch = self.a2a, self.torch
-        experts = a2a.group_experts(group)
+        # [L, W*M, H]: the group's experts' slabs whole (rows past a count too); [R, H]: the group's rows, which
+        # the host learns before they land (group_rows)
+        rows = a2a.group_rows(group) if self.contiguous else a2a.group_experts(group)
+        part = slice(rows.start, rows.stop)
         handle = self.stream.cuda_stream if self.gpu else None
         a2a.wait_group(group, handle)
-        with torch.cuda.stream(self.stream) if self.gpu else _nothing():
-            if self.offsets is None:  # [L, W*M, H]: the group's experts' slabs whole (rows past a count too)
-                part = slice(experts.start, experts.stop)
-                self.y[part] = (self.x[part].float() * self.factor).to(self.y.dtype)
-            else:  # [R, H]: the rows from its first expert's offset to past its last's, found on the device
-                rows = torch.arange(self.x.shape[0], device=self.x.device)[:, None]
-                mine = (rows >= self.offsets[experts.start]) & (rows < self.offsets[experts.stop])
-                self.y.copy_(torch.where(mine, (self.x.float() * self.factor).to(self.y.dtype), self.y))
+        with torch.cuda.stream(self.stream) if self.gpu else contextlib.nullcontext():
+            self.y[part] = (self.x[part].float() * self.factor).to(self.y.dtype)
         a2a.group_done(group, handle)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3"):
@@ -121,6 +112,8 @@ def case_groups_refusals(comm):
         with pytest.raises(TypeError, match="groups must be an int, not float"):
             a2a.dispatch(x, idx, weights=w, groups=2.0)
         d = a2a.dispatch(x, idx, weights=w, groups=2)
+        with pytest.raises(A2AError, match=r"group_rows\(\) is for row_layout='contiguous'"):
+            a2a.group_rows(0)
         with pytest.raises(ValueError, match=r"group_done\(\): the group must be an int in \[0, 2\); got 2"):
             a2a.group_done(2)
         a2a.wait_group(1)
