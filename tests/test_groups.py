@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
+from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
 CASE = "tests.cases.groups_cases:"
 
@@ -29,3 +29,14 @@ def test_groups_refusals(backend):
 
 def test_groups_across_nodes_refused():
     run_case(CASE + "case_groups_across_nodes_refused", 4, "host", timeout=120)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_layer_script(backend):
+    """scripts/moe_layer.py: the SwiGLU layer on the contiguous layout, in sequence and overlapped by groups,
+    against the dense layer (small shapes: timings are not tested)."""
+    pytest.importorskip("torch")
+    run = run_mpi([str(REPO / "scripts" / "moe_layer.py"), "--tokens", "24", "--experts-per-rank", "4", "--top-k",
+                   "3", "--hidden", "256", "--intermediate", "128", "--groups", "3", "--iters", "1"],
+                  ranks_for(backend), env_backend(backend), timeout=300, what="moe_layer.py")
+    assert run.stdout.count(": PASS (") == ranks_for(backend) and "moe_layer: PASS" in run.stdout, run.stdout

@@ -79,7 +79,7 @@ def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3"):
             expert.hold_back_ours()
             d = a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=G)
             assert [list(a2a.group_experts(g)) for g in range(G)] == \
-                [[l for l in range(E // world) if l * G // (E // world) == g] for g in range(G)]
+                [[e for e in range(E // world) if e * G // (E // world) == g] for g in range(G)]
             for g in _order(order, G, 90 + i):
                 expert.run(g)
             y = a2a.combine(a2a.expert_y_buffer())
