@@ -394,6 +394,21 @@ def run_round(a2a, inputs: WorldInputs, *, check: bool = True, tolerance=None, f
     return combine_error_against_oracle(a2a, inputs, y, tolerance, oracle_expert(a2a, fused))
 
 
+def script_verdict(comm, script: str, ok: bool, result: dict, json_path: str | None, before=None) -> int:
+    """A checking script's end: `before()` then "<script>: PASS (or FAIL) on N ranks" and the JSON `result` on
+    rank 0; the exit code (0 only where every rank passed)."""
+    import json
+    oks = comm.allgather(bool(ok))
+    if comm.Get_rank() == 0:
+        if before is not None:
+            before()
+        print(f"{script}: " + ("PASS" if all(oks) else "FAIL") + f" on {len(oks)} ranks", flush=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
+    return 0 if all(oks) else 1
+
+
 def failure_line(rank: int, error: BaseException, what: str = "") -> str:
     """'rank r<what>: Type: the message's first line', the line scripts gather from every failed rank."""
     return f"rank {rank}{what}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"

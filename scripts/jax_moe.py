@@ -32,7 +32,7 @@ from mpi4py import MPI  # noqa: E402
 import pyhipa2a  # noqa: E402
 from pyhipa2a import AllToAll  # noqa: E402
 from pyhipa2a.jax import JaxAllToAll  # noqa: E402
-from pyhipa2a.testing import draw_world, fused_step_graph  # noqa: E402
+from pyhipa2a.testing import draw_world, fused_step_graph, script_verdict  # noqa: E402
 
 SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
 
@@ -169,15 +169,9 @@ def main() -> int:
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     result = {"layer": layer_check(comm, args)}
-    oks = comm.allgather(result["layer"]["ok"])
     if args.bench:
         result["bench"] = bench(comm, args)
-    if comm.Get_rank() == 0:
-        print("jax_moe: " + ("PASS" if all(oks) else "FAIL") + f" on {len(oks)} ranks", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-    return 0 if all(oks) else 1
+    return script_verdict(comm, "jax_moe", result["layer"]["ok"], result, args.json)
 
 
 if __name__ == "__main__":

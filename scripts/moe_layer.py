@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pyhipa2a import AllToAll  # noqa: E402
+from pyhipa2a.testing import script_verdict  # noqa: E402
 
 
 def expert_weights(e: int, H: int, inter: int, seed: int, device) -> tuple:
@@ -165,17 +165,11 @@ def main() -> int:
     finally:
         if layer is not None:
             layer.a2a.close()
-    oks = comm.allgather(ok)
-    if comm.Get_rank() == 0:
-        seq, ovl = result["sequence"]["layer_us"], result["overlapped"]["layer_us"]
-        print(f"moe_layer: {comm.Get_size()} ranks, T={args.tokens} a rank, E={layer.E}, k={layer.k}, H={layer.H}, "
-              f"I={args.intermediate}, bf16: sequence {seq:.1f} us, overlapped (groups={args.groups}) {ovl:.1f} us, "
-              f"overlapped / sequence {ovl / seq:.2f}", flush=True)
-        print("moe_layer: " + ("PASS" if all(oks) else "FAIL") + f" on {len(oks)} ranks", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-    return 0 if all(oks) else 1
+    seq, ovl = result["sequence"]["layer_us"], result["overlapped"]["layer_us"]
+    return script_verdict(comm, "moe_layer", ok, result, args.json, lambda: print(
+        f"moe_layer: {comm.Get_size()} ranks, T={args.tokens} a rank, E={layer.E}, k={layer.k}, H={layer.H}, "
+        f"I={args.intermediate}, bf16: sequence {seq:.1f} us, overlapped (groups={args.groups}) {ovl:.1f} us, "
+        f"overlapped / sequence {ovl / seq:.2f}", flush=True))
 
 
 if __name__ == "__main__":
