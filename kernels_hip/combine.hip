@@ -285,7 +285,7 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     const RowSlot lane_slot = load_row_slot(rows + ((u64)src * x.M + t) * x.k, g.lane, x.k, x.a.num_experts);
     const u32 here = slots_on(lane_slot, x.a.div_L, me);
     if (!here) continue;
-    if (c.part != A2A_WHOLE_COMBINE && last_group(x, lane_slot, here, c.groups, g.lane) != c.part - 1u) continue;
+    if (c.phase != A2A_WHOLE_COMBINE && last_group(x, lane_slot, here, c.groups, g.lane) != c.phase - 1u) continue;
     const i32 lane_slot_of = U < A2A_CHUNKS ? early_slot : load_slot_of(token_slots, g.lane, x.k);
     if (!keep_slots(sc.slots, lane_slot_of, here, x.k, g.lane)) continue;  // the owner's wait ends on the reported error
     const float* w = nullptr;  // a single row goes back unweighted: no need to wait for the weights
@@ -490,11 +490,11 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   __shared__ float w_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
-  // After dispatch(groups=) combine comes in parts (CombineCall.part): one that sends each group's
+  // After dispatch(groups=) combine comes in parts (CombineCall.phase): one that sends each group's
   // tokens, queued behind the caller's groups, then the reduce, which also clears the dispatch's
   // counters of landed rows for the next one (every group's rows are in by now).
-  const bool sends = c.part != A2A_REDUCE_ONLY, reduces = c.part == A2A_WHOLE_COMBINE || !sends;
-  // (send_contributions is never called with A2A_REDUCE_ONLY, so a part there is one of 1 .. G)
+  const bool sends = c.phase != A2A_REDUCE_ONLY, reduces = c.phase == A2A_WHOLE_COMBINE || !sends;
+  // (send_contributions is never called with A2A_REDUCE_ONLY, so a phase there is the whole or 1 .. G)
   if (reduces && c.groups && a2a_block() == 0)
     for (u32 i = a2a_thread(); i < A2A_GROUP_STRIPES * A2A_MAX_GROUPS; i += a2a_block_dim())
       local<u32>(a, a.off_group_landed)[i] = 0u;

@@ -465,25 +465,29 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
 
 // dispatch(groups=G): group g holds our experts l with l * G / L == g, and
 // its readiness word rises once every row of it is written (the caller's
-// stream waits for it on the device: pyhipa2a.groups). One warp, given no
-// other work (the last of the grid), watches: once every expert's rows are
-// counted (publish_counts' tagged totals) lane g knows how many row
-// segments group g takes, and polls the group's stripes (count_landed)
-// until they add up to that; then it raises the word. A failed call raises
-// every word once its outputs are poisoned (finish), so no waiting stream
-// is left behind.
+// stream waits for it on the device: pyhipa2a.groups), with
+// expert_num_tokens and, contiguous, expert_offsets. One warp watches, the
+// last of the grid (given no other work, unless the grid is that warp):
+// once every expert's rows are counted (publish_counts' tagged totals) and
+// placed (publish_offsets' row starts), lane g knows how many row segments
+// group g takes, and polls the group's stripes (count_landed) until they
+// add up to that; then it raises the word. A failed call raises every word
+// once its outputs are poisoned (finish), so no waiting stream is left
+// behind.
 A2A_DEVICE void watch_groups(const Ctx& x, u32 G, const WarpGrid& g) {
   const u64* totals = local<u64>(x.a, x.a.off_expert_totals);
+  const u64* starts = local<u64>(x.a, x.a.off_row_starts);
   const u32* landed = local<u32>(x.a, x.a.off_group_landed);
   const u32 grp = g.lane;
   u32 want = 0;  // lane g: the row segments of group g
   bool ok = true;
   for (u32 l = 0; l < x.L && ok; ++l) {  // (every lane takes every total: a few loads, all in L2)
-    u32 n = 0;
-    ok = take_own(x, totals + l, n);
+    u32 n = 0, first = 0;
+    ok = take_own(x, totals + l, n) && (!x.a.row_align || take_own(x, starts + l, first));
     if (grp < G && l * G / x.L == grp) want += n * x.a.x_nseg;
   }
   if (!warp_all(ok)) return;
+  a2a_fence_sys();  // what the taken words cover (the counts, expert_offsets) before any word we raise
   bool raised = grp >= G;
   for (u32 spins = 1; !warp_all(raised); ++spins) {
     if (!raised) {
@@ -538,7 +542,10 @@ A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g,
     n = n < x.capacity ? n : x.capacity;
     if (q0 == 0 && l < x.L) {
       num_tokens[l] = (i32)n;
-      if (totals) a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
+      if (totals) {
+        a2a_fence_sys();  // the count before its tagged word: a group ready after it finds the count in
+        a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
+      }
     }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l0);
   }
@@ -574,15 +581,16 @@ A2A_DEVICE void publish_offsets(const Ctx& x, i32* offsets, const WarpGrid& g, u
     }
     const u32 first = base + end - rounded;
     if (l < x.L && first <= R && base + end > R) report(x, A2A_ERR_CAPACITY, (u32)x.h.rank, l, base + end);  // (ends grow)
+    if (l < x.L) offsets[l] = (i32)first;
+    if (l == x.L - 1u) offsets[x.L] = (i32)(first + rounded);
+    a2a_fence_sys();  // expert_offsets before the tagged words: whoever takes one finds the offsets in
     if (l < x.L) {
-      offsets[l] = (i32)first;
       a2a_store_relaxed_sys_u64(starts + l, a2a_tag(first, x.epoch));
       if (ticket) a2a_store_relaxed_sys_u64(host + l, a2a_tag(first, ticket));
     }
+    if (l == x.L - 1u && ticket) a2a_store_relaxed_sys_u64(host + x.L, a2a_tag(first + rounded, ticket));
     base += (u32)a2a_shfl((int)end, A2A_WARP_SIZE - 1);
   }
-  if (g.lane == 0) offsets[x.L] = (i32)base;
-  if (g.lane == 0 && ticket) a2a_store_relaxed_sys_u64(host + x.L, a2a_tag(base, ticket));
 }
 
 // publish_counts for a call laid out by source: lane s of a group of G lanes
@@ -614,7 +622,10 @@ A2A_DEVICE void publish_source_counts(const Ctx& x, const Outputs& out, const Wa
     n = n < x.capacity ? n : x.capacity;
     if (s == 0 && l < x.L) {
       num_tokens[l] = (i32)n;
-      if (totals) a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
+      if (totals) {
+        a2a_fence_sys();  // (the count, and this expert's expert_layout, before the tagged word)
+        a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
+      }
     }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l0);
   }

@@ -150,7 +150,7 @@ struct CombineCall {
   u64 out;        // [T][hidden]
   i32 num_tokens;
   float expert_scale;  // our expert rows count as expert_y * this (a fused elementwise epilogue; 1: none)
-  u32 part;       // A2A_WHOLE_COMBINE (0); or after dispatch(groups=G): g + 1 for g < G, send the contributions
+  u32 phase;      // A2A_WHOLE_COMBINE (0); or after dispatch(groups=G): g + 1 for g < G, send the contributions
                   // of the tokens whose last group here is g; A2A_REDUCE_ONLY, the reduce alone
   u32 groups;     // the dispatch's G (0: none)
 };

@@ -144,7 +144,7 @@ class Calls:
                          ticket: int) -> None:
         raise NotImplementedError
 
-    def _launch_combine(self, s, tokens: int, expert_y: int, weights: int, out: int, scale: float, part: int,
+    def _launch_combine(self, s, tokens: int, expert_y: int, weights: int, out: int, scale: float, phase: int,
                         groups: int) -> None:
         raise NotImplementedError
 
@@ -293,10 +293,10 @@ class Calls:
         pending = state.pending
         T = pending.num_tokens
         groups = self._groups
-        G = groups.ready_to_combine()
         inputs = (expert_y, weights, given_out)
         s, lead = streams.enter(stream, inputs, self.JOINS_CAPTURES)
         try:
+            G = groups.ready_to_combine(streams.capturing is not None)  # (another library's capture joined)
             self._check_pairing("combine")
             scale = self._checked_scale(expert_scale)
             streams.follow(s)
@@ -328,8 +328,8 @@ class Calls:
                 self.backend.copy_to_device(staging.ptr, host_y, s)
                 y_ptr = staging.ptr
             if G:
-                groups.queue_combine(s, lambda part: self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1], part,
-                                                                          G))
+                groups.queue_combine(s, lambda phase: self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1],
+                                                                           phase, G))
             else:
                 self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1], WHOLE_COMBINE, 0)
             after = self._order_reader(s, lead, library)
@@ -353,13 +353,15 @@ class Calls:
         """Work queued on `stream` from now on (None: the stream of this object's calls) waits, on the device,
         until group `group`'s rows of the pending dispatch(groups=G) are in expert_x."""
         self._usable()
-        self._groups.wait(group, self._caller_stream(stream))
+        s = self._caller_stream(stream)
+        self._groups.wait(group, s, self._captured(s))
 
     def group_done(self, group: int, stream=None) -> None:
         """After the work queued on `stream` so far (None: the stream of this object's calls), group `group`'s
         rows of expert_y are written: combine may send them. Every group, once, in any order, before combine."""
         self._usable()
-        self._groups.done(group, self._caller_stream(stream))
+        s = self._caller_stream(stream)
+        self._groups.done(group, s, self._captured(s))
 
     def group_rows(self, group: int) -> range:
         """row_layout="contiguous": the rows of expert_x that group `group` of the pending dispatch(groups=G) fills
@@ -375,6 +377,10 @@ class Calls:
 
     def _caller_stream(self, stream):
         return self.stream_for() if stream is None else self._streams.given(stream)
+
+    def _captured(self, s) -> bool:
+        """Whether work queued on `s` now would be recorded into a graph (ours, or another library's)."""
+        return self._streams.capturing is not None or self._streams.captured_elsewhere(s)
 
     def _order_reader(self, s, lead, library) -> tuple:
         """Queue the reads of outputs handed to `library` after the call just queued on `s`; the step, for

@@ -227,6 +227,9 @@ class Config:
             raise ValueError(f"row_align must be in [1, {MAX_ROW_ALIGN}]; got {row_align}")
         if max_recv_rows is not None and _whole("max_recv_rows", max_recv_rows) < 1:
             raise ValueError(f"max_recv_rows must be >= 1; got {max_recv_rows}")
+        if max_recv_rows is not None and max_recv_rows % row_align:
+            raise ValueError(f"max_recv_rows={max_recv_rows} must be a multiple of row_align={row_align} (each "
+                             f"expert's rows are rounded up to it, the last one's too)")
         if producer_order not in PRODUCER_ORDERS:
             raise ValueError(f"producer_order must be one of {PRODUCER_ORDERS}, not {producer_order!r}")
         if outputs not in OUTPUTS_CHOICES:
@@ -265,9 +268,13 @@ class Config:
             raise ValueError(f"at most {MAX_WORLD} ranks; got {self.world}")
         if self.local_experts > MAX_LOCAL_EXPERTS:
             raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank; got {self.local_experts}")
-        # A row's index travels as an int32 (slot_of, the kernels' rows).
+        # A row's index travels as an int32 (slot_of, the kernels' rows); the kernels add up every expert's
+        # rounded rows in 32 bits.
         if self.recv_rows >= 2**31:
             raise ValueError(f"expert_x would have {self.recv_rows} rows; at most 2**31 - 1")
+        if self.contiguous and self.local_experts * (self.capacity + self.row_align) >= 2**32:
+            raise ValueError(f"{self.local_experts} experts of up to {self.capacity} rows each, rounded up to "
+                             f"{self.row_align}, cannot be counted in 32 bits")
 
     def node_part(self, nodes: int, ranks_per_node: int, ranks_on_device: int) -> "Config":
         """One node's part of a call across `nodes` nodes: its experts, every node's region of tokens."""

@@ -13,7 +13,10 @@ pinned host memory too, each word tagged with the call's ticket, and the host wa
 The words are constants (1 raised, 0 lowered), each with one raiser and one lowerer: ready[g] is raised by the
 dispatch kernel (also when the call fails, once its outputs are poisoned) and lowered by done()'s stream, after a
 wait of its own, so a group nobody waited for is lowered as well; done[g] is raised by done()'s stream and lowered
-by combine's. Combine refuses to start before every group is done, so no word is left raised for the next call.
+by combine's. Combine refuses to start before done() was queued for every group, so no word is left raised for
+the next call (a failed call may leave some: the object takes no call after it). On GPUs the stream waits are not
+bounded: the dispatch raises every ready word within its timeout, failed or not, but combine waits on the done
+words for as long as your streams take to reach them. None of it may be recorded in a graph.
 """
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ class Groups:
         while True:
             words = self._host_offsets[[experts.start, experts.stop]]
             if ((words >> np.uint64(32)) == want).all():
+                self._health.check()  # (a call whose rows overflowed R placed its offsets all the same)
                 return range(int(words[0] & np.uint64(0xFFFFFFFF)), int(words[1] & np.uint64(0xFFFFFFFF)))
             self._health.check()
             if time.monotonic() > deadline:
@@ -91,23 +95,25 @@ class Groups:
         L, G = self.local_experts, self.count
         return range(-(-group * L // G), -(-(group + 1) * L // G))
 
-    def wait(self, group: int, stream) -> None:
+    def wait(self, group: int, stream, capturing: bool) -> None:
         """Work queued on `stream` from now on waits until group `group`'s rows are in."""
-        self._check(group, "wait_group")
+        self._check(group, "wait_group", capturing=capturing)
         self.backend.stream_wait_word(stream, self._word(self._ready, group), 1, self.timeout,
                                       lambda: self._never_ready(group))
 
-    def done(self, group: int, stream) -> None:
+    def done(self, group: int, stream, capturing: bool) -> None:
         """After the work queued on `stream` so far, group `group`'s expert_y rows are written."""
-        self._check(group, "group_done")
+        self._check(group, "group_done", capturing=capturing)
         ready = self._word(self._ready, group)
         self.backend.stream_wait_word(stream, ready, 1, self.timeout, lambda: self._never_ready(group))
         self.backend.stream_write_word(stream, ready, 0)
         self.backend.stream_write_word(stream, self._word(self._done, group), 1)
         self.finished = self.finished | {group}
 
-    def ready_to_combine(self) -> int:
-        """The pending dispatch's G (0: not grouped), once every group is done; else the error."""
+    def ready_to_combine(self, capturing: bool) -> int:
+        """The pending dispatch's G (0: not grouped), once done() was queued for every group; else the error."""
+        if self.count and capturing:
+            raise A2AError("the combine of a dispatch(groups=) cannot be recorded in a graph")
         left = sorted(set(range(self.count)) - self.finished)
         if left:
             raise A2AError(f"combine() after dispatch(groups={self.count}) needs group_done() of every group "
@@ -115,7 +121,8 @@ class Groups:
         return self.count
 
     def queue_combine(self, stream, launch) -> None:
-        """Combine's parts on `stream`, `launch(part)` each: part g + 1 once group g is done, then the reduce."""
+        """Combine's parts on `stream`, `launch(phase)` each: phase g + 1 (sending group g's tokens) once group g
+        is done, then the reduce."""
         for group in range(self.count):
             word = self._word(self._done, group)
             self.backend.stream_wait_word(stream, word, 1, self.timeout, lambda g=group: self._never_done(g))
@@ -123,9 +130,11 @@ class Groups:
             launch(group + 1)
         launch(REDUCE_ONLY)
 
-    def _check(self, group: int, what: str, done_too: bool = False) -> None:
+    def _check(self, group: int, what: str, done_too: bool = False, capturing: bool = False) -> None:
         if not self.count:
             raise A2AError(f"{what}() needs a pending dispatch(groups=...)")
+        if capturing:
+            raise A2AError(f"{what}() cannot be recorded in a graph (its stream is being captured)")
         if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) \
                 or not 0 <= group < self.count:
             raise ValueError(f"{what}(): the group must be an int in [0, {self.count}); got {group!r}")

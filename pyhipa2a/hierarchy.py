@@ -195,7 +195,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._localize.launch(pack, *self._geometry, s)
         self._exchange.dispatch.launch(s, self._node_tokens)
 
-    def _launch_combine(self, s, tokens, expert_y, weights, out, scale, part, groups) -> None:  # (the whole)
+    def _launch_combine(self, s, tokens, expert_y, weights, out, scale, phase, groups) -> None:  # (the whole)
         pack = self._steps["combine"][0]
         a = pack[0]
         a.weights, a.tokens = weights, tokens

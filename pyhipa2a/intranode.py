@@ -83,11 +83,11 @@ class NodeAllToAll(AllToAll, across_nodes=False):
         call.groups, call.ticket = groups, ticket
         leg.launch(s, tokens)
 
-    def _launch_combine(self, s, tokens, expert_y, weights, out, scale, part, groups) -> None:
+    def _launch_combine(self, s, tokens, expert_y, weights, out, scale, phase, groups) -> None:
         leg = self._exchange.combine
         c = leg.call
         c.expert_y, c.weights, c.out, c.num_tokens, c.expert_scale = expert_y, weights, out, tokens, scale
-        c.part, c.groups = part, groups
+        c.phase, c.groups = phase, groups
         leg.launch(s, tokens)
 
     def launch_site(self, leg: str, tokens: int) -> tuple:

@@ -99,10 +99,10 @@ class DispatchCall(ctypes.Structure):
 
 class CombineCall(ctypes.Structure):
     _fields_ = [("expert_y", u64), ("weights", u64), ("out", u64), ("num_tokens", i32), ("expert_scale", f32),
-                ("part", u32), ("groups", u32)]
+                ("phase", u32), ("groups", u32)]
 
 
-# CombineCall.part: the whole combine (0), or after dispatch(groups=G) one of its parts: g + 1 sends the
+# CombineCall.phase: the whole combine (0), or after dispatch(groups=G) one of its parts: g + 1 sends the
 # contributions of the tokens whose last group here is g, REDUCE_ONLY reduces (kernels_hip/exchange.h).
 WHOLE_COMBINE, REDUCE_ONLY = 0, 0xFFFFFFFF
 MAX_GROUPS, GROUP_STRIPES = 32, 32  # dispatch(groups=) at most; A2A_MAX_GROUPS, A2A_GROUP_STRIPES

@@ -55,8 +55,8 @@ def test_contiguous_rows_default_to_the_bound():
                     row_align=4)
     assert few.recv_rows == 28  # k = 4 but L = 2, so 2 rows a token at most: 2 * 5 * 2 + 2 * 3 = 26, rounded up to 4
     given = Config.of(2, num_experts=4, experts_per_token=2, hidden_dim=8, max_num_tokens=5, row_layout="contiguous",
-                      max_recv_rows=7)
-    assert given.recv_rows == 7 and given.node_part(2, 1, 0).recv_rows == 7  # (a node's part keeps R)
+                      row_align=8, max_recv_rows=24)
+    assert given.recv_rows == 24 and given.node_part(2, 1, 0).recv_rows == 24  # (a node's part keeps R)
     part = Config.of(4, **deepseek, row_layout="contiguous").node_part(2, 2, 0)
     assert part.recv_rows == Config.of(4, **deepseek, row_layout="contiguous").recv_rows
 
@@ -70,6 +70,8 @@ def test_contiguous_rows_default_to_the_bound():
     (dict(row_layout="contiguous", max_recv_rows=0), ValueError, "max_recv_rows must be >= 1; got 0"),
     (dict(row_layout="contiguous", max_recv_rows=2.0), TypeError, "max_recv_rows must be an int, not float"),
     (dict(row_layout="contiguous", max_recv_rows=2**31), ValueError, "expert_x would have 2147483648 rows"),
+    (dict(row_layout="contiguous", max_recv_rows=200), ValueError,
+     "max_recv_rows=200 must be a multiple of row_align=128"),
     (dict(row_layout="rows"), ValueError, r"row_layout must be one of \('packed', 'by_source', 'contiguous'\)"),
 ])
 def test_contiguous_rows_parameters_are_checked(params, error, match):

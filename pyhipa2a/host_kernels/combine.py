@@ -13,7 +13,7 @@ from .exchange import WAIT_COMBINE_ROW, WAIT_WEIGHTS, View, count_header, finish
 
 def _combine(backend, a, c, dtype) -> None:
     v = View(a, take_epoch(a, dispatch=False))
-    if c.part != WHOLE_COMBINE and c.part != REDUCE_ONLY:  # a part that only sends (see combine.hip)
+    if c.phase != WHOLE_COMBINE and c.phase != REDUCE_ONLY:  # a part that only sends (see combine.hip)
         _combine_body(backend, a, c, dtype, v)
         return
     try:
@@ -41,7 +41,7 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     headers = v.buf(me, "tok_count", (2, W), np.uint64)[p] & np.uint64(0xFFFFFFFF)  # every count, as dispatch left it
     span = time.monotonic_ns()
-    sends, reduces = c.part != REDUCE_ONLY, c.part in (WHOLE_COMBINE, REDUCE_ONLY)
+    sends, reduces = c.phase != REDUCE_ONLY, c.phase in (WHOLE_COMBINE, REDUCE_ONLY)
     for r in range(W):  # 1. our weights to every peer, as tagged words (unless dispatch sent them)
         if r != me and c.weights and sends:
             t0 = time.monotonic_ns()
@@ -53,8 +53,8 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         count, _, src_pushed = count_header(int(headers[src]), M)  # it takes its contributions pushed
         rows = decoded[src, :count]
         here = valid_slots(rows, v.E) & (rows // L == me)
-        if c.part != WHOLE_COMBINE:  # this part's tokens alone
-            here &= (last_groups(rows, here, L, c.groups) == c.part - 1)[:, None]
+        if c.phase != WHOLE_COMBINE:  # this part's tokens alone
+            here &= (last_groups(rows, here, L, c.groups) == c.phase - 1)[:, None]
         tokens = np.flatnonzero(here.any(axis=1))
         if len(tokens) == 0:
             continue

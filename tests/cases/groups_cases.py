@@ -60,6 +60,7 @@ class TorchExpert:
         with torch.cuda.stream(self.stream) if self.gpu else contextlib.nullcontext():
             self.y[part] = (self.x[part].float() * self.factor).to(self.y.dtype)
         a2a.group_done(group, handle)
+        return a2a.group_experts(group), rows
 
 
 def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3"):
@@ -80,11 +81,14 @@ def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3"):
             d = a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=G)
             assert [list(a2a.group_experts(g)) for g in range(G)] == \
                 [[e for e in range(E // world) if e * G // (E // world) == g] for g in range(G)]
-            for g in _order(order, G, 90 + i):
-                expert.run(g)
+            told = {g: expert.run(g) for g in _order(order, G, 90 + i)}  # (experts, rows) of each group
             y = a2a.combine(a2a.expert_y_buffer())
             a2a.synchronize()
             check_dispatch_against_oracle(a2a, inputs, d)
+            if a2a.config.contiguous:  # what the host was told, against what the device wrote
+                offsets = d.expert_offsets.numpy()
+                for g, (experts, rows) in told.items():
+                    assert rows == range(offsets[experts.start], offsets[experts.stop]), (g, rows, offsets)
             err = combine_error_against_oracle(a2a, inputs, y, expert=reference.fake_expert)
             # The next call of the same object without groups: nothing of the grouped one is left over.
             poison(a2a)
@@ -111,6 +115,13 @@ def case_groups_refusals(comm):
             a2a.dispatch(x, idx, weights=w, groups=5)
         with pytest.raises(TypeError, match="groups must be an int, not float"):
             a2a.dispatch(x, idx, weights=w, groups=2.0)
+        with pytest.raises(TypeError, match="groups must be an int, not bool"):
+            a2a.dispatch(x, idx, weights=w, groups=True)
+        with pytest.raises(ValueError, match=r"groups must be in \[1, 4\] .*; got 0"):
+            a2a.dispatch(x, idx, weights=w, groups=0)
+        a2a.expert_y_buffer()  # (before a capture)
+        with pytest.raises(A2AError, match=r"dispatch\(groups=\) cannot be recorded in a graph"):
+            a2a.capture(lambda: a2a.dispatch(x, idx, weights=w, groups=2))
         d = a2a.dispatch(x, idx, weights=w, groups=2)
         with pytest.raises(A2AError, match=r"group_rows\(\) is for row_layout='contiguous'"):
             a2a.group_rows(0)

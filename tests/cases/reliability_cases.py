@@ -93,8 +93,9 @@ def case_device_checks_indices(comm):
 
 def case_contiguous_rows_beyond_R(comm):
     """row_layout="contiguous" with max_recv_rows R: rows that fit R exactly (each expert's rounded up to
-    row_align) arrive whole; one row more than R is an error reported on the rank that receives them, with
-    every output poisoned, never a row dropped unseen."""
+    row_align) arrive whole; rows whose rounded end passes R (here by one row_align) are an error reported on
+    the rank that receives them, with every output poisoned, never a row dropped unseen. A grouped dispatch
+    that fails so releases the streams that wait for its groups."""
     from pyhipa2a import reference
     from pyhipa2a.testing import check_dispatch_against_oracle, poison
     world = comm.Get_size()
@@ -115,13 +116,17 @@ def case_contiguous_rows_beyond_R(comm):
         check_dispatch_against_oracle(a2a, inputs, d)
         a2a.combine(d.expert_x, inputs.weights[me], expert_scale=2.0)
         a2a.synchronize()
-    with AllToAll(comm, max_recv_rows=need - 1, **params) as a2a:
-        d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+    with AllToAll(comm, max_recv_rows=need - align, **params) as a2a:
+        d = a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=2)
         if mine < need:
             a2a.synchronize()
             check_dispatch_against_oracle(a2a, inputs, d)
             return
+        # (The host backend has run the call by now, so the first wait already raises; on a GPU the waits are
+        # queued on our own stream, and synchronize() returns only if the failed call released them.)
         with pytest.raises(A2ADeviceError, match=f"rank {me}: local expert .* overflowed its rows"):
+            a2a.wait_group(0)
+            a2a.wait_group(1)
             a2a.synchronize()
         assert (a2a.buffers["num_tokens"].numpy() == -1).all()
         assert (a2a.buffers["offsets"].numpy() == -1).all()
