@@ -25,7 +25,8 @@ Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): dispatch's is a combine of the 
 unit weights; combine's a dispatch of y's gradient, weighted, plus the weights' gradient. Each backward
 pass is itself a dispatch then a combine, so every rank must differentiate the same program. Under
 differentiation dispatch zeroes expert_x's rows beyond each count; outside it they are left as they are
-(a pass over expert_x saved). They need packed rows, x of the dtype of y, the weights given to combine;
+(a pass over expert_x saved). They need packed or contiguous rows, x of the dtype of y, the weights given to
+combine;
 `gradients=False` leaves them out (and the narrow exchange of the weights' rows they make).
 """
 from __future__ import annotations
@@ -139,8 +140,9 @@ class JaxAllToAll:
             # The last dispatch traced: its token count, indices and whether it sent the weights (combine's)
             self._tokens = self._indices = self._sent = None
             self._grads = None
-            # Gradients need packed rows, 16-bit x of the dtype of y, and an exchange of the weights' rows.
-            self._differentiable = (gradients and c.row_layout == "packed" and not c.scale_cols
+            # Gradients need packed or contiguous rows, 16-bit x of the dtype of y, and an exchange of the weights'
+            # rows (laid out as the tokens' are: the same parameters but the width).
+            self._differentiable = (gradients and not c.by_source and not c.scale_cols
                                     and c.in_dtype == c.out_dtype == c.dispatch_dtype)
             if self._differentiable:  # (the weights' rows: two 16-bit halves a weight)
                 narrow = {**params, "hidden_dim": c.weight_row_cols, "in_dtype": c.out_dtype.name,
@@ -168,12 +170,12 @@ class JaxAllToAll:
     def dispatch(self, x, indices, weights=None, x_scales=None) -> JaxDispatch:
         """AllToAll.dispatch on JAX arrays (traceable): x [T, H], indices [T, k] int32, weights [T, k] float32
         (sent with the routing: combine then takes none), x_scales with fp8 x. Differentiable in x where
-        neither weights nor scales are given and the rows are packed (its gradient: a combine of the rows'
-        gradients with unit weights)."""
+        neither weights nor scales are given and the rows are packed or contiguous (its gradient: a combine of
+        the rows' gradients with unit weights)."""
         order = self._chained()
         if weights is None and x_scales is None and self._differentiable and differentiating():
-            *arrays, self._order = self._grads.dispatch(self, x, indices, order)
-            d = JaxDispatch(*arrays)
+            expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order)
+            d = JaxDispatch(expert_x, counts, meta, expert_offsets=offsets)
         else:
             d, self._order = self.dispatch_after(order, x, indices, weights, x_scales)
         self._tokens, self._indices, self._sent = int(x.shape[0]), indices, weights is not None

@@ -70,13 +70,14 @@ class Gradients:
         self.rows, self.cols = rows, rows.config.hidden
 
     def dispatch(self, a2a, x, indices, order):
-        """(expert_x, expert_num_tokens, expert_meta, the order word out) of a differentiable dispatch."""
+        """(expert_x, expert_num_tokens, expert_meta, expert_offsets (contiguous rows; else None), the order word
+        out) of a differentiable dispatch."""
         tokens, dtype = x.shape[0], x.dtype
 
         @jax.custom_vjp
         def dispatch(x, indices, order):  # (what runs where x needs no gradient: its rows zeroed all the same)
             d, order = a2a.dispatch_after(order, x, indices)
-            return _zero_beyond(d.expert_x, d.expert_num_tokens), d.expert_num_tokens, d.expert_meta, order
+            return _zero_beyond(d), d.expert_num_tokens, d.expert_meta, d.expert_offsets, order
 
         def forward(x, indices, order):
             return dispatch(x, indices, order), indices
@@ -111,7 +112,7 @@ class Gradients:
             # A pair of its own, after this combine (y's gradient need not depend on y: a linear loss): the
             # dispatch of dy, closed below whether or not x has a gradient to take.
             d, dispatched = a2a.dispatch_after(done, dy.astype(c.in_dtype), indices)
-            valid = _valid_rows(d.expert_num_tokens, d.expert_x.shape[1])
+            valid = _valid_rows(d)
             slot = jnp.clip(d.expert_meta[..., 2], 0, k - 1)
             spread, between = rows.dispatch_after(dispatched, _halves(weights, self.cols, c.out_dtype), indices)
             weight = _joined(spread.expert_x, 2 * slot)  # w[t, j] of each row
@@ -133,13 +134,19 @@ class Gradients:
         return combine(expert_y, weights, indices, order, scale)
 
 
-def _valid_rows(counts, capacity: int):
-    """[L, R] bool: the rows a packed dispatch filled."""
-    return jnp.arange(capacity)[None, :] < counts[:, None]
+def _valid_rows(d):
+    """Which rows of a dispatch's expert_x it filled: [L, W*M] packed, or [R] contiguous (expert l's from its
+    offset)."""
+    counts = d.expert_num_tokens
+    if d.expert_offsets is None:
+        return jnp.arange(d.expert_x.shape[1])[None, :] < counts[:, None]
+    rows, first = jnp.arange(d.expert_x.shape[0]), d.expert_offsets[:-1]
+    expert = jnp.clip(jnp.searchsorted(first, rows, side="right") - 1, 0, first.shape[0] - 1)  # (starts ascend)
+    return rows < first[expert] + counts[expert]
 
 
-def _zero_beyond(expert_x, counts):
-    return jnp.where(_valid_rows(counts, expert_x.shape[1])[..., None], expert_x, jnp.zeros((), expert_x.dtype))
+def _zero_beyond(d):
+    return jnp.where(_valid_rows(d)[..., None], d.expert_x, jnp.zeros((), d.expert_x.dtype))
 
 
 def _halves(weights, cols: int, dtype):

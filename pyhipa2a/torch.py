@@ -11,8 +11,8 @@ weights; combine's a dispatch of y's gradient with the same indices, each row we
 the weights' gradient, the rows' dot products sent back, both through a narrow exchange of the weights'
 rows of its own. Each rule's exchanges are whole pairs (dispatch's gradient lays the rows out again with
 a dispatch of its own; combine's closes its dispatch), so a backward where x needs no gradient keeps
-the object's calls paired; every rank must run the same backward. Rows packed, x of the dtype of y, the
-weights given to combine. The forward results are copies (autograd keeps them until the backward, past
+the object's calls paired; every rank must run the same backward. Rows packed or contiguous, x of the dtype
+of y, the weights given to combine. The forward results are copies (autograd keeps them until the backward, past
 the buffers' next calls), with the rows beyond each expert's count zeroed.
 """
 from __future__ import annotations
@@ -31,25 +31,29 @@ class Differentiable:
 
     def __init__(self, a2a, **narrow_params):
         c = a2a.config
-        if c.row_layout != "packed" or c.scale_cols or not c.in_dtype == c.out_dtype == c.dispatch_dtype:
-            raise A2AError("gradients need packed rows and x, expert_x and y of one 16-bit dtype")
+        if c.by_source or c.scale_cols or not c.in_dtype == c.out_dtype == c.dispatch_dtype:
+            raise A2AError("gradients need packed or contiguous rows and x, expert_x and y of one 16-bit dtype")
         self.a2a, self.config = a2a, c
         self.cols = c.weight_row_cols
+        # (the weights' rows land where the tokens' do: the same routing, the same layout)
+        layout = {"row_layout": "contiguous", "row_align": c.row_align, "max_recv_rows": c.recv_rows} \
+            if c.contiguous else {}
         self.rows = AllToAll(a2a.heap.comm, num_experts=c.num_experts, experts_per_token=c.top_k,
                              hidden_dim=self.cols, max_num_tokens=c.max_tokens, in_dtype=c.out_dtype.name,
                              timeout=c.timeout, stream=c.stream, backend=a2a.backend, device=a2a.heap.device.index,
-                             **narrow_params)
+                             **layout, **narrow_params)
         self._indices = None
 
     def close(self) -> None:
         self.rows.close()
 
     def dispatch(self, x, indices):
-        """A DispatchResult-like namespace: expert_x (a copy, differentiable), expert_num_tokens, expert_meta."""
+        """A DispatchResult-like namespace: expert_x (a copy, differentiable), expert_num_tokens, expert_meta,
+        expert_offsets (contiguous rows; else None)."""
         self._indices = indices
-        expert_x, counts, meta = _Dispatch.apply(self, x, indices)
+        expert_x, counts, meta, offsets = _Dispatch.apply(self, x, indices)
         return SimpleNamespace(expert_x=expert_x, expert_num_tokens=counts, expert_meta=meta,
-                               num_tokens=int(x.shape[0]))
+                               expert_offsets=offsets if self.config.contiguous else None, num_tokens=int(x.shape[0]))
 
     def combine(self, expert_y, weights, expert_scale: float = 1.0):
         """y [T, H] (a copy), differentiable in expert_y and the weights."""
@@ -58,13 +62,23 @@ class Differentiable:
         return _Combine.apply(self, expert_y, weights, self._indices, float(expert_scale))
 
 
-def _valid_rows(counts, capacity: int):
-    return torch.arange(capacity, device=counts.device)[None, :] < counts[:, None].to(torch.int64)
+def _valid_rows(expert_x, counts, offsets):
+    """Which rows of expert_x a dispatch filled: [L, W*M] packed (offsets None), or [R] contiguous."""
+    if offsets is None:
+        return torch.arange(expert_x.shape[1], device=counts.device)[None, :] < counts[:, None].to(torch.int64)
+    rows = torch.arange(expert_x.shape[0], device=counts.device)
+    first = offsets[:-1].to(torch.int64)
+    expert = (torch.searchsorted(first, rows, right=True) - 1).clamp(0, first.shape[0] - 1)  # (starts ascend)
+    return rows < first[expert] + counts.to(torch.int64)[expert]
 
 
-def _copy_beyond_zeroed(expert_x, counts):
+def _offsets(d, config):
+    return _tensor(d.expert_offsets) if config.contiguous else None
+
+
+def _copy_beyond_zeroed(expert_x, counts, offsets):
     zero = torch.zeros((), dtype=expert_x.dtype, device=expert_x.device)
-    return torch.where(_valid_rows(counts, expert_x.shape[1])[..., None], expert_x, zero)
+    return torch.where(_valid_rows(expert_x, counts, offsets)[..., None], expert_x, zero)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -72,10 +86,13 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, moe, x, indices):
         d = moe.a2a.dispatch(x.detach(), indices)
         counts, meta = _tensor(d.expert_num_tokens).clone(), _tensor(d.expert_meta).clone()
+        offsets = _offsets(d, moe.config)
+        offsets = offsets.clone() if offsets is not None else torch.zeros(0, dtype=torch.int32, device=counts.device)
         ctx.moe, ctx.tokens = moe, int(x.shape[0])
         ctx.save_for_backward(indices)
-        ctx.mark_non_differentiable(counts, meta)
-        return _copy_beyond_zeroed(_tensor(d.expert_x), counts), counts, meta
+        ctx.mark_non_differentiable(counts, meta, offsets)
+        expert_x = _copy_beyond_zeroed(_tensor(d.expert_x), counts, offsets if moe.config.contiguous else None)
+        return expert_x, counts, meta, offsets
 
     @staticmethod
     def backward(ctx, d_expert_x, *_):
@@ -105,7 +122,7 @@ class _Combine(torch.autograd.Function):
         dtype = _torch_dtype(c.out_dtype)
         d = moe.a2a.dispatch(dy.to(dtype).contiguous(), indices)  # (closed below)
         counts, meta, dy_rows = _tensor(d.expert_num_tokens), _tensor(d.expert_meta), _tensor(d.expert_x).float()
-        valid = _valid_rows(counts, dy_rows.shape[1])
+        valid = _valid_rows(dy_rows, counts, _offsets(d, c))
         slot = meta[..., 2].clamp(0, k - 1).to(torch.int64)
         spread = _tensor(moe.rows.dispatch(_halves(weights, cols, dtype), indices).expert_x).float()
         weight = spread.gather(-1, (2 * slot)[..., None])[..., 0] + spread.gather(-1, (2 * slot + 1)[..., None])[..., 0]

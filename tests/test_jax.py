@@ -20,6 +20,13 @@ def test_jax(case, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_beyond_counts_under_differentiation_contiguous(backend):
+    pytest.importorskip("jax")
+    run_case(CASE + "case_rows_beyond_counts_under_differentiation", ranks_for(backend), env_backend(backend),
+             args=("contiguous/8",), timeout=600)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("row_layout", ["by_source", "contiguous/8"])
 def test_jit_step_rows_laid_out(row_layout, backend):
     """dispatch's results inside jit where the rows are laid out by source or contiguous (their shapes, and

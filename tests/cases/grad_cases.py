@@ -9,16 +9,17 @@ import pytest
 
 import pyhipa2a
 from pyhipa2a import AllToAll
-from pyhipa2a.testing import draw_world
+from pyhipa2a.testing import draw_world, layout_arguments, poison
 
 
 @contextlib.contextmanager
-def _torch_layer(comm, E: int, k: int, H: int, M: int):
+def _torch_layer(comm, E: int, k: int, H: int, M: int, row_layout: str = "packed"):
     """(torch, the AllToAll on PyTorch's current stream, its Differentiable, the device of its tensors)."""
     torch = pytest.importorskip("torch")
     from pyhipa2a.torch import Differentiable
     host = pyhipa2a.get_backend().kind == "host"
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream="current") as a2a:
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, stream="current",
+                  **layout_arguments(row_layout)) as a2a:
         dev = torch.device("cpu") if host else torch.device("cuda", a2a.heap.device.index)
         if not host:
             torch.cuda.set_device(dev)
@@ -30,13 +31,24 @@ def _torch_layer(comm, E: int, k: int, H: int, M: int):
             moe.close()
 
 
-def case_torch_gradients(comm):
+def linear_experts(torch, d, local):
+    """Each local expert's matrix on its rows of d.expert_x, in float32: [L, W*M, H] packed, [R, H] contiguous
+    (each row's expert found from expert_offsets)."""
+    if d.expert_offsets is None:
+        return torch.einsum("lrh,lhg->lrg", d.expert_x.float(), local)
+    rows = torch.arange(d.expert_x.shape[0], device=d.expert_x.device)
+    first = d.expert_offsets[:-1].to(torch.int64)
+    expert = (torch.searchsorted(first, rows, right=True) - 1).clamp(0, local.shape[0] - 1)
+    return torch.einsum("rh,rhg->rg", d.expert_x.float(), local[expert])
+
+
+def case_torch_gradients(comm, row_layout="packed"):
     """loss = sum over ranks of <y, g>, y = combine(a linear expert per local expert of dispatch(x)): autograd's
     gradients of this rank's x and weights and of its experts' matrices, against autograd of the same layer
     computed densely from every rank's inputs (drawn from one seed) on one device."""
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 64, 8
-    with _torch_layer(comm, E, k, H, M) as (torch, a2a, moe, dev):
+    with _torch_layer(comm, E, k, H, M, row_layout) as (torch, a2a, moe, dev):
         me, L = a2a.rank, E // world
         inputs = draw_world(92, world, E, k, H, M, token_counts=[M - r % 3 for r in range(world)])
         rng = np.random.default_rng(93)
@@ -46,8 +58,10 @@ def case_torch_gradients(comm):
         x = torch.from_numpy(inputs.xs[me]).to(dev).requires_grad_()
         w = torch.from_numpy(inputs.weights[me]).to(dev).requires_grad_()
         local = torch.from_numpy(mats[me * L:(me + 1) * L]).to(dev).requires_grad_()
+        poison(a2a)  # (rows past a count hold NaN: a gradient that reads one is NaN)
         d = moe.dispatch(x, torch.from_numpy(inputs.indices[me]).to(dev))
-        expert_y = torch.einsum("lrh,lhg->lrg", d.expert_x.float(), local).to(x.dtype)
+        assert (d.expert_offsets is None) == (row_layout == "packed")
+        expert_y = linear_experts(torch, d, local).to(x.dtype)
         y = moe.combine(expert_y, w, expert_scale=scale)
         (y.float() * torch.from_numpy(probes[me]).to(dev)).sum().backward()
 

@@ -215,13 +215,15 @@ def case_program_on_another_gpu_is_refused(comm):
         a2a.check()
 
 
-def case_gradients(comm):
+def case_gradients(comm, row_layout="packed"):
     """jax.grad through dispatch, a linear expert per local expert (in jnp), and combine against jax.grad of
     the same layer computed densely from every rank's inputs (drawn from one seed): the gradients of this
-    rank's x and weights and of its experts' matrices, of the sum over ranks of each rank's <y, g>."""
+    rank's x and weights and of its experts' matrices, of the sum over ranks of each rank's <y, g>. Rows
+    packed, or contiguous (each row's expert found from expert_offsets)."""
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 64, 8
-    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                               **layout_arguments(row_layout))
     with a2a:
         me, L = a2a.rank, E // world
         inputs = draw_world(90, world, E, k, H, M, token_counts=[M - r % 3 for r in range(world)])
@@ -234,7 +236,12 @@ def case_gradients(comm):
         def layer(x, weights, local):
             d = a2a.dispatch(x, put(inputs.indices[me]))
             h = d.expert_x.astype(jnp.float32)
-            expert_y = jnp.einsum("lrh,lhg->lrg", h, local).astype(x.dtype)
+            if d.expert_offsets is None:
+                expert_y = jnp.einsum("lrh,lhg->lrg", h, local).astype(x.dtype)
+            else:
+                rows, first = jnp.arange(h.shape[0]), d.expert_offsets[:-1]
+                expert = jnp.clip(jnp.searchsorted(first, rows, side="right") - 1, 0, L - 1)
+                expert_y = jnp.einsum("rh,rhg->rg", h, local[expert]).astype(x.dtype)
             y = a2a.combine(expert_y, weights, expert_scale=scale)
             return jnp.sum(y.astype(jnp.float32) * put(probes[me]))
 
@@ -263,12 +270,14 @@ def case_gradients(comm):
         a2a.check()
 
 
-def case_rows_beyond_counts_under_differentiation(comm):
+def case_rows_beyond_counts_under_differentiation(comm, row_layout="packed"):
     """Under jax.vjp, where x needs no gradient (only the expert's scale does), dispatch's rows beyond each
-    count are zeros although the buffer holds an earlier call's rows there, and the rows within are x's."""
+    count are zeros although the buffer holds an earlier call's rows there, and the rows within are x's
+    (contiguous: every row outside an expert's counted rows, the rounding's too)."""
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 64, 8
-    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                               **layout_arguments(row_layout))
     with a2a:
         me = a2a.rank
         put = lambda a: jax.device_put(a, dev)  # noqa: E731
@@ -284,8 +293,15 @@ def case_rows_beyond_counts_under_differentiation(comm):
 
         (d, _), _ = jax.vjp(jax.jit(layer), put(np.float32(2.0)))  # (the program runs where its argument is)
         counts, rows = np.asarray(d.expert_num_tokens), np.asarray(d.expert_x)
-        for e, n in enumerate(counts):
-            assert not rows[e, n:].any(), f"expert {e}: rows beyond its count {n} are not zero"
+        if d.expert_offsets is None:
+            for e, n in enumerate(counts):
+                assert not rows[e, n:].any(), f"expert {e}: rows beyond its count {n} are not zero"
+        else:
+            offsets = np.asarray(d.expert_offsets)
+            filled = np.zeros(len(rows), bool)
+            for e, n in enumerate(counts):
+                filled[offsets[e]:offsets[e] + n] = True
+            assert not rows[~filled].any(), f"rows outside the counted ones are not zero ({offsets}, {counts})"
         check_dispatch_against_oracle(a2a, fewer, d)
         a2a.check()
 
