@@ -30,7 +30,8 @@ def test_gradients_where_x_needs_none(lib, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["tests.cases.jax_cases:case_gradients", "tests.cases.grad_cases:case_torch_gradients"])
+@pytest.mark.parametrize("case", ["tests.cases.jax_cases:case_gradients",
+                                  "tests.cases.grad_cases:case_torch_gradients"])
 def test_gradients_of_contiguous_rows(case, backend):
     """The same gradients where the rows are contiguous (expert_offsets; the weights' exchange laid out alike)."""
     run_case(case, ranks_for(backend), env_backend(backend), args=("contiguous/8",), timeout=600)
