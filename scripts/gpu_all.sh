@@ -22,12 +22,27 @@ if [ "$N" -ge 2 ] && [ $((N % 2)) = 0 ]; then
   PYHIPA2A_RANKS_PER_NODE=$((N / 2)) timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --fused-expert \
     --json "$OUT/bench_nodes.json" > "$OUT/bench_nodes.txt" 2>&1; nodes=$?
 fi
+# The MoE layer at prefill sizes (issue 57): DeepSeek-V3's E = 256, k = 8, H = 7168, in sequence and
+# overlapped by groups, at 1024 and 4096 tokens a rank; and the exchange alone in both layouts.
+layer=0
+if [ $((256 % N)) = 0 ]; then
+  for T in 1024 4096; do
+    timeout 600 $MPIRUN -n "$N" python3 scripts/moe_layer.py --tokens "$T" --experts-per-rank $((256 / N)) \
+      --json "$OUT/moe_layer_$T.json" > "$OUT/moe_layer_$T.txt" 2>&1 || layer=1
+    for rows in packed contiguous; do
+      timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --fused-expert --shape "256,8,7168,$T" --iters 20 \
+        --row-layout "$rows" --json "$OUT/prefill_${rows}_$T.json" > "$OUT/prefill_${rows}_$T.txt" 2>&1 || layer=1
+    done
+  done
+fi
 sed -n '/^== summary/,$p' "$OUT/validate.txt"
 tail -n 3 "$OUT/stress.txt"
 sed -n '/^pyhipa2a bench/,$p' "$OUT/bench.txt"
 sed -n '/^shape /,$p' "$OUT/bench_fused.txt"
 sed -n '/^sweep /,$p' "$OUT/sweep.txt"
 sed -n '/^shape /,$p' "$OUT/bench_nodes.txt" 2>/dev/null
+grep -h "^moe_layer: .* ranks" "$OUT"/moe_layer_*.txt 2>/dev/null
+for f in "$OUT"/prefill_*.txt; do [ -e "$f" ] && echo "$(basename "$f" .txt): $(grep -E "^E=256" "$f")"; done
 printf '%-12s %s\n' validate "$validate" bench "$bench" bench_fused "$fused" sweep "$sweep" stress "$stress" \
-  bench_nodes "$nodes"
-[ "$validate$bench$fused$sweep$stress$nodes" = 000000 ]
+  bench_nodes "$nodes" prefill "$layer"
+[ "$validate$bench$fused$sweep$stress$nodes$layer" = 0000000 ]

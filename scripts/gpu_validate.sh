@@ -31,6 +31,7 @@ if [ "$N" -ge 2 ] && [ $((N % 2)) = 0 ]; then
   step check_nodes $MPIRUN -n "$N" python3 scripts/check.py --ranks-per-node $((N / 2))
   step check_nodes_fused $MPIRUN -n "$N" python3 scripts/check.py --ranks-per-node $((N / 2)) --fused-expert --weights-at dispatch
 fi
+step check_contiguous $MPIRUN -n "$N" python3 scripts/check.py --row-layout contiguous
 python3 -c "import cupy" 2>/dev/null && step cupy_moe $MPIRUN -n "$N" python3 scripts/cupy_moe.py
 step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu tests
 [ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu tests
