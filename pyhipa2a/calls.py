@@ -348,40 +348,6 @@ class Calls:
         finally:
             streams.leave()
 
-    # -- groups (dispatch(groups=G): pyhipa2a.groups) ---------------------------------
-    def wait_group(self, group: int, stream=None) -> None:
-        """Work queued on `stream` from now on (None: the stream of this object's calls) waits, on the device,
-        until group `group`'s rows of the pending dispatch(groups=G) are in expert_x."""
-        self._usable()
-        s = self._caller_stream(stream)
-        self._groups.wait(group, s, self._captured(s))
-
-    def group_done(self, group: int, stream=None) -> None:
-        """After the work queued on `stream` so far (None: the stream of this object's calls), group `group`'s
-        rows of expert_y are written: combine may send them. Every group, once, in any order, before combine."""
-        self._usable()
-        s = self._caller_stream(stream)
-        self._groups.done(group, s, self._captured(s))
-
-    def group_rows(self, group: int) -> range:
-        """row_layout="contiguous": the rows of expert_x that group `group` of the pending dispatch(groups=G) fills
-        (each expert's rounded up to row_align), once the dispatch has counted them, before they land: the host
-        waits for that (bounded), so a GEMM of the group can be launched on these rows right after wait_group."""
-        self._usable()
-        return self._groups.rows(group)
-
-    def group_experts(self, group: int) -> range:
-        """The local experts of group `group` of the pending dispatch(groups=G): l with l * G // L == group (their
-        rows: expert_offsets[first] .. expert_offsets[last + 1] with row_layout="contiguous")."""
-        return self._groups.experts(group)
-
-    def _caller_stream(self, stream):
-        return self.stream_for() if stream is None else self._streams.given(stream)
-
-    def _captured(self, s) -> bool:
-        """Whether work queued on `s` now would be recorded into a graph (ours, or another library's)."""
-        return self._streams.capturing is not None or self._streams.captured_elsewhere(s)
-
     def _order_reader(self, s, lead, library) -> tuple:
         """Queue the reads of outputs handed to `library` after the call just queued on `s`; the step, for
         the call's plan. None where `s` is that library's current stream, asked for the call (lead) and

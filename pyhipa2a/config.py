@@ -5,6 +5,7 @@ decides; `node_part` derives a node's part of a call across nodes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -121,14 +122,14 @@ class Config:
         rows = self.capacity * min(self.top_k, self.local_experts) + self.local_experts * (self.row_align - 1)
         return -(-rows // self.row_align) * self.row_align
 
-    @property
+    @functools.cached_property  # (asked at calls: rows_shape is expert_y's; a frozen object's, computed once)
     def recv_rows(self) -> int:
         """Rows of expert_x (and its meta, scales): L * W * M, or R = max_recv_rows contiguous."""
         if not self.contiguous:
             return self.local_experts * self.capacity
         return self.recv_rows_bound() if self.max_recv_rows is None else self.max_recv_rows
 
-    @property
+    @functools.cached_property
     def rows_shape(self) -> tuple[int, ...]:
         """The leading shape of expert_x, expert_meta, expert_x_scales and expert_y: [L, W*M], or [R] contiguous."""
         return (self.recv_rows,) if self.contiguous else (self.local_experts, self.capacity)
