@@ -135,8 +135,9 @@ def _dispatch(backend, a, c, v: View) -> None:
             inbox = v.buf(r, "push_tok", (2, W, P, words), np.uint64)[p, me]
             inbox[tokens, :tb // 4] = tag(x[tokens].view(np.uint32), v.epoch)
     v.rec.record(2, t0, me)
-    expert_x = v.buf(me, "recv_x", (a.recv_rows, rb), np.uint8)  # (row l * W * M + i of expert l, or contiguous
-    meta = v.buf(me, "recv_meta", (a.recv_rows, 3), np.int32)   # its row from its first)
+    # Every layout's rows as one run: expert l's row i is row l * W * M + i, or contiguous its first row + i
+    expert_x = v.buf(me, "recv_x", (a.recv_rows, rb), np.uint8)
+    meta = v.buf(me, "recv_meta", (a.recv_rows, 3), np.int32)
     scales = v.buf(me, "recv_scales", (a.recv_rows, a.scale_cols), np.float32)
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
