@@ -257,8 +257,10 @@ A2A_DEVICE u32 last_group(const Ctx& x, const RowSlot& s, u32 here, u32 G, u32 l
 // flag (part 0; the other parts have nothing to do). The part varies
 // slowest, so that part 0's items, the only ones a pulled segment has, go to
 // every warp of the grid (varying fastest, they fell to one warp a block).
+// `phase`, `G`: c's, or the whole combine's (0, 0) in a kernel that takes no parts.
 template <typename Fmt, u32 U>
-A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, const u32* pre) {
+A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, const u32* pre,
+                                   u32 phase, u32 G) {
   constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
@@ -285,7 +287,7 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
     const RowSlot lane_slot = load_row_slot(rows + ((u64)src * x.M + t) * x.k, g.lane, x.k, x.a.num_experts);
     const u32 here = slots_on(lane_slot, x.a.div_L, me);
     if (!here) continue;
-    if (c.phase != A2A_WHOLE_COMBINE && last_group(x, lane_slot, here, c.groups, g.lane) != c.phase - 1u) continue;
+    if (phase != A2A_WHOLE_COMBINE && last_group(x, lane_slot, here, G, g.lane) != phase - 1u) continue;
     const i32 lane_slot_of = U < A2A_CHUNKS ? early_slot : load_slot_of(token_slots, g.lane, x.k);
     if (!keep_slots(sc.slots, lane_slot_of, here, x.k, g.lane)) continue;  // the owner's wait ends on the reported error
     const float* w = nullptr;  // a single row goes back unweighted: no need to wait for the weights
@@ -481,7 +483,7 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   }
 }
 
-template <typename Fmt, u32 U>
+template <typename Fmt, u32 U, bool Phased>
 A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   A2A_PROF_BEGIN(a.prof);
   const Ctx x = make_ctx(a, false);
@@ -490,12 +492,13 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   __shared__ float w_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   const WarpScratch sc{slot_buf[g.warp_in_block], w_buf[g.warp_in_block]};
-  // After dispatch(groups=) combine comes in parts (CombineCall.phase): one that sends each group's
-  // tokens, queued behind the caller's groups, then the reduce, which also clears the dispatch's
-  // counters of landed rows for the next one (every group's rows are in by now).
-  const bool sends = c.phase != A2A_REDUCE_ONLY, reduces = c.phase == A2A_WHOLE_COMBINE || !sends;
+  // After dispatch(groups=) combine comes in parts (CombineCall.phase), in the Phased kernel: one
+  // that sends each group's tokens, queued behind the caller's groups, then the reduce, which also
+  // clears the dispatch's counters of landed rows for the next one (every group's rows are in by now).
+  const u32 phase = Phased ? c.phase : A2A_WHOLE_COMBINE, G = Phased ? c.groups : 0u;
+  const bool sends = phase != A2A_REDUCE_ONLY, reduces = phase == A2A_WHOLE_COMBINE || !sends;
   // (send_contributions is never called with A2A_REDUCE_ONLY, so a phase there is the whole or 1 .. G)
-  if (reduces && c.groups && a2a_block() == 0)
+  if (reduces && G && a2a_block() == 0)
     for (u32 i = a2a_thread(); i < A2A_GROUP_STRIPES * A2A_MAX_GROUPS; i += a2a_block_dim())
       local<u32>(a, a.off_group_landed)[i] = 0u;
   if (a2a_block() == 0 && c.weights && sends) send_weights(x, c, g);
@@ -507,7 +510,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   if (x.W > 1) {
     source_prefix(x, 0u, pre, false, g);
     pushed_back = (pre[x.W + 3] >> x.h.rank & 1u) != 0u;
-    if (sends) send_contributions<Fmt, U>(x, c, g, sc, pre);
+    if (sends) send_contributions<Fmt, U>(x, c, g, sc, pre, phase, G);
   }
   // A lane may still read the warp's scratch (sc.slots, sc.w) for the last
   // contribution it pushed (that path skips the loop's closing sync) when
@@ -526,9 +529,13 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
 // The bulk kernels (a segment a warp) and the small ones (a chunk a warp),
 // launched with at most half the threads a block so that a block of either
 // takes no more of a multiprocessor's registers than the other
-// (pyhipa2a/legs.py: settle_geometry checks that on the device).
-#define A2A_COMBINE(name, Fmt, U, threads) \
-  extern "C" __global__ void A2A_MAX_THREADS(threads) name(A2AArgs a, CombineCall c) { combine<Fmt, U>(a, c); }
+// (pyhipa2a/legs.py: settle_geometry checks that on the device); each also
+// as name_phased, the kernel of a combine in parts (after dispatch(groups=)).
+#define A2A_COMBINE(name, Fmt, U, threads)                                                                        \
+  extern "C" __global__ void A2A_MAX_THREADS(threads) name(A2AArgs a, CombineCall c) { combine<Fmt, U, false>(a, c); } \
+  extern "C" __global__ void A2A_MAX_THREADS(threads) name##_phased(A2AArgs a, CombineCall c) {                   \
+    combine<Fmt, U, true>(a, c);                                                                                  \
+  }
 A2A_COMBINE(a2a_combine_f16, F16, A2A_CHUNKS, A2A_MAX_BLOCK_THREADS)
 A2A_COMBINE(a2a_combine_bf16, BF16, A2A_CHUNKS, A2A_MAX_BLOCK_THREADS)
 A2A_COMBINE(a2a_combine_small_f16, F16, 1u, A2A_MAX_BLOCK_THREADS / 2)

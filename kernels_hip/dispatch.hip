@@ -39,7 +39,11 @@
 // The steps are templates on X, how x becomes expert_x (A2A_X_* in
 // exchange.h): 16-bit rows are copied as bytes; fp8 rows (given, or
 // quantized from 16-bit ones on the way) move as fp8.h's pieces with their
-// block scales. One kernel per X, so the 16-bit kernel is what it was.
+// block scales. One kernel per X, so the 16-bit kernel is what it was. And
+// one per Placed: whether rows may be placed by every expert's total
+// (row_align: contiguous rows) or counted as they land (groups); the other
+// kernel compiles neither, so a call that uses neither runs no step of
+// theirs (pyhipa2a/legs.py picks the kernel by the configuration and call).
 #include "fp8.h"
 
 // A routing slot as it travels: e + E * place (place: its index among the
@@ -323,9 +327,10 @@ A2A_DEVICE bool take_own(const Ctx& x, const u64* p, u32& v) {
 // expert here (l). With `record` (the warp of the token's first segment) the
 // lane also writes the row's meta and, for combine, the decoded routing slot
 // and its row. False in every lane when a word never came (reported).
+template <bool Placed>
 A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool record, u32 lane, i32& row,
                             u32& expert_here) {
-  const u32 me = (u32)x.h.rank;
+  const u32 me = (u32)x.h.rank, align = Placed ? x.a.row_align : 0u;
   const u64 at = ((u64)src * x.M + t) * x.k + lane;
   bool ok = true;
   row = -1;
@@ -341,11 +346,11 @@ A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool
       const u32 chunk = quot(x.a.div_chunk, t), from = src * route_chunks(x);
       u32 before = 0, first = 0;
       ok = sum_counts(x, l, x.a.by_source ? from : 0u, x.a.by_source ? chunk : from + chunk, before);
-      if (ok && x.a.row_align) ok = take_own(x, local<u64>(x.a, x.a.off_row_starts) + l, first);
+      if (ok && align) ok = take_own(x, local<u64>(x.a, x.a.off_row_starts) + l, first);
       // (below W * M, or R contiguous, while senders keep the protocol and the rows fit)
       const u32 r = (x.a.by_source ? src * x.M : 0u) + first + before + place;
-      if (ok && r < (x.a.row_align ? x.a.recv_rows : x.capacity))
-        row = (i32)(x.a.row_align ? r : l * x.capacity + r);
+      if (ok && r < (align ? x.a.recv_rows : x.capacity))
+        row = (i32)(align ? r : l * x.capacity + r);
       else if (ok)
         report(x, A2A_ERR_CAPACITY, me, l, r);
     }
@@ -377,7 +382,7 @@ A2A_DEVICE void count_landed(const Ctx& x, const WarpGrid& g, i32 row, u32 group
 // all of its expert rows, as soon as the slots and the segment are in: a
 // staged segment is read over the link once its flag is here, a pushed one
 // from our inbox once its words carry the epoch.
-template <u32 X>
+template <u32 X, bool Placed>
 A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
@@ -391,8 +396,8 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
     A2A_PROF_START(t1);
     i32 slot;  // lane j: slot j's row here, or -1
     u32 l = 0;  // lane j: slot j's expert here
-    if (!expert_rows(x, out.meta, src, t, seg == 0, g.lane, slot, l)) break;
-    const u32 group = c.groups ? l * (u32)c.groups / x.L : 0u;
+    if (!expert_rows<Placed>(x, out.meta, src, t, seg == 0, g.lane, slot, l)) break;
+    const u32 G = Placed ? c.groups : 0u, group = G ? l * G / x.L : 0u;
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_HEADER, t1, src | t << 8);
     A2A_PROF_START(t3);
     u32 n = 0;
@@ -425,7 +430,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
         store_piece(expert_x + (u64)slots[d] * rb, expert_scales + (u64)slots[d] * x.a.scale_cols,
                     seg * x.a.x_seg_elems, g.lane, p);
       a2a_wave_sync();  // slots[] is reused by this warp's next item
-      if (c.groups) count_landed(x, g, slot, group);
+      if (G) count_landed(x, g, slot, group);
       A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
       continue;
     }
@@ -445,7 +450,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
           if (i < count) row[i * A2A_WARP_SIZE] = v[i];
       }
       a2a_wave_sync();  // slots[] is reused by this warp's next item
-      if (c.groups) count_landed(x, g, slot, group);
+      if (G) count_landed(x, g, slot, group);
       A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
       continue;
     }
@@ -458,7 +463,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
     const u8* vec = token_vector(x, c, src, t);
     copy_row_fanout(expert_x + sg.first, rb, slots, n, vec + sg.first, sg.bytes, g.lane);
     a2a_wave_sync();  // slots[] is reused by this warp's next item
-    if (c.groups) count_landed(x, g, slot, group);
+    if (G) count_landed(x, g, slot, group);
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
   }
 }
@@ -631,14 +636,14 @@ A2A_DEVICE void publish_source_counts(const Ctx& x, const Outputs& out, const Wa
   }
 }
 
-template <u32 X>
+template <u32 X, bool Placed>
 A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   A2A_PROF_BEGIN(a.prof);
   const Ctx x = make_ctx(a, true);
   const Outputs out = outputs_of(x, c);
   const WarpGrid g = warp_grid();
   // With groups the grid's last warp watches them (watch_groups) and the others share the rest.
-  const u32 G = (u32)c.groups;
+  const u32 G = Placed ? c.groups : 0u, align = Placed ? a.row_align : 0u;
   const bool watcher = G && g.warp == g.warps - 1u, dedicated = G && g.warps > 1u;
   WarpGrid w = g;
   if (dedicated) w.warps -= 1u;
@@ -669,9 +674,9 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
       if (a.by_source)
         publish_source_counts(x, out, w, G != 0u);
       else
-        publish_counts(x, out.num_tokens, w, a.row_align || G);
-      if (a.row_align && w.warp == w.warps / 4u) publish_offsets(x, out.offsets, w, c.ticket);
-      fan_out<X>(x, c, out, w, pre);
+        publish_counts(x, out.num_tokens, w, align || G);
+      if (align && w.warp == w.warps / 4u) publish_offsets(x, out.offsets, w, c.ticket);
+      fan_out<X, Placed>(x, c, out, w, pre);
     }
     if (ok && watcher) watch_groups(x, G, g);
   }
@@ -683,20 +688,19 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
                               {(u8*)out.num_tokens, (u64)x.L * 4u},
                               {(u8*)out.scales, rows * a.scale_cols * 4u},
                               {(u8*)out.layout, a.by_source ? (u64)x.L * x.W * 8u : 0u},
-                              {(u8*)out.offsets, a.row_align ? ((u64)x.L + 1u) * 4u : 0u}};
+                              {(u8*)out.offsets, align ? ((u64)x.L + 1u) * 4u : 0u}};
   finish(x, 0u, poisoned, Raise{local<u32>(a, a.off_group_ready), G});
 }
 
-// One kernel per way x becomes expert_x (pyhipa2a/legs.py picks it).
-extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch(A2AArgs a, DispatchCall c) {
-  dispatch<A2A_X_COPY>(a, c);
-}
-extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch_fp8(A2AArgs a, DispatchCall c) {
-  dispatch<A2A_X_FP8>(a, c);
-}
-extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch_quantize_f16(A2AArgs a, DispatchCall c) {
-  dispatch<A2A_X_QUANTIZE_F16>(a, c);
-}
-extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) a2a_dispatch_quantize_bf16(A2AArgs a, DispatchCall c) {
-  dispatch<A2A_X_QUANTIZE_BF16>(a, c);
-}
+// One kernel per way x becomes expert_x, and per Placed (pyhipa2a/legs.py picks it).
+#define A2A_DISPATCH(name, X)                                                                                   \
+  extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) name(A2AArgs a, DispatchCall c) {             \
+    dispatch<X, false>(a, c);                                                                                   \
+  }                                                                                                             \
+  extern "C" __global__ void A2A_MAX_THREADS(A2A_MAX_BLOCK_THREADS) name##_placed(A2AArgs a, DispatchCall c) {    \
+    dispatch<X, true>(a, c);                                                                                    \
+  }
+A2A_DISPATCH(a2a_dispatch, A2A_X_COPY)
+A2A_DISPATCH(a2a_dispatch_fp8, A2A_X_FP8)
+A2A_DISPATCH(a2a_dispatch_quantize_f16, A2A_X_QUANTIZE_F16)
+A2A_DISPATCH(a2a_dispatch_quantize_bf16, A2A_X_QUANTIZE_BF16)

@@ -1,7 +1,10 @@
 """A node exchange's two call kinds as launches: which kernel, on how many blocks, from which arguments.
 
 Blocks of a launch wait on each other's flags, so the whole grid (of every rank that drives the device)
-must be resident at once; every launch takes that grid however few items a call has. Each leg packs its
+must be resident at once; every launch takes that grid however few items a call has. Each kernel comes
+twice: the one of calls in groups (dispatch(groups=), and combine's parts after it) and the one of calls
+without, which compiles none of that (a dispatch's rows laid out contiguously take the former always:
+they wait for every expert's total as a grouped call does). Each leg packs its
 arguments twice: the full path's pack, and a plan's copy of it (Kernel.repeater); both launch sites are
 made with the object (Kernel.prepare), so no call takes device memory later.
 """
@@ -43,11 +46,17 @@ def launch_geometry(threads: int, multiprocessors: int, per_mp: int, grid_blocks
     return blocks
 
 
+class Pair(NamedTuple):
+    """A kernel of calls without groups, and its twin for calls in groups."""
+    plain: object
+    grouped: object
+
+
 class Kernels(NamedTuple):
     """The kernels of a node exchange's calls, loaded when it is made (nothing may load while a capture records)."""
-    dispatch: object
-    combine: object
-    small_combine: object  # combine's small-call kernel (a warp a chunk, half the threads), or None
+    dispatch: Pair
+    combine: Pair
+    small_combine: Pair | None  # combine's small-call kernels (a warp a chunk, half the threads), or None
     fake_expert: object
 
 
@@ -55,9 +64,12 @@ def load_kernels(library, config: Config) -> Kernels:
     out16 = "bf16" if config.out_dtype.name == "bfloat16" else "f16"
     small = None
     if config.warp > 1 and env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES) != "bulk":
-        small = library.kernel(f"a2a_combine_small_{out16}")
+        small = Pair(library.kernel(f"a2a_combine_small_{out16}"), library.kernel(f"a2a_combine_small_{out16}_phased"))
     expert = f"expert_dequantize_{out16}" if config.scale_cols else f"expert_scale_{out16}"
-    return Kernels(library.kernel(DISPATCH_KERNELS[config.x_format]), library.kernel(f"a2a_combine_{out16}"),
+    dispatch = DISPATCH_KERNELS[config.x_format]
+    placed = library.kernel(dispatch + "_placed")
+    return Kernels(Pair(placed if config.contiguous else library.kernel(dispatch), placed),
+                   Pair(library.kernel(f"a2a_combine_{out16}"), library.kernel(f"a2a_combine_{out16}_phased")),
                    small, library.kernel(expert))
 
 
@@ -70,13 +82,13 @@ def settle_geometry(config: Config, backend, device, kernels: Kernels, ranks_on_
         return config.with_geometry(1, 1, -1)
     threads = config.block_threads
     check_block_threads(threads, warp)
-    per_mp = min(backend.resident_blocks(k.function, threads) for k in (kernels.dispatch, kernels.combine))
+    per_mp = min(backend.resident_blocks(k.function, threads) for k in (*kernels.dispatch, *kernels.combine))
     blocks = launch_geometry(threads, device.multiprocessors, per_mp, config.grid_blocks, ranks_on_device)
     choice, half = env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES), threads // 2
     small = kernels.small_combine
     if small is None:
         return config.with_geometry(threads, blocks, -1)
-    if half < warp or half % warp or backend.resident_blocks(small.function, half) < per_mp:
+    if half < warp or half % warp or min(backend.resident_blocks(k.function, half) for k in small) < per_mp:
         if choice == "small":
             raise ValueError(f"PYHIPA2A_COMBINE_KERNEL=small: the small combine kernel cannot run beside "
                              f"blocks of {threads} threads on this device")
@@ -87,36 +99,38 @@ def settle_geometry(config: Config, backend, device, kernels: Kernels, ranks_on_
 
 
 class Leg:
-    """One call kind's launches: `choices` ((kernel, threads a block, most tokens), ...), the first whose
-    most tokens a call's fit; `call` is the per-call argument struct of the pack the full path writes."""
+    """One call kind's launches: `choices` ((Pair, threads a block, most tokens), ...), the first whose
+    most tokens a call's fit, and of its pair the kernel of the call's `groups` (every call struct has
+    that field); `call` is the per-call argument struct of the pack the full path writes."""
 
     def __init__(self, choices: tuple, blocks: int, fixed):
         self.choices, self.blocks = choices, blocks
-        kernel = choices[0][0]
+        kernel = choices[0][0].plain
         self.pack, self.frozen = kernel.pack(), kernel.pack()
         self._places: dict = {}  # (repeater_places)
         fixed(self.pack[0])
         self.call = self.pack[1]
-        for kernel, threads, _ in choices:
-            for pack in (self.pack, self.frozen):
-                kernel.prepare(pack, blocks, threads)
+        for pair, threads, _ in choices:
+            for kernel in dict.fromkeys(pair):  # (a contiguous dispatch's pair is one kernel twice)
+                for pack in (self.pack, self.frozen):
+                    kernel.prepare(pack, blocks, threads)
 
-    def kernel_for(self, tokens: int) -> tuple:
-        """(kernel, threads a block) of a call of `tokens` tokens."""
-        for kernel, threads, most in self.choices:
+    def kernel_for(self, tokens: int, grouped: bool) -> tuple:
+        """(kernel, threads a block) of a call of `tokens` tokens, in groups or not."""
+        for pair, threads, most in self.choices:
             if tokens <= most:
-                return kernel, threads
+                return pair.grouped if grouped else pair.plain, threads
         raise AssertionError(f"no kernel takes {tokens} tokens")  # (the last choice takes any)
 
     def launch(self, stream, tokens: int) -> None:
         """The call whose arguments the pack holds, on `stream`."""
-        kernel, threads = self.kernel_for(tokens)
+        kernel, threads = self.kernel_for(tokens, self.call.groups != 0)
         kernel.launch(self.pack, self.blocks, threads, stream)
 
     def site(self, tokens: int) -> tuple:
-        """(kernel, blocks, threads a block, the address of the fixed arguments) of a call of `tokens` tokens,
-        for a launch from outside Python (pyhipa2a.jax) with call arguments of its own."""
-        kernel, threads = self.kernel_for(tokens)
+        """(kernel, blocks, threads a block, the address of the fixed arguments) of a call of `tokens` tokens
+        without groups, for a launch from outside Python (pyhipa2a.jax) with call arguments of its own."""
+        kernel, threads = self.kernel_for(tokens, False)
         return kernel, self.blocks, threads, ctypes.addressof(self.pack.arguments[0])
 
     def repeater_places(self, fields: tuple) -> dict:
@@ -131,7 +145,7 @@ class Leg:
     def repeater(self, tokens: int):
         """A function of the stream that launches the call the pack holds now, whatever is written to it
         later (a plan's launch: the one before it must be dropped, since both launch from `frozen`)."""
-        kernel, threads = self.kernel_for(tokens)
+        kernel, threads = self.kernel_for(tokens, self.call.groups != 0)
         return kernel.repeater(self.pack, self.frozen, self.blocks, threads)
 
 

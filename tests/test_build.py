@@ -12,9 +12,11 @@ from pyhipa2a import build
 from pyhipa2a.errors import CodeObjectNotFound
 from pyhipa2a.kernels import available_code_objects, select_code_object
 
-FLAG_KERNELS = {"heap_check": ["heap_check"],
-                "dispatch": ["a2a_dispatch", "a2a_dispatch_fp8", "a2a_dispatch_quantize_f16", "a2a_dispatch_quantize_bf16"],
-                "combine": ["a2a_combine_f16", "a2a_combine_bf16", "a2a_combine_small_f16", "a2a_combine_small_bf16"]}
+DISPATCH = ["a2a_dispatch", "a2a_dispatch_fp8", "a2a_dispatch_quantize_f16", "a2a_dispatch_quantize_bf16"]
+COMBINE = ["a2a_combine_f16", "a2a_combine_bf16", "a2a_combine_small_f16", "a2a_combine_small_bf16"]
+FLAG_KERNELS = {"heap_check": ["heap_check"],  # (each exchange kernel also as its twin of calls in groups)
+                "dispatch": DISPATCH + [name + "_placed" for name in DISPATCH],
+                "combine": COMBINE + [name + "_phased" for name in COMBINE]}
 WINDOW = 3  # instructions allowed between the cache operation and the flag access
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from pyhipa2a import config
 from pyhipa2a.config import DEFAULT_BLOCKS_PER_MP, MAX_GRID_BLOCKS
-from pyhipa2a.legs import Leg, check_block_threads, launch_geometry
+from pyhipa2a.legs import Leg, Pair, check_block_threads, launch_geometry, load_kernels
 
 
 def test_default_is_two_blocks_per_multiprocessor():
@@ -98,14 +98,33 @@ class FakeKernel:
         self.launches.append((grid, block, stream))
 
 
-def test_a_combine_takes_the_small_kernel_up_to_its_tokens_and_the_bulk_one_above():
-    small, bulk = FakeKernel("small"), FakeKernel("bulk")
+def test_a_combine_takes_the_small_kernel_up_to_its_tokens_the_bulk_one_above_and_each_twin_in_groups():
+    kernels = {name: FakeKernel(name) for name in ("small", "small_phased", "bulk", "bulk_phased")}
+    small, bulk = Pair(kernels["small"], kernels["small_phased"]), Pair(kernels["bulk"], kernels["bulk_phased"])
     leg = Leg(((small, 128, 3), (bulk, 256, 8)), 6, lambda args: None)
-    for tokens, want, threads in ((0, small, 128), (3, small, 128), (4, bulk, 256), (8, bulk, 256)):
-        before = len(want.launches)
-        leg.launch("stream", tokens)
-        assert want.launches[before:] == [(6, threads, "stream")], tokens
-    assert len(small.launches) + len(bulk.launches) == 4
+    for groups in (0, 4):
+        leg.call.groups = groups
+        for tokens, name, threads in ((0, "small", 128), (3, "small", 128), (4, "bulk", 256), (8, "bulk", 256)):
+            want = kernels[name + ("_phased" if groups else "")]
+            before = len(want.launches)
+            leg.launch("stream", tokens)
+            assert want.launches[before:] == [(6, threads, "stream")], (tokens, groups)
+    assert sum(len(k.launches) for k in kernels.values()) == 8
     # Every site of both packs made with the leg: none later, in the middle of a run.
-    assert sorted(small.prepared) == sorted([(id(leg.pack), 6, 128), (id(leg.frozen), 6, 128)])
-    assert sorted(bulk.prepared) == sorted([(id(leg.pack), 6, 256), (id(leg.frozen), 6, 256)])
+    for name, threads in (("small", 128), ("small_phased", 128), ("bulk", 256), ("bulk_phased", 256)):
+        assert sorted(kernels[name].prepared) == sorted([(id(leg.pack), 6, threads), (id(leg.frozen), 6, threads)])
+    assert leg.site(8)[0] is kernels["bulk"]  # (pyhipa2a.jax makes no calls in groups)
+
+
+def test_a_contiguous_dispatch_takes_the_placed_kernel_with_and_without_groups():
+    """Contiguous rows wait for every expert's total as a call in groups does: the kernel that compiles both."""
+    from pyhipa2a.config import Config
+
+    class Library:
+        def kernel(self, name):
+            return FakeKernel(name)
+
+    for layout, plain in (("packed", "a2a_dispatch"), ("contiguous", "a2a_dispatch_placed")):
+        config = Config.of(2, num_experts=4, experts_per_token=2, hidden_dim=64, max_num_tokens=8, row_layout=layout)
+        pair = load_kernels(Library(), config).dispatch
+        assert (pair.plain.name, pair.grouped.name) == (plain, "a2a_dispatch_placed")

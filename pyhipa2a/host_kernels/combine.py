@@ -144,3 +144,6 @@ def a2a_combine_f16(backend, a, c) -> None:
 
 def a2a_combine_bf16(backend, a, c) -> None:
     _combine(backend, a, c, bfloat16())
+
+
+a2a_combine_f16_phased, a2a_combine_bf16_phased = a2a_combine_f16, a2a_combine_bf16  # (one serves all here)

@@ -30,6 +30,9 @@ def a2a_dispatch(backend, a, c) -> None:
 
 
 a2a_dispatch_fp8 = a2a_dispatch_quantize_f16 = a2a_dispatch_quantize_bf16 = a2a_dispatch  # same steps, other bytes
+# (the device compiles contiguous rows and groups into a kernel of their own; here one serves all calls)
+a2a_dispatch_placed = a2a_dispatch_fp8_placed = a2a_dispatch_quantize_f16_placed = a2a_dispatch_quantize_bf16_placed = \
+    a2a_dispatch
 
 
 def carried(a, c, T: int) -> np.ndarray:
