@@ -6,9 +6,10 @@ a rank whose case raises prints its traceback and aborts the whole job, and a jo
 that outlives `timeout` is killed. Either way the pytest test fails with the ranks'
 output, within the time limit, never hanging.
 
-Cases on the host backend with no environment of their own and no rank meant to die
-run in a pool: one job per rank count, kept for the session, that runs case after
-case (`run_case.py --serve`), so a case pays neither a job's start nor its imports.
+Cases on the host backend with no rank meant to die, and no environment of their own
+but the library's variables (read when an object is made, never at import), run in a
+pool: one job per rank count, kept for the session, that runs case after case
+(`run_case.py --serve`), so a case pays neither a job's start nor its imports.
 A case that fails or outlives its time takes its job down, and the next case starts
 another. PYHIPA2A_TEST_POOL=0 runs every case in a job of its own.
 """
@@ -91,10 +92,10 @@ class Pool:
         self.proc = start_mpi([str(RUNNER), "--serve"], ranks, backend, stdin=subprocess.PIPE)
         self._pending = b""  # output read past the last full line
 
-    def run(self, case: str, args: tuple, timeout: float) -> subprocess.CompletedProcess:
-        """The case's run: its ranks' output, its job's exit code 0; AssertionError (the job killed or gone)
-        where it failed or outlived `timeout`."""
-        self.proc.stdin.write(json.dumps({"case": case, "args": list(args)}) + "\n")
+    def run(self, case: str, args: tuple, timeout: float, env: dict) -> subprocess.CompletedProcess:
+        """The case's run with `env` set on every rank: its ranks' output, its job's exit code 0; AssertionError
+        (the job killed or gone) where it failed or outlived `timeout`."""
+        self.proc.stdin.write(json.dumps({"case": case, "args": list(args), "env": env}) + "\n")
         self.proc.stdin.flush()
         deadline, stray = time.monotonic() + timeout, []
         fd = self.proc.stdout.fileno()
@@ -144,7 +145,7 @@ class Pool:
 _POOLS: dict = {}  # (ranks, backend) -> Pool: one kept at a time (each rank holds its imports' memory)
 
 
-def pooled(case: str, ranks: int, backend: str, args: tuple, timeout: float) -> subprocess.CompletedProcess:
+def pooled(case: str, ranks: int, backend: str, args: tuple, timeout: float, env: dict) -> subprocess.CompletedProcess:
     """The case's run in the pool. One that fails there runs again in a job of its own, for every rank's output
     as it was written (a pooled rank's is kept until the case ends): failing again, that job's failure is
     the test's; passing, the test fails all the same, as a case that depends on what an earlier case left."""
@@ -155,14 +156,14 @@ def pooled(case: str, ranks: int, backend: str, args: tuple, timeout: float) -> 
         _POOLS[key] = Pool(ranks, backend)
     pool = _POOLS[key]
     try:
-        return pool.run(case, args, timeout)
+        return pool.run(case, args, timeout, env)
     except BaseException as failure:
         pool.close(kill=True)
         del _POOLS[key]
         if not isinstance(failure, AssertionError):
             raise
         pooled_failure = str(failure)
-    run_mpi([str(RUNNER), case, *args], ranks, backend, timeout, what=case)
+    run_mpi([str(RUNNER), case, *args], ranks, backend, timeout, env, what=case)
     raise AssertionError(f"{case} failed in the pool of jobs but passed in a job of its own: it depends on what "
                          f"an earlier case left in the process. In the pool:\n{pooled_failure}")
 
@@ -177,8 +178,9 @@ def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0,
              env: dict | None = None, allow_rank_death: bool = False) -> subprocess.CompletedProcess:
     """One case function of tests/cases on every rank (see run_mpi; in the pool where it may run there); a case
     that skips on a rank skips the test."""
-    if backend == "host" and env is None and not allow_rank_death and os.environ.get("PYHIPA2A_TEST_POOL") != "0":
-        run = pooled(case, ranks, backend, tuple(map(str, args)), timeout)
+    library_env = all(name.startswith("PYHIPA2A_") and name != "PYHIPA2A_BACKEND" for name in env or {})
+    if backend == "host" and library_env and not allow_rank_death and os.environ.get("PYHIPA2A_TEST_POOL") != "0":
+        run = pooled(case, ranks, backend, tuple(map(str, args)), timeout, dict(env or {}))
     else:
         run = run_mpi([str(RUNNER), case, *map(str, args)], ranks, backend, timeout, env, allow_rank_death,
                       what=case)

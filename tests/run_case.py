@@ -5,7 +5,7 @@ so that a case pays neither the job's start nor its imports (PyTorch's alone is 
 request a line from stdin (JSON: case, args) and every rank runs it with its output kept; rank 0 answers with
 one line: MARK, then JSON of the case and every rank's output. A case that fails takes the job down as a lone
 case does: its rank prints what it wrote and the traceback, and aborts. Each case starts from the environment
-variables, warning filters and warnings not yet shown that the job started with.
+variables (with the request's own on top), warning filters and warnings not yet shown that the job started with.
 """
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def serve(comm) -> None:
             if isinstance(registry, dict):
                 registry.clear()
         with contextlib.redirect_stdout(kept), contextlib.redirect_stderr(kept):
+            os.environ.update(request["env"])
             status, text = run(comm, case, request["args"])
             os.environ.clear()
             os.environ.update(environ)
