@@ -16,6 +16,7 @@ import io
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -53,11 +54,21 @@ def finish(comm, case: str, status: str, text: str, out) -> None:
     out.flush()
 
 
+def next_request(comm):
+    """The next request, read by rank 0 (None: the harness closed our stdin). The other ranks wait for it asleep:
+    MPI's blocking calls poll (MPICH's do), and idle ranks polling would take the CPUs from whatever the test
+    session runs between cases (a job of its own, a build, an in-process test)."""
+    line = sys.stdin.readline() if comm.Get_rank() == 0 else None
+    arrived = comm.Ibarrier()
+    while not arrived.Test():
+        time.sleep(1e-3)
+    return comm.bcast(json.loads(line) if line and line.strip() else None)
+
+
 def serve(comm) -> None:
     rank, real_out = comm.Get_rank(), sys.stdout
     while True:
-        line = sys.stdin.readline() if rank == 0 else None
-        request = comm.bcast(json.loads(line) if line and line.strip() else None)
+        request = next_request(comm)
         if request is None:  # (the harness closed our stdin: the session is over)
             return
         case, environ, kept, filters = request["case"], dict(os.environ), io.StringIO(), warnings.filters[:]
