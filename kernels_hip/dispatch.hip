@@ -688,7 +688,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
                               {(u8*)out.num_tokens, (u64)x.L * 4u},
                               {(u8*)out.scales, rows * a.scale_cols * 4u},
                               {(u8*)out.layout, a.by_source ? (u64)x.L * x.W * 8u : 0u},
-                              {(u8*)out.offsets, align ? ((u64)x.L + 1u) * 4u : 0u}};
+                              {(u8*)out.offsets, align ? ((u64)x.L + 1u) * 4u : 0u, a.recv_rows}};
   finish(x, 0u, poisoned, Raise{local<u32>(a, a.off_group_ready), G});
 }
 

@@ -294,6 +294,11 @@ A2A_DEVICE void report(const Ctx& x, u32 code, u32 peer, u32 what, u32 detail) {
 struct Poison {
   u8* p;
   u64 bytes;
+  // each 4-byte word of the region becomes this: all ones make NaN rows and -1 counts; contiguous
+  // rows' offsets all become R instead, offsets a grouped GEMM still reads without a fault (group 0
+  // then spans every row, NaN, and expert_offsets[0] != 0 says so), so the call's own error is the
+  // one its caller sees, not the GEMM's
+  u32 word = 0xffffffffu;
 };
 // Words to raise (1) once a failed call's outputs are poisoned: dispatch's
 // group readiness words, which streams may wait for on the device.
@@ -318,7 +323,11 @@ A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N], Raise 
   if (a2a_thread() == 0) claimed = a2a_exchange_dev(&done[A2A_MAX_GRID], x.epoch) != x.epoch;
   a2a_block_sync();
   if (!claimed) return;
-  for (u32 i = 0; i < N; ++i) a2a_fill_bytes(outputs[i].p, outputs[i].bytes, 0xffu);
+  for (u32 i = 0; i < N; ++i)
+    if (outputs[i].word == 0xffffffffu)
+      a2a_fill_bytes(outputs[i].p, outputs[i].bytes, 0xffu);
+    else
+      a2a_fill_words(reinterpret_cast<u32*>(outputs[i].p), outputs[i].bytes / 4u, outputs[i].word);
   if (!raise.n) return;
   a2a_release_before_barrier_dev();
   a2a_block_sync();  // the poison is written

@@ -45,17 +45,18 @@ struct Rows {
 };
 
 // Contiguous rows: whether expert_offsets hold every expert's counted rows,
-// in order, within the buffer (a failed dispatch's poison, -1 everywhere,
-// does not: the walk then takes every row, so that poisoned rows turn into
-// poisoned expert_y and nothing past the buffer is touched). The same in
-// every thread of the block.
+// in order, from row 0, within the buffer (a failed dispatch's poison, R in
+// every offset and -1 in every count, does not: the walk then takes every
+// row, so that poisoned rows turn into poisoned expert_y and nothing past
+// the buffer is touched). The same in every thread of the block.
 A2A_DEVICE bool offsets_hold(const u32* prefix, const Rows& rows, u32 L) {
   __shared__ u32 broken;
   if (a2a_thread() == 0) broken = 0u;
   a2a_block_sync();
   for (u32 l = a2a_thread(); l < L; l += a2a_block_dim()) {
     const i32 first = rows.offsets[l], next = rows.offsets[l + 1];
-    if (first < 0 || next < first || (u32)next > rows.recv_rows || (u32)(next - first) < prefix[l + 1] - prefix[l])
+    if ((l == 0 && first != 0) || first < 0 || next < first || (u32)next > rows.recv_rows ||
+        (u32)(next - first) < prefix[l + 1] - prefix[l])
       broken = 1u;
   }
   a2a_block_sync();

@@ -137,3 +137,8 @@ A2A_DEVICE_CALLED void a2a_fill_bytes(u8* p, u64 bytes, u8 value) {
   for (u64 i = a2a_thread(); i < body; i += a2a_block_dim()) q[i] = v;
   for (u64 i = head + body * 16u + a2a_thread(); i < bytes; i += a2a_block_dim()) p[i] = value;
 }
+
+// All threads of a block set `words` 4-byte words at `p` (aligned) to `value` (out of line, as above).
+A2A_DEVICE_CALLED void a2a_fill_words(u32* p, u64 words, u32 value) {
+  for (u64 i = a2a_thread(); i < words; i += a2a_block_dim()) p[i] = value;
+}

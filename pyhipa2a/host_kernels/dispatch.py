@@ -21,8 +21,9 @@ def a2a_dispatch(backend, a, c) -> None:
                                v.buf(v.me, "recv_meta", (a.recv_rows, 3), np.int32),
                                v.buf(v.me, "num_tokens", (v.L,), np.int32),
                                v.buf(v.me, "recv_scales", (a.recv_rows, a.scale_cols), np.float32),
-                               v.buf(v.me, "layout", (v.L, v.W, 2), np.int32)[:v.L if a.by_source else 0],
-                               v.buf(v.me, "offsets", (v.L + 1,), np.int32)[:v.L + 1 if a.row_align else 0]))
+                               v.buf(v.me, "layout", (v.L, v.W, 2), np.int32)[:v.L if a.by_source else 0]),
+               # (contiguous rows' offsets all R: exchange.h's Poison says why)
+               words=((v.buf(v.me, "offsets", (v.L + 1,), np.int32)[:v.L + 1 if a.row_align else 0], a.recv_rows),))
         # dispatch(groups=): every group's readiness word, once its rows are in (here: all at once, at the
         # end), or once a failed call's outputs are poisoned (watch_groups and finish in dispatch.hip)
         for group in range(c.groups):

@@ -53,12 +53,15 @@ def valid_slots(rows: np.ndarray, num_experts: int) -> np.ndarray:
     return ok
 
 
-def finish(backend, a, v: View, outputs) -> None:
-    """exchange.h's finish: an error status poisons the outputs (all-ones bytes); on_timeout="trap" traps too."""
+def finish(backend, a, v: View, outputs, words=()) -> None:
+    """exchange.h's finish: an error status poisons the outputs (all-ones bytes; `words`, (int32 array, value)
+    pairs: that value in each word); on_timeout="trap" traps too."""
     code = int(v.status.words[0])
     if code == STATUS_OK:
         return
     for out in outputs:
         out.view(np.uint8)[...] = 0xFF
+    for out, value in words:
+        out[...] = value
     if a.trap_on_timeout and code == STATUS_TIMEOUT:
         backend.trap(f"a kernel of rank {v.me} timed out with on_timeout='trap'")

@@ -18,7 +18,7 @@ def _rows(counts, layout, offsets, sources, recv_rows, L: int, capacity: int) ->
     if offsets.value:
         first = mem(offsets.value, (L + 1,), np.int32).astype(np.int64)
         spans = np.diff(first)
-        if first[0] < 0 or (spans < 0).any() or first[L] > recv_rows.value or (spans < n).any():
+        if first[0] != 0 or (spans < 0).any() or first[L] > recv_rows.value or (spans < n).any():
             return [np.arange(recv_rows.value)]
         return [first[l] + np.arange(n[l]) for l in range(L)]
     if not layout.value:
