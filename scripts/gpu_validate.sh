@@ -16,6 +16,9 @@ if [ "${MPS:-0}" = 1 ]; then
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || exit 1
   trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  # Small grids leave the GEMMs of moe_layer.py room beside the exchange kernels of the other ranks
+  # (docs/PREFILL.md: ranks that share a GPU).
+  export PYHIPA2A_GRID_BLOCKS=${PYHIPA2A_GRID_BLOCKS:-16}
 fi
 MPIRUN=${MPIRUN:-"mpirun --allow-run-as-root --bind-to none --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none"}
 declare -A RESULT

@@ -351,7 +351,8 @@ def case_launch_sites_made_ahead(comm):
     on arrays like the last call's but new), the same arrays again (repeats), one token and M (on a GPU
     the small and the bulk combine kernels: H = 7168 puts M = 128 above the small kernel's limit, 37
     tokens on 264 blocks of an H100, 76 on MI300X's 608), the fake expert as a kernel and fused into
-    combine. Every kernel prepared is launched, and every launch is from a site prepared."""
+    combine, a dispatch in groups (each exchange kernel's twin: one function on the host). Every kernel
+    prepared is launched, and every launch is from a site prepared."""
     from pyhipa2a.testing import dispatch_uploaded, free_inputs, fused_combine, upload_inputs
 
     from . import launch_sites_watched
@@ -363,7 +364,8 @@ def case_launch_sites_made_ahead(comm):
             made = set(prepared)
             kinds = {s[:3] for s in made}  # (a GPU's small combine kernel among them where it runs)
             small = a2a.config.small_combine_tokens >= 0
-            assert len(kinds) == 3 + small, kinds
+            twins = 0 if backend.kind == "host" else 2 + small
+            assert len(kinds) == 3 + small + twins, kinds
             assert not small or a2a.config.small_combine_tokens < M, a2a.config.small_combine_tokens
             for seed, tokens in ((1, 1), (2, M)):
                 inputs = draw_world(seed, world, E, k, H, M, token_counts=[tokens] * world)
@@ -377,6 +379,13 @@ def case_launch_sites_made_ahead(comm):
                     a2a.synchronize()
                     assert y.shape == (tokens, H)
                     free_inputs(a2a, arrays)
+                me = a2a.rank
+                d = a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=2)
+                expert_y = a2a.fake_expert(d)
+                a2a.group_done(0)
+                a2a.group_done(1)
+                a2a.combine(expert_y)
+                a2a.synchronize()
             assert prepared == made, prepared - made  # nothing prepared after the object was made
             assert launched <= made, launched - made
             assert {s[:3] for s in launched} == kinds, kinds - {s[:3] for s in launched}  # every kernel ran
