@@ -34,7 +34,10 @@ def case_clock_sync(comm):
         if a2a.backend.kind == "host":
             assert abs(one.offset_ns) <= one.error_ns and abs(two.offset_ns) <= two.error_ns, (one, two)
         else:
-            assert one.error_ns < 5000 and two.error_ns < 5000, (one, two)  # a link's round trip, not a launch's
+            # A link's round trip, not a launch's; where ranks share a GPU their contexts may take turns (a
+            # time slice, milliseconds, between a word and its answer): then only that the bound is finite.
+            bound = 5000 if a2a.heap.ranks_on_device == 1 else 50_000_000
+            assert one.error_ns < bound and two.error_ns < bound, (one, two)
             assert abs(one.offset_ns - two.offset_ns) <= one.error_ns + two.error_ns + 1000, (one, two)
             # Host minus device, as this rank's own host reading has it (good to a launch's round trip:
             # a few us) where two GPUs' clocks stand tens of us apart: a sign slip would show.
