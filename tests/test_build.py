@@ -1,6 +1,7 @@
 """Ahead-of-time build: AMD code objects carry the memory-ordering instructions the protocol relies on."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -42,8 +43,9 @@ def gfx942_objects(tmp_path_factory):
     return built_objects(tmp_path_factory.mktemp("gfx942"), "gfx942.hsaco", amd_archs=("gfx942",), targets=("amd",))
 
 
+@functools.lru_cache(maxsize=None)
 def disassemble(path) -> dict[str, list[str]]:
-    """Instructions per function symbol."""
+    """Instructions per function symbol (each code object disassembled once a session: the callers only read)."""
     objdump = build.find_objdump()
     if objdump is None:
         pytest.skip("no llvm-objdump to disassemble the gfx942 code object")
