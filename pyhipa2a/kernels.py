@@ -127,7 +127,7 @@ SIGNATURES = {  # kernel name -> (code object, argument types)
     "heap_check": ("heap_check", (HeapCheckArgs,)),
     # the exchange's kernels, each with its twin of calls in groups (kernels_hip/dispatch.hip, combine.hip)
     **{name + twin: ("dispatch", (A2AArgs, DispatchCall)) for twin in ("", "_placed")
-       for name in ("a2a_dispatch", "a2a_dispatch_fp8", "a2a_dispatch_quantize_f16", "a2a_dispatch_quantize_bf16")},
+       for name in DISPATCH_KERNELS.values()},
     **{name + twin: ("combine", (A2AArgs, CombineCall)) for twin in ("", "_phased")
        for name in ("a2a_combine_f16", "a2a_combine_bf16", "a2a_combine_small_f16", "a2a_combine_small_bf16")},
     "expert_scale_f16": ("expert", (u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32)),
