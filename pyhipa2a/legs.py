@@ -1,12 +1,13 @@
 """A node exchange's two call kinds as launches: which kernel, on how many blocks, from which arguments.
 
 Blocks of a launch wait on each other's flags, so the whole grid (of every rank that drives the device)
-must be resident at once; every launch takes that grid however few items a call has. Each kernel comes
-twice: the one of calls in groups (dispatch(groups=), and combine's parts after it) and the one of calls
-without, which compiles none of that (a dispatch's rows laid out contiguously take the former always:
-they wait for every expert's total as a grouped call does). Each leg packs its
-arguments twice: the full path's pack, and a plan's copy of it (Kernel.repeater); both launch sites are
-made with the object (Kernel.prepare), so no call takes device memory later.
+must be resident at once; every launch takes that grid however few items a call has.
+
+Each kernel comes twice: the one of calls in groups (dispatch(groups=), and combine's parts after it) and
+the one of calls without, which compiles none of that (a dispatch's rows laid out contiguously take the
+former always: they wait for every expert's total as a grouped call does). Each leg packs its arguments
+twice: the full path's pack, and a plan's copy of it (Kernel.repeater); every launch site is made with the
+object (Kernel.prepare), so no call takes device memory later.
 """
 from __future__ import annotations
 

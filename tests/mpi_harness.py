@@ -8,8 +8,9 @@ output, within the time limit, never hanging.
 
 Cases on the host backend with no rank meant to die, and no environment of their own
 but the library's variables (read when an object is made, never at import), run in a
-pool: one job per rank count, kept for the session, that runs case after case
-(`run_case.py --serve`), so a case pays neither a job's start nor its imports.
+pool: a job of their rank count, kept while the tests ask for that count, that runs
+case after case (`run_case.py --serve`), so a case pays neither a job's start nor its
+imports.
 A case that fails or outlives its time takes its job down, and the next case starts
 another. PYHIPA2A_TEST_POOL=0 runs every case in a job of its own.
 """
