@@ -59,6 +59,9 @@ class CollectiveMatmul:
         self._lock = threading.RLock()
         self._made: list = []
         try:
+            refused = self.backend.stream_waits_refused()  # (every GEMM waits for its rows' readiness word)
+            if refused:
+                raise A2AError(f"CollectiveMatmul: {refused}")
             signals = Signals(heap, kinds, raised_at_start=(AllGatherMatmul.FREED, MatmulReduceScatter.FREED))
             self.stream = self._made_stream()
             watch = self._made_stream()  # reads words while the others may be stuck

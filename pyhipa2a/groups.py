@@ -64,6 +64,9 @@ class Groups:
         if capturing:
             raise A2AError("dispatch(groups=) cannot be recorded in a graph: its combine comes in parts that wait "
                            "for your streams")
+        refused = self.backend.stream_waits_refused()
+        if refused:
+            raise A2AError(f"dispatch(groups=): {refused}")
         return int(groups)
 
     def next_ticket(self) -> int:

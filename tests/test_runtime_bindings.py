@@ -31,6 +31,21 @@ def rt(request):
     return hip_rt, h, h.hipError_t.hipSuccess, h.hipError_t.hipErrorInvalidValue
 
 
+@pytest.mark.parametrize("value,refused", [(None, False), ("0", False), ("false", False), ("1", True),
+                                           ("true", True)])
+def test_hip_refuses_stream_waits_where_rocm_waits_on_signal_memory_only(monkeypatch, value, refused):
+    """ROCm with GPU_STREAMOPS_CP_WAIT set waits for a word on the command processor, and only on HSA signal
+    memory: the heap's words are not, so groups and collective matmuls refuse to start (the method reads no
+    runtime, so no ROCm is needed here); CUDA waits on any device memory."""
+    if value is None:
+        monkeypatch.delenv("GPU_STREAMOPS_CP_WAIT", raising=False)
+    else:
+        monkeypatch.setenv("GPU_STREAMOPS_CP_WAIT", value)
+    why = hip_rt.HipBackend.stream_waits_refused(object.__new__(hip_rt.HipBackend))
+    assert (why is not None) == refused and (not refused or "unset GPU_STREAMOPS_CP_WAIT" in why), why
+    assert cuda_rt.CudaBackend.stream_waits_refused(object.__new__(cuda_rt.CudaBackend)) is None
+
+
 def test_modules_import_and_describe_themselves():
     assert (cuda_rt.CudaBackend.kind, cuda_rt.CudaBackend.code_suffix) == ("cuda", ".fatbin")
     assert (hip_rt.HipBackend.kind, hip_rt.HipBackend.code_suffix) == ("hip", ".hsaco")

@@ -164,6 +164,10 @@ class Backend:
         waits at most `timeout` seconds and then raises `timed_out()`."""
         raise NotImplementedError
 
+    def stream_waits_refused(self) -> str | None:
+        """Why stream_wait_word cannot wait on words of the symmetric heap in this process, or None."""
+        return None
+
     def open_blas(self):
         """This backend's matrix multiply (pyhipa2a.runtime.blas.Blas), for the current device."""
         raise NotImplementedError

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
 from .base import DeviceInfo
 from .driver import CALLS, DriverBackend, make_check
@@ -74,6 +75,17 @@ class HipBackend(DriverBackend):
         _load()
         _check(hip.hipInit(0), "hipInit")
         self._opened = None  # the device open_device made current: what activate() switches back to
+
+    def stream_waits_refused(self) -> str | None:
+        # ROCm waits for a word in one of two ways: by default with a small wait kernel (it holds a slot of one
+        # CU while it waits); with GPU_STREAMOPS_CP_WAIT set, on the command processor, which takes only HSA
+        # signal memory (hipMallocSignalMemory) and refuses any other pointer, as our heap's words are.
+        value = os.environ.get("GPU_STREAMOPS_CP_WAIT", "")
+        if value.strip().lower() in ("", "0", "false", "no", "off"):
+            return None
+        return (f"GPU_STREAMOPS_CP_WAIT={value} makes ROCm wait for words on the command processor, which "
+                "takes only HSA signal memory; pyhipa2a's readiness words live in its symmetric heap, so every "
+                "such wait would fail: unset GPU_STREAMOPS_CP_WAIT for this process")
 
     def launch_entry(self) -> int | None:
         try:  # (the library hip-python binds; hipModuleLaunchKernel takes cuLaunchKernel's arguments)

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+import pyhipa2a
 from pyhipa2a import A2AError, A2ATimeoutError, ConfigMismatchError, DeviceArray
 from pyhipa2a.collective import CollectiveMatmul
 from pyhipa2a.dtypes import resolve
@@ -164,6 +165,12 @@ def case_bad_input_is_refused(comm):
     m, k, n = 8, 16, 8
     with pytest.raises(ValueError, match="max_rows must be a positive integer"):
         CollectiveMatmul(comm, max_rows=0, k=k, n=n)
+    # A runtime that cannot wait on the heap's words (ROCm with GPU_STREAMOPS_CP_WAIT set: runtime/hip.py)
+    kind = type(pyhipa2a.get_backend())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kind, "stream_waits_refused", lambda self: "no waits on heap words here")
+        with pytest.raises(A2AError, match="CollectiveMatmul: no waits on heap words here"):
+            CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=2.0)
     cm = CollectiveMatmul(comm, max_rows=m * world, k=k, n=n, dtype=d, timeout=2.0)
     a, b = upload(cm, draw(1, (m, k), d)), upload(cm, draw(2, (k, n), d))
     with pytest.raises(TypeError, match="a_shard must be a 2-D array"):

@@ -122,6 +122,13 @@ def case_groups_refusals(comm):
         a2a.expert_y_buffer()  # (before a capture)
         with pytest.raises(A2AError, match=r"dispatch\(groups=\) cannot be recorded in a graph"):
             a2a.capture(lambda: a2a.dispatch(x, idx, weights=w, groups=2))
+        # A runtime that cannot wait on the heap's words (ROCm with GPU_STREAMOPS_CP_WAIT set: runtime/hip.py)
+        a2a.backend.stream_waits_refused = lambda: "no waits on heap words here"
+        try:
+            with pytest.raises(A2AError, match=r"dispatch\(groups=\): no waits on heap words here"):
+                a2a.dispatch(x, idx, weights=w, groups=2)
+        finally:
+            del a2a.backend.stream_waits_refused
         d = a2a.dispatch(x, idx, weights=w, groups=2)
         with pytest.raises(A2AError, match=r"group_rows\(\) is for row_layout='contiguous'"):
             a2a.group_rows(0)
