@@ -64,7 +64,8 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     assert len(points) == 2
     for cols, r in zip(points, (report["sweep"][0], report["sweep"][-1])):
         assert cols[-3:] == ["-", "-", "-"], cols
-        assert f"{r['host']:.1f} {r['host_launches']:.1f} {r['yard']:.1f}" in " ".join(cols), cols  # launch, yard after host
+        # (the launches and the yard after host)
+        assert f"{r['host']:.1f} {r['host_launches']:.1f} {r['yard']:.1f}" in " ".join(cols), cols
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
