@@ -327,8 +327,13 @@ class Config:
                 f"region_tokens, row_layout, row_align, rows of expert_x)", ranks=differ)
 
 
+def is_int(value) -> bool:
+    """Whether `value` is an int, Python's or NumPy's (a bool is not one here)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _whole(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     return int(value)
 

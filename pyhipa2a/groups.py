@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from .config import is_int
 from .errors import A2AError, A2ATimeoutError
 from .kernels import MAX_GROUPS, REDUCE_ONLY
 
@@ -53,7 +54,7 @@ class Groups:
         """dispatch()'s `groups` as a count (0: none), or the error a caller should see."""
         if groups is None:
             return 0
-        if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer)):
+        if not is_int(groups):
             raise TypeError(f"groups must be an int, not {type(groups).__name__}")
         limit = min(self.local_experts, MAX_GROUPS)
         if not 1 <= groups <= limit:
@@ -145,8 +146,7 @@ class Groups:
             raise A2AError(f"{what}() needs a pending dispatch(groups=...)")
         if capturing:
             raise A2AError(f"{what}() cannot be recorded in a graph (its stream is being captured)")
-        if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) \
-                or not 0 <= group < self.count:
+        if not is_int(group) or not 0 <= group < self.count:
             raise ValueError(f"{what}(): the group must be an int in [0, {self.count}); got {group!r}")
         if group in self.finished and not done_too:
             raise A2AError(f"{what}(): group {group} is done already (group_done was queued for it)")
