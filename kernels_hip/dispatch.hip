@@ -526,6 +526,17 @@ A2A_DEVICE void watch_groups(const Ctx& x, u32 G, const WarpGrid& g) {
 // a row, 20 us). With `totals` each count also goes out as a tagged word
 // (expert_totals), for the steps that wait for every expert's
 // (publish_offsets, watch_groups).
+// Expert l's rows here, n (at most capacity), into expert_num_tokens; with `totals` also as a tagged word
+// (expert_totals), after a fence: whoever takes the word finds the count in (and, by source, the expert's
+// expert_layout).
+A2A_DEVICE void put_count(const Ctx& x, i32* num_tokens, u32 l, u32 n, bool totals) {
+  n = n < x.capacity ? n : x.capacity;
+  num_tokens[l] = (i32)n;
+  if (!totals) return;
+  a2a_fence_sys();
+  a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
+}
+
 A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g, bool totals) {
   const u64* counts = chunk_counts(x, (u32)x.h.rank);
   const u32 words = x.W * route_chunks(x);
@@ -544,14 +555,7 @@ A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g,
     }
     if (!warp_all(ok)) return;
     for (u32 d = 1; d < G; d <<= 1) n += (u32)a2a_shfl((int)n, (int)(g.lane ^ d));  // within the group
-    n = n < x.capacity ? n : x.capacity;
-    if (q0 == 0 && l < x.L) {
-      num_tokens[l] = (i32)n;
-      if (totals) {
-        a2a_fence_sys();  // the count before its tagged word: a group ready after it finds the count in
-        a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
-      }
-    }
+    if (q0 == 0 && l < x.L) put_count(x, num_tokens, l, n, totals);
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l0);
   }
 }
@@ -624,14 +628,7 @@ A2A_DEVICE void publish_source_counts(const Ctx& x, const Outputs& out, const Wa
       layout[((u64)l * x.W + s) * 2u + 1u] = (i32)n;
     }
     for (u32 d = 1; d < G; d <<= 1) n += (u32)a2a_shfl((int)n, (int)(g.lane ^ d));  // within the group
-    n = n < x.capacity ? n : x.capacity;
-    if (s == 0 && l < x.L) {
-      num_tokens[l] = (i32)n;
-      if (totals) {
-        a2a_fence_sys();  // (the count, and this expert's expert_layout, before the tagged word)
-        a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
-      }
-    }
+    if (s == 0 && l < x.L) put_count(x, num_tokens, l, n, totals);
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_COUNTS, t0, l0);
   }
 }
