@@ -497,6 +497,10 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   // clears the dispatch's counters of landed rows for the next one (every group's rows are in by now).
   const u32 phase = Phased ? c.phase : A2A_WHOLE_COMBINE, G = Phased ? c.groups : 0u;
   const bool sends = phase != A2A_REDUCE_ONLY, reduces = phase == A2A_WHOLE_COMBINE || !sends;
+  // A part that only sends, on a rank that had failed as it started (its dispatch, or the host giving up
+  // on a group_done that never came: pyhipa2a/groups.py), sends nothing: the caller's expert_y rows may
+  // never have been written. Its peers then time out naming this rank instead of summing them.
+  if (Phased && !reduces && *block_failed()) return;
   // (send_contributions is never called with A2A_REDUCE_ONLY, so a phase there is the whole or 1 .. G)
   if (reduces && G && a2a_block() == 0)
     for (u32 i = a2a_thread(); i < A2A_GROUP_STRIPES * A2A_MAX_GROUPS; i += a2a_block_dim())

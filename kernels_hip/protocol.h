@@ -19,6 +19,8 @@
 // 3 was v0's combine done barrier; the number stays retired.
 #define A2A_WAIT_HEAP_CHECK 4u
 #define A2A_WAIT_WEIGHTS 5u
+// 6-8: kernels_hip/hier.hip. 9, a grouped combine's wait for the caller's group_done, is written by the
+// host when it gives up on that wait (pyhipa2a/groups.py); detail: the group.
 
 // The symmetric heap as kernels see it: a device table of every rank's base
 // address (peers' bases are IPC mappings) and this rank's index. Any

@@ -224,6 +224,7 @@ class AllToAll(Calls):
             pass
         for graph in list(self._graphs):  # (graphs that captured NCCL's work go before its communicator)
             graph.close()
+        self._groups.close()
         self._close_parts(self._state.broken is not None)
 
     def __enter__(self):

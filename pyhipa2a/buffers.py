@@ -52,6 +52,7 @@ def layout(config: Config) -> list[tuple[str, tuple, object]]:
         ("group_landed", (GROUP_STRIPES, MAX_GROUPS), np.uint32),
         ("group_ready", (MAX_GROUPS,), np.uint32),
         ("group_done", (MAX_GROUPS,), np.uint32),  # raised by the caller's stream, lowered by combine's
+        ("group_seen", (MAX_GROUPS,), np.uint32),  # where combine's stream stands in its waits for group_done
         ("epoch", (2,), np.uint32),
         ("status", (4,), np.uint32),
         # clock sync (kernels_hip/clock.hip): box r written by rank r; this rank's stamps with each rank;

@@ -125,8 +125,7 @@ class Calls:
         self._boundary = Boundary(self.backend, index, self._streams, config.producer_order)
         self._state = CallState()
         buffers = exchange.buffers
-        self._groups = Groups(self.backend, heap.rank, config, buffers["group_ready"], buffers["group_done"],
-                              buffers.host_offsets, health)
+        self._groups = Groups(self.backend, heap.rank, config, buffers, health)
         self._outputs = Outputs(config.outputs, self._streams, self._make_views)
         self._scale = (1.0, 1.0)  # combine's last expert_scale, as given and as the float32 it checked out as
         self._dispatch_plan = self._combine_plan = None

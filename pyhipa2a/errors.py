@@ -10,6 +10,7 @@ STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, S
 WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights",
              6: "tokens between nodes (dispatch)", 7: "sums between nodes (combine)",
              8: "routing and weights between nodes (combine)"}  # what a timed-out wait awaited (3 is retired)
+WAIT_GROUP_DONE = 9  # a grouped combine's wait for the caller's group_done, given up on by the host (groups.py)
 
 
 class A2AError(RuntimeError):
@@ -49,6 +50,10 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
     code, peer, what, detail = (int(v) for v in status)
     if code == STATUS_OK:
         return None
+    if code == STATUS_TIMEOUT and what == WAIT_GROUP_DONE:
+        return A2ATimeoutError(f"{context}: rank {rank}: combine waited past the timeout for group_done({detail}), "
+                               f"whose stream never got there; the call's y is poison, and the peers time out "
+                               f"waiting for this rank's contributions", ranks=(rank,))
     if code == STATUS_TIMEOUT:
         return A2ATimeoutError(f"{context}: rank {rank} timed out waiting for the {WAIT_WHAT.get(what, what)} "
                                f"of rank {peer} (detail {detail}); rank {peer} never arrived or is stuck",

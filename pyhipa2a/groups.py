@@ -14,19 +14,24 @@ The words are constants (1 raised, 0 lowered), each with one raiser and one lowe
 dispatch kernel (also when the call fails, once its outputs are poisoned) and lowered by done()'s stream, after a
 wait of its own, so a group nobody waited for is lowered as well; done[g] is raised by done()'s stream and lowered
 by combine's. Combine refuses to start before done() was queued for every group, so no word is left raised for
-the next call (a failed call may leave some: the object takes no call after it). On GPUs the stream waits are not
-bounded: the dispatch raises every ready word within its timeout, failed or not, but combine waits on the done
-words for as long as your streams take to reach them. None of it may be recorded in a graph.
+the next call (a failed call may leave some: the object takes no call after it). On GPUs the stream waits have
+no bound of their own: the dispatch raises every ready word within its timeout, failed or not, and the host bounds
+combine's waits on the done words (`CombineBound`: past the timeout the call fails, naming the group). None of it
+may be recorded in a graph.
 """
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 
 import numpy as np
 
 from .config import is_int
-from .errors import A2AError, A2ATimeoutError
+from .errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, A2AError, A2ATimeoutError
 from .kernels import MAX_GROUPS, REDUCE_ONLY
+from .signals import PASSED, WAITING
+from .watchdog import Watchdog
 
 
 # The offsets come within microseconds of the launch on a GPU that is not busy: group_rows polls without sleeping
@@ -40,12 +45,16 @@ class Groups:
     records (and their plans) alike."""
 
     __slots__ = ("backend", "rank", "local_experts", "timeout", "_ready", "_done", "_host_offsets", "_health",
-                 "_contiguous", "count", "finished", "ticket")
+                 "_contiguous", "_bound", "_close_bound", "count", "finished", "ticket", "__weakref__")
 
-    def __init__(self, backend, rank: int, config, ready, done, host_offsets, health):
+    def __init__(self, backend, rank: int, config, buffers, health):
         self.backend, self.rank, self.local_experts, self.timeout = backend, rank, config.local_experts, config.timeout
-        self._ready, self._done = ready.ptr, done.ptr  # uint32 [MAX_GROUPS] each, in the heap
-        self._host_offsets, self._health, self._contiguous = host_offsets, health, config.contiguous
+        self._ready, self._done = buffers["group_ready"].ptr, buffers["group_done"].ptr  # uint32 [MAX_GROUPS] each
+        self._host_offsets, self._health, self._contiguous = buffers.host_offsets, health, config.contiguous
+        self._bound = CombineBound(backend, rank, config.timeout, self._done, buffers["group_seen"].ptr,
+                                   buffers["status"].ptr, buffers.status)
+        # (stopped at exit too, while the runtime still answers: its watchdog asks the driver)
+        self._close_bound = weakref.finalize(self, self._bound.close)
         self.count = 0
         self.finished = frozenset()
         self.ticket = 0  # the last grouped dispatch's (its offsets' tag for the host); counts up from 1
@@ -68,6 +77,8 @@ class Groups:
         refused = self.backend.stream_waits_refused()
         if refused:
             raise A2AError(f"dispatch(groups=): {refused}")
+        if self._bound.failure is not None:
+            raise A2AError(f"dispatch(groups=): giving up on an earlier combine's wait failed: {self._bound.failure}")
         return int(groups)
 
     def next_ticket(self) -> int:
@@ -133,13 +144,15 @@ class Groups:
 
     def queue_combine(self, stream, launch) -> None:
         """Combine's parts on `stream`, `launch(phase)` each: phase g + 1 (sending group g's tokens) once group g
-        is done, then the reduce."""
+        is done, then the reduce; the host's bound on the waits from now on."""
         for group in range(self.count):
-            word = self._word(self._done, group)
-            self.backend.stream_wait_word(stream, word, 1, self.timeout, lambda g=group: self._never_done(g))
-            self.backend.stream_write_word(stream, word, 0)
+            self._bound.wait(stream, group, lambda g=group: self._never_done(g))
             launch(group + 1)
         launch(REDUCE_ONLY)
+        self._bound.arm(stream, self.count)
+
+    def close(self) -> None:
+        self._close_bound()
 
     def _check(self, group: int, what: str, done_too: bool = False, capturing: bool = False) -> None:
         if not self.count:
@@ -161,3 +174,81 @@ class Groups:
     def _never_done(self, group: int) -> A2ATimeoutError:
         return A2ATimeoutError(f"rank {self.rank}: combine waited for group_done({group}), whose stream never got "
                                f"there", ranks=(self.rank,))
+
+
+class CombineBound:
+    """The host's bound on a grouped combine's waits for group_done, which a GPU waits for without one: a caller's
+    stream that never reaches group_done would hold combine's stream, and every wait behind it, forever.
+
+    Each wait marks a "seen" word (WAITING while the stream stands at it, PASSED after). A watchdog polls an event
+    recorded after the combine; past the timeout, if the stream stands at group g's wait, it gives up on the call:
+    it writes the timeout into the status words (the device's, which each part of the combine reads as it starts,
+    and the host's mirror, which the caller's next call or synchronize() raises), then raises the done words of
+    groups g on so that the stream drains. The parts that then start send nothing (kernels_hip/combine.hip), so
+    the peers time out naming this rank, and the reduce poisons y. (If the caller's stream reaches group_done just
+    as the host gives up, the call is still reported as failed.)"""
+
+    def __init__(self, backend, rank: int, timeout: float, done: int, seen: int, status: int, host_status):
+        self.backend, self.rank, self.timeout = backend, rank, timeout
+        self._done, self._seen, self._status, self._host_status = done, seen, status, host_status
+        self._event = self._watch = self._watchdog = None  # made at the first grouped combine
+        self._count = 0  # the groups of the combine armed last
+        self._lock = threading.Lock()  # (give_up runs on the watchdog's thread)
+        self._closed = False
+        self.failure = None  # what failed while giving up on a call (the driver's error), for the next call
+
+    def wait(self, stream, group: int, timed_out) -> None:
+        """Queue on `stream`: wait until group `group` is done, then lower its word; marked in its seen word."""
+        word, seen = self._done + 4 * group, self._seen + 4 * group
+        self.backend.stream_write_word(stream, seen, WAITING)
+        self.backend.stream_wait_word(stream, word, 1, self.timeout, timed_out)
+        self.backend.stream_write_word(stream, word, 0)
+        self.backend.stream_write_word(stream, seen, PASSED)
+
+    def arm(self, stream, count: int) -> None:
+        """A combine of `count` groups was just queued on `stream` (its waits by wait()): bound it."""
+        backend = self.backend
+        if backend.stream_done(stream):  # (the host backend: its waits ran, bounded, as they were queued)
+            return
+        with self._lock:
+            if self._watchdog is None:
+                self._event, self._watch = backend.event_create(), backend.stream_create()
+                self._watchdog = Watchdog(backend, self._event, self._give_up)
+            self._count = count
+            backend.event_record(self._event, stream)
+        self._watchdog.arm(time.monotonic() + self.timeout)
+
+    def _give_up(self) -> None:
+        with self._lock:
+            if self._closed or self.backend.event_done(self._event):
+                return
+            try:
+                self._release()
+            except Exception as e:  # (the driver failing us now: the next grouped call hands it on)
+                self.failure = e
+
+    def _release(self) -> None:
+        backend, count = self.backend, self._count
+        seen = np.empty(count, np.uint32)
+        backend.copy_to_host(seen, self._seen, self._watch)
+        standing = np.flatnonzero(seen == WAITING)
+        if not standing.size:  # (the stream is in a kernel, which bounds its own waits: look again later)
+            self._watchdog.arm(time.monotonic() + self.timeout)
+            return
+        group = int(standing[0])
+        if not self._host_status[0]:  # (an error already reported stays the one the caller sees)
+            words = np.array([STATUS_TIMEOUT, self.rank, WAIT_GROUP_DONE, group], np.uint32)
+            backend.copy_to_device(self._status, words, self._watch)
+            self._host_status[1:] = words[1:]
+            self._host_status[0] = words[0]
+        backend.copy_to_device(self._done + 4 * group, np.ones(count - group, np.uint32), self._watch)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            watchdog, self._watchdog = self._watchdog, None
+        if watchdog is None:
+            return
+        watchdog.close()
+        self.backend.event_destroy(self._event)
+        self.backend.stream_destroy(self._watch)

@@ -2,7 +2,13 @@
 any order, each layout, against the oracle; what groups= refuses. Host backend at 1-4 ranks, and GPUs."""
 from __future__ import annotations
 
+import ctypes
+import time
+
+import numpy as np
 import pytest
+
+from pyhipa2a import A2ATimeoutError
 
 from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
@@ -27,6 +33,11 @@ def test_groups_refusals(backend):
     run_case(CASE + "case_groups_refusals", ranks_for(backend), env_backend(backend), timeout=120)
 
 
+@pytest.mark.gpu
+def test_group_done_never_comes():
+    run_case(CASE + "case_group_done_never_comes", ranks_for("gpu"), env_backend("gpu"), timeout=120)
+
+
 def test_groups_across_nodes_refused():
     run_case(CASE + "case_groups_across_nodes_refused", 4, "host", timeout=120)
 
@@ -40,3 +51,102 @@ def test_moe_layer_script(backend):
                    "3", "--hidden", "256", "--intermediate", "128", "--groups", "3", "--iters", "1"],
                   ranks_for(backend), env_backend(backend), timeout=300, what="moe_layer.py")
     assert run.stdout.count(": PASS (") == ranks_for(backend) and "moe_layer: PASS" in run.stdout, run.stdout
+
+
+class _StandingStream:
+    """A backend whose combine stream never finishes by itself (as a GPU's stream standing at a wait for a word
+    nobody raises); its copies are plain host memory moves, as the words' readers and writers see them."""
+    kind = "stuck"
+
+    def __init__(self):
+        self.finished, self.destroyed = False, []
+
+    def activate(self):
+        pass
+
+    def stream_done(self, stream):
+        return False
+
+    def stream_create(self):
+        return "watch"
+
+    def event_create(self):
+        return "event"
+
+    def event_record(self, event, stream):
+        assert stream == "combine"
+
+    def event_done(self, event):
+        return self.finished
+
+    def copy_to_host(self, dst, src, stream):
+        assert stream == "watch"  # (a stream that waits for nothing: the others may be stuck)
+        ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
+
+    def copy_to_device(self, dst, src, stream):
+        assert stream == "watch"
+        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
+
+    def event_destroy(self, event):
+        self.destroyed.append(event)
+
+    def stream_destroy(self, stream):
+        self.destroyed.append(stream)
+
+
+def _until(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
+    """CombineBound (pyhipa2a.groups): past the timeout, with combine's stream at group 2's wait, the status words
+    (the device's and the host's mirror) name that group, unless an error was reported first, and the done words
+    of groups 2 on are raised so the stream drains; groups passed already are left alone. While the stream stands
+    at no wait (in a kernel, which bounds itself) nothing is written, and the watchdog looks again later."""
+    from pyhipa2a.errors import STATUS_BAD_INDEX, status_error
+    from pyhipa2a.groups import CombineBound
+    from pyhipa2a.signals import PASSED, WAITING
+    backend = _StandingStream()
+    G, rank = 4, 3
+    done, seen = np.zeros(G, np.uint32), np.array([PASSED, PASSED, PASSED, PASSED], np.uint32)
+    status, host_status = np.zeros(4, np.uint32), np.zeros(4, np.uint32)
+    if reported:
+        host_status[:] = status[:] = (STATUS_BAD_INDEX, 0, 5, 99)
+    before = status.copy()
+    bound = CombineBound(backend, rank, 0.05, done.ctypes.data, seen.ctypes.data, status.ctypes.data, host_status)
+    try:
+        bound.arm("combine", G)
+        time.sleep(0.3)  # (several timeouts: the stream is in a kernel, so nothing is given up on)
+        assert (done == 0).all() and (status == before).all() and (host_status == before).all()
+        seen[2] = WAITING
+        assert _until(lambda: (done[2:] == 1).all()), done
+        assert (done[:2] == 0).all()
+        if reported:
+            assert (status == before).all() and (host_status == before).all()
+        else:
+            assert status.tolist() == host_status.tolist() == [1, rank, 9, 2]
+            error = status_error(host_status, rank, "AllToAll")
+            assert isinstance(error, A2ATimeoutError) and error.ranks == (rank,)
+            assert "combine waited past the timeout for group_done(2), whose stream never got there" in str(error)
+        assert bound.failure is None
+        backend.finished = True
+    finally:
+        bound.close()
+    assert backend.destroyed == ["event", "watch"]
+
+
+def test_combine_bound_leaves_a_finished_combine_alone():
+    from pyhipa2a.groups import CombineBound
+    from pyhipa2a.signals import WAITING
+    backend = _StandingStream()
+    backend.finished = True
+    done, seen, status = np.zeros(2, np.uint32), np.full(2, WAITING, np.uint32), np.zeros(4, np.uint32)
+    bound = CombineBound(backend, 0, 0.02, done.ctypes.data, seen.ctypes.data, status.ctypes.data, status.copy())
+    bound.arm("combine", 2)
+    time.sleep(0.15)
+    bound.close()
+    assert (done == 0).all() and (status == 0).all()

@@ -163,3 +163,39 @@ def case_groups_across_nodes_refused(comm, G="2"):
         with pytest.raises(A2AError, match=r"dispatch\(groups=\) is for calls within one node"):
             a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=1)
     assert pyhipa2a.AllToAll is AllToAll
+
+
+def case_group_done_never_comes(comm):
+    """GPUs: the last rank's expert stream never reaches group_done(1), so its combine's stream would wait
+    forever. The host gives up on it after the timeout: that rank's call fails naming the group, with y poison,
+    and its parts send nothing, so every other rank's call fails naming it. Nothing hangs."""
+    from pyhipa2a import A2ATimeoutError
+    torch = pytest.importorskip("torch")
+    world = comm.Get_size()
+    E, k, H, M, G, T = 4 * world, 2, 256, 16, 2, 12
+    victim = world - 1
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=3.0) as a2a:
+        me = a2a.rank
+        if a2a.backend.kind == "host":
+            pytest.skip("host streams run their waits as they are queued: the caller's wait would raise first")
+        expert = TorchExpert(a2a, torch)
+        inputs = draw_world(70, world, E, k, H, M, token_counts=[T] * world)
+        d = a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=G)
+        gate = torch.zeros(1, dtype=torch.int32, device=expert.x.device)  # raised only once the calls failed
+        expert.run(0)
+        handle = expert.stream.cuda_stream
+        if me == victim:  # (the expert's stream stuck before group 1's group_done)
+            a2a.backend.stream_wait_word(handle, gate.data_ptr(), 1, a2a.config.timeout, None)
+        expert.run(1)
+        a2a.combine(d.expert_x)
+        with pytest.raises(A2ATimeoutError) as failure:
+            a2a.synchronize()
+        assert failure.value.ranks == (victim,), failure.value
+        if me == victim:
+            assert "group_done(1), whose stream never got there" in str(failure.value)
+            assert (a2a.buffers["y"].numpy()[:T].view(np.uint16) == 0xFFFF).all()  # (y: poison)
+        else:
+            assert f"of rank {victim}" in str(failure.value)
+        gate.fill_(1)  # (the expert's stream drains: its late group_done finds the object broken)
+        torch.cuda.synchronize()
+        comm.Barrier()
