@@ -654,7 +654,8 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   // A node's part of a multi-node call whose exchange between nodes timed out (reported before
   // this kernel, by hier_localize) sends nothing: its node's ranks then time out naming this rank
   // instead of taking a call that silently lacks another node's tokens.
-  const bool refused = a.void_slots && a2a_load_relaxed_sys(&x.status[0]) == A2A_ERR_TIMEOUT;
+  // A dispatch whose predecessor was never combined (make_ctx) does nothing either.
+  const bool refused = *block_unpaired() || (a.void_slots && a2a_load_relaxed_sys(&x.status[0]) == A2A_ERR_TIMEOUT);
   if (!refused) {
     if (a2a_block() == 0 && a2a_thread() < x.W)
       a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,

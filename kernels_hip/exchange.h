@@ -217,6 +217,13 @@ A2A_DEVICE u32* block_failed() {
   return &failed;
 }
 
+// Set by make_ctx in each block of a dispatch whose predecessor was never combined: the block does no
+// work, and poisons its share of the outputs (finish).
+A2A_DEVICE u32* block_unpaired() {
+  __shared__ u32 unpaired;
+  return &unpaired;
+}
+
 // The first thing every exchange kernel does: the block's shared state, set
 // up in one round trip and one barrier. Thread 0 loads the call's epoch and
 // this rank's status (the block's failure flag: set when the status already
@@ -230,6 +237,14 @@ A2A_DEVICE u32* block_failed() {
 // warps' system-scope loads of the one word cost 0.5 us of every launch of
 // the full grid on two H200s (measured at commit 3cbf100).
 // Block 0 hands the epoch on once it is in.
+//
+// A dispatch whose predecessor was never combined would take that one's epoch again, and read its
+// flags as this call's: it is refused (A2A_ERR_UNPAIRED), and writes nothing but poison. The host pairs
+// its own calls; a JAX program can drop a combine whose result it never uses (pyhipa2a.jax). Every
+// block asks for itself, of its own flag done[0][block], which the uncombined dispatch left at the
+// epoch this one takes (the grid is the same at every launch; any other dispatch left an older
+// epoch): the words epoch[0] and epoch[1] cannot tell a block that the call is refused once block 0
+// has handed the epoch on.
 A2A_DEVICE_CALLED void report_failure(u32* status, u32* mirror, u32 trap_on_timeout, u32 code, u32 peer, u32 what,
                                       u32 detail);  // (below)
 A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
@@ -238,16 +253,16 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
   u32* status = local<u32>(a, a.off_status);
   if (a2a_thread() < (u32)a.heap.world) bases[a2a_thread()] = a.heap.bases[a2a_thread()];
   if (a2a_thread() == 0) {
-    block_epoch = read_epoch(a, dispatch);
-    // A dispatch whose predecessor was never combined would take that one's epoch again, and read its
-    // flags as this call's: refused, its outputs poisoned. The host pairs its own calls; a JAX program
-    // can drop a combine whose result it never uses (pyhipa2a.jax). Block 0 asks, before it hands on.
-    const u32* words = local<u32>(a, a.off_epoch);
-    const u32 dispatched = a2a_load_relaxed_sys(&words[1]);
-    if (dispatch && a2a_block() == 0 && dispatched != a2a_load_relaxed_sys(&words[0]))
+    // (the three loads in flight together: the report, when there is one, comes after them)
+    const u32 epoch = read_epoch(a, dispatch);
+    const u32 unpaired = dispatch && a2a_load_relaxed_sys(local<u32>(a, a.off_done) + a2a_block()) == epoch;
+    const u32 failed = a2a_load_relaxed_sys(status) != A2A_OK;
+    block_epoch = epoch;
+    *block_unpaired() = unpaired;
+    *block_failed() = failed;
+    if (unpaired)  // (sets the block's failure flag too)
       report_failure(status, reinterpret_cast<u32*>(a.host_status), 0u, A2A_ERR_UNPAIRED, (u32)a.heap.rank, 0u,
-                     dispatched);
-    *block_failed() = a2a_load_relaxed_sys(status) != A2A_OK;
+                     epoch);
   }
   a2a_block_sync();
   const u32 epoch = block_epoch;
@@ -306,6 +321,22 @@ struct Raise {
   u32* words;
   u32 n;
 };
+//
+// A dispatch refused as it started (block_unpaired) wrote nothing, and its flags' barrier would not
+// hold (they carry its epoch already, from the dispatch never combined): each block poisons its own
+// share of each output instead, and no block claims the launch.
+template <u32 N>
+A2A_DEVICE void poison_share(const Poison (&outputs)[N]) {
+  for (u32 i = 0; i < N; ++i) {
+    const u64 bytes = outputs[i].bytes, share = ((bytes + a2a_grid_dim() - 1u) / a2a_grid_dim() + 15u) & ~15ull;
+    const u64 first = share * a2a_block(), n = first < bytes ? (bytes - first < share ? bytes - first : share) : 0u;
+    if (outputs[i].word == 0xffffffffu)
+      a2a_fill_bytes(outputs[i].p + first, n, 0xffu);
+    else
+      a2a_fill_words(reinterpret_cast<u32*>(outputs[i].p + first), n / 4u, outputs[i].word);
+  }
+}
+
 template <u32 N>
 A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N], Raise raise = {nullptr, 0u}) {
   u32* done = local<u32>(x.a, x.a.off_done) + leg * (A2A_MAX_GRID + 1u);
@@ -314,6 +345,10 @@ A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N], Raise 
   const bool poison = *block_failed() != 0u;
   if (a2a_thread() == 0) a2a_store_release_dev(&done[a2a_block()], x.epoch);
   if (!poison) return;
+  if (leg == 0u && *block_unpaired()) {
+    poison_share(outputs);  // (and raises no group's word: only JAX drops a combine, and it takes no groups)
+    return;
+  }
   // Every other block is bounded by the call's deadline; past twice that, poison regardless.
   // (The host keeps timeout_ns below 2^62, so neither sum wraps.)
   const u64 give_up = x.deadline + x.a.timeout_ns;

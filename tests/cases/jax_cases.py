@@ -128,7 +128,8 @@ def case_two_exchanges_in_one_program(comm):
 
 def case_dropped_combine_is_refused(comm):
     """A jitted function that combines but never uses y: JAX drops that combine, so the next call's dispatch
-    follows an uncombined one. The device refuses it (its outputs poisoned) and the object says why."""
+    follows an uncombined one. The device refuses it in every block, so its outputs are all poison (no block
+    lands a row after them), and the object says why."""
     from pyhipa2a import A2AError
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 128, 8
@@ -142,12 +143,14 @@ def case_dropped_combine_is_refused(comm):
                                                          inputs.weights[a2a.rank]))
 
             @jax.jit
-            def counts_only(x, indices, weights):
+            def dispatched_only(x, indices, weights):
                 d = a2a.dispatch(x, indices)
                 a2a.combine(d.expert_x, weights)  # (its y unused: dropped)
-                return d.expert_num_tokens
-            counts_only(x, idx, w).block_until_ready()
-            counts_only(x, idx, w).block_until_ready()
+                return d.expert_num_tokens, d.expert_x, d.expert_meta
+            jax.block_until_ready(dispatched_only(x, idx, w))
+            counts, rows, meta = (np.asarray(r) for r in jax.block_until_ready(dispatched_only(x, idx, w)))
+            assert (counts == -1).all() and (meta == -1).all(), (counts, meta)
+            assert (rows.view(np.uint16) == 0xFFFF).all(), np.flatnonzero(rows.view(np.uint16) != 0xFFFF)[:8]
             a2a.check()
 
 
