@@ -497,10 +497,18 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   // clears the dispatch's counters of landed rows for the next one (every group's rows are in by now).
   const u32 phase = Phased ? c.phase : A2A_WHOLE_COMBINE, G = Phased ? c.groups : 0u;
   const bool sends = phase != A2A_REDUCE_ONLY, reduces = phase == A2A_WHOLE_COMBINE || !sends;
-  // A part that only sends, on a rank that had failed as it started (its dispatch, or the host giving up
-  // on a group_done that never came: pyhipa2a/groups.py), sends nothing: the caller's expert_y rows may
-  // never have been written. Its peers then time out naming this rank instead of summing them.
-  if (Phased && !reduces && *block_failed()) return;
+  // A rank that had failed as a part started takes no part in the rest of a combine in parts: its
+  // dispatch reported, or the host gave up on a group_done that never came (pyhipa2a/groups.py), which
+  // the host says in its mirror of the status words alone (no stream may carry a write past the stuck
+  // wait). It sends nothing, as the caller's expert_y rows may never have been written, so its peers
+  // time out naming this rank instead of summing them; its reduce waits for nothing, and finish poisons y.
+  bool failed_before = false;
+  if constexpr (Phased) {
+    if (a2a_thread() == 0 && x.mirror && a2a_load_relaxed_sys(x.mirror) != A2A_OK) *block_failed() = 1u;
+    a2a_block_sync();
+    failed_before = *block_failed() != 0u;
+    if (failed_before && !reduces) return;
+  }
   // (send_contributions is never called with A2A_REDUCE_ONLY, so a phase there is the whole or 1 .. G)
   if (reduces && G && a2a_block() == 0)
     for (u32 i = a2a_thread(); i < A2A_GROUP_STRIPES * A2A_MAX_GROUPS; i += a2a_block_dim())
@@ -511,7 +519,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   // reducing. (Alone, there are no peers' tokens and nothing comes back: skip the headers.)
   __shared__ u32 pre[A2A_PREFIX_WORDS];
   bool pushed_back = false;
-  if (x.W > 1) {
+  if (x.W > 1 && !failed_before) {
     source_prefix(x, 0u, pre, false, g);
     pushed_back = (pre[x.W + 3] >> x.h.rank & 1u) != 0u;
     if (sends) send_contributions<Fmt, U>(x, c, g, sc, pre, phase, G);
@@ -520,7 +528,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   // contribution it pushed (that path skips the loop's closing sync) when
   // another lane starts rewriting it for its first token.
   a2a_wave_sync();
-  if (reduces) reduce_tokens<Fmt, U>(x, c, g, sc, pushed_back);
+  if (reduces && !failed_before) reduce_tokens<Fmt, U>(x, c, g, sc, pushed_back);
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   // A part that only sends writes none of the call's outputs, and must not mark the blocks of the

@@ -83,13 +83,22 @@ class Health:
 
     def __init__(self, host_status, rank: int, context: str = "AllToAll"):
         self.host_status, self.rank, self.context = host_status, rank, context
+        self._bounds: list = []  # (see bound_waits)
 
     def error(self) -> A2AError | None:
         """The reported failure as an exception (a fresh one each time), or None."""
         return status_error(self.host_status.copy(), self.rank, self.context) if self.host_status[0] else None
 
+    def bound_waits(self, settle) -> None:
+        """`settle()` runs before every host wait on the object's streams: it returns once they may be waited
+        for, or raises (a grouped combine's waits, pyhipa2a.groups, have no bound on the device)."""
+        self._bounds.append(settle)
+
     def settle(self, stream) -> None:
-        """Before a host read waits for `stream`: no-op (kernels bound their waits); multi-node health watches NCCL."""
+        """Before a host read waits for `stream`: the bounds of waits that have none on the device (kernels bound
+        their own); multi-node health also watches NCCL."""
+        for settle in self._bounds:
+            settle()
 
     def check(self, cause: BaseException | None = None) -> None:
         """Raise the reported failure, if any (chained to `cause`, what it made fail)."""

@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 
 from .config import is_int
-from .errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, A2AError, A2ATimeoutError
+from .errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, A2AError, A2ATimeoutError, status_error
 from .kernels import MAX_GROUPS, REDUCE_ONLY
 from .signals import PASSED, WAITING
 from .watchdog import Watchdog
@@ -49,10 +49,12 @@ class Groups:
 
     def __init__(self, backend, rank: int, config, buffers, health):
         self.backend, self.rank, self.local_experts, self.timeout = backend, rank, config.local_experts, config.timeout
-        self._ready, self._done = buffers["group_ready"].ptr, buffers["group_done"].ptr  # uint32 [MAX_GROUPS] each
+        # uint32 [MAX_GROUPS] each: ready in the heap (the dispatch kernel raises it), done in pinned host memory
+        self._ready, self._done = buffers["group_ready"].ptr, buffers.group_words_device
         self._host_offsets, self._health, self._contiguous = buffers.host_offsets, health, config.contiguous
-        self._bound = CombineBound(backend, rank, config.timeout, self._done, buffers["group_seen"].ptr,
-                                   buffers["status"].ptr, buffers.status)
+        self._bound = CombineBound(backend, rank, config.timeout, buffers.group_words_device, buffers.group_words,
+                                   buffers.status)
+        health.bound_waits(self._bound.settle)
         # (stopped at exit too, while the runtime still answers: its watchdog asks the driver)
         self._close_bound = weakref.finalize(self, self._bound.close)
         self.count = 0
@@ -77,8 +79,6 @@ class Groups:
         refused = self.backend.stream_waits_refused()
         if refused:
             raise A2AError(f"dispatch(groups=): {refused}")
-        if self._bound.failure is not None:
-            raise A2AError(f"dispatch(groups=): giving up on an earlier combine's wait failed: {self._bound.failure}")
         return int(groups)
 
     def next_ticket(self) -> int:
@@ -180,22 +180,25 @@ class CombineBound:
     """The host's bound on a grouped combine's waits for group_done, which a GPU waits for without one: a caller's
     stream that never reaches group_done would hold combine's stream, and every wait behind it, forever.
 
-    Each wait marks a "seen" word (WAITING while the stream stands at it, PASSED after). A watchdog polls an event
-    recorded after the combine; past the timeout, if the stream stands at group g's wait, it gives up on the call:
-    it writes the timeout into the status words (the device's, which each part of the combine reads as it starts,
-    and the host's mirror, which the caller's next call or synchronize() raises), then raises the done words of
-    groups g on so that the stream drains. The parts that then start send nothing (kernels_hip/combine.hip), so
-    the peers time out naming this rank, and the reduce poisons y. (If the caller's stream reaches group_done just
-    as the host gives up, the call is still reported as failed.)"""
+    The done words and, beside them, a "seen" word a group (WAITING while combine's stream stands at its wait,
+    PASSED after) lie in pinned host memory. A watchdog polls an event recorded after the combine; past the timeout,
+    if the stream stands at group g's wait, it gives up on the call: it writes the timeout into the host's mirror of
+    the status words (which the caller's next call or synchronize() raises), then raises the done words of groups
+    g on, so the stream drains. The host does all of it with plain stores, no stream: work queued on any stream
+    may sit behind the stuck wait (the driver may serve streams from one hardware queue). The parts that then
+    start read the mirror, send nothing and reduce nothing (kernels_hip/combine.hip): the peers time out naming
+    this rank, and y is poisoned. (If the caller's stream reaches group_done just as the host gives up, the call
+    is still reported as failed.)"""
 
-    def __init__(self, backend, rank: int, timeout: float, done: int, seen: int, status: int, host_status):
+    def __init__(self, backend, rank: int, timeout: float, device_words: int, words, host_status):
         self.backend, self.rank, self.timeout = backend, rank, timeout
-        self._done, self._seen, self._status, self._host_status = done, seen, status, host_status
-        self._event = self._watch = self._watchdog = None  # made at the first grouped combine
+        self._done, self._seen = device_words, device_words + 4 * words.shape[1]  # (for the streams)
+        self._words, self._host_status = words, host_status  # [done, seen][MAX_GROUPS]; status words (for us)
+        self._event = self._watchdog = None  # made at the first grouped combine
         self._count = 0  # the groups of the combine armed last
+        self._given_up_by = None  # time.monotonic() by which the pending grouped combine is given up on, or None
         self._lock = threading.Lock()  # (give_up runs on the watchdog's thread)
         self._closed = False
-        self.failure = None  # what failed while giving up on a call (the driver's error), for the next call
 
     def wait(self, stream, group: int, timed_out) -> None:
         """Queue on `stream`: wait until group `group` is done, then lower its word; marked in its seen word."""
@@ -212,43 +215,56 @@ class CombineBound:
             return
         with self._lock:
             if self._watchdog is None:
-                self._event, self._watch = backend.event_create(), backend.stream_create()
+                self._event = backend.event_create()
                 self._watchdog = Watchdog(backend, self._event, self._give_up)
             self._count = count
             backend.event_record(self._event, stream)
-        self._watchdog.arm(time.monotonic() + self.timeout)
+        self._given_up_by = time.monotonic() + self.timeout
+        self._watchdog.arm(self._given_up_by)
+
+    def settle(self) -> None:
+        """Before the host waits on a stream (synchronize, reading an output), while a grouped combine is pending:
+        poll its event, bounded. A combine given up on whose stream still does not drain within another timeout
+        (its work may sit behind the caller's stuck stream, in one hardware queue) raises the call's error here,
+        instead of a wait that would never return."""
+        if self._given_up_by is None:
+            return
+        pause = 1e-6
+        while not self.backend.event_done(self._event):  # (a driver error here is the caller's to see)
+            if time.monotonic() > self._given_up_by + self.timeout:
+                raise status_error(self._host_status.copy(), self.rank, "AllToAll") or A2ATimeoutError(
+                    f"rank {self.rank}: a grouped combine did not finish within {2 * self.timeout:g} s, though "
+                    "every group was done", ranks=(self.rank,))
+            time.sleep(pause)
+            pause = min(2 * pause, 5e-5)  # (a combine that finishes is seen within 50 us)
+        self._given_up_by = None
 
     def _give_up(self) -> None:
         with self._lock:
-            if self._closed or self.backend.event_done(self._event):
+            if self._closed or self._finished():
                 return
-            try:
-                self._release()
-            except Exception as e:  # (the driver failing us now: the next grouped call hands it on)
-                self.failure = e
+            done, seen = self._words
+            standing = np.flatnonzero(seen[:self._count] == WAITING)
+            if not standing.size:  # (the stream is in a kernel, which bounds its own waits: look again later)
+                self._watchdog.arm(time.monotonic() + self.timeout)
+                return
+            group = int(standing[0])
+            status = self._host_status
+            if not status[0]:  # (an error already reported stays the one the caller sees)
+                status[1:] = (self.rank, WAIT_GROUP_DONE, group)
+                status[0] = STATUS_TIMEOUT  # (last: the parts read this word)
+            done[group:self._count] = 1
 
-    def _release(self) -> None:
-        backend, count = self.backend, self._count
-        seen = np.empty(count, np.uint32)
-        backend.copy_to_host(seen, self._seen, self._watch)
-        standing = np.flatnonzero(seen == WAITING)
-        if not standing.size:  # (the stream is in a kernel, which bounds its own waits: look again later)
-            self._watchdog.arm(time.monotonic() + self.timeout)
-            return
-        group = int(standing[0])
-        if not self._host_status[0]:  # (an error already reported stays the one the caller sees)
-            words = np.array([STATUS_TIMEOUT, self.rank, WAIT_GROUP_DONE, group], np.uint32)
-            backend.copy_to_device(self._status, words, self._watch)
-            self._host_status[1:] = words[1:]
-            self._host_status[0] = words[0]
-        backend.copy_to_device(self._done + 4 * group, np.ones(count - group, np.uint32), self._watch)
+    def _finished(self) -> bool:
+        try:
+            return self.backend.event_done(self._event)
+        except Exception:  # (a driver that fails now: the words are released all the same, as plain stores;
+            return False   # the caller's next wait sees the driver's error)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             watchdog, self._watchdog = self._watchdog, None
-        if watchdog is None:
-            return
-        watchdog.close()
-        self.backend.event_destroy(self._event)
-        self.backend.stream_destroy(self._watch)
+        if watchdog is not None:
+            watchdog.close()
+            self.backend.event_destroy(self._event)

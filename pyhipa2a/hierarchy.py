@@ -47,6 +47,7 @@ class NodesHealth(Health):
         return status_error(words, self.rank, self.context)
 
     def settle(self, stream) -> None:
+        super().settle(stream)
         self.engine.settle(stream)
 
 

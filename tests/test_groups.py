@@ -2,7 +2,6 @@
 any order, each layout, against the oracle; what groups= refuses. Host backend at 1-4 ranks, and GPUs."""
 from __future__ import annotations
 
-import ctypes
 import time
 
 import numpy as np
@@ -55,7 +54,7 @@ def test_moe_layer_script(backend):
 
 class _StandingStream:
     """A backend whose combine stream never finishes by itself (as a GPU's stream standing at a wait for a word
-    nobody raises); its copies are plain host memory moves, as the words' readers and writers see them."""
+    nobody raises). It has no copies and no streams to lend: the bound must touch neither."""
     kind = "stuck"
 
     def __init__(self):
@@ -67,9 +66,6 @@ class _StandingStream:
     def stream_done(self, stream):
         return False
 
-    def stream_create(self):
-        return "watch"
-
     def event_create(self):
         return "event"
 
@@ -79,19 +75,8 @@ class _StandingStream:
     def event_done(self, event):
         return self.finished
 
-    def copy_to_host(self, dst, src, stream):
-        assert stream == "watch"  # (a stream that waits for nothing: the others may be stuck)
-        ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
-
-    def copy_to_device(self, dst, src, stream):
-        assert stream == "watch"
-        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
-
     def event_destroy(self, event):
         self.destroyed.append(event)
-
-    def stream_destroy(self, stream):
-        self.destroyed.append(stream)
 
 
 def _until(condition, seconds=5.0):
@@ -103,50 +88,81 @@ def _until(condition, seconds=5.0):
 
 @pytest.mark.parametrize("reported", [False, True])
 def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
-    """CombineBound (pyhipa2a.groups): past the timeout, with combine's stream at group 2's wait, the status words
-    (the device's and the host's mirror) name that group, unless an error was reported first, and the done words
-    of groups 2 on are raised so the stream drains; groups passed already are left alone. While the stream stands
-    at no wait (in a kernel, which bounds itself) nothing is written, and the watchdog looks again later."""
+    """CombineBound (pyhipa2a.groups): past the timeout, with combine's stream at group 2's wait, the host's
+    status words name that group (unless an error was reported first), and the done words of groups 2 on are
+    raised so the stream drains; groups passed already are left alone. While the stream stands at no wait (in a
+    kernel, which bounds itself) nothing is written, and the watchdog looks again later."""
     from pyhipa2a.errors import STATUS_BAD_INDEX, status_error
     from pyhipa2a.groups import CombineBound
+    from pyhipa2a.kernels import MAX_GROUPS
     from pyhipa2a.signals import PASSED, WAITING
     backend = _StandingStream()
     G, rank = 4, 3
-    done, seen = np.zeros(G, np.uint32), np.array([PASSED, PASSED, PASSED, PASSED], np.uint32)
-    status, host_status = np.zeros(4, np.uint32), np.zeros(4, np.uint32)
+    words = np.zeros((2, MAX_GROUPS), np.uint32)  # [done, seen]
+    done, seen = words
+    seen[:G] = PASSED
+    status = np.zeros(4, np.uint32)
     if reported:
-        host_status[:] = status[:] = (STATUS_BAD_INDEX, 0, 5, 99)
+        status[:] = (STATUS_BAD_INDEX, 0, 5, 99)
     before = status.copy()
-    bound = CombineBound(backend, rank, 0.05, done.ctypes.data, seen.ctypes.data, status.ctypes.data, host_status)
+    bound = CombineBound(backend, rank, 0.05, 0x1000, words, status)
     try:
         bound.arm("combine", G)
         time.sleep(0.3)  # (several timeouts: the stream is in a kernel, so nothing is given up on)
-        assert (done == 0).all() and (status == before).all() and (host_status == before).all()
+        assert (done == 0).all() and (status == before).all()
         seen[2] = WAITING
-        assert _until(lambda: (done[2:] == 1).all()), done
-        assert (done[:2] == 0).all()
+        assert _until(lambda: (done[2:G] == 1).all()), done
+        assert (done[:2] == 0).all() and (done[G:] == 0).all()
         if reported:
-            assert (status == before).all() and (host_status == before).all()
+            assert (status == before).all()
         else:
-            assert status.tolist() == host_status.tolist() == [1, rank, 9, 2]
-            error = status_error(host_status, rank, "AllToAll")
+            assert status.tolist() == [1, rank, 9, 2]
+            error = status_error(status, rank, "AllToAll")
             assert isinstance(error, A2ATimeoutError) and error.ranks == (rank,)
             assert "combine waited past the timeout for group_done(2), whose stream never got there" in str(error)
-        assert bound.failure is None
         backend.finished = True
     finally:
         bound.close()
-    assert backend.destroyed == ["event", "watch"]
+    assert backend.destroyed == ["event"]
 
 
 def test_combine_bound_leaves_a_finished_combine_alone():
     from pyhipa2a.groups import CombineBound
+    from pyhipa2a.kernels import MAX_GROUPS
     from pyhipa2a.signals import WAITING
     backend = _StandingStream()
     backend.finished = True
-    done, seen, status = np.zeros(2, np.uint32), np.full(2, WAITING, np.uint32), np.zeros(4, np.uint32)
-    bound = CombineBound(backend, 0, 0.02, done.ctypes.data, seen.ctypes.data, status.ctypes.data, status.copy())
+    words, status = np.zeros((2, MAX_GROUPS), np.uint32), np.zeros(4, np.uint32)
+    words[1] = WAITING
+    bound = CombineBound(backend, 0, 0.02, 0x1000, words, status)
     bound.arm("combine", 2)
     time.sleep(0.15)
     bound.close()
-    assert (done == 0).all() and (status == 0).all()
+    assert (words[0] == 0).all() and (status == 0).all()
+
+
+def test_combine_bound_settles_host_waits():
+    """Before a host wait (Health.settle): a pending grouped combine is polled, not waited on. One that finishes
+    returns; one given up on whose stream still does not drain raises the call's error within two timeouts."""
+    from pyhipa2a.errors import Health
+    from pyhipa2a.groups import CombineBound
+    from pyhipa2a.kernels import MAX_GROUPS
+    from pyhipa2a.signals import PASSED, WAITING
+    backend = _StandingStream()
+    words, status = np.zeros((2, MAX_GROUPS), np.uint32), np.zeros(4, np.uint32)
+    words[1, :3] = (PASSED, WAITING, 0)
+    bound = CombineBound(backend, 1, 0.05, 0x1000, words, status)
+    health = Health(status, 1)
+    health.bound_waits(bound.settle)
+    try:
+        health.settle(None)  # (nothing pending)
+        start = time.monotonic()
+        bound.arm("combine", 3)
+        with pytest.raises(A2ATimeoutError, match=r"group_done\(1\), whose stream never got there"):
+            health.settle(None)
+        assert 0.1 <= time.monotonic() - start < 2.0
+        assert words[0, :3].tolist() == [0, 1, 1]
+        backend.finished = True  # (the stream drained at last)
+        health.settle(None)
+    finally:
+        bound.close()

@@ -3,6 +3,7 @@
 record locks on the word, whose system calls also order a flag store after the data it publishes."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import importlib
@@ -184,6 +185,10 @@ class HostBackend(Backend):
 
     # -- cross-process word operations used by the host kernels --------------
     def _locked(self, ptr: int):
+        """A lock on the word at `ptr` among the processes that map it; none for this process's pinned memory
+        (malloc_host_mapped), which no other process sees."""
+        if any(base <= ptr < base + len(buf) for base, buf in self._host_buffers.items()):
+            return contextlib.nullcontext()
         m, offset = self._locate(ptr)
         return _WordLock(m.fd, offset)
 

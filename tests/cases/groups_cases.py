@@ -9,6 +9,7 @@ PyTorch code on the CPU. Every result is checked against pyhipa2a.reference.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import numpy as np
 import pytest
@@ -181,11 +182,13 @@ def case_group_done_never_comes(comm):
         expert = TorchExpert(a2a, torch)
         inputs = draw_world(70, world, E, k, H, M, token_counts=[T] * world)
         d = a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=G)
-        gate = torch.zeros(1, dtype=torch.int32, device=expert.x.device)  # raised only once the calls failed
+        # A word in pinned host memory, raised by the host only once the calls failed: no stream lifts it, as
+        # work on any stream may sit behind the stuck wait (streams may share a hardware queue: MPS shares them)
+        gate, gate_device = a2a.backend.malloc_host_mapped(4)
         expert.run(0)
         handle = expert.stream.cuda_stream
         if me == victim:  # (the expert's stream stuck before group 1's group_done)
-            a2a.backend.stream_wait_word(handle, gate.data_ptr(), 1, a2a.config.timeout, None)
+            a2a.backend.stream_wait_word(handle, gate_device, 1, a2a.config.timeout, None)
         expert.run(1)
         a2a.combine(d.expert_x)
         with pytest.raises(A2ATimeoutError) as failure:
@@ -193,9 +196,13 @@ def case_group_done_never_comes(comm):
         assert failure.value.ranks == (victim,), failure.value
         if me == victim:
             assert "group_done(1), whose stream never got there" in str(failure.value)
-            assert (a2a.buffers["y"].numpy()[:T].view(np.uint16) == 0xFFFF).all()  # (y: poison)
         else:
             assert f"of rank {victim}" in str(failure.value)
-        gate.fill_(1)  # (the expert's stream drains: its late group_done finds the object broken)
+        # The expert's stream drains (its late group_done finds the object broken), and with it whatever the
+        # driver queued behind it: only then is y read.
+        ctypes.c_uint32.from_address(gate).value = 1
         torch.cuda.synchronize()
+        a2a.backend.free_host_mapped(gate)
+        if me == victim:
+            assert (a2a.buffers["y"].numpy()[:T].view(np.uint16) == 0xFFFF).all()  # (y: poison)
         comm.Barrier()
