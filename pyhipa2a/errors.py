@@ -51,9 +51,10 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
     if code == STATUS_OK:
         return None
     if code == STATUS_TIMEOUT and what == WAIT_GROUP_DONE:
-        return A2ATimeoutError(f"{context}: rank {rank}: combine waited past the timeout for group_done({detail}), "
-                               f"whose stream never got there; the call's y is poison, and the peers time out "
-                               f"waiting for this rank's contributions", ranks=(rank,))
+        return A2ATimeoutError(f"{context}: rank {rank}: combine's wait for group_done({detail}) did not pass within "
+                               f"the timeout (the stream that queued group_done({detail}) never got there, or "
+                               f"combine's own stream never reached the wait); the call's y is poison, and the "
+                               f"peers time out waiting for this rank's contributions", ranks=(rank,))
     if code == STATUS_TIMEOUT:
         return A2ATimeoutError(f"{context}: rank {rank} timed out waiting for the {WAIT_WHAT.get(what, what)} "
                                f"of rank {peer} (detail {detail}); rank {peer} never arrived or is stuck",

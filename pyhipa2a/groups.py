@@ -145,11 +145,12 @@ class Groups:
     def queue_combine(self, stream, launch) -> None:
         """Combine's parts on `stream`, `launch(phase)` each: phase g + 1 (sending group g's tokens) once group g
         is done, then the reduce; the host's bound on the waits from now on."""
+        self._bound.begin(self.count)
         for group in range(self.count):
             self._bound.wait(stream, group, lambda g=group: self._never_done(g))
             launch(group + 1)
         launch(REDUCE_ONLY)
-        self._bound.arm(stream, self.count)
+        self._bound.arm(stream)
 
     def close(self) -> None:
         self._close_bound()
@@ -180,36 +181,48 @@ class CombineBound:
     """The host's bound on a grouped combine's waits for group_done, which a GPU waits for without one: a caller's
     stream that never reaches group_done would hold combine's stream, and every wait behind it, forever.
 
-    The done words and, beside them, a "seen" word a group (WAITING while combine's stream stands at its wait,
-    PASSED after) lie in pinned host memory. A watchdog polls an event recorded after the combine; past the timeout,
-    if the stream stands at group g's wait, it gives up on the call: it writes the timeout into the host's mirror of
-    the status words (which the caller's next call or synchronize() raises), then raises the done words of groups
-    g on, so the stream drains. The host does all of it with plain stores, no stream: work queued on any stream
-    may sit behind the stuck wait (the driver may serve streams from one hardware queue). The parts that then
-    start read the mirror, send nothing and reduce nothing (kernels_hip/combine.hip): the peers time out naming
-    this rank, and y is poisoned. (If the caller's stream reaches group_done just as the host gives up, the call
-    is still reported as failed.)"""
+    The done words and, beside them, a "seen" word a group lie in pinned host memory. Combine's stream marks each
+    wait in its seen word (waiting while it stands there, passed after, tagged with the combine's number). A
+    watchdog polls an event recorded after the combine. Past the timeout, with the stream standing at group g's
+    wait, it gives up on the call: it writes the timeout into the host's mirror of the status words (which the
+    caller's next call or synchronize() raises), then raises the done words not yet passed, so the stream drains.
+    A stream that stands at no wait is in a kernel, which bounds itself, or has not reached the waits (work queued
+    before them is stuck: on another stream that shares its hardware queue, say): past a second timeout the host
+    gives up on the first group not passed. It does all of this with plain stores, no stream, as work queued on
+    any stream may sit behind the stuck one. The parts that start after read the mirror, send nothing and reduce
+    nothing (kernels_hip/combine.hip): the peers time out naming this rank, and y is poisoned. (A caller's stream
+    that reaches group_done just as the host gives up leaves the call reported failed all the same.)"""
 
     def __init__(self, backend, rank: int, timeout: float, device_words: int, words, host_status):
         self.backend, self.rank, self.timeout = backend, rank, timeout
         self._done, self._seen = device_words, device_words + 4 * words.shape[1]  # (for the streams)
         self._words, self._host_status = words, host_status  # [done, seen][MAX_GROUPS]; status words (for us)
         self._event = self._watchdog = None  # made at the first grouped combine
-        self._count = 0  # the groups of the combine armed last
+        self._count = self._tag = 0  # the groups and the number of the combine queued last
         self._given_up_by = None  # time.monotonic() by which the pending grouped combine is given up on, or None
+        self._looked = False  # whether the watchdog looked once already at the pending combine
         self._lock = threading.Lock()  # (give_up runs on the watchdog's thread)
         self._closed = False
+
+    def marks(self) -> tuple[int, int]:
+        """The seen words' values (waiting, passed) of the combine begun last."""
+        return self._tag << 2 | WAITING, self._tag << 2 | PASSED
+
+    def begin(self, count: int) -> None:
+        """A combine of `count` groups is about to be queued (its waits by wait(), then arm())."""
+        self._count, self._tag = count, self._tag % (1 << 30) + 1
 
     def wait(self, stream, group: int, timed_out) -> None:
         """Queue on `stream`: wait until group `group` is done, then lower its word; marked in its seen word."""
         word, seen = self._done + 4 * group, self._seen + 4 * group
-        self.backend.stream_write_word(stream, seen, WAITING)
+        waiting, passed = self.marks()
+        self.backend.stream_write_word(stream, seen, waiting)
         self.backend.stream_wait_word(stream, word, 1, self.timeout, timed_out)
         self.backend.stream_write_word(stream, word, 0)
-        self.backend.stream_write_word(stream, seen, PASSED)
+        self.backend.stream_write_word(stream, seen, passed)
 
-    def arm(self, stream, count: int) -> None:
-        """A combine of `count` groups was just queued on `stream` (its waits by wait()): bound it."""
+    def arm(self, stream) -> None:
+        """The combine begun last is queued on `stream`: bound it."""
         backend = self.backend
         if backend.stream_done(stream):  # (the host backend: its waits ran, bounded, as they were queued)
             return
@@ -217,43 +230,52 @@ class CombineBound:
             if self._watchdog is None:
                 self._event = backend.event_create()
                 self._watchdog = Watchdog(backend, self._event, self._give_up)
-            self._count = count
             backend.event_record(self._event, stream)
+            self._looked = False
         self._given_up_by = time.monotonic() + self.timeout
         self._watchdog.arm(self._given_up_by)
 
     def settle(self) -> None:
         """Before the host waits on a stream (synchronize, reading an output), while a grouped combine is pending:
-        poll its event, bounded. A combine given up on whose stream still does not drain within another timeout
-        (its work may sit behind the caller's stuck stream, in one hardware queue) raises the call's error here,
-        instead of a wait that would never return."""
+        poll its event, bounded. Past two timeouts the combine is given up on if it was not yet, and the call's
+        error raised here, instead of a wait that might never return (its stream may still sit behind a stuck one)."""
         if self._given_up_by is None:
             return
-        pause = 1e-6
+        last, pause = self._given_up_by + self.timeout, 1e-6
         while not self.backend.event_done(self._event):  # (a driver error here is the caller's to see)
-            if time.monotonic() > self._given_up_by + self.timeout:
+            if time.monotonic() > last:
+                self._give_up(final=True)
                 raise status_error(self._host_status.copy(), self.rank, "AllToAll") or A2ATimeoutError(
-                    f"rank {self.rank}: a grouped combine did not finish within {2 * self.timeout:g} s, though "
-                    "every group was done", ranks=(self.rank,))
+                    f"rank {self.rank}: a grouped combine did not finish within {2 * self.timeout:g} s, though it "
+                    "passed every wait for group_done", ranks=(self.rank,))
             time.sleep(pause)
             pause = min(2 * pause, 5e-5)  # (a combine that finishes is seen within 50 us)
         self._given_up_by = None
 
-    def _give_up(self) -> None:
+    def _give_up(self, final: bool | None = None) -> None:
+        """The watchdog's: give up on the pending combine where its stream stands at a wait for group_done, or at
+        the second look (`final`), where it has not passed one."""
         with self._lock:
+            if final is None:
+                final, self._looked = self._looked, True
             if self._closed or self._finished():
                 return
             done, seen = self._words
-            standing = np.flatnonzero(seen[:self._count] == WAITING)
-            if not standing.size:  # (the stream is in a kernel, which bounds its own waits: look again later)
-                self._watchdog.arm(time.monotonic() + self.timeout)
+            waiting, passed = self.marks()
+            states = seen[:self._count]
+            standing = np.flatnonzero(states == waiting)
+            if not standing.size and not final:
+                self._watchdog.arm(time.monotonic() + self.timeout)  # (a second look)
                 return
-            group = int(standing[0])
+            left = standing if standing.size else np.flatnonzero(states != passed)
+            if not left.size:  # (every wait passed: the reduce runs, bounded by its own deadline)
+                return
+            group = int(left[0])
             status = self._host_status
             if not status[0]:  # (an error already reported stays the one the caller sees)
                 status[1:] = (self.rank, WAIT_GROUP_DONE, group)
                 status[0] = STATUS_TIMEOUT  # (last: the parts read this word)
-            done[group:self._count] = 1
+            done[:self._count][states != passed] = 1
 
     def _finished(self) -> bool:
         try:

@@ -37,6 +37,10 @@ fi
 step check_contiguous $MPIRUN -n "$N" python3 scripts/check.py --row-layout contiguous
 python3 -c "import cupy" 2>/dev/null && step cupy_moe $MPIRUN -n "$N" python3 scripts/cupy_moe.py
 step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu tests
+# Stream waits (groups, the collective matmul) with every stream of a rank in one hardware queue: work queued
+# behind a wait that never passes then waits too, whatever its stream, as it may where streams share queues.
+step one_queue env CUDA_DEVICE_MAX_CONNECTIONS=1 PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu \
+  tests/test_groups.py tests/test_collective.py
 [ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu tests
 echo "== summary ($N ranks)"
 rc=0; for k in "${!RESULT[@]}"; do printf '%-22s %s\n' "$k" "$([ "${RESULT[$k]}" = 0 ] && echo PASS || echo "FAIL (${RESULT[$k]})")"; [ "${RESULT[$k]}" = 0 ] || rc=1; done

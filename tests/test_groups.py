@@ -33,8 +33,12 @@ def test_groups_refusals(backend):
 
 
 @pytest.mark.gpu
-def test_group_done_never_comes():
-    run_case(CASE + "case_group_done_never_comes", ranks_for("gpu"), env_backend("gpu"), timeout=120)
+@pytest.mark.parametrize("queues", [None, "1"])
+def test_group_done_never_comes(queues):
+    """(queues "1": every stream of a rank in one hardware queue, where work queued behind a stuck wait waits
+    too, whatever its stream)"""
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": queues} if queues else None
+    run_case(CASE + "case_group_done_never_comes", ranks_for("gpu"), env_backend("gpu"), timeout=120, env=env)
 
 
 def test_groups_across_nodes_refused():
@@ -86,82 +90,93 @@ def _until(condition, seconds=5.0):
     return condition()
 
 
-@pytest.mark.parametrize("reported", [False, True])
-def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
-    """CombineBound (pyhipa2a.groups): past the timeout, with combine's stream at group 2's wait, the host's
-    status words name that group (unless an error was reported first), and the done words of groups 2 on are
-    raised so the stream drains; groups passed already are left alone. While the stream stands at no wait (in a
-    kernel, which bounds itself) nothing is written, and the watchdog looks again later."""
-    from pyhipa2a.errors import STATUS_BAD_INDEX, status_error
+def _bound_at(backend, timeout, count, seen, rank=3, status=(0, 0, 0, 0)):
+    """A CombineBound of a combine of `count` groups begun and armed, its seen words `seen` ("waiting", "passed",
+    or None: an earlier combine's mark), its words and status words."""
     from pyhipa2a.groups import CombineBound
     from pyhipa2a.kernels import MAX_GROUPS
-    from pyhipa2a.signals import PASSED, WAITING
+    from pyhipa2a.signals import PASSED
+    words, status = np.zeros((2, MAX_GROUPS), np.uint32), np.array(status, np.uint32)  # words: [done, seen]
+    bound = CombineBound(backend, rank, timeout, 0x1000, words, status)
+    bound.begin(count)
+    waiting, passed = bound.marks()
+    words[1, :len(seen)] = [{"waiting": waiting, "passed": passed, None: PASSED}[mark] for mark in seen]
+    bound.arm("combine")
+    return bound, words, status
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
+    """CombineBound (pyhipa2a.groups): past the timeout, with combine's stream at group 2's wait, the host's status
+    words name that group (unless an error was reported first), and the done words of the groups not passed are
+    raised so the stream drains; groups passed already are left alone."""
+    from pyhipa2a.errors import STATUS_BAD_INDEX, status_error
     backend = _StandingStream()
-    G, rank = 4, 3
-    words = np.zeros((2, MAX_GROUPS), np.uint32)  # [done, seen]
-    done, seen = words
-    seen[:G] = PASSED
-    status = np.zeros(4, np.uint32)
-    if reported:
-        status[:] = (STATUS_BAD_INDEX, 0, 5, 99)
-    before = status.copy()
-    bound = CombineBound(backend, rank, 0.05, 0x1000, words, status)
+    first = (STATUS_BAD_INDEX, 0, 5, 99) if reported else (0, 0, 0, 0)
+    bound, (done, _), status = _bound_at(backend, 0.05, 4, ["passed", "passed", "waiting", None], status=first)
     try:
-        bound.arm("combine", G)
-        time.sleep(0.3)  # (several timeouts: the stream is in a kernel, so nothing is given up on)
-        assert (done == 0).all() and (status == before).all()
-        seen[2] = WAITING
-        assert _until(lambda: (done[2:G] == 1).all()), done
-        assert (done[:2] == 0).all() and (done[G:] == 0).all()
+        assert _until(lambda: (done[2:4] == 1).all()), done
+        assert (done[:2] == 0).all() and (done[4:] == 0).all()
         if reported:
-            assert (status == before).all()
+            assert status.tolist() == list(first)
         else:
-            assert status.tolist() == [1, rank, 9, 2]
-            error = status_error(status, rank, "AllToAll")
-            assert isinstance(error, A2ATimeoutError) and error.ranks == (rank,)
-            assert "combine waited past the timeout for group_done(2), whose stream never got there" in str(error)
+            assert status.tolist() == [1, 3, 9, 2]
+            error = status_error(status, 3, "AllToAll")
+            assert isinstance(error, A2ATimeoutError) and error.ranks == (3,)
+            assert "combine's wait for group_done(2) did not pass within the timeout" in str(error)
         backend.finished = True
     finally:
         bound.close()
     assert backend.destroyed == ["event"]
 
 
-def test_combine_bound_leaves_a_finished_combine_alone():
-    from pyhipa2a.groups import CombineBound
-    from pyhipa2a.kernels import MAX_GROUPS
-    from pyhipa2a.signals import WAITING
+def test_combine_bound_gives_up_on_a_stream_that_never_reached_the_waits():
+    """A stream that stands at no wait and has passed group 0 only (the marks beyond are an earlier combine's) is
+    given up on at the watchdog's second look, on group 1, not at its first."""
     backend = _StandingStream()
-    backend.finished = True
-    words, status = np.zeros((2, MAX_GROUPS), np.uint32), np.zeros(4, np.uint32)
-    words[1] = WAITING
-    bound = CombineBound(backend, 0, 0.02, 0x1000, words, status)
-    bound.arm("combine", 2)
+    start = time.monotonic()
+    bound, (done, _), status = _bound_at(backend, 0.1, 3, ["passed", None, None])
+    try:
+        assert _until(lambda: status[0] != 0), status
+        assert time.monotonic() - start >= 0.2
+        assert status.tolist() == [1, 3, 9, 1] and done[:3].tolist() == [0, 1, 1]
+    finally:
+        bound.close()
+
+
+def test_combine_bound_leaves_a_reduce_that_runs_alone():
+    """Every wait passed, the combine not finished: its reduce runs, bounded by its own deadline; nothing is
+    written."""
+    backend = _StandingStream()
+    bound, (done, _), status = _bound_at(backend, 0.02, 2, ["passed", "passed"])
     time.sleep(0.15)
     bound.close()
-    assert (words[0] == 0).all() and (status == 0).all()
+    assert (done == 0).all() and (status == 0).all()
+
+
+def test_combine_bound_leaves_a_finished_combine_alone():
+    backend = _StandingStream()
+    backend.finished = True
+    bound, (done, _), status = _bound_at(backend, 0.02, 2, ["waiting", "waiting"])
+    time.sleep(0.15)
+    bound.close()
+    assert (done == 0).all() and (status == 0).all()
 
 
 def test_combine_bound_settles_host_waits():
     """Before a host wait (Health.settle): a pending grouped combine is polled, not waited on. One that finishes
     returns; one given up on whose stream still does not drain raises the call's error within two timeouts."""
     from pyhipa2a.errors import Health
-    from pyhipa2a.groups import CombineBound
-    from pyhipa2a.kernels import MAX_GROUPS
-    from pyhipa2a.signals import PASSED, WAITING
     backend = _StandingStream()
-    words, status = np.zeros((2, MAX_GROUPS), np.uint32), np.zeros(4, np.uint32)
-    words[1, :3] = (PASSED, WAITING, 0)
-    bound = CombineBound(backend, 1, 0.05, 0x1000, words, status)
+    start = time.monotonic()
+    bound, (done, _), status = _bound_at(backend, 0.05, 3, ["passed", "waiting", None], rank=1)
     health = Health(status, 1)
     health.bound_waits(bound.settle)
     try:
-        health.settle(None)  # (nothing pending)
-        start = time.monotonic()
-        bound.arm("combine", 3)
-        with pytest.raises(A2ATimeoutError, match=r"group_done\(1\), whose stream never got there"):
+        with pytest.raises(A2ATimeoutError, match=r"combine's wait for group_done\(1\) did not pass"):
             health.settle(None)
         assert 0.1 <= time.monotonic() - start < 2.0
-        assert words[0, :3].tolist() == [0, 1, 1]
+        assert done[:3].tolist() == [0, 1, 1]
         backend.finished = True  # (the stream drained at last)
         health.settle(None)
     finally:
