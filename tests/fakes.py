@@ -2,7 +2,8 @@
 JAX arrays as each library hands them over (as seen on the GPU machines): PyTorch (a dtype object NumPy
 cannot read, a version-2 interface with no stream, typestr '<V2' for bfloat16, DLPack that orders itself
 on the stream it is given), JAX (DLPack only; versioned or unversioned capsules; its own attributes for
-a finished array) and CuPy (a version-3 interface naming the stream it last wrote on)."""
+a finished array) and CuPy (a version-3 interface naming the stream it last wrote on); and a backend whose
+stream never finishes by itself, for the host's bounds on waits the device does not bound."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -333,3 +334,30 @@ class FakeRuntime(FakeCuda):
     def raise_driver_error(self, what, code):
         from pyhipa2a.runtime.base import RuntimeFailure
         raise RuntimeFailure(f"{what} failed with code {code}")
+
+
+class StandingStream:
+    """A backend whose combine stream never finishes by itself (as a GPU's stream standing at a wait for a word
+    nobody raises). It has no copies and no streams to lend: the bound must touch neither."""
+    kind = "stuck"
+
+    def __init__(self):
+        self.finished, self.destroyed = False, []
+
+    def activate(self):
+        pass
+
+    def stream_done(self, stream):
+        return False
+
+    def event_create(self):
+        return "event"
+
+    def event_record(self, event, stream):
+        assert stream == "combine"
+
+    def event_done(self, event):
+        return self.finished
+
+    def event_destroy(self, event):
+        self.destroyed.append(event)

@@ -9,6 +9,7 @@ import pytest
 
 from pyhipa2a import A2ATimeoutError
 
+from tests.fakes import StandingStream
 from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
 
 CASE = "tests.cases.groups_cases:"
@@ -56,33 +57,6 @@ def test_moe_layer_script(backend):
     assert run.stdout.count(": PASS (") == ranks_for(backend) and "moe_layer: PASS" in run.stdout, run.stdout
 
 
-class _StandingStream:
-    """A backend whose combine stream never finishes by itself (as a GPU's stream standing at a wait for a word
-    nobody raises). It has no copies and no streams to lend: the bound must touch neither."""
-    kind = "stuck"
-
-    def __init__(self):
-        self.finished, self.destroyed = False, []
-
-    def activate(self):
-        pass
-
-    def stream_done(self, stream):
-        return False
-
-    def event_create(self):
-        return "event"
-
-    def event_record(self, event, stream):
-        assert stream == "combine"
-
-    def event_done(self, event):
-        return self.finished
-
-    def event_destroy(self, event):
-        self.destroyed.append(event)
-
-
 def _until(condition, seconds=5.0):
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
@@ -111,7 +85,7 @@ def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
     words name that group (unless an error was reported first), and the done words of the groups not passed are
     raised so the stream drains; groups passed already are left alone."""
     from pyhipa2a.errors import STATUS_BAD_INDEX, status_error
-    backend = _StandingStream()
+    backend = StandingStream()
     first = (STATUS_BAD_INDEX, 0, 5, 99) if reported else (0, 0, 0, 0)
     bound, (done, _), status = _bound_at(backend, 0.05, 4, ["passed", "passed", "waiting", None], status=first)
     try:
@@ -133,7 +107,7 @@ def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
 def test_combine_bound_gives_up_on_a_stream_that_never_reached_the_waits():
     """A stream that stands at no wait and has passed group 0 only (the marks beyond are an earlier combine's) is
     given up on at the watchdog's second look, on group 1, not at its first."""
-    backend = _StandingStream()
+    backend = StandingStream()
     start = time.monotonic()
     bound, (done, _), status = _bound_at(backend, 0.1, 3, ["passed", None, None])
     try:
@@ -147,7 +121,7 @@ def test_combine_bound_gives_up_on_a_stream_that_never_reached_the_waits():
 def test_combine_bound_leaves_a_reduce_that_runs_alone():
     """Every wait passed, the combine not finished: its reduce runs, bounded by its own deadline; nothing is
     written."""
-    backend = _StandingStream()
+    backend = StandingStream()
     bound, (done, _), status = _bound_at(backend, 0.02, 2, ["passed", "passed"])
     time.sleep(0.15)
     bound.close()
@@ -155,7 +129,7 @@ def test_combine_bound_leaves_a_reduce_that_runs_alone():
 
 
 def test_combine_bound_leaves_a_finished_combine_alone():
-    backend = _StandingStream()
+    backend = StandingStream()
     backend.finished = True
     bound, (done, _), status = _bound_at(backend, 0.02, 2, ["waiting", "waiting"])
     time.sleep(0.15)
@@ -167,7 +141,7 @@ def test_combine_bound_settles_host_waits():
     """Before a host wait (Health.settle): a pending grouped combine is polled, not waited on. One that finishes
     returns; one given up on whose stream still does not drain raises the call's error within two timeouts."""
     from pyhipa2a.errors import Health
-    backend = _StandingStream()
+    backend = StandingStream()
     start = time.monotonic()
     bound, (done, _), status = _bound_at(backend, 0.05, 3, ["passed", "waiting", None], rank=1)
     health = Health(status, 1)
