@@ -50,10 +50,11 @@ class CollectiveMatmul:
         kinds = AllGatherMatmul.kinds(self.pieces) + MatmulReduceScatter.kinds(self.pieces)
         # [W, m, k] rows gathered; [W, m, n] sums received, and staged where the copy engine moves them; outputs
         slabs = 1 if remote_sums else 2
-        nbytes = (w * m * k + slabs * w * m * n + (w + 1) * m * n) * item + 2 * len(kinds) * w * 4 + 8 * 256
+        nbytes = (w * m * k + slabs * w * m * n + (w + 1) * m * n) * item + len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
         self._flight = self._blas = self._replays = self._arrays = self._gather = self._scatter = None
+        self._signals = None
         # A call's queuing, and giving up on calls (the watchdog's thread too); re-entered where a call waits for
         # the ones before it (a NumPy argument's copy) and gives up on them.
         self._lock = threading.RLock()
@@ -62,7 +63,8 @@ class CollectiveMatmul:
             refused = self.backend.stream_waits_refused()  # (every GEMM waits for its rows' readiness word)
             if refused:
                 raise A2AError(f"CollectiveMatmul: {refused}")
-            signals = Signals(heap, kinds, raised_at_start=(AllGatherMatmul.FREED, MatmulReduceScatter.FREED))
+            self._signals = signals = Signals(heap, kinds,
+                                              raised_at_start=(AllGatherMatmul.FREED, MatmulReduceScatter.FREED))
             self.stream = self._made_stream()
             watch = self._made_stream()  # reads words while the others may be stuck
             self._replays = Replays(self.backend, self._made_stream())
@@ -131,6 +133,9 @@ class CollectiveMatmul:
         if self._flight is not None:
             self._stop_flight()
             self._flight = None
+        if self._signals is not None:
+            self._signals.close()
+            self._signals = None
         if self._blas is not None and not isinstance(self._blas, Exception):
             self._blas.close()
         self._blas = None

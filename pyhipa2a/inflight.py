@@ -18,6 +18,7 @@ class InFlight:
         self.backend, self.signals, self.watch, self.timeout = backend, signals, watch, timeout
         self._lock = lock  # the owner's: held while a call is queued, and while we give up on one
         self._finished = backend.event_create()  # recorded after each call (its stream may be gone before us)
+        self._forced = backend.event_create()  # recorded on `watch` after the words it raised for stuck waits
         self._pending = []     # (stream, awaited waits, outputs) of each call queued and not seen done
         self.unreported = None   # the error of a call given up on, until the caller is handed it
         self.broken = None     # why calls are refused, once one failed
@@ -93,19 +94,25 @@ class InFlight:
             return
         pending, self._pending = self._pending, []
         awaited = [entry for _, waits, _ in pending for entry in waits]
-        stuck = self.signals.waiting(awaited, self.watch)
+        stuck = self.signals.waiting(awaited)
         self.unreported = self.signals.stuck_error(stuck, self.watch) if stuck else A2ATimeoutError(
             f"CollectiveMatmul: rank {self.signals.rank}'s calls did not finish in {self.timeout:g} s, though "
             "every rank's words came")
         for s, _, outputs in pending:  # (queued behind the stuck work: in place once the streams drain)
             self.failed(s, outputs)
+        # Released waits pass and drain the streams; the host waits for none of it past the bound (the writes
+        # may sit behind a stuck wait, in one hardware queue), and raises the words again only once they landed.
         deadline = time.monotonic() + self.timeout
+        landed = True
         while stuck and time.monotonic() < deadline:
-            self.signals.force(stuck, self.watch)
+            if landed:
+                self.signals.force(stuck, self.watch)
+                self.backend.event_record(self._forced, self.watch)
             time.sleep(1e-3)
             if self.backend.event_done(self._finished):
                 break
-            stuck = self.signals.waiting(awaited, self.watch)
+            landed = self.backend.event_done(self._forced)
+            stuck = self.signals.waiting(awaited)
         while not self.backend.event_done(self._finished) and time.monotonic() < deadline:
             time.sleep(1e-4)
 
@@ -117,3 +124,4 @@ class InFlight:
     def close(self) -> None:
         self._watchdog.close()
         self.backend.event_destroy(self._finished)
+        self.backend.event_destroy(self._forced)

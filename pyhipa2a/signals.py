@@ -11,9 +11,15 @@ consumer's wait must match: ranks that disagree on it (rows a rank, say) are nam
 
 GPUs wait without a bound; the host backend bounds each wait. Each wait marks a local "seen" word while a
 stream stands at it, so when the host gives up on a call (pyhipa2a.inflight) it names the ranks the streams
-are stuck on, and releases exactly those waits.
+are stuck on, and releases exactly those waits. The seen words lie in pinned host memory, which the host reads
+with no stream: what the host queues on a stream of its own may sit behind the stuck wait (the driver may
+serve several streams from one hardware queue), so the host never waits for such work without a bound.
 """
 from __future__ import annotations
+
+import ctypes
+import time
+import weakref
 
 import numpy as np
 
@@ -29,38 +35,44 @@ class Signals:
         self.heap, self.backend = heap, heap.backend
         self.rank, self.world = heap.rank, heap.world
         self._row = {kind: i for i, kind in enumerate(kinds)}
-        self.words = heap.alloc((len(kinds), self.world), np.uint32)
-        self.seen = heap.alloc((len(kinds), self.world), np.uint32)
-        start = np.zeros((len(kinds), self.world), np.uint32)
+        shape = (len(kinds), self.world)
+        self.words = heap.alloc(shape, np.uint32)
+        start = np.zeros(shape, np.uint32)
         for kind in raised_at_start:
             start[self._row[kind]] = 1
         self.words.copy_from(start)  # (before the barrier that ends the owner's setup: peers write these)
-        self._stride = self.words.dtype.itemsize
+        # Pinned host memory: the seen words, then where the host reads a copy of the words to
+        n = len(kinds) * self.world
+        host, self._seen_device = self.backend.malloc_host_mapped(4 * 2 * n)
+        self._free_host = weakref.finalize(self, self.backend.free_host_mapped, host)
+        self._seen, self._copied = np.frombuffer((ctypes.c_uint32 * (2 * n)).from_address(host),
+                                                 np.uint32).reshape(2, *shape)
+        self._copied_device = self._seen_device + 4 * n
+        self._read = None  # the event of the host's reads of the words (made at the first)
 
-    def _word(self, array, kind: str, peer: int) -> int:
-        return array.ptr + (self._row[kind] * self.world + peer) * self._stride
+    def _offset(self, kind: str, peer: int) -> int:
+        return 4 * (self._row[kind] * self.world + peer)
 
     def raise_on(self, peer: int, kind: str, stream, count: int = 0) -> None:
         """After what `stream` queued so far, raise our word of `kind` in `peer`'s copy, holding `count`."""
-        self.backend.stream_write_word(stream, self.heap.translate(self._word(self.words, kind, self.rank), peer),
-                                       count + 1)
+        theirs = self.heap.translate(self.words.ptr + self._offset(kind, self.rank), peer)
+        self.backend.stream_write_word(stream, theirs, count + 1)
 
     def wait(self, source: int, kind: str, stream, what: str, count: int = 0) -> None:
         """Queue on `stream`: wait until `source` raised its word of `kind` here with `count`, then lower it. The
         wait's "seen" word reads WAITING while the stream stands at it, PASSED after. `what` names what was
         awaited."""
-        word, seen = self._word(self.words, kind, source), self._word(self.seen, kind, source)
+        word, seen = self.words.ptr + self._offset(kind, source), self._seen_device + self._offset(kind, source)
         self.backend.stream_write_word(stream, seen, WAITING)
         self.backend.stream_wait_word(stream, word, count + 1, self.heap.timeout,
                                       lambda: self.stuck_error([(source, kind, count, what)], None))
         self.backend.stream_write_word(stream, word, 0)
         self.backend.stream_write_word(stream, seen, PASSED)
 
-    def waiting(self, awaited, watch) -> list:
+    def waiting(self, awaited) -> list:
         """The (source, kind, ...) entries of `awaited` whose wait a stream stands at now (not those it has
-        passed, nor those it has not reached), read on `watch` (a stream that waits for nothing)."""
-        seen = np.empty(self.seen.shape, np.uint32)
-        self.backend.copy_to_host(seen, self.seen.ptr, watch)
+        passed, nor those it has not reached)."""
+        seen = self._seen.copy()
         stuck = {}
         for entry in awaited:
             if seen[self._row[entry[1]], entry[0]] == WAITING:
@@ -69,11 +81,12 @@ class Signals:
 
     def stuck_error(self, stuck, watch):
         """The error of waits `stuck` ((source, kind, count, what) entries) that never passed: a rank that
-        raised another count disagrees (ConfigMismatchError), one that raised nothing never came."""
-        words = np.empty(self.words.shape, np.uint32)
-        self.backend.copy_to_host(words, self.words.ptr, watch)
-        odd = [(source, int(words[self._row[kind], source]) - 1, count, what)
-               for source, kind, count, what in stuck if words[self._row[kind], source] not in (0, count + 1)]
+        raised another count disagrees (ConfigMismatchError), one that raised nothing never came (also where
+        the words cannot be read on `watch` within a second)."""
+        words = self._words_now(watch, min(1.0, self.heap.timeout))
+        odd = [] if words is None else [
+            (source, int(words[self._row[kind], source]) - 1, count, what)
+            for source, kind, count, what in stuck if words[self._row[kind], source] not in (0, count + 1)]
         if odd:
             return ConfigMismatchError("; ".join(f"rank {source} sent {what} with count {theirs}, rank {self.rank} "
                                                  f"expects {count}" for source, theirs, count, what in odd)
@@ -84,8 +97,29 @@ class Signals:
                                + f": rank(s) {', '.join(map(str, ranks))} never arrived or are stuck", ranks=ranks)
 
     def force(self, stuck, watch) -> None:
-        """Raise the words of `stuck` ((source, kind, count, ...) entries) here ourselves, so waits on a rank that
-        will never raise them pass and the stream drains (the caller poisons what it wrote)."""
+        """Queue on `watch`: raise the words of `stuck` ((source, kind, count, ...) entries) here ourselves, so
+        waits on a rank that will never raise them pass and the stream drains (the caller poisons what it wrote).
+        Returns at once: the writes land when `watch` gets to them."""
         for source, kind, count, *_ in stuck:
-            self.backend.copy_to_device(self._word(self.words, kind, source), np.array([count + 1], np.uint32),
-                                        watch)
+            self.backend.stream_write_word(watch, self.words.ptr + self._offset(kind, source), count + 1)
+
+    def _words_now(self, watch, within: float):
+        """The words as they are now, copied on `watch` (a stream that waits for nothing) into pinned host memory;
+        None where the copy does not land within `within` seconds (it may sit behind a stuck wait)."""
+        if self._read is None:
+            self._read = self.backend.event_create()
+        self.backend.copy_device(self._copied_device, self.words.ptr, self.words.nbytes, watch)
+        self.backend.event_record(self._read, watch)
+        deadline, pause = time.monotonic() + within, 1e-5
+        while not self.backend.event_done(self._read):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        return self._copied.copy()
+
+    def close(self) -> None:
+        if self._read is not None:
+            self.backend.event_destroy(self._read)
+            self._read = None
+        self._free_host()

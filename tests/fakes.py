@@ -2,8 +2,9 @@
 JAX arrays as each library hands them over (as seen on the GPU machines): PyTorch (a dtype object NumPy
 cannot read, a version-2 interface with no stream, typestr '<V2' for bfloat16, DLPack that orders itself
 on the stream it is given), JAX (DLPack only; versioned or unversioned capsules; its own attributes for
-a finished array) and CuPy (a version-3 interface naming the stream it last wrote on); and a backend whose
-stream never finishes by itself, for the host's bounds on waits the device does not bound."""
+a finished array) and CuPy (a version-3 interface naming the stream it last wrote on); and backends whose
+streams never finish by themselves, for the host's bounds on waits the device does not bound."""
+import ctypes
 import dataclasses
 from types import SimpleNamespace
 
@@ -361,3 +362,67 @@ class StandingStream:
 
     def event_destroy(self, event):
         self.destroyed.append(event)
+
+
+class StuckQueue:
+    """A backend of one rank whose streams all sit behind a wait that never passes (as where they share one
+    hardware queue with it): what is queued on a stream never lands, and no event recorded on one is ever done.
+    Pinned host memory is real, and the stream writes of a "reached" stream (one the test names) land at once,
+    as the GPU's do, up to its first wait that does not pass. Also the heap of the Signals on it."""
+    kind = "stuck"
+
+    def __init__(self, reached=(), timeout: float = 0.3):
+        self.reached, self.timeout = set(reached), timeout
+        self.queued, self._buffers, self._events = [], {}, {}
+        self.backend, self.rank, self.world = self, 0, 2  # (as the heap: Signals asks it these)
+
+    def activate(self):
+        pass
+
+    def malloc_host_mapped(self, nbytes):
+        buf = (ctypes.c_char * nbytes)()
+        self._buffers[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf), ctypes.addressof(buf)
+
+    def free_host_mapped(self, ptr):
+        self._buffers.pop(ptr)
+
+    def alloc(self, shape, dtype):
+        array = np.zeros(shape, dtype)
+        self._buffers[array.ctypes.data] = array
+        return SimpleNamespace(ptr=array.ctypes.data, shape=array.shape, dtype=array.dtype, nbytes=array.nbytes,
+                               copy_from=lambda values: np.copyto(array, values))
+
+    def translate(self, ptr, peer):
+        return ptr
+
+    def stream_write_word(self, stream, ptr, value):
+        if stream in self.reached:
+            ctypes.c_uint32.from_address(ptr).value = value
+        else:
+            self.queued.append(("write", stream, ptr, value))
+
+    def stream_wait_word(self, stream, ptr, value, timeout, timed_out):
+        if stream in self.reached and ctypes.c_uint32.from_address(ptr).value == value:
+            return
+        self.reached.discard(stream)  # (it stands here: nothing after lands)
+        self.queued.append(("wait", stream, ptr, value))
+
+    def copy_device(self, dst, src, nbytes, stream=None):
+        self.queued.append(("copy", stream, dst, src))
+
+    def memset(self, ptr, byte, nbytes, stream=None):
+        self.queued.append(("memset", stream, ptr, byte))
+
+    def event_create(self):
+        return SimpleNamespace(stream=None)
+
+    def event_record(self, event, stream, **_):
+        event.stream = stream
+
+    def event_done(self, event):
+        return event.stream is None
+
+    def event_destroy(self, event):
+        pass
+

@@ -1,8 +1,13 @@
 """CollectiveMatmul against NumPy under MPI, on the host backend (1-4 ranks) and on GPUs."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
+from pyhipa2a import A2ATimeoutError
+from tests.fakes import StuckQueue
 from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
 
 CASES = "tests.cases.collective_cases:"
@@ -65,3 +70,28 @@ def test_missing_peer_times_out(backend, noticed_by, op, pieces):
 @pytest.mark.gpu
 def test_issue_shapes_on_gpus():
     run_case(CASES + "case_issue_shapes", ranks_for("gpu"), env_backend("gpu"), timeout=300)
+
+
+def test_giving_up_waits_for_no_stream():
+    """A call whose stream stands at a wait for rank 1, where every other stream of the rank sits behind that
+    wait (one hardware queue): the host still gives up within its bounds, naming rank 1, reads where the stream
+    stands from pinned host memory, raises the stuck word once on its own stream (and not again, as that never
+    lands) and poisons the output on the call's stream."""
+    from pyhipa2a.inflight import InFlight
+    from pyhipa2a.signals import Signals
+    backend = StuckQueue(reached=("call",))
+    signals = Signals(backend, ("rows",))
+    signals.wait(1, "rows", "call", "rows of rank 1")
+    flight = InFlight(backend, signals, "watch", 0.2, threading.RLock())
+    flight.queued("call", [(1, "rows", 0, "rows of rank 1")], [(0x1000, 64)])
+    start = time.monotonic()
+    with pytest.raises(A2ATimeoutError, match="rows of rank 1") as info:
+        flight.wait()
+    took = time.monotonic() - start
+    assert info.value.ranks == (1,) and 0.2 <= took < 0.2 + 1.0 + 0.2 + 1.0, took
+    forced = [op for op in backend.queued if op[0] == "write" and op[1] == "watch"]
+    assert len(forced) == 1 and forced[0][2] == signals.words.ptr + 4 and forced[0][3] == 1, backend.queued
+    assert ("memset", "call", 0x1000, 0xFF) in backend.queued
+    flight.close()
+    signals.close()
+
