@@ -41,7 +41,7 @@ class Signals:
         for kind in raised_at_start:
             start[self._row[kind]] = 1
         self.words.copy_from(start)  # (before the barrier that ends the owner's setup: peers write these)
-        # Pinned host memory: the seen words, then where the host reads a copy of the words to
+        # In pinned host memory, which the host reads with no stream: the seen words, and a copy of the words
         n = len(kinds) * self.world
         host, self._seen_device = self.backend.malloc_host_mapped(4 * 2 * n)
         self._free_host = weakref.finalize(self, self.backend.free_host_mapped, host)
