@@ -177,8 +177,8 @@ class AllToAll(Calls):
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
         try:
             waited = self._wait_for_calls(stream)
-        except RuntimeFailure as e:  # a kernel that trapped (on_timeout="trap") said why first
-            self._raise_reported(cause=e)
+        except (RuntimeFailure, A2AError) as e:  # a kernel that trapped (on_timeout="trap") said why first; a
+            self._raise_reported(cause=e)        # wait the host gave up on (pyhipa2a.groups) reported it
             raise
         streams.synchronized(waited)
         self._raise_reported()
@@ -225,7 +225,7 @@ class AllToAll(Calls):
         for graph in list(self._graphs):  # (graphs that captured NCCL's work go before its communicator)
             graph.close()
         self._groups.close()
-        self._close_parts(self._state.broken is not None)
+        self._close_parts(self._state.broken is not None or self._health.error() is not None)
 
     def __enter__(self):
         return self

@@ -127,13 +127,6 @@ class Buffers:
         host, self.host_offsets_device = backend.malloc_host_mapped(8 * (L + 1))
         self._free_offsets = weakref.finalize(self, backend.free_host_mapped, host)
         self.host_offsets = np.frombuffer((ctypes.c_uint64 * (L + 1)).from_address(host), np.uint64)
-        # dispatch(groups=): each group's done word (raised by the caller's stream, lowered by combine's) and
-        # where combine's stream stands in its wait for it, [2][MAX_GROUPS]. In pinned host memory, so that
-        # the host reads and writes them with no stream (pyhipa2a.groups: CombineBound)
-        host, self.group_words_device = backend.malloc_host_mapped(4 * 2 * MAX_GROUPS)
-        self._free_group_words = weakref.finalize(self, backend.free_host_mapped, host)
-        self.group_words = np.frombuffer((ctypes.c_uint32 * (2 * MAX_GROUPS)).from_address(host),
-                                         np.uint32).reshape(2, MAX_GROUPS)
         warps = config.blocks * max(1, config.block_threads // config.warp)
         self.profile = ProfileBuffer(backend, warps) if config.profile else None
 
@@ -189,4 +182,3 @@ class Buffers:
             self.profile.free()
         self._free_status()
         self._free_offsets()
-        self._free_group_words()

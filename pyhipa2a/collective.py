@@ -123,7 +123,8 @@ class CollectiveMatmul:
         self.backend.activate()
         self._flight.wait(None if stream is None else self._streams.given(stream))
 
-    def _release(self) -> None:
+    def _release(self, broken: bool = False) -> None:
+        """Frees what the object made; `broken`: a call was given up on, and its streams may not have drained."""
         for op in (self._gather, self._scatter):
             if op is not None:
                 op.close()
@@ -134,7 +135,7 @@ class CollectiveMatmul:
             self._stop_flight()
             self._flight = None
         if self._signals is not None:
-            self._signals.close()
+            self._signals.close(streams_drained=not broken)
             self._signals = None
         if self._blas is not None and not isinstance(self._blas, Exception):
             self._blas.close()
@@ -154,7 +155,7 @@ class CollectiveMatmul:
                 self.synchronize()
         finally:
             broken = self._flight.broken is not None
-            self._release()
+            self._release(broken)
             self.heap.close(wait_for_peers=not broken)
 
     def __enter__(self):

@@ -16,11 +16,12 @@ wait of its own, so a group nobody waited for is lowered as well; done[g] is rai
 by combine's. Combine refuses to start before done() was queued for every group, so no word is left raised for
 the next call (a failed call may leave some: the object takes no call after it). On GPUs the stream waits have
 no bound of their own: the dispatch raises every ready word within its timeout, failed or not, and the host bounds
-combine's waits on the done words (`CombineBound`: past the timeout the call fails, naming the group). None of it
-may be recorded in a graph.
+combine's waits on the done words (`CombineBound`: once combine's stream makes no progress for a timeout, the
+call fails, naming the group). None of it may be recorded in a graph.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 import weakref
@@ -49,12 +50,11 @@ class Groups:
 
     def __init__(self, backend, rank: int, config, buffers, health):
         self.backend, self.rank, self.local_experts, self.timeout = backend, rank, config.local_experts, config.timeout
-        # uint32 [MAX_GROUPS] each: ready in the heap (the dispatch kernel raises it), done in pinned host memory
-        self._ready, self._done = buffers["group_ready"].ptr, buffers.group_words_device
         self._host_offsets, self._health, self._contiguous = buffers.host_offsets, health, config.contiguous
-        self._bound = CombineBound(backend, rank, config.timeout, buffers.group_words_device, buffers.group_words,
-                                   buffers.status)
+        self._bound = CombineBound(backend, rank, config.timeout, buffers.status)
         health.bound_waits(self._bound.settle)
+        # uint32 [MAX_GROUPS] each: ready in the heap (the dispatch kernel raises it), done in pinned host memory
+        self._ready, self._done = buffers["group_ready"].ptr, self._bound.done_words
         # (stopped at exit too, while the runtime still answers: its watchdog asks the driver)
         self._close_bound = weakref.finalize(self, self._bound.close)
         self.count = 0
@@ -181,27 +181,32 @@ class CombineBound:
     """The host's bound on a grouped combine's waits for group_done, which a GPU waits for without one: a caller's
     stream that never reaches group_done would hold combine's stream, and every wait behind it, forever.
 
-    The done words and, beside them, a "seen" word a group lie in pinned host memory. Combine's stream marks each
-    wait in its seen word (waiting while it stands there, passed after, tagged with the combine's number). A
-    watchdog polls an event recorded after the combine. Past the timeout, with the stream standing at group g's
-    wait, it gives up on the call: it writes the timeout into the host's mirror of the status words (which the
-    caller's next call or synchronize() raises), then raises the done words not yet passed, so the stream drains.
-    A stream that stands at no wait is in a kernel, which bounds itself, or has not reached the waits (work queued
-    before them is stuck: on another stream that shares its hardware queue, say): past a second timeout the host
-    gives up on the first group not passed. It does all of this with plain stores, no stream, as work queued on
-    any stream may sit behind the stuck one. The parts that start after read the mirror, send nothing and reduce
-    nothing (kernels_hip/combine.hip): the peers time out naming this rank, and y is poisoned. (A caller's stream
-    that reaches group_done just as the host gives up leaves the call reported failed all the same.)"""
+    The done words and, beside them, a "seen" word a group lie in pinned host memory of its own. Combine's stream
+    marks each wait in its seen word (waiting while it stands there, passed after, tagged with the combine's
+    number). A watchdog looks at the seen words a timeout after a combine was queued, and again each timeout
+    after while the combine is pending; when a look finds them as the last one did (the stream made no progress
+    for a whole timeout), it gives up on the call. It writes the timeout into the host's mirror of the status
+    words (which the caller's next call or synchronize() raises), naming the group the stream stands at or, where
+    it stands at none (still behind other stuck work, say), the first group not done, then raises the done words
+    of every wait not passed, so the stream drains. The host does all of this with plain stores, no stream, as
+    work queued on any stream may sit behind the stuck one (the driver may serve several streams from one
+    hardware queue). The parts that start after read the mirror, send nothing and reduce nothing
+    (kernels_hip/combine.hip): the peers time out naming this rank, and y is poisoned. (The stores assume a host
+    that keeps their order, as x86 does.)"""
 
-    def __init__(self, backend, rank: int, timeout: float, device_words: int, words, host_status):
-        self.backend, self.rank, self.timeout = backend, rank, timeout
-        self._done, self._seen = device_words, device_words + 4 * words.shape[1]  # (for the streams)
-        self._words, self._host_status = words, host_status  # [done, seen][MAX_GROUPS]; status words (for us)
+    def __init__(self, backend, rank: int, timeout: float, host_status):
+        self.backend, self.rank, self.timeout, self._host_status = backend, rank, timeout, host_status
+        host, device = backend.malloc_host_mapped(4 * 2 * MAX_GROUPS)
+        self._host = host
+        self._words = np.frombuffer((ctypes.c_uint32 * (2 * MAX_GROUPS)).from_address(host),
+                                    np.uint32).reshape(2, MAX_GROUPS)  # [done, seen][group]
+        self.done_words, self._seen = device, device + 4 * MAX_GROUPS  # (the device's addresses, for the streams)
         self._event = self._watchdog = None  # made at the first grouped combine
-        self._count = self._tag = 0  # the groups and the number of the combine queued last
-        self._given_up_by = None  # time.monotonic() by which the pending grouped combine is given up on, or None
-        self._looked = False  # whether the watchdog looked once already at the pending combine
-        self._lock = threading.Lock()  # (give_up runs on the watchdog's thread)
+        self._count = self._tag = 0  # the groups and the number of the combine begun last
+        self._pending = False  # a combine armed and not yet seen finished
+        self._last = None  # the seen words at the watchdog's last look at the pending combine (None: no look yet)
+        self.gave_up = None  # when the host gave up on the pending combine (time.monotonic()), or None
+        self._lock = threading.Lock()  # (the watchdog's thread looks)
         self._closed = False
 
     def marks(self) -> tuple[int, int]:
@@ -210,11 +215,12 @@ class CombineBound:
 
     def begin(self, count: int) -> None:
         """A combine of `count` groups is about to be queued (its waits by wait(), then arm())."""
-        self._count, self._tag = count, self._tag % (1 << 30) + 1
+        with self._lock:
+            self._count, self._tag = count, self._tag % ((1 << 30) - 1) + 1
 
     def wait(self, stream, group: int, timed_out) -> None:
         """Queue on `stream`: wait until group `group` is done, then lower its word; marked in its seen word."""
-        word, seen = self._done + 4 * group, self._seen + 4 * group
+        word, seen = self.done_words + 4 * group, self._seen + 4 * group
         waiting, passed = self.marks()
         self.backend.stream_write_word(stream, seen, waiting)
         self.backend.stream_wait_word(stream, word, 1, self.timeout, timed_out)
@@ -222,60 +228,75 @@ class CombineBound:
         self.backend.stream_write_word(stream, seen, passed)
 
     def arm(self, stream) -> None:
-        """The combine begun last is queued on `stream`: bound it."""
+        """The combine begun last is queued on `stream`: bound it. Behind a combine still pending, the watchdog's
+        next look stays when it was (a new call never puts off the bound of one before it)."""
         backend = self.backend
         if backend.stream_done(stream):  # (the host backend: its waits ran, bounded, as they were queued)
             return
         with self._lock:
             if self._watchdog is None:
                 self._event = backend.event_create()
-                self._watchdog = Watchdog(backend, self._event, self._give_up)
+                self._watchdog = Watchdog(backend, self._event, self._look)
+            fresh = not self._pending or self._finished()
             backend.event_record(self._event, stream)
-            self._looked = False
-        self._given_up_by = time.monotonic() + self.timeout
-        self._watchdog.arm(self._given_up_by)
+            self._pending = True
+            if fresh:
+                self._last, self.gave_up = None, None
+        if fresh:
+            self._watchdog.arm(time.monotonic() + self.timeout)
 
     def settle(self) -> None:
         """Before the host waits on a stream (synchronize, reading an output), while a grouped combine is pending:
-        poll its event, bounded. Past two timeouts the combine is given up on if it was not yet, and the call's
-        error raised here, instead of a wait that might never return (its stream may still sit behind a stuck one)."""
-        if self._given_up_by is None:
-            return
-        last, pause = self._given_up_by + self.timeout, 1e-6
-        while not self.backend.event_done(self._event):  # (a driver error here is the caller's to see)
-            if time.monotonic() > last:
-                self._give_up(final=True)
-                raise status_error(self._host_status.copy(), self.rank, "AllToAll") or A2ATimeoutError(
-                    f"rank {self.rank}: a grouped combine did not finish within {2 * self.timeout:g} s, though it "
-                    "passed every wait for group_done", ranks=(self.rank,))
+        poll its event. Once the host gave up on it, a stream that has not drained a timeout later (it may still
+        sit behind a stuck one) raises the call's error here, instead of a wait that might never return."""
+        pause = 1e-6
+        while self._pending and not self._closed:
+            if self.backend.event_done(self._event):  # (a driver error here is the caller's to see)
+                self._pending = False
+                return
+            gave_up = self.gave_up
+            if gave_up is not None and time.monotonic() > gave_up + self.timeout:
+                error = status_error(self._host_status.copy(), self.rank, "AllToAll")
+                if error is not None:
+                    raise error
             time.sleep(pause)
             pause = min(2 * pause, 5e-5)  # (a combine that finishes is seen within 50 us)
-        self._given_up_by = None
 
-    def _give_up(self, final: bool | None = None) -> None:
-        """The watchdog's: give up on the pending combine where its stream stands at a wait for group_done, or at
-        the second look (`final`), where it has not passed one."""
+    def drained(self) -> bool:
+        """Whether no grouped combine may still be on a stream (its words may then be freed)."""
+        return not self._pending or self._finished()
+
+    def _look(self) -> None:
+        """The watchdog's: give up on the pending combine where its stream made no progress since the last look."""
         with self._lock:
-            if final is None:
-                final, self._looked = self._looked, True
             if self._closed or self._finished():
                 return
-            done, seen = self._words
-            waiting, passed = self.marks()
-            states = seen[:self._count]
-            standing = np.flatnonzero(states == waiting)
-            if not standing.size and not final:
-                self._watchdog.arm(time.monotonic() + self.timeout)  # (a second look)
+            seen = self._words[1].copy()
+            if self._last is None or not np.array_equal(seen, self._last):
+                self._last = seen
+                self._watchdog.arm(time.monotonic() + self.timeout)
                 return
-            left = standing if standing.size else np.flatnonzero(states != passed)
-            if not left.size:  # (every wait passed: the reduce runs, bounded by its own deadline)
-                return
-            group = int(left[0])
-            status = self._host_status
-            if not status[0]:  # (an error already reported stays the one the caller sees)
-                status[1:] = (self.rank, WAIT_GROUP_DONE, group)
-                status[0] = STATUS_TIMEOUT  # (last: the parts read this word)
-            done[:self._count][states != passed] = 1
+            self._give_up(seen)
+
+    def _give_up(self, seen) -> None:
+        done = self._words[0]
+        waiting, passed = self.marks()
+        mine = seen[:self._count]
+        standing = (seen & 3) == WAITING  # (this combine's, or one's before it still pending)
+        for choice in (np.flatnonzero(mine == waiting), np.flatnonzero(standing),
+                       np.flatnonzero((mine != passed) & (done[:self._count] == 0)), np.flatnonzero(mine != passed)):
+            if choice.size:
+                group = int(choice[0])
+                break
+        else:  # (every wait passed: the reduce runs, and bounds its own waits)
+            return
+        status = self._host_status
+        if not status[0]:  # (an error already reported stays the one the caller sees)
+            status[1:] = (self.rank, WAIT_GROUP_DONE, group)
+            status[0] = STATUS_TIMEOUT  # (last: the parts read this word)
+        done[standing] = 1
+        done[:self._count][mine != passed] = 1
+        self.gave_up = time.monotonic()
 
     def _finished(self) -> bool:
         try:
@@ -284,9 +305,14 @@ class CombineBound:
             return False   # the caller's next wait sees the driver's error)
 
     def close(self) -> None:
+        """Stops the watchdog. The words are freed where no combine may still use them, and kept otherwise (a
+        stream that never drained would write them after)."""
         with self._lock:
             self._closed = True
             watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
             watchdog.close()
-            self.backend.event_destroy(self._event)
+        if self.drained():
+            if self._event is not None:
+                self.backend.event_destroy(self._event)
+            self.backend.free_host_mapped(self._host)

@@ -118,8 +118,13 @@ class Signals:
             pause = min(2 * pause, 1e-3)
         return self._copied.copy()
 
-    def close(self) -> None:
+    def close(self, streams_drained: bool = True) -> None:
+        """Frees the pinned memory where the streams drained, and keeps it otherwise: a stream still stuck would
+        write its seen words (and a late copy of the words) there after."""
         if self._read is not None:
             self.backend.event_destroy(self._read)
             self._read = None
-        self._free_host()
+        if streams_drained:
+            self._free_host()
+        else:
+            self._free_host.detach()

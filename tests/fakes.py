@@ -339,11 +339,20 @@ class FakeRuntime(FakeCuda):
 
 class StandingStream:
     """A backend whose combine stream never finishes by itself (as a GPU's stream standing at a wait for a word
-    nobody raises). It has no copies and no streams to lend: the bound must touch neither."""
+    nobody raises). It has no copies and no streams to lend: the bound must touch neither. Its pinned host memory
+    is real (its device address is its host address)."""
     kind = "stuck"
 
     def __init__(self):
-        self.finished, self.destroyed = False, []
+        self.finished, self.destroyed, self._buffers = False, [], {}
+
+    def malloc_host_mapped(self, nbytes):
+        buf = (ctypes.c_char * nbytes)()
+        self._buffers[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf), ctypes.addressof(buf)
+
+    def free_host_mapped(self, ptr):
+        self.destroyed.append(self._buffers.pop(ptr) and "words")
 
     def activate(self):
         pass

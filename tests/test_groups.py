@@ -2,6 +2,7 @@
 any order, each layout, against the oracle; what groups= refuses. Host backend at 1-4 ranks, and GPUs."""
 from __future__ import annotations
 
+import ctypes
 import time
 
 import numpy as np
@@ -64,33 +65,40 @@ def _until(condition, seconds=5.0):
     return condition()
 
 
-def _bound_at(backend, timeout, count, seen, rank=3, status=(0, 0, 0, 0)):
-    """A CombineBound of a combine of `count` groups begun and armed, its seen words `seen` ("waiting", "passed",
-    or None: an earlier combine's mark), its words and status words."""
+def _bound_at(backend, timeout, count, seen, done=(), rank=3, status=(0, 0, 0, 0)):
+    """A CombineBound of a combine of `count` groups begun and armed; the streams' seen words `seen` ("waiting",
+    "passed", or None: an earlier combine's mark) and done words `done` as the GPU would have written them; its
+    [done, seen] words and its status words."""
     from pyhipa2a.groups import CombineBound
     from pyhipa2a.kernels import MAX_GROUPS
     from pyhipa2a.signals import PASSED
-    words, status = np.zeros((2, MAX_GROUPS), np.uint32), np.array(status, np.uint32)  # words: [done, seen]
-    bound = CombineBound(backend, rank, timeout, 0x1000, words, status)
+    status = np.array(status, np.uint32)
+    bound = CombineBound(backend, rank, timeout, status)
+    words = np.frombuffer((ctypes.c_uint32 * (2 * MAX_GROUPS)).from_address(bound.done_words),
+                          np.uint32).reshape(2, MAX_GROUPS)
     bound.begin(count)
     waiting, passed = bound.marks()
     words[1, :len(seen)] = [{"waiting": waiting, "passed": passed, None: PASSED}[mark] for mark in seen]
+    words[0, :len(done)] = done
     bound.arm("combine")
     return bound, words, status
 
 
 @pytest.mark.parametrize("reported", [False, True])
 def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
-    """CombineBound (pyhipa2a.groups): past the timeout, with combine's stream at group 2's wait, the host's status
-    words name that group (unless an error was reported first), and the done words of the groups not passed are
-    raised so the stream drains; groups passed already are left alone."""
+    """CombineBound (pyhipa2a.groups): with combine's stream standing at group 2's wait through two looks a timeout
+    apart, the host's status words name that group (unless an error was reported first), and the done words of
+    the waits not passed are raised so the stream drains; groups passed already are left alone."""
     from pyhipa2a.errors import STATUS_BAD_INDEX, status_error
     backend = StandingStream()
     first = (STATUS_BAD_INDEX, 0, 5, 99) if reported else (0, 0, 0, 0)
-    bound, (done, _), status = _bound_at(backend, 0.05, 4, ["passed", "passed", "waiting", None], status=first)
+    start = time.monotonic()
+    bound, words, status = _bound_at(backend, 0.05, 4, ["passed", "passed", "waiting", None], status=first)
+    done = words[0]
     try:
-        assert _until(lambda: (done[2:4] == 1).all()), done
-        assert (done[:2] == 0).all() and (done[4:] == 0).all()
+        assert _until(lambda: bound.gave_up is not None), words
+        assert bound.gave_up - start >= 0.1  # (two looks)
+        assert done[:6].tolist() == [0, 0, 1, 1, 0, 0]
         if reported:
             assert status.tolist() == list(first)
         else:
@@ -101,56 +109,73 @@ def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
         backend.finished = True
     finally:
         bound.close()
-    assert backend.destroyed == ["event"]
+    assert backend.destroyed == ["event", "words"]
 
 
-def test_combine_bound_gives_up_on_a_stream_that_never_reached_the_waits():
-    """A stream that stands at no wait and has passed group 0 only (the marks beyond are an earlier combine's) is
-    given up on at the watchdog's second look, on group 1, not at its first."""
+def test_combine_bound_names_the_first_group_not_done_where_no_wait_was_reached():
+    """A stream that stands at no wait (still behind other stuck work) is given up on at the second look without
+    progress, naming the first group whose done word was never raised (group 0's was: its GEMM got there)."""
     backend = StandingStream()
-    start = time.monotonic()
-    bound, (done, _), status = _bound_at(backend, 0.1, 3, ["passed", None, None])
+    bound, words, status = _bound_at(backend, 0.05, 3, [None, None, None], done=(1, 0, 0))
     try:
         assert _until(lambda: status[0] != 0), status
-        assert time.monotonic() - start >= 0.2
-        assert status.tolist() == [1, 3, 9, 1] and done[:3].tolist() == [0, 1, 1]
+        assert status.tolist() == [1, 3, 9, 1] and words[0, :3].tolist() == [1, 1, 1]
     finally:
         bound.close()
+    assert backend.destroyed == []  # (its stream never drained: the words are kept, not freed under it)
 
 
-def test_combine_bound_leaves_a_reduce_that_runs_alone():
-    """Every wait passed, the combine not finished: its reduce runs, bounded by its own deadline; nothing is
-    written."""
+def test_combine_bound_waits_while_the_stream_moves():
+    """A stream that moves between looks (here: passes group 0's wait, then stands at group 1's) is not given up on
+    until it stands still for a whole timeout; one whose every wait passed (its reduce runs, bounded by its own
+    deadline) never is."""
+    from pyhipa2a.signals import PASSED
     backend = StandingStream()
-    bound, (done, _), status = _bound_at(backend, 0.02, 2, ["passed", "passed"])
-    time.sleep(0.15)
-    bound.close()
-    assert (done == 0).all() and (status == 0).all()
+    bound, words, status = _bound_at(backend, 0.3, 2, ["waiting", None])
+    try:
+        time.sleep(0.45)  # (after the first look)
+        words[1, 0], words[1, 1] = words[1, 0] - 1, words[1, 0]  # (passed 0, waiting at 1: tag << 2 | 2 - 1)
+        time.sleep(0.3)  # (after the second look, which saw it move; before the third)
+        assert bound.gave_up is None and status[0] == 0
+        assert _until(lambda: bound.gave_up is not None)
+        assert status.tolist() == [1, 3, 9, 1] and words[0, :2].tolist() == [0, 1]
+    finally:
+        backend.finished = True
+        bound.close()
+    backend = StandingStream()
+    bound, words, status = _bound_at(backend, 0.02, 2, ["passed", "passed"])
+    try:
+        time.sleep(0.3)  # (many looks)
+        assert bound.gave_up is None and (words[0] == 0).all() and (status == 0).all()
+        assert words[1, 0] & 3 == PASSED
+    finally:
+        bound.close()
 
 
 def test_combine_bound_leaves_a_finished_combine_alone():
     backend = StandingStream()
     backend.finished = True
-    bound, (done, _), status = _bound_at(backend, 0.02, 2, ["waiting", "waiting"])
+    bound, words, status = _bound_at(backend, 0.02, 2, ["waiting", "waiting"])
     time.sleep(0.15)
+    assert bound.gave_up is None and (words[0] == 0).all() and (status == 0).all()
     bound.close()
-    assert (done == 0).all() and (status == 0).all()
 
 
 def test_combine_bound_settles_host_waits():
-    """Before a host wait (Health.settle): a pending grouped combine is polled, not waited on. One that finishes
-    returns; one given up on whose stream still does not drain raises the call's error within two timeouts."""
+    """Before a host wait (Health.settle): a pending grouped combine is polled, not waited on. One given up on
+    whose stream still does not drain raises the call's error a timeout after the host gave up on it; one that
+    finishes returns."""
     from pyhipa2a.errors import Health
     backend = StandingStream()
     start = time.monotonic()
-    bound, (done, _), status = _bound_at(backend, 0.05, 3, ["passed", "waiting", None], rank=1)
+    bound, words, status = _bound_at(backend, 0.05, 3, ["passed", "waiting", None], rank=1)
     health = Health(status, 1)
     health.bound_waits(bound.settle)
     try:
         with pytest.raises(A2ATimeoutError, match=r"combine's wait for group_done\(1\) did not pass"):
             health.settle(None)
-        assert 0.1 <= time.monotonic() - start < 2.0
-        assert done[:3].tolist() == [0, 1, 1]
+        assert 0.15 <= time.monotonic() - start < 2.0
+        assert words[0, :3].tolist() == [0, 1, 1]
         backend.finished = True  # (the stream drained at last)
         health.settle(None)
     finally:
