@@ -43,6 +43,11 @@ def test_group_done_never_comes(queues):
     run_case(CASE + "case_group_done_never_comes", ranks_for("gpu"), env_backend("gpu"), timeout=120, env=env)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_rank_sends_no_grouped_parts(backend):
+    run_case(CASE + "case_failed_rank_sends_no_grouped_parts", ranks_for(backend), env_backend(backend), timeout=120)
+
+
 def test_groups_across_nodes_refused():
     run_case(CASE + "case_groups_across_nodes_refused", 4, "host", timeout=120)
 

@@ -208,3 +208,44 @@ def case_group_done_never_comes(comm):
         if me == victim:
             assert (a2a.buffers["y"].numpy()[:T].view(np.uint16) == 0xFFFF).all()  # (y: poison)
         comm.Barrier()
+
+
+def case_failed_rank_sends_no_grouped_parts(comm):
+    """A rank whose grouped dispatch failed (an expert index out of range, in a device array the host does not
+    check) takes no part in the combine's parts: it sends nothing, so every other rank's call fails naming it,
+    instead of summing contributions of rows its dispatch never received. Its own error is the index. (On the
+    host backend the failure is seen before combine() and refuses it; on GPUs the dispatch is held back, so
+    the parts are queued first and must see the failure themselves.)"""
+    from pyhipa2a import A2ADeviceError, A2ATimeoutError, DeviceArray
+    world = comm.Get_size()
+    if world < 2:
+        pytest.skip("needs a peer")
+    E, k, H, M, G, T = 4 * world, 2, 64, 8, 2, 4
+    bad = world - 1
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=2.0) as a2a:
+        me = a2a.rank
+        inputs = draw_world(71, world, E, k, H, M, token_counts=[T] * world)
+        indices = inputs.indices[me]
+        if me == bad:  # (in the object's own staging for indices, which a device array leaves unused)
+            wrong = indices.copy()
+            wrong[1, 0] = E + 5
+            indices = DeviceArray(a2a.backend, a2a.buffers["indices_stage"].ptr, wrong.shape, np.int32,
+                                  owner=a2a.heap)
+            indices.copy_from(wrong)
+        if a2a.backend.kind != "host":  # (the dispatch held back: its report comes after combine() was queued)
+            TorchExpert(a2a, pytest.importorskip("torch")).hold_back_ours()
+        d = a2a.dispatch(inputs.xs[me], indices, weights=inputs.weights[me], groups=G)
+        if me == bad:  # (the host sees the report before combine(), or only at synchronize())
+            with pytest.raises(A2ADeviceError, match=f"expert index {E + 5}"):
+                for g in range(G):
+                    a2a.group_done(g)
+                a2a.combine(d.expert_x)
+                a2a.synchronize()
+        else:
+            for g in range(G):
+                a2a.group_done(g)
+            a2a.combine(d.expert_x)
+            with pytest.raises(A2ATimeoutError, match=f"rank {bad}") as failure:
+                a2a.synchronize()
+            assert failure.value.ranks == (bad,), failure.value
+        comm.Barrier()
