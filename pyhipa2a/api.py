@@ -177,8 +177,10 @@ class AllToAll(Calls):
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
         try:
             waited = self._wait_for_calls(stream)
-        except (RuntimeFailure, A2AError) as e:  # a kernel that trapped (on_timeout="trap") said why first; a
-            self._raise_reported(cause=e)        # wait the host gave up on (pyhipa2a.groups) reported it
+        except (RuntimeFailure, A2AError) as e:
+            # (a kernel that trapped, on_timeout="trap", or a wait the host gave up on, pyhipa2a.groups, said why
+            # in the status words first)
+            self._raise_reported(cause=e)
             raise
         streams.synchronized(waited)
         self._raise_reported()

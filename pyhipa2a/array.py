@@ -3,9 +3,32 @@ the CUDA array interface and DLPack (host arrays are kDLCPU); an AllToAll output
 DLPack and the interface raise the error of a failed call."""
 from __future__ import annotations
 
+import ctypes
+import math
+import weakref
+
 import numpy as np
 
 from . import dlpack
+
+
+class Pinned:
+    """Pinned host memory the device reads and writes too (Backend.malloc_host_mapped): `host`, a NumPy array over
+    it, for the host's plain loads and stores; `device`, its address for kernels and stream operations. Freed by
+    free() or with this object; keep() leaves it allocated for good (memory a stuck stream may still write)."""
+
+    def __init__(self, backend, shape, dtype):
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        ptr, self.device = backend.malloc_host_mapped(nbytes)
+        self.host = np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype).reshape(shape)
+        self._free = weakref.finalize(self, backend.free_host_mapped, ptr)
+
+    def free(self) -> None:
+        self._free()
+
+    def keep(self) -> None:
+        self._free.detach()
 
 
 class DeviceArray:

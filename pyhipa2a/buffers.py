@@ -3,14 +3,12 @@ arguments over them, the status words (pinned host memory: read without a copy o
 """
 from __future__ import annotations
 
-import ctypes
 import math
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-from .array import DeviceArray
+from .array import DeviceArray, Pinned
 from .config import MAX_GRID_BLOCKS, Config
 from .kernels import GROUP_STRIPES, MAX_GROUPS, A2AArgs, HeapView, divisor, route_chunk, route_chunks, timeout_ns
 from .clock import CLOCK_ROUNDS
@@ -117,16 +115,12 @@ class Buffers:
         self.heap, self.config, backend = heap, config, heap.backend
         self.arrays = {name: heap.alloc(shape, dtype) for name, shape, dtype in layout(config)}
         heap.verify()
-        host, device = backend.malloc_host_mapped(16)
-        self._free_status = weakref.finalize(self, backend.free_host_mapped, host)
-        self.status = np.frombuffer((ctypes.c_uint32 * 4).from_address(host), np.uint32)
-        self.status_device = device
+        self._status = Pinned(backend, (4,), np.uint32)
+        self.status, self.status_device = self._status.host, self._status.device
         # Contiguous rows: where each expert's begin, for the host (dispatch(groups=) tells group_rows), as
         # tagged words (value, call ticket), so a word of an earlier call is never read as this one's
-        L = config.local_experts
-        host, self.host_offsets_device = backend.malloc_host_mapped(8 * (L + 1))
-        self._free_offsets = weakref.finalize(self, backend.free_host_mapped, host)
-        self.host_offsets = np.frombuffer((ctypes.c_uint64 * (L + 1)).from_address(host), np.uint64)
+        self._host_offsets = Pinned(backend, (config.local_experts + 1,), np.uint64)
+        self.host_offsets, self.host_offsets_device = self._host_offsets.host, self._host_offsets.device
         warps = config.blocks * max(1, config.block_threads // config.warp)
         self.profile = ProfileBuffer(backend, warps) if config.profile else None
 
@@ -180,5 +174,5 @@ class Buffers:
     def close(self) -> None:
         if self.profile is not None:
             self.profile.free()
-        self._free_status()
-        self._free_offsets()
+        self._status.free()
+        self._host_offsets.free()

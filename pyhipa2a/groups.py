@@ -21,13 +21,13 @@ call fails, naming the group). None of it may be recorded in a graph.
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 import weakref
 
 import numpy as np
 
+from .array import Pinned
 from .config import is_int
 from .errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, A2AError, A2ATimeoutError, status_error
 from .kernels import MAX_GROUPS, REDUCE_ONLY
@@ -45,7 +45,7 @@ class Groups:
     `count` (G of the pending dispatch, 0: none) and `finished` (the groups done() queued), set by the calls'
     records (and their plans) alike."""
 
-    __slots__ = ("backend", "rank", "local_experts", "timeout", "_ready", "_done", "_host_offsets", "_health",
+    __slots__ = ("backend", "rank", "local_experts", "timeout", "_ready", "_host_offsets", "_health",
                  "_contiguous", "_bound", "_close_bound", "count", "finished", "ticket", "__weakref__")
 
     def __init__(self, backend, rank: int, config, buffers, health):
@@ -53,8 +53,8 @@ class Groups:
         self._host_offsets, self._health, self._contiguous = buffers.host_offsets, health, config.contiguous
         self._bound = CombineBound(backend, rank, config.timeout, buffers.status)
         health.bound_waits(self._bound.settle)
-        # uint32 [MAX_GROUPS] each: ready in the heap (the dispatch kernel raises it), done in pinned host memory
-        self._ready, self._done = buffers["group_ready"].ptr, self._bound.done_words
+        # uint32 [MAX_GROUPS]: in the heap (the dispatch kernel raises them); the done words are the bound's
+        self._ready = buffers["group_ready"].ptr
         # (stopped at exit too, while the runtime still answers: its watchdog asks the driver)
         self._close_bound = weakref.finalize(self, self._bound.close)
         self.count = 0
@@ -129,7 +129,7 @@ class Groups:
         ready = self._word(self._ready, group)
         self.backend.stream_wait_word(stream, ready, 1, self.timeout, lambda: self._never_ready(group))
         self.backend.stream_write_word(stream, ready, 0)
-        self.backend.stream_write_word(stream, self._word(self._done, group), 1)
+        self._bound.raise_done(stream, group)
         self.finished = self.finished | {group}
 
     def ready_to_combine(self, capturing: bool) -> int:
@@ -196,11 +196,9 @@ class CombineBound:
 
     def __init__(self, backend, rank: int, timeout: float, host_status):
         self.backend, self.rank, self.timeout, self._host_status = backend, rank, timeout, host_status
-        host, device = backend.malloc_host_mapped(4 * 2 * MAX_GROUPS)
-        self._host = host
-        self._words = np.frombuffer((ctypes.c_uint32 * (2 * MAX_GROUPS)).from_address(host),
-                                    np.uint32).reshape(2, MAX_GROUPS)  # [done, seen][group]
-        self.done_words, self._seen = device, device + 4 * MAX_GROUPS  # (the device's addresses, for the streams)
+        self._pinned = Pinned(backend, (2, MAX_GROUPS), np.uint32)
+        self._words = self._pinned.host  # [done, seen][group]
+        self.done_words, self._seen = self._pinned.device, self._pinned.device + 4 * MAX_GROUPS  # (for the streams)
         self._event = self._watchdog = None  # made at the first grouped combine
         self._count = self._tag = 0  # the groups and the number of the combine begun last
         self._pending = False  # a combine armed and not yet seen finished
@@ -217,6 +215,10 @@ class CombineBound:
         """A combine of `count` groups is about to be queued (its waits by wait(), then arm())."""
         with self._lock:
             self._count, self._tag = count, self._tag % ((1 << 30) - 1) + 1
+
+    def raise_done(self, stream, group: int) -> None:
+        """After the work queued on `stream` so far, group `group` is done (group_done)."""
+        self.backend.stream_write_word(stream, self.done_words + 4 * group, 1)
 
     def wait(self, stream, group: int, timed_out) -> None:
         """Queue on `stream`: wait until group `group` is done, then lower its word; marked in its seen word."""
@@ -312,7 +314,9 @@ class CombineBound:
             watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
             watchdog.close()
-        if self.drained():
-            if self._event is not None:
-                self.backend.event_destroy(self._event)
-            self.backend.free_host_mapped(self._host)
+        if not self.drained():
+            self._pinned.keep()
+            return
+        if self._event is not None:
+            self.backend.event_destroy(self._event)
+        self._pinned.free()

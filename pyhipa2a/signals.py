@@ -17,12 +17,11 @@ serve several streams from one hardware queue), so the host never waits for such
 """
 from __future__ import annotations
 
-import ctypes
 import time
-import weakref
 
 import numpy as np
 
+from .array import Pinned
 from .errors import A2ATimeoutError, ConfigMismatchError
 
 WAITING, PASSED = 2, 1  # a wait's "seen" word: a stream stands at it; a stream went past it (0: never reached)
@@ -42,12 +41,10 @@ class Signals:
             start[self._row[kind]] = 1
         self.words.copy_from(start)  # (before the barrier that ends the owner's setup: peers write these)
         # In pinned host memory, which the host reads with no stream: the seen words, and a copy of the words
-        n = len(kinds) * self.world
-        host, self._seen_device = self.backend.malloc_host_mapped(4 * 2 * n)
-        self._free_host = weakref.finalize(self, self.backend.free_host_mapped, host)
-        self._seen, self._copied = np.frombuffer((ctypes.c_uint32 * (2 * n)).from_address(host),
-                                                 np.uint32).reshape(2, *shape)
-        self._copied_device = self._seen_device + 4 * n
+        self._pinned = Pinned(self.backend, (2, *shape), np.uint32)
+        self._seen, self._copied = self._pinned.host
+        self._seen_device = self._pinned.device
+        self._copied_device = self._seen_device + self._seen.nbytes
         self._read = None  # the event of the host's reads of the words (made at the first)
 
     def _offset(self, kind: str, peer: int) -> int:
@@ -125,6 +122,6 @@ class Signals:
             self.backend.event_destroy(self._read)
             self._read = None
         if streams_drained:
-            self._free_host()
+            self._pinned.free()
         else:
-            self._free_host.detach()
+            self._pinned.keep()

@@ -337,14 +337,12 @@ class FakeRuntime(FakeCuda):
         raise RuntimeFailure(f"{what} failed with code {code}")
 
 
-class StandingStream:
-    """A backend whose combine stream never finishes by itself (as a GPU's stream standing at a wait for a word
-    nobody raises). It has no copies and no streams to lend: the bound must touch neither. Its pinned host memory
-    is real (its device address is its host address)."""
-    kind = "stuck"
+class PinnedMemory:
+    """Pinned host memory of a fake backend: real memory, its device address its host address; what it freed is
+    in `destroyed` ("words")."""
 
     def __init__(self):
-        self.finished, self.destroyed, self._buffers = False, [], {}
+        self.destroyed, self._buffers = [], {}
 
     def malloc_host_mapped(self, nbytes):
         buf = (ctypes.c_char * nbytes)()
@@ -353,6 +351,16 @@ class StandingStream:
 
     def free_host_mapped(self, ptr):
         self.destroyed.append(self._buffers.pop(ptr) and "words")
+
+
+class StandingStream(PinnedMemory):
+    """A backend whose combine stream never finishes by itself (as a GPU's stream standing at a wait for a word
+    nobody raises). It has no copies and no streams to lend: the bound must touch neither."""
+    kind = "stuck"
+
+    def __init__(self):
+        super().__init__()
+        self.finished = False
 
     def activate(self):
         pass
@@ -373,28 +381,20 @@ class StandingStream:
         self.destroyed.append(event)
 
 
-class StuckQueue:
+class StuckQueue(PinnedMemory):
     """A backend of one rank whose streams all sit behind a wait that never passes (as where they share one
     hardware queue with it): what is queued on a stream never lands, and no event recorded on one is ever done.
-    Pinned host memory is real, and the stream writes of a "reached" stream (one the test names) land at once,
-    as the GPU's do, up to its first wait that does not pass. Also the heap of the Signals on it."""
+    The stream writes of a "reached" stream (one the test names) land at once, as the GPU's do, up to its first
+    wait that does not pass. Also the heap of the Signals on it."""
     kind = "stuck"
 
     def __init__(self, reached=(), timeout: float = 0.3):
-        self.reached, self.timeout = set(reached), timeout
-        self.queued, self._buffers, self._events = [], {}, {}
+        super().__init__()
+        self.reached, self.timeout, self.queued = set(reached), timeout, []
         self.backend, self.rank, self.world = self, 0, 2  # (as the heap: Signals asks it these)
 
     def activate(self):
         pass
-
-    def malloc_host_mapped(self, nbytes):
-        buf = (ctypes.c_char * nbytes)()
-        self._buffers[ctypes.addressof(buf)] = buf
-        return ctypes.addressof(buf), ctypes.addressof(buf)
-
-    def free_host_mapped(self, ptr):
-        self._buffers.pop(ptr)
 
     def alloc(self, shape, dtype):
         array = np.zeros(shape, dtype)

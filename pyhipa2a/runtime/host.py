@@ -187,9 +187,12 @@ class HostBackend(Backend):
     def _locked(self, ptr: int):
         """A lock on the word at `ptr` among the processes that map it; none for this process's pinned memory
         (malloc_host_mapped), which no other process sees."""
-        if any(base <= ptr < base + len(buf) for base, buf in self._host_buffers.items()):
-            return contextlib.nullcontext()
-        m, offset = self._locate(ptr)
+        try:
+            m, offset = self._locate(ptr)
+        except RuntimeFailure:
+            if any(base <= ptr < base + len(buf) for base, buf in self._host_buffers.items()):
+                return contextlib.nullcontext()
+            raise
         return _WordLock(m.fd, offset)
 
     def store_release_u32(self, ptr: int, value: int) -> None:
