@@ -515,17 +515,6 @@ A2A_DEVICE void watch_groups(const Ctx& x, u32 G, const WarpGrid& g) {
   }
 }
 
-// Warps from a quarter of the grid on sum each of our experts' counts over
-// every chunk of every source into expert_num_tokens, while the other warps
-// copy. A warp's lanes form groups of G (a power of two, the fewest lanes that
-// take every count word of an expert at once, or the whole warp), one group an
-// expert, lane q of a group taking words q, q + G, ...: a call of few chunks
-// sums up to a warp's width of experts in one round trip where a warp an
-// expert took one round trip each (a small call launches few blocks: at one
-// rank and M = 1, one block's 8 warps counted 256 experts, 32 round trips in
-// a row, 20 us). With `totals` each count also goes out as a tagged word
-// (expert_totals), for the steps that wait for every expert's
-// (publish_offsets, watch_groups).
 // Expert l's rows here, n (at most capacity), into expert_num_tokens; with `totals` also as a tagged word
 // (expert_totals), after a fence: whoever takes the word finds the count in (and, by source, the expert's
 // expert_layout).
@@ -537,6 +526,17 @@ A2A_DEVICE void put_count(const Ctx& x, i32* num_tokens, u32 l, u32 n, bool tota
   a2a_store_relaxed_sys_u64(local<u64>(x.a, x.a.off_expert_totals) + l, a2a_tag(n, x.epoch));
 }
 
+// Warps from a quarter of the grid on sum each of our experts' counts over
+// every chunk of every source into expert_num_tokens, while the other warps
+// copy. A warp's lanes form groups of G (a power of two, the fewest lanes that
+// take every count word of an expert at once, or the whole warp), one group an
+// expert, lane q of a group taking words q, q + G, ...: a call of few chunks
+// sums up to a warp's width of experts in one round trip where a warp an
+// expert took one round trip each (a small call launches few blocks: at one
+// rank and M = 1, one block's 8 warps counted 256 experts, 32 round trips in
+// a row, 20 us). With `totals` each count also goes out as a tagged word
+// (expert_totals), for the steps that wait for every expert's
+// (publish_offsets, watch_groups).
 A2A_DEVICE void publish_counts(const Ctx& x, i32* num_tokens, const WarpGrid& g, bool totals) {
   const u64* counts = chunk_counts(x, (u32)x.h.rank);
   const u32 words = x.W * route_chunks(x);

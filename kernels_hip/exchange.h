@@ -321,6 +321,13 @@ struct Raise {
   u32* words;
   u32 n;
 };
+// All threads of a block poison bytes first .. first + n - 1 of `o` (n: a multiple of 4 where o takes a word).
+A2A_DEVICE void poison_range(const Poison& o, u64 first, u64 n) {
+  if (o.word == 0xffffffffu)
+    a2a_fill_bytes(o.p + first, n, 0xffu);
+  else
+    a2a_fill_words(reinterpret_cast<u32*>(o.p + first), n / 4u, o.word);
+}
 //
 // A dispatch refused as it started (block_unpaired) wrote nothing, and its flags' barrier would not
 // hold (they carry its epoch already, from the dispatch never combined): each block poisons its own
@@ -330,10 +337,7 @@ A2A_DEVICE void poison_share(const Poison (&outputs)[N]) {
   for (u32 i = 0; i < N; ++i) {
     const u64 bytes = outputs[i].bytes, share = ((bytes + a2a_grid_dim() - 1u) / a2a_grid_dim() + 15u) & ~15ull;
     const u64 first = share * a2a_block(), n = first < bytes ? (bytes - first < share ? bytes - first : share) : 0u;
-    if (outputs[i].word == 0xffffffffu)
-      a2a_fill_bytes(outputs[i].p + first, n, 0xffu);
-    else
-      a2a_fill_words(reinterpret_cast<u32*>(outputs[i].p + first), n / 4u, outputs[i].word);
+    poison_range(outputs[i], first, n);
   }
 }
 
@@ -358,11 +362,7 @@ A2A_DEVICE void finish(const Ctx& x, u32 leg, const Poison (&outputs)[N], Raise 
   if (a2a_thread() == 0) claimed = a2a_exchange_dev(&done[A2A_MAX_GRID], x.epoch) != x.epoch;
   a2a_block_sync();
   if (!claimed) return;
-  for (u32 i = 0; i < N; ++i)
-    if (outputs[i].word == 0xffffffffu)
-      a2a_fill_bytes(outputs[i].p, outputs[i].bytes, 0xffu);
-    else
-      a2a_fill_words(reinterpret_cast<u32*>(outputs[i].p), outputs[i].bytes / 4u, outputs[i].word);
+  for (u32 i = 0; i < N; ++i) poison_range(outputs[i], 0u, outputs[i].bytes);
   if (!raise.n) return;
   a2a_release_before_barrier_dev();
   a2a_block_sync();  // the poison is written
