@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from .array import Pinned
+from .bootstrap import sleep_backoff
 from .errors import A2ATimeoutError, ConfigMismatchError
 
 WAITING, PASSED = 2, 1  # a wait's "seen" word: a stream stands at it; a stream went past it (0: never reached)
@@ -107,12 +108,12 @@ class Signals:
             self._read = self.backend.event_create()
         self.backend.copy_device(self._copied_device, self.words.ptr, self.words.nbytes, watch)
         self.backend.event_record(self._read, watch)
-        deadline, pause = time.monotonic() + within, 1e-5
+        deadline, attempt = time.monotonic() + within, 0
         while not self.backend.event_done(self._read):
             if time.monotonic() > deadline:
                 return None
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+            sleep_backoff(attempt)
+            attempt += 1
         return self._copied.copy()
 
     def close(self, streams_drained: bool = True) -> None:
