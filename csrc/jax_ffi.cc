@@ -10,7 +10,9 @@
 // not touched. An object whose kernels reported an error refuses the call, as its eager calls do.
 //
 // Sites are numbered from 1 in the order they are registered, so a compiled program names a site by
-// its number, never by an address of this process. A closed object retires its sites: a program
+// its number, never by an address of this process. Where a process's ranks are its devices (one object,
+// its calls inside shard_map), the program names the first rank's site, each site names the next rank's,
+// and a call runs the site on the GPU XLA runs it on. A closed object retires its sites: a program
 // compiled while it lived, called after, is refused instead of launching on memory that is gone. Built by `python -m pyhipa2a.build` against
 // jaxlib's own headers where jaxlib is installed.
 #include <cstddef>
@@ -34,6 +36,7 @@ struct Site {  // pyhipa2a/jax.py: FfiSite
   uint64_t function;    // the leg's kernel
   uint64_t fixed;       // its first argument (A2AArgs), in host memory the object keeps
   uint64_t status;      // the object's status words (host memory); a nonzero first word is an error
+  int64_t next;         // the same call's site for the next rank of this process (0: none), on another GPU
   uint32_t grid, block;
   uint32_t call_bytes;  // its second argument's size
   int32_t device;       // the GPU (its ordinal, XLA's and the driver's alike) whose memory the object holds
@@ -51,6 +54,15 @@ std::vector<bool> retired;  // of the same numbers
 
 ffi::Error failed(const std::string& why) { return ffi::Error(ffi::ErrorCode::kInternal, "pyhipa2a: " + why); }
 
+// Why a call on GPU `device` finds no site of call `number` there (sites_lock held).
+std::string elsewhere(int64_t number, int32_t device) {
+  std::string gpus;
+  for (int64_t n = number; n != 0; n = sites[n - 1].next)
+    gpus += (gpus.empty() ? "" : ", ") + std::to_string(sites[n - 1].device);
+  return "this program runs on GPU " + std::to_string(device) + ", but the object's memory is on GPU " + gpus +
+         ": place the program's arguments there (jax.device_put, or shard_map over a2a.mesh)";
+}
+
 void place(uint8_t* call, int32_t at, void* address) {
   if (at < 0) return;
   const uint64_t value = reinterpret_cast<uint64_t>(address);
@@ -62,13 +74,14 @@ ffi::Error launch(void* stream, int32_t device, ffi::RemainingArgs operands, ffi
   Site site;
   {
     std::lock_guard<std::mutex> hold(sites_lock);
-    if (number < 1 || number > static_cast<int64_t>(sites.size())) return failed("unknown site");
-    if (retired[number - 1]) return failed("this call's object is closed");
-    site = sites[number - 1];
+    for (int64_t n = number; ; n = site.next) {  // the rank on this GPU (the kernel, heap and peers' mappings are its)
+      if (n < 1 || n > static_cast<int64_t>(sites.size())) return failed("unknown site");
+      if (retired[n - 1]) return failed("this call's object is closed");
+      site = sites[n - 1];
+      if (site.device == device) break;
+      if (site.next == 0) return failed(elsewhere(number, device));
+    }
   }
-  if (device != site.device)  // (the kernel, the heap and the peers' mappings all belong to that GPU)
-    return failed("this program runs on GPU " + std::to_string(device) + ", but the object's memory is on GPU " +
-                  std::to_string(site.device) + ": place the program's arguments there (jax.device_put)");
   if (*reinterpret_cast<volatile uint32_t*>(site.status) != 0)
     return failed("an earlier call of this object failed; its synchronize() says why, and it takes no more calls");
   if (operands.size() > kMaxPlaces || results.size() > kMaxPlaces) return failed("too many operands");
@@ -126,9 +139,9 @@ uint64_t pyhipa2a_ffi_site_bytes() { return sizeof(Site); }
 // Where each of Site's members lies, in order (tests/test_build.py checks pyhipa2a.jax's FfiSite).
 void pyhipa2a_ffi_site_layout(uint64_t* at) {
   const uint64_t places[] = {offsetof(Site, launch),     offsetof(Site, function),   offsetof(Site, fixed),
-                             offsetof(Site, status),     offsetof(Site, grid),       offsetof(Site, block),
-                             offsetof(Site, call_bytes), offsetof(Site, device),     offsetof(Site, operand_at),
-                             offsetof(Site, result_at),  offsetof(Site, call)};
+                             offsetof(Site, status),     offsetof(Site, next),       offsetof(Site, grid),
+                             offsetof(Site, block),      offsetof(Site, call_bytes), offsetof(Site, device),
+                             offsetof(Site, operand_at), offsetof(Site, result_at),  offsetof(Site, call)};
   std::memcpy(at, places, sizeof places);
 }
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import A2ATimeoutError, ConfigMismatchError
+from .local import LocalComm
 
 
 def mpi():
@@ -19,11 +20,17 @@ def world_size(comm=None) -> int:
     return (mpi().COMM_WORLD if comm is None else comm).Get_size()
 
 
+def machine_comm(comm):
+    """The ranks of `comm` on this rank's machine, in their order (a communicator the caller frees)."""
+    if isinstance(comm, LocalComm):  # (ranks of one process: one machine)
+        return comm.Split_type()
+    return comm.Split_type(mpi().COMM_TYPE_SHARED, key=comm.Get_rank())
+
+
 def node_comm(comm=None):
     """The ranks of `comm` that share this node. pyhipa2a is single-node: all of them must."""
-    MPI = mpi()
-    comm = MPI.COMM_WORLD if comm is None else comm
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    comm = mpi().COMM_WORLD if comm is None else comm
+    local = machine_comm(comm)
     sizes = comm.allgather(local.Get_size())
     if any(s != comm.Get_size() for s in sizes):
         local.Free()
@@ -70,12 +77,13 @@ class NodeLayout:
 
 def node_layout(comm=None, ranks_per_node: int | None = None) -> NodeLayout:
     """Collective: `comm`'s nodes, its machines or `ranks_per_node` (PYHIPA2A_RANKS_PER_NODE) consecutive ranks."""
-    MPI = mpi()
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = mpi().COMM_WORLD if comm is None else comm
     if ranks_per_node is None and os.environ.get("PYHIPA2A_RANKS_PER_NODE"):
         ranks_per_node = int(os.environ["PYHIPA2A_RANKS_PER_NODE"])
     rank, world = comm.Get_rank(), comm.Get_size()
-    machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    if isinstance(comm, LocalComm) and ranks_per_node not in (None, world):
+        raise ValueError(f"ranks_per_node={ranks_per_node}: the ranks of one process are one node of {world}")
+    machine = machine_comm(comm)
     local_rank, leader = machine.Get_rank(), machine.bcast(rank, root=0)
     machine.Free()
     leaders = comm.allgather(leader)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import weakref
 
 import numpy as np
@@ -41,8 +42,11 @@ class SymmetricHeap:
         self._finalizer = weakref.finalize(self, self._mappings.release)
         self.base = self._mappings.base
         try:
-            handles = self.comm.allgather(self.backend.ipc_export(self.base))
-            self.bases = [self.base if r == self.rank else self._mappings.open_peer(h) for r, h in enumerate(handles)]
+            # A peer in this process (pyhipa2a.local) is reached at its own address where the backend can; IPC
+            # handles are for other processes (CUDA opens none its own process exported).
+            me = (os.getpid(), self.backend.ipc_export(self.base), self.base, self.device.index)
+            self.bases = [self.base if r == self.rank else self._mappings.open_peer(peer, me[0])
+                          for r, peer in enumerate(self.comm.allgather(me))]
             bounded_barrier(self.comm, timeout, "SymmetricHeap: mapping peers")
             if hasattr(self.backend, "ipc_exchanged"):
                 self.backend.ipc_exchanged(self.base)
@@ -132,7 +136,13 @@ class _Mappings:
     def __init__(self, backend: Backend, base: int):
         self.backend, self.base, self.peers = backend, base, []
 
-    def open_peer(self, handle: bytes) -> int:
+    def open_peer(self, peer: tuple, pid: int) -> int:
+        """The address of `peer`'s heap (its process, IPC handle, address and device) in this rank, process `pid`."""
+        peer_pid, handle, base, device = peer
+        if peer_pid == pid:
+            reached = self.backend.reach_in_process(base, device)
+            if reached is not None:
+                return reached
         ptr = self.backend.ipc_open(handle)
         self.peers.append(ptr)
         return ptr

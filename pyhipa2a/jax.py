@@ -10,12 +10,24 @@
 Made like AllToAll (the same parameters, one process a GPU under mpirun). Every rank runs the same
 program: each traced call is one exchange on every rank, each dispatch combined before the next.
 
+Or one process driving all its GPUs, as JAX runs a node: the ranks are devices of this process, in order
+(pyhipa2a.local), and the calls are traced inside shard_map over the object's mesh:
+
+    a2a = JaxAllToAll(devices=jax.local_devices(), axis_name="ep", num_experts=E, ...)
+    moe = jax.jit(jax.shard_map(moe_of_one_rank, mesh=a2a.mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+There each device's part of the program calls its rank (XLA's handler picks the rank by the GPU it runs
+on; one rank a GPU, GPUs that reach each other's memory).
+
 On a GPU a call is one launch of our kernel on XLA's stream, through XLA's FFI: csrc/jax_ffi.cc, built
 by `python -m pyhipa2a.build` against the jaxlib installed, reads XLA's operands and writes XLA's
 results in place. On JAX's CPU platform (the host backend, as CI runs it) a call is the eager call, made
-through jax.experimental.io_callback. Either way the calls of one object in one traced function are
-chained by an order word (an operand and a result of each call), so XLA keeps them in program order, and
-XLA's custom calls are marked as having side effects, so XLA drops none. JAX's tracing itself drops a
+through jax.experimental.buffer_callback on NumPy views of XLA's buffers (a callback that makes a JAX
+array, even by np.asarray, can deadlock XLA's CPU runtime once every device's thread waits in one).
+Either way the calls of one object in one traced function are chained by an order word (an operand and a
+result of each call), so XLA keeps them in program order by data alone (the callbacks are not ordered
+otherwise, as the GPU's custom calls are not: CI tests the order GPUs rely on), and the custom calls are
+marked as having side effects, so XLA drops none. JAX's tracing itself drops a
 call none of whose results is used (a combine whose y is never read): the next dispatch then finds its
 predecessor uncombined and reports it (docs/DESIGN.md: its results are not all poison then). A call whose
 kernels reported an error (a peer that never came, bad routing, that refusal) must not be read; the next
@@ -39,7 +51,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
+from jax.experimental.buffer_callback import buffer_callback
 from jax._src import core as _jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
@@ -48,6 +60,7 @@ from . import AllToAll
 from .errors import A2AError
 from .jax_grad import Gradients, differentiating, no_order, running_traces
 from .kernels import X_FP8, CombineCall, DispatchCall
+from .local import each, open_ranks
 
 _HANDLER = Path(__file__).resolve().parent / "_code" / "_jax_ffi.so"
 _TARGET = "pyhipa2a_launch"
@@ -56,8 +69,8 @@ _PLACES = 8
 
 class FfiSite(ctypes.Structure):  # csrc/jax_ffi.cc: Site
     _fields_ = [("launch", ctypes.c_uint64), ("function", ctypes.c_uint64), ("fixed", ctypes.c_uint64),
-                ("status", ctypes.c_uint64), ("grid", ctypes.c_uint32), ("block", ctypes.c_uint32),
-                ("call_bytes", ctypes.c_uint32), ("device", ctypes.c_int32),
+                ("status", ctypes.c_uint64), ("next", ctypes.c_int64), ("grid", ctypes.c_uint32),
+                ("block", ctypes.c_uint32), ("call_bytes", ctypes.c_uint32), ("device", ctypes.c_int32),
                 ("operand_at", ctypes.c_int32 * _PLACES), ("result_at", ctypes.c_int32 * _PLACES),
                 ("call", ctypes.c_uint8 * 128)]
 
@@ -118,12 +131,18 @@ def _compiled(site: int, shapes: tuple):
 class JaxAllToAll:
     """AllToAll's dispatch and combine as JAX operations (see the module's doc)."""
 
-    def __init__(self, comm=None, *, gradients: bool = True, **params):
-        self._a2a = AllToAll(comm, **params)
+    def __init__(self, comm=None, *, devices=None, axis_name: str | None = None, gradients: bool = True, **params):
+        self._axis = axis_name
+        self._ranks = _open_ranks(comm, devices, axis_name, params)
+        self._a2a = self._ranks[0]  # (what every rank shares: the configuration, the backend's kind)
         try:
             c = self._a2a.config
-            self.config, self.rank, self.world = c, self._a2a.rank, c.world
-            self.device_index = self._a2a.heap.device.index  # (the GPU, among JAX's, its arrays must be on)
+            self.config, self.world = c, c.world
+            # One rank a process: its rank and its GPU among JAX's (its arrays must be there). Ranks that are
+            # devices: None; `mesh` lays the ranks out.
+            self.rank = self._a2a.rank if devices is None else None
+            self.device_index = self._a2a.heap.device.index if devices is None else None
+            self.devices = None if devices is None else list(devices)
             self._on_gpu = self._a2a.backend.kind != "host"
             if not hasattr(_jax_core, "trace_ctx"):  # (without it no call could be chained: refuse, do not guess)
                 raise A2AError(f"JaxAllToAll does not know this JAX ({jax.__version__}): its trace context moved")
@@ -131,6 +150,9 @@ class JaxAllToAll:
                 if self._a2a.layout.nodes > 1:
                     raise A2AError("JaxAllToAll on GPUs runs within one node (its calls across nodes are "
                                    "AllToAll's eager ones)")
+                gpus = [a.heap.device.index for a in self._ranks]
+                if len(set(gpus)) < len(gpus):  # (XLA's handler tells the ranks of a call apart by their GPU)
+                    raise ValueError(f"JaxAllToAll(devices=...) takes one rank a GPU; its ranks are on GPUs {gpus}")
                 self._lib = _handler()
                 self._entry = self._a2a.backend.launch_entry()
                 if self._entry is None:
@@ -147,10 +169,18 @@ class JaxAllToAll:
             if self._differentiable:  # (the weights' rows: two 16-bit halves a weight)
                 narrow = {**params, "hidden_dim": c.weight_row_cols, "in_dtype": c.out_dtype.name,
                           "out_dtype": c.out_dtype.name, "dispatch_dtype": None}
-                self._grads = Gradients(JaxAllToAll(comm, gradients=False, **narrow))
+                self._grads = Gradients(JaxAllToAll(comm, devices=devices, axis_name=axis_name, gradients=False,
+                                                    **narrow))
         except BaseException:
-            self._a2a.close()
+            _close_ranks(self._ranks)
             raise
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """Ranks that are devices: the mesh to shard_map the calls over, the ranks in order along `axis_name`."""
+        if self.devices is None:
+            raise A2AError("mesh: this object's ranks are processes (made with a communicator, not devices=)")
+        return jax.sharding.Mesh(np.array(self.devices), (self._axis,))
 
     # -- shapes -------------------------------------------------------------------
     def _dispatch_shapes(self):
@@ -183,8 +213,10 @@ class JaxAllToAll:
 
     def dispatch_after(self, order, x, indices, weights=None, x_scales=None) -> tuple:
         """(the JaxDispatch, the order word out) of a dispatch after the call whose order word is `order`
-        (no_order() for none): dispatch() without its bookkeeping, for rules that order calls themselves."""
+        (no_order() for none; order_after() for this object's last call): dispatch() for rules that order
+        calls themselves. The word out becomes the object's last."""
         c = self.config
+        self._check_axis()
         T = _checked_tokens(x, c)
         _check_operand("indices", indices, (T, c.top_k), np.int32)
         if weights is not None:
@@ -205,6 +237,7 @@ class JaxAllToAll:
             results = self._host(self._host_dispatch(weights is not None, x_scales is not None), operands, order,
                                  shapes)
         *arrays, order = results
+        self._order = order
         return JaxDispatch(arrays[0], arrays[1], arrays[2], arrays[3] if c.scale_cols else None,
                            arrays[-1] if c.by_source else None, arrays[-1] if c.contiguous else None), order
 
@@ -229,8 +262,9 @@ class JaxAllToAll:
         return y
 
     def combine_after(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:
-        """(y, the order word out) of a combine after the call whose order word is `order` (see dispatch_after)."""
+        """(y, the order word out) of a combine after the call whose order word is `order` (as dispatch_after)."""
         c = self.config
+        self._check_axis()
         _check_operand("expert_y", expert_y, (*c.rows_shape, c.hidden), c.out_dtype)
         if weights is not None:
             T = int(weights.shape[0])
@@ -245,23 +279,27 @@ class JaxAllToAll:
         if self._on_gpu:
             fields = ["expert_y"] + (["weights"] if weights is not None else [])
             site = self._site("combine", T, CombineCall, fields, ["out"], num_tokens=T, expert_scale=scale)
-            return tuple(self._ffi(site, operands, order, shapes))
-        return tuple(self._host(self._host_combine(T, weights is not None, scale), operands, order, shapes))
+            y, self._order = self._ffi(site, operands, order, shapes)
+        else:
+            y, self._order = self._host(self._host_combine(T, weights is not None, scale), operands, order, shapes)
+        return y, self._order
 
     def check(self) -> None:
         """Raise the error the kernels reported, if any (the calls' results are then poisoned)."""
-        self._a2a.synchronize()
+        for a2a in self._ranks:
+            a2a.synchronize()
 
     def close(self) -> None:
         """Idempotent. A program compiled with this object's calls is refused from now on."""
-        for number in self._sites.values():  # (before the memory they name goes)
-            self._lib.pyhipa2a_ffi_retire(number)
+        for numbers in self._sites.values():  # (before the memory they name goes)
+            for number in numbers:
+                self._lib.pyhipa2a_ffi_retire(number)
         self._sites.clear()
         try:
             if self._grads is not None:
                 self._grads.rows.close()
         finally:
-            self._a2a.close()
+            _close_ranks(self._ranks)
 
     def __enter__(self):
         return self
@@ -269,7 +307,28 @@ class JaxAllToAll:
     def __exit__(self, *exc):
         self.close()
 
+    def _check_axis(self) -> None:
+        """Ranks that are devices: the call is traced inside shard_map, over an axis of one device a rank."""
+        if self._axis is None:
+            return
+        try:
+            size = jax.lax.psum(1, self._axis)  # (of a Python number: the axis's size, known while tracing)
+        except NameError:
+            raise A2AError(f"a JaxAllToAll made with devices= is called inside shard_map over its axis "
+                           f"{self._axis!r} (mesh=a2a.mesh)") from None
+        if size != len(self._ranks):
+            raise ValueError(f"shard_map's axis {self._axis!r} has {size} devices, but this object has "
+                             f"{len(self._ranks)} ranks: map over a2a.mesh")
+
     # -- the order of an object's calls -------------------------------------------
+    def order_after(self, *words):
+        """The order word of a call after this object's last call (where that can still be used) and after the
+        calls whose order words are `words`: a join the program computes, so XLA orders by data alone."""
+        joined = self._chained_value(self._order)
+        for word in words:
+            joined = word if joined is None else jnp.maximum(joined, word)
+        return no_order() if joined is None else joined
+
     def _chained(self):
         """The order word of this object's last call, where it can still be used."""
         last = self._chained_value(self._order)
@@ -285,39 +344,62 @@ class JaxAllToAll:
 
     # -- GPU: XLA's handler ---------------------------------------------------------
     def _site(self, leg: str, tokens: int, call_type, fields, outputs, **values) -> int:
-        """The handler's number for a `leg` call of `tokens` tokens with these operands and results."""
+        """The handler's number for a `leg` call of `tokens` tokens with these operands and results: the site of
+        the first rank, which names the next rank's (the handler takes the one on the GPU it runs on)."""
         key = (leg, tokens, tuple(fields), tuple(outputs), tuple(sorted(values.items())))
-        number = self._sites.get(key)
-        if number is None:
-            kernel, blocks, threads, fixed = self._a2a.launch_site(leg, tokens)
-            call = call_type(**values)
-            site = FfiSite(launch=self._entry, function=self._a2a.backend.function_address(kernel.function),
-                           fixed=fixed, status=self._a2a.buffers.status.ctypes.data, grid=blocks, block=threads,
-                           call_bytes=ctypes.sizeof(call), device=self.device_index)
-            site.operand_at[:] = [getattr(call_type, f).offset for f in fields] + [-1] * (_PLACES - len(fields))
-            site.result_at[:] = [getattr(call_type, f).offset for f in outputs] + [-1] * (_PLACES - len(outputs))
-            ctypes.memmove(site.call, ctypes.addressof(call), ctypes.sizeof(call))
-            number = self._sites[key] = self._lib.pyhipa2a_ffi_site(ctypes.byref(site))
-            if number <= 0:
-                raise A2AError("XLA's handler refused the call's arguments")
-        return number
+        numbers = self._sites.get(key)
+        if numbers is None:
+            numbers, after = [], 0
+            for a2a in reversed(self._ranks):
+                kernel, blocks, threads, fixed = a2a.launch_site(leg, tokens)
+                call = call_type(**values)
+                site = FfiSite(launch=self._entry, function=a2a.backend.function_address(kernel.function),
+                               fixed=fixed, status=a2a.buffers.status.ctypes.data, next=after, grid=blocks,
+                               block=threads, call_bytes=ctypes.sizeof(call), device=a2a.heap.device.index)
+                site.operand_at[:] = [getattr(call_type, f).offset for f in fields] + [-1] * (_PLACES - len(fields))
+                site.result_at[:] = [getattr(call_type, f).offset for f in outputs] + [-1] * (_PLACES - len(outputs))
+                ctypes.memmove(site.call, ctypes.addressof(call), ctypes.sizeof(call))
+                after = self._lib.pyhipa2a_ffi_site(ctypes.byref(site))
+                if after <= 0:
+                    raise A2AError("XLA's handler refused the call's arguments")
+                numbers.insert(0, after)
+            self._sites[key] = numbers
+        return numbers[0]
 
-    @staticmethod
-    def _ffi(site: int, operands, order, shapes) -> list:
+    def _ffi(self, site: int, operands, order, shapes) -> list:
         """The results of a site's call, the order word out last."""
         shapes = tuple((tuple(s.shape), np.dtype(s.dtype)) for s in (*shapes, _order_word()))
-        return _launch.bind(*operands, order, site=site, shapes=shapes)
+        return self._varying(_launch.bind(*operands, order, site=site, shapes=shapes))
+
+    def _varying(self, results) -> list:
+        """Ranks that are devices: the results differ from device to device, and are typed so (varying along
+        the axis, as shard_map types values); the gradient rules' results must carry their inputs' types."""
+        if self._axis is None:
+            return list(results)
+        return [r if self._axis in getattr(jax.typeof(r), "vma", ()) else jax.lax.pcast(r, self._axis, to="varying")
+                for r in results]
 
     # -- JAX's CPU platform: the eager call -----------------------------------------
-    @staticmethod
-    def _host(call, operands, order, shapes) -> list:
-        """The results of an eager call through io_callback, the order word out last."""
-        return list(io_callback(call, (*shapes, _order_word()), *operands, order, ordered=True))
+    def _host(self, call, operands, order, shapes) -> list:
+        """The results of an eager call through a buffer callback, the order word out last. The callback is told
+        its rank: where ranks are devices, each device's part of the program calls back on a thread of its own
+        (which the host backend needs: it runs kernels at launch, and they wait for the other ranks')."""
+        if self._axis is None:
+            rank = jnp.zeros((1,), jnp.int32)
+        else:
+            rank = jax.lax.axis_index(self._axis).astype(jnp.int32).reshape(1)
+
+        def run(context, outs, *buffers):  # (NumPy views of XLA's buffers: no JAX array made inside a callback)
+            for out, value in zip(outs, call(*(np.asarray(b) for b in buffers))):
+                np.asarray(out)[...] = value
+        results = buffer_callback(run, (*shapes, _order_word()), has_side_effect=True)(rank, *operands, order)
+        return self._varying(results)
 
     def _host_dispatch(self, with_weights: bool, with_scales: bool):
-        a2a, c = self._a2a, self.config
+        c = self.config
 
-        def call(x, indices, *rest):
+        def call(rank, x, indices, *rest):
+            a2a = self._ranks[int(rank[0])]
             rest = list(rest[:-1])  # (the order word last)
             weights = rest.pop(0) if with_weights else None
             x_scales = rest.pop(0) if with_scales else None
@@ -331,13 +413,39 @@ class JaxAllToAll:
         return call
 
     def _host_combine(self, tokens: int, with_weights: bool, scale: float):
-        a2a = self._a2a
-
-        def call(expert_y, *rest):
+        def call(rank, expert_y, *rest):
+            a2a = self._ranks[int(rank[0])]
             weights = np.asarray(rest[0]) if with_weights else None
             y = a2a.combine(np.asarray(expert_y), weights, expert_scale=scale)
             return y.numpy(), np.zeros(1, np.int32)
         return call
+
+
+def _open_ranks(comm, devices, axis_name, params: dict) -> list:
+    """[the process's AllToAll]; or, given devices, one AllToAll a device, these ranks in this order."""
+    if devices is None:
+        if axis_name is not None:
+            raise TypeError("axis_name goes with devices= (ranks that are devices of this process)")
+        return [AllToAll(comm, **params)]
+    if comm is not None:
+        raise TypeError("JaxAllToAll takes a communicator (one rank a process) or devices= (ranks that are devices "
+                        "of this process), not both")
+    if axis_name is None:
+        raise TypeError("devices= needs axis_name: the shard_map axis along which the devices are the ranks")
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices= is empty")
+    # (a GPU's ordinal among those this process sees; JAX's CPU devices all stand for the host backend's one)
+    ordinals = [None if d.platform == "cpu" else d.local_hardware_id for d in devices]
+    return open_ranks(len(devices), lambda comm: AllToAll(comm, device=ordinals[comm.Get_rank()], **params))
+
+
+def _close_ranks(ranks: list) -> None:
+    """Close every rank, at once where they are several (a rank's close waits for the others')."""
+    if len(ranks) == 1:
+        ranks[0].close()
+    else:
+        each(ranks, AllToAll.close)
 
 
 def _host_array(a):

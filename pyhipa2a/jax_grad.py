@@ -20,11 +20,12 @@ under differentiation dispatch zeroes them, whether or not x itself needs a grad
 are zero. Outside it (a forward pass; an eager call) the rules are left out: they would cost a full pass
 over expert_x, and in an eager call JAX's custom_vjp alone costs more than the exchange.
 
-Order: combine's gradient dispatches after the forward combine (its order word is a residual: y's
-gradient need not depend on y), the narrow pair and the closing combine follow that dispatch, and both
-gradients come out only once they are done, so the calls of what follows (dispatch's gradient, an
-earlier layer's) come after them. Dispatch's gradient starts once the rows' gradients are in (a rows'
-gradient that depends on no row, an expert that ignores its input, orders nothing).
+Order, by data alone (XLA keeps no other order between custom calls: its CPU compiler drops optimization
+barriers): each call takes an order word the calls it must follow made. Combine's gradient dispatches after
+the forward combine (its order word is a residual: y's gradient need not depend on y) and after the
+object's last call (a later layer's rules); the narrow pair and the closing combine follow that dispatch.
+Dispatch's gradient follows the object's last call (the closing combine, where combine's gradient ran)
+and the rows' gradients. Each rule leaves its objects' last order words for the next (order_after).
 """
 from __future__ import annotations
 
@@ -83,11 +84,11 @@ class Gradients:
             return dispatch(x, indices, order), indices
 
         def backward(indices, cotangents):
-            # A pair of its own: a dispatch that lays the rows out again (of zeros, once the rows' gradients
-            # are in), then the combine of those gradients with unit weights.
-            c = a2a.config
-            zeros, d_expert_x = jax.lax.optimization_barrier((jnp.zeros((tokens, c.hidden), c.in_dtype), cotangents[0]))
-            _, laid_out = a2a.dispatch_after(no_order(), zeros, indices)
+            # A pair of its own: a dispatch that lays the rows out again (of zeros, after this object's last
+            # call and once the rows' gradients are in), then the combine of those gradients with unit weights.
+            c, d_expert_x = a2a.config, cotangents[0]
+            zeros = jnp.zeros((tokens, c.hidden), c.in_dtype)
+            _, laid_out = a2a.dispatch_after(a2a.order_after(_word_after(d_expert_x)), zeros, indices)
             ones = jnp.ones((tokens, c.top_k), jnp.float32)
             dx, _ = a2a.combine_after(laid_out, d_expert_x.astype(c.out_dtype), ones, 1.0)
             return dx.astype(dtype), None, None
@@ -109,12 +110,14 @@ class Gradients:
         def backward(scale, res, cotangents):
             (expert_y, weights, indices, done), dy = res, cotangents[0]
             c, k = a2a.config, a2a.config.top_k
-            # A pair of its own, after this combine (y's gradient need not depend on y: a linear loss): the
-            # dispatch of dy, closed below whether or not x has a gradient to take.
-            d, dispatched = a2a.dispatch_after(done, dy.astype(c.in_dtype), indices)
+            # A pair of its own, after this combine (y's gradient need not depend on y: a linear loss) and after
+            # the object's last call (a later layer's rules): the dispatch of dy, closed below whether or not x
+            # has a gradient to take.
+            d, dispatched = a2a.dispatch_after(a2a.order_after(done), dy.astype(c.in_dtype), indices)
             valid = _valid_rows(d)
             slot = jnp.clip(d.expert_meta[..., 2], 0, k - 1)
-            spread, between = rows.dispatch_after(dispatched, _halves(weights, self.cols, c.out_dtype), indices)
+            halves = _halves(weights, self.cols, c.out_dtype)
+            spread, between = rows.dispatch_after(rows.order_after(dispatched), halves, indices)
             weight = _joined(spread.expert_x, 2 * slot)  # w[t, j] of each row
             dy_rows = d.expert_x.astype(jnp.float32)
             d_expert_y = jnp.where(valid[..., None], scale * weight[..., None] * dy_rows, 0.0)
@@ -125,13 +128,21 @@ class Gradients:
             summed = summed.astype(jnp.float32)
             d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
             closed, _ = a2a.combine_after(dispatched, jnp.zeros_like(expert_y), ones, 1.0)
-            # Both only once both exchanges are closed: what follows (dispatch's gradient, an earlier layer's)
-            # comes after them, so no other pair interleaves with these.
+            # What follows on either object (dispatch's gradient, an earlier layer's rules) comes after these
+            # calls through the objects' order words (order_after), so no other pair interleaves with them.
+            # The barrier only keeps the closing combine: JAX drops a call none of whose results is used, and
+            # the GPU's calls carry no JAX effect (pyhipa2a.jax: JAX's fast dispatch); it orders nothing.
             d_expert_y, d_weights, _ = jax.lax.optimization_barrier(
                 (d_expert_y.astype(expert_y.dtype), d_weights, closed))
             return d_expert_y, d_weights, None, None
         combine.defvjp(forward, backward)
         return combine(expert_y, weights, indices, order, scale)
+
+
+def _word_after(x):
+    """An order word computed from `x` (no call reads an order word's value): a call that takes it comes after
+    whatever made `x`. (Not an optimization barrier: XLA's CPU compiler drops those, and the order with them.)"""
+    return jax.lax.convert_element_type(x.reshape(-1)[:1], jnp.int32)
 
 
 def _valid_rows(d):

@@ -1,5 +1,7 @@
 """A JAX MoE layer in one jax.jit, checked against the same layer computed densely on one device:
-`mpirun -n N python scripts/jax_moe.py [--tokens T] [--json FILE]`.
+`mpirun -n N python scripts/jax_moe.py [--tokens T] [--json FILE]`, or one process driving N devices as
+ranks, the layer inside shard_map: `python scripts/jax_moe.py --devices N` (on JAX's CPU platform
+XLA_FLAGS=--xla_force_host_platform_device_count=N gives it N devices).
 
 The layer: router logits, top-k with softmax weights, pyhipa2a.jax's dispatch, a SwiGLU MLP for each local
 expert in jnp (one batched matmul over the experts), combine. Every rank draws every expert's weights from
@@ -57,6 +59,40 @@ def swiglu(h, gate, up, down):
     return (jax.nn.silu(h @ gate) * (h @ up)) @ down
 
 
+def route(x, router, k: int):
+    logits = (x @ router).astype(jnp.float32)
+    top, indices = jax.lax.top_k(logits, k)
+    return indices.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+
+
+def moe_of_rank(a2a, k: int):
+    """One rank's layer: its tokens x [T, H], the router, its local experts' weights [L, ...] -> y [T, H]."""
+    def moe(x, router, gate, up, down):
+        indices, weights = route(x, router, k)
+        d = a2a.dispatch(x, indices)
+        h = d.expert_x.astype(jnp.float32)
+        y_rows = jax.vmap(swiglu)(h, gate.astype(jnp.float32), up.astype(jnp.float32), down.astype(jnp.float32))
+        return a2a.combine(y_rows.astype(jnp.bfloat16), weights)
+    return moe
+
+
+def dense_of(k: int):
+    """The oracle: every token through its top-k experts' MLPs, on one device, in float32."""
+    @jax.jit
+    def dense(x, router, gate, up, down):
+        indices, weights = route(x, router, k)
+        h = x.astype(jnp.float32)
+        outs = jax.vmap(lambda g, u, dn: swiglu(h, g, u, dn))(gate, up, down)  # [E, T, H]
+        picked = jnp.take_along_axis(outs.transpose(1, 0, 2), indices[:, :, None], axis=1)  # [T, k, H]
+        return (picked * weights[:, :, None]).sum(axis=1)
+    return dense
+
+
+def compared(y, want) -> tuple[bool, float]:
+    got, want = np.asarray(y, np.float32), np.asarray(want, np.float32)
+    return bool(np.allclose(got, want, rtol=3e-2, atol=3e-2)), float(np.abs(got - want).max())
+
+
 def layer_check(comm, args) -> dict:
     world = comm.Get_size()
     E, k, H, inter, T = args.experts_per_rank * world, args.top_k, args.hidden, args.intermediate, args.tokens
@@ -69,33 +105,9 @@ def layer_check(comm, args) -> dict:
         local = [put(jnp.asarray(w[mine], jnp.bfloat16)) for w in (gate, up, down)]
         router_d = put(jnp.asarray(router, jnp.bfloat16))
         x = put(jnp.asarray(np.random.default_rng(args.seed + 1 + me).standard_normal((T, H)), jnp.bfloat16))
-
-        def route(x, router):
-            logits = (x @ router).astype(jnp.float32)
-            top, indices = jax.lax.top_k(logits, k)
-            return indices.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
-
-        @jax.jit
-        def moe(x, router, gate, up, down):
-            indices, weights = route(x, router)
-            d = a2a.dispatch(x, indices)
-            h = d.expert_x.astype(jnp.float32)
-            y_rows = jax.vmap(swiglu)(h, gate.astype(jnp.float32), up.astype(jnp.float32), down.astype(jnp.float32))
-            return a2a.combine(y_rows.astype(jnp.bfloat16), weights)
-
-        @jax.jit
-        def dense(x, router, gate, up, down):
-            indices, weights = route(x, router)
-            h = x.astype(jnp.float32)
-            outs = jax.vmap(lambda g, u, dn: swiglu(h, g, u, dn))(gate, up, down)  # [E, T, H]
-            picked = jnp.take_along_axis(outs.transpose(1, 0, 2), indices[:, :, None], axis=1)  # [T, k, H]
-            return (picked * weights[:, :, None]).sum(axis=1)
-
+        moe = jax.jit(moe_of_rank(a2a, k))
         y = moe(x, router_d, *local)
-        want = dense(x, router_d, *(put(jnp.asarray(w, jnp.bfloat16)) for w in (gate, up, down)))
-        got, want = np.asarray(y, np.float32), np.asarray(want, np.float32)
-        err = float(np.abs(got - want).max())
-        ok = bool(np.allclose(got, want, rtol=3e-2, atol=3e-2))
+        ok, err = compared(y, dense_of(k)(x, router_d, *(put(jnp.asarray(w, jnp.bfloat16)) for w in (gate, up, down))))
         times = []
         for _ in range(args.iters):
             comm.Barrier()
@@ -107,6 +119,37 @@ def layer_check(comm, args) -> dict:
         print(f"rank {me}: {'PASS' if ok else 'FAIL'} (max |y - dense| {err:.3g}; T={T}, E={E}, k={k}, H={H}, "
               f"I={inter}, bf16; one jitted layer {us:.1f} us)", flush=True)
         return {"rank": me, "ok": ok, "max_error": err, "layer_us": us}
+
+
+def layer_on_devices(args) -> dict:
+    """--devices N: one process, its first N devices the ranks, the layer in jax.jit(jax.shard_map(...))."""
+    from jax.sharding import PartitionSpec as P
+    W = args.devices
+    host = pyhipa2a.get_backend().kind == "host"
+    devices = (jax.devices("cpu") if host else [d for d in jax.devices() if d.platform == "gpu"])[:W]
+    if len(devices) < W:
+        raise SystemExit(f"jax_moe: --devices {W} but JAX sees {len(devices)} such devices")
+    E, k, H, inter, T = args.experts_per_rank * W, args.top_k, args.hidden, args.intermediate, args.tokens
+    with JaxAllToAll(devices=devices, axis_name="ep", num_experts=E, experts_per_token=k, hidden_dim=H,
+                     max_num_tokens=T, in_dtype="bfloat16") as a2a:
+        gate, up, down, router = (jnp.asarray(w, jnp.bfloat16) for w in expert_weights(E, H, inter, args.seed))
+        x = jnp.asarray(np.concatenate([np.random.default_rng(args.seed + 1 + r).standard_normal((T, H))
+                                        for r in range(W)]), jnp.bfloat16)
+        # (each rank its T tokens and its experts' weights; the router whole)
+        moe = jax.jit(jax.shard_map(moe_of_rank(a2a, k), mesh=a2a.mesh, in_specs=(P("ep"), P()) + (P("ep"),) * 3,
+                                    out_specs=P("ep")))
+        y = moe(x, router, gate, up, down)
+        ok, err = compared(y, dense_of(k)(x, router, gate, up, down))
+        times = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            moe(x, router, gate, up, down).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        a2a.check()
+        us = statistics.median(times) * 1e6
+        print(f"{W} ranks that are devices: {'PASS' if ok else 'FAIL'} (max |y - dense| {err:.3g}; T={T} a rank, "
+              f"E={E}, k={k}, H={H}, I={inter}, bf16; one jitted layer {us:.1f} us)", flush=True)
+        return {"ranks": W, "ok": ok, "max_error": err, "layer_us": us}
 
 
 def bench(comm, args) -> list:
@@ -165,8 +208,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--bench", action="store_true", help="gpu-mode's shapes: the jitted step beside our graph")
+    p.add_argument("--devices", type=int, help="one process driving this many devices as ranks (no mpirun)")
     p.add_argument("--json", help="write the results to this file (rank 0)")
     args = p.parse_args()
+    if args.devices:
+        result = layer_on_devices(args)
+        return script_verdict(MPI.COMM_SELF, "jax_moe", result["ok"], result, args.json)
     comm = MPI.COMM_WORLD
     result = {"layer": layer_check(comm, args)}
     if args.bench:

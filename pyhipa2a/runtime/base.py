@@ -60,6 +60,11 @@ class Backend:
         """Map a peer's allocation; returns its base address in this process."""
         raise NotImplementedError
 
+    def reach_in_process(self, ptr: int, device: int) -> int | None:
+        """A rank of this process allocated `ptr` on `device` (pyhipa2a.local): the address at which this rank
+        reaches it, or None where its IPC handle is to be opened, as another process's is."""
+        return None
+
     def ipc_close(self, ptr: int) -> None:
         raise NotImplementedError
 

@@ -20,7 +20,7 @@ _USED_CALLS = (
     "cuPointerGetAttribute", "cuEventCreate", "CUresult", "CUstream", "CUipcMemHandle", "CUdevice_attribute",
     "CUipcMem_flags", "CUpointer_attribute", "CUstream_flags", "CUevent_flags", "CUstreamCaptureMode",
     "CUDA_KERNEL_NODE_PARAMS", "CUstreamCaptureStatus", "cuGraphCreate", "cuGraphAddKernelNode",
-    "cuGraphExecKernelNodeSetParams") + tuple(_CALLS.values())
+    "cuGraphExecKernelNodeSetParams", "cuDeviceCanAccessPeer", "cuCtxEnablePeerAccess") + tuple(_CALLS.values())
 
 _IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle), fixed by the CUDA ABI
 driver = None  # cuda.bindings.driver, bound by _load() so importing this module never needs it
@@ -174,6 +174,18 @@ class CudaBackend(DriverBackend):
         self.activate()
         ptr = _check(driver.cuIpcOpenMemHandle(_handle_from_bytes(handle), flags), "cuIpcOpenMemHandle")
         return int(ptr)
+
+    def _enable_peer_access(self, device: int) -> None:
+        ours = _check(driver.cuDeviceGet(self.current_device), "cuDeviceGet")
+        peer = _check(driver.cuDeviceGet(device), "cuDeviceGet")
+        if not _check(driver.cuDeviceCanAccessPeer(ours, peer), "cuDeviceCanAccessPeer"):
+            raise RuntimeFailure(f"GPU {self.current_device} cannot reach the memory of GPU {device} (no peer "
+                                 "access): the ranks of one process need GPUs that reach each other")
+        # (the peer rank's own primary context, retained by it already: the same one, never released)
+        context = _check(driver.cuDevicePrimaryCtxRetain(peer), "cuDevicePrimaryCtxRetain")
+        result = driver.cuCtxEnablePeerAccess(context, 0)
+        if result[0] not in (driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+            _check(result, "cuCtxEnablePeerAccess")
 
     def _host_mapped_flags(self):
         return driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE

@@ -100,6 +100,17 @@ class DriverBackend(Backend):
             if wait:
                 self._call("stream_synchronize", stream)
 
+    def reach_in_process(self, ptr: int, device: int) -> int | None:
+        # The process's one address space: the peer's own address, once our device may reach its device's memory.
+        if device != self.current_device:
+            self.activate()
+            self._enable_peer_access(device)
+        return ptr
+
+    def _enable_peer_access(self, device: int) -> None:
+        """Let kernels on our device reach memory on `device`; RuntimeFailure where the GPUs cannot."""
+        raise NotImplementedError
+
     def memory_in_use(self) -> int:
         self.activate()
         free, total = self._call("mem_get_info")

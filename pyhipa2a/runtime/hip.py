@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from .base import DeviceInfo
+from .base import DeviceInfo, RuntimeFailure
 from .driver import CALLS, DriverBackend, make_check
 
 _CALLS = {role: names[1] for role, names in CALLS.items()}
@@ -15,7 +15,8 @@ _USED_CALLS = (
     "hipExtMallocWithFlags", "hipHostMallocMapped", "hipHostMallocCoherent", "hipHostMallocPortable",
     "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipPointerGetAttributes", "hipEventCreate", "hipError_t",
     "hipIpcMemHandle_t", "ihipStream_t", "hipMemoryType", "hipDeviceMallocFinegrained",
-    "hipIpcMemLazyEnablePeerAccess", "hipStreamNonBlocking", "hipStreamCaptureMode") + tuple(_CALLS.values())
+    "hipIpcMemLazyEnablePeerAccess", "hipStreamNonBlocking", "hipStreamCaptureMode", "hipDeviceCanAccessPeer",
+    "hipDeviceEnablePeerAccess") + tuple(_CALLS.values())
 
 _IPC_HANDLE_BYTES = 64  # sizeof(hipIpcMemHandle_t), HIP_IPC_HANDLE_SIZE
 hip = None  # hip-python's binding module, bound by _load() so importing this module never needs it
@@ -140,6 +141,14 @@ class HipBackend(DriverBackend):
         ptr = _check(hip.hipIpcOpenMemHandle(_handle_from_bytes(handle), hip.hipIpcMemLazyEnablePeerAccess),
                      "hipIpcOpenMemHandle")
         return int(ptr)
+
+    def _enable_peer_access(self, device: int) -> None:
+        if not _check(hip.hipDeviceCanAccessPeer(self.current_device, device), "hipDeviceCanAccessPeer"):
+            raise RuntimeFailure(f"GPU {self.current_device} cannot reach the memory of GPU {device} (no peer "
+                                 "access): the ranks of one process need GPUs that reach each other")
+        err = hip.hipDeviceEnablePeerAccess(device, 0)[0]  # (from the current device: ours, activated)
+        if err not in (hip.hipError_t.hipSuccess, hip.hipError_t.hipErrorPeerAccessAlreadyEnabled):
+            _check((err,), "hipDeviceEnablePeerAccess")
 
     def pointer_device(self, ptr: int) -> int | None:
         err, attrs = hip.hipPointerGetAttributes(ptr)
