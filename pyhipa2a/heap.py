@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
+import secrets
 import weakref
 
 import numpy as np
@@ -15,6 +15,8 @@ from .errors import AllocationMismatchError, A2AError
 from .runtime import Backend, get_backend, select_device
 
 TABLE_ALIGN = 256
+# This process among the ranks' (not its pid: ranks in containers of their own may share one)
+PROCESS = secrets.token_hex(16)
 
 
 def align_up(n: int, a: int) -> int:
@@ -44,8 +46,8 @@ class SymmetricHeap:
         try:
             # A peer in this process (pyhipa2a.local) is reached at its own address where the backend can; IPC
             # handles are for other processes (CUDA opens none its own process exported).
-            me = (os.getpid(), self.backend.ipc_export(self.base), self.base, self.device.index)
-            self.bases = [self.base if r == self.rank else self._mappings.open_peer(peer, me[0])
+            me = (PROCESS, self.backend.ipc_export(self.base), self.base, self.device.index)
+            self.bases = [self.base if r == self.rank else self._mappings.open_peer(peer)
                           for r, peer in enumerate(self.comm.allgather(me))]
             bounded_barrier(self.comm, timeout, "SymmetricHeap: mapping peers")
             if hasattr(self.backend, "ipc_exchanged"):
@@ -136,10 +138,10 @@ class _Mappings:
     def __init__(self, backend: Backend, base: int):
         self.backend, self.base, self.peers = backend, base, []
 
-    def open_peer(self, peer: tuple, pid: int) -> int:
-        """The address of `peer`'s heap (its process, IPC handle, address and device) in this rank, process `pid`."""
-        peer_pid, handle, base, device = peer
-        if peer_pid == pid:
+    def open_peer(self, peer: tuple) -> int:
+        """The address in this rank of `peer`'s heap (its process, IPC handle, address and device)."""
+        process, handle, base, device = peer
+        if process == PROCESS:
             reached = self.backend.reach_in_process(base, device)
             if reached is not None:
                 return reached

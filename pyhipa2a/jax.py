@@ -57,7 +57,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from . import AllToAll
-from .errors import A2AError
+from .errors import A2AError, RuntimeFailure
 from .jax_grad import Gradients, differentiating, no_order, running_traces
 from .kernels import X_FP8, CombineCall, DispatchCall
 from .local import each, open_ranks
@@ -337,10 +337,14 @@ class JaxAllToAll:
     @staticmethod
     def _chained_value(last):
         """`last` (a value an earlier call left) where it can still be used: a concrete array, or a tracer of the
-        trace being traced now or of one around it (not of a trace that has ended); else None."""
-        if not isinstance(last, jax.core.Tracer):
-            return last
-        return last if any(t is getattr(last, "_trace", None) for t in running_traces()) else None
+        trace being traced now or of one around it; a tracer of a differentiating trace that has ended stands
+        for its primal value, which lives on (the backward pass follows the forward's last call that way);
+        else None."""
+        while isinstance(last, jax.core.Tracer):
+            if any(t is getattr(last, "_trace", None) for t in running_traces()):
+                return last
+            last = getattr(last, "primal", None)  # (JAX's JVP and linearize tracers name it so; others: None)
+        return last
 
     # -- GPU: XLA's handler ---------------------------------------------------------
     def _site(self, leg: str, tokens: int, call_type, fields, outputs, **values) -> int:
@@ -423,6 +427,17 @@ class JaxAllToAll:
 
 def _open_ranks(comm, devices, axis_name, params: dict) -> list:
     """[the process's AllToAll]; or, given devices, one AllToAll a device, these ranks in this order."""
+    try:
+        return _made_ranks(comm, devices, axis_name, params)
+    except RuntimeFailure as e:
+        if "out of memory" not in str(e).lower():
+            raise
+        raise A2AError(f"{e}. JAX takes 75% of each GPU's memory at its start unless told otherwise: set "
+                       "XLA_PYTHON_CLIENT_PREALLOCATE=false (or a smaller XLA_PYTHON_CLIENT_MEM_FRACTION) before "
+                       "JAX starts, so the exchange's buffers fit beside it") from e
+
+
+def _made_ranks(comm, devices, axis_name, params: dict) -> list:
     if devices is None:
         if axis_name is not None:
             raise TypeError("axis_name goes with devices= (ranks that are devices of this process)")

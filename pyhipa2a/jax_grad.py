@@ -127,6 +127,8 @@ class Gradients:
             summed, _ = rows.combine_after(between, back, ones, 1.0)
             summed = summed.astype(jnp.float32)
             d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
+            # (Not ordered with the narrow pair, an exchange of another object: every rank runs one program,
+            # compiled alike, so the two come in one order everywhere.)
             closed, _ = a2a.combine_after(dispatched, jnp.zeros_like(expert_y), ones, 1.0)
             # What follows on either object (dispatch's gradient, an earlier layer's rules) comes after these
             # calls through the objects' order words (order_after), so no other pair interleaves with them.

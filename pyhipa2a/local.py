@@ -13,15 +13,21 @@ devices. The host backend runs kernels at launch, so there each rank's calls nee
 (JAX's CPU platform runs each device's part of a program in one).
 
 Collectives are matched by their order on each rank, as MPI's are. A collective waits at most `timeout`
-for the other ranks and then raises A2ATimeoutError naming those that never came; a rank whose setup
-failed ends the group's waits at once, with its error.
+for the other ranks and then raises A2ATimeoutError naming those that never came. A rank whose setup
+failed ends the group's waits (GroupEnded) as soon as it returns, or as soon as its cleanup's collective
+meets the others' next one (collectives that disagree end the group), and open_ranks raises its error.
 """
 from __future__ import annotations
 
 import threading
 import time
 
-from .errors import A2AError, A2ATimeoutError
+from .errors import A2ATimeoutError
+
+
+class GroupEnded(A2ATimeoutError):
+    """The collectives of a group of ranks ended: a rank failed, or the ranks' collectives disagreed. To each
+    rank its peers will then never come, as after a timeout (cleanup treats it so)."""
 
 
 class _Group:
@@ -38,14 +44,16 @@ class _Group:
         with self.changed:
             self._usable()
             r = self.rounds.setdefault(seq, _Round(kind, self.size))
-            if r.kind != kind:
-                raise A2AError(f"LocalComm: rank {rank}'s collective number {seq} is {kind}, another rank's is "
-                               f"{r.kind}: every rank must make the same collectives in the same order")
+            if r.kind != kind:  # (the others' waits end now, not at their timeout)
+                error = GroupEnded(f"LocalComm: rank {rank}'s collective number {seq} is {kind}, another rank's "
+                                   f"is {r.kind}: every rank must make the same collectives in the same order")
+                self._fail(rank, error)
+                raise error
             r.values[rank], r.arrived = value, r.arrived + 1
             self.changed.notify_all()
             return r
 
-    def done(self, seq: int, r: "_Round", rank: int, wait: bool) -> bool:
+    def await_round(self, seq: int, r: "_Round", rank: int, wait: bool) -> bool:
         """Whether every rank joined round `seq`; `wait`: wait for that, at most the group's timeout."""
         deadline = time.monotonic() + self.timeout
         with self.changed:
@@ -66,14 +74,17 @@ class _Group:
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.changed:
-            if self.failure is None:
-                self.failure, self.failed_rank = error, rank
-            self.changed.notify_all()
+            self._fail(rank, error)
+
+    def _fail(self, rank: int, error: BaseException) -> None:  # (self.changed held)
+        if self.failure is None:
+            self.failure, self.failed_rank = error, rank
+        self.changed.notify_all()
 
     def _usable(self) -> None:
         if self.failure is not None:
-            raise A2AError(f"LocalComm: rank {self.failed_rank} failed ({type(self.failure).__name__}: "
-                           f"{self.failure}), which ends every collective of its group")
+            raise GroupEnded(f"LocalComm: rank {self.failed_rank} failed ({type(self.failure).__name__}: "
+                             f"{self.failure}), which ends every collective of its group", ranks=(self.failed_rank,))
 
 
 _ABSENT = object()
@@ -92,12 +103,12 @@ class _Request:
 
     def Test(self) -> bool:
         if not self._done:
-            self._done = self._group.done(self._seq, self._round, self._rank, wait=False)
+            self._done = self._group.await_round(self._seq, self._round, self._rank, wait=False)
         return self._done
 
     def Wait(self) -> None:
         if not self._done:
-            self._done = self._group.done(self._seq, self._round, self._rank, wait=True)
+            self._done = self._group.await_round(self._seq, self._round, self._rank, wait=True)
 
 
 class LocalComm:
@@ -118,7 +129,7 @@ class LocalComm:
 
     def allgather(self, value) -> list:
         seq, r = self._collective("allgather", value)
-        self._group.done(seq, r, self._rank, wait=True)
+        self._group.await_round(seq, r, self._rank, wait=True)
         return list(r.values)
 
     def bcast(self, value, root: int = 0):
@@ -140,7 +151,8 @@ class LocalComm:
 
 
 def each(items, step) -> list:
-    """[step(item) for item in items], each in a thread of its own, all at once; raises the first error."""
+    """[step(item) for item in items], each in a thread of its own, all at once. Raises the first error that
+    is not a wait for a peer (a rank's own failure, not the others' waits for it), else the first."""
     items = list(items)
     results, errors = [None] * len(items), [None] * len(items)
 
@@ -156,7 +168,7 @@ def each(items, step) -> list:
         t.join()
     failed = [e for e in errors if e is not None]
     if failed:
-        raise failed[0]
+        raise next((e for e in failed if not isinstance(e, A2ATimeoutError)), failed[0])
     return results
 
 
@@ -179,7 +191,7 @@ def open_ranks(size: int, make, *, timeout: float = 60.0) -> list:
         each(range(size), make_rank)
     except BaseException as e:
         each([m for m in made if m is not None], _close_quietly)
-        raise (group.failure or e) from None  # (the rank's own error, not those of the ranks it ended)
+        raise (e if not isinstance(e, GroupEnded) else group.failure or e) from None  # (a rank's own error first)
     return made
 
 

@@ -35,3 +35,11 @@ def test_gradients_where_x_needs_none(lib, backend):
 def test_gradients_of_contiguous_rows(case, backend):
     """The same gradients where the rows are contiguous (expert_offsets; the weights' exchange laid out alike)."""
     run_case(case, ranks_for(backend), env_backend(backend), args=("contiguous/8",), timeout=600)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["rows", "second"])
+def test_jax_gradients_where_y_is_stopped(variant, backend):
+    pytest.importorskip("jax")
+    run_case("tests.cases.jax_cases:case_gradients_where_y_is_stopped", ranks_for(backend), env_backend(backend),
+             args=(variant,), timeout=600)

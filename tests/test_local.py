@@ -73,6 +73,37 @@ def test_a_rank_whose_setup_fails_ends_the_others_and_its_error_is_raised():
     assert len(closed) == 2
 
 
+def test_a_rank_whose_alltoall_setup_fails_is_named_without_a_wait(monkeypatch):
+    """AllToAll's own setup on the host backend, rank 1's failing midway: its cleanup's barrier meets the
+    others' next collective, which ends the group at once; open_ranks raises rank 1's own error, well within
+    the timeout, and leaves no shared memory behind."""
+    import pyhipa2a
+    from pyhipa2a import intranode
+    load = intranode.load_kernels
+
+    def failing(*args, **kwargs):
+        if threading.current_thread().name == "pyhipa2a-rank-1":
+            raise KeyError("rank 1's own trouble")
+        return load(*args, **kwargs)
+    monkeypatch.setattr(intranode, "load_kernels", failing)
+    started = time.monotonic()
+    with pytest.raises(KeyError, match="rank 1's own trouble"):
+        open_ranks(3, lambda comm: pyhipa2a.AllToAll(comm, backend="host", num_experts=6, experts_per_token=2,
+                                                     hidden_dim=64, max_num_tokens=4, timeout=20))
+    assert time.monotonic() - started < 5
+
+
+def test_each_raises_a_rank_s_own_error_before_the_others_waits_for_it():
+    comms = open_ranks(3, lambda comm: comm, timeout=0.5)
+
+    def close(comm):
+        if comm.Get_rank() == 2:
+            raise RuntimeError("rank 2's own close")
+        comm.Barrier()  # (rank 2 never comes: the others time out)
+    with pytest.raises(RuntimeError, match="rank 2's own close"):
+        each(comms, close)
+
+
 def test_collectives_in_another_order_are_refused():
     def rank(comm):
         return comm.allgather(1) if comm.Get_rank() == 0 else comm.Barrier()

@@ -20,7 +20,8 @@ _USED_CALLS = (
     "cuPointerGetAttribute", "cuEventCreate", "CUresult", "CUstream", "CUipcMemHandle", "CUdevice_attribute",
     "CUipcMem_flags", "CUpointer_attribute", "CUstream_flags", "CUevent_flags", "CUstreamCaptureMode",
     "CUDA_KERNEL_NODE_PARAMS", "CUstreamCaptureStatus", "cuGraphCreate", "cuGraphAddKernelNode",
-    "cuGraphExecKernelNodeSetParams", "cuDeviceCanAccessPeer", "cuCtxEnablePeerAccess") + tuple(_CALLS.values())
+    "cuGraphExecKernelNodeSetParams", "cuDeviceCanAccessPeer", "cuCtxEnablePeerAccess",
+    "cuDevicePrimaryCtxRelease") + tuple(_CALLS.values())
 
 _IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle), fixed by the CUDA ABI
 driver = None  # cuda.bindings.driver, bound by _load() so importing this module never needs it
@@ -181,11 +182,15 @@ class CudaBackend(DriverBackend):
         if not _check(driver.cuDeviceCanAccessPeer(ours, peer), "cuDeviceCanAccessPeer"):
             raise RuntimeFailure(f"GPU {self.current_device} cannot reach the memory of GPU {device} (no peer "
                                  "access): the ranks of one process need GPUs that reach each other")
-        # (the peer rank's own primary context, retained by it already: the same one, never released)
+        # The peer rank's own primary context: it holds it already, so ours is given back at once.
         context = _check(driver.cuDevicePrimaryCtxRetain(peer), "cuDevicePrimaryCtxRetain")
-        result = driver.cuCtxEnablePeerAccess(context, 0)
-        if result[0] not in (driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
-            _check(result, "cuCtxEnablePeerAccess")
+        try:
+            result = driver.cuCtxEnablePeerAccess(context, 0)
+            if result[0] not in (driver.CUresult.CUDA_SUCCESS,
+                                 driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                _check(result, "cuCtxEnablePeerAccess")
+        finally:
+            _check(driver.cuDevicePrimaryCtxRelease(peer), "cuDevicePrimaryCtxRelease")
 
     def _host_mapped_flags(self):
         return driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE

@@ -348,3 +348,33 @@ def case_gradients_of_two_layers(comm):
         assert np.allclose(got, want, rtol=5e-2, atol=5e-2), err
         print(f"rank {me} two layers' dx: max err {err:.3g}")
         a2a.check()
+
+
+def case_gradients_where_y_is_stopped(comm, variant):
+    """A backward pass whose first call on the object follows a forward combine that itself gets no gradient:
+    "rows", a loss on expert_x with y's gradient stopped (dispatch's gradient runs, combine's does not);
+    "second", a second pair on the object whose y's gradient is stopped. Each backward call must still come
+    after the forward's last call (its order word, seen through the ended differentiating trace), step
+    after step, with x's gradient against the dense computation's."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me = a2a.rank
+        steps = [draw_world(150 + i, world, E, k, H, M, token_counts=[M] * world) for i in range(3)]
+
+        def loss(x, indices, weights):
+            d = a2a.dispatch(x, indices)
+            y = a2a.combine(d.expert_x, weights)
+            if variant == "rows":
+                return jnp.sum(d.expert_x.astype(jnp.float32)) + jnp.sum(jax.lax.stop_gradient(y).astype(jnp.float32))
+            again = a2a.combine(a2a.dispatch(jax.lax.stop_gradient(x), indices).expert_x, weights)
+            return jnp.sum(y.astype(jnp.float32)) + jnp.sum(jax.lax.stop_gradient(again).astype(jnp.float32))
+        step = jax.jit(jax.grad(loss))
+        for i, inputs in enumerate(steps):
+            put = lambda v: jax.device_put(v, dev)  # noqa: E731
+            dx = np.asarray(step(put(inputs.xs[me]), put(inputs.indices[me]), put(inputs.weights[me])), np.float64)
+            # d/dx: "rows", each token once per slot (expert_x holds a copy a slot); "second", y = sum_j w_j x
+            want = (np.full((M, k), 1.0) if variant == "rows" else inputs.weights[me]).sum(axis=1)[:, None]
+            assert np.allclose(dx, np.broadcast_to(want, dx.shape), rtol=1e-2, atol=1e-2), (i, variant)
+        a2a.check()

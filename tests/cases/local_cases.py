@@ -136,12 +136,22 @@ def case_jax_gradients_ranks_are_devices(comm, ranks="2"):
 
 def case_jax_ranks_are_devices_refusals(comm):
     """Refused before any kernel runs: devices= without axis_name, with a communicator too; a call outside
-    shard_map; a shard_map over an axis of another size."""
+    shard_map; a shard_map over an axis of another size. A heap that does not fit (JAX took the memory)
+    names the setting that leaves room."""
     from jax.sharding import Mesh, PartitionSpec as P
     from pyhipa2a.errors import A2AError
     from pyhipa2a.jax import JaxAllToAll
+    from pyhipa2a.runtime.base import RuntimeFailure
+    from pyhipa2a.runtime.host import HostBackend
     jax, jnp, devices = _jax_devices(2)
     params = dict(num_experts=4, experts_per_token=2, hidden_dim=64, max_num_tokens=4)
+    if _host():
+        def full(self, nbytes):
+            raise RuntimeFailure("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(HostBackend, "malloc_ipc", full)
+            with pytest.raises(A2AError, match="out of memory. JAX takes 75%.*XLA_PYTHON_CLIENT_PREALLOCATE=false"):
+                JaxAllToAll(devices=devices, axis_name="ep", **params)
     with pytest.raises(TypeError, match="needs axis_name"):
         JaxAllToAll(devices=devices, **params)
     with pytest.raises(TypeError, match="not both"):
