@@ -36,6 +36,10 @@ if [ "$N" -ge 2 ] && [ $((N % 2)) = 0 ]; then
 fi
 step check_contiguous $MPIRUN -n "$N" python3 scripts/check.py --row-layout contiguous
 python3 -c "import cupy" 2>/dev/null && step cupy_moe $MPIRUN -n "$N" python3 scripts/cupy_moe.py
+# JAX's way to run a node: one process driving the GPUs, its ranks the devices (one rank a GPU: not under MPS)
+if [ "${MPS:-0}" != 1 ] && [ "$N" -ge 2 ] && python3 -c "import jax" 2>/dev/null; then
+  step jax_moe_devices env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 scripts/jax_moe.py --devices "$N"
+fi
 step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu tests
 # Stream waits (groups, the collective matmul) with every stream of a rank in one hardware queue: work queued
 # behind a wait that never passes then waits too, whatever its stream, as it may where streams share queues.
