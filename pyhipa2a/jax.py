@@ -122,6 +122,29 @@ for _platform in ("cuda", "rocm"):
                            platform=_platform)
 
 
+# The mesh of a program whose ranks are devices, checked as it is lowered (the mesh's devices are known only
+# then): along the object's axis, its devices in rank order. On GPUs each device's part of the program calls
+# the rank on its GPU, so a mesh in another order would give a position another rank's experts. The word
+# passes through unchanged; the check emits nothing.
+_mesh_check = Primitive("pyhipa2a_mesh_check")
+_mesh_check.def_abstract_eval(lambda word, *, axis, devices: word)
+_mesh_check.def_impl(lambda word, *, axis, devices: word)
+
+
+def _lower_mesh_check(ctx, word, *, axis, devices):
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)  # (shard_map's, where JAX's lowering names it)
+    if mesh is not None and axis in mesh.axis_names:
+        along = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis), -1).reshape(-1, len(devices))
+        if any(tuple(d.id for d in row) != devices for row in along):
+            raise ValueError(f"shard_map's mesh lists the devices along {axis!r} as {[d.id for d in along[0]]}, "
+                             f"but this object's ranks are devices {list(devices)} in that order: map over "
+                             "a2a.mesh")
+    return [word]
+
+
+mlir.register_lowering(_mesh_check, _lower_mesh_check)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(site: int, shapes: tuple):
     """An eager call of a site: the call alone, jitted once."""
@@ -216,7 +239,7 @@ class JaxAllToAll:
         (no_order() for none; order_after() for this object's last call): dispatch() for rules that order
         calls themselves. The word out becomes the object's last."""
         c = self.config
-        self._check_axis()
+        order = self._on_axis(order)
         T = _checked_tokens(x, c)
         _check_operand("indices", indices, (T, c.top_k), np.int32)
         if weights is not None:
@@ -264,7 +287,7 @@ class JaxAllToAll:
     def combine_after(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:
         """(y, the order word out) of a combine after the call whose order word is `order` (as dispatch_after)."""
         c = self.config
-        self._check_axis()
+        order = self._on_axis(order)
         _check_operand("expert_y", expert_y, (*c.rows_shape, c.hidden), c.out_dtype)
         if weights is not None:
             T = int(weights.shape[0])
@@ -307,10 +330,12 @@ class JaxAllToAll:
     def __exit__(self, *exc):
         self.close()
 
-    def _check_axis(self) -> None:
-        """Ranks that are devices: the call is traced inside shard_map, over an axis of one device a rank."""
+    def _on_axis(self, order):
+        """Ranks that are devices: the call is traced inside shard_map, over an axis of one device a rank, and
+        (checked as the program is compiled) the axis lists the object's devices in rank order. `order`, the
+        call's order word, carries that check."""
         if self._axis is None:
-            return
+            return order
         try:
             size = jax.lax.psum(1, self._axis)  # (of a Python number: the axis's size, known while tracing)
         except NameError:
@@ -319,6 +344,7 @@ class JaxAllToAll:
         if size != len(self._ranks):
             raise ValueError(f"shard_map's axis {self._axis!r} has {size} devices, but this object has "
                              f"{len(self._ranks)} ranks: map over a2a.mesh")
+        return _mesh_check.bind(order, axis=self._axis, devices=tuple(d.id for d in self.devices))
 
     # -- the order of an object's calls -------------------------------------------
     def order_after(self, *words):

@@ -167,4 +167,13 @@ def case_jax_ranks_are_devices_refusals(comm):
                             out_specs=P("ep"))
         with pytest.raises(ValueError, match="has 1 devices, but this object has 2 ranks"):
             jax.jit(one)(inputs.xs[0], inputs.indices[0])
+        # The same devices in another order: refused as the program compiles, before any kernel runs (on
+        # GPUs each position would run the rank of its GPU, with another position's experts).
+        turned = jax.jit(jax.shard_map(lambda x, i, w: a2a.combine(a2a.dispatch(x, i).expert_x, w),
+                                       mesh=Mesh(np.array(devices[::-1]), ("ep",)), in_specs=P("ep"),
+                                       out_specs=P("ep")))
+        whole = [np.concatenate(a) for a in (inputs.xs, inputs.indices, inputs.weights)]
+        with pytest.raises(ValueError, match=r"lists the devices along 'ep' as \[1, 0\], but this object's ranks "
+                                             r"are devices \[0, 1\]"):
+            turned(*whole)
         a2a.check()
