@@ -180,6 +180,8 @@ class JaxAllToAll:
                 self._entry = self._a2a.backend.launch_entry()
                 if self._entry is None:
                     raise A2AError("JaxAllToAll: the GPU driver's launch entry was not found")
+            else:
+                self._host = HostCalls(self._ranks, axis_name)
             self._sites: dict = {}
             self._order = None   # the order word of this object's last traced call
             # The last dispatch traced: its token count, indices and whether it sent the weights (combine's)
@@ -257,9 +259,8 @@ class JaxAllToAll:
             site = self._site("dispatch", T, DispatchCall, fields, outputs, num_tokens=T)
             results = self._ffi(site, operands, order, shapes)
         else:
-            results = self._host(self._host_dispatch(weights is not None, x_scales is not None), operands, order,
-                                 shapes)
-        *arrays, order = results
+            results = self._host.dispatch(operands, order, shapes, weights is not None, x_scales is not None)
+        *arrays, order = self._varying(results)
         self._order = order
         return JaxDispatch(arrays[0], arrays[1], arrays[2], arrays[3] if c.scale_cols else None,
                            arrays[-1] if c.by_source else None, arrays[-1] if c.contiguous else None), order
@@ -302,9 +303,10 @@ class JaxAllToAll:
         if self._on_gpu:
             fields = ["expert_y"] + (["weights"] if weights is not None else [])
             site = self._site("combine", T, CombineCall, fields, ["out"], num_tokens=T, expert_scale=scale)
-            y, self._order = self._ffi(site, operands, order, shapes)
+            results = self._ffi(site, operands, order, shapes)
         else:
-            y, self._order = self._host(self._host_combine(T, weights is not None, scale), operands, order, shapes)
+            results = self._host.combine(operands, order, shapes, weights is not None, scale)
+        y, self._order = self._varying(results)
         return y, self._order
 
     def check(self) -> None:
@@ -399,7 +401,7 @@ class JaxAllToAll:
     def _ffi(self, site: int, operands, order, shapes) -> list:
         """The results of a site's call, the order word out last."""
         shapes = tuple((tuple(s.shape), np.dtype(s.dtype)) for s in (*shapes, _order_word()))
-        return self._varying(_launch.bind(*operands, order, site=site, shapes=shapes))
+        return _launch.bind(*operands, order, site=site, shapes=shapes)
 
     def _varying(self, results) -> list:
         """Ranks that are devices: the results differ from device to device, and are typed so (varying along
@@ -409,46 +411,48 @@ class JaxAllToAll:
         return [r if self._axis in getattr(jax.typeof(r), "vma", ()) else jax.lax.pcast(r, self._axis, to="varying")
                 for r in results]
 
-    # -- JAX's CPU platform: the eager call -----------------------------------------
-    def _host(self, call, operands, order, shapes) -> list:
-        """The results of an eager call through a buffer callback, the order word out last. The callback is told
-        its rank: where ranks are devices, each device's part of the program calls back on a thread of its own
-        (which the host backend needs: it runs kernels at launch, and they wait for the other ranks')."""
+
+class HostCalls:
+    """JAX's CPU platform (the host backend): each call is its rank's eager call, made through a buffer callback
+    on NumPy views of XLA's buffers. The callback is told its rank: where ranks are devices, each device's
+    part of the program calls back on a thread of its own (which the host backend needs: it runs kernels at
+    launch, and they wait for the other ranks')."""
+
+    def __init__(self, ranks: list, axis: str | None):
+        self._ranks, self._axis, self._config = ranks, axis, ranks[0].config
+
+    def dispatch(self, operands, order, shapes, with_weights: bool, with_scales: bool) -> list:
+        """The results of a dispatch, the order word out last."""
+        c = self._config
+
+        def call(a2a, x, indices, *rest):
+            weights = rest[0] if with_weights else None
+            x_scales = rest[int(with_weights)] if with_scales else None
+            d = a2a.dispatch(x, indices, weights=weights, x_scales=x_scales)
+            arrays = [d.expert_x, d.expert_num_tokens, d.expert_meta]
+            arrays += [d.expert_x_scales] if c.scale_cols else []
+            arrays += [d.expert_layout] if c.by_source else []
+            arrays += [d.expert_offsets] if c.contiguous else []
+            return [a.numpy() for a in arrays]
+        return self._call(call, operands, order, shapes)
+
+    def combine(self, operands, order, shapes, with_weights: bool, scale: float) -> list:
+        """The results of a combine (y, then the order word out)."""
+        def call(a2a, expert_y, *rest):
+            return [a2a.combine(expert_y, rest[0] if with_weights else None, expert_scale=scale).numpy()]
+        return self._call(call, operands, order, shapes)
+
+    def _call(self, call, operands, order, shapes) -> list:
         if self._axis is None:
             rank = jnp.zeros((1,), jnp.int32)
         else:
             rank = jax.lax.axis_index(self._axis).astype(jnp.int32).reshape(1)
 
-        def run(context, outs, *buffers):  # (NumPy views of XLA's buffers: no JAX array made inside a callback)
-            for out, value in zip(outs, call(*(np.asarray(b) for b in buffers))):
+        def run(context, outs, rank, *buffers):  # (NumPy views of XLA's buffers: no JAX array made in a callback)
+            arrays = [np.asarray(b) for b in buffers[:-1]]  # (the order word last: read by nobody)
+            for out, value in zip(outs, [*call(self._ranks[int(np.asarray(rank)[0])], *arrays), 0]):
                 np.asarray(out)[...] = value
-        results = buffer_callback(run, (*shapes, _order_word()), has_side_effect=True)(rank, *operands, order)
-        return self._varying(results)
-
-    def _host_dispatch(self, with_weights: bool, with_scales: bool):
-        c = self.config
-
-        def call(rank, x, indices, *rest):
-            a2a = self._ranks[int(rank[0])]
-            rest = list(rest[:-1])  # (the order word last)
-            weights = rest.pop(0) if with_weights else None
-            x_scales = rest.pop(0) if with_scales else None
-            d = a2a.dispatch(np.asarray(x), np.asarray(indices), weights=_host_array(weights),
-                             x_scales=_host_array(x_scales))
-            arrays = [d.expert_x, d.expert_num_tokens, d.expert_meta]
-            arrays += [d.expert_x_scales] if c.scale_cols else []
-            arrays += [d.expert_layout] if c.by_source else []
-            arrays += [d.expert_offsets] if c.contiguous else []
-            return (*(a.numpy() for a in arrays), np.zeros(1, np.int32))
-        return call
-
-    def _host_combine(self, tokens: int, with_weights: bool, scale: float):
-        def call(rank, expert_y, *rest):
-            a2a = self._ranks[int(rank[0])]
-            weights = np.asarray(rest[0]) if with_weights else None
-            y = a2a.combine(np.asarray(expert_y), weights, expert_scale=scale)
-            return y.numpy(), np.zeros(1, np.int32)
-        return call
+        return list(buffer_callback(run, (*shapes, _order_word()), has_side_effect=True)(rank, *operands, order))
 
 
 def _open_ranks(comm, devices, axis_name, params: dict) -> list:
@@ -487,10 +491,6 @@ def _close_ranks(ranks: list) -> None:
         ranks[0].close()
     else:
         each(ranks, AllToAll.close)
-
-
-def _host_array(a):
-    return None if a is None else np.asarray(a)
 
 
 def _checked_tokens(x, c) -> int:

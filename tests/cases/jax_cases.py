@@ -378,3 +378,31 @@ def case_gradients_where_y_is_stopped(comm, variant):
             want = (np.full((M, k), 1.0) if variant == "rows" else inputs.weights[me]).sum(axis=1)[:, None]
             assert np.allclose(dx, np.broadcast_to(want, dx.shape), rtol=1e-2, atol=1e-2), (i, variant)
         a2a.check()
+
+
+def case_fp8_given_with_weights(comm):
+    """fp8 x given with its block scales, and the weights given to dispatch, inside jit: every operand of the
+    call in its place (the rows, scales, counts and meta against the oracle; y against the oracle of the
+    fp8 rows times their scales)."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 256, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                               in_dtype="float8_e4m3", out_dtype="bfloat16")
+    with a2a:
+        me = a2a.rank
+        inputs = draw_world(160, world, E, k, H, M, dtype="bfloat16").quantized(a2a.config.dispatch_dtype)
+
+        @jax.jit
+        def step(x, x_scales, indices, weights):
+            d = a2a.dispatch(x, indices, weights=weights, x_scales=x_scales)
+            rows = d.expert_x.astype(jnp.float32) * jnp.repeat(d.expert_x_scales, 128, axis=-1)
+            return d, a2a.combine(rows.astype(jnp.bfloat16))
+        d, y = step(*(jax.device_put(a[me], dev) for a in (inputs.xs, inputs.x_scales, inputs.indices,
+                                                            inputs.weights)))
+        check_dispatch_against_oracle(a2a, inputs, d)
+        rows = [reference.dequantize_fp8(x, sc) for x, sc in zip(inputs.xs, inputs.x_scales)]
+        want = reference.combine(rows, inputs.indices, inputs.weights, E, reference.fused_expert([1.0] * world),
+                                 ranks=[me])[me]
+        got = np.asarray(y).astype(np.float64)
+        assert np.allclose(got, want, rtol=2e-2, atol=2e-2), float(np.abs(got - want).max())
+        a2a.check()
