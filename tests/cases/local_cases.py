@@ -177,3 +177,23 @@ def case_jax_ranks_are_devices_refusals(comm):
                                              r"are devices \[0, 1\]"):
             turned(*whole)
         a2a.check()
+
+
+def case_jax_in_turn(comm):
+    """Every case of ranks that are JAX's devices, in this one process (one start of JAX): the step at 2 ranks
+    packed, 3 contiguous and 2 by source; the gradients; the refusals. A part that needs more devices than
+    JAX sees is skipped (said in the output); the case skips where none ran."""
+    parts = [(case_jax_ranks_are_devices, ("2", "packed")), (case_jax_ranks_are_devices, ("3", "contiguous/8")),
+             (case_jax_ranks_are_devices, ("2", "by_source")), (case_jax_gradients_ranks_are_devices, ("2",)),
+             (case_jax_ranks_are_devices_refusals, ())]
+    ran = 0
+    for case, args in parts:
+        try:
+            case(comm, *args)
+        except pytest.skip.Exception as e:
+            print(f"{case.__name__}{args}: skipped: {e}")
+            continue
+        ran += 1
+        print(f"{case.__name__}{args}: passed")
+    if not ran:
+        pytest.skip("no part found the devices it needs")
