@@ -227,12 +227,12 @@ class JaxAllToAll:
         (sent with the routing: combine then takes none), x_scales with fp8 x. Differentiable in x where
         neither weights nor scales are given and the rows are packed or contiguous (its gradient: a combine of
         the rows' gradients with unit weights)."""
-        order = self._chained()
+        order = self.order_after()
         if weights is None and x_scales is None and self._differentiable and differentiating():
             expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order)
             d = JaxDispatch(expert_x, counts, meta, expert_offsets=offsets)
         else:
-            d, self._order = self.dispatch_after(order, x, indices, weights, x_scales)
+            d, _ = self.dispatch_after(order, x, indices, weights, x_scales)  # (it keeps its order word)
         self._tokens, self._indices, self._sent = int(x.shape[0]), indices, weights is not None
         return d
 
@@ -278,11 +278,11 @@ class JaxAllToAll:
             if weights is not None and int(weights.shape[0]) != self._tokens:
                 raise ValueError(f"weights has {int(weights.shape[0])} rows but the dispatch before had "
                                  f"{self._tokens} tokens")
-        indices, order = self._chained_value(self._indices), self._chained()
+        indices, order = self._chained_value(self._indices), self.order_after()
         if weights is not None and indices is not None and self._differentiable and differentiating():
             y, self._order = self._grads.combine(self, order, expert_y, weights, indices, float(expert_scale))
         else:
-            y, self._order = self.combine_after(order, expert_y, weights, expert_scale)
+            y, _ = self.combine_after(order, expert_y, weights, expert_scale)  # (it keeps its order word)
         return y
 
     def combine_after(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:
@@ -356,11 +356,6 @@ class JaxAllToAll:
         for word in words:
             joined = word if joined is None else jnp.maximum(joined, word)
         return no_order() if joined is None else joined
-
-    def _chained(self):
-        """The order word of this object's last call, where it can still be used."""
-        last = self._chained_value(self._order)
-        return no_order() if last is None else last
 
     @staticmethod
     def _chained_value(last):
@@ -486,7 +481,8 @@ def _made_ranks(comm, devices, axis_name, params: dict) -> list:
 
 
 def _close_ranks(ranks: list) -> None:
-    """Close every rank, at once where they are several (a rank's close waits for the others')."""
+    """Close every rank, at once where they are several (a rank's close waits for the others'); the one rank
+    of a process on this thread (its close's barrier is MPI's, which may take calls from this thread only)."""
     if len(ranks) == 1:
         ranks[0].close()
     else:

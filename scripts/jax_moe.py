@@ -93,6 +93,22 @@ def compared(y, want) -> tuple[bool, float]:
     return bool(np.allclose(got, want, rtol=3e-2, atol=3e-2)), float(np.abs(got - want).max())
 
 
+def tokens_of(args, rank: int) -> np.ndarray:
+    """Rank `rank`'s tokens [T, H], from a seed of its own."""
+    return np.random.default_rng(args.seed + 1 + rank).standard_normal((args.tokens, args.hidden))
+
+
+def median_us(call, iters: int, before=lambda: None) -> float:
+    """The median wall time of `call()` (its results ready), `before()` ahead of each, in microseconds."""
+    times = []
+    for _ in range(iters):
+        before()
+        t0 = time.perf_counter()
+        call().block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def layer_check(comm, args) -> dict:
     world = comm.Get_size()
     E, k, H, inter, T = args.experts_per_rank * world, args.top_k, args.hidden, args.intermediate, args.tokens
@@ -104,18 +120,12 @@ def layer_check(comm, args) -> dict:
         put = lambda a: jax.device_put(a, dev)  # noqa: E731
         local = [put(jnp.asarray(w[mine], jnp.bfloat16)) for w in (gate, up, down)]
         router_d = put(jnp.asarray(router, jnp.bfloat16))
-        x = put(jnp.asarray(np.random.default_rng(args.seed + 1 + me).standard_normal((T, H)), jnp.bfloat16))
+        x = put(jnp.asarray(tokens_of(args, me), jnp.bfloat16))
         moe = jax.jit(moe_of_rank(a2a, k))
         y = moe(x, router_d, *local)
         ok, err = compared(y, dense_of(k)(x, router_d, *(put(jnp.asarray(w, jnp.bfloat16)) for w in (gate, up, down))))
-        times = []
-        for _ in range(args.iters):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            moe(x, router_d, *local).block_until_ready()
-            times.append(time.perf_counter() - t0)
+        us = comm.allreduce(median_us(lambda: moe(x, router_d, *local), args.iters, comm.Barrier), op=MPI.MAX)
         a2a.check()
-        us = comm.allreduce(statistics.median(times) * 1e6, op=MPI.MAX)
         print(f"rank {me}: {'PASS' if ok else 'FAIL'} (max |y - dense| {err:.3g}; T={T}, E={E}, k={k}, H={H}, "
               f"I={inter}, bf16; one jitted layer {us:.1f} us)", flush=True)
         return {"rank": me, "ok": ok, "max_error": err, "layer_us": us}
@@ -133,20 +143,14 @@ def layer_on_devices(args) -> dict:
     with JaxAllToAll(devices=devices, axis_name="ep", num_experts=E, experts_per_token=k, hidden_dim=H,
                      max_num_tokens=T, in_dtype="bfloat16") as a2a:
         gate, up, down, router = (jnp.asarray(w, jnp.bfloat16) for w in expert_weights(E, H, inter, args.seed))
-        x = jnp.asarray(np.concatenate([np.random.default_rng(args.seed + 1 + r).standard_normal((T, H))
-                                        for r in range(W)]), jnp.bfloat16)
+        x = jnp.asarray(np.concatenate([tokens_of(args, r) for r in range(W)]), jnp.bfloat16)
         # (each rank its T tokens and its experts' weights; the router whole)
         moe = jax.jit(jax.shard_map(moe_of_rank(a2a, k), mesh=a2a.mesh, in_specs=(P("ep"), P()) + (P("ep"),) * 3,
                                     out_specs=P("ep")))
         y = moe(x, router, gate, up, down)
         ok, err = compared(y, dense_of(k)(x, router, gate, up, down))
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            moe(x, router, gate, up, down).block_until_ready()
-            times.append(time.perf_counter() - t0)
+        us = median_us(lambda: moe(x, router, gate, up, down), args.iters)
         a2a.check()
-        us = statistics.median(times) * 1e6
         print(f"{W} ranks that are devices: {'PASS' if ok else 'FAIL'} (max |y - dense| {err:.3g}; T={T} a rank, "
               f"E={E}, k={k}, H={H}, I={inter}, bf16; one jitted layer {us:.1f} us)", flush=True)
         return {"ranks": W, "ok": ok, "max_error": err, "layer_us": us}

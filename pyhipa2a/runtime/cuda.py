@@ -176,12 +176,11 @@ class CudaBackend(DriverBackend):
         ptr = _check(driver.cuIpcOpenMemHandle(_handle_from_bytes(handle), flags), "cuIpcOpenMemHandle")
         return int(ptr)
 
-    def _enable_peer_access(self, device: int) -> None:
+    def _enable_peer_access(self, device: int) -> bool:
         ours = _check(driver.cuDeviceGet(self.current_device), "cuDeviceGet")
         peer = _check(driver.cuDeviceGet(device), "cuDeviceGet")
         if not _check(driver.cuDeviceCanAccessPeer(ours, peer), "cuDeviceCanAccessPeer"):
-            raise RuntimeFailure(f"GPU {self.current_device} cannot reach the memory of GPU {device} (no peer "
-                                 "access): the ranks of one process need GPUs that reach each other")
+            return False
         # The peer rank's own primary context: it holds it already, so ours is given back at once.
         context = _check(driver.cuDevicePrimaryCtxRetain(peer), "cuDevicePrimaryCtxRetain")
         try:
@@ -191,6 +190,7 @@ class CudaBackend(DriverBackend):
                 _check(result, "cuCtxEnablePeerAccess")
         finally:
             _check(driver.cuDevicePrimaryCtxRelease(peer), "cuDevicePrimaryCtxRelease")
+        return True
 
     def _host_mapped_flags(self):
         return driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE

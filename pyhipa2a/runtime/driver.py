@@ -104,11 +104,14 @@ class DriverBackend(Backend):
         # The process's one address space: the peer's own address, once our device may reach its device's memory.
         if device != self.current_device:
             self.activate()
-            self._enable_peer_access(device)
+            if not self._enable_peer_access(device):
+                raise RuntimeFailure(f"GPU {self.current_device} cannot reach the memory of GPU {device} (no peer "
+                                     "access): the ranks of one process need GPUs that reach each other")
         return ptr
 
-    def _enable_peer_access(self, device: int) -> None:
-        """Let kernels on our device reach memory on `device`; RuntimeFailure where the GPUs cannot."""
+    def _enable_peer_access(self, device: int) -> bool:
+        """Let kernels on our device reach memory on `device` (enabled already is no error); False where the
+        driver says the GPUs cannot."""
         raise NotImplementedError
 
     def memory_in_use(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from .base import DeviceInfo, RuntimeFailure
+from .base import DeviceInfo
 from .driver import CALLS, DriverBackend, make_check
 
 _CALLS = {role: names[1] for role, names in CALLS.items()}
@@ -142,13 +142,13 @@ class HipBackend(DriverBackend):
                      "hipIpcOpenMemHandle")
         return int(ptr)
 
-    def _enable_peer_access(self, device: int) -> None:
+    def _enable_peer_access(self, device: int) -> bool:
         if not _check(hip.hipDeviceCanAccessPeer(self.current_device, device), "hipDeviceCanAccessPeer"):
-            raise RuntimeFailure(f"GPU {self.current_device} cannot reach the memory of GPU {device} (no peer "
-                                 "access): the ranks of one process need GPUs that reach each other")
+            return False
         err = hip.hipDeviceEnablePeerAccess(device, 0)[0]  # (from the current device: ours, activated)
         if err not in (hip.hipError_t.hipSuccess, hip.hipError_t.hipErrorPeerAccessAlreadyEnabled):
             _check((err,), "hipDeviceEnablePeerAccess")
+        return True
 
     def pointer_device(self, ptr: int) -> int | None:
         err, attrs = hip.hipPointerGetAttributes(ptr)
