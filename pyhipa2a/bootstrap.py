@@ -52,18 +52,23 @@ def sleep_backoff(attempt: int) -> None:
         time.sleep(min(1e-3, 1e-5 * (attempt - YIELD_POLLS + 1)))
 
 
+def poll(ready, deadline: float) -> bool:
+    """Whether `ready()` came true by `deadline` (time.monotonic()), asked with sleep_backoff between."""
+    attempt = 0
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        sleep_backoff(attempt)
+        attempt += 1
+    return True
+
+
 def bounded_barrier(comm, timeout: float, what: str) -> None:
     """A barrier that raises A2ATimeoutError after `timeout` seconds instead of hanging."""
     request = comm.Ibarrier()
-    deadline = time.monotonic() + timeout
-    attempt = 0
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise A2ATimeoutError(
-                f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s at a barrier; "
-                f"at least one of the {comm.Get_size()} ranks never arrived")
-        sleep_backoff(attempt)
-        attempt += 1
+    if not poll(request.Test, time.monotonic() + timeout):
+        raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s at a barrier; "
+                              f"at least one of the {comm.Get_size()} ranks never arrived")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .array import Pinned
-from .bootstrap import sleep_backoff
+from .bootstrap import poll
 from .errors import A2ATimeoutError, ConfigMismatchError
 
 WAITING, PASSED = 2, 1  # a wait's "seen" word: a stream stands at it; a stream went past it (0: never reached)
@@ -108,12 +108,8 @@ class Signals:
             self._read = self.backend.event_create()
         self.backend.copy_device(self._copied_device, self.words.ptr, self.words.nbytes, watch)
         self.backend.event_record(self._read, watch)
-        deadline, attempt = time.monotonic() + within, 0
-        while not self.backend.event_done(self._read):
-            if time.monotonic() > deadline:
-                return None
-            sleep_backoff(attempt)
-            attempt += 1
+        if not poll(lambda: self.backend.event_done(self._read), time.monotonic() + within):
+            return None
         return self._copied.copy()
 
     def close(self, streams_drained: bool = True) -> None:

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from ..bootstrap import sleep_backoff
+from ..bootstrap import poll
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER = range(6)
 
@@ -43,16 +43,6 @@ class Status:
         for words in (self.words, self.mirror) if self.mirror is not None else (self.words,):
             words[1], words[2], words[3] = peer & 0xFFFFFFFF, what & 0xFFFFFFFF, detail & 0xFFFFFFFF
             words[0] = code
-
-
-def poll(ready, deadline: float) -> bool:
-    attempt = 0
-    while not ready():
-        if time.monotonic() > deadline:
-            return False
-        sleep_backoff(attempt)
-        attempt += 1
-    return True
 
 
 def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, status, what: int,
