@@ -41,7 +41,7 @@ struct HierArgs {
   u64 records;         // u8  [N][record_bytes]     HierRecord of each region
   u64 local_indices;   // i32 [N*M][k]              hier_localize: this node's expert of each slot, or -1
   u64 local_weights;   // f32 [N*M][k]
-  u64 sequence;        // u32 [4]                   [0] calls this rank staged, [1] the node part's status then
+  u64 sequence;        // u32 [4]                   [0] calls this rank staged, [1] combine's seal (hier_seal)
   u64 status, mirror;  // the node AllToAll's status words and their host mirror
   i32 node, nodes, ranks_per_node, place;  // place: our rank within our node
   i32 tokens, max_tokens, top_k, num_experts;
@@ -88,9 +88,6 @@ extern "C" __global__ void hier_stage(HierArgs a) {
   if (global_thread() == 0) {
     u32* seq = reinterpret_cast<u32*>(a.sequence);
     seq[0] += 1u;  // this kernel's one thread writes it; the next kernels and the engine read it
-    // Our status goes with the sequence number as combine's seal: a counterpart whose sums would be
-    // this rank's poison reports that instead of returning NaN as a result.
-    seq[1] = a2a_load_relaxed_sys(reinterpret_cast<const u32*>(a.status));
     r.tail[0] = T;
     r.tail[1] = seq[0];
   }
@@ -130,6 +127,20 @@ extern "C" __global__ void hier_localize(HierArgs a) {
   }
 }
 
+// This rank's status: its status words, or where they hold no error their host mirror, where the host
+// alone writes when it gives up on a grouped combine (pyhipa2a/groups.py: no stream may carry it).
+A2A_DEVICE u32 own_status(u64 status, u64 mirror) {
+  const u32 s = a2a_load_relaxed_sys(reinterpret_cast<const u32*>(status));
+  return s != A2A_OK || !mirror ? s : a2a_load_relaxed_sys(reinterpret_cast<const u32*>(mirror));
+}
+
+// Combine's seal, once the node's combine is done (its parts too): our status goes home with the sums and
+// the sequence number, so a counterpart whose sums would be this rank's poison reports that instead of
+// returning NaN as a result.
+extern "C" __global__ void hier_seal(HierArgs a) {
+  if (global_thread() == 0) reinterpret_cast<u32*>(a.sequence)[1] = own_status(a.status, a.mirror);
+}
+
 struct HierSumArgs {
   u64 own;            // [M][hidden] out dtype: our region's sums over this node's experts
   u64 partials;       // [N][M][hidden]: each node's sums of our tokens, sent back ([node] unused)
@@ -162,7 +173,7 @@ A2A_DEVICE void hier_sum(const HierSumArgs& a) {
       a2a_report(status, reinterpret_cast<u32*>(a.mirror), A2A_ERR_PEER, peer, A2A_WAIT_NODES_COMBINE,
                  seals[r * 4u + 1u]);
   }
-  ok = ok && a2a_load_relaxed_sys(status) == A2A_OK;
+  ok = ok && own_status(a.status, a.mirror) == A2A_OK;
   const u16* own = reinterpret_cast<const u16*>(a.own);
   const u16* partials = reinterpret_cast<const u16*>(a.partials);
   u16* out = reinterpret_cast<u16*>(a.out);

@@ -113,7 +113,6 @@ class Calls:
     the stream, each argument through the array boundary, the launch, one record of what changed."""
 
     JOINS_CAPTURES = True  # whether a call may be recorded into another library's capture
-    GROUPS = True  # whether dispatch(groups=) works here
 
     def __init__(self, config: Config, exchange, health):
         self._config, self._exchange, self._health = config, exchange, health
@@ -146,6 +145,9 @@ class Calls:
     def _launch_combine(self, s, tokens: int, expert_y: int, weights: int, out: int, scale: float, phase: int,
                         groups: int) -> None:
         raise NotImplementedError
+
+    def _before_combine_parts(self, s, tokens: int, weights: int) -> None:
+        """What a combine in parts needs on `s` before the first part's wait for its group (nothing here)."""
 
     def _repeater(self, leg: str, tokens: int):
         """A function of the stream that launches the call of `leg` just made again ("dispatch", "combine")."""
@@ -237,8 +239,6 @@ class Calls:
             self._check_pairing("dispatch")
             T = checked_dispatch(c, state, x, indices, weights, x_scales)
             G = self._groups.checked_count(groups, weights, streams.capturing is not None)
-            if G and not self.GROUPS:
-                raise A2AError("dispatch(groups=) is for calls within one node")
             streams.follow(s)
             self._settle_before_host_copies(s, (x, indices, weights, x_scales))
             arrays: list = []
@@ -327,6 +327,7 @@ class Calls:
                 self.backend.copy_to_device(staging.ptr, host_y, s)
                 y_ptr = staging.ptr
             if G:
+                self._before_combine_parts(s, T, w_ptr)
                 groups.queue_combine(s, lambda phase: self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1],
                                                                            phase, G))
             else:

@@ -144,13 +144,14 @@ class Groups:
 
     def queue_combine(self, stream, launch) -> None:
         """Combine's parts on `stream`, `launch(phase)` each: phase g + 1 (sending group g's tokens) once group g
-        is done, then the reduce; the host's bound on the waits from now on."""
+        is done, then the reduce; the host's bound on the waits from before the reduce's launch on (which may
+        wait for the stream on the host: across nodes, the MPI engine)."""
         self._bound.begin(self.count)
         for group in range(self.count):
             self._bound.wait(stream, group, lambda g=group: self._never_done(g))
             launch(group + 1)
-        launch(REDUCE_ONLY)
         self._bound.arm(stream)
+        launch(REDUCE_ONLY)
 
     def close(self) -> None:
         self._close_bound()

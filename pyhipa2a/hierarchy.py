@@ -23,7 +23,7 @@ from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_er
 from .heap import TABLE_ALIGN, align_up
 from .internode import Transfer, make_engine
 from .intranode import NodeExchange
-from .kernels import X_FP8
+from .kernels import REDUCE_ONLY, WHOLE_COMBINE, X_FP8
 from .runtime import Backend, get_backend, select_device
 
 NODE_WAITS = (6, 7, 8)  # status `what` of waits between nodes: their peer is already a world rank
@@ -55,7 +55,6 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     """AllToAll for a communicator that spans nodes (see the module's doc)."""
 
     JOINS_CAPTURES = False  # (its exchange between nodes is watched from the host)
-    GROUPS = False  # (its combine's exchange between nodes moves every token's sums at once)
 
     def _open(self, comm, layout: NodeLayout, backend, device, params: dict) -> tuple:
         MPI = mpi()
@@ -130,6 +129,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
 
         library = exchange.library
         self._stage, self._localize = library.kernel("hier_stage"), library.kernel("hier_localize")
+        self._seal = library.kernel("hier_seal")
         self._sum = library.kernel("hier_sum_bf16" if c.out_dtype.name == "bfloat16" else "hier_sum_f16")
         status, mirror = exchange.buffers["status"].ptr, exchange.buffers.status_device
         self._steps = {}  # leg -> (its pack, the pack a plan launches from)
@@ -154,7 +154,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._geometry = (c.blocks, c.block_threads)
         for packs in self._steps.values():
             for pack in packs:
-                for kernel in (self._stage, self._localize):
+                for kernel in (self._stage, self._localize, self._seal):
                     kernel.prepare(pack, *self._geometry)
         for pack in self._sums:
             self._sum.prepare(pack, *self._geometry)
@@ -187,29 +187,45 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             raise A2AError("capture() between nodes needs the NCCL engine: the MPI engine stages regions "
                            "through the host, which a graph cannot record")
 
-    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups, ticket) -> None:  # (no groups)
+    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups, ticket) -> None:
         pack = self._steps["dispatch"][0]
         a = pack[0]
         a.x, a.indices, a.x_scales, a.weights, a.tokens = x, indices, x_scales, weights, tokens
         self._stage.launch(pack, *self._geometry, s)
         self._engine.exchange(self._moves["tokens"], s)
         self._localize.launch(pack, *self._geometry, s)
-        self._exchange.dispatch.launch(s, self._node_tokens)
+        leg = self._exchange.dispatch
+        leg.call.groups, leg.call.ticket = groups, ticket  # (the node's groups are ours: the same experts)
+        leg.launch(s, self._node_tokens)
 
-    def _launch_combine(self, s, tokens, expert_y, weights, out, scale, phase, groups) -> None:  # (the whole)
+    def _cross_records(self, s, tokens, weights) -> None:
+        """The regions' records (the weights given to combine) to the experts' nodes, before the node's combine."""
         pack = self._steps["combine"][0]
         a = pack[0]
         a.weights, a.tokens = weights, tokens
         self._stage.launch(pack, *self._geometry, s)
         self._engine.exchange(self._moves["records"], s)
         self._localize.launch(pack, *self._geometry, s)
+
+    # (a combine in parts crosses them before its first part's wait: the MPI engine's host waits for the
+    # stream, which that wait may hold)
+    _before_combine_parts = _cross_records
+
+    def _launch_combine(self, s, tokens, expert_y, weights, out, scale, phase, groups) -> None:
+        # In groups the node's combine comes in parts (phase g + 1 sends group g's tokens, then the reduce),
+        # after the records (_before_combine_parts); the sums go home after the reduce.
+        if phase == WHOLE_COMBINE:
+            self._cross_records(s, tokens, weights)
         leg = self._exchange.combine
         leg.call.expert_y, leg.call.expert_scale = expert_y, scale
+        leg.call.phase, leg.call.groups = phase, groups
         leg.launch(s, self._node_tokens)
-        self._engine.exchange(self._moves["sums"], s)
-        b = self._sums[0][0]
-        b.out, b.tokens = out, tokens
-        self._sum.launch(self._sums[0], *self._geometry, s)
+        if phase in (WHOLE_COMBINE, REDUCE_ONLY):
+            self._seal.launch(self._steps["combine"][0], *self._geometry, s)
+            self._engine.exchange(self._moves["sums"], s)
+            b = self._sums[0][0]
+            b.out, b.tokens = out, tokens
+            self._sum.launch(self._sums[0], *self._geometry, s)
 
     def _repeater(self, leg: str, tokens: int):
         pack, frozen = self._steps[leg]
@@ -224,6 +240,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
                 localize(s)
                 node(s)
             return launch
+        seal = self._seal.repeater(pack, frozen, *self._geometry)
         add = self._sum.repeater(*self._sums, *self._geometry)
 
         def launch(s) -> None:
@@ -231,6 +248,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             exchange(moves["records"], s)
             localize(s)
             node(s)
+            seal(s)
             exchange(moves["sums"], s)
             add(s)
         return launch

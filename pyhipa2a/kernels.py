@@ -136,6 +136,7 @@ SIGNATURES = {  # kernel name -> (code object, argument types)
     "expert_dequantize_bf16": ("expert", (u64, u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32, u32)),
     "hier_stage": ("hier", (HierArgs,)),
     "hier_localize": ("hier", (HierArgs,)),
+    "hier_seal": ("hier", (HierArgs,)),
     "hier_sum_f16": ("hier", (HierSumArgs,)),
     "hier_sum_bf16": ("hier", (HierSumArgs,)),
     "copy_bytes": ("copy", (u64, u64, u64)),

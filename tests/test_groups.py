@@ -35,12 +35,14 @@ def test_groups_refusals(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("queues", [None, "1"])
-def test_group_done_never_comes(queues):
+@pytest.mark.parametrize("queues,nodes", [(None, False), ("1", False), (None, True)])
+def test_group_done_never_comes(queues, nodes):
     """(queues "1": every stream of a rank in one hardware queue, where work queued behind a stuck wait waits
-    too, whatever its stream)"""
+    too, whatever its stream; nodes: simulated nodes of half the ranks)"""
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": queues} if queues else None
-    run_case(CASE + "case_group_done_never_comes", ranks_for("gpu"), env_backend("gpu"), timeout=120, env=env)
+    ranks = ranks_for("gpu")
+    run_case(CASE + "case_group_done_never_comes", ranks, env_backend("gpu"), timeout=120, env=env,
+             args=(max(1, ranks // 2) if nodes else 0,))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -48,8 +50,14 @@ def test_failed_rank_sends_no_grouped_parts(backend):
     run_case(CASE + "case_failed_rank_sends_no_grouped_parts", ranks_for(backend), env_backend(backend), timeout=120)
 
 
-def test_groups_across_nodes_refused():
-    run_case(CASE + "case_groups_across_nodes_refused", 4, "host", timeout=120)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("order,row_layout,G", [("shuffled", "packed", 4), ("reverse", "contiguous/8", 3)])
+def test_groups_across_nodes(order, row_layout, G, backend):
+    """Simulated nodes of half the ranks (of one rank with two): the node's exchange in groups, its combine's
+    parts between the regions' records and the sums' way home."""
+    ranks = ranks_for(backend)
+    run_case(CASE + "case_groups", ranks, env_backend(backend), args=(order, row_layout, G, 2, max(1, ranks // 2)),
+             timeout=300)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -241,3 +241,42 @@ def test_default_engine_is_mpi_where_exchange_peers_share_a_gpu():
     assert default_engine("cuda", [("h0", 0), ("h0", 0)]) == "mpi"
     assert default_engine("cuda", [("h0", 0), ("h1", 0), ("h0", 0)]) == "mpi"
     assert default_engine("host", [("h0", 0), ("h0", 1)]) == "mpi"
+
+
+def test_combine_seal_carries_the_failure_only_the_host_knows():
+    """Host twins of hier.hip's seal and sum: combine's seal, sent home with a rank's sums once its node's combine
+    is done, holds the rank's status or, where its status words hold no error, their host mirror (the host alone
+    writes there when it gives up on a grouped combine); a counterpart that receives a failed seal reports that
+    rank and poisons y instead of adding poison in as sums."""
+    import numpy as np
+
+    from pyhipa2a.errors import STATUS_BAD_INDEX, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT
+    from pyhipa2a.host_kernels import hier
+    from pyhipa2a.kernels import HierArgs, HierSumArgs
+
+    status, mirror, sequence = (np.zeros(4, np.uint32) for _ in range(3))
+    sequence[0] = 7
+    stage = HierArgs(status=status.ctypes.data, mirror=mirror.ctypes.data, sequence=sequence.ctypes.data)
+    seals = []
+    for device, host in ((STATUS_OK, STATUS_OK), (STATUS_OK, STATUS_TIMEOUT), (STATUS_BAD_INDEX, STATUS_TIMEOUT)):
+        status[0], mirror[0] = device, host
+        hier.hier_seal(None, stage)
+        seals.append(int(sequence[1]))
+    assert seals == [STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX]
+
+    # Node 1's rank in place 0 gets node 0's sums sealed with the mirror's timeout.
+    N, M, T, H = 2, 4, 3, 8
+    own, partials, out = np.ones((M, H), np.float16), np.ones((N, M, H), np.float16), np.zeros((T, H), np.float16)
+    seal = np.zeros((N, 4), np.uint32)
+    seal[0] = (7, STATUS_TIMEOUT, 0, 0)
+    status[:], mirror[:] = 0, 0
+    add = HierSumArgs(own=own.ctypes.data, partials=partials.ctypes.data, seals=seal.ctypes.data, out=out.ctypes.data,
+                      sequence=sequence.ctypes.data, status=status.ctypes.data, mirror=mirror.ctypes.data, node=1,
+                      nodes=N, ranks_per_node=2, place=0, tokens=T, max_tokens=M, hidden=H)
+    hier.hier_sum_f16(None, add)
+    assert (status[0], status[1]) == (STATUS_PEER, 0), status  # (rank 0: node 0's rank in our place)
+    assert (out.view(np.uint16) == 0xFFFF).all()
+    seal[0, 1] = STATUS_OK  # the same sums sealed good: added in
+    status[:], mirror[:] = 0, 0
+    hier.hier_sum_f16(None, add)
+    assert status[0] == STATUS_OK and (out == 2).all()

@@ -31,8 +31,17 @@ def hier_stage(backend, a) -> None:
         weights[:T] = mem(a.weights, (T, a.top_k), np.float32)
     sequence = mem(a.sequence, (4,), np.uint32)
     sequence[0] += 1
-    sequence[1] = mem(a.status, (4,), np.uint32)[0]  # our status travels with combine's seal (hier.hip)
     tail[0], tail[1] = T, sequence[0]
+
+
+def _own_status(a) -> int:
+    """This rank's status: its words, or where they hold no error the host's mirror (hier.hip: own_status)."""
+    status = int(mem(a.status, (4,), np.uint32)[0])
+    return status if status != STATUS_OK or not a.mirror else int(mem(a.mirror, (4,), np.uint32)[0])
+
+
+def hier_seal(backend, a) -> None:
+    mem(a.sequence, (4,), np.uint32)[1] = _own_status(a)  # combine's seal: our status goes home with the sums
 
 
 def hier_localize(backend, a) -> None:
@@ -71,7 +80,7 @@ def _hier_sum(a, dtype) -> None:
             status.report(STATUS_TIMEOUT, peer, WAIT_NODES_COMBINE, seq)
         elif r != me and int(seals[r, 1]) != STATUS_OK:  # they came from a rank whose call had failed
             status.report(STATUS_PEER, peer, WAIT_NODES_COMBINE, int(seals[r, 1]))
-    if status.failed():
+    if status.failed() or _own_status(a) != STATUS_OK:
         out.view(np.uint8)[...] = 0xFF  # NaN rows: a failed call's y never reads as data
         return
     acc = mem(a.own, (T, H), dtype).astype(np.float32)

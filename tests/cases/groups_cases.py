@@ -14,7 +14,6 @@ import ctypes
 import numpy as np
 import pytest
 
-import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
 from pyhipa2a import reference
 from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, draw_world,
@@ -64,14 +63,17 @@ class TorchExpert:
         return a2a.group_experts(group), rows
 
 
-def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3"):
+def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3", ranks_per_node="0"):
     """dispatch(groups=G), the expert group by group in `order` (forward, reverse, shuffled), combine: every
-    result against the oracle, with the outputs poisoned before each round and token counts changing."""
+    result against the oracle, with the outputs poisoned before each round and token counts changing; with
+    `ranks_per_node` (not 0) across simulated nodes of that many ranks."""
     torch = pytest.importorskip("torch")
     world, G = comm.Get_size(), int(G)
     E, k, H, M = 8 * world, 3, 256, 24
+    nodes = {"ranks_per_node": int(ranks_per_node)} if int(ranks_per_node) else {}
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=30.0,
-                  **layout_arguments(row_layout)) as a2a:
+                  **layout_arguments(row_layout), **nodes) as a2a:
+        assert bool(nodes) == (type(a2a).__name__ == "HierarchicalAllToAll")
         me = a2a.rank
         expert = TorchExpert(a2a, torch)
         for i in range(int(rounds)):
@@ -152,32 +154,21 @@ def case_groups_refusals(comm):
             a2a.group_done(0)
 
 
-def case_groups_across_nodes_refused(comm, G="2"):
-    world = comm.Get_size()
-    if world % int(G) or world // int(G) < 2:
-        pytest.skip(f"needs two nodes of {G} ranks")
-    E, k, H, M = 2 * world, 2, 64, 4
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  ranks_per_node=int(G)) as a2a:
-        inputs = draw_world(7, world, E, k, H, M, token_counts=[M] * world)
-        me = a2a.rank
-        with pytest.raises(A2AError, match=r"dispatch\(groups=\) is for calls within one node"):
-            a2a.dispatch(inputs.xs[me], inputs.indices[me], weights=inputs.weights[me], groups=1)
-    assert pyhipa2a.AllToAll is AllToAll
-
-
-def case_group_done_never_comes(comm):
+def case_group_done_never_comes(comm, ranks_per_node="0"):
     """GPUs: the last rank's expert stream never reaches group_done(1), so its combine's stream would wait
     forever. The host gives up on it after the timeout: that rank's call fails naming the group, with y poison,
     and its parts send nothing, so every other rank's call fails naming it. Nothing hangs, also where every
     stream of a process shares one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), so that combine's stream
-    never even reaches its waits until the expert's stream moves."""
+    never even reaches its waits until the expert's stream moves. Across (simulated) nodes of `ranks_per_node`
+    ranks, the victim's counterparts on other nodes are told by the seal that comes with its poisoned sums."""
     from pyhipa2a import A2ATimeoutError
     torch = pytest.importorskip("torch")
     world = comm.Get_size()
     E, k, H, M, G, T = 4 * world, 2, 256, 16, 2, 12
     victim = world - 1
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=3.0) as a2a:
+    nodes = {"ranks_per_node": int(ranks_per_node)} if int(ranks_per_node) else {}
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=3.0,
+                  **nodes) as a2a:
         me = a2a.rank
         if a2a.backend.kind == "host":
             pytest.skip("host streams run their waits as they are queued: the caller's wait would raise first")
@@ -193,9 +184,12 @@ def case_group_done_never_comes(comm):
             a2a.backend.stream_wait_word(handle, gate_device, 1, a2a.config.timeout, None)
         expert.run(1)
         a2a.combine(d.expert_x)
-        with pytest.raises(A2ATimeoutError) as failure:
+        with pytest.raises(A2ATimeoutError if me == victim or not nodes else A2AError) as failure:
             a2a.synchronize()
-        assert failure.value.ranks == (victim,), failure.value
+        if isinstance(failure.value, A2ATimeoutError):
+            assert failure.value.ranks == (victim,), failure.value
+        else:  # (a counterpart on another node: the victim's sums came sealed with its failure)
+            assert f"rank {victim}, on another node, failed its part" in str(failure.value), failure.value
         if me == victim:
             assert "combine's wait for group_done(1) did not pass within the timeout" in str(failure.value)
         else:
