@@ -435,3 +435,36 @@ class StuckQueue(PinnedMemory):
     def event_destroy(self, event):
         pass
 
+
+
+class LoweredForGpu:
+    """A JaxAllToAll made on the host backend, its calls traced as on a GPU: each call a site of XLA's handler
+    (numbered here, never launched), so that `legs(f, *args)` lowers `f` for CUDA on a machine without a GPU
+    and names, in program order, the calls XLA would run. JAX drops an effect-free call whose results go
+    unused, and only the GPU's calls are effect-free (the CPU path's callback has an effect), so this is where
+    CI sees a call a GPU program would lose. Reaches into the object's GPU path on purpose: its two switches."""
+
+    def __init__(self, a2a):
+        self.calls: dict[int, tuple[str, str]] = {}  # site -> (the object's name, "dispatch" or "combine")
+        self._switch(a2a, "exchange")
+        if a2a._grads is not None:
+            self._switch(a2a._grads.rows, "weights")  # (the gradient rules' narrow exchange)
+
+    def _switch(self, a2a, name: str) -> None:
+        def site(leg, tokens, *rest, **values):
+            number = len(self.calls) + 1
+            self.calls[number] = (name, leg)
+            return number
+        a2a._on_gpu, a2a._site = True, site
+
+    def legs(self, f, *args) -> dict[str, list[str]]:
+        """Each object's calls in the program jit(f)(*args) lowered for CUDA, in program order."""
+        import re
+
+        import jax
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        legs: dict[str, list[str]] = {}
+        for site in re.findall(r"site = (\d+) : i64", text):
+            name, leg = self.calls[int(site)]
+            legs.setdefault(name, []).append(leg)
+        return legs

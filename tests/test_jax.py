@@ -66,3 +66,52 @@ def test_differentiating_is_seen_through_jit_and_scan():
             seen.clear()
             call(jnp.float32(1.0))
             assert seen == [differentiated], (differentiated, seen)
+
+
+@pytest.mark.parametrize("row_layout", ["packed", "contiguous"])
+def test_gpu_programs_keep_every_call(row_layout):
+    """What XLA would run on a GPU, lowered here for CUDA (tests/fakes.py: LoweredForGpu): every object's calls
+    in every forward and backward program are whole pairs, a dispatch then its combine. JAX drops a GPU call
+    whose results go unused (a gradient rule's closing combine was lost that way once, seen only on a GPU);
+    the peers' calls would then never pair with this rank's."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    from mpi4py import MPI
+
+    from pyhipa2a.jax import JaxAllToAll
+    from pyhipa2a.testing import layout_arguments
+    from tests.fakes import LoweredForGpu
+
+    E, k, H, M = 4, 2, 64, 8
+    stop = jax.lax.stop_gradient
+    with JaxAllToAll(MPI.COMM_SELF, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                     backend="host", **layout_arguments(row_layout)) as a2a:
+        lowered = LoweredForGpu(a2a)
+        x, w = jnp.ones((M, H), jnp.float16), jnp.full((M, k), 0.5, jnp.float32)
+        indices = jnp.tile(jnp.arange(k, dtype=jnp.int32), (M, 1))
+
+        def layer(x, w):
+            return a2a.combine(a2a.dispatch(x, indices).expert_x, w)
+
+        def rows_with_y_stopped(x, w):  # (dispatch's gradient runs, combine's does not)
+            d = a2a.dispatch(x, indices)
+            return total(d.expert_x) + total(stop(a2a.combine(d.expert_x, w)))
+
+        def total(v):
+            return jnp.sum(v.astype(jnp.float32))
+
+        programs = {
+            "forward": lambda x, w: layer(x, w),
+            "x and w": jax.grad(lambda x, w: total(layer(x, w)), argnums=(0, 1)),
+            "w alone (x raw data)": jax.grad(lambda x, w: total(layer(x, w)), argnums=1),
+            "x alone": jax.grad(lambda x, w: total(layer(x, w))),
+            "y stopped, a loss on expert_x": jax.grad(rows_with_y_stopped),
+            "two layers": jax.grad(lambda x, w: total(layer(layer(x, w), w)), argnums=(0, 1)),
+            "scanned layers": jax.grad(lambda x, w: total(jax.lax.scan(lambda v, _: (layer(v, w), None), x,
+                                                                       jnp.zeros(2))[0])),
+        }
+        for name, f in programs.items():
+            legs = lowered.legs(f, x, w)
+            assert legs.get("exchange"), (name, legs)
+            for obj, calls in legs.items():
+                assert calls == ["dispatch", "combine"] * (len(calls) // 2) and calls, (name, obj, calls)
