@@ -151,11 +151,13 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         b.node, b.nodes, b.ranks_per_node, b.place = layout.node, N, layout.ranks_per_node, layout.place
         b.max_tokens, b.hidden = M, H
         # One geometry for every call (the kernels loop over their items): the sites made now serve any call.
-        self._geometry = (c.blocks, c.block_threads)
+        # The seal is one thread's store: a block of a wave's width.
+        self._geometry, self._seal_geometry = (c.blocks, c.block_threads), (1, 64)
         for packs in self._steps.values():
             for pack in packs:
-                for kernel in (self._stage, self._localize, self._seal):
+                for kernel in (self._stage, self._localize):
                     kernel.prepare(pack, *self._geometry)
+                self._seal.prepare(pack, *self._seal_geometry)
         for pack in self._sums:
             self._sum.prepare(pack, *self._geometry)
 
@@ -221,7 +223,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         leg.call.phase, leg.call.groups = phase, groups
         leg.launch(s, self._node_tokens)
         if phase in (WHOLE_COMBINE, REDUCE_ONLY):
-            self._seal.launch(self._steps["combine"][0], *self._geometry, s)
+            self._seal.launch(self._steps["combine"][0], *self._seal_geometry, s)
             self._engine.exchange(self._moves["sums"], s)
             b = self._sums[0][0]
             b.out, b.tokens = out, tokens
@@ -240,7 +242,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
                 localize(s)
                 node(s)
             return launch
-        seal = self._seal.repeater(pack, frozen, *self._geometry)
+        seal = self._seal.repeater(pack, frozen, *self._seal_geometry)
         add = self._sum.repeater(*self._sums, *self._geometry)
 
         def launch(s) -> None:
