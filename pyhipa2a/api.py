@@ -15,9 +15,8 @@ import weakref
 
 from .bootstrap import bounded_barrier, node_layout
 from .calls import Calls
-from .errors import A2AError
+from .errors import A2AError, RuntimeFailure
 from .graph import Graph
-from .runtime.base import RuntimeFailure
 
 
 class AllToAll(Calls):

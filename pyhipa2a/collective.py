@@ -25,7 +25,7 @@ from .errors import A2AError
 from .heap import SymmetricHeap
 from .inflight import InFlight
 from .replays import Replays
-from .runtime.base import RuntimeFailure
+from .errors import RuntimeFailure
 from .signals import Signals
 from .streams import Streams
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .errors import A2AError
 from .repeat import MISSED, Record, plan_or_none, run
-from .runtime.base import RuntimeFailure
+from .errors import RuntimeFailure
 
 
 @dataclass(frozen=True)

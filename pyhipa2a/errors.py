@@ -1,10 +1,13 @@
 """Exceptions raised by pyhipa2a, and the device status codes they decode (in sync with kernels_hip/protocol.h)."""
 from __future__ import annotations
 
-from .runtime.base import RuntimeFailure
-
 __all__ = ["Health", "A2AError", "A2ATimeoutError", "A2ADeviceError", "ConfigMismatchError", "AllocationMismatchError",
            "CodeObjectNotFound", "RuntimeFailure"]
+
+
+class RuntimeFailure(RuntimeError):
+    """A HIP/CUDA/host runtime call failed; the message holds the runtime's own error text."""
+
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER, STATUS_UNPAIRED = range(7)
 WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights",

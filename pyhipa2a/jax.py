@@ -56,7 +56,7 @@ from jax._src import core as _jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import AllToAll
+from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError, RuntimeFailure
 from .jax_grad import Gradients, differentiating, no_order, running_traces
 from .kernels import X_FP8, CombineCall, DispatchCall

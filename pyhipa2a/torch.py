@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from . import AllToAll
+from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError
 
 

@@ -333,7 +333,7 @@ class FakeRuntime(FakeCuda):
         return (launch, stream), ()
 
     def raise_driver_error(self, what, code):
-        from pyhipa2a.runtime.base import RuntimeFailure
+        from pyhipa2a.errors import RuntimeFailure
         raise RuntimeFailure(f"{what} failed with code {code}")
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from pyhipa2a.dtypes import resolve
 from pyhipa2a.runtime import blas
-from pyhipa2a.runtime.base import RuntimeFailure
+from pyhipa2a.errors import RuntimeFailure
 from pyhipa2a.runtime.host import HostBackend
 
 

@@ -11,7 +11,7 @@ import pytest
 from pyhipa2a import repeat
 from pyhipa2a.calls import COMBINE_ALIKE, DISPATCH_ALIKE, DISPATCH_ARGS, CallState, stand_ins
 from pyhipa2a.inputs import Boundary
-from pyhipa2a.runtime.base import RuntimeFailure
+from pyhipa2a.errors import RuntimeFailure
 from pyhipa2a.streams import Streams
 from tests.fakes import OURS, STRIDED, FakeRuntime, Tensor, fake_producer_module
 

@@ -16,7 +16,7 @@ import pytest
 from pyhipa2a.runtime import cuda as cuda_rt
 from pyhipa2a.runtime import driver as driver_rt
 from pyhipa2a.runtime import hip as hip_rt
-from pyhipa2a.runtime.base import RuntimeFailure
+from pyhipa2a.errors import RuntimeFailure
 
 
 @pytest.fixture(params=["cuda", "hip"])

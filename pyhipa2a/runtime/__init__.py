@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-from .base import Backend, DeviceInfo, RuntimeFailure
+from ..errors import RuntimeFailure
+from .base import Backend, DeviceInfo
 
 BACKENDS = ("hip", "cuda", "host")
 __all__ = ["Backend", "DeviceInfo", "RuntimeFailure", "BACKENDS", "get_backend", "select_device"]

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-class RuntimeFailure(RuntimeError):
-    """A HIP/CUDA/host runtime call failed; the message holds the runtime's own error text."""
+from ..errors import RuntimeFailure
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import RuntimeFailure
+from ..errors import RuntimeFailure
 
 
 class Blas:

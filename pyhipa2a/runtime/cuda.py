@@ -7,7 +7,8 @@ import functools
 import os
 import weakref
 
-from .base import DeviceInfo, RuntimeFailure
+from ..errors import RuntimeFailure
+from .base import DeviceInfo
 from .driver import CALLS, DriverBackend, make_check
 
 _CALLS = {role: names[0] for role, names in CALLS.items()}

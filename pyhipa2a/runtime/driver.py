@@ -6,7 +6,8 @@ import ctypes
 
 import numpy as np
 
-from .base import Backend, RuntimeFailure
+from ..errors import RuntimeFailure
+from .base import Backend
 
 # Each role DriverBackend's methods call -> (CUDA driver function, HIP function); each backend's _CALLS is one column.
 CALLS = {

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Backend, DeviceInfo, RuntimeFailure
+from ..errors import RuntimeFailure
+from .base import Backend, DeviceInfo
 
 SHM_DIR = "/dev/shm"
 HANDLE_BYTES = 64

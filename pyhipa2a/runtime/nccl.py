@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..bootstrap import sleep_backoff
-from .base import RuntimeFailure
+from ..errors import RuntimeFailure
 
 __all__ = ["LIBRARY_VARIABLE", "NcclComm", "NcclFailure", "NcclLibrary", "NcclTimeout", "find_library"]
 

@@ -141,7 +141,7 @@ def case_jax_ranks_are_devices_refusals(comm):
     from jax.sharding import Mesh, PartitionSpec as P
     from pyhipa2a.errors import A2AError
     from pyhipa2a.jax import JaxAllToAll
-    from pyhipa2a.runtime.base import RuntimeFailure
+    from pyhipa2a.errors import RuntimeFailure
     from pyhipa2a.runtime.host import HostBackend
     jax, jnp, devices = _jax_devices(2)
     params = dict(num_experts=4, experts_per_token=2, hidden_dim=64, max_num_tokens=4)
