@@ -34,6 +34,10 @@ if [ $((256 % N)) = 0 ]; then
         --row-layout "$rows" --json "$OUT/prefill_${rows}_$T.json" > "$OUT/prefill_${rows}_$T.txt" 2>&1 || layer=1
     done
   done
+  # What bounds those calls (docs/PREFILL.md, "Bandwidth at prefill sizes"): each stage's time, waiting
+  # against moving data, summed over warps, at 4096 tokens a rank (the profiling build's timelines)
+  timeout 300 $MPIRUN -n "$N" python3 scripts/trace.py --shape 256,8,7168,4096 --tokens 4096 --iters 1 \
+    --out "$OUT/trace_prefill_4096.json" > "$OUT/trace_prefill_4096.txt" 2>&1 || layer=1
 fi
 sed -n '/^== summary/,$p' "$OUT/validate.txt"
 tail -n 3 "$OUT/stress.txt"
@@ -43,6 +47,7 @@ sed -n '/^sweep /,$p' "$OUT/sweep.txt"
 sed -n '/^shape /,$p' "$OUT/bench_nodes.txt" 2>/dev/null
 grep -h "^moe_layer: .* ranks" "$OUT"/moe_layer_*.txt 2>/dev/null
 for f in "$OUT"/prefill_*.txt; do [ -e "$f" ] && echo "$(basename "$f" .txt): $(grep -E "^E=256" "$f")"; done
+sed -n '/^per stage, summed/,/^combine.warp/p' "$OUT/trace_prefill_4096.txt" 2>/dev/null
 printf '%-12s %s\n' validate "$validate" bench "$bench" bench_fused "$fused" sweep "$sweep" stress "$stress" \
   bench_nodes "$nodes" prefill "$layer"
 [ "$validate$bench$fused$sweep$stress$nodes$layer" = 0000000 ]
