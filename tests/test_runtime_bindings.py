@@ -415,3 +415,47 @@ def test_cuda_plan_entries_are_none_for_the_per_thread_default_stream(monkeypatc
         assert cuda_rt._entry_points() is None
     finally:
         cuda_rt._entry_points.cache_clear()
+
+
+@pytest.mark.parametrize("answer", ["enabled", "already", "cannot", "fails"])
+def test_ranks_of_one_process_reach_each_other_by_peer_access(rt, monkeypatch, answer):
+    """A peer rank of this process (pyhipa2a.local) is reached at its own address once our GPU may reach its GPU:
+    peer access enabled from our context (CUDA: towards the peer's primary context, retained and released
+    around it), enabled already being no error; a pair the driver says cannot reach each other is refused
+    naming both GPUs; any other failure names the call; a peer on our own GPU asks the driver nothing. (On
+    fake bindings: one GPU has been lent, so no GPU has run this.)"""
+    mod, binding, ok, bad = rt
+    backend, calls = _bare_backend(mod), []
+    backend.current_device = 0
+    if mod is cuda_rt:
+        code = {"enabled": ok, "already": binding.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, "fails": bad}
+        fake = types.SimpleNamespace(
+            CUresult=binding.CUresult,
+            cuDeviceGet=lambda i: (ok, f"device {i}"),
+            cuDeviceCanAccessPeer=lambda a, b: (calls.append(("can", a, b)), (ok, int(answer != "cannot")))[1],
+            cuDevicePrimaryCtxRetain=lambda d: (calls.append(("retain", d)), (ok, f"context of {d}"))[1],
+            cuCtxEnablePeerAccess=lambda c, flags: (calls.append(("enable", c)), (code.get(answer, ok),))[1],
+            cuDevicePrimaryCtxRelease=lambda d: (calls.append(("release", d)), (ok,))[1])
+        monkeypatch.setattr(mod, "driver", fake)
+        asked = [("can", "device 0", "device 1"), ("retain", "device 1"), ("enable", "context of device 1"),
+                 ("release", "device 1")]
+    else:
+        code = {"enabled": ok, "already": binding.hipError_t.hipErrorPeerAccessAlreadyEnabled, "fails": bad}
+        fake = types.SimpleNamespace(
+            hipError_t=binding.hipError_t,
+            hipDeviceCanAccessPeer=lambda a, b: (calls.append(("can", a, b)), (ok, int(answer != "cannot")))[1],
+            hipDeviceEnablePeerAccess=lambda d, flags: (calls.append(("enable", d)), (code.get(answer, ok),))[1])
+        monkeypatch.setattr(mod, "hip", fake)
+        asked = [("can", 0, 1), ("enable", 1)]
+    assert backend.reach_in_process(0x7000, 0) == 0x7000 and calls == []  # (our own GPU)
+    if answer == "cannot":
+        with pytest.raises(RuntimeFailure, match="GPU 0 cannot reach the memory of GPU 1"):
+            backend.reach_in_process(0x7000, 1)
+        assert calls == asked[:1]
+    elif answer == "fails":
+        with pytest.raises(RuntimeFailure, match="EnablePeerAccess"):
+            backend.reach_in_process(0x7000, 1)
+        assert calls == asked
+    else:
+        assert backend.reach_in_process(0x7000, 1) == 0x7000
+        assert calls == asked
