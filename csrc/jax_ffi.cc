@@ -63,6 +63,17 @@ std::string elsewhere(int64_t number, int32_t device) {
          ": place the program's arguments there (jax.device_put, or shard_map over a2a.mesh)";
 }
 
+// The number of call `number`'s site on GPU `device`, following the chain of the process's ranks: > 0; else
+// 0, no such site; -1, its object is closed; -2, no rank of the call is on that GPU (sites_lock held).
+int64_t site_on(int64_t number, int32_t device) {
+  for (int64_t n = number;; n = sites[n - 1].next) {
+    if (n < 1 || n > static_cast<int64_t>(sites.size())) return 0;
+    if (retired[n - 1]) return -1;
+    if (sites[n - 1].device == device) return n;
+    if (sites[n - 1].next == 0) return -2;
+  }
+}
+
 void place(uint8_t* call, int32_t at, void* address) {
   if (at < 0) return;
   const uint64_t value = reinterpret_cast<uint64_t>(address);
@@ -71,16 +82,14 @@ void place(uint8_t* call, int32_t at, void* address) {
 
 ffi::Error launch(void* stream, int32_t device, ffi::RemainingArgs operands, ffi::RemainingRets results,
                   int64_t number) {
-  Site site;
+  Site site;  // the rank's on this GPU (the kernel, heap and peers' mappings are its)
   {
     std::lock_guard<std::mutex> hold(sites_lock);
-    for (int64_t n = number; ; n = site.next) {  // the rank on this GPU (the kernel, heap and peers' mappings are its)
-      if (n < 1 || n > static_cast<int64_t>(sites.size())) return failed("unknown site");
-      if (retired[n - 1]) return failed("this call's object is closed");
-      site = sites[n - 1];
-      if (site.device == device) break;
-      if (site.next == 0) return failed(elsewhere(number, device));
-    }
+    const int64_t n = site_on(number, device);
+    if (n == 0) return failed("unknown site");
+    if (n == -1) return failed("this call's object is closed");
+    if (n == -2) return failed(elsewhere(number, device));
+    site = sites[n - 1];
   }
   if (*reinterpret_cast<volatile uint32_t*>(site.status) != 0)
     return failed("an earlier call of this object failed; its synchronize() says why, and it takes no more calls");
@@ -131,6 +140,12 @@ int pyhipa2a_ffi_retire(int64_t number) {
   if (number < 1 || number > static_cast<int64_t>(sites.size())) return 0;
   retired[number - 1] = true;
   return 1;
+}
+
+// site_on, for tests/test_build.py: the site a call of site `number` runs on GPU `device`, or 0, -1, -2.
+int64_t pyhipa2a_ffi_site_on(int64_t number, int32_t device) {
+  std::lock_guard<std::mutex> hold(sites_lock);
+  return site_on(number, device);
 }
 
 // sizeof(Site): pyhipa2a.jax loads no handler built for another layout.

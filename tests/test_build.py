@@ -172,6 +172,21 @@ def test_jax_handler_builds_against_jaxlibs_headers(tmp_path):
     site.call_bytes = 129
     assert lib.pyhipa2a_ffi_site(ctypes.byref(site)) == 0  # call arguments past the handler's room
     assert lib.pyhipa2a_ffi_retire(first) == 1 and lib.pyhipa2a_ffi_retire(7) == 0
+    # Ranks that are devices of one process: the program names the first rank's site, each names the next
+    # rank's (made last to first, as pyhipa2a.jax makes them), and a call runs the one on its GPU.
+    lib.pyhipa2a_ffi_site_on.restype = ctypes.c_int64
+    lib.pyhipa2a_ffi_site_on.argtypes = [ctypes.c_int64, ctypes.c_int32]
+    chain, after = [], 0
+    for device in (2, 1, 0):
+        site.call_bytes, site.device, site.next = 16, device, after
+        after = lib.pyhipa2a_ffi_site(ctypes.byref(site))
+        chain.insert(0, after)
+    head = chain[0]
+    assert [lib.pyhipa2a_ffi_site_on(head, d) for d in (0, 1, 2)] == chain
+    assert lib.pyhipa2a_ffi_site_on(head, 5) == -2  # no rank on that GPU: refused, naming the object's GPUs
+    assert lib.pyhipa2a_ffi_site_on(99, 0) == 0
+    lib.pyhipa2a_ffi_retire(chain[1])
+    assert lib.pyhipa2a_ffi_site_on(head, 0) == head and lib.pyhipa2a_ffi_site_on(head, 2) == -1
 
 
 @pytest.mark.parametrize("why", ["the compiler fails", "free-threaded"])
