@@ -377,10 +377,17 @@ def view_from_object(obj, stream=None) -> DLPackView:
 
 def is_c_contiguous(view: DLPackView) -> bool:
     """True when the view's elements are compact row-major (dims of size 1 may carry any stride)."""
-    if view.strides is None or 0 in view.shape:
+    return row_major(view.shape, view.strides)
+
+
+def row_major(shape, strides, unit: int = 1) -> bool:
+    """Whether `strides` (None: compact), counted in elements of `unit` bytes each (or in bytes, with the
+    element's size as `unit`), step compact row-major elements; dims of size 1 may carry any stride, and an
+    empty array any strides."""
+    if strides is None or 0 in shape:
         return True
-    expected = 1
-    for dim, stride in zip(reversed(view.shape), reversed(view.strides)):
+    expected = unit
+    for dim, stride in zip(reversed(shape), reversed(strides)):
         if dim != 1 and stride != expected:
             return False
         expected *= dim

@@ -108,17 +108,6 @@ def _describe_type(obj) -> str:
     return type(obj).__module__ + "." + type(obj).__name__
 
 
-def _contiguous(shape, strides_bytes, itemsize) -> bool:
-    if strides_bytes is None:
-        return True
-    expect = itemsize
-    for n, s in zip(reversed(shape), reversed(strides_bytes)):
-        if n > 1 and s != expect:
-            return False
-        expect *= n
-    return True
-
-
 def require_array(obj, name: str) -> None:
     # The type first: hasattr on an instance evaluates PyTorch's costly __cuda_array_interface__ property.
     kind = type(obj)
@@ -362,7 +351,7 @@ class Boundary:
     def _from_cai(self, cai: dict, name: str, want_dtype) -> Described:
         shape = tuple(cai["shape"])
         dtype = cai_dtype(cai["typestr"], want_dtype, name)
-        if not _contiguous(shape, cai.get("strides"), dtype.itemsize):
+        if not dlpack.row_major(shape, cai.get("strides"), dtype.itemsize):  # (strides in bytes)
             raise ValueError(f"{name} must be C-contiguous (strides {cai.get('strides')} for shape {shape})")
         ptr = int(cai["data"][0])
         owner = self.backend.pointer_device(ptr) if ptr else self.device_index
@@ -374,8 +363,7 @@ class Boundary:
     def _from_dlpack(self, view, name: str, want_dtype) -> Described:
         _dlpack_device(view.device_type, view.device_id, self.backend, self.device_index, name)
         dtype = resolve(view.dtype)
-        strides = None if view.strides is None else tuple(s * dtype.itemsize for s in view.strides)
-        if not _contiguous(view.shape, strides, dtype.itemsize):
+        if not dlpack.is_c_contiguous(view):
             raise ValueError(f"{name} must be C-contiguous (element strides {view.strides} for shape {view.shape})")
         return Described(view.ptr, tuple(view.shape), dtype, DLPACK, _dlpack_key(view), view.keepalive)
 
