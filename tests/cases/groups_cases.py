@@ -16,6 +16,7 @@ import pytest
 
 from pyhipa2a import A2AError, AllToAll
 from pyhipa2a import reference
+from pyhipa2a.hierarchy import HierarchicalAllToAll
 from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, draw_world,
                               layout_arguments, poison)
 
@@ -73,7 +74,7 @@ def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3", r
     nodes = {"ranks_per_node": int(ranks_per_node)} if int(ranks_per_node) else {}
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=30.0,
                   **layout_arguments(row_layout), **nodes) as a2a:
-        assert bool(nodes) == (type(a2a).__name__ == "HierarchicalAllToAll")
+        assert bool(nodes) == isinstance(a2a, HierarchicalAllToAll)
         me = a2a.rank
         expert = TorchExpert(a2a, torch)
         for i in range(int(rounds)):
