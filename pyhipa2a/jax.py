@@ -186,6 +186,7 @@ class JaxAllToAll:
             self._order = None   # the order word of this object's last traced call
             # The last dispatch traced: its token count, indices and whether it sent the weights (combine's)
             self._tokens = self._indices = self._sent = None
+            self._uncombined = None  # the order word of a dispatch() not yet followed by a combine()
             self._grads = None
             # Gradients need packed or contiguous rows, 16-bit x of the dtype of y, and an exchange of the weights'
             # rows (laid out as the tokens' are: the same parameters but the width).
@@ -227,6 +228,8 @@ class JaxAllToAll:
         (sent with the routing: combine then takes none), x_scales with fp8 x. Differentiable in x where
         neither weights nor scales are given and the rows are packed or contiguous (its gradient: a combine of
         the rows' gradients with unit weights)."""
+        if self._chained_value(self._uncombined) is not None:  # (one of a trace still running, or an eager call)
+            raise A2AError("dispatch() called again before combine(): each dispatch is combined once")
         order = self.order_after()
         if weights is None and x_scales is None and self._differentiable and differentiating():
             expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order)
@@ -234,6 +237,7 @@ class JaxAllToAll:
         else:
             d, _ = self.dispatch_after(order, x, indices, weights, x_scales)  # (it keeps its order word)
         self._tokens, self._indices, self._sent = int(x.shape[0]), indices, weights is not None
+        self._uncombined = self._order
         return d
 
     def dispatch_after(self, order, x, indices, weights=None, x_scales=None) -> tuple:
@@ -283,6 +287,7 @@ class JaxAllToAll:
             y, self._order = self._grads.combine(self, order, expert_y, weights, indices, float(expert_scale))
         else:
             y, _ = self.combine_after(order, expert_y, weights, expert_scale)  # (it keeps its order word)
+        self._uncombined = None
         return y
 
     def combine_after(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:

@@ -160,7 +160,9 @@ def pyhipa2a_backend_is_host() -> bool:
 
 
 def case_refusals(comm):
-    """Wrong shapes and types raise while tracing, naming the argument, before anything runs."""
+    """Wrong shapes and types, and a dispatch traced again before its combine, raise while tracing, naming the
+    argument, before anything runs."""
+    from pyhipa2a import A2AError
     world = comm.Get_size()
     a2a, jax, jnp, dev = _made(comm, num_experts=2 * world, experts_per_token=2, hidden_dim=64, max_num_tokens=4)
     with a2a:
@@ -183,6 +185,14 @@ def case_refusals(comm):
         with pytest.raises(ValueError, match="which sent them"):
             jax.jit(lambda x, i, w: a2a.combine(a2a.dispatch(x, i, weights=w).expert_x, w))(
                 x, idx, jnp.zeros((4, 2), jnp.float32))
+        with pytest.raises(A2AError, match=r"dispatch\(\) called again before combine\(\)"):
+            jax.jit(lambda x, i: (a2a.dispatch(x, i), a2a.dispatch(x, i)))(x, idx)
+        # None of those programs ran, nor left a dispatch to combine: a whole step traces and runs.
+        routes, w = jnp.tile(jnp.arange(2, dtype=jnp.int32), (4, 1)), jnp.full((4, 2), 0.5, jnp.float32)
+        y = jax.jit(lambda x, i, w: a2a.combine(a2a.dispatch(x, i).expert_x, w))(*(jax.device_put(v, dev)
+                                                                                   for v in (x, routes, w)))
+        assert not np.asarray(y).any()  # (zeros in, zeros out)
+        a2a.check()
 
 
 def case_program_on_another_gpu_is_refused(comm):
