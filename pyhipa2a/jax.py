@@ -209,18 +209,22 @@ class JaxAllToAll:
         return jax.sharding.Mesh(np.array(self.devices), (self._axis,))
 
     # -- shapes -------------------------------------------------------------------
-    def _dispatch_shapes(self):
+    def _dispatch_results(self) -> list[tuple[str, str, jax.ShapeDtypeStruct]]:
+        """dispatch()'s results in order: (their name in JaxDispatch and DispatchResult, the DispatchCall field
+        the kernel writes them through, their shape)."""
         c = self.config
-        L, rows = c.local_experts, c.rows_shape
-        shapes = [jax.ShapeDtypeStruct((*rows, c.hidden), c.dispatch_dtype), jax.ShapeDtypeStruct((L,), jnp.int32),
-                  jax.ShapeDtypeStruct((*rows, 3), jnp.int32)]
+        L, rows, i32 = c.local_experts, c.rows_shape, jnp.int32
+        results = [("expert_x", "expert_x", jax.ShapeDtypeStruct((*rows, c.hidden), c.dispatch_dtype)),
+                   ("expert_num_tokens", "expert_num_tokens", jax.ShapeDtypeStruct((L,), i32)),
+                   ("expert_meta", "expert_meta", jax.ShapeDtypeStruct((*rows, 3), i32))]
         if c.scale_cols:
-            shapes.append(jax.ShapeDtypeStruct((*rows, c.scale_cols), jnp.float32))
+            results.append(("expert_x_scales", "expert_scales",
+                            jax.ShapeDtypeStruct((*rows, c.scale_cols), jnp.float32)))
         if c.by_source:
-            shapes.append(jax.ShapeDtypeStruct((L, c.world, 2), jnp.int32))
+            results.append(("expert_layout", "expert_layout", jax.ShapeDtypeStruct((L, c.world, 2), i32)))
         if c.contiguous:
-            shapes.append(jax.ShapeDtypeStruct((L + 1,), jnp.int32))
-        return shapes
+            results.append(("expert_offsets", "expert_offsets", jax.ShapeDtypeStruct((L + 1,), i32)))
+        return results
 
     # -- calls ----------------------------------------------------------------------
     def dispatch(self, x, indices, weights=None, x_scales=None) -> JaxDispatch:
@@ -254,20 +258,15 @@ class JaxAllToAll:
             raise TypeError("x_scales go with fp8 x (AllToAll(in_dtype='float8_e4m3')) and only with it")
         operands = [x, indices] + [a for a in (weights, x_scales) if a is not None]
         fields = ["x", "indices"] + [f for f, a in (("weights", weights), ("x_scales", x_scales)) if a is not None]
-        outputs = ["expert_x", "expert_num_tokens", "expert_meta"]
-        outputs += ["expert_scales"] if c.scale_cols else []
-        outputs += ["expert_layout"] if c.by_source else []
-        outputs += ["expert_offsets"] if c.contiguous else []
-        shapes = self._dispatch_shapes()
+        names, outputs, shapes = zip(*self._dispatch_results())
         if self._on_gpu:
             site = self._site("dispatch", T, DispatchCall, fields, outputs, num_tokens=T)
             results = self._ffi(site, operands, order, shapes)
         else:
-            results = self._host.dispatch(operands, order, shapes, weights is not None, x_scales is not None)
+            results = self._host.dispatch(operands, order, shapes, names, weights is not None, x_scales is not None)
         *arrays, order = self._varying(results)
         self._order = order
-        return JaxDispatch(arrays[0], arrays[1], arrays[2], arrays[3] if c.scale_cols else None,
-                           arrays[-1] if c.by_source else None, arrays[-1] if c.contiguous else None), order
+        return JaxDispatch(**dict(zip(names, arrays))), order
 
     def combine(self, expert_y, weights=None, expert_scale: float = 1.0):
         """AllToAll.combine on JAX arrays (traceable): y [T, H] from expert_y [L, W*M, H] and the weights
@@ -419,21 +418,15 @@ class HostCalls:
     launch, and they wait for the other ranks')."""
 
     def __init__(self, ranks: list, axis: str | None):
-        self._ranks, self._axis, self._config = ranks, axis, ranks[0].config
+        self._ranks, self._axis = ranks, axis
 
-    def dispatch(self, operands, order, shapes, with_weights: bool, with_scales: bool) -> list:
-        """The results of a dispatch, the order word out last."""
-        c = self._config
-
+    def dispatch(self, operands, order, shapes, names, with_weights: bool, with_scales: bool) -> list:
+        """The results of a dispatch (DispatchResult's `names`, in order), the order word out last."""
         def call(a2a, x, indices, *rest):
             weights = rest[0] if with_weights else None
             x_scales = rest[int(with_weights)] if with_scales else None
             d = a2a.dispatch(x, indices, weights=weights, x_scales=x_scales)
-            arrays = [d.expert_x, d.expert_num_tokens, d.expert_meta]
-            arrays += [d.expert_x_scales] if c.scale_cols else []
-            arrays += [d.expert_layout] if c.by_source else []
-            arrays += [d.expert_offsets] if c.contiguous else []
-            return [a.numpy() for a in arrays]
+            return [getattr(d, name).numpy() for name in names]
         return self._call(call, operands, order, shapes)
 
     def combine(self, operands, order, shapes, with_weights: bool, scale: float) -> list:
