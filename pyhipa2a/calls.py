@@ -146,8 +146,9 @@ class Calls:
                         groups: int) -> None:
         raise NotImplementedError
 
-    def _before_combine_parts(self, s, tokens: int, weights: int) -> None:
-        """What a combine in parts needs on `s` before the first part's wait for its group (nothing here)."""
+    def _before_combine(self, s, tokens: int, weights: int) -> None:
+        """What a combine needs on `s` before its first launch (and, in parts, before the first part's wait for
+        its group): nothing here."""
 
     def _repeater(self, leg: str, tokens: int):
         """A function of the stream that launches the call of `leg` just made again ("dispatch", "combine")."""
@@ -326,8 +327,8 @@ class Calls:
                 staging = self.expert_y_buffer()
                 self.backend.copy_to_device(staging.ptr, host_y, s)
                 y_ptr = staging.ptr
+            self._before_combine(s, T, w_ptr)
             if G:
-                self._before_combine_parts(s, T, w_ptr)
                 groups.queue_combine(s, lambda phase: self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1],
                                                                            phase, G))
             else:

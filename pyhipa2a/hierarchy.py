@@ -153,11 +153,12 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         # One geometry for every call (the kernels loop over their items): the sites made now serve any call.
         # The seal is one thread's store: a block of a wave's width.
         self._geometry, self._seal_geometry = (c.blocks, c.block_threads), (1, 64)
-        for packs in self._steps.values():
+        for leg, packs in self._steps.items():
             for pack in packs:
                 for kernel in (self._stage, self._localize):
                     kernel.prepare(pack, *self._geometry)
-                self._seal.prepare(pack, *self._seal_geometry)
+                if leg == "combine":
+                    self._seal.prepare(pack, *self._seal_geometry)
         for pack in self._sums:
             self._sum.prepare(pack, *self._geometry)
 
@@ -200,8 +201,10 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         leg.call.groups, leg.call.ticket = groups, ticket  # (the node's groups are ours: the same experts)
         leg.launch(s, self._node_tokens)
 
-    def _cross_records(self, s, tokens, weights) -> None:
-        """The regions' records (the weights given to combine) to the experts' nodes, before the node's combine."""
+    def _before_combine(self, s, tokens, weights) -> None:
+        """The regions' records (the weights given to combine) to the experts' nodes, before the node's combine
+        (in parts, before the first part's wait: the MPI engine's host waits for the stream, which that wait
+        may hold)."""
         pack = self._steps["combine"][0]
         a = pack[0]
         a.weights, a.tokens = weights, tokens
@@ -209,15 +212,9 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._engine.exchange(self._moves["records"], s)
         self._localize.launch(pack, *self._geometry, s)
 
-    # (a combine in parts crosses them before its first part's wait: the MPI engine's host waits for the
-    # stream, which that wait may hold)
-    _before_combine_parts = _cross_records
-
     def _launch_combine(self, s, tokens, expert_y, weights, out, scale, phase, groups) -> None:
-        # In groups the node's combine comes in parts (phase g + 1 sends group g's tokens, then the reduce),
-        # after the records (_before_combine_parts); the sums go home after the reduce.
-        if phase == WHOLE_COMBINE:
-            self._cross_records(s, tokens, weights)
+        # After the records (_before_combine). In groups the node's combine comes in parts (phase g + 1 sends
+        # group g's tokens, then the reduce); the sums go home after the reduce.
         leg = self._exchange.combine
         leg.call.expert_y, leg.call.expert_scale = expert_y, scale
         leg.call.phase, leg.call.groups = phase, groups
