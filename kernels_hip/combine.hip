@@ -401,9 +401,11 @@ A2A_DEVICE float own_weight(const Ctx& x, const float* weights, u32 t, u32 j) {
 // y[t] = our own experts' rows of t times their weights (and expert_scale), read straight from
 // expert_y, plus each peer's part (add_peer_part); one warp per part of a
 // segment of a token (U chunks a lane; Q = A2A_CHUNKS / U parts a segment).
-// Lane r works out which of t's slots live on rank r. Pulled parts wait for
-// their segment's flag first; pushed ones (`pushed`: our dispatch asked the
-// peers to push their parts back) are taken word by word.
+// The bulk kernel (Q = 1) takes whole tokens while every warp has one, as
+// dispatch's fan_out does: a token's routing is then loaded once for all of
+// its segments. Lane r works out which of t's slots live on rank r.
+// Pulled parts wait for their segment's flag first; pushed ones (`pushed`:
+// our dispatch asked the peers to push their parts back) are taken word by word.
 template <typename Fmt, u32 U>
 A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, bool pushed) {
   constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
@@ -415,15 +417,17 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
   const float scale = c.expert_scale;  // of our own rows; a peer's part comes scaled by the peer
   u16* out = reinterpret_cast<u16*>(c.out);
   const bool vec = H % 8u == 0 && (((u64)out | (u64)expert_y) & 15u) == 0;
-  for (u32 item = first_item(g, g.warps / 2u); item < (u32)c.num_tokens * S * Q; item += g.warps) {
-    u32 seg;
-    const u32 t = quot_rem(x.a.div_nseg, item / Q, seg);
+  const u32 T = (u32)c.num_tokens, whole = Q == 1 ? T - T % g.warps : 0u, items = whole + (T - whole) * S * Q;
+  for (u32 item = first_item(g, g.warps / 2u); item < items; item += g.warps) {
+    u32 seg = 0;
+    const u32 t = item < whole ? item : whole + quot_rem(x.a.div_nseg, (item - whole) / Q, seg);
+    const u32 segs = item < whole ? S : 1u;
     // The item's elements [e_begin, e_end): the small kernel skips a part past the row's end before
     // loading anything; the bulk kernel (a whole segment, never empty) works them out after its
     // loads, as it did before the small kernel existed (earlier, it spilled more registers).
     Elems el{0u, 0u};
     if constexpr (Q > 1) {
-      el = part_elems(x, seg, item % Q, U * STEP);
+      el = part_elems(x, seg, (item - whole) % Q, U * STEP);
       if (el.begin >= el.end) continue;  // the row ends before this part
     }
     A2A_PROF_START(t1);
@@ -444,40 +448,43 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
     const u32 mine = own_rows ? here_me : 0u;  // a lost slot: reported already
     const float* w = sc.w;
     const i32* own = sc.slots;
-    if constexpr (Q == 1) el = part_elems(x, seg, 0u, U * STEP);
-    const u32 e_begin = el.begin, e_end = el.end;
-    // Our own part of the lane's first chunks is summed before waiting, while
-    // the peers' parts are on the way (on GPUs an item is one pass a lane).
-    const u32 e_first = e_begin + g.lane * 8u;
-    float acc[U][8] = {};
-    if (vec && mine && e_first < e_end) sum_rows<Fmt, U>(acc, expert_y, own, mine, w, scale, H, e_first, e_end);
     bool ok = true;
-    for (u32 r = 0; r < x.W && ok && !pushed; ++r) {
-      if (!here[r] || r == me) continue;
-      A2A_PROF_START(t0);
-      const u32* flag = sym<u32>(x.h, (int)me, x.a.off_contrib_flag) + ((u64)r * x.M + t) * S + seg;
-      ok = warp_wait(x, flag, r, A2A_WAIT_COMBINE_ROW, t, g.lane);
-      A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_CONTRIB, t0, r | t << 8);
-    }
-    if (!ok) break;
-    for (u32 e0 = e_first; vec && e0 < e_end; e0 += U * STEP) {
-      if (e0 != e_first) {
-        for (u32 u = 0; u < U; ++u)
-          for (u32 i = 0; i < 8; ++i) acc[u][i] = 0.f;
-        if (mine) sum_rows<Fmt, U>(acc, expert_y, own, mine, w, scale, H, e0, e_end);
+    for (u32 end = seg + segs; ok && seg < end; ++seg) {
+      if constexpr (Q == 1) el = part_elems(x, seg, 0u, U * STEP);
+      const u32 e_begin = el.begin, e_end = el.end;
+      // Our own part of the lane's first chunks is summed before waiting, while
+      // the peers' parts are on the way (on GPUs a segment is one pass a lane).
+      const u32 e_first = e_begin + g.lane * 8u;
+      float acc[U][8] = {};
+      if (vec && mine && e_first < e_end) sum_rows<Fmt, U>(acc, expert_y, own, mine, w, scale, H, e_first, e_end);
+      for (u32 r = 0; r < x.W && ok && !pushed; ++r) {
+        if (!here[r] || r == me) continue;
+        A2A_PROF_START(t0);
+        const u32* flag = sym<u32>(x.h, (int)me, x.a.off_contrib_flag) + ((u64)r * x.M + t) * S + seg;
+        ok = warp_wait(x, flag, r, A2A_WAIT_COMBINE_ROW, t, g.lane);
+        A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WAIT_CONTRIB, t0, r | t << 8);
       }
-      for (u32 r = 0; r < x.W && ok; ++r)
-        if (here[r] && r != me) ok = add_peer_part<Fmt, U>(x, acc, r, t, here[r], w, e0, e_end, pushed);
-      for (u32 u = 0; u < U; ++u)
-        if (ok && e0 + u * STEP < e_end) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
+      if (!ok) break;
+      for (u32 e0 = e_first; vec && e0 < e_end; e0 += U * STEP) {
+        if (e0 != e_first) {
+          for (u32 u = 0; u < U; ++u)
+            for (u32 i = 0; i < 8; ++i) acc[u][i] = 0.f;
+          if (mine) sum_rows<Fmt, U>(acc, expert_y, own, mine, w, scale, H, e0, e_end);
+        }
+        for (u32 r = 0; r < x.W && ok; ++r)
+          if (here[r] && r != me) ok = add_peer_part<Fmt, U>(x, acc, r, t, here[r], w, e0, e_end, pushed);
+        for (u32 u = 0; u < U; ++u)
+          if (ok && e0 + u * STEP < e_end) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
+      }
+      for (u32 e = e_begin + g.lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
+        float acc = mine ? sum_rows_at<Fmt>(expert_y, own, mine, w, scale, H, e) : 0.f;
+        for (u32 r = 0; r < x.W && ok; ++r)
+          if (here[r] && r != me) ok = add_peer_part_at<Fmt>(x, acc, r, t, here[r], w, e, pushed);
+        if (ok) out[(u64)t * H + e] = Fmt::store(acc);
+      }
+      ok = warp_all(ok);  // (the warp moves on to its next segment together)
     }
-    for (u32 e = e_begin + g.lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
-      float acc = mine ? sum_rows_at<Fmt>(expert_y, own, mine, w, scale, H, e) : 0.f;
-      for (u32 r = 0; r < x.W && ok; ++r)
-        if (here[r] && r != me) ok = add_peer_part_at<Fmt>(x, acc, r, t, here[r], w, e, pushed);
-      if (ok) out[(u64)t * H + e] = Fmt::store(acc);
-    }
-    if (!warp_all(ok)) break;  // a pushed part never came: reported
+    if (!ok) break;  // a part never came: reported
     a2a_wave_sync();  // here[] is rewritten for the warp's next item
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_REDUCE, t1, me | t << 8);
   }

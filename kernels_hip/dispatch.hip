@@ -369,37 +369,107 @@ A2A_DEVICE bool expert_rows(const Ctx& x, i32* expert_meta, u32 src, u32 t, bool
   return warp_all(ok);
 }
 
-// Rows of group `group` this warp just wrote (each lane its own row): one
-// more each in the warp's stripe of the group's counter, after the rows
-// (watch_groups adds up the stripes).
-A2A_DEVICE void count_landed(const Ctx& x, const WarpGrid& g, i32 row, u32 group) {
+// Rows of group `group` this warp just wrote (each lane its own row): as
+// many more as the segments written of each, in the warp's stripe of the
+// group's counter, after the rows (watch_groups adds up the stripes).
+A2A_DEVICE void count_landed(const Ctx& x, const WarpGrid& g, i32 row, u32 group, u32 segments) {
   a2a_release_before_barrier_dev();
   a2a_wave_sync();  // every lane's part of every row is written
-  if (row >= 0) a2a_fetch_add_acq_rel_dev(local<u32>(x.a, x.a.off_group_landed) + group_stripe(g.warp, group), 1u);
+  if (row >= 0)
+    a2a_fetch_add_acq_rel_dev(local<u32>(x.a, x.a.off_group_landed) + group_stripe(g.warp, group), segments);
 }
 
-// Each segment of each (src, t) with experts here is copied by one warp to
-// all of its expert rows, as soon as the slots and the segment are in: a
-// staged segment is read over the link once its flag is here, a pushed one
-// from our inbox once its words carry the epoch.
+// Segment `seg` of token t of source `src` to its n rows here (slots[], lane 0's writes): a staged
+// segment is read over the link once its flag is here, a pushed one from our inbox once its words
+// carry the epoch. False where a peer never delivered (reported).
+template <u32 X>
+A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, u32 src,
+                             u32 t, u32 seg, const i32* slots, u32 n, bool pushed) {
+  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
+  const u32 words = rb / 4u, H = (u32)x.a.hidden;
+  u8* expert_x = out.x;
+  A2A_PROF_START(t3);
+  if constexpr (X != A2A_X_COPY) {
+    Fp8Piece p;
+    if (src == me) {
+      p = piece_of_input<X>(x, c, t, seg, g.lane);
+    } else if (pushed) {
+      const u64* token = sym<u64>(x.h, (int)me, x.a.off_push_tok) +
+                         (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words;
+      if (!warp_all(take_piece(x, token, seg, g.lane, p, src, t))) return false;
+    } else {
+      const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
+      if (!warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) return false;
+      const u8* row = token_vector(x, c, src, t);
+      p = load_piece(row, stage_scales(row, H), seg * x.a.x_seg_elems, H, g.lane);
+    }
+    if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
+    A2A_PROF_START(t2);
+    a2a_wave_sync();
+    for (u32 d = 0; d < n; ++d)
+      store_piece(expert_x + (u64)slots[d] * rb, out.scales + (u64)slots[d] * x.a.scale_cols, seg * x.a.x_seg_elems,
+                  g.lane, p);
+    a2a_wave_sync();  // slots[] is reused by this warp's next item
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
+    return true;
+  }
+  if (src != me && pushed) {
+    const u32 first = seg * A2A_LANE_WORDS * A2A_WARP_SIZE + g.lane, count = lane_words(first, words);
+    const u64* inbox = sym<u64>(x.h, (int)me, x.a.off_push_tok) +
+                       (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words + first;
+    u32 v[A2A_LANE_WORDS];
+    const bool ok = take_batch(x, inbox, A2A_WARP_SIZE, count, v, src, A2A_WAIT_DISPATCH, t);
+    if (!warp_all(ok)) return false;
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
+    A2A_PROF_START(t2);
+    a2a_wave_sync();
+    for (u32 d = 0; d < n; ++d) {
+      u32* row = reinterpret_cast<u32*>(expert_x + (u64)slots[d] * rb) + first;
+      for (u32 i = 0; i < A2A_LANE_WORDS; ++i)
+        if (i < count) row[i * A2A_WARP_SIZE] = v[i];
+    }
+    a2a_wave_sync();  // slots[] is reused by this warp's next item
+    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
+    return true;
+  }
+  const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
+  if (src != me && !warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) return false;
+  if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
+  A2A_PROF_START(t2);
+  a2a_wave_sync();
+  const Segment sg = segment(x, seg, rb, itemsize);
+  const u8* vec = token_vector(x, c, src, t);
+  copy_row_fanout(expert_x + sg.first, rb, slots, n, vec + sg.first, sg.bytes, g.lane);
+  a2a_wave_sync();  // slots[] is reused by this warp's next item
+  A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
+  return true;
+}
+
+// Each (src, t) with experts here goes to all of its expert rows, a warp an item, the items spread
+// over the grid from first_item. An item is a whole token while every warp has one, then a segment of
+// a token: the last tokens' segments keep every warp busy to the end (small calls are only those),
+// while the others work out a token's rows (expert_rows: its routing and the count sums that place
+// it) once for all of its segments (at prefill sizes, repeated for every segment, that took a quarter
+// of the fan-out's time: docs/PREFILL.md).
 template <u32 X, bool Placed>
 A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
-  const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
-  const u32 pushed = pre[x.W + 1], words = rb / 4u, H = (u32)x.a.hidden;
-  u8* expert_x = out.x;
-  float* expert_scales = out.scales;
-  for (u32 item = first_item(g, g.warps / 2u); item < pre[x.W + 2] * x.W * S; item += g.warps) {
-    u32 src, t, seg;
-    if (!token_major(pre, x.W, me + 1u, x.a.div_W, quot_rem(x.a.div_x_nseg, item, seg), src, t)) continue;
+  const u32 me = (u32)x.h.rank, S = x.a.x_nseg, pushed = pre[x.W + 1];
+  const u32 tokens = pre[x.W + 2] * x.W;  // (src, t), every source counted as the one with the most tokens
+  const u32 whole = tokens - tokens % g.warps, items = whole + (tokens - whole) * S;
+  for (u32 item = first_item(g, g.warps / 2u); item < items; item += g.warps) {
+    u32 seg = 0;
+    const u32 q = item < whole ? item : whole + quot_rem(x.a.div_x_nseg, item - whole, seg);
+    const u32 segs = item < whole ? S : 1u;
+    u32 src, t;
+    if (!token_major(pre, x.W, me + 1u, x.a.div_W, q, src, t)) continue;
     A2A_PROF_START(t1);
     i32 slot;  // lane j: slot j's row here, or -1
     u32 l = 0;  // lane j: slot j's expert here
     if (!expert_rows<Placed>(x, out.meta, src, t, seg == 0, g.lane, slot, l)) break;
     const u32 G = Placed ? c.groups : 0u, group = G ? l * G / x.L : 0u;
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_HEADER, t1, src | t << 8);
-    A2A_PROF_START(t3);
     u32 n = 0;
     for (u32 j = 0; j < x.k; ++j) {
       const i32 s = a2a_shfl(slot, (int)j);
@@ -409,62 +479,11 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
       }
     }
     if (!n) continue;
-    if constexpr (X != A2A_X_COPY) {
-      Fp8Piece p;
-      if (src == me) {
-        p = piece_of_input<X>(x, c, t, seg, g.lane);
-      } else if (pushed >> src & 1u) {
-        const u64* token = sym<u64>(x.h, (int)me, x.a.off_push_tok) +
-                           (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words;
-        if (!warp_all(take_piece(x, token, seg, g.lane, p, src, t))) break;
-      } else {
-        const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
-        if (!warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) break;
-        const u8* row = token_vector(x, c, src, t);
-        p = load_piece(row, stage_scales(row, H), seg * x.a.x_seg_elems, H, g.lane);
-      }
-      if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
-      A2A_PROF_START(t2);
-      a2a_wave_sync();
-      for (u32 d = 0; d < n; ++d)
-        store_piece(expert_x + (u64)slots[d] * rb, expert_scales + (u64)slots[d] * x.a.scale_cols,
-                    seg * x.a.x_seg_elems, g.lane, p);
-      a2a_wave_sync();  // slots[] is reused by this warp's next item
-      if (G) count_landed(x, g, slot, group);
-      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
-      continue;
-    }
-    if (src != me && (pushed >> src & 1u)) {
-      const u32 first = seg * A2A_LANE_WORDS * A2A_WARP_SIZE + g.lane, count = lane_words(first, words);
-      const u64* inbox = sym<u64>(x.h, (int)me, x.a.off_push_tok) +
-                         (((u64)x.parity * x.W + src) * x.a.push_max_tokens + t) * x.a.push_token_words + first;
-      u32 v[A2A_LANE_WORDS];
-      const bool ok = take_batch(x, inbox, A2A_WARP_SIZE, count, v, src, A2A_WAIT_DISPATCH, t);
-      if (!warp_all(ok)) break;
-      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
-      A2A_PROF_START(t2);
-      a2a_wave_sync();
-      for (u32 d = 0; d < n; ++d) {
-        u32* row = reinterpret_cast<u32*>(expert_x + (u64)slots[d] * rb) + first;
-        for (u32 i = 0; i < A2A_LANE_WORDS; ++i)
-          if (i < count) row[i * A2A_WARP_SIZE] = v[i];
-      }
-      a2a_wave_sync();  // slots[] is reused by this warp's next item
-      if (G) count_landed(x, g, slot, group);
-      A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
-      continue;
-    }
-    const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
-    if (src != me && !warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) break;
-    if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
-    A2A_PROF_START(t2);
-    a2a_wave_sync();
-    const Segment sg = segment(x, seg, rb, itemsize);
-    const u8* vec = token_vector(x, c, src, t);
-    copy_row_fanout(expert_x + sg.first, rb, slots, n, vec + sg.first, sg.bytes, g.lane);
-    a2a_wave_sync();  // slots[] is reused by this warp's next item
-    if (G) count_landed(x, g, slot, group);
-    A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
+    bool ok = true;
+    for (u32 end = seg + segs; ok && seg < end; ++seg)
+      ok = move_segment<X>(x, c, out, g, src, t, seg, slots, n, pushed >> src & 1u);
+    if (!ok) break;
+    if (G) count_landed(x, g, slot, group, segs);
   }
 }
 

@@ -209,6 +209,16 @@ COMBINE_KERNEL_CASES = {
 }
 
 
+# Calls with more tokens than the grid has warps take whole tokens, then segments (prefill sizes; here a
+# grid of one block), in dispatch's fan-out and in combine's bulk reduce (PYHIPA2A_COMBINE_KERNEL=bulk).
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("row_layout,dispatch_dtype,counts", [("packed", "", "random"), ("contiguous/8", "", "staggered"),
+                                                              ("by_source", "float8_e4m3", "full")])
+def test_whole_token_items(row_layout, dispatch_dtype, counts, backend):
+    run_case(CASE + "case_whole_token_items", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_COMBINE_KERNEL": "bulk"}, args=(row_layout, dispatch_dtype, counts), timeout=300)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("choice", ["auto", "small", "bulk"])
 def test_combine_kernel_choice(choice, backend):

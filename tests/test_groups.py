@@ -24,6 +24,13 @@ def test_groups(order, row_layout, G, backend):
              timeout=300)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_groups_whole_tokens(backend):
+    """Rows of three segments on a grid of one block: the grouped dispatch lands whole tokens, then segments."""
+    run_case(CASE + "case_groups", ranks_for(backend), env_backend(backend),
+             args=("shuffled", "contiguous", 3, 2, 0, 2560, 1), timeout=300)
+
+
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_groups_at_other_world_sizes(ranks):
     run_case(CASE + "case_groups", ranks, "host", args=("shuffled", "contiguous/8", 5, 2), timeout=300)

@@ -344,6 +344,24 @@ def case_launch_geometry(comm):
                 run_round(a2a, draw_world(seed, world, E, k, 64, M, token_counts=tokens))
 
 
+def case_whole_token_items(comm, row_layout="packed", dispatch_dtype="", counts="random"):
+    """On a grid of one block (8 warps), every call of more than a few tokens takes whole tokens first, then
+    the last ones' segments (kernels_hip/dispatch.hip: fan_out; combine.hip: reduce_tokens in the bulk kernel):
+    rows of 7 and of 3 segments (the last a part one), token counts that leave a remainder of segments, every
+    result against the oracle, weights to dispatch and to combine."""
+    world = comm.Get_size()
+    for H, M in ((7168, 41), (2560, 67)):
+        E, k = 4 * world, 4
+        dtypes = dict(in_dtype="bfloat16", dispatch_dtype=dispatch_dtype) if dispatch_dtype else dict(in_dtype="bfloat16")
+        with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, grid_blocks=1,
+                      **dtypes, **layout_arguments(row_layout)) as a2a:
+            for i, weights_at in enumerate(WEIGHTS_AT):
+                rng = np.random.default_rng(70 + i)
+                inputs = draw_world(70 + i, world, E, k, H, M, "bfloat16", token_counts(counts, world, M, rng))
+                err = run_round(a2a, inputs, weights_at=weights_at)
+                print(f"rank {a2a.rank} H={H} T={len(inputs.xs[a2a.rank])} weights to {weights_at}: max err {err:.3g}")
+
+
 def case_launch_sites_made_ahead(comm):
     """Every launch an object's calls make comes from a launch site (kernel, geometry, pack) made with the
     object (Backend.prepare_launch: on CUDA a one-node graph each, with device memory of its own), so

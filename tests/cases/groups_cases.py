@@ -64,17 +64,21 @@ class TorchExpert:
         return a2a.group_experts(group), rows
 
 
-def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3", ranks_per_node="0"):
+def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3", ranks_per_node="0", H="256",
+                grid_blocks="0"):
     """dispatch(groups=G), the expert group by group in `order` (forward, reverse, shuffled), combine: every
     result against the oracle, with the outputs poisoned before each round and token counts changing; with
-    `ranks_per_node` (not 0) across simulated nodes of that many ranks."""
+    `ranks_per_node` (not 0) across simulated nodes of that many ranks; `grid_blocks` (not 0) a grid of that
+    many blocks (with 1, rows of several segments land a whole token at a time: count_landed)."""
     torch = pytest.importorskip("torch")
-    world, G = comm.Get_size(), int(G)
-    E, k, H, M = 8 * world, 3, 256, 24
-    nodes = {"ranks_per_node": int(ranks_per_node)} if int(ranks_per_node) else {}
+    world, G, H = comm.Get_size(), int(G), int(H)
+    E, k, M = 8 * world, 3, 24
+    options = {"ranks_per_node": int(ranks_per_node)} if int(ranks_per_node) else {}
+    if int(grid_blocks):
+        options["grid_blocks"] = int(grid_blocks)
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=30.0,
-                  **layout_arguments(row_layout), **nodes) as a2a:
-        assert bool(nodes) == isinstance(a2a, HierarchicalAllToAll)
+                  **layout_arguments(row_layout), **options) as a2a:
+        assert bool(int(ranks_per_node)) == isinstance(a2a, HierarchicalAllToAll)
         me = a2a.rank
         expert = TorchExpert(a2a, torch)
         for i in range(int(rounds)):
