@@ -409,7 +409,7 @@ A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs&
     for (u32 d = 0; d < n; ++d)
       store_piece(expert_x + (u64)slots[d] * rb, out.scales + (u64)slots[d] * x.a.scale_cols, seg * x.a.x_seg_elems,
                   g.lane, p);
-    a2a_wave_sync();  // slots[] is reused by this warp's next item
+    a2a_wave_sync();  // slots[] is rewritten for this warp's next token
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
     return true;
   }
@@ -428,7 +428,7 @@ A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs&
       for (u32 i = 0; i < A2A_LANE_WORDS; ++i)
         if (i < count) row[i * A2A_WARP_SIZE] = v[i];
     }
-    a2a_wave_sync();  // slots[] is reused by this warp's next item
+    a2a_wave_sync();  // slots[] is rewritten for this warp's next token
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
     return true;
   }
@@ -440,17 +440,17 @@ A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs&
   const Segment sg = segment(x, seg, rb, itemsize);
   const u8* vec = token_vector(x, c, src, t);
   copy_row_fanout(expert_x + sg.first, rb, slots, n, vec + sg.first, sg.bytes, g.lane);
-  a2a_wave_sync();  // slots[] is reused by this warp's next item
+  a2a_wave_sync();  // slots[] is rewritten for this warp's next token
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
   return true;
 }
 
 // Each (src, t) with experts here goes to all of its expert rows, a warp an item, the items spread
-// over the grid from first_item. An item is a whole token while every warp has one, then a segment of
-// a token: the last tokens' segments keep every warp busy to the end (small calls are only those),
-// while the others work out a token's rows (expert_rows: its routing and the count sums that place
-// it) once for all of its segments (at prefill sizes, repeated for every segment, that took a quarter
-// of the fan-out's time: docs/PREFILL.md).
+// over the grid from first_item. While there are tokens enough for every warp, an item is a whole
+// token: its warp places its rows once (expert_rows: the routing, and the count sums before it) for
+// all of its segments. The tokens left over, all of a small call's, go a segment an item, so that
+// every warp stays busy to the end. (At prefill sizes, placing the rows again for every segment took
+// a quarter of the fan-out's time: docs/PREFILL.md.)
 template <u32 X, bool Placed>
 A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
