@@ -21,7 +21,7 @@ from .streams import Streams
 
 
 class CallState:
-    """What an object's calls hand on to the next: set by Calls._record, checked and set by a plan alike."""
+    """What an object's calls hand on to the next: set by Calls._finish, checked and set by a plan alike."""
     __slots__ = ("broken", "pending", "sent", "joined", "keep")
 
     def __init__(self):
@@ -44,6 +44,7 @@ DISPATCH_ARGS = ("x", "indices", "weights", "x_scales", "stream", "groups")
 DISPATCH_ALIKE = (None, None, None, None, same_stream_given, operator.eq)
 COMBINE_ARGS = ("expert_y", "weights", "out", "stream", "expert_scale")
 COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)
+LEG_ARGS = {"dispatch": (DISPATCH_ARGS, DISPATCH_ALIKE), "combine": (COMBINE_ARGS, COMBINE_ALIKE)}
 
 
 def checked_dispatch(config: Config, state: CallState, x, indices, weights, x_scales) -> int:
@@ -195,26 +196,32 @@ class Calls:
         arrays.append((obj, taken))
         return taken.ptr
 
-    def _record(self, changes: tuple) -> None:
-        """The one place a call's state is recorded: `changes` ((obj, name, value), ...), as a plan does."""
+    def _finish(self, leg: str, s, lead, library, inputs: tuple, args: tuple, arrays: list, tokens: int, result,
+                changes: tuple, conditions: tuple, repeatable: bool):
+        """Where every full call ends, its kernels queued on `s`: the readers of its outputs ordered after it,
+        its state recorded (`changes`, then what the device may still read and the stream: the one place, as
+        a plan records it), and what its next call of the same kind compares itself with. Returns (the plan
+        where this call repeats the last one of its kind, the record to keep), both None unless `repeatable`
+        (a plan only speeds repeats up, so one that cannot be made warns and never fails the call)."""
+        state, streams = self._state, self._streams
+        after = self._order_reader(s, lead, library)
+        keep = tuple(taken.keep for _, taken in arrays)
+        if not streams.keep(keep):  # (a capture's graph keeps them instead)
+            changes = (*changes, (state, "keep", keep), (streams, "last", s))
         for obj, name, value in changes:
             setattr(obj, name, value)
-
-    def _changes(self, s, arrays: list, *changes) -> tuple:
-        """`changes`, then what the device may still read (a capture's graph keeps it instead) and the stream."""
-        keep = tuple(taken.keep for _, taken in arrays)
-        if self._streams.keep(keep):
-            return changes
-        return (*changes, (self._state, "keep", keep), (self._streams, "last", s))
-
-    def _plan(self, record: Record, last: Record | None, conditions: tuple, leg: str):
-        """The plan of `record`'s call where it repeats `last`, else None (a plan only speeds repeats up, so
-        one that cannot be made warns and never fails the call)."""
-        if self._streams.capturing is not None or not record.same(last):
-            return None
-        return plan_or_none(record, conditions, self._streams, self.backend,
-                            self._exchange.buffers.status.ctypes.data, self._repeater(leg, record.tokens),
-                            lambda: setattr(self, f"_{leg}_plan", None))
+        names, tests = LEG_ARGS[leg]
+        alike, places = stand_ins(self._argument_places(leg), names, tests, args, arrays)
+        record = Record(args, alike, s, lead, inputs, tuple(arrays), tokens, result, after, changes, places,
+                        (state, "keep"))
+        if not repeatable or streams.capturing is not None:
+            return None, None
+        last = self._dispatch_record if leg == "dispatch" else self._combine_record
+        plan = None
+        if record.same(last):
+            plan = plan_or_none(record, conditions, streams, self.backend, self._exchange.buffers.status.ctypes.data,
+                                self._repeater(leg, tokens), lambda: setattr(self, f"_{leg}_plan", None))
+        return plan, record
 
     # -- calls -------------------------------------------------------------------
     def dispatch(self, x, indices, *, weights=None, x_scales=None, stream=None, groups=None):
@@ -256,19 +263,13 @@ class Calls:
             result = outputs.views(s, library).dispatch_result(T)
             ticket = self._groups.next_ticket() if G and c.contiguous else 0
             self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G, ticket)
-            after = self._order_reader(s, lead, library)
-            changes = self._changes(s, arrays, (state, "pending", result), (state, "sent", weights),
-                                    (state, "joined", streams.joined), (self._groups, "count", G),
-                                    (self._groups, "finished", frozenset()))
-            self._record(changes)
-            args = (x, indices, weights, x_scales, stream, groups)
-            alike, places = stand_ins(self._argument_places("dispatch"), DISPATCH_ARGS, DISPATCH_ALIKE, args, arrays)
-            record = Record(args, alike, s, lead, (x, indices), tuple(arrays), T, result, after, changes, places,
-                            (state, "keep"))
-            self._dispatch_plan = self._plan(record, self._dispatch_record, ((state, "broken", None),
-                                                                             (state, "pending", None)), "dispatch")
             # (a call that tells the host its offsets does so under a ticket of its own: never a plan)
-            self._dispatch_record = record if streams.capturing is None and not ticket else None
+            self._dispatch_plan, self._dispatch_record = self._finish(
+                "dispatch", s, lead, library, (x, indices), (x, indices, weights, x_scales, stream, groups), arrays, T,
+                result, changes=((state, "pending", result), (state, "sent", weights),
+                                 (state, "joined", streams.joined), (self._groups, "count", G),
+                                 (self._groups, "finished", frozenset())),
+                conditions=((state, "broken", None), (state, "pending", None)), repeatable=not ticket)
             return result
         finally:
             streams.leave()
@@ -333,18 +334,12 @@ class Calls:
                                                                            phase, G))
             else:
                 self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1], WHOLE_COMBINE, 0)
-            after = self._order_reader(s, lead, library)
-            changes = self._changes(s, arrays, (state, "pending", None), (state, "sent", None), (state, "joined", None),
-                                    (groups, "count", 0))
-            self._record(changes)
-            args = (expert_y, weights, given_out, stream, expert_scale)
-            alike, places = stand_ins(self._argument_places("combine"), COMBINE_ARGS, COMBINE_ALIKE, args, arrays)
-            record = Record(args, alike, s, lead, inputs, tuple(arrays), T, out, after, changes, places,
-                            (state, "keep"))
-            conditions = ((state, "broken", None), (state, "pending", pending), (state, "sent", sent),
-                          (state, "joined", None), (groups, "count", 0))
-            self._combine_plan = self._plan(record, self._combine_record, conditions, "combine") if not G else None
-            self._combine_record = record if streams.capturing is None and host_y is None and not G else None
+            self._combine_plan, self._combine_record = self._finish(
+                "combine", s, lead, library, inputs, (expert_y, weights, given_out, stream, expert_scale), arrays, T,
+                out, changes=((state, "pending", None), (state, "sent", None), (state, "joined", None),
+                              (groups, "count", 0)),
+                conditions=((state, "broken", None), (state, "pending", pending), (state, "sent", sent),
+                            (state, "joined", None), (groups, "count", 0)), repeatable=host_y is None and not G)
             return out
         finally:
             streams.leave()
