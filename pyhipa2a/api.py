@@ -97,16 +97,12 @@ class AllToAll(Calls):
     def wait_group(self, group: int, stream=None) -> None:
         """Work queued on `stream` from now on (None: the stream of this object's calls) waits, on the device,
         until group `group`'s rows of the pending dispatch(groups=G) are in expert_x."""
-        self._usable()
-        s = self._caller_stream(stream)
-        self._groups.wait(group, s, self._captured(s))
+        self._groups.wait(group, *self._group_stream(stream))
 
     def group_done(self, group: int, stream=None) -> None:
         """After the work queued on `stream` so far (None: the stream of this object's calls), group `group`'s
         rows of expert_y are written: combine may send them. Every group, once, in any order, before combine."""
-        self._usable()
-        s = self._caller_stream(stream)
-        self._groups.done(group, s, self._captured(s))
+        self._groups.done(group, *self._group_stream(stream))
 
     def group_rows(self, group: int) -> range:
         """row_layout="contiguous": the rows of expert_x that group `group` of the pending dispatch(groups=G) fills
@@ -120,12 +116,12 @@ class AllToAll(Calls):
         rows: expert_offsets[first] .. expert_offsets[last + 1] with row_layout="contiguous")."""
         return self._groups.experts(group)
 
-    def _caller_stream(self, stream):
-        return self.stream_for() if stream is None else self._streams.given(stream)
-
-    def _captured(self, s) -> bool:
-        """Whether work queued on `s` now would be recorded into a graph (ours, or another library's)."""
-        return self._streams.capturing is not None or self._streams.captured_elsewhere(s)
+    def _group_stream(self, stream) -> tuple:
+        """(the stream a group's wait or done goes to, whether work queued there now would be recorded into a
+        graph: ours, or another library's)."""
+        self._usable()
+        s = self.stream_for() if stream is None else self._streams.given(stream)
+        return s, self._streams.capturing is not None or self._streams.captured_elsewhere(s)
 
     # -- graphs ---------------------------------------------------------------------
     def capture(self, step, *, stream=None) -> Graph:

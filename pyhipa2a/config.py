@@ -214,13 +214,13 @@ class Config:
                              f"{FP8_BLOCK}-element block); got {H}")
         if not isinstance(narrow_partials, (bool, np.bool_)):
             raise TypeError(f"narrow_partials must be a bool, not {type(narrow_partials).__name__}")
-        if on_timeout not in ("report", "trap"):
-            raise ValueError(f"on_timeout must be 'report' or 'trap', not {on_timeout!r}")
-        if stream not in STREAM_CHOICES:
-            raise ValueError(f"stream must be one of {STREAM_CHOICES} (a call's own stream= takes a stream "
-                             f"object or handle), not {stream!r}")
-        if row_layout not in LAYOUT_CHOICES:
-            raise ValueError(f"row_layout must be one of {LAYOUT_CHOICES}, not {row_layout!r}")
+        for name, value, choices, hint in (
+                ("on_timeout", on_timeout, ("report", "trap"), ""),
+                ("stream", stream, STREAM_CHOICES, " (a call's own stream= takes a stream object or handle)"),
+                ("row_layout", row_layout, LAYOUT_CHOICES, ""), ("producer_order", producer_order, PRODUCER_ORDERS, ""),
+                ("outputs", outputs, OUTPUTS_CHOICES, "")):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}{hint}, not {value!r}")
         if (row_align is not None or max_recv_rows is not None) and row_layout != "contiguous":
             raise ValueError("row_align and max_recv_rows are for row_layout='contiguous'")
         row_align = DEFAULT_ROW_ALIGN if row_align is None else _whole("row_align", row_align)
@@ -231,10 +231,6 @@ class Config:
         if max_recv_rows is not None and max_recv_rows % row_align:
             raise ValueError(f"max_recv_rows={max_recv_rows} must be a multiple of row_align={row_align} (each "
                              f"expert's rows are rounded up to it, the last one's too)")
-        if producer_order not in PRODUCER_ORDERS:
-            raise ValueError(f"producer_order must be one of {PRODUCER_ORDERS}, not {producer_order!r}")
-        if outputs not in OUTPUTS_CHOICES:
-            raise ValueError(f"outputs must be one of {OUTPUTS_CHOICES}, not {outputs!r}")
         if min(E, k, H, M) < 1:
             raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
         if push_max_tokens is None and os.environ.get("PYHIPA2A_PUSH_MAX_TOKENS") is not None:

@@ -117,17 +117,19 @@ class Groups:
         L, G = self.local_experts, self.count
         return range(-(-group * L // G), -(-(group + 1) * L // G))
 
-    def wait(self, group: int, stream, capturing: bool) -> None:
-        """Work queued on `stream` from now on waits until group `group`'s rows are in."""
-        self._check(group, "wait_group", capturing=capturing)
-        self.backend.stream_wait_word(stream, self._word(self._ready, group), 1, self.timeout,
-                                      lambda: self._never_ready(group))
+    def wait(self, group: int, stream, capturing: bool, what: str = "wait_group") -> int:
+        """Work queued on `stream` from now on waits until group `group`'s rows are in; the ready word."""
+        self._check(group, what, capturing=capturing)
+        ready = self._ready + 4 * group
+        self.backend.stream_wait_word(stream, ready, 1, self.timeout, lambda: A2ATimeoutError(
+            f"rank {self.rank}: group {group}'s rows were never ready (its dispatch never ran or never finished)",
+            ranks=(self.rank,)))
+        return ready
 
     def done(self, group: int, stream, capturing: bool) -> None:
-        """After the work queued on `stream` so far, group `group`'s expert_y rows are written."""
-        self._check(group, "group_done", capturing=capturing)
-        ready = self._word(self._ready, group)
-        self.backend.stream_wait_word(stream, ready, 1, self.timeout, lambda: self._never_ready(group))
+        """After the work queued on `stream` so far, group `group`'s expert_y rows are written (lowering its
+        ready word after a wait of its own, so a group nobody waited for is lowered as well)."""
+        ready = self.wait(group, stream, capturing, "group_done")
         self.backend.stream_write_word(stream, ready, 0)
         self._bound.raise_done(stream, group)
         self.finished = self.finished | {group}
@@ -165,13 +167,6 @@ class Groups:
             raise ValueError(f"{what}(): the group must be an int in [0, {self.count}); got {group!r}")
         if group in self.finished and not done_too:
             raise A2AError(f"{what}(): group {group} is done already (group_done was queued for it)")
-
-    def _word(self, base: int, group: int) -> int:
-        return base + 4 * group
-
-    def _never_ready(self, group: int) -> A2ATimeoutError:
-        return A2ATimeoutError(f"rank {self.rank}: group {group}'s rows were never ready (its dispatch never ran "
-                               f"or never finished)", ranks=(self.rank,))
 
     def _never_done(self, group: int) -> A2ATimeoutError:
         return A2ATimeoutError(f"rank {self.rank}: combine waited for group_done({group}), whose stream never got "

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .bootstrap import sleep_backoff
+from .bootstrap import poll
 
 
 class Transfer(NamedTuple):
@@ -62,22 +62,19 @@ class MpiEngine:
         recvs = [self.comm.Irecv(buf, source=peer, tag=tag) for (peer, _), buf, tag in zip(items, received, tags)]
         sends = [self.comm.Isend(data, dest=peer, tag=tag) for (peer, data), tag in zip(items, tags)]
         done = [False] * len(recvs)
-        deadline, attempt = time.monotonic() + self.timeout, 0
-        while not all(done := [d or r.Test() for d, r in zip(done, recvs)]):
-            if time.monotonic() > deadline:
-                for d, r in zip(done, recvs):
-                    if not d:
-                        r.Cancel()
-                        r.Wait()  # a cancel completes either way; after it MPI no longer writes the buffer
-                break
-            sleep_backoff(attempt)
-            attempt += 1
-        if all(done):  # every peer came, so every send is matched and ends soon
-            while not all(s.Test() for s in sends):
-                if time.monotonic() > deadline:
-                    break
-                sleep_backoff(attempt)
-                attempt += 1
+
+        def arrived() -> bool:
+            done[:] = [d or r.Test() for d, r in zip(done, recvs)]
+            return all(done)
+
+        deadline = time.monotonic() + self.timeout
+        if poll(arrived, deadline):  # every peer came, so every send is matched and ends soon
+            poll(lambda: all(s.Test() for s in sends), deadline)
+        else:
+            for d, r in zip(done, recvs):
+                if not d:
+                    r.Cancel()
+                    r.Wait()  # a cancel completes either way; after it MPI no longer writes the buffer
         # Sends to a peer that never came stay alive with their buffers: MPI may still read them.
         self._unfinished = [(s, data) for s, data in self._unfinished if not s.Test()]
         self._unfinished += [(s, data) for s, (_, data) in zip(sends, items) if not s.Test()]
@@ -127,20 +124,17 @@ class NcclEngine:
         """Wait for `stream` without hanging: abort the communicator when its work has not finished
         `timeout` seconds after this wait began, or NCCL reports an error (the kernels then report)."""
         from .runtime.nccl import NcclFailure
-        deadline, attempt = time.monotonic() + self.timeout, 0
-        while not self.backend.stream_done(stream):
-            if self.nccl.aborted:
-                return  # nothing of ours can wait any more: what is left on the stream ends by itself
-            try:
-                self.nccl.poll()
-            except NcclFailure:
+
+        def finished() -> bool:
+            if self.backend.stream_done(stream) or self.nccl.aborted:
+                return True  # (aborted: nothing of ours can wait any more, what is left ends by itself)
+            self.nccl.poll()
+            return False
+        try:
+            if not poll(finished, time.monotonic() + self.timeout):
                 self.abort()
-                return
-            if time.monotonic() > deadline:
-                self.abort()
-                return
-            sleep_backoff(attempt)
-            attempt += 1
+        except NcclFailure:
+            self.abort()
 
     def abort(self) -> None:
         self.nccl.abort()
