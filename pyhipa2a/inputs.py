@@ -218,7 +218,7 @@ class Boundary:
             return None, None
         wait = None
         if named is not None and not self.order.same_stream(named, stream):
-            if self.order.stream_of(self.order.runtime_handle(named)) is None:  # the backend cannot name it
+            if self.order.named(named) is None:  # the backend cannot name it
                 return None, None
             wait = named  # spelled as the full path's producer, so a call waits for it once
         return Recheck(cached.probe, cached.probe_key, named), wait

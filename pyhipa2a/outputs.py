@@ -115,5 +115,5 @@ def _reader_after(streams, probe, stream):
         if handle is None:
             backend.stream_synchronize(stream)
         else:
-            backend.stream_wait_stream(streams.stream_of(streams.runtime_handle(handle)), stream)
+            backend.stream_wait_stream(streams.named(handle), stream)
     return order

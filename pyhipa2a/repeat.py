@@ -199,7 +199,7 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
             return None
         obj, stream = next(iter(answers.values()))
         checks.append((CALL_EQ, probe.stream, obj, stream))
-    waits = tuple(functools.partial(backend.stream_wait_stream, s, streams.stream_of(streams.runtime_handle(w)))
+    waits = tuple(functools.partial(backend.stream_wait_stream, s, streams.named(w))
                   for w in dict.fromkeys(taken.wait for _, taken in record.arrays if taken.wait is not None))
     launched, must_be_empty = backend.plan_launch(launch, s) if compiled else ((launch, s), ())
     checks += [(CALL_IS, operator.not_, collection, True) for collection in must_be_empty]

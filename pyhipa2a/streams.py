@@ -85,7 +85,7 @@ class Streams:
             if first is None:
                 first = i
             if handle is not None:
-                return self.stream_of(self.runtime_handle(handle)), ((probe, i, handle) if i == first else ANY)
+                return self.named(handle), ((probe, i, handle) if i == first else ANY)
         return self.latest(), (LAST if first is None else ANY)
 
     def chosen(self, inputs):
@@ -136,7 +136,7 @@ class Streams:
         if self.same_stream(producer, stream):
             return
         if isinstance(producer, int):
-            producer = self.stream_of(self.runtime_handle(producer))
+            producer = self.named(producer)
         self.backend.stream_wait_stream(stream, producer)
 
     def stream_of(self, handle: int):
@@ -153,6 +153,10 @@ class Streams:
         if producer is stream:
             return True
         return isinstance(producer, int) and self.runtime_handle(producer) == self.backend.stream_handle(stream)
+
+    def named(self, value: int):
+        """The stream object an interface's stream value names (None: no such stream)."""
+        return self.stream_of(self.runtime_handle(value))
 
     def runtime_handle(self, value: int) -> int:
         """An interface's stream value as this runtime's handle (CUDA takes 1 and 2 as they are; HIP's 1 is 0)."""
@@ -182,7 +186,7 @@ class Streams:
 
         def current():
             handle = source.current_stream_here(device)
-            return captured if handle is None else self.stream_of(self.runtime_handle(handle))
+            return captured if handle is None else self.named(handle)
         return current
 
     def end(self, keep: bool):
