@@ -132,6 +132,45 @@ def case_nodes_graph(comm, G="2", launches="3"):
             free_buffers(a2a, buffers)
 
 
+def case_nodes_repeated_calls(comm, G="2"):
+    """A loop that hands over the same device arrays again, across nodes: from its third call on each leg's
+    plan takes the call (the hierarchy's repeater: the regions staged, swapped between nodes and placed, the
+    node's kernel, and for combine the seal and the sums home), and every call is right (new values in the
+    same arrays, outputs poisoned, checked against the oracle); weights to combine, then to dispatch."""
+    from tests.cases import calls_watched
+    from pyhipa2a.testing import check_call, poison
+    G = int(G)
+    _nodes(comm, G)
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    counts = [(2 * r + 3) % (M + 1) for r in range(world)]
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=G) as a2a, calls_watched() as watched:
+        me = a2a.rank
+        buffers = x, idx, w, y = step_buffers(a2a, counts[me])
+        expert_y = a2a.expert_y_buffer()
+        try:
+            for weights_at in WEIGHTS_AT:
+                for i in range(4):
+                    inputs = draw_world(60 + i, world, E, k, H, M, token_counts=counts)
+                    for arr, fresh in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                        arr.copy_from(fresh)
+                    poison(a2a)
+                    watched.clear()
+                    d = a2a.dispatch(x, idx, **({"weights": w} if weights_at == "dispatch" else {}))
+                    a2a.fake_expert(d, out=expert_y)
+                    out = a2a.combine(expert_y, None if weights_at == "dispatch" else w, out=y)
+                    a2a.synchronize()
+                    err = check_call(a2a, inputs, d, out)
+                    # (the first call with the weights moved finds the last loop's plans, which miss it)
+                    moved = weights_at != WEIGHTS_AT[0] and i == 0
+                    assert watched.plans == ([True, True] if i >= 2 else [False, False] if moved else []), \
+                        (weights_at, i, watched.plans)
+                    print(f"rank {me} weights to {weights_at}, call {i}: max err {err:.3g}")
+        finally:
+            free_buffers(a2a, buffers)
+
+
 def _raw(a2a, arr):
     """An output's memory as the device holds it, read without asking its health (a consumer that
     reads without asking sees this)."""
