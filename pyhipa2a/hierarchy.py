@@ -10,6 +10,8 @@ sums home, where hier_sum adds them. Regions move whole: no host round trip, and
 """
 from __future__ import annotations
 
+import functools
+
 import os
 import weakref
 
@@ -172,7 +174,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
                                                                   if scale_bytes else [])
         sums = [Transfer(m, ptr["sums"] + m * M * out_row, ptr["partials"] + m * M * out_row, M * out_row)
                 for m in others] + [Transfer(m, ptr["sequence"], ptr["seals"] + 16 * m, 16) for m in others]
-        self._moves = {"tokens": tokens, "records": records, "sums": sums}
+        self._moves = {"dispatch": tokens, "combine": records, "sums": sums}  # (a leg's regions, then the sums)
 
     # -- AllToAll's parts ---------------------------------------------------------
     @property
@@ -190,13 +192,18 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             raise A2AError("capture() between nodes needs the NCCL engine: the MPI engine stages regions "
                            "through the host, which a graph cannot record")
 
-    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups, ticket) -> None:
-        pack = self._steps["dispatch"][0]
-        a = pack[0]
-        a.x, a.indices, a.x_scales, a.weights, a.tokens = x, indices, x_scales, weights, tokens
+    def _cross(self, leg: str, s) -> None:
+        """`leg`'s regions on `s`: staged from its arguments, swapped with our counterparts on the other nodes,
+        placed for the node's call."""
+        pack = self._steps[leg][0]
         self._stage.launch(pack, *self._geometry, s)
-        self._engine.exchange(self._moves["tokens"], s)
+        self._engine.exchange(self._moves[leg], s)
         self._localize.launch(pack, *self._geometry, s)
+
+    def _launch_dispatch(self, s, tokens, x, indices, x_scales, weights, groups, ticket) -> None:
+        a = self._steps["dispatch"][0][0]
+        a.x, a.indices, a.x_scales, a.weights, a.tokens = x, indices, x_scales, weights, tokens
+        self._cross("dispatch", s)
         leg = self._exchange.dispatch
         leg.call.groups, leg.call.ticket = groups, ticket  # (the node's groups are ours: the same experts)
         leg.launch(s, self._node_tokens)
@@ -205,12 +212,9 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         """The regions' records (the weights given to combine) to the experts' nodes, before the node's combine
         (in parts, before the first part's wait: the MPI engine's host waits for the stream, which that wait
         may hold)."""
-        pack = self._steps["combine"][0]
-        a = pack[0]
+        a = self._steps["combine"][0][0]
         a.weights, a.tokens = weights, tokens
-        self._stage.launch(pack, *self._geometry, s)
-        self._engine.exchange(self._moves["records"], s)
-        self._localize.launch(pack, *self._geometry, s)
+        self._cross("combine", s)
 
     def _launch_combine(self, s, tokens, expert_y, weights, out, scale, phase, groups) -> None:
         # After the records (_before_combine). In groups the node's combine comes in parts (phase g + 1 sends
@@ -228,28 +232,18 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
 
     def _repeater(self, leg: str, tokens: int):
         pack, frozen = self._steps[leg]
-        stage = self._stage.repeater(pack, frozen, *self._geometry)
-        localize = self._localize.repeater(pack, frozen, *self._geometry)
-        node = getattr(self._exchange, leg).repeater(self._node_tokens)
-        exchange, moves = self._engine.exchange, self._moves
-        if leg == "dispatch":
-            def launch(s) -> None:
-                stage(s)
-                exchange(moves["tokens"], s)
-                localize(s)
-                node(s)
-            return launch
-        seal = self._seal.repeater(pack, frozen, *self._seal_geometry)
-        add = self._sum.repeater(*self._sums, *self._geometry)
+        exchange = self._engine.exchange
+        steps = [self._stage.repeater(pack, frozen, *self._geometry), functools.partial(exchange, self._moves[leg]),
+                 self._localize.repeater(pack, frozen, *self._geometry),
+                 getattr(self._exchange, leg).repeater(self._node_tokens)]
+        if leg == "combine":  # the seal, and the sums home
+            steps += [self._seal.repeater(pack, frozen, *self._seal_geometry),
+                      functools.partial(exchange, self._moves["sums"]),
+                      self._sum.repeater(*self._sums, *self._geometry)]
 
         def launch(s) -> None:
-            stage(s)
-            exchange(moves["records"], s)
-            localize(s)
-            node(s)
-            seal(s)
-            exchange(moves["sums"], s)
-            add(s)
+            for step in steps:
+                step(s)
         return launch
 
     def exchange_between_nodes(self, stream=None) -> None:
@@ -262,8 +256,8 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         streams = self._streams
         s = streams.given(stream)
         streams.follow(s)
-        for name in ("tokens", "records", "sums"):
-            self._engine.exchange(self._moves[name], s)
+        for moves in self._moves.values():
+            self._engine.exchange(moves, s)
         streams.queued(s)
 
     @property
