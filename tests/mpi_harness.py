@@ -221,6 +221,20 @@ def gpu_ranks() -> int:
 BACKENDS = [pytest.param("host", id="host"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
 
+# gpu-mode's benchmark and test shapes, and a test id for each.
+SHAPES = json.loads((REPO / "scripts" / "gpumode_all2all.json").read_text())
+
+
+def shape_id(s) -> str:
+    return f"E{s['num_experts']}-k{s['experts_per_token']}-H{s['hidden_dim']}-M{s['max_num_tokens']}"
+
+
+# Calls of at most PYHIPA2A_PUSH_MAX_TOKENS tokens push their data as tagged words (on sm_90 only their
+# contributions: test_exchange.py's test_publish_modes), larger ones stage it for peers to pull; each rank
+# chooses for its own call. (threshold, token counts) per mode.
+TRANSFER_MODES = {"pull": ("0", "full"), "push": ("64", "full"), "mixed": ("8", "staggered")}
+
+
 def ranks_for(backend: str) -> int:
     return host_ranks() if backend == "host" else gpu_ranks()
 

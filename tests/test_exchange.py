@@ -3,18 +3,13 @@ shapes, edge cases, transfer modes and publish protocols, narrow partials, the f
 two kernels, launch geometry and sites."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case, run_mpi
+from tests.mpi_harness import (BACKENDS, REPO, SHAPES, TRANSFER_MODES, env_backend, ranks_for, run_case,
+                                run_mpi, shape_id)
 
 CASE = "tests.cases.exchange_cases:"
-SHAPES = json.loads((REPO / "scripts" / "gpumode_all2all.json").read_text())
-
-
-def shape_id(s):
-    return f"E{s['num_experts']}-k{s['experts_per_token']}-H{s['hidden_dim']}-M{s['max_num_tokens']}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -100,12 +95,6 @@ def test_edge_cases(name, row_layout, backend):
         pytest.skip(f"k={k} > E={E} on {ranks} ranks")
     run_case(CASE + "case_shape", ranks, env_backend(backend),
              args=(E, k, H, M, dtype, counts, routing, 3, 11, row_layout))
-
-
-# Calls of at most PYHIPA2A_PUSH_MAX_TOKENS tokens push their data as tagged words (on sm_90 only their
-# contributions: test_publish_modes), larger ones stage it for peers to pull; each rank chooses for its
-# own call. (threshold, token counts) per mode.
-TRANSFER_MODES = {"pull": ("0", "full"), "push": ("64", "full"), "mixed": ("8", "staggered")}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -3,7 +3,6 @@ oracle (ml_dtypes), held to each other on every input that matters; how AllToAll
 fp8 dispatch under MPI against the oracle, both ways in, on the host backend and (marked gpu) on GPUs."""
 from __future__ import annotations
 
-import json
 import subprocess
 
 import numpy as np
@@ -12,9 +11,8 @@ import pytest
 from pyhipa2a import reference
 from pyhipa2a.dtypes import fp8_for_arch, plan_dtypes, resolve
 from pyhipa2a.host_kernels import fp8 as twin
-from tests.mpi_harness import BACKENDS, REPO, env_backend, ranks_for, run_case
+from tests.mpi_harness import BACKENDS, SHAPES, TRANSFER_MODES, env_backend, ranks_for, run_case, shape_id
 from tests.native_build import build_native
-from tests.test_exchange import TRANSFER_MODES, shape_id
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 FORMATS = {"float8_e4m3fn": False, "float8_e4m3fnuz": True}
@@ -185,7 +183,6 @@ def test_fp8_by_device():
         fp8_for_arch("float8_e4m3fn", "gfx942")
 
 
-SHAPES = json.loads((REPO / "scripts" / "gpumode_all2all.json").read_text())
 CASE = "tests.cases.fp8_cases:"
 
 
