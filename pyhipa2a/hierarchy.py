@@ -11,7 +11,6 @@ sums home, where hier_sum adds them. Regions move whole: no host round trip, and
 from __future__ import annotations
 
 import functools
-
 import os
 import weakref
 
