@@ -202,7 +202,8 @@ COMBINE_KERNEL_CASES = {
 # grid of one block), in dispatch's fan-out and in combine's bulk reduce (PYHIPA2A_COMBINE_KERNEL=bulk): the
 # GPU kernels' item order, which the host twins do not model.
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_layout,dispatch_dtype,counts", [("packed", "", "random"), ("contiguous/8", "", "staggered"),
+@pytest.mark.parametrize("row_layout,dispatch_dtype,counts", [("packed", "", "random"),
+                                                              ("contiguous/8", "", "staggered"),
                                                               ("by_source", "float8_e4m3", "full")])
 def test_whole_token_items(row_layout, dispatch_dtype, counts):
     run_case(CASE + "case_whole_token_items", ranks_for("gpu"), env_backend("gpu"),

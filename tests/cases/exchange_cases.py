@@ -352,7 +352,7 @@ def case_whole_token_items(comm, row_layout="packed", dispatch_dtype="", counts=
     world = comm.Get_size()
     for H, M in ((7168, 41), (2560, 67)):
         E, k = 4 * world, 4
-        dtypes = dict(in_dtype="bfloat16", dispatch_dtype=dispatch_dtype) if dispatch_dtype else dict(in_dtype="bfloat16")
+        dtypes = dict(in_dtype="bfloat16", **({"dispatch_dtype": dispatch_dtype} if dispatch_dtype else {}))
         with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, grid_blocks=1,
                       **dtypes, **layout_arguments(row_layout)) as a2a:
             for i, weights_at in enumerate(WEIGHTS_AT):
