@@ -109,7 +109,7 @@ class AllToAll(Calls):
         (each expert's rounded up to row_align), once the dispatch has counted them, before they land: the host
         waits for that (bounded), so a GEMM of the group can be launched on these rows right after wait_group."""
         self._usable()
-        return self._groups.rows(group)
+        return self._groups.rows(group, self._streams.capturing is not None)
 
     def group_experts(self, group: int) -> range:
         """The local experts of group `group` of the pending dispatch(groups=G): l with l * G // L == group (their
@@ -117,11 +117,19 @@ class AllToAll(Calls):
         return self._groups.experts(group)
 
     def _group_stream(self, stream) -> tuple:
-        """(the stream a group's wait or done goes to, whether work queued there now would be recorded into a
-        graph: ours, or another library's)."""
+        """(the stream a group's wait or done goes to, why it cannot take it or None): inside capture() a stream
+        the capture records (its own, or one forked from it), outside a stream nobody captures."""
         self._usable()
-        s = self.stream_for() if stream is None else self._streams.given(stream)
-        return s, self._streams.capturing is not None or self._streams.captured_elsewhere(s)
+        streams = self._streams
+        s = self.stream_for() if stream is None else streams.given(stream)
+        if streams.capturing is not None:
+            forked = streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
+            if s is not streams.capturing and not forked:
+                return s, ("inside capture(), the stream must be the capture's or one forked from it (work on "
+                           "another would run now, not at each launch)")
+        elif streams.captured_elsewhere(s):
+            return s, "its stream is being captured by another library (record the step with capture())"
+        return s, None
 
     # -- graphs ---------------------------------------------------------------------
     def capture(self, step, *, stream=None) -> Graph:
@@ -137,6 +145,8 @@ class AllToAll(Calls):
         self._check_capturable()
         s = streams.given(stream)
         streams.follow(s)  # the graph's first launch is queued behind the calls before the capture
+        groups = self._groups
+        groups.captured = None
         streams.begin(s)
         try:
             step()
@@ -144,10 +154,12 @@ class AllToAll(Calls):
                 raise A2AError("the captured step left a dispatch without its combine")
         except BaseException:
             state.pending = state.sent = None  # nothing captured ran: the object is as it was before
+            groups.count = 0
             streams.end(keep=False)
             raise
         graph, kept = streams.end(keep=True)
         replay_on = streams.replay_target(s)
+        grouped = groups.captured  # (a grouped combine's waits, bounded from the host at each launch)
 
         def enter(stream):
             self._usable()
@@ -157,7 +169,11 @@ class AllToAll(Calls):
             target = replay_on() if stream is None else streams.given(stream)
             streams.follow(target)
             return target
-        graph = Graph(self.backend, graph, kept, enter, streams.queued)
+        def leave(stream):
+            streams.queued(stream)
+            if grouped is not None:
+                groups.replayed(stream, grouped)
+        graph = Graph(self.backend, graph, kept, enter, leave)
         self._graphs.add(graph)
         streams.queued(s)
         return graph

@@ -246,7 +246,7 @@ class Calls:
         try:
             self._check_pairing("dispatch")
             T = checked_dispatch(c, state, x, indices, weights, x_scales)
-            G = self._groups.checked_count(groups, weights, streams.capturing is not None)
+            G = self._groups.checked_count(groups, weights, streams.joined is not None)
             streams.follow(s)
             self._settle_before_host_copies(s, (x, indices, weights, x_scales))
             arrays: list = []
@@ -261,7 +261,8 @@ class Calls:
                 w_ptr = self._take("weights", weights, (T, c.top_k), np.float32, s, arrays, "weights_stage", 4)
             library = outputs.library_of((x, indices, weights, x_scales))
             result = outputs.views(s, library).dispatch_result(T)
-            ticket = self._groups.next_ticket() if G and c.contiguous else 0
+            # (the host is told where the rows lie, under a ticket of the call's, where it can wait: not in a graph)
+            ticket = self._groups.next_ticket() if G and c.contiguous and streams.capturing is None else 0
             self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G, ticket)
             # (a call that tells the host its offsets does so under a ticket of its own: never a plan)
             self._dispatch_plan, self._dispatch_record = self._finish(
@@ -297,7 +298,7 @@ class Calls:
         inputs = (expert_y, weights, given_out)
         s, lead = streams.enter(stream, inputs, self.JOINS_CAPTURES)
         try:
-            G = groups.ready_to_combine(streams.capturing is not None)  # (another library's capture joined)
+            G = groups.ready_to_combine()
             self._check_pairing("combine")
             scale = self._checked_scale(expert_scale)
             streams.follow(s)
@@ -331,7 +332,7 @@ class Calls:
             self._before_combine(s, T, w_ptr)
             if G:
                 groups.queue_combine(s, lambda phase: self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1],
-                                                                           phase, G))
+                                                                           phase, G), streams.capturing is not None)
             else:
                 self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1], WHOLE_COMBINE, 0)
             self._combine_plan, self._combine_record = self._finish(

@@ -17,7 +17,9 @@ by combine's. Combine refuses to start before done() was queued for every group,
 the next call (a failed call may leave some: the object takes no call after it). On GPUs the stream waits have
 no bound of their own: the dispatch raises every ready word within its timeout, failed or not, and the host bounds
 combine's waits on the done words (`CombineBound`: once combine's stream makes no progress for a timeout, the
-call fails, naming the group). None of it may be recorded in a graph.
+call fails, naming the group). Inside capture() the waits and writes are recorded with the rest of the step, and
+each launch of the graph arms the bound anew (`replayed`); rows() cannot tell the host a replay's rows (read
+d.expert_offsets on the device). Another library's capture, which launches with no word to us, is refused.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ class Groups:
     records (and their plans) alike."""
 
     __slots__ = ("backend", "rank", "local_experts", "timeout", "_ready", "_host_offsets", "_health",
-                 "_contiguous", "_bound", "_close_bound", "count", "finished", "ticket", "__weakref__")
+                 "_contiguous", "_bound", "_close_bound", "count", "finished", "ticket", "captured", "__weakref__")
 
     def __init__(self, backend, rank: int, config, buffers, health):
         self.backend, self.rank, self.local_experts, self.timeout = backend, rank, config.local_experts, config.timeout
@@ -60,9 +62,11 @@ class Groups:
         self.count = 0
         self.finished = frozenset()
         self.ticket = 0  # the last grouped dispatch's (its offsets' tag for the host); counts up from 1
+        self.captured = None  # what the last grouped combine recorded into capture() needs at each launch
 
-    def checked_count(self, groups, weights, capturing: bool) -> int:
-        """dispatch()'s `groups` as a count (0: none), or the error a caller should see."""
+    def checked_count(self, groups, weights, joined: bool) -> int:
+        """dispatch()'s `groups` as a count (0: none), or the error a caller should see; `joined`: the call is
+        being recorded into another library's capture."""
         if groups is None:
             return 0
         if not is_int(groups):
@@ -73,9 +77,9 @@ class Groups:
                              f"got {groups}")
         if weights is None:
             raise TypeError("dispatch(groups=) needs the gate's weights here (weights=): combine's parts send none")
-        if capturing:
-            raise A2AError("dispatch(groups=) cannot be recorded in a graph: its combine comes in parts that wait "
-                           "for your streams")
+        if joined:
+            raise A2AError("dispatch(groups=) cannot be recorded into another library's capture: its combine's "
+                           "waits for your streams are bounded from the host at each launch; record it with capture()")
         refused = self.backend.stream_waits_refused()
         if refused:
             raise A2AError(f"dispatch(groups=): {refused}")
@@ -86,11 +90,14 @@ class Groups:
         self.ticket = self.ticket % 0xFFFFFFFF + 1
         return self.ticket
 
-    def rows(self, group: int) -> range:
+    def rows(self, group: int, capturing: bool) -> range:
         """Where group `group`'s rows lie in a contiguous expert_x (from its first expert's offset to past its last
         expert's rounded rows): waits on the host until the dispatch has counted every expert's rows (not until
         they land), bounded by the timeout; the call's reported error if it failed."""
         self._check(group, "group_rows", done_too=True)
+        if capturing:
+            raise A2AError("group_rows() inside capture(): a replay's rows are known on the device only "
+                           "(d.expert_offsets[l] .. d.expert_offsets[l + 1] for each expert l of group_experts())")
         if not self._contiguous:
             raise A2AError("group_rows() is for row_layout='contiguous' (otherwise expert l's rows start at row "
                            "l * W * max_num_tokens of expert_x [L, W * M, H])")
@@ -117,52 +124,60 @@ class Groups:
         L, G = self.local_experts, self.count
         return range(-(-group * L // G), -(-(group + 1) * L // G))
 
-    def wait(self, group: int, stream, capturing: bool, what: str = "wait_group") -> int:
-        """Work queued on `stream` from now on waits until group `group`'s rows are in; the ready word."""
-        self._check(group, what, capturing=capturing)
+    def wait(self, group: int, stream, refused: str | None, what: str = "wait_group") -> int:
+        """Work queued on `stream` from now on waits until group `group`'s rows are in; the ready word.
+        `refused`: why `stream` cannot take the wait (a graph that is not the pending dispatch's), or None."""
+        self._check(group, what, refused=refused)
         ready = self._ready + 4 * group
         self.backend.stream_wait_word(stream, ready, 1, self.timeout, lambda: A2ATimeoutError(
             f"rank {self.rank}: group {group}'s rows were never ready (its dispatch never ran or never finished)",
             ranks=(self.rank,)))
         return ready
 
-    def done(self, group: int, stream, capturing: bool) -> None:
+    def done(self, group: int, stream, refused: str | None) -> None:
         """After the work queued on `stream` so far, group `group`'s expert_y rows are written (lowering its
         ready word after a wait of its own, so a group nobody waited for is lowered as well)."""
-        ready = self.wait(group, stream, capturing, "group_done")
+        ready = self.wait(group, stream, refused, "group_done")
         self.backend.stream_write_word(stream, ready, 0)
         self._bound.raise_done(stream, group)
         self.finished = self.finished | {group}
 
-    def ready_to_combine(self, capturing: bool) -> int:
+    def ready_to_combine(self) -> int:
         """The pending dispatch's G (0: not grouped), once done() was queued for every group; else the error."""
-        if self.count and capturing:
-            raise A2AError("the combine of a dispatch(groups=) cannot be recorded in a graph")
         left = sorted(set(range(self.count)) - self.finished)
         if left:
             raise A2AError(f"combine() after dispatch(groups={self.count}) needs group_done() of every group "
                            f"first; groups {left} are not done")
         return self.count
 
-    def queue_combine(self, stream, launch) -> None:
+    def queue_combine(self, stream, launch, capturing: bool) -> None:
         """Combine's parts on `stream`, `launch(phase)` each: phase g + 1 (sending group g's tokens) once group g
         is done, then the reduce; the host's bound on the waits from before the reduce's launch on (which may
-        wait for the stream on the host: across nodes, the MPI engine)."""
+        wait for the stream on the host: across nodes, the MPI engine), or, `capturing`, from each launch of
+        the graph on (replayed)."""
         self._bound.begin(self.count)
         for group in range(self.count):
             self._bound.wait(stream, group, lambda g=group: self._never_done(g))
             launch(group + 1)
-        self._bound.arm(stream)
+        if capturing:
+            self.captured = self._bound.begun()
+        else:
+            self._bound.arm(stream)
         launch(REDUCE_ONLY)
+
+    def replayed(self, stream, captured: tuple) -> None:
+        """A graph whose step held a grouped combine (`captured`: what queue_combine noted) was launched on
+        `stream`: bound its waits as an eager combine's."""
+        self._bound.arm(stream, captured)
 
     def close(self) -> None:
         self._close_bound()
 
-    def _check(self, group: int, what: str, done_too: bool = False, capturing: bool = False) -> None:
+    def _check(self, group: int, what: str, done_too: bool = False, refused: str | None = None) -> None:
         if not self.count:
             raise A2AError(f"{what}() needs a pending dispatch(groups=...)")
-        if capturing:
-            raise A2AError(f"{what}() cannot be recorded in a graph (its stream is being captured)")
+        if refused:
+            raise A2AError(f"{what}(): {refused}")
         if not is_int(group) or not 0 <= group < self.count:
             raise ValueError(f"{what}(): the group must be an int in [0, {self.count}); got {group!r}")
         if group in self.finished and not done_too:
@@ -212,6 +227,10 @@ class CombineBound:
         with self._lock:
             self._count, self._tag = count, self._tag % ((1 << 30) - 1) + 1
 
+    def begun(self) -> tuple[int, int]:
+        """(groups, tag) of the combine begun last: what a graph that recorded it arms again at each launch."""
+        return self._count, self._tag
+
     def raise_done(self, stream, group: int) -> None:
         """After the work queued on `stream` so far, group `group` is done (group_done)."""
         self.backend.stream_write_word(stream, self.done_words + 4 * group, 1)
@@ -225,13 +244,16 @@ class CombineBound:
         self.backend.stream_write_word(stream, word, 0)
         self.backend.stream_write_word(stream, seen, passed)
 
-    def arm(self, stream) -> None:
-        """The combine begun last is queued on `stream`: bound it. Behind a combine still pending, the watchdog's
-        next look stays when it was (a new call never puts off the bound of one before it)."""
+    def arm(self, stream, begun: tuple[int, int] | None = None) -> None:
+        """The combine begun last (or `begun`, a graph's: its groups and tag, whose marks the graph writes) is
+        queued on `stream`: bound it. Behind a combine still pending, the watchdog's next look stays when it
+        was (a new call never puts off the bound of one before it)."""
         backend = self.backend
         if backend.stream_done(stream):  # (the host backend: its waits ran, bounded, as they were queued)
             return
         with self._lock:
+            if begun is not None:
+                self._count, self._tag = begun
             if self._watchdog is None:
                 self._event = backend.event_create()
                 self._watchdog = Watchdog(backend, self._event, self._look)

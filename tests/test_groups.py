@@ -24,6 +24,16 @@ def test_groups(order, row_layout, G, backend):
              timeout=300)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("row_layout,G,order,ranks_per_node", [("packed", 3, "reverse", 0),
+                                                                ("contiguous", 2, "shuffled", 0),
+                                                                ("contiguous/8", 4, "forward", 1)])
+def test_groups_captured(row_layout, G, order, ranks_per_node, backend):
+    """Grouped calls recorded by capture(), within a node and across (simulated) nodes, each launch a new call."""
+    run_case(CASE + "case_groups_captured", ranks_for(backend), env_backend(backend),
+             args=(row_layout, G, order, ranks_per_node), timeout=300)
+
+
 @pytest.mark.gpu
 def test_groups_whole_tokens():
     """Rows of three segments on a grid of one block: the grouped dispatch lands whole tokens, then segments

@@ -18,7 +18,8 @@ from pyhipa2a import A2AError, AllToAll
 from pyhipa2a import reference
 from pyhipa2a.hierarchy import HierarchicalAllToAll
 from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, draw_world,
-                              layout_arguments, poison)
+                              free_buffers, free_inputs, layout_arguments, poison, replay_checked, step_buffers,
+                              upload_inputs)
 
 
 def _order(order: str, G: int, seed: int) -> list[int]:
@@ -128,8 +129,32 @@ def case_groups_refusals(comm):
         with pytest.raises(ValueError, match=r"groups must be in \[1, 4\] .*; got 0"):
             a2a.dispatch(x, idx, weights=w, groups=0)
         a2a.expert_y_buffer()  # (before a capture)
-        with pytest.raises(A2AError, match=r"dispatch\(groups=\) cannot be recorded in a graph"):
-            a2a.capture(lambda: a2a.dispatch(x, idx, weights=w, groups=2))
+        theirs = a2a.backend.stream_create()  # (another library's capture: none of our hooks runs at its launches)
+        a2a.backend.capture_begin(theirs)
+        try:
+            with pytest.raises(A2AError, match=r"dispatch\(groups=\) cannot be recorded into another library's"):
+                a2a.dispatch(x, idx, weights=w, groups=2, stream=theirs)
+        finally:
+            a2a.backend.capture_end(theirs, keep=False)
+        elsewhere = a2a.backend.stream_create()  # (in capture(), a stream the capture does not record)
+        on_device = upload_inputs(a2a, inputs)
+
+        def grouped_step(then):
+            d = a2a.dispatch(*on_device[:2], weights=on_device[2], groups=2)
+            then()
+            a2a.group_done(0)
+            a2a.group_done(1)
+            a2a.combine(d.expert_x)
+        try:
+            with pytest.raises(A2AError, match=r"group_rows\(\) inside capture\(\)"):
+                a2a.capture(lambda: grouped_step(lambda: a2a.group_rows(0)))
+            with pytest.raises(A2AError, match=r"wait_group\(\): inside capture\(\), the stream must be the "
+                                               r"capture's"):
+                a2a.capture(lambda: grouped_step(lambda: a2a.wait_group(0, elsewhere)))
+        finally:
+            free_inputs(a2a, on_device)
+            for stream in (theirs, elsewhere):
+                a2a.backend.stream_destroy(stream)
         # A runtime that cannot wait on the heap's words (ROCm with GPU_STREAMOPS_CP_WAIT set: runtime/hip.py)
         a2a.backend.stream_waits_refused = lambda: "no waits on heap words here"
         try:
@@ -157,6 +182,54 @@ def case_groups_refusals(comm):
         combine_error_against_oracle(a2a, inputs, y, expert=expert)
         with pytest.raises(A2AError, match=r"group_done\(\) needs a pending dispatch\(groups=...\)"):
             a2a.group_done(0)
+
+
+def case_groups_captured(comm, row_layout="packed", G="3", order="reverse", ranks_per_node="0", launches="3"):
+    """dispatch(groups=G), every group's wait, the expert, each group's group_done in `order` and combine, recorded
+    by capture(): each launch is a new call (new inputs in the same arrays, outputs poisoned, checked against the
+    oracle), with an eager grouped call between two launches; with `ranks_per_node` (not 0) across simulated
+    nodes of that many ranks."""
+    world, G = comm.Get_size(), int(G)
+    E, k, H, M = 4 * world, 3, 256, 12
+    counts = [(5 * r + 3) % (M + 1) for r in range(world)]
+    nodes = {"ranks_per_node": int(ranks_per_node)} if int(ranks_per_node) else {}
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=30.0,
+                  **layout_arguments(row_layout), **nodes) as a2a:
+        if nodes and not a2a.engine.capturable:
+            pytest.skip("the MPI engine on a GPU stages through the host: no graph capture")
+        me = a2a.rank
+        buffers = x, idx, w, y = step_buffers(a2a, counts[me])
+        expert_y = a2a.expert_y_buffer()
+        captured = {}
+
+        def grouped(d, order_seed: int) -> None:  # the caller's part: waits, the expert, each group done
+            for g in range(G):
+                a2a.wait_group(g)
+            a2a.fake_expert(d, out=expert_y)
+            for g in _order(order, G, order_seed):
+                a2a.group_done(g)
+
+        def step():
+            captured["d"] = d = a2a.dispatch(x, idx, weights=w, groups=G)
+            grouped(d, 7)
+            a2a.combine(expert_y, out=y)
+        try:
+            graph = a2a.capture(step)
+            for i in range(int(launches)):
+                inputs = draw_world(80 + i, world, E, k, H, M, token_counts=counts)
+                err = replay_checked(a2a, graph, inputs, buffers, captured["d"])
+                print(f"rank {me} launch {i}: groups {G} in {order} order, max err {err:.3g}")
+                if i == 1:  # an eager grouped call between launches
+                    eager = draw_world(90, world, E, k, H, M)
+                    poison(a2a)
+                    d = a2a.dispatch(eager.xs[me], eager.indices[me], weights=eager.weights[me], groups=G)
+                    grouped(d, 8)
+                    out = a2a.combine(expert_y)
+                    a2a.synchronize()
+                    check_dispatch_against_oracle(a2a, eager, d)
+                    combine_error_against_oracle(a2a, eager, out, expert=reference.fake_expert)
+        finally:
+            free_buffers(a2a, buffers)
 
 
 def case_group_done_never_comes(comm, ranks_per_node="0"):
