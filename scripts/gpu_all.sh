@@ -23,9 +23,12 @@ if [ "$N" -ge 2 ] && [ $((N % 2)) = 0 ]; then
     --json "$OUT/bench_nodes.json" > "$OUT/bench_nodes.txt" 2>&1; nodes=$?
 fi
 # The MoE layer at prefill sizes (issue 57): DeepSeek-V3's E = 256, k = 8, H = 7168, in sequence and
-# overlapped by groups, at 1024 and 4096 tokens a rank; and the exchange alone in both layouts.
+# overlapped by groups, at 1024 and 4096 tokens a rank (and at 128, where overlap must cost nothing);
+# and the exchange alone in both layouts.
 layer=0
 if [ $((256 % N)) = 0 ]; then
+  timeout 600 $MPIRUN -n "$N" python3 scripts/moe_layer.py --tokens 128 --experts-per-rank $((256 / N)) \
+    --json "$OUT/moe_layer_128.json" > "$OUT/moe_layer_128.txt" 2>&1 || layer=1
   for T in 1024 4096; do
     timeout 600 $MPIRUN -n "$N" python3 scripts/moe_layer.py --tokens "$T" --experts-per-rank $((256 / N)) \
       --json "$OUT/moe_layer_$T.json" > "$OUT/moe_layer_$T.txt" 2>&1 || layer=1
