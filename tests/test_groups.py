@@ -143,6 +143,33 @@ def test_combine_bound_gives_up_on_the_group_the_stream_stands_at(reported):
     assert backend.destroyed == ["event", "words"]
 
 
+def test_a_graph_launch_bounds_its_combine_with_the_graphs_marks():
+    """A graph that recorded a grouped combine arms the bound at each launch with that combine's groups and tag
+    (Groups.replayed): with an eager grouped combine of another tag begun since, the bound still tells the graph's
+    passed waits from its standing one, and raises the standing one's done word alone (a raised word left for
+    a wait already passed would let the next combine's part through early)."""
+    from pyhipa2a.groups import CombineBound
+    from pyhipa2a.kernels import MAX_GROUPS
+    backend = StandingStream()
+    status = np.zeros(4, np.uint32)
+    bound = CombineBound(backend, 3, 0.05, status)
+    words = np.frombuffer((ctypes.c_uint32 * (2 * MAX_GROUPS)).from_address(bound.done_words),
+                          np.uint32).reshape(2, MAX_GROUPS)
+    bound.begin(3)
+    graph = bound.begun()
+    waiting, passed = bound.marks()
+    bound.begin(1)  # (an eager grouped combine, one group, since the capture)
+    words[1, :3] = [passed, passed, waiting]  # (the launch's stream stands at group 2's wait)
+    bound.arm("combine", graph)
+    try:
+        assert _until(lambda: bound.gave_up is not None), words
+        assert words[0, :3].tolist() == [0, 0, 1]
+        assert status.tolist() == [1, 3, 9, 2]
+        backend.finished = True
+    finally:
+        bound.close()
+
+
 def test_combine_bound_names_the_first_group_not_done_where_no_wait_was_reached():
     """A stream that stands at no wait (still behind other stuck work) is given up on at the second look without
     progress, naming the first group whose done word was never raised (group 0's was: its GEMM got there)."""
