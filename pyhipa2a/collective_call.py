@@ -121,7 +121,7 @@ class Operation:
         self.check(inputs)
         shared.backend.activate()
         s, lead = streams.current(inputs) if stream is None else (streams.given(stream), None)
-        capturing = streams.capturable_elsewhere(s) and shared.backend.stream_capturing(s)
+        capturing = streams.captured_elsewhere(s)
         if capturing:  # (another library's capture: our launches on s join it as nodes of their own)
             shared.backend.capture_join(s)
             self._joined = s
