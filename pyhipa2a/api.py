@@ -122,12 +122,11 @@ class AllToAll(Calls):
         self._usable()
         streams = self._streams
         s = self.stream_for() if stream is None else streams.given(stream)
-        if streams.capturing is not None:
-            forked = streams.capturable_elsewhere(s) and self.backend.stream_capturing(s)
-            if s is not streams.capturing and not forked:
-                return s, ("inside capture(), the stream must be the capture's or one forked from it (work on "
-                           "another would run now, not at each launch)")
-        elif streams.captured_elsewhere(s):
+        recorded = streams.captured_elsewhere(s)  # (inside capture(): forked into it; outside: another library's)
+        if streams.capturing is not None and s is not streams.capturing and not recorded:
+            return s, ("inside capture(), the stream must be the capture's or one forked from it (work on another "
+                       "would run now, not at each launch)")
+        if streams.capturing is None and recorded:
             return s, "its stream is being captured by another library (record the step with capture())"
         return s, None
 
@@ -145,8 +144,6 @@ class AllToAll(Calls):
         self._check_capturable()
         s = streams.given(stream)
         streams.follow(s)  # the graph's first launch is queued behind the calls before the capture
-        groups = self._groups
-        groups.captured = None
         streams.begin(s)
         try:
             step()
@@ -154,12 +151,12 @@ class AllToAll(Calls):
                 raise A2AError("the captured step left a dispatch without its combine")
         except BaseException:
             state.pending = state.sent = None  # nothing captured ran: the object is as it was before
-            groups.count = 0
+            self._groups.recorded(kept=False)
             streams.end(keep=False)
             raise
         graph, kept = streams.end(keep=True)
         replay_on = streams.replay_target(s)
-        grouped = groups.captured  # (a grouped combine's waits, bounded from the host at each launch)
+        groups, grouped = self._groups, self._groups.recorded(kept=True)
 
         def enter(stream):
             self._usable()
@@ -169,6 +166,7 @@ class AllToAll(Calls):
             target = replay_on() if stream is None else streams.given(stream)
             streams.follow(target)
             return target
+
         def leave(stream):
             streams.queued(stream)
             if grouped is not None:

@@ -62,7 +62,7 @@ class Groups:
         self.count = 0
         self.finished = frozenset()
         self.ticket = 0  # the last grouped dispatch's (its offsets' tag for the host); counts up from 1
-        self.captured = None  # what the last grouped combine recorded into capture() needs at each launch
+        self.captured = None  # what the grouped combine a capture is recording needs at each launch (recorded())
 
     def checked_count(self, groups, weights, joined: bool) -> int:
         """dispatch()'s `groups` as a count (0: none), or the error a caller should see; `joined`: the call is
@@ -164,6 +164,15 @@ class Groups:
         else:
             self._bound.arm(stream)
         launch(REDUCE_ONLY)
+
+    def recorded(self, kept: bool) -> tuple | None:
+        """The end of a capture(): what the graph's launches need to bound the grouped combine it recorded last
+        (None: it recorded none). A capture given up (not `kept`) leaves no pending groups either."""
+        captured, self.captured = self.captured, None
+        if not kept:
+            self.count = 0
+            return None
+        return captured
 
     def replayed(self, stream, captured: tuple) -> None:
         """A graph whose step held a grouped combine (`captured`: what queue_combine noted) was launched on

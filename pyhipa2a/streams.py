@@ -93,7 +93,8 @@ class Streams:
         return self.current(inputs)[0]
 
     def captured_elsewhere(self, s) -> bool:
-        """Whether another library is capturing `s`, a call's stream outside capture()."""
+        """Whether `s`, not our own stream, is being captured: by another library, for a call's stream outside
+        capture(); inside, a stream forked into it."""
         return self.capturable_elsewhere(s) and self.backend.stream_capturing(s)
 
     def capturable_elsewhere(self, s) -> bool:
