@@ -257,6 +257,10 @@ A2A_DEVICE u32 last_group(const Ctx& x, const RowSlot& s, u32 here, u32 G, u32 l
 // flag (part 0; the other parts have nothing to do). The part varies
 // slowest, so that part 0's items, the only ones a pulled segment has, go to
 // every warp of the grid (varying fastest, they fell to one warp a block).
+// The bulk kernel (Q = 1) takes whole (token, peer) items first while every
+// warp has one, as reduce_tokens does: the token's routing is loaded, and its
+// weights waited for, once for all of its segments, each segment's flag
+// still released as soon as it is written, in the order the owner reads them.
 // `phase`, `G`: c's, or the whole combine's (0, 0) in a kernel that takes no parts.
 template <typename Fmt, u32 U>
 A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, const u32* pre,
@@ -269,16 +273,21 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   const u64* w_in = sym<u64>(x.h, (int)me, x.a.off_w_in);
   const u64 stride = (u64)H * 4u;
   const u32 pushed = pre[x.W + 3], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
-  const u32 per_part = pre[x.W + 2] * peers * S;
-  for (u32 item = first_item(g, g.warps_per_block); item < per_part * Q; item += g.warps) {
+  const u32 tokens = pre[x.W + 2] * peers;  // (peer, t), every peer counted as the one with the most tokens
+  const u32 whole = Q == 1u ? tokens - tokens % g.warps : 0u, per_part = (tokens - whole) * S;
+  for (u32 item = first_item(g, g.warps_per_block); item < whole + per_part * Q; item += g.warps) {
     a2a_wave_sync();  // the scratch is rewritten for this item
-    const u32 part = Q == 1u ? 0u : item / per_part, q = item - part * per_part;
-    u32 src, t, seg;
-    if (!token_major(pre, x.W, me + 1u, x.a.div_peers, quot_rem(x.a.div_nseg, q, seg), src, t)) continue;
+    const u32 part = Q == 1u || item < whole ? 0u : (item - whole) / per_part;
+    u32 seg = 0;
+    const u32 q = item < whole ? item : whole + quot_rem(x.a.div_nseg, item - whole - part * per_part, seg);
+    const u32 segs = item < whole ? S : 1u;
+    u32 src, t;
+    if (!token_major(pre, x.W, me + 1u, x.a.div_peers, q, src, t)) continue;
     const bool push = (pushed >> src & 1u) != 0;
     if (!push && part) continue;
+    // The item's elements [e_begin, e_end): a whole token's row, or its part (a pulled segment's flag covers all of it).
     const Elems el = push ? part_elems(x, seg, part, U * STEP) : part_elems(x, seg, 0u, x.a.seg_elems);
-    const u32 e_begin = el.begin, e_end = el.end;
+    const u32 e_begin = el.begin, e_end = segs == 1u ? el.end : H;
     if (e_begin >= e_end) continue;  // the row ends before this part
     // The small kernel loads the token's rows here with its routing row (one latency, not two); the
     // bulk kernel, whose registers are tight, only once it knows the token has experts here.
@@ -306,19 +315,22 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
       w = sc.w;
     }
     A2A_PROF_START(t1);
-    if (push) {  // straight into the owner's inbox, no flag
+    if (push) {  // straight into the owner's inbox, no flag (a segment starts on a whole STEP: one call takes them all)
       u64* inbox = sym<u64>(x.h, (int)src, x.a.off_push_contrib) +
                    ((u64)me * x.a.push_max_tokens + t) * x.a.push_row_words;
       push_contribution<Fmt, U>(x, expert_y, sc.slots, here, w, c.expert_scale, inbox, e_begin, e_end, g.lane);
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
       continue;
     }
-    contribute<Fmt>(x, expert_y, sc.slots, here, w, c.expert_scale,
-                    sym<u8>(x.h, (int)me, x.a.off_contrib) + ((u64)src * x.M + t) * stride, e_begin, e_end, g.lane);
-    a2a_wave_sync();
-    if (g.lane == 0)  // the data stays here, the flag goes to the owner
-      a2a_publish_own_sys(sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S + seg, x.epoch,
-                          x.a.gpu_fence_publish);
+    u8* slot = sym<u8>(x.h, (int)me, x.a.off_contrib) + ((u64)src * x.M + t) * stride;
+    u32* flags = sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S;
+    for (u32 end = seg + segs; seg < end; ++seg) {
+      const Elems in_seg = part_elems(x, seg, 0u, x.a.seg_elems);
+      contribute<Fmt>(x, expert_y, sc.slots, here, w, c.expert_scale, slot, in_seg.begin, in_seg.end, g.lane);
+      a2a_wave_sync();
+      if (g.lane == 0)  // the data stays here, the flag goes to the owner
+        a2a_publish_own_sys(flags + seg, x.epoch, x.a.gpu_fence_publish);
+    }
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
   }
 }

@@ -199,15 +199,18 @@ COMBINE_KERNEL_CASES = {
 
 
 # Calls with more tokens than the grid has warps take whole tokens, then segments (prefill sizes; here a
-# grid of one block), in dispatch's fan-out and in combine's bulk reduce (PYHIPA2A_COMBINE_KERNEL=bulk): the
-# GPU kernels' item order, which the host twins do not model.
+# grid of one block), in dispatch's fan-out and in combine's bulk kernel (PYHIPA2A_COMBINE_KERNEL=bulk), its
+# contributions pulled (a flag a segment) or pushed back, and its reduce: the GPU kernels' item order, which
+# the host twins do not model.
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", sorted(TRANSFER_MODES))
 @pytest.mark.parametrize("row_layout,dispatch_dtype,counts", [("packed", "", "random"),
                                                               ("contiguous/8", "", "staggered"),
                                                               ("by_source", "float8_e4m3", "full")])
-def test_whole_token_items(row_layout, dispatch_dtype, counts):
+def test_whole_token_items(row_layout, dispatch_dtype, counts, mode):
     run_case(CASE + "case_whole_token_items", ranks_for("gpu"), env_backend("gpu"),
-             env={"PYHIPA2A_COMBINE_KERNEL": "bulk"}, args=(row_layout, dispatch_dtype, counts), timeout=300)
+             env={"PYHIPA2A_COMBINE_KERNEL": "bulk", "PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]},
+             args=(row_layout, dispatch_dtype, counts), timeout=300)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

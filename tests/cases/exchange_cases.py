@@ -346,7 +346,8 @@ def case_launch_geometry(comm):
 
 def case_whole_token_items(comm, row_layout="packed", dispatch_dtype="", counts="random"):
     """On a grid of one block (8 warps), every call of more than a few tokens takes whole tokens first, then
-    the last ones' segments (kernels_hip/dispatch.hip: fan_out; combine.hip: reduce_tokens in the bulk kernel):
+    the last ones' segments (kernels_hip/dispatch.hip: fan_out; combine.hip: send_contributions and
+    reduce_tokens in the bulk kernel):
     rows of 7 and of 3 segments (the last a part one), token counts that leave a remainder of segments, every
     result against the oracle, weights to dispatch and to combine."""
     world = comm.Get_size()
