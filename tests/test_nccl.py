@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pyhipa2a import bootstrap
 from pyhipa2a.runtime import nccl
 from pyhipa2a.runtime.nccl import NcclComm, NcclFailure, NcclLibrary, NcclTimeout
 
@@ -251,10 +252,10 @@ def test_init_polls_while_in_progress_then_succeeds():
 
 
 def test_polls_back_off_as_every_host_wait_does(monkeypatch):
-    """NCCL's steps in progress are polled with bootstrap.sleep_backoff (yield first, then sleep), the
-    backoff of every host-side wait, not a loop of their own."""
+    """NCCL's steps in progress are polled with bootstrap.poll (its backoff yields first, then sleeps), as
+    every host-side wait is, not by a loop of their own."""
     attempts = []
-    monkeypatch.setattr(nccl, "sleep_backoff", attempts.append)
+    monkeypatch.setattr(bootstrap, "sleep_backoff", attempts.append)
     make_comm(FakeNccl(polls={"init": 3}))
     assert attempts == [0, 1, 2]
 

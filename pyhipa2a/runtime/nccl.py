@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from ..bootstrap import sleep_backoff
+from ..bootstrap import poll
 from ..errors import RuntimeFailure
 
 __all__ = ["LIBRARY_VARIABLE", "NcclComm", "NcclFailure", "NcclLibrary", "NcclTimeout", "find_library"]
@@ -250,21 +250,20 @@ class NcclComm:
     def _finish(self, step: str) -> None:
         """Poll until `step` is no longer in progress: NcclFailure if it failed; past the timeout, abort (NCCL takes
         no other call while a step is in progress) and raise NcclTimeout."""
-        start, attempt = time.monotonic(), 0
-        while True:
+        state = _IN_PROGRESS
+
+        def settled() -> bool:  # (NCCL's own thread runs the step: the backoff's first polls only yield to it)
+            nonlocal state
             state = self._async_state()
-            if state == _SUCCESS:
-                return
-            if state != _IN_PROGRESS:
-                raise NcclFailure(self._lib.describe(f"{step} (asynchronously)", state, self._handle))
-            waited = time.monotonic() - start
-            if waited > self.timeout:
-                self.abort()
-                raise NcclTimeout(f"{step} on rank {self.rank} of {self.size} was still in progress after "
-                                  f"{self.timeout:.1f} s (a rank never arrived or is stuck); the communicator "
-                                  f"was aborted")
-            sleep_backoff(attempt)  # yields first: NCCL's own thread runs the step (faster than sleeping)
-            attempt += 1
+            return state != _IN_PROGRESS
+
+        if not poll(settled, time.monotonic() + self.timeout):
+            self.abort()
+            raise NcclTimeout(f"{step} on rank {self.rank} of {self.size} was still in progress after "
+                              f"{self.timeout:.1f} s (a rank never arrived or is stuck); the communicator "
+                              f"was aborted")
+        if state != _SUCCESS:
+            raise NcclFailure(self._lib.describe(f"{step} (asynchronously)", state, self._handle))
 
     def _ensure_usable(self) -> None:
         if self.aborted:
