@@ -33,6 +33,7 @@ from .array import Pinned
 from .config import is_int
 from .errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, A2AError, A2ATimeoutError, status_error
 from .kernels import MAX_GROUPS, REDUCE_ONLY
+from .runtime.base import WAIT, WRITE
 from .signals import PASSED, WAITING
 from .watchdog import Watchdog
 
@@ -124,22 +125,20 @@ class Groups:
         L, G = self.local_experts, self.count
         return range(-(-group * L // G), -(-(group + 1) * L // G))
 
-    def wait(self, group: int, stream, refused: str | None, what: str = "wait_group") -> int:
-        """Work queued on `stream` from now on waits until group `group`'s rows are in; the ready word.
-        `refused`: why `stream` cannot take the wait (a graph that is not the pending dispatch's), or None."""
-        self._check(group, what, refused=refused)
-        ready = self._ready + 4 * group
-        self.backend.stream_wait_word(stream, ready, 1, self.timeout, lambda: A2ATimeoutError(
-            f"rank {self.rank}: group {group}'s rows were never ready (its dispatch never ran or never finished)",
-            ranks=(self.rank,)))
-        return ready
+    def wait(self, group: int, stream, refused: str | None) -> None:
+        """Work queued on `stream` from now on waits until group `group`'s rows are in. `refused`: why `stream`
+        cannot take the wait (a graph that is not the pending dispatch's), or None."""
+        self._check(group, "wait_group", refused=refused)
+        self.backend.stream_wait_word(stream, self._ready + 4 * group, 1, self.timeout,
+                                      lambda: self._never_ready(group))
 
     def done(self, group: int, stream, refused: str | None) -> None:
         """After the work queued on `stream` so far, group `group`'s expert_y rows are written (lowering its
         ready word after a wait of its own, so a group nobody waited for is lowered as well)."""
-        ready = self.wait(group, stream, refused, "group_done")
-        self.backend.stream_write_word(stream, ready, 0)
-        self._bound.raise_done(stream, group)
+        self._check(group, "group_done", refused=refused)
+        ready = self._ready + 4 * group
+        self.backend.stream_word_ops(stream, ((WAIT, ready, 1), (WRITE, ready, 0), self._bound.done_op(group)),
+                                     self.timeout, lambda: self._never_ready(group))
         self.finished = self.finished | {group}
 
     def ready_to_combine(self) -> int:
@@ -192,6 +191,10 @@ class Groups:
         if group in self.finished and not done_too:
             raise A2AError(f"{what}(): group {group} is done already (group_done was queued for it)")
 
+    def _never_ready(self, group: int) -> A2ATimeoutError:
+        return A2ATimeoutError(f"rank {self.rank}: group {group}'s rows were never ready (its dispatch never ran or "
+                               f"never finished)", ranks=(self.rank,))
+
     def _never_done(self, group: int) -> A2ATimeoutError:
         return A2ATimeoutError(f"rank {self.rank}: combine waited for group_done({group}), whose stream never got "
                                f"there", ranks=(self.rank,))
@@ -240,18 +243,16 @@ class CombineBound:
         """(groups, tag) of the combine begun last: what a graph that recorded it arms again at each launch."""
         return self._count, self._tag
 
-    def raise_done(self, stream, group: int) -> None:
-        """After the work queued on `stream` so far, group `group` is done (group_done)."""
-        self.backend.stream_write_word(stream, self.done_words + 4 * group, 1)
+    def done_op(self, group: int) -> tuple:
+        """The stream operation that says group `group` is done (group_done), after the stream's work before it."""
+        return WRITE, self.done_words + 4 * group, 1
 
     def wait(self, stream, group: int, timed_out) -> None:
         """Queue on `stream`: wait until group `group` is done, then lower its word; marked in its seen word."""
         word, seen = self.done_words + 4 * group, self._seen + 4 * group
         waiting, passed = self.marks()
-        self.backend.stream_write_word(stream, seen, waiting)
-        self.backend.stream_wait_word(stream, word, 1, self.timeout, timed_out)
-        self.backend.stream_write_word(stream, word, 0)
-        self.backend.stream_write_word(stream, seen, passed)
+        self.backend.stream_word_ops(stream, ((WRITE, seen, waiting), (WAIT, word, 1), (WRITE, word, 0),
+                                              (WRITE, seen, passed)), self.timeout, timed_out)
 
     def arm(self, stream, begun: tuple[int, int] | None = None) -> None:
         """The combine begun last (or `begun`, a graph's: its groups and tag, whose marks the graph writes) is

@@ -24,6 +24,7 @@ import numpy as np
 from .array import Pinned
 from .bootstrap import poll
 from .errors import A2ATimeoutError, ConfigMismatchError
+from .runtime.base import WAIT, WRITE
 
 WAITING, PASSED = 2, 1  # a wait's "seen" word: a stream stands at it; a stream went past it (0: never reached)
 
@@ -61,11 +62,9 @@ class Signals:
         wait's "seen" word reads WAITING while the stream stands at it, PASSED after. `what` names what was
         awaited."""
         word, seen = self.words.ptr + self._offset(kind, source), self._seen_device + self._offset(kind, source)
-        self.backend.stream_write_word(stream, seen, WAITING)
-        self.backend.stream_wait_word(stream, word, count + 1, self.heap.timeout,
-                                      lambda: self.stuck_error([(source, kind, count, what)], None))
-        self.backend.stream_write_word(stream, word, 0)
-        self.backend.stream_write_word(stream, seen, PASSED)
+        self.backend.stream_word_ops(
+            stream, ((WRITE, seen, WAITING), (WAIT, word, count + 1), (WRITE, word, 0), (WRITE, seen, PASSED)),
+            self.heap.timeout, lambda: self.stuck_error([(source, kind, count, what)], None))
 
     def waiting(self, awaited) -> list:
         """The (source, kind, ...) entries of `awaited` whose wait a stream stands at now (not those it has

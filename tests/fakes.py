@@ -14,6 +14,7 @@ import pytest
 from pyhipa2a import dlpack
 from pyhipa2a.dtypes import bfloat16
 from pyhipa2a.inputs import Boundary
+from pyhipa2a.runtime.base import Backend
 from pyhipa2a.streams import Streams
 
 OURS = 0x5000  # the stream the calls run on
@@ -381,11 +382,12 @@ class StandingStream(PinnedMemory):
         self.destroyed.append(event)
 
 
-class StuckQueue(PinnedMemory):
+class StuckQueue(PinnedMemory, Backend):
     """A backend of one rank whose streams all sit behind a wait that never passes (as where they share one
     hardware queue with it): what is queued on a stream never lands, and no event recorded on one is ever done.
     The stream writes of a "reached" stream (one the test names) land at once, as the GPU's do, up to its first
-    wait that does not pass. Also the heap of the Signals on it."""
+    wait that does not pass (batches of them, Backend.stream_word_ops, one by one). Also the heap of the Signals
+    on it."""
     kind = "stuck"
 
     def __init__(self, reached=(), timeout: float = 0.3):

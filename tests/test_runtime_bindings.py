@@ -16,6 +16,7 @@ import pytest
 from pyhipa2a.runtime import cuda as cuda_rt
 from pyhipa2a.runtime import driver as driver_rt
 from pyhipa2a.runtime import hip as hip_rt
+from pyhipa2a.runtime.base import WAIT, WRITE
 from pyhipa2a.errors import RuntimeFailure
 
 
@@ -119,6 +120,7 @@ def _bare_backend(mod, activate=None):
     cls = mod.CudaBackend if mod is cuda_rt else mod.HipBackend
     backend = cls.__new__(cls)
     backend._streams, backend._capturing, backend._joined = set(), set(), set()
+    backend._batches = {}
     backend.activate = activate or (lambda: None)
     return backend
 
@@ -293,6 +295,7 @@ def test_arguments_pass_binding_conversion(rt):
         ("capture_begin", (stream,)), ("capture_end", (stream,)), ("capture_end", (stream, False)),
         ("graph_launch", (graph, stream)), ("graph_destroy", (graph,)), ("stream_capturing", (stream,)),
         ("stream_write_word", (stream, ptr, 7)), ("stream_wait_word", (stream, ptr, 7, 1.0, None)),
+        ("stream_word_ops", (stream, ((WRITE, ptr + 4, 2), (WAIT, ptr, 7), (WRITE, ptr, 0)), 1.0, None)),
         ("event_done", (event,)), ("stream_done", (stream,)),
         ("event_record", (event, stream)),
     ]
@@ -368,6 +371,42 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
     assert calls[3:] == ["set params", "graph launch", "set params", "graph launch"]
     backend.prepare_launch("function", 16, 256, prepared)  # another geometry: a site of its own
     assert calls[7:] == ["create", "add node", "instantiate"] and len(prepared.sites) == 2
+
+
+def test_cuda_queues_word_operations_as_one_batch(monkeypatch):
+    """On CUDA, stream_word_ops queues a sequence (a readiness wait's four operations: pyhipa2a.signals) as one
+    cuStreamBatchMemOp, in order, each wait for equality and each write fenced as stream_wait_word and
+    stream_write_word make them; a sequence's parameters are packed once and handed again; a failure names the
+    call."""
+    pytest.importorskip("cuda.bindings.driver")
+    real, batches, results = cuda_rt._load(), [], []
+
+    def batch(stream, count, params, flags):
+        batches.append((int(stream), count, params, flags))
+        return (results.pop() if results else real.CUresult.CUDA_SUCCESS,)
+    fake = types.SimpleNamespace(CUstream=real.CUstream, CUresult=real.CUresult, cuStreamBatchMemOp=batch,
+                                 CUstreamBatchMemOpParams=real.CUstreamBatchMemOpParams,
+                                 CUstreamBatchMemOpType=real.CUstreamBatchMemOpType)
+    monkeypatch.setattr(cuda_rt, "driver", fake)
+    backend, kinds = _bare_backend(cuda_rt), real.CUstreamBatchMemOpType
+    stream, seen, word = backend.stream_from_handle(0x1234), 1 << 40, (1 << 40) + 64
+    wait = ((WRITE, seen, 2), (WAIT, word, 5), (WRITE, word, 0), (WRITE, seen, 1))
+    backend.stream_word_ops(stream, wait, 1.0, None)
+    [(handle, count, params, flags)] = batches
+    assert (handle, count, len(params), flags) == (0x1234, 4, 4, 0)
+    queued = [(p.waitValue if kind == WAIT else p.writeValue) for (kind, _, _), p in zip(wait, params)]
+    assert [op.operation for op in queued] == [kinds.CU_STREAM_MEM_OP_WRITE_VALUE_32,
+                                               kinds.CU_STREAM_MEM_OP_WAIT_VALUE_32] + [
+                                               kinds.CU_STREAM_MEM_OP_WRITE_VALUE_32] * 2
+    assert [(int(op.address), int(op.value), int(op.flags)) for op in queued] == [
+        (seen, 2, 0), (word, 5, 1), (word, 0, 0), (seen, 1, 0)]  # (CU_STREAM_WAIT_VALUE_EQ; writes fenced: 0)
+    backend.stream_word_ops(stream, wait, 1.0, None)
+    assert batches[1][2] is params  # packed once
+    backend.stream_word_ops(stream, wait[:2], 1.0, None)
+    assert batches[2][1] == 2 and batches[2][2] is not params
+    results.append(real.CUresult.CUDA_ERROR_INVALID_VALUE)
+    with pytest.raises(RuntimeFailure, match="cuStreamBatchMemOp failed: CUDA_ERROR_INVALID_VALUE"):
+        backend.stream_word_ops(stream, wait, 1.0, None)
 
 
 def test_cuda_hands_a_plan_the_driver_entries_and_its_launchers_graph(monkeypatch):

@@ -11,6 +11,11 @@ import numpy as np
 from ..errors import RuntimeFailure
 
 
+# The kinds of a stream_word_ops operation: (WAIT, ptr, value) waits until the word holds value, (WRITE, ptr, value)
+# writes it (after the stream's earlier writes are visible).
+WAIT, WRITE = "wait", "write"
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     name: str
@@ -166,6 +171,16 @@ class Backend:
         the device, holding no multiprocessor and without a bound (the host bounds them); the host backend
         waits at most `timeout` seconds and then raises `timed_out()`."""
         raise NotImplementedError
+
+    def stream_word_ops(self, stream, ops: tuple, timeout: float, timed_out) -> None:
+        """Queue `ops` ((WAIT or WRITE, ptr, value) each) on `stream` in order, as stream_wait_word and
+        stream_write_word do. A runtime that takes them as one batch pays its cost per operation once, on the
+        host and on the device (in a captured graph, one node). Here: one call each."""
+        for kind, ptr, value in ops:
+            if kind == WAIT:
+                self.stream_wait_word(stream, ptr, value, timeout, timed_out)
+            else:
+                self.stream_write_word(stream, ptr, value)
 
     def stream_waits_refused(self) -> str | None:
         """Why stream_wait_word cannot wait on words of the symmetric heap in this process, or None."""

@@ -68,6 +68,7 @@ class HipBackend(DriverBackend):
     _CALLS = _CALLS
     _LAUNCH_EXTRA = None  # plain hipModuleLaunchKernel: one-node graphs were measured cheaper on NVIDIA only
     _WAIT_MASK = (0xFFFFFFFF,)  # hipStreamWaitValue32 compares (word & mask) with the value
+    # (stream_word_ops stays one call an operation: ROCm marks hipStreamBatchMemOp beta, and no AMD GPU ran it here)
     _api = staticmethod(_load)
     _check = staticmethod(_check)
 
