@@ -309,7 +309,7 @@ class CudaBackend(DriverBackend):
 
     def stream_word_ops(self, stream, ops: tuple, timeout: float, timed_out) -> None:
         # One cuStreamBatchMemOp: a wait of four operations (pyhipa2a.signals) cost 1.9 us of host time against 6.2
-        # one call each, and a graph of seven such waits replayed in 36 us against 59 (docs/PERFORMANCE.md).
+        # one call each, and a graph of seven such waits replayed in 36 us against 59 (docs/COLLECTIVE.md).
         params = self._batches.get(ops) or self._packed(ops)
         result = driver.cuStreamBatchMemOp(stream, len(params), params, 0)
         if result[0]:
