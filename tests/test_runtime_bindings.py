@@ -376,8 +376,8 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
 def test_cuda_queues_word_operations_as_one_batch(monkeypatch):
     """On CUDA, stream_word_ops queues a sequence (a readiness wait's four operations: pyhipa2a.signals) as one
     cuStreamBatchMemOp, in order, each wait for equality and each write fenced as stream_wait_word and
-    stream_write_word make them; a sequence's parameters are packed once and handed again; a failure names the
-    call."""
+    stream_write_word make them; a sequence's parameters are packed once and handed again while it is among the
+    most recently used; nothing is queued for no operations; a failure names the call."""
     pytest.importorskip("cuda.bindings.driver")
     real, batches, results = cuda_rt._load(), [], []
 
@@ -404,6 +404,15 @@ def test_cuda_queues_word_operations_as_one_batch(monkeypatch):
     assert batches[1][2] is params  # packed once
     backend.stream_word_ops(stream, wait[:2], 1.0, None)
     assert batches[2][1] == 2 and batches[2][2] is not params
+    half = batches[2][2]
+    monkeypatch.setattr(cuda_rt, "_BATCHES_KEPT", 2)
+    backend.stream_word_ops(stream, wait, 1.0, None)  # the most recently used now
+    backend.stream_word_ops(stream, wait[1:], 1.0, None)  # a third: the least recently used is dropped
+    backend.stream_word_ops(stream, wait, 1.0, None)
+    backend.stream_word_ops(stream, wait[:2], 1.0, None)
+    assert batches[5][2] is params and batches[6][2] is not half
+    backend.stream_word_ops(stream, (), 1.0, None)
+    assert len(batches) == 7
     results.append(real.CUresult.CUDA_ERROR_INVALID_VALUE)
     with pytest.raises(RuntimeFailure, match="cuStreamBatchMemOp failed: CUDA_ERROR_INVALID_VALUE"):
         backend.stream_word_ops(stream, wait, 1.0, None)

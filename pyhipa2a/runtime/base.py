@@ -173,9 +173,9 @@ class Backend:
         raise NotImplementedError
 
     def stream_word_ops(self, stream, ops: tuple, timeout: float, timed_out) -> None:
-        """Queue `ops` ((WAIT or WRITE, ptr, value) each) on `stream` in order, as stream_wait_word and
-        stream_write_word do. A runtime that takes them as one batch pays its cost per operation once, on the
-        host and on the device (in a captured graph, one node). Here: one call each."""
+        """Queue `ops` (a tuple of at most 255 (WAIT or WRITE, ptr, value)) on `stream` in order, as
+        stream_wait_word and stream_write_word do. A runtime that takes them as one batch pays its cost per
+        operation once, on the host and on the device (in a captured graph, one node). Here: one call each."""
         for kind, ptr, value in ops:
             if kind == WAIT:
                 self.stream_wait_word(stream, ptr, value, timeout, timed_out)

@@ -25,7 +25,9 @@ _USED_CALLS = (
     "cuDevicePrimaryCtxRelease", "cuStreamBatchMemOp", "CUstreamBatchMemOpParams",
     "CUstreamBatchMemOpType") + tuple(_CALLS.values())
 
-_BATCHES_KEPT = 4096  # word-operation batches kept packed (their values vary with the rows a call moves)
+# Word-operation batches kept packed, the least recently used dropped first: their values vary with the rows a
+# call moves, and a grouped combine's marks with the combine, while a call's usual waits repeat.
+_BATCHES_KEPT = 4096
 _IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle), fixed by the CUDA ABI
 driver = None  # cuda.bindings.driver, bound by _load() so importing this module never needs it
 
@@ -310,14 +312,17 @@ class CudaBackend(DriverBackend):
     def stream_word_ops(self, stream, ops: tuple, timeout: float, timed_out) -> None:
         # One cuStreamBatchMemOp: a wait of four operations (pyhipa2a.signals) cost 1.9 us of host time against 6.2
         # one call each, and a graph of seven such waits replayed in 36 us against 59 (docs/COLLECTIVE.md).
-        params = self._batches.get(ops) or self._packed(ops)
+        if not ops:
+            return
+        batches = self._batches
+        params = batches[ops] = batches.pop(ops, None) or self._packed(ops)  # (now the most recently used)
+        if len(batches) > _BATCHES_KEPT:
+            del batches[next(iter(batches))]
         result = driver.cuStreamBatchMemOp(stream, len(params), params, 0)
         if result[0]:
             _check(result, "cuStreamBatchMemOp")
 
     def _packed(self, ops: tuple) -> list:
-        if len(self._batches) >= _BATCHES_KEPT:
-            self._batches.clear()
         kinds, params = driver.CUstreamBatchMemOpType, []
         for kind, ptr, value in ops:
             param = driver.CUstreamBatchMemOpParams()
@@ -327,7 +332,6 @@ class CudaBackend(DriverBackend):
                 op, code, flags = param.writeValue, kinds.CU_STREAM_MEM_OP_WRITE_VALUE_32, self._WRITE_FENCED
             op.operation, op.address, op.value, op.flags = code, ptr, value, flags
             params.append(param)
-        self._batches[ops] = params
         return params
 
     def raise_driver_error(self, what: str, code: int) -> None:
