@@ -20,7 +20,8 @@
 // Two builds of the same steps, chosen by the host from the call's tokens
 // (pyhipa2a/legs.py: settle_geometry, Leg.kernel_for): the bulk kernel gives a warp a whole
 // segment (A2A_CHUNKS 8-element chunks per lane, two experts' loads in
-// flight), the small kernel a warp per chunk with eight experts' loads in
+// flight), or a whole token while every warp has one (its routing loaded once
+// for all of its segments), the small kernel a warp per chunk with eight experts' loads in
 // flight: at few tokens a token's sum costs one memory latency instead of
 // four (k = 8), and there are warps enough for every chunk. The small kernel
 // has a register budget of its own (half the threads a block, up to 255
