@@ -4,6 +4,18 @@ from __future__ import annotations
 import contextlib
 
 
+def launches_checked(a2a, graph, buffers, captured: dict, launches, draw, between) -> None:
+    """Launch a captured step `launches` times, each a new call on new inputs (`draw(i)`) in the step's
+    `buffers`, checked against the oracle (pyhipa2a.testing.replay_checked, with the DispatchResult the capture
+    kept in captured["d"]); `between()`, an eager call, runs after the second launch."""
+    from pyhipa2a.testing import replay_checked
+    for i in range(int(launches)):
+        err = replay_checked(a2a, graph, draw(i), buffers, captured["d"])
+        print(f"rank {a2a.rank} launch {i}: max err {err:.3g}")
+        if i == 1:
+            between()
+
+
 @contextlib.contextmanager
 def launch_sites_watched(backend):
     """(prepared, launched, names): sets of the launch sites (kernel, grid, block, pack) that `backend`'s

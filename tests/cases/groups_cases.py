@@ -18,8 +18,9 @@ from pyhipa2a import A2AError, AllToAll
 from pyhipa2a import reference
 from pyhipa2a.hierarchy import HierarchicalAllToAll
 from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, draw_world,
-                              free_buffers, free_inputs, layout_arguments, poison, replay_checked, step_buffers,
+                              free_buffers, free_inputs, layout_arguments, poison, step_buffers,
                               upload_inputs)
+from tests.cases import launches_checked
 
 
 def _order(order: str, G: int, seed: int) -> list[int]:
@@ -213,21 +214,18 @@ def case_groups_captured(comm, row_layout="packed", G="3", order="reverse", rank
             captured["d"] = d = a2a.dispatch(x, idx, weights=w, groups=G)
             grouped(d, 7)
             a2a.combine(expert_y, out=y)
+        def eager_grouped_call():
+            eager = draw_world(90, world, E, k, H, M)
+            poison(a2a)
+            d = a2a.dispatch(eager.xs[me], eager.indices[me], weights=eager.weights[me], groups=G)
+            grouped(d, 8)
+            out = a2a.combine(expert_y)
+            a2a.synchronize()
+            check_dispatch_against_oracle(a2a, eager, d)
+            combine_error_against_oracle(a2a, eager, out, expert=reference.fake_expert)
         try:
-            graph = a2a.capture(step)
-            for i in range(int(launches)):
-                inputs = draw_world(80 + i, world, E, k, H, M, token_counts=counts)
-                err = replay_checked(a2a, graph, inputs, buffers, captured["d"])
-                print(f"rank {me} launch {i}: groups {G} in {order} order, max err {err:.3g}")
-                if i == 1:  # an eager grouped call between launches
-                    eager = draw_world(90, world, E, k, H, M)
-                    poison(a2a)
-                    d = a2a.dispatch(eager.xs[me], eager.indices[me], weights=eager.weights[me], groups=G)
-                    grouped(d, 8)
-                    out = a2a.combine(expert_y)
-                    a2a.synchronize()
-                    check_dispatch_against_oracle(a2a, eager, d)
-                    combine_error_against_oracle(a2a, eager, out, expert=reference.fake_expert)
+            launches_checked(a2a, a2a.capture(step), buffers, captured, launches,
+                             lambda i: draw_world(80 + i, world, E, k, H, M, token_counts=counts), eager_grouped_call)
         finally:
             free_buffers(a2a, buffers)
 

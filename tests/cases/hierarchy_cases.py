@@ -15,7 +15,8 @@ from pyhipa2a.errors import ConfigMismatchError
 from pyhipa2a.bootstrap import node_layout
 from pyhipa2a.hierarchy import HierarchicalAllToAll
 from pyhipa2a.testing import (WEIGHTS_AT, draw_world, dtype_arguments, free_buffers, inputs_as_given,
-                              layout_arguments, replay_checked, run_round, step_buffers)
+                              layout_arguments, run_round, step_buffers)
+from tests.cases import launches_checked
 
 
 def _nodes(comm, G: int) -> int:
@@ -112,7 +113,6 @@ def case_nodes_graph(comm, G="2", launches="3"):
         run_round(a2a, inputs)  # untouched by the refusal
         if not a2a.engine.capturable:
             pytest.skip("the MPI engine on a GPU stages through the host: no graph capture")
-        me = a2a.rank
         buffers = x, idx, w, y = step_buffers(a2a, counts[me])
         a2a.expert_y_buffer()
         captured = {}
@@ -122,12 +122,9 @@ def case_nodes_graph(comm, G="2", launches="3"):
             a2a.combine(a2a.fake_expert(d), out=y)
 
         try:
-            graph = a2a.capture(step)
-            for i in range(int(launches)):
-                inputs = draw_world(50 + i, world, E, k, H, M, token_counts=counts)
-                print(f"rank {me} launch {i}: max err {replay_checked(a2a, graph, inputs, buffers, captured['d']):.3g}")
-                if i == 1:  # an eager call between launches
-                    run_round(a2a, draw_world(99, world, E, k, H, M))
+            launches_checked(a2a, a2a.capture(step), buffers, captured, launches,
+                             lambda i: draw_world(50 + i, world, E, k, H, M, token_counts=counts),
+                             lambda: run_round(a2a, draw_world(99, world, E, k, H, M)))
         finally:
             free_buffers(a2a, buffers)
 

@@ -12,6 +12,7 @@ import pytest
 
 import pyhipa2a
 from pyhipa2a import A2AError, AllToAll
+from tests.cases import launches_checked
 from tests.cases.calls_cases import DLPackOnly
 from pyhipa2a.testing import (WEIGHTS_AT, draw_world, run_round,
                               weights_where)
@@ -191,7 +192,7 @@ def case_graph_replays(comm, launches="4"):
     """A captured dispatch -> fake expert -> combine replays as a new call each launch: with fresh inputs
     copied into the same device buffers, every launch matches the oracle, eager calls interleave with
     launches, and misuse of capture() is refused without breaking the object."""
-    from pyhipa2a.testing import free_buffers, replay_checked, step_buffers
+    from pyhipa2a.testing import free_buffers, step_buffers
     world = comm.Get_size()
     E, k, H, M = 3 * world, 2, 264, 8
     counts = [(3 * r) % (M + 1) for r in range(world)]  # differ per rank; T=0 on rank 0
@@ -210,12 +211,9 @@ def case_graph_replays(comm, launches="4"):
 
         try:
             graph = a2a.capture(step)
-            for i in range(int(launches)):
-                inputs = draw_world(100 + i, world, E, k, H, M, token_counts=counts)
-                err = replay_checked(a2a, graph, inputs, buffers, captured["d"])
-                print(f"rank {me} launch {i}: T={T} max err {err:.3g}")
-                if i == 1:  # an eager call between launches, with other token counts
-                    run_round(a2a, draw_world(200, world, E, k, H, M))
+            launches_checked(a2a, graph, buffers, captured, launches,  # (an eager call between: other token counts)
+                             lambda i: draw_world(100 + i, world, E, k, H, M, token_counts=counts),
+                             lambda: run_round(a2a, draw_world(200, world, E, k, H, M)))
 
             host_x = np.zeros((T, H), np.float16)
             with pytest.raises(TypeError, match="inside capture\\(\\), x must be a device array"):
