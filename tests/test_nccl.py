@@ -10,6 +10,7 @@ import ctypes
 import os
 import re
 import struct
+import threading
 import types
 from pathlib import Path
 
@@ -350,9 +351,11 @@ def test_exchange_timeout_aborts():
     comm, fake = make_comm(FakeNccl(polls={"group": FOREVER}), size=2, timeout=0.05)
     with pytest.raises(NcclTimeout, match="ncclGroupEnd on rank 0 of 2 .* aborted"):
         comm.exchange(sends=[(1, 0x1000, 8)], recvs=[], stream=0)
-    assert comm.aborted and fake.names()[-1] == "ncclCommAbort"
+    assert comm.aborted
     with pytest.raises(NcclFailure, match="aborted"):
         comm.exchange(sends=[(1, 0x1000, 8)], recvs=[], stream=0)
+    comm.close()
+    assert fake.names()[-1] == "ncclCommAbort" and not fake.live
 
 
 # -- poll, abort, close ------------------------------------------------------------
@@ -368,12 +371,51 @@ def test_abort_is_idempotent_and_ends_the_communicator():
     comm, fake = make_comm(size=2)
     comm.abort()
     comm.abort()
-    assert fake.names().count("ncclCommAbort") == 1 and comm.aborted
+    assert comm.aborted
     for call in (lambda: comm.exchange([(1, 0x1000, 8)], [], 0), comm.poll):
         with pytest.raises(NcclFailure, match="aborted"):
             call()
     comm.close()
-    assert fake.names()[-1] == "ncclCommAbort"
+    comm.close()
+    assert fake.names().count("ncclCommAbort") == 1 and fake.names()[-1] == "ncclCommAbort"
+
+
+class StuckDevice(FakeNccl):
+    """ncclCommAbort frees device memory, which waits for the whole device: here, until `drained` is set."""
+
+    def __init__(self, abort_result=0, **kwargs):
+        super().__init__(**kwargs)
+        self.began, self.drained, self.abort_result = threading.Event(), threading.Event(), abort_result
+
+    def ncclCommAbort(self, comm):
+        super().ncclCommAbort(comm)
+        self.began.set()
+        self.drained.wait()
+        return self.abort_result
+
+
+def test_abort_returns_while_the_device_is_stuck_and_close_waits_for_it():
+    """A stream stuck elsewhere on the device (the caller's) must not hang the call that reports a timeout:
+    abort() returns at once; close() waits for NCCL's release, and raises what it reported."""
+    fake = StuckDevice(abort_result=INVALID_ARGUMENT)
+    comm, _ = make_comm(fake, size=2, timeout=5.0)
+    threading.Timer(1.0, fake.drained.set).start()  # (the device drains in a second)
+    comm.abort()
+    assert not fake.drained.is_set(), "abort() waited for the device"
+    assert comm.aborted and fake.began.wait(5.0)
+    with pytest.raises(NcclFailure, match="ncclCommAbort failed: invalid argument"):
+        comm.close()
+    comm.close()
+    assert fake.names().count("ncclCommAbort") == 1
+
+
+def test_close_leaves_an_abort_the_device_never_lets_finish_with_a_warning():
+    fake = StuckDevice()
+    comm, _ = make_comm(fake, size=2, timeout=0.05)
+    comm.abort()
+    with pytest.warns(RuntimeWarning, match="NCCL's abort on rank 0 still waits for the device after 0.1 s"):
+        comm.close()
+    fake.drained.set()
 
 
 def test_close_finalizes_then_destroys_once():

@@ -8,7 +8,9 @@ import ctypes
 import ctypes.util
 import importlib.util
 import os
+import threading
 import time
+import warnings
 from pathlib import Path
 
 from ..bootstrap import poll
@@ -205,6 +207,8 @@ class NcclComm:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.timeout = float(timeout)
         self.aborted = self._closed = False
+        self._release: threading.Thread | None = None  # the abort's ncclCommAbort (abort())
+        self._release_error: NcclFailure | None = None
         self._handle = _COMM()
         self._state = _RESULT()  # reused by every poll: no allocation on the exchange path
         self._state_ptr = ctypes.pointer(self._state)
@@ -236,11 +240,13 @@ class NcclComm:
             message = self._lib.describe("ncclCommInitRankConfig", code, self._handle)
             if self._handle.value:  # a communicator may exist even so: release it
                 self.abort()
+                self._join_release()
             raise NcclFailure(message)
         try:
             self._finish("ncclCommInitRankConfig")
         except NcclFailure:
             self.abort()  # the caller gets no object to close (a no-op after a timeout's own abort)
+            self._join_release()
             raise
 
     def _async_state(self) -> int:
@@ -302,30 +308,67 @@ class NcclComm:
             raise NcclFailure(self._lib.describe("NCCL communicator", state, self._handle))
 
     def abort(self) -> None:
-        """Release the communicator at once, stopping whatever it still runs on the device. Idempotent."""
+        """Stop the communicator now, without waiting for the device. Idempotent.
+
+        ncclCommAbort raises NCCL's abort flag first, which ends its kernels, then frees device memory, and
+        freeing waits for the whole device: a stream stuck anywhere on it (the caller's expert, whose wait
+        for its input timed out) would hang the caller inside the call that reports that timeout. So the
+        call runs on a thread of its own; close() waits for it."""
         if self.aborted or self._closed:
             return
         self.aborted = True
         handle, self._handle = self._handle, _COMM()
         if handle.value:
+            self._release = threading.Thread(target=self._abort_handle, args=(handle,), daemon=True,
+                                             name=f"pyhipa2a NCCL abort (rank {self.rank})")
+            self._release.start()
+
+    def _abort_handle(self, handle: _COMM) -> None:
+        try:
             self._lib.call("ncclCommAbort", handle)
+        except NcclFailure as e:
+            self._release_error = e
+
+    def _join_release(self) -> NcclFailure | None:
+        """Wait (bounded) for the abort's thread; what ncclCommAbort reported, if it failed. A thread still
+        running after the timeout is left to finish when the device's stuck work does, with a warning."""
+        release, self._release = self._release, None
+        if release is None:
+            return None
+        release.join(self.timeout)
+        if release.is_alive():
+            warnings.warn(f"NCCL's abort on rank {self.rank} still waits for the device after {self.timeout:.1f} s "
+                          f"(work queued on it never finishes); it ends when that work does", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        error, self._release_error = self._release_error, None
+        return error
 
     def close(self) -> None:
-        """Finalize (bounded) and destroy a healthy communicator, else abort; a failed finalize aborts, then raises."""
-        if self.aborted or self._closed:
+        """Finalize (bounded) and destroy a healthy communicator, else abort; a failed finalize aborts, then raises.
+        Once aborted, close waits (bounded) for the abort's thread and raises what ncclCommAbort reported."""
+        if self._closed:
             return
-        try:
-            healthy = self._async_state() == _SUCCESS
-        except NcclFailure:
-            healthy = False
-        if not healthy:
+        if not self.aborted:
+            try:
+                healthy = self._async_state() == _SUCCESS
+            except NcclFailure:
+                healthy = False
+            if healthy:
+                self._finalize()
+                return
             self.abort()
-            return
+        error = self._join_release()
+        if error is not None:
+            raise error
+
+    def _finalize(self) -> None:
         try:
             self._lib.call("ncclCommFinalize", self._handle, comm=self._handle, in_progress_ok=True)
             self._finish("ncclCommFinalize")
         except NcclFailure:
             self.abort()  # no-op after _finish's own abort on a timeout
+            self._join_release()  # (the finalize's failure is the one raised)
             raise
         self._closed = True
         handle, self._handle = self._handle, _COMM()
