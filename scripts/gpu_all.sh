@@ -42,6 +42,13 @@ if [ $((256 % N)) = 0 ]; then
   timeout 300 $MPIRUN -n "$N" python3 scripts/trace.py --shape 256,8,7168,4096 --tokens 4096 --iters 1 \
     --out "$OUT/trace_prefill_4096.json" > "$OUT/trace_prefill_4096.txt" 2>&1 || layer=1
 fi
+# What one NVLink pair moves by peer loads and by peer stores, by grid and item size, and what a release
+# flag a chunk costs (docs/PREFILL.md, "Bandwidth at prefill sizes"): CUDA, two GPUs or more
+link=0
+if [ "$N" -ge 2 ] && command -v nvcc > /dev/null; then
+  { nvcc -O3 -arch=native -o "$OUT/link_probe" scripts/link_probe.cu && timeout 300 "$OUT/link_probe"; } \
+    > "$OUT/link_probe.txt" 2>&1 || link=1
+fi
 sed -n '/^== summary/,$p' "$OUT/validate.txt"
 tail -n 3 "$OUT/stress.txt"
 sed -n '/^pyhipa2a bench/,$p' "$OUT/bench.txt"
@@ -51,6 +58,7 @@ sed -n '/^shape /,$p' "$OUT/bench_nodes.txt" 2>/dev/null
 grep -h "^moe_layer: .* ranks" "$OUT"/moe_layer_*.txt 2>/dev/null
 for f in "$OUT"/prefill_*.txt; do [ -e "$f" ] && echo "$(basename "$f" .txt): $(grep -E "^E=256" "$f")"; done
 sed -n '/^per stage, summed/,/^combine.warp/p' "$OUT/trace_prefill_4096.txt" 2>/dev/null
+cat "$OUT/link_probe.txt" 2>/dev/null
 printf '%-12s %s\n' validate "$validate" bench "$bench" bench_fused "$fused" sweep "$sweep" stress "$stress" \
-  bench_nodes "$nodes" prefill "$layer"
-[ "$validate$bench$fused$sweep$stress$nodes$layer" = 0000000 ]
+  bench_nodes "$nodes" prefill "$layer" link_probe "$link"
+[ "$validate$bench$fused$sweep$stress$nodes$layer$link" = 00000000 ]

@@ -1,0 +1,139 @@
+// What one NVLink pair moves, as the exchange kernels would move it: peer loads (the receiver pulls, as
+// prefill-sized calls do today) against peer stores (the sender pushes), one direction and both at once,
+// by grid size and by item size (a 2 KB segment, a 14 KB row of 7168 16-bit values), and what a release
+// flag costs per item or per chunk of items when pushing. One process drives GPUs 0 and 1.
+//   nvcc -O3 -arch=native -o link_probe scripts/link_probe.cu && ./link_probe   (scripts/gpu_all.sh runs it)
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_runtime.h>
+
+#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
+    fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+// Each warp copies whole items (item_vec 16-byte vectors), UNROLL loads in flight per lane before its
+// stores; every `flag_every` items (0: never) the warp's lane 0 releases a flag at system scope.
+template <int UNROLL>
+__global__ void copy_items(const int4* __restrict__ src, int4* __restrict__ dst, size_t items, int item_vec,
+                           int flag_every, unsigned* flags) {
+  const int lane = threadIdx.x & 31;
+  const size_t warp = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5;
+  const size_t warps = (gridDim.x * (size_t)blockDim.x) >> 5;
+  int since = 0;
+  for (size_t it = warp; it < items; it += warps) {
+    const int4* s = src + it * item_vec;
+    int4* d = dst + it * item_vec;
+    for (int base = lane; base < item_vec; base += 32 * UNROLL) {
+      int4 v[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) if (base + u * 32 < item_vec) v[u] = s[base + u * 32];
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) if (base + u * 32 < item_vec) d[base + u * 32] = v[u];
+    }
+    if (flag_every && ++since == flag_every) {
+      since = 0;
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_system();
+        *(volatile unsigned*)(flags + warp) = (unsigned)it;
+      }
+    }
+  }
+}
+
+struct Side { int dev; cudaStream_t stream; cudaEvent_t start, stop; int4 *local, *staging; unsigned* flags; };
+
+constexpr size_t kBytes = 256ull << 20;  // per direction (less the tail that fills no whole item)
+
+static void launch(const Side& on, const int4* src, int4* dst, int item_bytes, int blocks, int unroll,
+                   int flag_every, unsigned* flags) {
+  CHECK(cudaSetDevice(on.dev));
+  int item_vec = item_bytes / 16;
+  size_t items = kBytes / item_bytes;
+  if (unroll == 4)
+    copy_items<4><<<blocks, 256, 0, on.stream>>>(src, dst, items, item_vec, flag_every, flags);
+  else
+    copy_items<8><<<blocks, 256, 0, on.stream>>>(src, dst, items, item_vec, flag_every, flags);
+  CHECK(cudaGetLastError());
+}
+
+// mode 0: pull (the kernel runs on the receiver, loads from the peer); 1: push (runs on the sender, stores
+// to the peer); 2: local (both pointers on the kernel's own GPU: the receiver's move at HBM speed).
+// both: each GPU sends to the other at once. Returns GB/s per direction (the slower side).
+static double run(Side* side, int mode, bool both, int item_bytes, int blocks, int unroll, int flag_every) {
+  const int reps = 5;
+  float best = 1e30f;
+  for (int r = 0; r < reps + 1; r++) {
+    for (int s = 0; s < (both ? 2 : 1); s++) {
+      Side& sender = side[s];
+      Side& receiver = side[1 - s];
+      Side& runner = mode == 0 ? receiver : sender;
+      const int4* src = sender.local;
+      int4* dst = mode == 2 ? sender.staging : receiver.staging;
+      CHECK(cudaSetDevice(runner.dev));
+      CHECK(cudaEventRecord(runner.start, runner.stream));
+      launch(runner, src, dst, item_bytes, blocks, unroll, flag_every, mode == 1 ? receiver.flags : runner.flags);
+      CHECK(cudaEventRecord(runner.stop, runner.stream));
+    }
+    float worst = 0;
+    for (int s = 0; s < (both ? 2 : 1); s++) {
+      Side& runner = mode == 0 ? side[1 - s] : side[s];
+      CHECK(cudaSetDevice(runner.dev));
+      CHECK(cudaEventSynchronize(runner.stop));
+      float ms;
+      CHECK(cudaEventElapsedTime(&ms, runner.start, runner.stop));
+      if (ms > worst) worst = ms;
+    }
+    if (r > 0 && worst < best) best = worst;  // (the first is a warm-up)
+  }
+  return kBytes / item_bytes * item_bytes / (best * 1e-3) / 1e9;
+}
+
+int main() {
+  int n = 0;
+  CHECK(cudaGetDeviceCount(&n));
+  if (n < 2) { fprintf(stderr, "link_probe needs two GPUs, found %d\n", n); return 1; }
+  Side side[2];
+  for (int d = 0; d < 2; d++) {
+    Side& s = side[d];
+    s.dev = d;
+    CHECK(cudaSetDevice(d));
+    CHECK(cudaDeviceEnablePeerAccess(1 - d, 0));
+    CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+    CHECK(cudaEventCreate(&s.start));
+    CHECK(cudaEventCreate(&s.stop));
+    CHECK(cudaMalloc(&s.local, kBytes));
+    CHECK(cudaMalloc(&s.staging, kBytes));
+    CHECK(cudaMalloc(&s.flags, 1 << 20));
+    CHECK(cudaMemset(s.local, d + 1, kBytes));
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("link_probe: %s x2, %d SMs, %zu MB a direction, 256 threads a block; GB/s a direction (min of 5)\n",
+         prop.name, prop.multiProcessorCount, kBytes >> 20);
+  const char* modes[] = {"pull", "push", "local"};
+  const int grids[] = {16, 33, 66, 132, 264};
+  const int sizes[] = {2048, 14336};
+  printf("%-6s %-5s %7s %6s", "mode", "dirs", "item B", "unroll");
+  for (int g : grids) printf(" %6d bl", g);
+  printf("\n");
+  for (int mode = 0; mode < 3; mode++)
+    for (int both = 0; both < 2; both++)
+      for (int size : sizes)
+        for (int unroll : {4, 8}) {
+          if (mode == 2 && both) continue;
+          printf("%-6s %-5s %7d %6d", modes[mode], both ? "both" : "one", size, unroll);
+          for (int g : grids) printf(" %9.1f", run(side, mode, both, size, g, unroll, 0));
+          printf("\n");
+        }
+  // Push with a release flag after every `k` items of 14 KB (a chunk of k rows), both directions at once.
+  printf("push, both directions, 14336 B items, unroll 4, a system-scope release flag every k items:\n");
+  printf("%-8s", "k");
+  for (int g : grids) printf(" %6d bl", g);
+  printf("\n");
+  for (int k : {0, 1, 4, 16}) {
+    printf("%-8d", k);
+    for (int g : grids) printf(" %9.1f", run(side, 1, true, 14336, g, 4, k));
+    printf("\n");
+  }
+  return 0;
+}
