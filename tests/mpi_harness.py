@@ -12,7 +12,9 @@ pool: a job of their rank count, kept while the tests ask for that count, that r
 case after case (`run_case.py --serve`), so a case pays neither a job's start nor its
 imports.
 A case that fails or outlives its time takes its job down, and the next case starts
-another. PYHIPA2A_TEST_POOL=0 runs every case in a job of its own.
+another. PYHIPA2A_TEST_POOL=0 runs every case in a job of its own; PYHIPA2A_TEST_POOL=gpu
+pools the GPU cases too (each then pays a GPU context's start once, not once a case; a
+case that passes alone but fails there names what an earlier case left on the GPU).
 """
 from __future__ import annotations
 
@@ -175,12 +177,21 @@ def _close_pools() -> None:
         _POOLS.popitem()[1].close()
 
 
+def pool_takes(backend: str | None) -> bool:
+    """Whether cases on `backend` run in the pool (PYHIPA2A_TEST_POOL: unset, the host's; "gpu", the GPUs'
+    too; "0", none)."""
+    setting = os.environ.get("PYHIPA2A_TEST_POOL", "")
+    if setting not in ("", "0", "gpu"):
+        raise ValueError(f"PYHIPA2A_TEST_POOL={setting!r}: choose '0' (no pool) or 'gpu' (GPU cases too)")
+    return setting != "0" and (backend == "host" or (setting == "gpu" and backend is not None))
+
+
 def run_case(case: str, ranks: int, backend: str | None, timeout: float = 300.0, args: tuple = (),
              env: dict | None = None, allow_rank_death: bool = False) -> subprocess.CompletedProcess:
     """One case function of tests/cases on every rank (see run_mpi; in the pool where it may run there); a case
     that skips on a rank skips the test."""
     library_env = all(name.startswith("PYHIPA2A_") and name != "PYHIPA2A_BACKEND" for name in env or {})
-    if backend == "host" and library_env and not allow_rank_death and os.environ.get("PYHIPA2A_TEST_POOL") != "0":
+    if library_env and not allow_rank_death and pool_takes(backend):
         run = pooled(case, ranks, backend, tuple(map(str, args)), timeout, dict(env or {}))
     else:
         run = run_mpi([str(RUNNER), case, *map(str, args)], ranks, backend, timeout, env, allow_rank_death,
