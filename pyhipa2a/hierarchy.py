@@ -91,7 +91,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             health = NodesHealth(exchange.buffers.status, rank, layout, self._engine)
             self._make_regions(settled, layout, exchange)
         except BaseException:
-            self._close_own()
+            self._close_own(broken=True)
             exchange.close(broken=True)
             self._free_comms()
             raise
@@ -263,9 +263,9 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     def engine(self):
         return self._engine
 
-    def _close_own(self) -> None:
+    def _close_own(self, broken: bool) -> None:
         if self._engine is not None:
-            self._engine.close()
+            self._engine.close(broken)
         if self._free is not None:
             self._free()
 
@@ -275,7 +275,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
 
     def _close_parts(self, broken: bool) -> None:
         try:
-            self._close_own()
+            self._close_own(broken)
         finally:
             try:
                 self._exchange.close(broken)

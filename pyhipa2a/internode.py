@@ -84,7 +84,7 @@ class MpiEngine:
     def settle(self, stream) -> None:
         """Nothing to watch: every exchange gave up by its own deadline."""
 
-    def close(self) -> None:
+    def close(self, broken: bool) -> None:
         """The sends still pending (to a peer that never came) are left to MPI's finalization."""
 
 
@@ -122,24 +122,40 @@ class NcclEngine:
 
     def settle(self, stream) -> None:
         """Wait for `stream` without hanging: abort the communicator when its work has not finished
-        `timeout` seconds after this wait began, or NCCL reports an error (the kernels then report)."""
-        from .runtime.nccl import NcclFailure
+        `timeout` seconds after this wait began, or NCCL reports an error (the kernels then report). An
+        abort ends NCCL's kernels, but the stream may also wait for work outside ours (a producer's stream
+        that never finishes): one that has not finished `timeout` seconds after the abort raises
+        NcclTimeout, so that no caller goes on to wait for it without a bound."""
+        from .runtime.nccl import NcclFailure, NcclTimeout
+
+        def done() -> bool:
+            return self.backend.stream_done(stream)
 
         def finished() -> bool:
-            if self.backend.stream_done(stream) or self.nccl.aborted:
-                return True  # (aborted: nothing of ours can wait any more, what is left ends by itself)
+            if done():
+                return True
             self.nccl.poll()
             return False
-        try:
-            if not poll(finished, time.monotonic() + self.timeout):
-                self.abort()
-        except NcclFailure:
+        if not self.nccl.aborted:
+            try:
+                if poll(finished, time.monotonic() + self.timeout):
+                    return
+            except NcclFailure:
+                pass
             self.abort()
+        if not poll(done, time.monotonic() + self.timeout):
+            raise NcclTimeout(f"the stream of the exchange between nodes had not finished {self.timeout:.1f} s "
+                              f"after the NCCL communicator was aborted (it waits for work that never ends)")
 
     def abort(self) -> None:
         self.nccl.abort()
 
-    def close(self) -> None:
+    def close(self, broken: bool) -> None:
+        """`broken`: a call failed, and a peer may have aborted its side already; NCCL's finalize could
+        then wait for it (past our timeout, to raise from a close that follows a reported failure), so
+        the communicator is aborted instead."""
+        if broken:
+            self.nccl.abort()
         self.nccl.close()
 
 

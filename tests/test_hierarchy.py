@@ -125,6 +125,9 @@ class _FakeNccl:
     def abort(self):
         self.aborted = True
 
+    def close(self):
+        self.closed_aborted = self.aborted  # (NcclComm.close finalizes a live communicator, joins an abort)
+
 
 class _FakeStreams:
     kind = "cuda"
@@ -164,18 +167,30 @@ def test_nccl_engine_leaves_a_late_peer_to_the_kernels():
 
 
 @pytest.mark.parametrize("exchanged", [True, False], ids=["eager", "graph_replay"])
-def test_nccl_engine_watchdog_aborts_a_stream_past_the_timeout(exchanged):
+@pytest.mark.parametrize("drains", [True, False], ids=["drains", "stuck"])
+def test_nccl_engine_watchdog_aborts_a_stream_past_the_timeout(exchanged, drains):
     """settle() polls NCCL while the stream runs and, `timeout` seconds after the wait began, aborts the
-    communicator and returns instead of waiting for a stream that never finishes: after eager calls and
-    after graph replays (which queue no exchange from the host) alike."""
+    communicator, after eager calls and after graph replays (which queue no exchange from the host) alike;
+    then it waits, bounded, for the stream to drain, and raises where it does not (it waits for work
+    outside ours), so that synchronize() never goes on to wait for it."""
     import time
     from pyhipa2a.internode import Transfer
+    from pyhipa2a.runtime.nccl import NcclTimeout
     nccl = _FakeNccl(times_out=False)
-    engine = _engine(nccl, _FakeStreams(busy_polls=10**9), timeout=0.05)
+
+    class Streams(_FakeStreams):
+        def stream_done(self, stream):  # (drains once the communicator is aborted, or never)
+            return drains and nccl.aborted
+
+    engine = _engine(nccl, Streams(busy_polls=0), timeout=0.05)
     if exchanged:
         engine.exchange([Transfer(0, 1, 2, 8)], stream=None)
     start = time.monotonic()
-    engine.settle(None)
+    if drains:
+        engine.settle(None)
+    else:
+        with pytest.raises(NcclTimeout, match="had not finished 0.1 s after the NCCL communicator was aborted"):
+            engine.settle(None)
     assert nccl.aborted and nccl.polls > 0
     assert 0.04 < time.monotonic() - start < 5
 
@@ -186,6 +201,15 @@ def test_nccl_engine_watchdog_spares_a_stream_that_finishes():
     engine = _engine(nccl, _FakeStreams(busy_polls=3), timeout=0.05)
     engine.settle(None)
     assert not nccl.aborted and nccl.polls == 3
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_nccl_engine_aborts_at_close_after_a_failed_call(broken):
+    """After a failed call a peer may have aborted its communicator, and NCCL's finalize may wait for it:
+    a broken object's close aborts instead of finalizing; a healthy one finalizes."""
+    nccl = _FakeNccl(times_out=False)
+    _engine(nccl, _FakeStreams(busy_polls=0)).close(broken)
+    assert nccl.closed_aborted is broken
 
 
 class _FakeRequest:
