@@ -37,14 +37,20 @@ class MpiEngine:
         if self.backend.kind == "host":
             self.backend.enqueue(stream, lambda: self._swap_host(transfers))
             return
-        self.backend.stream_synchronize(stream)  # what the stream wrote must be in before we copy it out
+        # What the stream wrote must be in before we copy it out. Bounded: a grouped combine's stream waits
+        # for the caller's group_done, which the host's bound lifts after a timeout, but a stream stuck
+        # behind work nothing lifts (the caller's, in a hardware queue its streams share) would hold the
+        # host here for good. Past twice the timeout the call has failed already: nothing crosses, and the
+        # peers' waits for this rank's part time out naming it.
+        if not poll(lambda: self.backend.stream_done(stream), time.monotonic() + 2 * self.timeout):
+            return
         outgoing = []
-        for t in transfers:
+        for t in transfers:  # (on our stream: a copy on the null stream would wait for the caller's work there)
             outgoing.append(np.empty(t.nbytes, np.uint8))
-            self.backend.copy_to_host(outgoing[-1], t.send)
+            self.backend.copy_to_host(outgoing[-1], t.send, stream)
         for t, data in zip(transfers, self._swap([(t.peer, buf) for t, buf in zip(transfers, outgoing)])):
             if data is not None:
-                self.backend.copy_to_device(t.recv, data)
+                self.backend.copy_to_device(t.recv, data, stream)
 
     def _swap_host(self, transfers: list[Transfer]) -> None:
         from .host_kernels import mem

@@ -256,6 +256,32 @@ def test_mpi_engine_tags_per_peer_and_all_or_nothing():
     assert (got[0] == 2).all() and (got[2] == 2).all()
 
 
+@pytest.mark.parametrize("drains", [True, False], ids=["drains", "stuck"])
+def test_mpi_engine_copies_out_once_the_stream_drains_and_never_waits_for_it_unbounded(drains):
+    """The GPU's bytes are copied out once the stream has finished, on that stream (not the null stream,
+    which would wait for the caller's work there); a stream that never finishes is given up on after
+    twice the timeout, with nothing sent, and the peers' waits for this rank's part name it."""
+    import time
+    from pyhipa2a.internode import MpiEngine, Transfer
+    copies = []
+
+    class Streams(_FakeStreams):
+        def copy_to_host(self, dst, src, stream=None):
+            copies.append(("out", src, stream))
+
+        def copy_to_device(self, dst, src, stream=None):
+            copies.append(("in", dst, stream))
+
+    comm = _FakeComm()
+    engine = MpiEngine(Streams(busy_polls=2 if drains else 10**9), comm, timeout=0.05)
+    start = time.monotonic()
+    engine.exchange([Transfer(1, 100, 200, 4)], stream="ours")
+    if drains:
+        assert copies == [("out", 100, "ours"), ("in", 200, "ours")] and comm.recvs == [(1, 0)]
+    else:
+        assert copies == [] and comm.recvs == [] and 0.09 < time.monotonic() - start < 5
+
+
 def test_default_engine_is_mpi_where_exchange_peers_share_a_gpu():
     """NCCL refuses a communicator with two ranks on one GPU (simulated nodes sharing a GPU under MPS):
     without an engine named, those exchanges go through MPI; distinct GPUs get NCCL/RCCL."""
