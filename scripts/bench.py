@@ -70,6 +70,7 @@ from pyhipa2a import AllToAll, SymmetricHeap, get_backend  # noqa: E402
 from pyhipa2a.config import LAYOUT_CHOICES, STREAM_CHOICES  # noqa: E402
 from pyhipa2a.dtypes import FP8_BLOCK  # noqa: E402
 from pyhipa2a.kernels import KernelLibrary, route_chunks  # noqa: E402
+from pyhipa2a.repeat import COMPILED as PLANS_IN_C  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, dispatch_uploaded, draw_world,  # noqa: E402
                               dtype_arguments, failure_line, free_inputs, fused_combine, inputs_as_given, poison,
@@ -710,6 +711,10 @@ def report(args, backend, bw: dict, rows, sweep, fast_cpus: bool) -> None:
     per_node = os.environ.get("PYHIPA2A_RANKS_PER_NODE")
     nodes = f", simulated nodes of {per_node} ranks (PYHIPA2A_RANKS_PER_NODE)" if per_node else ""
     print(f"command ({world} ranks{nodes}): {command}")
+    # (host figures of repeated calls depend on it: a run whose code objects were copied in over a build may
+    # have lost the helper, and its calls then take the Python executor unseen)
+    print("repeated calls: " + ("the C helper" if PLANS_IN_C else "the Python executor (no C helper: "
+                                "python -m pyhipa2a.build --only host), which makes host figures larger"))
     print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
           f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
     print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median; "
@@ -739,7 +744,7 @@ def report(args, backend, bw: dict, rows, sweep, fast_cpus: bool) -> None:
                        "inputs": args.inputs, "producer_order": args.producer_order, "calls_on": args.calls_on,
                        "dispatch_dtype": args.dispatch_dtype, "fp8_input": args.fp8_input,
                        "row_layout": args.row_layout, "fast_cpus": fast_cpus,
-                       "full_speed_slack": args.full_speed_slack,
+                       "full_speed_slack": args.full_speed_slack, "plans_in_c": PLANS_IN_C,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
     if args.plot:

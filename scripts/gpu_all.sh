@@ -3,7 +3,8 @@
 # validation of scripts/gpu_validate.sh, then the benchmark shapes, the sweep
 # and the stress run; logs and JSON under $OUT (or ./out), tables last.
 #   bash scripts/gpu_all.sh [ranks]      (default: one rank per GPU)
-# Build the code objects first (python -m pyhipa2a.build) or carry pyhipa2a/_code.
+# Build the code objects first (python -m pyhipa2a.build) or carry pyhipa2a/_code (gpu_validate.sh, run
+# first, builds the host's helpers here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-out}; mkdir -p "$OUT"

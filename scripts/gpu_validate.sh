@@ -6,6 +6,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# The host's helpers (the C executor of repeated calls, XLA's handler) built for this machine's Python and
+# jaxlib: code objects copied in over a build replace them, and host figures would be the Python executor's.
+python3 -m pyhipa2a.build --only host > "$OUT/build_host.txt" 2>&1 || { cat "$OUT/build_host.txt"; exit 1; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 # More ranks than GPUs (8 ranks on one GPU, say): ranks then share a GPU, and since the blocks of

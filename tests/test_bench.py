@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from pyhipa2a import repeat
 from tests.mpi_harness import BACKENDS, REPO, env_backend, gpu_count, ranks_for, run_case, run_mpi
 
 PHASES = ("dispatch", "gemm", "combine", "e2e")
@@ -34,6 +35,9 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
     pickable = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= ranks
     assert report["fast_cpus"] == pickable and report["full_speed_slack"] == float("inf"), report
     assert report["lockstep_calls"] == lockstep_calls
+    # Which executor the repeated calls took, said beside the host figures it sets (the ranks' own import)
+    assert report["plans_in_c"] == repeat.COMPILED
+    assert ("repeated calls: the C helper" if repeat.COMPILED else "repeated calls: the Python executor") in run.stdout
     rows = report["shapes"] + report["sweep"]
     assert len(report["shapes"]) == 1
     assert [r["tokens"] for r in report["sweep"]] == ([1, 8, 32, 64, 128, 256] if sweep else [])
