@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one go, logs under $OUT (or ./out):
-#   bash scripts/gpu_validate.sh [ranks]      (default: one rank per GPU)
+#   bash scripts/gpu_validate.sh [ranks]      (default: one rank per GPU; ONLY, GPU_TESTS: below)
 # Build the code objects first (python -m pyhipa2a.build) or carry pyhipa2a/_code.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,14 @@ if [ "${MPS:-0}" = 1 ]; then
 fi
 MPIRUN=${MPIRUN:-"mpirun --allow-run-as-root --bind-to none --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none"}
 declare -A RESULT
-step() { local name=$1; shift; echo "== $name: $*"; timeout 900 "$@" >"$OUT/$name.log" 2>&1; RESULT[$name]=$?; tail -n 25 "$OUT/$name.log"; }
+# The whole run outlasts a lent machine's call (600 s) at 2 ranks; a run in parts names its steps in ONLY
+# (e.g. ONLY="check check_fused pytest_gpu_2ranks") and the pytest steps' tests in GPU_TESTS (default: tests).
+ONLY=${ONLY:-}; GPU_TESTS=${GPU_TESTS:-tests}
+step() {
+  local name=$1; shift
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  echo "== $name: $*"; timeout 900 "$@" >"$OUT/$name.log" 2>&1; RESULT[$name]=$?; tail -n 25 "$OUT/$name.log"
+}
 step heap_check $MPIRUN -n "$N" python3 scripts/heap_check.py
 step check $MPIRUN -n "$N" python3 scripts/check.py
 step check_fused $MPIRUN -n "$N" python3 scripts/check.py --fused-expert
@@ -43,12 +50,12 @@ python3 -c "import cupy" 2>/dev/null && step cupy_moe $MPIRUN -n "$N" python3 sc
 if [ "${MPS:-0}" != 1 ] && [ "$N" -ge 2 ] && python3 -c "import jax" 2>/dev/null; then
   step jax_moe_devices env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 scripts/jax_moe.py --devices "$N"
 fi
-step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu tests
+step pytest_gpu_${N}ranks env PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu $GPU_TESTS
 # Stream waits (groups, the collective matmul) with every stream of a rank in one hardware queue: work queued
 # behind a wait that never passes then waits too, whatever its stream, as it may where streams share queues.
 step one_queue env CUDA_DEVICE_MAX_CONNECTIONS=1 PYHIPA2A_TEST_GPU_RANKS="$N" python3 -m pytest -q -m gpu \
   tests/test_groups.py tests/test_collective.py
-[ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu tests
+[ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu $GPU_TESTS
 echo "== summary ($N ranks)"
 rc=0; for k in "${!RESULT[@]}"; do printf '%-22s %s\n' "$k" "$([ "${RESULT[$k]}" = 0 ] && echo PASS || echo "FAIL (${RESULT[$k]})")"; [ "${RESULT[$k]}" = 0 ] || rc=1; done
 exit $rc
