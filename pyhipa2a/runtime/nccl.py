@@ -207,8 +207,8 @@ class NcclComm:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.timeout = float(timeout)
         self.aborted = self._closed = False
-        self._release: threading.Thread | None = None  # the abort's ncclCommAbort (abort())
-        self._release_error: NcclFailure | None = None
+        self._abort_thread: threading.Thread | None = None  # runs ncclCommAbort (abort())
+        self._abort_error: NcclFailure | None = None
         self._handle = _COMM()
         self._state = _RESULT()  # reused by every poll: no allocation on the exchange path
         self._state_ptr = ctypes.pointer(self._state)
@@ -240,13 +240,13 @@ class NcclComm:
             message = self._lib.describe("ncclCommInitRankConfig", code, self._handle)
             if self._handle.value:  # a communicator may exist even so: release it
                 self.abort()
-                self._join_release()
+                self._join_abort()
             raise NcclFailure(message)
         try:
             self._finish("ncclCommInitRankConfig")
         except NcclFailure:
             self.abort()  # the caller gets no object to close (a no-op after a timeout's own abort)
-            self._join_release()
+            self._join_abort()
             raise
 
     def _async_state(self) -> int:
@@ -311,37 +311,37 @@ class NcclComm:
         """Stop the communicator now, without waiting for the device. Idempotent.
 
         ncclCommAbort raises NCCL's abort flag first, which ends its kernels, then frees device memory, and
-        freeing waits for the whole device: a stream stuck anywhere on it (the caller's expert, whose wait
-        for its input timed out) would hang the caller inside the call that reports that timeout. So the
-        call runs on a thread of its own; close() waits for it."""
+        freeing waits for the whole device: a stream stuck anywhere on it (the caller's expert, stuck before
+        its group_done) would hang the caller inside the call that reports the timeout. So the call runs on
+        a thread of its own; close() waits for it."""
         if self.aborted or self._closed:
             return
         self.aborted = True
         handle, self._handle = self._handle, _COMM()
         if handle.value:
-            self._release = threading.Thread(target=self._abort_handle, args=(handle,), daemon=True,
-                                             name=f"pyhipa2a NCCL abort (rank {self.rank})")
-            self._release.start()
+            self._abort_thread = threading.Thread(target=self._abort_handle, args=(handle,), daemon=True,
+                                                  name=f"pyhipa2a NCCL abort (rank {self.rank})")
+            self._abort_thread.start()
 
     def _abort_handle(self, handle: _COMM) -> None:
         try:
             self._lib.call("ncclCommAbort", handle)
         except NcclFailure as e:
-            self._release_error = e
+            self._abort_error = e
 
-    def _join_release(self) -> NcclFailure | None:
+    def _join_abort(self) -> NcclFailure | None:
         """Wait (bounded) for the abort's thread; what ncclCommAbort reported, if it failed. A thread still
         running after the timeout is left to finish when the device's stuck work does, with a warning."""
-        release, self._release = self._release, None
-        if release is None:
+        thread, self._abort_thread = self._abort_thread, None
+        if thread is None:
             return None
-        release.join(self.timeout)
-        if release.is_alive():
+        thread.join(self.timeout)
+        if thread.is_alive():
             warnings.warn(f"NCCL's abort on rank {self.rank} still waits for the device after {self.timeout:.1f} s "
                           f"(work queued on it never finishes); it ends when that work does", RuntimeWarning,
                           stacklevel=3)
             return None
-        error, self._release_error = self._release_error, None
+        error, self._abort_error = self._abort_error, None
         return error
 
     def close(self) -> None:
@@ -358,7 +358,7 @@ class NcclComm:
                 self._finalize()
                 return
             self.abort()
-        error = self._join_release()
+        error = self._join_abort()
         if error is not None:
             raise error
 
@@ -368,7 +368,7 @@ class NcclComm:
             self._finish("ncclCommFinalize")
         except NcclFailure:
             self.abort()  # no-op after _finish's own abort on a timeout
-            self._join_release()  # (the finalize's failure is the one raised)
+            self._join_abort()  # (the finalize's failure is the one raised)
             raise
         self._closed = True
         handle, self._handle = self._handle, _COMM()
