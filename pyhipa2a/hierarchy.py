@@ -91,9 +91,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             health = NodesHealth(exchange.buffers.status, rank, layout, self._engine)
             self._make_regions(settled, layout, exchange)
         except BaseException:
-            self._close_own(broken=True)
-            exchange.close(broken=True)
-            self._free_comms()
+            self._close_parts_of(exchange, broken=True)
             raise
         return settled, exchange, health, rank
 
@@ -264,20 +262,26 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         return self._engine
 
     def _close_own(self, broken: bool) -> None:
-        if self._engine is not None:
-            self._engine.close(broken)
-        if self._free is not None:
-            self._free()
+        try:
+            if self._engine is not None:
+                self._engine.close(broken)
+        finally:
+            if self._free is not None:
+                self._free()
 
     def _free_comms(self) -> None:
         for c in self._comms:
             c.Free()
 
     def _close_parts(self, broken: bool) -> None:
+        self._close_parts_of(self._exchange, broken)
+
+    def _close_parts_of(self, exchange, broken: bool) -> None:
+        """Ours, then the node's exchange, then the communicators: each whatever the one before raised."""
         try:
             self._close_own(broken)
         finally:
             try:
-                self._exchange.close(broken)
+                exchange.close(broken)
             finally:
                 self._free_comms()

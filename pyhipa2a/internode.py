@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .bootstrap import poll
+from .errors import A2ATimeoutError
 
 
 class Transfer(NamedTuple):
@@ -41,7 +42,8 @@ class MpiEngine:
         # for the caller's group_done, which the host's bound lifts after a timeout, but a stream stuck
         # behind work nothing lifts (the caller's, in a hardware queue its streams share) would hold the
         # host here for good. Past twice the timeout the call has failed already: nothing crosses, and the
-        # peers' waits for this rank's part time out naming it.
+        # peers' waits for this rank's part time out naming it. (The copies below still wait for their
+        # own: work stuck in a shared queue between this poll and them would hold them.)
         if not poll(lambda: self.backend.stream_done(stream), time.monotonic() + 2 * self.timeout):
             return
         outgoing = []
@@ -105,6 +107,12 @@ def _tags_per_peer(peers: list[int]) -> list[int]:
     return tags
 
 
+# After an abort, what is left on an exchange's stream is ours: kernels that read the regions, then wait for
+# the node's peers, each wait bounded by the timeout, a few in a row (calls queued behind a failed one report
+# at once). A stream still running this many timeouts later waits for something else.
+DRAIN_TIMEOUTS = 3
+
+
 class NcclEngine:
     capturable = True
 
@@ -128,11 +136,11 @@ class NcclEngine:
 
     def settle(self, stream) -> None:
         """Wait for `stream` without hanging: abort the communicator when its work has not finished
-        `timeout` seconds after this wait began, or NCCL reports an error (the kernels then report). An
-        abort ends NCCL's kernels, but the stream may also wait for work outside ours (a producer's stream
-        that never finishes): one that has not finished `timeout` seconds after the abort raises
-        NcclTimeout, so that no caller goes on to wait for it without a bound."""
-        from .runtime.nccl import NcclFailure, NcclTimeout
+        `timeout` seconds after this wait began, or NCCL reports an error (the kernels then report). The
+        abort ends NCCL's kernels; what is left is ours, each wait bounded by the timeout, unless the stream
+        also waits for work outside ours (a producer's stream that never finishes): past DRAIN_TIMEOUTS
+        more timeouts this raises A2ATimeoutError, so that no caller goes on to wait for it without a bound."""
+        from .runtime.nccl import NcclFailure
 
         def done() -> bool:
             return self.backend.stream_done(stream)
@@ -149,17 +157,17 @@ class NcclEngine:
             except NcclFailure:
                 pass
             self.abort()
-        if not poll(done, time.monotonic() + self.timeout):
-            raise NcclTimeout(f"the stream of the exchange between nodes had not finished {self.timeout:.1f} s "
-                              f"after the NCCL communicator was aborted (it waits for work that never ends)")
+        if not poll(done, time.monotonic() + DRAIN_TIMEOUTS * self.timeout):
+            raise A2ATimeoutError(f"the stream of the exchange between nodes had not finished "
+                                  f"{DRAIN_TIMEOUTS * self.timeout:.1f} s after the NCCL communicator was aborted: "
+                                  f"it waits for work that never finishes")
 
     def abort(self) -> None:
         self.nccl.abort()
 
     def close(self, broken: bool) -> None:
-        """`broken`: a call failed, and a peer may have aborted its side already; NCCL's finalize could
-        then wait for it (past our timeout, to raise from a close that follows a reported failure), so
-        the communicator is aborted instead."""
+        """Finalize the communicator, or abort it where a call failed (`broken`): a peer may have aborted
+        its own already, and a finalize would wait for it until the timeout, then raise from close()."""
         if broken:
             self.nccl.abort()
         self.nccl.close()

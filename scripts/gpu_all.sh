@@ -14,6 +14,7 @@ N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 MPIRUN=${MPIRUN:-"mpirun --allow-run-as-root --bind-to none --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none"}
 # In parts (a lent machine's call lasts 600 s): gpu_validate.sh's own parts first, then VALIDATE=0 here.
 if [ "${VALIDATE:-1}" = 0 ]; then
+  rm -f "$OUT/validate.txt"  # (an earlier part's: its steps are in its own table)
   python3 -m pyhipa2a.build --only host > "$OUT/build_host.txt" 2>&1; validate=$?
 else
   bash scripts/gpu_validate.sh "$N" > "$OUT/validate.txt" 2>&1; validate=$?
@@ -55,7 +56,7 @@ if [ "$N" -ge 2 ] && command -v nvcc > /dev/null; then
   { nvcc -O3 -arch=native -o "$OUT/link_probe" scripts/link_probe.cu && timeout 300 "$OUT/link_probe"; } \
     > "$OUT/link_probe.txt" 2>&1 || link=1
 fi
-sed -n '/^== summary/,$p' "$OUT/validate.txt"
+sed -n '/^== summary/,$p' "$OUT/validate.txt" 2>/dev/null
 tail -n 3 "$OUT/stress.txt"
 sed -n '/^pyhipa2a bench/,$p' "$OUT/bench.txt"
 sed -n '/^shape /,$p' "$OUT/bench_fused.txt"

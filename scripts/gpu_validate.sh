@@ -57,5 +57,6 @@ step one_queue env CUDA_DEVICE_MAX_CONNECTIONS=1 PYHIPA2A_TEST_GPU_RANKS="$N" py
   tests/test_groups.py tests/test_collective.py
 [ "$N" -gt 1 ] && step pytest_gpu_1rank env PYHIPA2A_TEST_GPU_RANKS=1 python3 -m pytest -q -m gpu $GPU_TESTS
 echo "== summary ($N ranks)"
+[ "${#RESULT[@]}" -gt 0 ] || { echo "no step ran (ONLY=\"$ONLY\" names none)"; exit 1; }
 rc=0; for k in "${!RESULT[@]}"; do printf '%-22s %s\n' "$k" "$([ "${RESULT[$k]}" = 0 ] && echo PASS || echo "FAIL (${RESULT[$k]})")"; [ "${RESULT[$k]}" = 0 ] || rc=1; done
 exit $rc

@@ -11,7 +11,8 @@
     fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 // Each warp copies whole items (item_vec 16-byte vectors), UNROLL loads in flight per lane before its
-// stores; every `flag_every` items (0: never) the warp's lane 0 releases a flag at system scope.
+// stores; after every `flag_every` items (0: never), and after its last, the warp's lane 0 releases a flag
+// at system scope.
 template <int UNROLL>
 __global__ void copy_items(const int4* __restrict__ src, int4* __restrict__ dst, size_t items, int item_vec,
                            int flag_every, unsigned* flags) {
@@ -29,7 +30,7 @@ __global__ void copy_items(const int4* __restrict__ src, int4* __restrict__ dst,
 #pragma unroll
       for (int u = 0; u < UNROLL; u++) if (base + u * 32 < item_vec) d[base + u * 32] = v[u];
     }
-    if (flag_every && ++since == flag_every) {
+    if (flag_every && (++since == flag_every || it + warps >= items)) {  // (a warp's last chunk too)
       since = 0;
       __syncwarp();
       if (lane == 0) {
@@ -108,7 +109,7 @@ int main() {
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  printf("link_probe: %s x2, %d SMs, %zu MB a direction, 256 threads a block; GB/s a direction (min of 5)\n",
+  printf("link_probe: %s x2, %d SMs, %zu MB a direction, 256 threads a block; GB/s a direction (best of 5)\n",
          prop.name, prop.multiProcessorCount, kBytes >> 20);
   const char* modes[] = {"pull", "push", "local"};
   const int grids[] = {16, 33, 66, 132, 264};

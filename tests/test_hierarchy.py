@@ -174,8 +174,8 @@ def test_nccl_engine_watchdog_aborts_a_stream_past_the_timeout(exchanged, drains
     then it waits, bounded, for the stream to drain, and raises where it does not (it waits for work
     outside ours), so that synchronize() never goes on to wait for it."""
     import time
-    from pyhipa2a.internode import Transfer
-    from pyhipa2a.runtime.nccl import NcclTimeout
+    from pyhipa2a import A2ATimeoutError
+    from pyhipa2a.internode import DRAIN_TIMEOUTS, Transfer
     nccl = _FakeNccl(times_out=False)
 
     class Streams(_FakeStreams):
@@ -188,11 +188,12 @@ def test_nccl_engine_watchdog_aborts_a_stream_past_the_timeout(exchanged, drains
     start = time.monotonic()
     if drains:
         engine.settle(None)
+        assert 0.05 <= time.monotonic() - start < 5
     else:
-        with pytest.raises(NcclTimeout, match="had not finished 0.1 s after the NCCL communicator was aborted"):
+        with pytest.raises(A2ATimeoutError, match="had not finished [0-9.]+ s after the NCCL communicator was abort"):
             engine.settle(None)
+        assert 0.05 * (1 + DRAIN_TIMEOUTS) <= time.monotonic() - start < 5
     assert nccl.aborted and nccl.polls > 0
-    assert 0.04 < time.monotonic() - start < 5
 
 
 def test_nccl_engine_watchdog_spares_a_stream_that_finishes():
@@ -267,17 +268,17 @@ def test_mpi_engine_copies_out_once_the_stream_drains_and_never_waits_for_it_unb
 
     class Streams(_FakeStreams):
         def copy_to_host(self, dst, src, stream=None):
-            copies.append(("out", src, stream))
+            copies.append(("out", src, stream, self.busy < 0))  # (drained by then)
 
         def copy_to_device(self, dst, src, stream=None):
-            copies.append(("in", dst, stream))
+            copies.append(("in", dst, stream, self.busy < 0))
 
     comm = _FakeComm()
     engine = MpiEngine(Streams(busy_polls=2 if drains else 10**9), comm, timeout=0.05)
     start = time.monotonic()
     engine.exchange([Transfer(1, 100, 200, 4)], stream="ours")
     if drains:
-        assert copies == [("out", 100, "ours"), ("in", 200, "ours")] and comm.recvs == [(1, 0)]
+        assert copies == [("out", 100, "ours", True), ("in", 200, "ours", True)] and comm.recvs == [(1, 0)]
     else:
         assert copies == [] and comm.recvs == [] and 0.09 < time.monotonic() - start < 5
 

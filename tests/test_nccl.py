@@ -399,12 +399,16 @@ def test_abort_returns_while_the_device_is_stuck_and_close_waits_for_it():
     abort() returns at once; close() waits for NCCL's release, and raises what it reported."""
     fake = StuckDevice(abort_result=INVALID_ARGUMENT)
     comm, _ = make_comm(fake, size=2, timeout=5.0)
-    threading.Timer(1.0, fake.drained.set).start()  # (the device drains in a second)
-    comm.abort()
-    assert not fake.drained.is_set(), "abort() waited for the device"
-    assert comm.aborted and fake.began.wait(5.0)
-    with pytest.raises(NcclFailure, match="ncclCommAbort failed: invalid argument"):
-        comm.close()
+    drains = threading.Timer(1.0, fake.drained.set)  # (the device drains in a second)
+    drains.start()
+    try:
+        comm.abort()
+        assert not fake.drained.is_set(), "abort() waited for the device"
+        assert comm.aborted and fake.began.wait(5.0)
+        with pytest.raises(NcclFailure, match="ncclCommAbort failed: invalid argument"):
+            comm.close()
+    finally:
+        fake.drained.set()
     comm.close()
     assert fake.names().count("ncclCommAbort") == 1
 
@@ -412,10 +416,12 @@ def test_abort_returns_while_the_device_is_stuck_and_close_waits_for_it():
 def test_close_leaves_an_abort_the_device_never_lets_finish_with_a_warning():
     fake = StuckDevice()
     comm, _ = make_comm(fake, size=2, timeout=0.05)
-    comm.abort()
-    with pytest.warns(RuntimeWarning, match="NCCL's abort on rank 0 still waits for the device after 0.1 s"):
-        comm.close()
-    fake.drained.set()
+    try:
+        comm.abort()
+        with pytest.warns(RuntimeWarning, match="NCCL's abort on rank 0 still waits for the device after 0.1 s"):
+            comm.close()
+    finally:
+        fake.drained.set()
 
 
 def test_close_finalizes_then_destroys_once():

@@ -195,7 +195,8 @@ def _declare(cdll, path: str) -> None:
 
 class NcclComm:
     """An NCCL communicator over an mpi4py communicator's ranks, made collectively, each with its device current.
-    A step past `timeout` aborts it and raises NcclTimeout naming the step. One thread drives it."""
+    A step past `timeout` aborts it and raises NcclTimeout naming the step. One thread drives it (an abort's
+    ncclCommAbort runs on a thread of its own, the communicator's handle already given up)."""
 
     def __init__(self, library: NcclLibrary, comm, timeout: float):
         if timeout <= 0:
