@@ -1,7 +1,8 @@
 // What one NVLink pair moves, as the exchange kernels would move it: peer loads (the receiver pulls, as
 // prefill-sized calls do today) against peer stores (the sender pushes), one direction and both at once,
-// by grid size and by item size (a 2 KB segment, a 14 KB row of 7168 16-bit values), and what a release
-// flag costs per item or per chunk of items when pushing. One process drives GPUs 0 and 1.
+// by grid size and by item size (a 2 KB segment, a 14 KB row of 7168 16-bit values), what a release flag
+// costs per item or per chunk of items when pushing, and what pulls give while each item is also stored to
+// several places in memory, as dispatch's rows are. One process drives GPUs 0 and 1.
 //   nvcc -O3 -arch=native -o link_probe scripts/link_probe.cu && ./link_probe   (scripts/gpu_all.sh runs it)
 #include <cstdio>
 #include <cstdlib>
@@ -11,11 +12,12 @@
     fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 // Each warp copies whole items (item_vec 16-byte vectors), UNROLL loads in flight per lane before its
-// stores; after every `flag_every` items (0: never), and after its last, the warp's lane 0 releases a flag
-// at system scope.
+// stores, each item to `copies` places a whole buffer apart (dispatch stores a row for each of the rank's
+// experts a token chose); after every `flag_every` items (0: never), and after its last, the warp's lane 0
+// releases a flag at system scope.
 template <int UNROLL>
 __global__ void copy_items(const int4* __restrict__ src, int4* __restrict__ dst, size_t items, int item_vec,
-                           int flag_every, unsigned* flags) {
+                           int copies, int flag_every, unsigned* flags) {
   const int lane = threadIdx.x & 31;
   const size_t warp = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5;
   const size_t warps = (gridDim.x * (size_t)blockDim.x) >> 5;
@@ -27,8 +29,11 @@ __global__ void copy_items(const int4* __restrict__ src, int4* __restrict__ dst,
       int4 v[UNROLL];
 #pragma unroll
       for (int u = 0; u < UNROLL; u++) if (base + u * 32 < item_vec) v[u] = s[base + u * 32];
+      for (int c = 0; c < copies; c++) {
+        int4* place = d + c * items * item_vec;
 #pragma unroll
-      for (int u = 0; u < UNROLL; u++) if (base + u * 32 < item_vec) d[base + u * 32] = v[u];
+        for (int u = 0; u < UNROLL; u++) if (base + u * 32 < item_vec) place[base + u * 32] = v[u];
+      }
     }
     if (flag_every && (++since == flag_every || it + warps >= items)) {  // (a warp's last chunk too)
       since = 0;
@@ -44,23 +49,25 @@ __global__ void copy_items(const int4* __restrict__ src, int4* __restrict__ dst,
 struct Side { int dev; cudaStream_t stream; cudaEvent_t start, stop; int4 *local, *staging; unsigned* flags; };
 
 constexpr size_t kBytes = 256ull << 20;  // per direction (less the tail that fills no whole item)
+constexpr int kMaxCopies = 4;
 
 static void launch(const Side& on, const int4* src, int4* dst, int item_bytes, int blocks, int unroll,
-                   int flag_every, unsigned* flags) {
+                   int copies, int flag_every, unsigned* flags) {
   CHECK(cudaSetDevice(on.dev));
   int item_vec = item_bytes / 16;
   size_t items = kBytes / item_bytes;
   if (unroll == 4)
-    copy_items<4><<<blocks, 256, 0, on.stream>>>(src, dst, items, item_vec, flag_every, flags);
+    copy_items<4><<<blocks, 256, 0, on.stream>>>(src, dst, items, item_vec, copies, flag_every, flags);
   else
-    copy_items<8><<<blocks, 256, 0, on.stream>>>(src, dst, items, item_vec, flag_every, flags);
+    copy_items<8><<<blocks, 256, 0, on.stream>>>(src, dst, items, item_vec, copies, flag_every, flags);
   CHECK(cudaGetLastError());
 }
 
 // mode 0: pull (the kernel runs on the receiver, loads from the peer); 1: push (runs on the sender, stores
 // to the peer); 2: local (both pointers on the kernel's own GPU: the receiver's move at HBM speed).
 // both: each GPU sends to the other at once. Returns GB/s per direction (the slower side).
-static double run(Side* side, int mode, bool both, int item_bytes, int blocks, int unroll, int flag_every) {
+static double run(Side* side, int mode, bool both, int item_bytes, int blocks, int unroll, int flag_every,
+                  int copies = 1) {
   const int reps = 5;
   float best = 1e30f;
   for (int r = 0; r < reps + 1; r++) {
@@ -72,7 +79,8 @@ static double run(Side* side, int mode, bool both, int item_bytes, int blocks, i
       int4* dst = mode == 2 ? sender.staging : receiver.staging;
       CHECK(cudaSetDevice(runner.dev));
       CHECK(cudaEventRecord(runner.start, runner.stream));
-      launch(runner, src, dst, item_bytes, blocks, unroll, flag_every, mode == 1 ? receiver.flags : runner.flags);
+      launch(runner, src, dst, item_bytes, blocks, unroll, copies, flag_every,
+             mode == 1 ? receiver.flags : runner.flags);
       CHECK(cudaEventRecord(runner.stop, runner.stream));
     }
     float worst = 0;
@@ -103,7 +111,7 @@ int main() {
     CHECK(cudaEventCreate(&s.start));
     CHECK(cudaEventCreate(&s.stop));
     CHECK(cudaMalloc(&s.local, kBytes));
-    CHECK(cudaMalloc(&s.staging, kBytes));
+    CHECK(cudaMalloc(&s.staging, kMaxCopies * kBytes));
     CHECK(cudaMalloc(&s.flags, 1 << 20));
     CHECK(cudaMemset(s.local, d + 1, kBytes));
   }
@@ -134,6 +142,17 @@ int main() {
   for (int k : {0, 1, 4, 16}) {
     printf("%-8d", k);
     for (int g : grids) printf(" %9.1f", run(side, 1, true, 14336, g, 4, k));
+    printf("\n");
+  }
+  // Pull, each item stored to c places here, as dispatch's fan-out does (c = 4 at 2 ranks and k = 8): the
+  // link and the memory at once. GB/s a direction through the link.
+  printf("pull, both directions, 14336 B items, unroll 4, each item stored to c places (link GB/s):\n");
+  printf("%-8s", "c");
+  for (int g : grids) printf(" %6d bl", g);
+  printf("\n");
+  for (int c = 1; c <= kMaxCopies; c *= 2) {
+    printf("%-8d", c);
+    for (int g : grids) printf(" %9.1f", run(side, 0, true, 14336, g, 4, 0, c));
     printf("\n");
   }
   return 0;
