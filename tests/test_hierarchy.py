@@ -49,7 +49,8 @@ def test_nodes_against_oracle(name, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_nodes_meta_names_true_source", "case_nodes_graph", "case_nodes_bad_inputs",
-                                  "case_nodes_launch_sites_made_ahead", "case_nodes_repeated_calls"])
+                                  "case_nodes_launch_sites_made_ahead", "case_nodes_repeated_calls",
+                                  "case_nodes_teardown_goes_on_after_the_engine_fails"])
 def test_nodes_cases(case, backend):
     ranks, G = layout_for(backend)
     run_case(CASE + case, ranks, env_backend(backend), args=(G,))

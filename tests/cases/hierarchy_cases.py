@@ -254,6 +254,23 @@ def case_nodes_peer_never_arrives(comm, G="2", who="node", leg="dispatch"):
         comm.Barrier()  # the late ranks close only after the others saw the timeout
 
 
+def case_nodes_teardown_goes_on_after_the_engine_fails(comm, G="2"):
+    """A close whose engine fails (NCCL reporting its abort failed, say) still closes the node's exchange,
+    its heap with it, and the communicators, then raises the engine's error; a second close does nothing."""
+    from pyhipa2a.errors import RuntimeFailure
+    world = comm.Get_size()
+    a2a = AllToAll(comm, num_experts=2 * world, experts_per_token=1, hidden_dim=8, max_num_tokens=2,
+                   ranks_per_node=int(G))
+
+    def failing_close(broken):
+        raise RuntimeFailure("the engine's close failed")
+    a2a.engine.close = failing_close
+    with pytest.raises(RuntimeFailure, match="the engine's close failed"):
+        a2a.close()
+    assert a2a.heap.closed
+    a2a.close()
+
+
 def case_nodes_bad_config(comm):
     """A ranks_per_node that cannot split the ranks, or that ranks disagree on: a clear error on every
     rank before anything is allocated."""
