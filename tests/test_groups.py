@@ -53,7 +53,7 @@ def test_groups_refusals(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("queues,nodes", [(None, False), ("1", False), (None, True)])
+@pytest.mark.parametrize("queues,nodes", [(None, False), ("1", False), (None, True), ("1", True)])
 def test_group_done_never_comes(queues, nodes):
     """(queues "1": every stream of a rank in one hardware queue, where work queued behind a stuck wait waits
     too, whatever its stream; nodes: simulated nodes of half the ranks)"""
