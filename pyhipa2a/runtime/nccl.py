@@ -240,14 +240,12 @@ class NcclComm:
         if code not in (_SUCCESS, _IN_PROGRESS):
             message = self._lib.describe("ncclCommInitRankConfig", code, self._handle)
             if self._handle.value:  # a communicator may exist even so: release it
-                self.abort()
-                self._join_abort()
+                self._abort_and_join()
             raise NcclFailure(message)
         try:
             self._finish("ncclCommInitRankConfig")
         except NcclFailure:
-            self.abort()  # the caller gets no object to close (a no-op after a timeout's own abort)
-            self._join_abort()
+            self._abort_and_join()  # the caller gets no object to close (after a timeout: already aborted)
             raise
 
     def _async_state(self) -> int:
@@ -330,9 +328,10 @@ class NcclComm:
         except NcclFailure as e:
             self._abort_error = e
 
-    def _join_abort(self) -> NcclFailure | None:
-        """Wait (bounded) for the abort's thread; what ncclCommAbort reported, if it failed. A thread still
-        running after the timeout is left to finish when the device's stuck work does, with a warning."""
+    def _abort_and_join(self) -> NcclFailure | None:
+        """abort(), then wait (bounded) for its thread; what ncclCommAbort reported, if it failed. A thread
+        still running after the timeout is left to finish when the device's stuck work does, with a warning."""
+        self.abort()
         thread, self._abort_thread = self._abort_thread, None
         if thread is None:
             return None
@@ -358,8 +357,7 @@ class NcclComm:
             if healthy:
                 self._finalize()
                 return
-            self.abort()
-        error = self._join_abort()
+        error = self._abort_and_join()
         if error is not None:
             raise error
 
@@ -368,8 +366,7 @@ class NcclComm:
             self._lib.call("ncclCommFinalize", self._handle, comm=self._handle, in_progress_ok=True)
             self._finish("ncclCommFinalize")
         except NcclFailure:
-            self.abort()  # no-op after _finish's own abort on a timeout
-            self._join_abort()  # (the finalize's failure is the one raised)
+            self._abort_and_join()  # (after a timeout: already aborted; the finalize's failure is the one raised)
             raise
         self._closed = True
         handle, self._handle = self._handle, _COMM()

@@ -25,6 +25,13 @@ def _nodes(comm, G: int) -> int:
     return comm.Get_size() // G
 
 
+def _small_call(comm, G: int) -> tuple:
+    """(world, E, k, H, M) of the small calls the graph and repeat cases make, at least two nodes of G checked."""
+    _nodes(comm, G)
+    world = comm.Get_size()
+    return world, 2 * world, 2, 128, 8
+
+
 def _route(inputs, world: int, G: int, E: int, k: int, where: str, seed: int):
     """Routing kept to some nodes: 'other' (every expert of a token on a node other than its rank's),
     'own' (all on its own node: nothing crosses between nodes), or 'random' (as drawn)."""
@@ -96,9 +103,7 @@ def case_nodes_graph(comm, G="2", launches="3"):
     """A captured step replays as a new call each launch, across nodes; a call on a stream that another
     library captures is refused before anything runs."""
     G = int(G)
-    _nodes(comm, G)
-    world = comm.Get_size()
-    E, k, H, M = 2 * world, 2, 128, 8
+    world, E, k, H, M = _small_call(comm, G)
     counts = [(3 * r + 1) % (M + 1) for r in range(world)]
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   ranks_per_node=G) as a2a:
@@ -137,9 +142,7 @@ def case_nodes_repeated_calls(comm, G="2"):
     from tests.cases import calls_watched
     from pyhipa2a.testing import check_call, poison
     G = int(G)
-    _nodes(comm, G)
-    world = comm.Get_size()
-    E, k, H, M = 2 * world, 2, 128, 8
+    world, E, k, H, M = _small_call(comm, G)
     counts = [(2 * r + 3) % (M + 1) for r in range(world)]
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   ranks_per_node=G) as a2a, calls_watched() as watched:
