@@ -10,11 +10,12 @@
 //      owner weights it), else the fp32 sum of w * scale * row over its
 //      experts here (rounded to the output's format when the caller
 //      asked for narrow partials: half the bytes, one more rounding); left
-//      in our own memory with a flag released into the owner's memory, or
-//      pushed into the owner's inbox;
+//      in our own memory with a flag released into the owner's memory,
+//      stored into the owner's memory before that flag (a posting call:
+//      exchange.h), or pushed into the owner's inbox;
 //   3. every token of ours is reduced as soon as its contributions are in:
 //      our own experts' rows straight from expert_y, each peer's
-//      contribution read from that peer's memory or from our inbox; fp32
+//      contribution read from that peer's memory, or from ours; fp32
 //      accumulation, one rounding to the output dtype.
 //
 // Two builds of the same steps, chosen by the host from the call's tokens
@@ -221,6 +222,13 @@ A2A_DEVICE void push_contribution(const Ctx& x, const u16* expert_y, const i32* 
   }
 }
 
+// Where rank `from`'s contribution to token t of rank `owner` lies when it is not pushed: in the
+// owner's memory when the call posts them (exchange.h), else in the contributor's.
+A2A_DEVICE u8* contribution_slot(const Ctx& x, u32 from, u32 owner, u32 t, bool posted) {
+  const u32 holder = posted ? owner : from, index = posted ? from : owner;
+  return sym<u8>(x.h, (int)holder, x.a.off_contrib) + ((u64)index * x.M + t) * x.a.hidden * 4u;
+}
+
 // A warp's scratch in shared memory: a token's expert rows and weights.
 struct WarpScratch {
   i32* slots;
@@ -261,18 +269,18 @@ A2A_DEVICE u32 last_group(const Ctx& x, const RowSlot& s, u32 here, u32 G, u32 l
 // The bulk kernel (Q = 1) takes whole (token, peer) items first while every
 // warp has one, as reduce_tokens does: the token's routing is loaded, and its
 // weights waited for, once for all of its segments, each segment's flag
-// still released as soon as it is written, in the order the owner reads them.
+// still released as soon as it is written, in the order the owner reads them
+// (`posted`: once the whole item is stored, all of its flags after one release).
 // `phase`, `G`: c's, or the whole combine's (0, 0) in a kernel that takes no parts.
 template <typename Fmt, u32 U>
 A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, const u32* pre,
-                                   u32 phase, u32 G) {
+                                   u32 phase, u32 G, bool posted) {
   constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
   const u32 me = (u32)x.h.rank, H = (u32)x.a.hidden, S = x.a.nseg;
   const u16* expert_y = reinterpret_cast<const u16*>(c.expert_y);
   const i32* rows = sym<i32>(x.h, (int)me, x.a.off_rows);
   const i32* slot_of = sym<i32>(x.h, (int)me, x.a.off_slot_of);
   const u64* w_in = sym<u64>(x.h, (int)me, x.a.off_w_in);
-  const u64 stride = (u64)H * 4u;
   const u32 pushed = pre[x.W + 3], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
   const u32 tokens = pre[x.W + 2] * peers;  // (peer, t), every peer counted as the one with the most tokens
   const u32 whole = Q == 1u ? tokens - tokens % g.warps : 0u, per_part = (tokens - whole) * S;
@@ -323,15 +331,19 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
       A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
       continue;
     }
-    u8* slot = sym<u8>(x.h, (int)me, x.a.off_contrib) + ((u64)src * x.M + t) * stride;
+    u8* slot = contribution_slot(x, me, src, t, posted);
     u32* flags = sym<u32>(x.h, (int)src, x.a.off_contrib_flag) + ((u64)me * x.M + t) * S;
+    const u32 first_seg = seg;
     for (u32 end = seg + segs; seg < end; ++seg) {
       const Elems in_seg = part_elems(x, seg, 0u, x.a.seg_elems);
       contribute<Fmt>(x, expert_y, sc.slots, here, w, c.expert_scale, slot, in_seg.begin, in_seg.end, g.lane);
       a2a_wave_sync();
-      if (g.lane == 0)  // the data stays here, the flag goes to the owner
+      if (!posted && g.lane == 0)  // the data stays here, the flag goes to the owner
         a2a_publish_own_sys(flags + seg, x.epoch, x.a.gpu_fence_publish);
     }
+    // Posted: the data went to the owner too; each lane's release (of the whole warp's stores, after
+    // the sync above) carries one of the item's flags, so a token pays one wait for the link, not S.
+    for (u32 s = first_seg + g.lane; posted && s < seg; s += A2A_WARP_SIZE) a2a_store_release_sys(flags + s, x.epoch);
     A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_CONTRIBUTE, t1, src | t << 8);
   }
 }
@@ -343,7 +355,7 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
 // came, reported). A 16-bit part is `raw` below; a narrow sum's weight is 1.
 template <typename Fmt, u32 U>
 A2A_DEVICE bool add_peer_part(const Ctx& x, float (&acc)[U][8], u32 r, u32 t, u32 bits, const float* w,
-                              u32 e0, u32 e_end, bool pushed) {
+                              u32 e0, u32 e_end, bool pushed, bool posted) {
   constexpr u32 STEP = A2A_WARP_SIZE * 8u;
   const u32 me = (u32)x.h.rank;
   const bool single = (bits & (bits - 1u)) == 0, raw = single || x.a.narrow_partials;
@@ -366,7 +378,7 @@ A2A_DEVICE bool add_peer_part(const Ctx& x, float (&acc)[U][8], u32 r, u32 t, u3
     }
     return true;
   }
-  const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * x.a.hidden * 4u;
+  const u8* part = contribution_slot(x, r, me, t, posted);
   if (raw) {
     const u16* row = reinterpret_cast<const u16*>(part);
     vec16 v[U];
@@ -385,7 +397,7 @@ A2A_DEVICE bool add_peer_part(const Ctx& x, float (&acc)[U][8], u32 r, u32 t, u3
 // The same for one element e (rows that are not 16-byte aligned).
 template <typename Fmt>
 A2A_DEVICE bool add_peer_part_at(const Ctx& x, float& acc, u32 r, u32 t, u32 bits, const float* w, u32 e,
-                                 bool pushed) {
+                                 bool pushed, bool posted) {
   const u32 me = (u32)x.h.rank;
   const bool single = (bits & (bits - 1u)) == 0, raw = single || x.a.narrow_partials;
   const float wr = single ? w[lowest_bit(bits)] : 1.f;
@@ -398,7 +410,7 @@ A2A_DEVICE bool add_peer_part_at(const Ctx& x, float& acc, u32 r, u32 t, u32 bit
     acc += raw ? wr * Fmt::load((u16)(v[0] >> (e & 1u) * 16u)) : __builtin_bit_cast(float, v[0]);
     return true;
   }
-  const u8* part = sym<u8>(x.h, (int)r, x.a.off_contrib) + ((u64)me * x.M + t) * x.a.hidden * 4u;
+  const u8* part = contribution_slot(x, r, me, t, posted);
   acc += raw ? wr * Fmt::load(reinterpret_cast<const u16*>(part)[e]) : reinterpret_cast<const float*>(part)[e];
   return true;
 }
@@ -417,10 +429,11 @@ A2A_DEVICE float own_weight(const Ctx& x, const float* weights, u32 t, u32 j) {
 // The bulk kernel (Q = 1) takes whole tokens while every warp has one, as
 // dispatch's fan_out does: a token's routing is then loaded once for all of
 // its segments. Lane r works out which of t's slots live on rank r.
-// Pulled parts wait for their segment's flag first; pushed ones (`pushed`:
+// Pulled and posted parts wait for their segment's flag first; pushed ones (`pushed`:
 // our dispatch asked the peers to push their parts back) are taken word by word.
 template <typename Fmt, u32 U>
-A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, bool pushed) {
+A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, bool pushed,
+                              bool posted) {
   constexpr u32 Q = A2A_CHUNKS / U, STEP = A2A_WARP_SIZE * 8u;
   __shared__ u32 here_buf[A2A_MAX_WARPS_PER_BLOCK][A2A_MAX_WORLD];
   u32* here = here_buf[g.warp_in_block];
@@ -485,14 +498,14 @@ A2A_DEVICE void reduce_tokens(const Ctx& x, const CombineCall& c, const WarpGrid
           if (mine) sum_rows<Fmt, U>(acc, expert_y, own, mine, w, scale, H, e0, e_end);
         }
         for (u32 r = 0; r < x.W && ok; ++r)
-          if (here[r] && r != me) ok = add_peer_part<Fmt, U>(x, acc, r, t, here[r], w, e0, e_end, pushed);
+          if (here[r] && r != me) ok = add_peer_part<Fmt, U>(x, acc, r, t, here[r], w, e0, e_end, pushed, posted);
         for (u32 u = 0; u < U; ++u)
           if (ok && e0 + u * STEP < e_end) store8<Fmt>(out + (u64)t * H + e0 + u * STEP, acc[u]);
       }
       for (u32 e = e_begin + g.lane; !vec && e < e_end; e += A2A_WARP_SIZE) {
         float acc = mine ? sum_rows_at<Fmt>(expert_y, own, mine, w, scale, H, e) : 0.f;
         for (u32 r = 0; r < x.W && ok; ++r)
-          if (here[r] && r != me) ok = add_peer_part_at<Fmt>(x, acc, r, t, here[r], w, e, pushed);
+          if (here[r] && r != me) ok = add_peer_part_at<Fmt>(x, acc, r, t, here[r], w, e, pushed, posted);
         if (ok) out[(u64)t * H + e] = Fmt::store(acc);
       }
       ok = warp_all(ok);  // (the warp moves on to its next segment together)
@@ -538,17 +551,22 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
   // peers' token counts for sending, and our dispatch's choice (pushed back) for
   // reducing. (Alone, there are no peers' tokens and nothing comes back: skip the headers.)
   __shared__ u32 pre[A2A_PREFIX_WORDS];
-  bool pushed_back = false;
+  bool pushed_back = false, posted = false;
   if (x.W > 1 && !failed_before) {
     source_prefix(x, 0u, pre, false, g);
     pushed_back = (pre[x.W + 3] >> x.h.rank & 1u) != 0u;
-    if (sends) send_contributions<Fmt, U>(x, c, g, sc, pre, phase, G);
+    posted = x.a.post_min_tokens && pre[x.W + 2] >= x.a.post_min_tokens;  // the same on every rank
   }
+  // A whole combine that posts splits its grid (exchange.h): blocks below combine_send_blocks send, the
+  // others reduce.
+  const GridParts parts = split_grid(g, posted && phase == A2A_WHOLE_COMBINE ? x.a.combine_send_blocks : 0u);
+  if (sends && parts.sends && x.W > 1 && !failed_before)
+    send_contributions<Fmt, U>(x, c, parts.part, sc, pre, phase, G, posted);
   // A lane may still read the warp's scratch (sc.slots, sc.w) for the last
   // contribution it pushed (that path skips the loop's closing sync) when
   // another lane starts rewriting it for its first token.
   a2a_wave_sync();
-  if (reduces && !failed_before) reduce_tokens<Fmt, U>(x, c, g, sc, pushed_back);
+  if (reduces && parts.receives && !failed_before) reduce_tokens<Fmt, U>(x, c, parts.part, sc, pushed_back, posted);
   A2A_PROF(x.prof, g.lane, A2A_TAG_COMBINE_WARP, t0, 0);
   A2A_PROF_END(a.prof);
   // A part that only sends writes none of the call's outputs, and must not mark the blocks of the

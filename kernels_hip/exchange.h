@@ -3,7 +3,8 @@
 // poisoning, warp-wide helpers, routing rows, row copies, and the table of
 // every source's token count.
 //
-// Staged data is pulled, never pushed; flags are pushed.
+// Staged data is pulled, never pushed (but see posted contributions below);
+// flags are pushed.
 // A flag's release then waits only for writes to our own memory (a release
 // after bulk stores to a peer waits for every store queued on the link:
 // under load that cost tens of microseconds per flag in an earlier push
@@ -21,6 +22,19 @@
 // contributions back. The sender's choices travel in its token-count header
 // (A2A_PUSHED_TOKENS, A2A_PUSHED_BACK), so the receivers of its tokens and the
 // contributors to its tokens follow them.
+//
+// Posted contributions. A combine whose largest source has at least
+// post_min_tokens tokens (every rank knows every source's count from the
+// headers, so all agree) stores its contributions into the owners' memory
+// instead, a whole token's flags after one system-scope release once all
+// of its segments are stored (a single segment's after one of its own;
+// scripts/link_probe.cu: a release after each 14 KB row cost a stream of
+// stores 1%), and splits its grid
+// (combine_send_blocks): the first blocks send while the rest reduce our
+// tokens as their parts land, reading them from our own memory. So the link
+// (the sends) and our memory (the reduce's reads of our own expert rows)
+// work at once, where one grid doing the two in turn took the sum of their
+// times (docs/PREFILL.md).
 //
 // Flags and tagged words carry the call's epoch (never 0), so nothing is
 // reset between calls. Headers, staged and pushed tokens alternate by epoch
@@ -48,7 +62,8 @@ struct A2AArgs {
   u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution to our t is in
   // read by peers
   u64 off_stage;           // u8  [2][M][token_bytes]      our tokens, for peers to pull
-  u64 off_contrib;         // u8  [W][M][hidden * 4]       our contribution to token t of owner src
+  u64 off_contrib;         // u8  [W][M][hidden * 4]       our contribution to token t of owner src, or, in a
+                           //                              posting combine, r's contribution to our t
   // written by peers, pushed calls (see "Pushed calls" below)
   u64 off_push_tok;        // u64 [2][W][P][push_token_words] tagged words of src's token t
   u64 off_push_contrib;    // u64 [W][P][push_row_words]   tagged words of r's contribution to our t
@@ -105,6 +120,9 @@ struct A2AArgs {
   u32 row_align;           // > 0: contiguous, expert l's rows (packed) from row expert_offsets[l] of one [R] buffer,
                            // each expert's first row a multiple of row_align; 0: expert l's from row l * W * M
   u32 recv_rows;           // rows of expert_x: L * W * M, or R contiguous
+  u32 post_min_tokens;     // > 0: a combine whose largest source has at least this many tokens posts its
+                           // contributions (stores them into their owners' memory); 0: never
+  u32 combine_send_blocks; // a posting combine's first blocks, which send while the others reduce
   u32 pad;
   u64 timeout_ns;
   // The call's fixed divisors (pyhipa2a/kernels.py: divisor), for quot/rem below.
@@ -198,6 +216,23 @@ struct WarpGrid {
 A2A_DEVICE WarpGrid warp_grid() {
   const u32 per_block = a2a_block_dim() / A2A_WARP_SIZE, in_block = a2a_thread() / A2A_WARP_SIZE;
   return {a2a_lane(), a2a_block() * per_block + in_block, a2a_grid_dim() * per_block, in_block, per_block};
+}
+
+// A posting combine's grid in two (posted contributions, above): the blocks below `split` send, the
+// others receive. Each part is a grid of its own: its warps number from 0 and its items stride over its warps.
+// The grid stays whole where split is 0 or takes every block.
+struct GridParts {
+  WarpGrid part;
+  bool sends, receives;
+};
+A2A_DEVICE GridParts split_grid(const WarpGrid& g, u32 split) {
+  if (split == 0u || split >= a2a_grid_dim()) return {g, true, true};
+  const u32 lower = split * g.warps_per_block;
+  const bool sends = g.warp < lower;
+  WarpGrid p = g;
+  p.warps = sends ? lower : g.warps - lower;
+  p.warp = sends ? g.warp : g.warp - lower;
+  return {p, sends, !sends};
 }
 
 // Everything a kernel needs to know about this call, resolved once.

@@ -32,6 +32,11 @@ MIN_WARP, MAX_WARP = 32, 64
 # GPU-scope fence (GPU_FENCE_PUBLISH_ARCHS) tokens are pulled and only contributions pushed (the smaller).
 DEFAULT_PUSH_BYTES = 768 * 1024
 DEFAULT_PUSH_BACK_BYTES = 256 * 1024
+# Posted contributions (kernels_hip/exchange.h): a combine whose largest source has at least this many bytes of
+# 16-bit rows stores its contributions into their owners' memory instead of leaving them for the owners to pull,
+# with this share (percent) of its grid sending while the rest reduces.
+DEFAULT_POST_BYTES = 8 * 1024 * 1024
+DEFAULT_COMBINE_SEND_SHARE = 25
 GPU_FENCE_PUBLISH_ARCHS = ("sm_90",)
 # Combine's small kernel takes calls whose warps get at most this many chunk items each.
 SMALL_COMBINE_ITEMS_PER_WARP = 1
@@ -87,6 +92,7 @@ class Config:
     outputs: str = "inputs"  # the library outputs are handed out in (pyhipa2a.outputs)
     row_align: int = DEFAULT_ROW_ALIGN  # row_layout="contiguous" only, as max_recv_rows
     max_recv_rows: int | None = None  # None: recv_rows_bound()
+    post_min_tokens: int = 0  # > 0: a combine whose largest source has at least this many tokens posts (0: never)
     # Set on the device (on_device, with_geometry):
     warp: int = MIN_WARP
     x_format: int = X_COPY
@@ -241,7 +247,8 @@ class Config:
                      on_timeout, producer_order, stream, row_layout, int(world),
                      block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS)),
                      grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None, push_max_tokens,
-                     outputs=outputs, row_align=row_align, max_recv_rows=max_recv_rows)
+                     outputs=outputs, row_align=row_align, max_recv_rows=max_recv_rows,
+                     post_min_tokens=post_min_tokens(H, M))
         config.check_sizes()
         return config
 
@@ -278,9 +285,12 @@ class Config:
         if self.row_layout == "by_source":
             raise ValueError("row_layout='by_source' is for calls within one node: between nodes each rank's "
                              "rows come through its node's ranks, so expert_x is packed there")
+        # (a node's sources carry every node's region: a combine there may reach the posting threshold where
+        # no single rank's call can)
         part = dataclasses.replace(self, num_experts=self.num_experts // nodes, max_tokens=nodes * self.max_tokens,
                                    world=ranks_per_node, region_tokens=self.max_tokens,
-                                   ranks_on_device=ranks_on_device)
+                                   ranks_on_device=ranks_on_device,
+                                   post_min_tokens=post_min_tokens(self.hidden, nodes * self.max_tokens))
         part.check_sizes()  # (its regions hold nodes times the tokens)
         return part
 
@@ -311,7 +321,8 @@ class Config:
         """Collective: ConfigMismatchError naming the ranks whose configuration differs from rank 0's."""
         mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
                 self.dispatch_dtype.name, self.out_dtype.name, backend_kind, self.push_max_tokens,
-                self.narrow_partials, self.region_tokens, self.row_layout, self.row_align, self.recv_rows)
+                self.post_min_tokens, self.narrow_partials, self.region_tokens, self.row_layout, self.row_align,
+                self.recv_rows)
         everyone = comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
         if len(set(everyone)) > 1:
             configs = comm.allgather(mine)
@@ -319,8 +330,8 @@ class Config:
             raise ConfigMismatchError(
                 f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
                 f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
-                f"max_num_tokens, in_dtype, dispatch_dtype, out_dtype, backend, push_max_tokens, narrow_partials, "
-                f"region_tokens, row_layout, row_align, rows of expert_x)", ranks=differ)
+                f"max_num_tokens, in_dtype, dispatch_dtype, out_dtype, backend, push_max_tokens, post_min_tokens, "
+                f"narrow_partials, region_tokens, row_layout, row_align, rows of expert_x)", ranks=differ)
 
 
 def is_int(value) -> bool:
@@ -332,6 +343,32 @@ def _whole(name: str, value) -> int:
     if not is_int(value):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     return int(value)
+
+
+def post_min_tokens(hidden: int, max_tokens: int) -> int:
+    """Tokens of a call's largest source from which its combine posts (0: never, or no call of max_tokens tokens
+    reaches it): PYHIPA2A_POST_MIN_TOKENS, or as many as make DEFAULT_POST_BYTES of 16-bit rows. An owner that
+    takes its contributions pushed back still takes them so (kernels_hip/combine.hip)."""
+    asked = os.environ.get("PYHIPA2A_POST_MIN_TOKENS")
+    if asked is not None:
+        tokens = int(asked)
+        if tokens < 0:
+            raise ValueError(f"PYHIPA2A_POST_MIN_TOKENS={tokens} must be >= 0")
+    else:
+        tokens = -(-DEFAULT_POST_BYTES // (hidden * 2))
+    return tokens if tokens <= max_tokens else 0
+
+
+def combine_send_blocks(config: Config) -> int:
+    """Blocks of a posting combine that send while the rest reduce: PYHIPA2A_COMBINE_SEND_SHARE percent of the
+    grid (default DEFAULT_COMBINE_SEND_SHARE), at least one and one fewer than the grid; 100: every block sends,
+    then reduces (as a grid of one block always does)."""
+    share = int(os.environ.get("PYHIPA2A_COMBINE_SEND_SHARE", DEFAULT_COMBINE_SEND_SHARE))
+    if not 0 < share <= 100:
+        raise ValueError(f"PYHIPA2A_COMBINE_SEND_SHARE={share} must be a percentage in (0, 100]")
+    if share == 100:
+        return config.blocks
+    return min(max(1, config.blocks * share // 100), max(1, config.blocks - 1))
 
 
 def push_limit(config: Config, default_bytes: int) -> int:

@@ -242,8 +242,13 @@ def shape_id(s) -> str:
 
 # Calls of at most PYHIPA2A_PUSH_MAX_TOKENS tokens push their data as tagged words (on sm_90 only their
 # contributions: test_exchange.py's test_publish_modes), larger ones stage it for peers to pull; each rank
-# chooses for its own call. (threshold, token counts) per mode.
-TRANSFER_MODES = {"pull": ("0", "full"), "push": ("64", "full"), "mixed": ("8", "staggered")}
+# chooses for its own call. A combine whose largest source has at least PYHIPA2A_POST_MIN_TOKENS tokens stores
+# the contributions that are not pushed into their owners' memory ("posted": beside owners that push).
+# (environment, token counts) per mode.
+TRANSFER_MODES = {"pull": ({"PYHIPA2A_PUSH_MAX_TOKENS": "0", "PYHIPA2A_POST_MIN_TOKENS": "0"}, "full"),
+                  "push": ({"PYHIPA2A_PUSH_MAX_TOKENS": "64", "PYHIPA2A_POST_MIN_TOKENS": "0"}, "full"),
+                  "mixed": ({"PYHIPA2A_PUSH_MAX_TOKENS": "8", "PYHIPA2A_POST_MIN_TOKENS": "0"}, "staggered"),
+                  "posted": ({"PYHIPA2A_PUSH_MAX_TOKENS": "8", "PYHIPA2A_POST_MIN_TOKENS": "9"}, "staggered")}
 
 
 def ranks_for(backend: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyhipa2a.config import Config, publish_with_gpu_fence
+from pyhipa2a.config import DEFAULT_POST_BYTES, Config, combine_send_blocks, publish_with_gpu_fence
 
 
 
@@ -25,6 +25,56 @@ def test_publish_choice_refuses_unknown(monkeypatch):
         publish_with_gpu_fence("sm_90")
 
 
+
+@pytest.mark.parametrize("env,hidden,max_tokens,expected", [
+    (None, 7168, 4096, -(-DEFAULT_POST_BYTES // (7168 * 2))),  # 586 tokens: 8 MiB of 16-bit rows
+    (None, 7168, 256, 0),   # no call of this object is that large: never
+    ("1", 7168, 256, 1), ("0", 7168, 4096, 0), ("300", 7168, 256, 0)])
+def test_posting_threshold(env, hidden, max_tokens, expected, monkeypatch):
+    """Combines whose largest source has at least post_min_tokens tokens post their contributions
+    (kernels_hip/exchange.h); 0 never does, whether asked or because no call can reach the threshold."""
+    if env is None:
+        monkeypatch.delenv("PYHIPA2A_POST_MIN_TOKENS", raising=False)
+    else:
+        monkeypatch.setenv("PYHIPA2A_POST_MIN_TOKENS", env)
+    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=hidden, max_num_tokens=max_tokens)
+    assert config.post_min_tokens == config.on_device("sm_90", 32).post_min_tokens == expected
+
+
+def test_a_node_part_posts_by_its_own_sources(monkeypatch):
+    """A node's sources carry every node's region (nodes * M tokens): its combine may post where no single
+    rank's call reaches the threshold."""
+    monkeypatch.delenv("PYHIPA2A_POST_MIN_TOKENS", raising=False)
+    config = Config.of(4, num_experts=16, experts_per_token=4, hidden_dim=7168, max_num_tokens=400)
+    part = config.node_part(nodes=2, ranks_per_node=2, ranks_on_device=0)
+    assert (config.post_min_tokens, part.post_min_tokens) == (0, -(-DEFAULT_POST_BYTES // (7168 * 2)))
+
+
+def test_posting_threshold_refuses_negative(monkeypatch):
+    monkeypatch.setenv("PYHIPA2A_POST_MIN_TOKENS", "-1")
+    with pytest.raises(ValueError, match="PYHIPA2A_POST_MIN_TOKENS=-1 must be >= 0"):
+        Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
+
+
+@pytest.mark.parametrize("env,blocks,expected", [(None, 264, 66), ("50", 264, 132), ("100", 264, 264), ("1", 264, 2),
+                                                 ("1", 50, 1), ("99", 2, 1), ("25", 1, 1)])
+def test_combine_send_blocks(env, blocks, expected, monkeypatch):
+    """A posting combine's senders: a share of the grid, at least one block and one fewer than the grid, or
+    every block (100, and a grid of one block), which then send and reduce in turn."""
+    if env is None:
+        monkeypatch.delenv("PYHIPA2A_COMBINE_SEND_SHARE", raising=False)
+    else:
+        monkeypatch.setenv("PYHIPA2A_COMBINE_SEND_SHARE", env)
+    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
+    assert combine_send_blocks(config.with_geometry(256, blocks, -1)) == expected
+
+
+@pytest.mark.parametrize("env", ["0", "101"])
+def test_combine_send_blocks_refuses_other_shares(env, monkeypatch):
+    monkeypatch.setenv("PYHIPA2A_COMBINE_SEND_SHARE", env)
+    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
+    with pytest.raises(ValueError, match=rf"PYHIPA2A_COMBINE_SEND_SHARE={env} must be a percentage in \(0, 100\]"):
+        combine_send_blocks(config.with_geometry(256, 8, -1))
 
 
 def test_a_node_part_keeps_its_slot_indices_below_2_31():

@@ -102,9 +102,9 @@ def test_edge_cases(name, row_layout, backend):
 @pytest.mark.parametrize("H", [1000, 2048])
 @pytest.mark.parametrize("row_layout", ["packed", "by_source", "contiguous/8"])
 def test_transfer_modes(mode, H, row_layout, backend):
-    threshold, counts = TRANSFER_MODES[mode]
+    env, counts = TRANSFER_MODES[mode]
     ranks = ranks_for(backend)
-    run_case(CASE + "case_shape", ranks, env_backend(backend), env={"PYHIPA2A_PUSH_MAX_TOKENS": threshold},
+    run_case(CASE + "case_shape", ranks, env_backend(backend), env=env,
              args=(4 * ranks, 4, H, 64, "float16", counts, "random", 2, 5, row_layout))
 
 
@@ -119,7 +119,7 @@ def test_transfer_modes(mode, H, row_layout, backend):
 @pytest.mark.parametrize("narrow", ["0", "1"])
 def test_publish_modes(publish, mode, narrow, backend):
     run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0], "PYHIPA2A_PUBLISH": publish},
+             env={**TRANSFER_MODES[mode][0], "PYHIPA2A_PUBLISH": publish},
              args=(1024, "float16", "normal", narrow))
 
 
@@ -130,7 +130,7 @@ def test_publish_modes(publish, mode, narrow, backend):
 @pytest.mark.parametrize("narrow", ["0", "1"])
 def test_misaligned_device_arrays(mode, publish, narrow, backend):
     run_case(CASE + "case_misaligned_device_arrays", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0], "PYHIPA2A_PUBLISH": publish}, args=(narrow,))
+             env={**TRANSFER_MODES[mode][0], "PYHIPA2A_PUBLISH": publish}, args=(narrow,))
 
 
 # (mode, H, dtype, values) for the narrow-partials tests: whole chunks in every transfer mode, on exact
@@ -146,7 +146,7 @@ NARROW_CASES = ([(m, 1024, "float16", v) for m in sorted(TRANSFER_MODES) for v i
 def test_narrow_partials(mode, H, dtype, values, backend):
     """Partial sums in the output's format, against the oracle of that contract."""
     run_case(CASE + "case_narrow_partials", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values))
+             env=TRANSFER_MODES[mode][0], args=(H, dtype, values))
 
 
 # (mode, narrow partials, H, dtype, values) for an expert fused into combine (expert_scale): every
@@ -163,7 +163,7 @@ FUSED_CASES = ([(m, n, 1024, "float16", "exact") for m in sorted(TRANSFER_MODES)
 def test_fused_expert(mode, narrow, H, dtype, values, backend):
     """combine(d.expert_x, w, expert_scale=s): an expert with no kernel of its own, against its oracle."""
     run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]}, args=(H, dtype, values, narrow))
+             env=TRANSFER_MODES[mode][0], args=(H, dtype, values, narrow))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -173,7 +173,7 @@ def test_fused_expert_rows_laid_out(mode, narrow, row_layout, backend):
     """The fused expert reads its rows where dispatch left them, laid out by source or contiguous too (exact
     inputs)."""
     run_case(CASE + "case_fused_expert", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]},
+             env=TRANSFER_MODES[mode][0],
              args=(1024, "float16", "exact", narrow, 2, row_layout))
 
 
@@ -182,35 +182,48 @@ def test_fused_expert_rows_laid_out(mode, narrow, row_layout, backend):
 # one almost everywhere. Each is forced here over the paths where they differ: pulled, pushed and mixed
 # contributions, partial sums in fp32 and narrow, the fused expert, element-wise rows (H=1001), bf16,
 # and a call large enough for several items a warp. The host twin is one kernel for both.
-COMBINE_KERNEL_CASES = {
-    "pull": ("case_shape", "0", (8, 4, 2048, 64, "float16", "full", "random", 2, 3)),
-    "push": ("case_shape", "64", (8, 4, 2048, 64, "float16", "full", "random", 2, 3)),
-    "mixed": ("case_shape", "8", (8, 4, 1000, 64, "float16", "staggered", "random", 2, 3)),
+COMBINE_KERNEL_CASES = {  # name: (case, transfer mode (TRANSFER_MODES; None: the defaults), its arguments)
+    "pull": ("case_shape", "pull", (8, 4, 2048, 64, "float16", "full", "random", 2, 3)),
+    "push": ("case_shape", "push", (8, 4, 2048, 64, "float16", "full", "random", 2, 3)),
+    "mixed": ("case_shape", "mixed", (8, 4, 1000, 64, "float16", "staggered", "random", 2, 3)),
+    "posted": ("case_shape", "posted", (8, 4, 1000, 64, "float16", "staggered", "random", 2, 3)),
     "k8_large": ("case_shape", None, (16, 8, 7168, 256, "bfloat16", "full", "random", 2, 4)),
     "unaligned_rows": ("case_shape", None, (8, 3, 1001, 16, "float16", "random", "random", 2, 5)),
-    "narrow_push": ("case_narrow_partials", "64", (1024, "float16", "exact")),
-    "narrow_pull": ("case_narrow_partials", "0", (1000, "bfloat16", "exact")),
-    "fused_push_narrow": ("case_fused_expert", "64", (1024, "float16", "exact", "1")),
-    "fused_mixed": ("case_fused_expert", "8", (1024, "float16", "normal", "0")),
+    "narrow_push": ("case_narrow_partials", "push", (1024, "float16", "exact")),
+    "narrow_pull": ("case_narrow_partials", "pull", (1000, "bfloat16", "exact")),
+    "narrow_posted": ("case_narrow_partials", "posted", (1000, "bfloat16", "exact")),
+    "fused_push_narrow": ("case_fused_expert", "push", (1024, "float16", "exact", "1")),
+    "fused_mixed": ("case_fused_expert", "mixed", (1024, "float16", "normal", "0")),
+    "fused_posted": ("case_fused_expert", "posted", (1024, "float16", "normal", "0")),
     # a last segment of 512 elements (parts past the row's end) and of 832 (a part of 64)
     "hidden_2560": ("case_shape", None, (8, 4, 2560, 32, "float16", "random", "random", 2, 6)),
-    "hidden_2880_pull": ("case_shape", "0", (8, 4, 2880, 32, "bfloat16", "random", "random", 2, 7)),
+    "hidden_2880_pull": ("case_shape", "pull", (8, 4, 2880, 32, "bfloat16", "random", "random", 2, 7)),
 }
 
 
 # Calls with more tokens than the grid has warps take whole tokens, then segments (prefill sizes; here a
 # grid of one block), in dispatch's fan-out and in combine's bulk kernel (PYHIPA2A_COMBINE_KERNEL=bulk), its
-# contributions pulled (a flag a segment) or pushed back, and its reduce: the GPU kernels' item order, which
-# the host twins do not model.
+# contributions pulled (a flag a segment), posted (a token's flags after one release) or pushed back, and
+# its reduce: the GPU kernels' item order, which the host twins do not model.
 @pytest.mark.gpu
 @pytest.mark.parametrize("row_layout,dispatch_dtype,counts,mode", [
-    ("packed", "", "random", "pull"), ("packed", "", "random", "push"),
+    ("packed", "", "random", "pull"), ("packed", "", "random", "push"), ("packed", "", "full", "posted"),
     ("contiguous/8", "", "staggered", "mixed"), ("contiguous/8", "", "staggered", "push"),
     ("by_source", "float8_e4m3", "full", "pull"), ("by_source", "float8_e4m3", "full", "push")])
 def test_whole_token_items(row_layout, dispatch_dtype, counts, mode):
     run_case(CASE + "case_whole_token_items", ranks_for("gpu"), env_backend("gpu"),
-             env={"PYHIPA2A_COMBINE_KERNEL": "bulk", "PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0]},
+             env={"PYHIPA2A_COMBINE_KERNEL": "bulk", **TRANSFER_MODES[mode][0]},
              args=(row_layout, dispatch_dtype, counts), timeout=300)
+
+
+# Calls of one object on either side of PYHIPA2A_POST_MIN_TOKENS, in turn: each combine's contributions land where
+# its call says (posted: in their owners' memory; pulled: in their contributors'), seen in the heap.
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_posted_and_pulled_calls(backend):
+    ranks = ranks_for(backend)
+    if ranks < 2:
+        pytest.skip("needs two ranks")
+    run_case(CASE + "case_posted_and_pulled_calls", ranks, env_backend(backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -245,13 +258,11 @@ def test_combine_kernels_agree_bit_for_bit(H, M):
 @pytest.mark.parametrize("kernel", ["small", "bulk"])
 @pytest.mark.parametrize("name", sorted(COMBINE_KERNEL_CASES))
 def test_combine_kernels(name, kernel):
-    case, threshold, args = COMBINE_KERNEL_CASES[name]
+    case, mode, args = COMBINE_KERNEL_CASES[name]
     ranks = ranks_for("gpu")
     if case == "case_shape":  # (experts per rank, ...) -> (E, ...)
         args = (args[0] * ranks, *args[1:])
-    env = {"PYHIPA2A_COMBINE_KERNEL": kernel}
-    if threshold is not None:
-        env["PYHIPA2A_PUSH_MAX_TOKENS"] = threshold
+    env = {"PYHIPA2A_COMBINE_KERNEL": kernel, **(TRANSFER_MODES[mode][0] if mode else {})}
     run_case(CASE + case, ranks, env_backend("gpu"), env=env, args=args, timeout=600)
 
 

@@ -236,7 +236,7 @@ def test_fp8_edge_cases(name, way, backend):
     # The cases that push do so with pushed tokens (their fp8 pieces: fp8.h), which sm_90's default
     # protocol does not use (test_publish_modes).
     run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
+             env={**TRANSFER_MODES[mode][0],
                   "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
              args=(way, fp8_name(fmt, backend), in16, per_rank, k, H, M, counts, routing, values, 2, 13))
 
@@ -249,7 +249,7 @@ def test_fp8_edge_cases(name, way, backend):
 @pytest.mark.parametrize("row_layout", ["by_source", "contiguous/8"])
 def test_fp8_rows_laid_out(way, mode, row_layout, backend):
     run_case(CASE + "case_fp8", ranks_for(backend), env_backend(backend),
-             env={"PYHIPA2A_PUSH_MAX_TOKENS": TRANSFER_MODES[mode][0],
+             env={**TRANSFER_MODES[mode][0],
                   "PYHIPA2A_PUBLISH": "auto" if mode == "pull" else "system"},
              args=(way, fp8_name("float8_e4m3fn", backend), "bfloat16", 4, 4, 1024, 32,
-                   "staggered" if mode == "mixed" else "full", "random", "normal", 2, 19, row_layout))
+                   TRANSFER_MODES[mode][1], "random", "normal", 2, 19, row_layout))

@@ -34,6 +34,18 @@ def test_groups_captured(row_layout, G, order, ranks_per_node, backend):
              args=(row_layout, G, order, ranks_per_node), timeout=300)
 
 
+# Posted contributions (PYHIPA2A_POST_MIN_TOKENS: every call here posts; nothing pushed, which these sizes
+# would otherwise do): each part of a grouped combine stores its tokens' contributions into their owners'
+# memory, and the reduce takes them from there; within a node and across simulated nodes.
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("nodes", [False, True])
+def test_groups_posted(nodes, backend):
+    ranks = ranks_for(backend)
+    run_case(CASE + "case_groups", ranks, env_backend(backend),
+             args=("shuffled", "contiguous/8", 3, 2, max(1, ranks // 2) if nodes else 0),
+             env={"PYHIPA2A_POST_MIN_TOKENS": "1", "PYHIPA2A_PUSH_MAX_TOKENS": "0"}, timeout=300)
+
+
 @pytest.mark.gpu
 def test_groups_whole_tokens():
     """Rows of three segments on a grid of one block: the grouped dispatch lands whole tokens, then segments

@@ -1,4 +1,5 @@
-"""Host twin of kernels_hip/combine.hip: raw rows or fp32/narrow partial sums, pulled or pushed, summed by owners."""
+"""Host twin of kernels_hip/combine.hip: raw rows or fp32/narrow partial sums, pulled, posted or pushed, summed by
+owners."""
 from __future__ import annotations
 
 import time
@@ -40,6 +41,8 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
     slot_of = v.buf(me, "slot_of", (W, M, k), np.int32)
     decoded = v.buf(me, "rows", (W, M, k), np.int32)
     headers = v.buf(me, "tok_count", (2, W), np.uint64)[p] & np.uint64(0xFFFFFFFF)  # every count, as dispatch left it
+    most = max(count_header(int(h), M)[0] for h in headers)
+    posted = W > 1 and a.post_min_tokens and most >= a.post_min_tokens  # (every rank decides alike: exchange.h)
     span = time.monotonic_ns()
     sends, reduces = c.phase != REDUCE_ONLY, c.phase in (WHOLE_COMBINE, REDUCE_ONLY)
     for r in range(W):  # 1. our weights to every peer, as tagged words (unless dispatch sent them)
@@ -48,7 +51,7 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
             v.buf(r, "w_in", (W, M, k), np.uint64)[me, :T] = tag(weights.view(np.uint32), v.epoch)
             v.rec.record(8, t0, r)
     for src in range(W) if sends else ():  # 2. one contribution per (peer's token, this rank) for its owner,
-        if src == me:                         # left in our memory
+        if src == me:                         # left in our memory, or posted into the owner's
             continue  # our own tokens are reduced straight from expert_y
         count, _, src_pushed = count_header(int(headers[src]), M)  # it takes its contributions pushed
         rows = decoded[src, :count]
@@ -67,7 +70,8 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         w = np.zeros((count, k), np.float32)
         w[here] = words.view(np.float32)
         t0 = time.monotonic_ns()
-        contrib = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[src]
+        contrib = v.buf(src, "contrib", (W, M, 4 * H), np.uint8)[me] if posted else \
+            v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[src]
         inbox = v.buf(src, "push_contrib", (W, P, a.push_row_words), np.uint64)[me]  # the owner's
         for t in tokens:
             js = np.flatnonzero(here[t])
@@ -116,12 +120,13 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
                 if arrived is None:
                     return
                 theirs[pick, :4 * width] = arrived.view(np.uint8).reshape(len(pick), 4 * width)
-        else:  # rank r's contributions to our tokens, in its memory once their flags are in
+        else:  # rank r's contributions to our tokens, in its memory (ours when posted) once their flags are in
             needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
             if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline,
                               v.status, WAIT_COMBINE_ROW, peer_of=lambda _: r):
                 return
-            theirs = v.buf(r, "contrib", (W, M, 4 * H), np.uint8)[me]
+            theirs = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[r] if posted else \
+                v.buf(r, "contrib", (W, M, 4 * H), np.uint8)[me]
         v.rec.record(11, t0, r)
         t0 = time.monotonic_ns()
         single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]

@@ -344,6 +344,28 @@ def case_launch_geometry(comm):
                 run_round(a2a, draw_world(seed, world, E, k, 64, M, token_counts=tokens))
 
 
+def case_posted_and_pulled_calls(comm):
+    """One object (PYHIPA2A_POST_MIN_TOKENS=32, nothing pushed) whose calls alternate between posting (the
+    largest source has 40 tokens) and pulling (16): every result against the oracle, and where the
+    contributions landed, seen in rank 0's heap (8 tokens of its own). Posted, its peers' contributions to its
+    tokens are in its contrib rows [r, :8] and rows [r, 8:] stay poisoned; pulled, its own contributions to
+    rank r's tokens are there, rows [r, 8:16] too."""
+    world = comm.Get_size()
+    E, k, H, M, small = 4 * world, 4, 1024, 48, 8
+    os.environ.update(PYHIPA2A_POST_MIN_TOKENS="32", PYHIPA2A_PUSH_MAX_TOKENS="0")
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
+        assert a2a.config.post_min_tokens == 32 and a2a.config.push_max_tokens == 0
+        for i, largest in enumerate((40, 16, 40, 16)):
+            counts = [small] + [largest] * (world - 1)
+            run_round(a2a, draw_world(90 + i, world, E, k, H, M, token_counts=counts))
+            if a2a.rank != 0:
+                continue
+            written = (a2a.buffers["contrib"].numpy() != 0xFF).any(axis=2)  # [W, M]: rows of this call
+            for r in range(1, world):
+                assert written[r, :small].any() or largest < 32, (i, r)  # posted: the peers' parts for our tokens
+                assert written[r, small:].any() == (largest < 32), (i, r, largest)  # pulled: ours for r's 16
+
+
 def case_whole_token_items(comm, row_layout="packed", dispatch_dtype="", counts="random"):
     """On a grid of one block (8 warps), every call of more than a few tokens takes whole tokens first, then
     the last ones' segments (kernels_hip/dispatch.hip: fan_out; combine.hip: send_contributions and
