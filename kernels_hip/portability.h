@@ -59,8 +59,8 @@ A2A_DEVICE u32 a2a_load_acquire_sys(const u32* p) {
   return __hip_atomic_load(const_cast<u32*>(p), __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 // Publish data left in OUR memory to a peer polling `p` (see the NVIDIA twin). A peer on another
-// GPU reads coarse-grained memory without going through our L2, so AMD keeps the system-scope
-// release: `gpu_fence` is not honoured here.
+// GPU reads our memory (the heap is fine-grained) without going through our L2, so AMD keeps the
+// system-scope release: `gpu_fence` is not honoured here.
 A2A_DEVICE void a2a_publish_own_sys(u32* p, u32 v, u32 gpu_fence) {
   (void)gpu_fence;
   a2a_store_release_sys(p, v);
