@@ -43,6 +43,9 @@ if [ $((256 % N)) = 0 ]; then
       timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --fused-expert --shape "256,8,7168,$T" --iters 20 \
         --row-layout "$rows" --json "$OUT/prefill_${rows}_$T.json" > "$OUT/prefill_${rows}_$T.txt" 2>&1 || layer=1
     done
+    # fp8 dispatch (the fake expert as a kernel: a fused one reads expert_x as 16-bit expert_y)
+    timeout 600 $MPIRUN -n "$N" python3 scripts/bench.py --dispatch-dtype float8_e4m3 --shape "256,8,7168,$T" \
+      --iters 20 --json "$OUT/prefill_fp8_$T.json" > "$OUT/prefill_fp8_$T.txt" 2>&1 || layer=1
   done
   # What bounds those calls (docs/PREFILL.md, "Bandwidth at prefill sizes"): each stage's time, waiting
   # against moving data, summed over warps, at 4096 tokens a rank (the profiling build's timelines)
