@@ -223,7 +223,8 @@ def test_posted_and_pulled_calls(backend):
     ranks = ranks_for(backend)
     if ranks < 2:
         pytest.skip("needs two ranks")
-    run_case(CASE + "case_posted_and_pulled_calls", ranks, env_backend(backend))
+    run_case(CASE + "case_posted_and_pulled_calls", ranks, env_backend(backend),
+             env={"PYHIPA2A_POST_MIN_TOKENS": "32", "PYHIPA2A_PUSH_MAX_TOKENS": "0"})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -352,7 +352,6 @@ def case_posted_and_pulled_calls(comm):
     rank r's tokens are there, rows [r, 8:16] too."""
     world = comm.Get_size()
     E, k, H, M, small = 4 * world, 4, 1024, 48, 8
-    os.environ.update(PYHIPA2A_POST_MIN_TOKENS="32", PYHIPA2A_PUSH_MAX_TOKENS="0")
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
         assert a2a.config.post_min_tokens == 32 and a2a.config.push_max_tokens == 0
         for i, largest in enumerate((40, 16, 40, 16)):
