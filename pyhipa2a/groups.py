@@ -34,7 +34,7 @@ from .config import is_int
 from .errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, A2AError, A2ATimeoutError, status_error
 from .kernels import MAX_GROUPS, REDUCE_ONLY
 from .runtime.base import WAIT, WRITE
-from .signals import PASSED, WAITING
+from .signals import PASSED, WAITING, marked_wait
 from .watchdog import Watchdog
 
 
@@ -250,9 +250,7 @@ class CombineBound:
     def wait(self, stream, group: int, timed_out) -> None:
         """Queue on `stream`: wait until group `group` is done, then lower its word; marked in its seen word."""
         word, seen = self.done_words + 4 * group, self._seen + 4 * group
-        waiting, passed = self.marks()
-        self.backend.stream_word_ops(stream, ((WRITE, seen, waiting), (WAIT, word, 1), (WRITE, word, 0),
-                                              (WRITE, seen, passed)), self.timeout, timed_out)
+        self.backend.stream_word_ops(stream, marked_wait(word, 1, seen, *self.marks()), self.timeout, timed_out)
 
     def arm(self, stream, begun: tuple[int, int] | None = None) -> None:
         """The combine begun last (or `begun`, a graph's: its groups and tag, whose marks the graph writes) is

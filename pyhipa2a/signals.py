@@ -29,6 +29,12 @@ from .runtime.base import WAIT, WRITE
 WAITING, PASSED = 2, 1  # a wait's "seen" word: a stream stands at it; a stream went past it (0: never reached)
 
 
+def marked_wait(word: int, value: int, seen: int, waiting: int = WAITING, passed: int = PASSED) -> tuple:
+    """The stream operations of a wait marked in its "seen" word: mark it `waiting`, wait until `word` holds
+    `value`, lower `word`, mark it `passed` (Backend.stream_word_ops: one batch where the runtime takes one)."""
+    return (WRITE, seen, waiting), (WAIT, word, value), (WRITE, word, 0), (WRITE, seen, passed)
+
+
 class Signals:
     """Words of `kinds` ([kind][peer] on every rank); `raised_at_start`: kinds whose words start raised (1)."""
 
@@ -62,9 +68,8 @@ class Signals:
         wait's "seen" word reads WAITING while the stream stands at it, PASSED after. `what` names what was
         awaited."""
         word, seen = self.words.ptr + self._offset(kind, source), self._seen_device + self._offset(kind, source)
-        self.backend.stream_word_ops(
-            stream, ((WRITE, seen, WAITING), (WAIT, word, count + 1), (WRITE, word, 0), (WRITE, seen, PASSED)),
-            self.heap.timeout, lambda: self.stuck_error([(source, kind, count, what)], None))
+        self.backend.stream_word_ops(stream, marked_wait(word, count + 1, seen), self.heap.timeout,
+                                     lambda: self.stuck_error([(source, kind, count, what)], None))
 
     def waiting(self, awaited) -> list:
         """The (source, kind, ...) entries of `awaited` whose wait a stream stands at now (not those it has
