@@ -41,12 +41,15 @@ A2A_DEVICE T* sym(const HeapView& h, int peer, u64 offset) {
 // the report into `mirror` (pinned host memory, may be null) with plain
 // stores, so the host reads it without a device copy; the race for "first"
 // stays in device memory, where atomics are reliable. True for the winner.
+// A mirror that holds an error already keeps it: the host writes there alone
+// when it gives up on a grouped combine (pyhipa2a/groups.py), and what then
+// fails on the device (a peer's sums that never came, say) is its consequence.
 A2A_DEVICE bool a2a_report(u32* status, u32* mirror, u32 code, u32 peer, u32 what, u32 detail) {
   if (a2a_cas_sys(&status[0], A2A_OK, code) == A2A_OK) {
     status[1] = peer;
     status[2] = what;
     status[3] = detail;
-    if (mirror) {
+    if (mirror && a2a_load_relaxed_sys(&mirror[0]) == A2A_OK) {
       mirror[1] = peer;
       mirror[2] = what;
       mirror[3] = detail;

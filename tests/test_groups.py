@@ -195,6 +195,24 @@ def test_combine_bound_names_the_first_group_not_done_where_no_wait_was_reached(
     assert backend.destroyed == []  # (its stream never drained: the words are kept, not freed under it)
 
 
+def test_a_later_report_keeps_the_hosts_give_up():
+    """The host writes its give-up into the status words' mirror alone (no stream may carry it); what then fails
+    on the device is its consequence (across nodes: the victim's own wait for a peer's sums, whose exchange it
+    held up) and must not replace it there, where the caller reads it (protocol.h's a2a_report; its host twin
+    here). A mirror that holds no error takes the first report as before."""
+    from pyhipa2a.errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, WAIT_WHAT, status_error
+    from pyhipa2a.host_kernels import Status
+    sums = next(what for what, name in WAIT_WHAT.items() if name.startswith("sums"))
+    for mirror_before, reported in [((STATUS_TIMEOUT, 1, WAIT_GROUP_DONE, 1), "group_done"),
+                                    ((0, 0, 0, 0), "sums between nodes")]:
+        words, mirror = np.zeros(4, np.uint32), np.array(mirror_before, np.uint32)
+        status = Status(words.ctypes.data, mirror.ctypes.data)
+        status.report(STATUS_TIMEOUT, 0, sums, 7)
+        status.report(STATUS_TIMEOUT, 0, 1, 8)  # (a second report: the first one stays, in both)
+        assert words.tolist() == [STATUS_TIMEOUT, 0, sums, 7]
+        assert reported in str(status_error(mirror, 1, "AllToAll")), mirror
+
+
 def test_combine_bound_waits_while_the_stream_moves():
     """A stream that moves between looks (here: passes group 0's wait, then stands at group 1's) is not given up on
     until it stands still for a whole timeout; one whose every wait passed (its reduce runs, bounded by its own

@@ -37,10 +37,11 @@ class Status:
         return self.words[0] != STATUS_OK
 
     def report(self, code: int, peer: int, what: int, detail: int) -> None:
-        """First error wins, as on the device."""
+        """First error wins, as on the device; a mirror that holds the host's own report keeps it."""
         if self.words[0] != STATUS_OK:
             return
-        for words in (self.words, self.mirror) if self.mirror is not None else (self.words,):
+        mirror_free = self.mirror is not None and self.mirror[0] == STATUS_OK
+        for words in (self.words, self.mirror) if mirror_free else (self.words,):
             words[1], words[2], words[3] = peer & 0xFFFFFFFF, what & 0xFFFFFFFF, detail & 0xFFFFFFFF
             words[0] = code
 

@@ -260,22 +260,25 @@ def case_group_done_never_comes(comm, ranks_per_node="0"):
             a2a.backend.stream_wait_word(handle, gate_device, 1, a2a.config.timeout, None)
         expert.run(1)
         a2a.combine(d.expert_x)
-        with pytest.raises(A2ATimeoutError if me == victim or not nodes else A2AError) as failure:
-            a2a.synchronize()
-        # On another node than the victim's, the rank in our place there is named: its sums came sealed with its
-        # failure (the victim's, or a node peer's that timed out waiting for it), or came too late.
-        size = int(ranks_per_node) or world
-        named = victim if me // size == victim // size else victim // size * size + me % size
-        if isinstance(failure.value, A2ATimeoutError):
-            assert failure.value.ranks == (named,), failure.value
-        else:
-            assert f"rank {named}, on another node, failed its part" in str(failure.value), failure.value
-        if me == victim:
-            assert "combine's wait for group_done(1) did not pass within the timeout" in str(failure.value)
-        # The expert's stream drains (its late group_done finds the object broken), and with it whatever the
-        # driver queued behind it: only then is y read.
-        ctypes.c_uint32.from_address(gate).value = 1
-        torch.cuda.synchronize()
+        try:
+            with pytest.raises(A2ATimeoutError if me == victim or not nodes else A2AError) as failure:
+                a2a.synchronize()
+            # On another node than the victim's, the rank in our place there is named: its sums came sealed with its
+            # failure (the victim's, or a node peer's that timed out waiting for it), or came too late.
+            size = int(ranks_per_node) or world
+            named = victim if me // size == victim // size else victim // size * size + me % size
+            if isinstance(failure.value, A2ATimeoutError):
+                assert failure.value.ranks == (named,), failure.value
+            else:
+                assert f"rank {named}, on another node, failed its part" in str(failure.value), failure.value
+            if me == victim:
+                assert "combine's wait for group_done(1) did not pass within the timeout" in str(failure.value)
+        finally:
+            # The expert's stream drains (its late group_done finds the object broken), and with it whatever
+            # the driver queued behind it: only then is y read. (Raised also where a check above failed: a
+            # stream stuck on the gate would hold up closing the object, and hide that failure behind a hang.)
+            ctypes.c_uint32.from_address(gate).value = 1
+            torch.cuda.synchronize()
         a2a.backend.free_host_mapped(gate)
         if me == victim:
             assert (a2a.buffers["y"].numpy()[:T].view(np.uint16) == 0xFFFF).all()  # (y: poison)
