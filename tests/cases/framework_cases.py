@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pyhipa2a
-from pyhipa2a import AllToAll
+from pyhipa2a import AllToAll, producers
 from tests.cases import calls_watched
 from pyhipa2a.testing import (draw_world)
 
@@ -186,10 +186,15 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
             import torch
             side = torch.cuda.Stream()
             side_again = torch.cuda.ExternalStream(side.cuda_stream)  # (a new object for it, as PyTorch makes)
+            probe = producers.stream_source(torch.empty(1, device=f"cuda:{a2a.heap.device.index}"))
         else:
             import cupy
             side = cupy.cuda.Stream(non_blocking=True)
             side_again = cupy.cuda.ExternalStream(side.ptr)
+            probe = producers.stream_source(cupy.empty(1))
+        # (A case before this one in the process, as in the tests' pool of jobs, may have taught the probe these
+        # element types already: forgotten, the first call learns them, as a program's first call does.)
+        probe.element_types.clear()
         for i, (T, given) in enumerate(((32, None), (16, None), (32, None), (64, None), (8, side), (16, side_again))):
             inputs = draw_world(900 + i, world, E, k, H, M, token_counts=[T] * world)
             watched.clear()
@@ -271,7 +276,8 @@ def case_new_jax_arrays_at_every_call(comm):
                 exports.clear(), watched.clear()
                 d = a2a.dispatch(arrays[0], arrays[1], stream=given)
                 y = a2a.combine(d.expert_x, arrays[2], expert_scale=1 + me, stream=given)
-                calls = (list(watched.plans), [p for p in watched.described if p != "own"], [s is None for s in exports])
+                calls = (list(watched.plans), [p for p in watched.described if p != "own"],
+                         [s is None for s in exports])
                 if finished:
                     try:  # (JAX may also refuse it outright)
                         donate(arrays[0])
@@ -337,8 +343,9 @@ def case_producer_arrays_seen_before(comm, lib, calls_on="own"):
 
 
 def _library_io(lib: str, device_index: int | None):
-    """(to_device(numpy), consume(output): work queued on it by the library right away, the type of the outputs a call on the library's arrays hands out) for PyTorch, CuPy or JAX (whose calls
-    hand out our own arrays, imported by JAX); device_index None: the host backend's (CPU) arrays."""
+    """(to_device(numpy), consume(output): work queued on it by the library right away, the type of the outputs
+    a call on the library's arrays hands out) for PyTorch, CuPy or JAX (whose calls hand out our own arrays,
+    imported by JAX); device_index None: the host backend's (CPU) arrays."""
     if lib == "torch":
         torch = pytest.importorskip("torch")
         dev = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
