@@ -136,6 +136,9 @@ class DeviceArray:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         if copy:
             raise BufferError("pyhipa2a arrays are exported without copies")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"pyhipa2a arrays are exported on their own device {self.__dlpack_device__()}, "
+                              f"without copies: dl_device={tuple(dl_device)} asks for another")
         self._refuse_if_failed()  # a failure known now; later ones show as poisoned data
         if stream != -1 and self.stream is not None and self.backend.kind != "host":
             # The consumer's `stream` (None: legacy default, per DLPack) waits on the device for ours.

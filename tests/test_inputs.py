@@ -102,6 +102,9 @@ def test_our_outputs_hand_over_on_the_device_and_refuse_after_a_failure():
     out.__dlpack__(stream=None)   # DLPack's None: the legacy default stream (1)
     out.__dlpack__(stream=-1)     # "do not synchronize"
     assert backend.waits == [(OURS, 0x77), (OURS, 1)]
+    out.__dlpack__(stream=-1, dl_device=out.__dlpack_device__())  # (where it is: as without dl_device)
+    with pytest.raises(BufferError, match=r"dl_device=\(1, 0\) asks for another"):
+        out.__dlpack__(stream=-1, dl_device=(1, 0))  # (to host memory: a copy, which we never make)
     status[:] = (1, 1, 1, 0)      # a kernel reported: timed out waiting for rank 1
     for read in (lambda: out.__dlpack__(stream=0x77), lambda: out.__cuda_array_interface__):
         with pytest.raises(A2ATimeoutError, match="rank 1 never arrived"):
@@ -308,7 +311,8 @@ def test_a_probed_array_that_needs_no_wait_repeats_while_its_probe_answers_as_th
     assert b.take("x", t, (2, 4), np.float16, OURS).ptr == 0x2000 and len(t.asked) == 1  # (described by the probe)
     current[0] = 0x55  # PyTorch's current stream is no longer the call's: a wait, at every repeat too
     taken = take_in_call(b, "x", t, (2, 4), np.float16)
-    assert taken.ptr == 0x2000 and backend.waits == [(0x55, OURS)] and taken.wait == 0x55 and taken.recheck.stream == 0x55
+    assert taken.ptr == 0x2000 and backend.waits == [(0x55, OURS)]
+    assert taken.wait == 0x55 and taken.recheck.stream == 0x55
 
 
 def test_a_probed_array_on_another_stream_repeats_with_a_wait_at_every_use(monkeypatch):
