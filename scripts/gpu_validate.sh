@@ -28,6 +28,10 @@ declare -A RESULT
 # The whole run outlasts a lent machine's call (600 s) at 2 ranks; a run in parts names its steps in ONLY
 # (e.g. ONLY="check check_fused pytest_gpu_2ranks") and the pytest steps' tests in GPU_TESTS (default: tests).
 ONLY=${ONLY:-}; GPU_TESTS=${GPU_TESTS:-tests}
+# GPU cases run in a pool of jobs (tests/mpi_harness.py): each rank pays its GPU context and imports once, not
+# once a case (two H200s: the suite in about 10 minutes, pooled). A case that fails there runs again alone,
+# and says so where it then passes. PYHIPA2A_TEST_POOL=0 runs every case in a job of its own.
+export PYHIPA2A_TEST_POOL=${PYHIPA2A_TEST_POOL:-gpu}
 step() {
   local name=$1; shift
   if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
