@@ -85,6 +85,8 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
 class Health:
     """One AllToAll's status words in pinned host memory, read without a wait before launches and output reads."""
 
+    watches_streams = False  # whether settle() also bounds a stream held by no bound's wait (NodesHealth: NCCL)
+
     def __init__(self, host_status, rank: int, context: str = "AllToAll"):
         self.host_status, self.rank, self.context = host_status, rank, context
         self._bounds: list = []  # (see bound_waits)

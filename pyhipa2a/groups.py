@@ -54,7 +54,7 @@ class Groups:
     def __init__(self, backend, rank: int, config, buffers, health):
         self.backend, self.rank, self.local_experts, self.timeout = backend, rank, config.local_experts, config.timeout
         self._host_offsets, self._health, self._contiguous = buffers.host_offsets, health, config.contiguous
-        self._bound = CombineBound(backend, rank, config.timeout, buffers.status)
+        self._bound = CombineBound(backend, rank, config.timeout, buffers.status, health.watches_streams)
         health.bound_waits(self._bound.settle)
         # uint32 [MAX_GROUPS]: in the heap (the dispatch kernel raises them); the done words are the bound's
         self._ready = buffers["group_ready"].ptr
@@ -206,19 +206,25 @@ class CombineBound:
 
     The done words and, beside them, a "seen" word a group lie in pinned host memory of its own. Combine's stream
     marks each wait in its seen word (waiting while it stands there, passed after, tagged with the combine's
-    number). A watchdog looks at the seen words a timeout after a combine was queued, and again each timeout
-    after while the combine is pending; when a look finds them as the last one did (the stream made no progress
-    for a whole timeout), it gives up on the call. It writes the timeout into the host's mirror of the status
-    words (which the caller's next call or synchronize() raises), naming the group the stream stands at or, where
-    it stands at none (still behind other stuck work, say), the first group not done, then raises the done words
-    of every wait not passed, so the stream drains. The host does all of this with plain stores, no stream, as
-    work queued on any stream may sit behind the stuck one (the driver may serve several streams from one
-    hardware queue). The parts that start after read the mirror, send nothing and reduce nothing
-    (kernels_hip/combine.hip): the peers time out naming this rank, and y is poisoned. (The stores assume a host
-    that keeps their order, as x86 does.)"""
+    number). A watchdog looks at the seen words a timeout after a combine was queued, and again each timeout after
+    while the stream moves; when a look finds them as the last one did (the stream made no progress for a whole
+    timeout), it gives up on the call. It writes the timeout into the host's mirror of the status words (which the
+    caller's next call or synchronize() raises), naming the group the stream stands at or, where it stands at none
+    (still behind other stuck work, say), the first group not done, then raises the done words of every wait not
+    passed, so the stream drains. With `streams_watched` (across nodes: NcclEngine.settle bounds what holds a
+    stream, aborting the exchange after a timeout so the kernels name the missing rank), a stream that stands at no
+    wait while every group it has not passed is done, or that passed every wait, is held by no group_done (NCCL's
+    exchange with a peer that never came, say): the bound names no group of its own, leaves the combine to that
+    watch and stops looking (see arm() for when it starts again). (A group_done that itself waits behind such an
+    exchange is still named: the bound cannot tell it from one the caller's stream never reached.) The host does all
+    of this with plain stores, no stream, as work queued on any stream may sit behind the stuck one (the driver may
+    serve several streams from one hardware queue). The parts that start after read the mirror, send nothing and
+    reduce nothing (kernels_hip/combine.hip): the peers time out naming this rank, and y is poisoned. (The stores
+    assume a host that keeps their order, as x86 does.)"""
 
-    def __init__(self, backend, rank: int, timeout: float, host_status):
+    def __init__(self, backend, rank: int, timeout: float, host_status, streams_watched: bool = False):
         self.backend, self.rank, self.timeout, self._host_status = backend, rank, timeout, host_status
+        self._streams_watched = streams_watched
         self._pinned = Pinned(backend, (2, MAX_GROUPS), np.uint32)
         self._words = self._pinned.host  # [done, seen][group]
         self.done_words, self._seen = self._pinned.device, self._pinned.device + 4 * MAX_GROUPS  # (for the streams)
@@ -227,6 +233,8 @@ class CombineBound:
         self._pending = False  # a combine armed and not yet seen finished
         self._last = None  # the seen words at the watchdog's last look at the pending combine (None: no look yet)
         self.gave_up = None  # when the host gave up on the pending combine (time.monotonic()), or None
+        self._left_to_watch = False  # the pending combine is held by no group_done: NcclEngine.settle bounds it
+        self._stopped_ahead = False  # the watchdog stopped, leaving a combine held ahead of its waits to that watch
         self._lock = threading.Lock()  # (the watchdog's thread looks)
         self._closed = False
 
@@ -255,7 +263,11 @@ class CombineBound:
     def arm(self, stream, begun: tuple[int, int] | None = None) -> None:
         """The combine begun last (or `begun`, a graph's: its groups and tag, whose marks the graph writes) is
         queued on `stream`: bound it. Behind a combine still pending, the watchdog's next look stays when it
-        was (a new call never puts off the bound of one before it)."""
+        was (a new call never puts off the bound of one before it). Where the watchdog had stopped, having left
+        the combine before to the streams' watch ahead of its waits, this one's groups are the bound's again:
+        the watchdog starts again. Where it had stopped after a look found every wait passed, it stays stopped
+        and the pending combine stays left to the watch, if it was (a graph writes the same marks at every
+        replay, so looks started again would, over a long run of replays, take two for a stream standing still)."""
         backend = self.backend
         if backend.stream_done(stream):  # (the host backend: its waits ran, bounded, as they were queued)
             return
@@ -268,17 +280,21 @@ class CombineBound:
             fresh = not self._pending or self._finished()
             backend.event_record(self._event, stream)
             self._pending = True
+            restart = fresh or self._stopped_ahead
+            if restart:
+                self._last, self._left_to_watch, self._stopped_ahead = None, False, False
             if fresh:
-                self._last, self.gave_up = None, None
-        if fresh:
+                self.gave_up = None
+        if restart:
             self._watchdog.arm(time.monotonic() + self.timeout)
 
     def settle(self) -> None:
         """Before the host waits on a stream (synchronize, reading an output), while a grouped combine is pending:
         poll its event. Once the host gave up on it, a stream that has not drained a timeout later (it may still
-        sit behind a stuck one) raises the call's error here, instead of a wait that might never return."""
+        sit behind a stuck one) raises the call's error here, instead of a wait that might never return. A combine
+        left to the streams' watch returns, for the host wait's next bound (Health.settle: NcclEngine.settle)."""
         pause = 1e-6
-        while self._pending and not self._closed:
+        while self._pending and not self._closed and not self._left_to_watch:
             if self.backend.event_done(self._event):  # (a driver error here is the caller's to see)
                 self._pending = False
                 return
@@ -295,7 +311,9 @@ class CombineBound:
         return not self._pending or self._finished()
 
     def _look(self) -> None:
-        """The watchdog's: give up on the pending combine where its stream made no progress since the last look."""
+        """The watchdog's: give up on the pending combine where its stream made no progress since the last look.
+        It looks again a timeout later where the stream moved; it stops where it gave up, and where a look finds
+        no group holding the stream (every wait passed, or the combine is left to the streams' watch)."""
         with self._lock:
             if self._closed or self._finished():
                 return
@@ -311,12 +329,17 @@ class CombineBound:
         waiting, passed = self.marks()
         mine = seen[:self._count]
         standing = (seen & 3) == WAITING  # (this combine's, or one's before it still pending)
-        for choice in (np.flatnonzero(mine == waiting), np.flatnonzero(standing),
-                       np.flatnonzero((mine != passed) & (done[:self._count] == 0)), np.flatnonzero(mine != passed)):
+        not_passed = np.flatnonzero(mine != passed)
+        choices = [np.flatnonzero(mine == waiting), np.flatnonzero(standing),
+                   np.flatnonzero((mine != passed) & (done[:self._count] == 0))]
+        if not self._streams_watched:  # (no group_done holds it, but nothing else would bound it: name one)
+            choices.append(not_passed)
+        for choice in choices:
             if choice.size:
                 group = int(choice[0])
                 break
-        else:  # (every wait passed: the reduce runs, and bounds its own waits)
+        else:  # every wait passed (the kernels bound theirs), or what holds the stream is the watch's to bound
+            self._left_to_watch, self._stopped_ahead = self._streams_watched, not_passed.size > 0
             return
         status = self._host_status
         if not status[0]:  # (an error already reported stays the one the caller sees)

@@ -47,8 +47,18 @@ class NodesHealth(Health):
             words[1] += self.layout.node * self.layout.ranks_per_node
         return status_error(words, self.rank, self.context)
 
+    @property
+    def watches_streams(self) -> bool:
+        return self.engine.watches_streams
+
     def settle(self, stream) -> None:
-        super().settle(stream)
+        try:
+            super().settle(stream)
+        except A2AError:
+            # The call failed with its work still queued (the host gave up on a grouped combine): NCCL's part of
+            # it, queued behind the stuck wait, must not then wait for peers that gave up too.
+            self.engine.abort()
+            raise
         self.engine.settle(stream)
 
 

@@ -28,6 +28,8 @@ class Transfer(NamedTuple):
 
 
 class MpiEngine:
+    watches_streams = False  # (its exchanges wait on the host, each by its own deadline)
+
     def __init__(self, backend, comm, timeout: float):
         self.backend, self.comm, self.timeout = backend, comm, timeout
         # (on a GPU the host copies wait for the stream, which a graph cannot record)
@@ -92,6 +94,9 @@ class MpiEngine:
     def settle(self, stream) -> None:
         """Nothing to watch: every exchange gave up by its own deadline."""
 
+    def abort(self) -> None:
+        """Nothing to abort: every exchange gives up by its own deadline."""
+
     def close(self, broken: bool) -> None:
         """The sends still pending (to a peer that never came) are left to MPI's finalization."""
 
@@ -115,6 +120,7 @@ DRAIN_TIMEOUTS = 3
 
 class NcclEngine:
     capturable = True
+    watches_streams = True  # (settle bounds a stream that NCCL's waits hold)
 
     def __init__(self, backend, comm, timeout: float):
         from .runtime import nccl

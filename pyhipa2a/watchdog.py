@@ -1,8 +1,9 @@
 """Watchdog: a bound, kept from the host, on device waits that have none of their own (a stream waiting for a
-readiness word, pyhipa2a.signals). Its owner arms it after each call with the call's deadline; a thread polls
-the event recorded after the call, and once the deadline passes with the event still pending it calls the
-owner's `give_up()`, which names the ranks, releases the waits and poisons the outputs. So a rank whose peer
-never comes is not held forever even by a host wait outside the library (`torch.cuda.synchronize()`)."""
+readiness word, pyhipa2a.signals). Its owner arms it with a call's deadline; a thread polls the event recorded
+after the call, and once the deadline passes with the event still pending it calls the owner's
+`past_deadline()` (InFlight.abandon: name the ranks, release the waits, poison the outputs; CombineBound._look:
+look for progress, then arm it again, give up, or leave it stopped). So a rank whose peer never comes is not
+held forever even by a host wait outside the library (`torch.cuda.synchronize()`)."""
 from __future__ import annotations
 
 import threading
@@ -12,8 +13,8 @@ POLL_S = 0.01  # how often an armed watchdog asks the event: far below any timeo
 
 
 class Watchdog:
-    def __init__(self, backend, event, give_up):
-        self._backend, self._event, self._give_up = backend, event, give_up
+    def __init__(self, backend, event, past_deadline):
+        self._backend, self._event, self._past_deadline = backend, event, past_deadline
         self._cond = threading.Condition()
         self._deadline = None  # of the call armed last; None: nothing pending
         self._thread = None
@@ -30,7 +31,7 @@ class Watchdog:
                 self._cond.notify()
 
     def disarm(self) -> None:
-        """Nothing is pending: the owner saw the event done, or gave up itself."""
+        """Nothing is pending: the owner saw the event done."""
         with self._cond:
             self._deadline = None
 
@@ -53,7 +54,7 @@ class Watchdog:
             time.sleep(POLL_S)
             try:
                 done = self._backend.event_done(self._event)
-            except Exception:  # (the owner's give_up asks again, and keeps what fails for its caller)
+            except Exception:  # (the owner asks again past the deadline, and keeps what fails for its caller)
                 done = False
             with self._cond:
                 if self._deadline != deadline:  # (re-armed or disarmed meanwhile: ask again)
@@ -64,4 +65,4 @@ class Watchdog:
                 if time.monotonic() <= deadline:
                     continue
                 self._deadline = None
-            self._give_up()
+            self._past_deadline()

@@ -29,8 +29,9 @@ declare -A RESULT
 # (e.g. ONLY="check check_fused pytest_gpu_2ranks") and the pytest steps' tests in GPU_TESTS (default: tests).
 ONLY=${ONLY:-}; GPU_TESTS=${GPU_TESTS:-tests}
 # GPU cases run in a pool of jobs (tests/mpi_harness.py): each rank pays its GPU context and imports once, not
-# once a case (two H200s: the suite in about 10 minutes, pooled). A case that fails there runs again alone,
-# and says so where it then passes. PYHIPA2A_TEST_POOL=0 runs every case in a job of its own.
+# once a case (two H200s: the suite in about 10 minutes, pooled). A case that fails there runs again alone for
+# its output; it fails either way, saying so where it passed alone (it depends on what an earlier case left).
+# PYHIPA2A_TEST_POOL=0 runs every case in a job of its own.
 export PYHIPA2A_TEST_POOL=${PYHIPA2A_TEST_POOL:-gpu}
 step() {
   local name=$1; shift

@@ -108,7 +108,42 @@ def _until(condition, seconds=5.0):
     return condition()
 
 
-def _bound_at(backend, timeout, count, seen, done=(), rank=3, status=(0, 0, 0, 0)):
+def _settle(health, seconds=5.0):
+    """health.settle(None) on a thread: what it raised (None: it returned); AssertionError where it still runs
+    after `seconds` (a bound that never lets go would hang the caller's wait)."""
+    import threading
+    outcome = []
+
+    def run():
+        try:
+            health.settle(None)
+            outcome.append(None)
+        except BaseException as e:  # (handed to the test)
+            outcome.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"settle() still waits after {seconds} s"
+    return outcome[0]
+
+
+def _health_of(bound, status, rank):
+    """The Health whose host waits the bound settles (as an AllToAll's)."""
+    from pyhipa2a.errors import Health
+    health = Health(status, rank)
+    health.bound_waits(bound.settle)
+    return health
+
+
+def _gives_up_naming(health, status, rank, group):
+    """settle() raises the bound's timeout naming `group`, which the status words name too."""
+    failed = _settle(health)
+    assert isinstance(failed, A2ATimeoutError), failed
+    assert f"combine's wait for group_done({group}) did not pass" in str(failed)
+    assert status.tolist() == [1, rank, 9, group]
+
+
+def _bound_at(backend, timeout, count, seen, done=(), rank=3, status=(0, 0, 0, 0), streams_watched=False):
     """A CombineBound of a combine of `count` groups begun and armed; the streams' seen words `seen` ("waiting",
     "passed", or None: an earlier combine's mark) and done words `done` as the GPU would have written them; its
     [done, seen] words and its status words."""
@@ -116,7 +151,7 @@ def _bound_at(backend, timeout, count, seen, done=(), rank=3, status=(0, 0, 0, 0
     from pyhipa2a.kernels import MAX_GROUPS
     from pyhipa2a.signals import PASSED
     status = np.array(status, np.uint32)
-    bound = CombineBound(backend, rank, timeout, status)
+    bound = CombineBound(backend, rank, timeout, status, streams_watched)
     words = np.frombuffer((ctypes.c_uint32 * (2 * MAX_GROUPS)).from_address(bound.done_words),
                           np.uint32).reshape(2, MAX_GROUPS)
     bound.begin(count)
@@ -203,14 +238,109 @@ def test_a_later_report_keeps_the_hosts_give_up():
     from pyhipa2a.errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, WAIT_WHAT, status_error
     from pyhipa2a.host_kernels import Status
     sums = next(what for what, name in WAIT_WHAT.items() if name.startswith("sums"))
-    for mirror_before, reported in [((STATUS_TIMEOUT, 1, WAIT_GROUP_DONE, 1), "group_done"),
-                                    ((0, 0, 0, 0), "sums between nodes")]:
+    first = [STATUS_TIMEOUT, 0, sums, 7]
+    for mirror_before, mirror_after, reported in [
+            ((STATUS_TIMEOUT, 1, WAIT_GROUP_DONE, 1), [STATUS_TIMEOUT, 1, WAIT_GROUP_DONE, 1], "group_done(1)"),
+            ((0, 0, 0, 0), first, "sums between nodes")]:
         words, mirror = np.zeros(4, np.uint32), np.array(mirror_before, np.uint32)
         status = Status(words.ctypes.data, mirror.ctypes.data)
-        status.report(STATUS_TIMEOUT, 0, sums, 7)
-        status.report(STATUS_TIMEOUT, 0, 1, 8)  # (a second report: the first one stays, in both)
-        assert words.tolist() == [STATUS_TIMEOUT, 0, sums, 7]
+        status.report(*first)
+        status.report(STATUS_TIMEOUT, 0, 1, 8)  # (a second report changes neither)
+        assert words.tolist() == first and mirror.tolist() == mirror_after
         assert reported in str(status_error(mirror, 1, "AllToAll")), mirror
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
+def test_combine_bound_leaves_a_stream_held_by_no_group_done_to_the_streams_watch(watched):
+    """A stream that stands at no wait while every group it has not passed is done is held by no group_done
+    (across nodes: NCCL's exchange with a peer that never came, ahead of the waits). Where the streams are
+    watched (the NCCL engine's watch, which names that peer) the bound names no group of its own and settle()
+    returns to that watch at the second look; unwatched, nothing else bounds the stream: it names the first
+    group not passed, and raises a timeout after."""
+    backend = StandingStream()
+    start = time.monotonic()
+    bound, words, status = _bound_at(backend, 0.05, 2, [None, None], done=(1, 1), rank=1,
+                                     streams_watched=watched)
+    health = _health_of(bound, status, 1)
+    try:
+        if watched:
+            assert _settle(health) is None
+            assert 0.1 <= time.monotonic() - start < 2.0  # (two looks)
+            assert bound.gave_up is None and (status == 0).all() and words[0, :2].tolist() == [1, 1]
+            assert _settle(health, 0.5) is None  # (again at once: the watch has it)
+        else:
+            _gives_up_naming(health, status, 1, 0)
+    finally:
+        backend.finished = True
+        bound.close()
+
+
+def test_combine_bound_leaves_a_combine_past_its_waits_to_the_streams_watch():
+    """A combine whose waits all passed but whose stream has not finished (a graph's replay, whose event follows
+    the whole step: its sums' exchange between nodes, say) is held by no group_done either: where the streams
+    are watched, settle() returns to that watch instead of polling an event that only the watch can end."""
+    backend = StandingStream()
+    bound, words, status = _bound_at(backend, 0.05, 2, ["passed", "passed"], streams_watched=True)
+    health = _health_of(bound, status, 3)
+    try:
+        assert _settle(health) is None
+        assert bound.gave_up is None and (status == 0).all()
+    finally:
+        backend.finished = True
+        bound.close()
+
+
+def test_a_replay_behind_one_left_to_the_watch_past_its_waits_stays_left_to_it():
+    """A graph's replay launched behind one left to the streams' watch past its waits (stuck in the sums'
+    exchange) writes the marks the first did: the watchdog stays stopped, so the replay stays left to the watch
+    too, and settle() returns to it rather than polling an event nothing else would end."""
+    backend = StandingStream()
+    bound, words, status = _bound_at(backend, 0.05, 2, ["passed", "passed"], streams_watched=True)
+    health = _health_of(bound, status, 3)
+    try:
+        assert _settle(health) is None
+        bound.arm("combine", bound.begun())
+        assert _settle(health, 1.0) is None and bound.gave_up is None and (status == 0).all()
+    finally:
+        backend.finished = True
+        bound.close()
+
+
+def test_a_combine_behind_one_left_to_the_watch_is_bounded():
+    """The watchdog stops at the look that leaves a combine to the streams' watch; the next combine armed, queued
+    behind it (the host ahead of the GPU), starts it again: one whose group_done never comes is given up on two
+    looks later, naming that group, and its host wait raises rather than returning at once as the first one's."""
+    backend = StandingStream()
+    bound, words, status = _bound_at(backend, 0.05, 2, [None, None], done=(1, 1), rank=1, streams_watched=True)
+    health = _health_of(bound, status, 1)
+    try:
+        assert _settle(health) is None  # (the first: left to the watch, at the second look)
+        assert bound.gave_up is None and (status == 0).all()
+        bound.begin(3)  # the next combine, queued behind it: group 2's group_done never comes
+        words[0, :3] = (1, 1, 0)
+        bound.arm("combine")
+        _gives_up_naming(health, status, 1, 2)
+    finally:
+        backend.finished = True
+        bound.close()
+
+
+def test_replays_are_not_looked_at_again_after_every_wait_passed():
+    """A graph writes the same marks at every replay. Once a look found every wait passed and the watchdog
+    stopped, the next replay's launch does not start it again: looks a timeout apart could each catch a replay
+    standing at the same group's wait and take two healthy replays for a stream standing still."""
+    backend = StandingStream()
+    bound, words, status = _bound_at(backend, 0.03, 2, ["passed", "passed"])
+    try:
+        time.sleep(0.15)  # (two looks: every wait passed, the watchdog stops)
+        waiting, _ = bound.marks()
+        words[1, 0] = waiting  # the next replay stands at group 0's wait, as every replay may for a while
+        bound.arm("combine", bound.begun())
+        time.sleep(0.3)
+        assert bound.gave_up is None and (status == 0).all()
+    finally:
+        backend.finished = True
+        bound.close()
 
 
 def test_combine_bound_waits_while_the_stream_moves():

@@ -6,6 +6,7 @@ point), one check at 8 ranks as 2 nodes of 4. GPU (marked): one node per GPU, NC
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.mpi_harness import BACKENDS, REPO, env_backend, gpu_ranks, run_case, run_mpi
@@ -149,6 +150,46 @@ def _engine(nccl, backend, timeout=0.05):
     engine = NcclEngine.__new__(NcclEngine)  # no library: the fake stands in for the communicator
     engine.backend, engine.timeout, engine.nccl = backend, timeout, nccl
     return engine
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["call_failed", "call_ok"])
+def test_nodes_health_aborts_the_exchange_of_a_call_that_failed_before_it(fails):
+    """A host wait across nodes runs the object's bounds, then the engine's watch. Where a bound raises (the
+    host gave up on a grouped combine whose stream has not drained), the call's exchange between nodes, queued
+    behind the stuck wait, is aborted first: it would otherwise wait without bound for peers that gave up too.
+    NodesHealth says the engine watches the streams where it does (NCCL's, not MPI's)."""
+    from pyhipa2a import A2ATimeoutError
+    from pyhipa2a.bootstrap import NodeLayout
+    from pyhipa2a.hierarchy import NodesHealth
+    from pyhipa2a.internode import MpiEngine, NcclEngine
+
+    class Engine:
+        watches_streams = True
+
+        def __init__(self):
+            self.calls = []
+
+        def abort(self):
+            self.calls.append("abort")
+
+        def settle(self, stream):
+            self.calls.append(("settle", stream))
+
+    engine = Engine()
+    health = NodesHealth(np.zeros(4, np.uint32), 1, NodeLayout(2, 1, 1, 0, 1), engine)
+
+    def bound():
+        if fails:
+            raise A2ATimeoutError("rank 1: combine's wait for group_done(1) did not pass", ranks=(1,))
+    health.bound_waits(bound)
+    if fails:
+        with pytest.raises(A2ATimeoutError, match="group_done"):
+            health.settle("s")
+        assert engine.calls == ["abort"]
+    else:
+        health.settle("s")
+        assert engine.calls == [("settle", "s")]
+    assert health.watches_streams and NcclEngine.watches_streams and not MpiEngine.watches_streams
 
 
 def test_nccl_engine_leaves_a_late_peer_to_the_kernels():
