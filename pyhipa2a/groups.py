@@ -331,7 +331,7 @@ class CombineBound:
         standing = (seen & 3) == WAITING  # (this combine's, or one's before it still pending)
         not_passed = np.flatnonzero(mine != passed)
         choices = [np.flatnonzero(mine == waiting), np.flatnonzero(standing),
-                   np.flatnonzero((mine != passed) & (done[:self._count] == 0))]
+                   not_passed[done[not_passed] == 0]]
         if not self._streams_watched:  # (no group_done holds it, but nothing else would bound it: name one)
             choices.append(not_passed)
         for choice in choices:

@@ -28,6 +28,13 @@ def last_groups(rows: np.ndarray, here: np.ndarray, L: int, groups: int) -> np.n
     return np.where(here, (rows % L) * groups // L, -1).max(axis=1)
 
 
+def contribution_slots(v: View, contributor: int, owner: int, posted: bool) -> np.ndarray:
+    """[M, 4 * H] bytes: `contributor`'s contributions to `owner`'s tokens where they are not pushed, in the
+    owner's memory when the call posts them, else in the contributor's (combine.hip: contribution_slot)."""
+    holder, index = (owner, contributor) if posted else (contributor, owner)
+    return v.buf(holder, "contrib", (v.W, v.M, 4 * v.a.hidden), np.uint8)[index]
+
+
 def _combine_body(backend, a, c, dtype, v: View) -> None:
     W, M, k, L, me, p, H = v.W, v.M, v.k, v.L, v.me, v.parity, a.hidden
     T, P = c.num_tokens, a.push_max_tokens
@@ -70,8 +77,7 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         w = np.zeros((count, k), np.float32)
         w[here] = words.view(np.float32)
         t0 = time.monotonic_ns()
-        contrib = v.buf(src, "contrib", (W, M, 4 * H), np.uint8)[me] if posted else \
-            v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[src]
+        contrib = contribution_slots(v, me, src, posted)
         inbox = v.buf(src, "push_contrib", (W, P, a.push_row_words), np.uint64)[me]  # the owner's
         for t in tokens:
             js = np.flatnonzero(here[t])
@@ -125,8 +131,7 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
             if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline,
                               v.status, WAIT_COMBINE_ROW, peer_of=lambda _: r):
                 return
-            theirs = v.buf(me, "contrib", (W, M, 4 * H), np.uint8)[r] if posted else \
-                v.buf(r, "contrib", (W, M, 4 * H), np.uint8)[me]
+            theirs = contribution_slots(v, r, me, posted)
         v.rec.record(11, t0, r)
         t0 = time.monotonic_ns()
         single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]
