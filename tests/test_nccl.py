@@ -11,23 +11,22 @@ import os
 import re
 import struct
 import threading
+import time
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pyhipa2a import bootstrap
 from pyhipa2a.runtime import nccl
 from pyhipa2a.runtime.nccl import NcclComm, NcclFailure, NcclLibrary, NcclTimeout
 
 VERSION = 23203
 COMM = 0x5EED
 UID = bytes(range(128))
-IN_PROGRESS, INVALID_ARGUMENT, REMOTE_ERROR = 7, 4, 6
-ERRORS = {0: b"no error", 4: b"invalid argument", 6: b"remote process exited or there was a network error",
-          7: b"NCCL operation in progress"}
-FOREVER = float("inf")
+INTERNAL_ERROR, INVALID_ARGUMENT, REMOTE_ERROR, IN_PROGRESS = 3, 4, 6, 7
+ERRORS = {0: b"no error", 3: b"internal error", 4: b"invalid argument",
+          6: b"remote process exited or there was a network error", 7: b"NCCL operation in progress"}
 
 
 def _value(arg):
@@ -35,18 +34,21 @@ def _value(arg):
 
 
 class FakeNccl:
-    """Stands in for the CDLL. `polls` says how many ncclCommGetAsyncError calls each asynchronous step
-    (init, group, finalize) stays in progress; after that the communicator reports `async_result`."""
+    """Stands in for the CDLL, blocking as the library's communicator is: each step in `stuck` ("init", "group",
+    "finalize") waits for a peer that never comes, until ncclCommAbort ends it (NCCL then returns
+    ncclInternalError); `results` says what a function returns instead of success; ncclCommGetAsyncError
+    reports `async_result`. `handle_after`: seconds the init takes to write the communicator's handle."""
 
-    def __init__(self, polls=None, async_result=0, last_error=b"the fake's last error", version=VERSION):
-        self.polls = {"init": 2, "group": 1, "finalize": 1, **(polls or {})}
-        self.async_result, self.version = async_result, version
+    def __init__(self, stuck=(), async_result=0, last_error=b"the fake's last error", version=VERSION,
+                 handle_after=0.0):
+        self.stuck, self.async_result, self.version, self.handle_after = set(stuck), async_result, version, handle_after
         self.results = {}  # C function name -> the code it returns instead of its usual one
+        self.made_on_failure = True  # a failed init still made a communicator (to abort)
         self.calls = []
-        self.pending = 0
         self.group_depth = 0
         self.config = self.uid = None
         self.live = False  # a communicator exists and is neither destroyed nor aborted
+        self.aborted = threading.Event()
         if last_error is not None:
             self.ncclGetLastError = lambda comm: last_error
 
@@ -54,11 +56,11 @@ class FakeNccl:
         self.calls.append((name, *args))
         return self.results.get(name, 0)
 
-    def _start(self, step, name):
-        code = self._record(name)
-        if code == 0:
-            self.pending = self.polls[step]
-            return IN_PROGRESS
+    def _step(self, step, name, *args):
+        code = self._record(name, *args)
+        if step in self.stuck:
+            assert self.aborted.wait(10), f"{name} waited and nothing aborted it"
+            return INTERNAL_ERROR
         return code
 
     def names(self):
@@ -81,20 +83,18 @@ class FakeNccl:
         self.config = ctypes.string_at(ctypes.addressof(config_ptr.contents), size)
         self.uid = ctypes.string_at(ctypes.addressof(uid), 128)
         self.init_args = (nranks, rank)
-        code = self._start("init", "ncclCommInitRankConfig")
-        if code in (0, IN_PROGRESS):
-            comm_ptr.contents.value = COMM
+        if self.results.get("ncclCommInitRankConfig", 0) == 0 or self.made_on_failure:
+            if self.handle_after:
+                threading.Timer(self.handle_after, lambda: setattr(comm_ptr.contents, "value", COMM)).start()
+            else:
+                comm_ptr.contents.value = COMM
             self.live = True
-        return code
+        return self._step("init", "ncclCommInitRankConfig")
 
     def ncclCommGetAsyncError(self, comm, state_ptr):
         assert _value(comm) == COMM and self.live, "polled a communicator that does not exist"
         self.calls.append(("ncclCommGetAsyncError",))
-        if self.pending > 0:
-            self.pending -= 1
-            state_ptr[0] = IN_PROGRESS
-        else:
-            state_ptr[0] = self.async_result
+        state_ptr[0] = self.async_result
         return 0
 
     def ncclGroupStart(self):
@@ -103,7 +103,7 @@ class FakeNccl:
 
     def ncclGroupEnd(self):
         self.group_depth -= 1
-        return self._start("group", "ncclGroupEnd")
+        return self._step("group", "ncclGroupEnd")
 
     def ncclSend(self, ptr, count, datatype, peer, comm, stream):
         assert self.group_depth == 1
@@ -115,7 +115,7 @@ class FakeNccl:
 
     def ncclCommFinalize(self, comm):
         assert _value(comm) == COMM and self.live
-        return self._start("finalize", "ncclCommFinalize")
+        return self._step("finalize", "ncclCommFinalize")
 
     def ncclCommDestroy(self, comm):
         assert _value(comm) == COMM and self.live
@@ -123,9 +123,11 @@ class FakeNccl:
         return self._record("ncclCommDestroy", _value(comm))
 
     def ncclCommAbort(self, comm):
-        assert _value(comm) == COMM and self.live
+        assert _value(comm) == COMM and self.live, "aborted a handle NCCL never wrote"
         self.live = False
-        return self._record("ncclCommAbort", _value(comm))
+        code = self._record("ncclCommAbort", _value(comm))
+        self.aborted.set()
+        return code
 
 
 class FakeMpiComm:
@@ -147,6 +149,10 @@ class FakeMpiComm:
         return obj if self.rank == 0 else self.from_root
 
 
+def _watch_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("pyhipa2a NCCL watch")}
+
+
 def make_comm(fake=None, rank=0, size=1, from_root=None, timeout=5.0):
     fake = fake or FakeNccl()
     library = NcclLibrary("<fake>", _functions=fake)
@@ -165,7 +171,8 @@ def test_every_function_called_has_a_declared_signature():
     # The fake takes any arguments; only the real CDLL converts them through argtypes, so a
     # function called without a signature would first misbehave on a machine with NCCL.
     source = Path(nccl.__file__).read_text()
-    called = set(re.findall(r'\bcall\(\s*"(nccl\w+)"', source)) | set(re.findall(r"\bfn\.(nccl\w+)", source))
+    called = set(re.findall(r'\b(?:call|_bounded)\(\s*"(nccl\w+)"', source))
+    called |= set(re.findall(r"\bfn\.(nccl\w+)", source))
     assert called == set(nccl._SIGNATURES), called ^ set(nccl._SIGNATURES)
 
 
@@ -185,14 +192,14 @@ def test_an_unloadable_file_raises_naming_it(tmp_path):
 
 # -- initialization ------------------------------------------------------------
 
-def test_config_is_the_initializer_with_blocking_off():
+def test_config_is_the_initializer_with_blocking_on():
     comm, fake = make_comm()
     # The raw bytes NCCL reads: size_t size, unsigned magic, unsigned version, int blocking, int cgaClusterSize.
     size, magic, version, blocking, cga = struct.unpack("=QIIii", fake.config)
     assert size == len(fake.config) == 24
     assert magic == 0xCAFEBEEF
     assert version == VERSION
-    assert blocking == 0
+    assert blocking == 1  # (a group's launch is one call; the watch bounds the calls that wait)
     assert cga == -(2**31)  # NCCL_CONFIG_UNDEF_INT: NCCL's default
     assert (comm.rank, comm.size) == (0, 1)
 
@@ -246,38 +253,46 @@ def test_a_failed_unique_id_is_broadcast_so_no_rank_waits_for_it():
         make_comm(rank=1, size=2, from_root=(False, str(raised.value)))
 
 
-def test_init_polls_while_in_progress_then_succeeds():
-    comm, fake = make_comm(FakeNccl(polls={"init": 3}))
-    assert fake.names() == ["ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRankConfig"] + ["ncclCommGetAsyncError"] * 4
+def test_init_is_one_call():
+    comm, fake = make_comm()
+    assert fake.names() == ["ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRankConfig"]
     assert not comm.aborted and fake.live
 
 
-def test_polls_back_off_as_every_host_wait_does(monkeypatch):
-    """NCCL's steps in progress are polled with bootstrap.poll (its backoff yields first, then sleeps), as
-    every host-side wait is, not by a loop of their own."""
-    attempts = []
-    monkeypatch.setattr(bootstrap, "sleep_backoff", attempts.append)
-    make_comm(FakeNccl(polls={"init": 3}))
-    assert attempts == [0, 1, 2]
+def test_init_timeout_aborts_from_the_watch_and_names_the_step():
+    fake, before = FakeNccl(stuck={"init"}), _watch_threads()
+    start = time.monotonic()
+    with pytest.raises(NcclTimeout, match="ncclCommInitRankConfig on rank 0 of 1 had not returned after 0.1 s"):
+        make_comm(fake, timeout=0.1)
+    assert time.monotonic() - start < 2.0
+    assert fake.names().count("ncclCommAbort") == 1 and not fake.live
+    assert _watch_threads() == before, "the failed init left its watch thread running"
 
 
-def test_init_timeout_aborts_and_names_the_step():
-    fake = FakeNccl(polls={"init": FOREVER})
-    with pytest.raises(NcclTimeout, match="ncclCommInitRankConfig on rank 0 of 1 was still in progress after"):
+def test_an_init_is_aborted_only_once_nccl_has_written_its_handle():
+    """An abort without the handle would end nothing (and the init, returning later, would leak its
+    communicator): the watch waits for NCCL to write it."""
+    fake = FakeNccl(stuck={"init"}, handle_after=0.3)
+    start = time.monotonic()
+    with pytest.raises(NcclTimeout, match="ncclCommInitRankConfig"):
         make_comm(fake, timeout=0.05)
-    assert fake.names()[-1] == "ncclCommAbort" and not fake.live
+    assert time.monotonic() - start >= 0.3
+    assert fake.calls[-1] == ("ncclCommAbort", COMM)
 
 
-def test_init_async_error_aborts_and_carries_nccl_strings():
-    fake = FakeNccl(async_result=REMOTE_ERROR)
+def test_init_failure_aborts_the_communicator_it_made_and_carries_nccl_strings():
+    fake, before = FakeNccl(), _watch_threads()
+    fake.results["ncclCommInitRankConfig"] = REMOTE_ERROR
     with pytest.raises(NcclFailure, match="remote process exited.*ncclResult_t 6.*the fake's last error"):
         make_comm(fake)
     assert "ncclCommAbort" in fake.names() and not fake.live
+    assert _watch_threads() == before
 
 
 def test_init_refused_outright_raises_without_a_communicator():
     fake = FakeNccl(last_error=None)  # a library without ncclGetLastError: NCCL's string alone
     fake.results["ncclCommInitRankConfig"] = INVALID_ARGUMENT
+    fake.made_on_failure = False
     with pytest.raises(NcclFailure, match=r"ncclCommInitRankConfig failed: invalid argument \(ncclResult_t 4\)$"):
         make_comm(fake)
     assert "ncclCommAbort" not in fake.names()
@@ -296,7 +311,7 @@ def test_timeout_must_be_positive():
 # -- exchange --------------------------------------------------------------------
 
 def test_exchange_is_one_group_of_byte_sends_and_receives_skipping_empty_ones():
-    comm, fake = make_comm(FakeNccl(polls={"group": 2}), size=4)
+    comm, fake = make_comm(size=4)
     fake.calls.clear()
     comm.exchange(sends=[(1, 0x1000, 64), (2, 0x2000, 0), (3, 0x2800, 8)],
                   recvs=[(2, 0x3000, 32), (1, 0x4000, 0)], stream=0xABC)
@@ -306,7 +321,6 @@ def test_exchange_is_one_group_of_byte_sends_and_receives_skipping_empty_ones():
         ("ncclSend", 0x2800, 8, 1, 3, COMM, 0xABC),
         ("ncclRecv", 0x3000, 32, 1, 2, COMM, 0xABC),
         ("ncclGroupEnd",),
-        ("ncclCommGetAsyncError",), ("ncclCommGetAsyncError",), ("ncclCommGetAsyncError",),
     ]
     assert fake.group_depth == 0
 
@@ -336,10 +350,10 @@ def test_a_refused_send_still_closes_the_group():
     assert fake.group_depth == 0 and fake.names()[-1] == "ncclGroupEnd"
 
 
-def test_exchange_async_error_raises_nccl_strings_and_close_aborts():
+def test_exchange_failure_raises_nccl_strings_and_close_aborts():
     comm, fake = make_comm(size=2)
-    fake.async_result = REMOTE_ERROR
-    with pytest.raises(NcclFailure, match=r"ncclGroupEnd \(asynchronously\) failed: remote process exited"):
+    fake.results["ncclGroupEnd"] = fake.async_result = REMOTE_ERROR
+    with pytest.raises(NcclFailure, match=r"ncclGroupEnd failed: remote process exited.*the fake's last error"):
         comm.exchange(sends=[(1, 0x1000, 8)], recvs=[], stream=0)
     with pytest.raises(NcclFailure, match="remote process exited"):
         comm.poll()
@@ -348,14 +362,26 @@ def test_exchange_async_error_raises_nccl_strings_and_close_aborts():
 
 
 def test_exchange_timeout_aborts():
-    comm, fake = make_comm(FakeNccl(polls={"group": FOREVER}), size=2, timeout=0.05)
+    before = _watch_threads()
+    comm, fake = make_comm(FakeNccl(stuck={"group"}), size=2, timeout=0.05)
     with pytest.raises(NcclTimeout, match="ncclGroupEnd on rank 0 of 2 .* aborted"):
         comm.exchange(sends=[(1, 0x1000, 8)], recvs=[], stream=0)
-    assert comm.aborted
+    assert comm.aborted and fake.group_depth == 0
     with pytest.raises(NcclFailure, match="aborted"):
         comm.exchange(sends=[(1, 0x1000, 8)], recvs=[], stream=0)
     comm.close()
     assert fake.names()[-1] == "ncclCommAbort" and not fake.live
+    assert _watch_threads() == before
+
+
+def test_calls_within_the_timeout_are_left_alone():
+    """The watch aborts only a call past its deadline: many quick calls spanning several timeouts pass."""
+    comm, fake = make_comm(size=2, timeout=0.05)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        comm.exchange(sends=[(1, 0x1000, 8)], recvs=[], stream=0)
+    assert not comm.aborted and "ncclCommAbort" not in fake.names()
+    comm.close()
 
 
 # -- poll, abort, close ------------------------------------------------------------
@@ -363,7 +389,7 @@ def test_exchange_timeout_aborts():
 def test_poll_is_quiet_while_healthy_or_in_progress():
     comm, fake = make_comm()
     comm.poll()
-    fake.pending = 1
+    fake.async_result = IN_PROGRESS
     comm.poll()
 
 
@@ -425,11 +451,12 @@ def test_close_leaves_an_abort_the_device_never_lets_finish_with_a_warning():
 
 
 def test_close_finalizes_then_destroys_once():
-    comm, fake = make_comm(FakeNccl(polls={"finalize": 2}))
+    before = _watch_threads()
+    comm, fake = make_comm()
     fake.calls.clear()
     comm.close()
-    assert fake.names() == ["ncclCommGetAsyncError", "ncclCommFinalize"] + ["ncclCommGetAsyncError"] * 3 + [
-        "ncclCommDestroy"]
+    assert fake.names() == ["ncclCommGetAsyncError", "ncclCommFinalize", "ncclCommDestroy"]
+    assert _watch_threads() == before
     comm.close()
     comm.abort()
     assert fake.names()[-1] == "ncclCommDestroy" and not comm.aborted
@@ -438,7 +465,7 @@ def test_close_finalizes_then_destroys_once():
 
 
 def test_close_whose_finalize_times_out_aborts_and_raises():
-    comm, fake = make_comm(FakeNccl(polls={"finalize": FOREVER}), timeout=0.05)
+    comm, fake = make_comm(FakeNccl(stuck={"finalize"}), timeout=0.05)
     with pytest.raises(NcclTimeout, match="ncclCommFinalize"):
         comm.close()
     assert comm.aborted and fake.names()[-1] == "ncclCommAbort" and "ncclCommDestroy" not in fake.names()
