@@ -2,8 +2,8 @@
 (pyhipa2a.hierarchy), on the call's stream, in the call's order:
 - `NcclEngine`: NCCL/RCCL (pyhipa2a.runtime.nccl). Its kernels' waits are unbounded, so `settle` aborts
   the communicator when a call has not finished within the timeout. Exchanges are queued eagerly, a group
-  launch each (12-18 us of host time on two H200s): captured once as graphs, ncclCommAbort blocked while
-  such a launch waited for a peer that never came (NCCL 2.28), so a missing node would hang the rest.
+  launch each (12-18 us of host time on two H200s); graphs would replay them in about 6 us, but
+  ncclCommAbort waits until every graph that captured the communicator is destroyed (docs/DESIGN.md).
 - `MpiEngine`: mpi4py through host copies, for the host backend and for ranks that share a GPU.
 Neither raises for a missing peer: its regions keep an old sequence number, and the kernel that reads
 them reports the timeout naming that peer and poisons the call's outputs (kernels_hip/hier.hip).
