@@ -11,6 +11,7 @@ sums home, where hier_sum adds them. Regions move whole: no host round trip, and
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import weakref
 
@@ -135,6 +136,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         call = exchange.combine.call
         call.weights, call.out, call.num_tokens = ptr["local_weights"], ptr["sums"], N * M
         self._node_tokens = N * M
+        self._plan_numbers = itertools.count()  # (a key of its own for each plan's replays)
 
         library = exchange.library
         self._stage, self._localize = library.kernel("hier_stage"), library.kernel("hier_localize")
@@ -239,10 +241,9 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
 
     def _repeater(self, leg: str, tokens: int):
         pack, frozen = self._steps[leg]
-        exchange = self._engine.exchange
+        exchange, node_leg = self._engine.exchange, getattr(self._exchange, leg)
         steps = [self._stage.repeater(pack, frozen, *self._geometry), functools.partial(exchange, self._moves[leg]),
-                 self._localize.repeater(pack, frozen, *self._geometry),
-                 getattr(self._exchange, leg).repeater(self._node_tokens)]
+                 self._localize.repeater(pack, frozen, *self._geometry), node_leg.repeater(self._node_tokens)]
         if leg == "combine":  # the seal, and the sums home
             steps += [self._seal.repeater(pack, frozen, *self._seal_geometry),
                       functools.partial(exchange, self._moves["sums"]),
@@ -251,7 +252,18 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         def launch(s) -> None:
             for step in steps:
                 step(s)
-        return launch
+        if node_leg.call.groups or (leg == "combine" and node_leg.call.phase != WHOLE_COMBINE):
+            return launch  # (a call in groups has the host watch its parts)
+        # A plan's launches are the same at every call (its packs frozen): the engine replays them as one
+        # graph, unless a capture records them (as its own launches, then).
+        key, streams, replay = (leg, next(self._plan_numbers)), self._streams, self._engine.replay
+
+        def replayed(s) -> None:
+            if streams.capturing is not None:
+                launch(s)
+            else:
+                replay(key, s, launch)
+        return replayed
 
     def exchange_between_nodes(self, stream=None) -> None:
         """A call's bytes between nodes moved alone by the same engine, no kernel of ours (the bare exchange

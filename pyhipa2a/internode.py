@@ -1,9 +1,10 @@
 """Engines that swap a multi-node call's regions with this rank's counterparts on the other nodes
 (pyhipa2a.hierarchy), on the call's stream, in the call's order:
 - `NcclEngine`: NCCL/RCCL (pyhipa2a.runtime.nccl). Its kernels' waits are unbounded, so `settle` aborts
-  the communicator when a call has not finished within the timeout. Exchanges are queued eagerly, a group
-  launch each (12-18 us of host time on two H200s); graphs would replay them in about 6 us, but
-  ncclCommAbort waits until every graph that captured the communicator is destroyed (docs/DESIGN.md).
+  the communicator when a call has not finished within the timeout. An exchange is a group launch (12-18 us
+  of host time on two H200s); a repeated leg (a plan's: its kernels and exchanges) replays as one graph
+  (`replay`), which an abort destroys: ncclCommAbort returns only once every graph holding the
+  communicator is gone (docs/DESIGN.md).
 - `MpiEngine`: mpi4py through host copies, for the host backend and for ranks that share a GPU.
 Neither raises for a missing peer: its regions keep an old sequence number, and the kernel that reads
 them reports the timeout naming that peer and poisons the call's outputs (kernels_hip/hier.hip).
@@ -17,6 +18,7 @@ import numpy as np
 
 from .bootstrap import poll
 from .errors import A2ATimeoutError
+from .replays import Replays
 
 
 class Transfer(NamedTuple):
@@ -29,6 +31,7 @@ class Transfer(NamedTuple):
 
 class MpiEngine:
     watches_streams = False  # (its exchanges wait on the host, each by its own deadline)
+    graphs_kept = 0  # (replay records none)
 
     def __init__(self, backend, comm, timeout: float):
         self.backend, self.comm, self.timeout = backend, comm, timeout
@@ -91,6 +94,10 @@ class MpiEngine:
         late = {peer for (peer, _), d in zip(items, done) if not d}
         return [None if peer in late else buf for (peer, _), buf in zip(items, received)]
 
+    def replay(self, key, s, queue) -> None:
+        """`queue(s)`: on a GPU the exchanges wait on the host, which a graph cannot record."""
+        queue(s)
+
     def settle(self, stream) -> None:
         """Nothing to watch: every exchange gave up by its own deadline."""
 
@@ -122,10 +129,31 @@ class NcclEngine:
     capturable = True
     watches_streams = True  # (settle bounds a stream that NCCL's waits hold)
 
-    def __init__(self, backend, comm, timeout: float):
+    def __init__(self, backend, comm, timeout: float, communicator=None):
+        """`communicator`: an NcclComm made already (tests), else one over `comm`."""
         from .runtime import nccl
         self.backend, self.timeout = backend, timeout
-        self.nccl = nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
+        self.nccl = communicator or nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
+        # (recorded on a stream of our own: the caller's may be another library's)
+        self._replays = Replays(backend, backend.stream_create(), kept=4)
+
+    def replay(self, key, s, queue) -> None:
+        """`queue(s)`, launched as one graph from the second time `key` comes (pyhipa2a.replays): a plan's leg,
+        its kernels and exchanges in one launch of about 6 us instead of 30-60 us of launches. After an abort
+        step by step: the graphs are gone, and the exchanges queue nothing."""
+        if self.nccl.aborted:
+            queue(s)
+        else:
+            self._replays.queue(key, s, queue)
+
+    @property
+    def graphs_kept(self) -> int:
+        return self._replays.kept
+
+    def _drop_graphs(self) -> None:
+        """Destroy the replays' graphs (a launched one is freed once it completes): ncclCommAbort waits for
+        every graph that captured the communicator to be gone (two H200s, NCCL 2.28)."""
+        self._replays.close()
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
         """Queue the transfers; a peer that never comes is not raised here (nor after an abort): its
@@ -170,13 +198,18 @@ class NcclEngine:
 
     def abort(self) -> None:
         self.nccl.abort()
+        self._drop_graphs()
 
     def close(self, broken: bool) -> None:
         """Finalize the communicator, or abort it where a call failed (`broken`): a peer may have aborted
         its own already, and a finalize would wait for it until the timeout, then raise from close()."""
-        if broken:
-            self.nccl.abort()
-        self.nccl.close()
+        self._drop_graphs()
+        try:
+            if broken:
+                self.nccl.abort()
+            self.nccl.close()
+        finally:
+            self.backend.stream_destroy(self._replays.origin)
 
 
 def default_engine(backend_kind: str, placements: list) -> str:

@@ -132,13 +132,34 @@ class _FakeNccl:
 
 
 class _FakeStreams:
+    """The backend calls an engine makes: a stream that reports done after `busy_polls` polls; streams,
+    captures and graphs as names, with what was done to them in `log`."""
     kind = "cuda"
 
     def __init__(self, busy_polls: int):
-        self.busy = busy_polls
+        self.busy, self.log = busy_polls, []
 
     def stream_handle(self, stream):
         return 7
+
+    def stream_create(self):
+        return "origin"
+
+    def stream_destroy(self, stream):
+        self.log.append(("stream_destroy", stream))
+
+    def capture_begin(self, stream):
+        self.log.append(("capture_begin", stream))
+
+    def capture_end(self, stream, keep=True):
+        self.log.append(("capture_end", stream))
+        return f"graph {len(self.log)}"
+
+    def graph_launch(self, graph, stream):
+        self.log.append(("graph_launch", graph, stream))
+
+    def graph_destroy(self, graph):
+        self.log.append(("graph_destroy", graph))
 
     def stream_done(self, stream):
         self.busy -= 1
@@ -147,9 +168,7 @@ class _FakeStreams:
 
 def _engine(nccl, backend, timeout=0.05):
     from pyhipa2a.internode import NcclEngine
-    engine = NcclEngine.__new__(NcclEngine)  # no library: the fake stands in for the communicator
-    engine.backend, engine.timeout, engine.nccl = backend, timeout, nccl
-    return engine
+    return NcclEngine(backend, None, timeout, communicator=nccl)  # (no library: the fake stands in)
 
 
 @pytest.mark.parametrize("fails", [True, False], ids=["call_failed", "call_ok"])
@@ -244,6 +263,47 @@ def test_nccl_engine_watchdog_spares_a_stream_that_finishes():
     engine = _engine(nccl, _FakeStreams(busy_polls=3), timeout=0.05)
     engine.settle(None)
     assert not nccl.aborted and nccl.polls == 3
+
+
+def test_nccl_engine_replays_a_repeated_leg_as_one_graph_until_an_abort():
+    """A key's first call is queued step by step; its second is recorded (on the engine's own stream, where
+    nothing runs) and launched on the call's stream, as is every later one. An abort destroys the graphs
+    (ncclCommAbort waits for them), and calls are queued step by step from then on."""
+    nccl, backend = _FakeNccl(times_out=False), _FakeStreams(busy_polls=0)
+    engine, queued = _engine(nccl, backend), []
+
+    def queue(s):
+        queued.append(s)
+    for _ in range(3):
+        engine.replay("leg", "s", queue)
+    assert queued == ["s", "origin"] and engine.graphs_kept == 1
+    assert backend.log == [("capture_begin", "origin"), ("capture_end", "origin"), ("graph_launch", "graph 2", "s"),
+                           ("graph_launch", "graph 2", "s")]
+    engine.abort()
+    assert backend.log[-1] == ("graph_destroy", "graph 2") and engine.graphs_kept == 0
+    engine.replay("leg", "s", queue)
+    engine.replay("leg", "s", queue)
+    assert queued == ["s", "origin", "s", "s"] and engine.graphs_kept == 0
+
+
+def test_nccl_engine_close_destroys_its_graphs_before_the_communicator():
+    events = []
+
+    class Nccl(_FakeNccl):
+        def close(self):
+            events.append("communicator closed")
+
+    class Backend(_FakeStreams):
+        def graph_destroy(self, graph):
+            events.append("graph destroyed")
+
+        def stream_destroy(self, stream):
+            events.append(f"{stream} destroyed")
+    engine = _engine(Nccl(times_out=False), Backend(busy_polls=0))
+    for _ in range(2):
+        engine.replay("leg", "s", lambda s: None)
+    engine.close(broken=False)
+    assert events == ["graph destroyed", "communicator closed", "origin destroyed"]
 
 
 @pytest.mark.parametrize("broken", [False, True])

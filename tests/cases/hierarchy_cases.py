@@ -137,9 +137,11 @@ def case_nodes_graph(comm, G="2", launches="3"):
 def case_nodes_repeated_calls(comm, G="2"):
     """A loop that hands over the same device arrays again, across nodes: from its third call on each leg's
     plan takes the call (the hierarchy's repeater: the regions staged, swapped between nodes and placed, the
-    node's kernel, and for combine the seal and the sums home), and every call is right (new values in the
-    same arrays, outputs poisoned, checked against the oracle); weights to combine, then to dispatch."""
+    node's kernel, and for combine the seal and the sums home), with NCCL as one graph from the plan's second
+    launch on, and every call is right (new values in the same arrays, outputs poisoned, checked against the
+    oracle); weights to combine, then to dispatch."""
     from tests.cases import calls_watched
+    from pyhipa2a.internode import NcclEngine
     from pyhipa2a.testing import check_call, poison
     G = int(G)
     world, E, k, H, M = _small_call(comm, G)
@@ -150,8 +152,8 @@ def case_nodes_repeated_calls(comm, G="2"):
         buffers = x, idx, w, y = step_buffers(a2a, counts[me])
         expert_y = a2a.expert_y_buffer()
         try:
-            for weights_at in WEIGHTS_AT:
-                for i in range(4):
+            for j, weights_at in enumerate(WEIGHTS_AT):
+                for i in range(6):
                     inputs = draw_world(60 + i, world, E, k, H, M, token_counts=counts)
                     for arr, fresh in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
                         arr.copy_from(fresh)
@@ -166,6 +168,9 @@ def case_nodes_repeated_calls(comm, G="2"):
                     moved = weights_at != WEIGHTS_AT[0] and i == 0
                     assert watched.plans == ([True, True] if i >= 2 else [False, False] if moved else []), \
                         (weights_at, i, watched.plans)
+                    # (with NCCL both legs' plans recorded at their second launch, each loop's its own)
+                    kept = min(4, 2 * (j + (i >= 3))) if isinstance(a2a.engine, NcclEngine) else 0
+                    assert a2a.engine.graphs_kept == kept, (weights_at, i, a2a.engine.graphs_kept)
                     print(f"rank {me} weights to {weights_at}, call {i}: max err {err:.3g}")
         finally:
             free_buffers(a2a, buffers)
