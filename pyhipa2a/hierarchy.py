@@ -11,7 +11,6 @@ sums home, where hier_sum adds them. Regions move whole: no host round trip, and
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import weakref
 
@@ -136,7 +135,6 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         call = exchange.combine.call
         call.weights, call.out, call.num_tokens = ptr["local_weights"], ptr["sums"], N * M
         self._node_tokens = N * M
-        self._plan_numbers = itertools.count()  # (a key of its own for each plan's replays)
 
         library = exchange.library
         self._stage, self._localize = library.kernel("hier_stage"), library.kernel("hier_localize")
@@ -254,15 +252,17 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
                 step(s)
         if node_leg.call.groups or (leg == "combine" and node_leg.call.phase != WHOLE_COMBINE):
             return launch  # (a call in groups has the host watch its parts)
-        # A plan's launches are the same at every call (its packs frozen): the engine replays them as one
-        # graph, unless a capture records them (as its own launches, then).
-        key, streams, replay = (leg, next(self._plan_numbers)), self._streams, self._engine.replay
+        # Every plan of a leg launches the same kernels (the node's call takes every region whole) and exchanges,
+        # from the same frozen packs: the engine launches them as one graph a leg, handed a new plan's arguments
+        # at its first launch; unless a capture records them (as its own launches, then).
+        streams, replay, fresh = self._streams, self._engine.replay, [True]
 
         def replayed(s) -> None:
             if streams.capturing is not None:
                 launch(s)
             else:
-                replay(key, s, launch)
+                replay(leg, s, launch, fresh[0])
+                fresh[0] = False
         return replayed
 
     def exchange_between_nodes(self, stream=None) -> None:

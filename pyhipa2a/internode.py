@@ -2,9 +2,9 @@
 (pyhipa2a.hierarchy), on the call's stream, in the call's order:
 - `NcclEngine`: NCCL/RCCL (pyhipa2a.runtime.nccl). Its kernels' waits are unbounded, so `settle` aborts
   the communicator when a call has not finished within the timeout. An exchange is a group launch (12-18 us
-  of host time on two H200s); a repeated leg (a plan's: its kernels and exchanges) replays as one graph
-  (`replay`), which an abort destroys: ncclCommAbort returns only once every graph holding the
-  communicator is gone (docs/DESIGN.md).
+  of host time on two H200s); a repeated leg (a plan's: its kernels and exchanges) launches as one graph
+  (`replay`), one made per leg and kernel choice and handed each new plan's arguments, which an abort
+  destroys: ncclCommAbort returns only once every graph holding the communicator is gone (docs/DESIGN.md).
 - `MpiEngine`: mpi4py through host copies, for the host backend and for ranks that share a GPU.
 Neither raises for a missing peer: its regions keep an old sequence number, and the kernel that reads
 them reports the timeout naming that peer and poisons the call's outputs (kernels_hip/hier.hip).
@@ -18,7 +18,6 @@ import numpy as np
 
 from .bootstrap import poll
 from .errors import A2ATimeoutError
-from .replays import Replays
 
 
 class Transfer(NamedTuple):
@@ -94,7 +93,7 @@ class MpiEngine:
         late = {peer for (peer, _), d in zip(items, done) if not d}
         return [None if peer in late else buf for (peer, _), buf in zip(items, received)]
 
-    def replay(self, key, s, queue) -> None:
+    def replay(self, key, s, queue, changed: bool) -> None:
         """`queue(s)`: on a GPU the exchanges wait on the host, which a graph cannot record."""
         queue(s)
 
@@ -134,26 +133,44 @@ class NcclEngine:
         from .runtime import nccl
         self.backend, self.timeout = backend, timeout
         self.nccl = communicator or nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
-        # (recorded on a stream of our own: the caller's may be another library's)
-        self._replays = Replays(backend, backend.stream_create(), kept=4)
+        self._origin = backend.stream_create()  # (graphs are recorded here: the caller's may be another library's)
+        self._graphs: dict = {}  # key -> the backend's recorded steps
+        self._refused: set = set()  # keys whose recording failed: queued step by step
 
-    def replay(self, key, s, queue) -> None:
-        """`queue(s)`, launched as one graph from the second time `key` comes (pyhipa2a.replays): a plan's leg,
-        its kernels and exchanges in one launch of about 6 us instead of 30-60 us of launches. After an abort
-        step by step: the graphs are gone, and the exchanges queue nothing."""
-        if self.nccl.aborted:
+    def replay(self, key, s, queue, changed: bool) -> None:
+        """`queue(s)` as one graph: recorded the first time `key` comes (a leg and its kernel choice, whose
+        launches differ only in their arguments), then launched, its kernels first handed their packs'
+        arguments again where they `changed` (a new plan's). One launch of about 6 us instead of 30-60 us of
+        launches; one graph a key for good (a graph made per plan grew device memory). Step by step after an
+        abort (the graphs are gone, and the exchanges queue nothing) and where the backend records none."""
+        if self.nccl.aborted or key in self._refused:
             queue(s)
-        else:
-            self._replays.queue(key, s, queue)
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = self.backend.record_steps(self._origin, queue)
+            except Exception:  # (a step it cannot record: what queuing raises, it raises again below)
+                graph = None
+            if graph is None:
+                self._refused.add(key)
+                queue(s)
+                return
+            self._graphs[key] = graph
+        elif changed:
+            graph.rehand()
+        graph.launch(s)
 
     @property
     def graphs_kept(self) -> int:
-        return self._replays.kept
+        return len(self._graphs)
 
     def _drop_graphs(self) -> None:
-        """Destroy the replays' graphs (a launched one is freed once it completes): ncclCommAbort waits for
-        every graph that captured the communicator to be gone (two H200s, NCCL 2.28)."""
-        self._replays.close()
+        """Destroy the graphs (a launched one is freed once it completes): ncclCommAbort waits for every graph
+        that captured the communicator to be gone (two H200s, NCCL 2.28)."""
+        graphs, self._graphs = self._graphs, {}
+        for graph in graphs.values():
+            graph.close()
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
         """Queue the transfers; a peer that never comes is not raised here (nor after an abort): its
@@ -209,7 +226,7 @@ class NcclEngine:
                 self.nccl.abort()
             self.nccl.close()
         finally:
-            self.backend.stream_destroy(self._replays.origin)
+            self.backend.stream_destroy(self._origin)
 
 
 def default_engine(backend_kind: str, placements: list) -> str:

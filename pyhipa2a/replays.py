@@ -15,7 +15,7 @@ GRAPHS_KEPT = 8  # keys recorded per object; the least recently used graph goes 
 
 class Replays:
     def __init__(self, backend, origin, kept: int = GRAPHS_KEPT):
-        self.backend, self.origin, self._kept = backend, origin, kept
+        self.backend, self._origin, self._kept = backend, origin, kept
         self._graphs: dict = {}  # key -> (executable graph, what queue() returned), least recent first
         self._seen: dict = {}    # keys of the latest calls queued step by step (a dict as an ordered set)
         self.refused = None      # why a recording failed: calls are queued step by step from then on
@@ -40,11 +40,6 @@ class Replays:
             self._graphs[key] = kept
         return self.launch(key, s)
 
-    @property
-    def kept(self) -> int:
-        """How many graphs are kept now."""
-        return len(self._graphs)
-
     def holds(self, key) -> bool:
         """Whether a graph is kept for `key` (a call with it is replayed)."""
         return key in self._graphs
@@ -58,7 +53,7 @@ class Replays:
 
     def _record(self, queue):
         """(graph, what queue returned), or None where recording failed (refused, with why)."""
-        origin = self.origin
+        origin = self._origin
         self.backend.capture_begin(origin)
         try:
             result = queue(origin)

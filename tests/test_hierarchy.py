@@ -6,6 +6,8 @@ point), one check at 8 ranks as 2 nodes of 4. GPU (marked): one node per GPU, NC
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -132,12 +134,12 @@ class _FakeNccl:
 
 
 class _FakeStreams:
-    """The backend calls an engine makes: a stream that reports done after `busy_polls` polls; streams,
-    captures and graphs as names, with what was done to them in `log`."""
+    """The backend calls an engine makes: a stream that reports done after `busy_polls` polls; streams and
+    recorded steps as names, with what was done to them in `log`; `records`: whether record_steps can."""
     kind = "cuda"
 
-    def __init__(self, busy_polls: int):
-        self.busy, self.log = busy_polls, []
+    def __init__(self, busy_polls: int, records: bool = True):
+        self.busy, self.records, self.log = busy_polls, records, []
 
     def stream_handle(self, stream):
         return 7
@@ -148,18 +150,15 @@ class _FakeStreams:
     def stream_destroy(self, stream):
         self.log.append(("stream_destroy", stream))
 
-    def capture_begin(self, stream):
-        self.log.append(("capture_begin", stream))
-
-    def capture_end(self, stream, keep=True):
-        self.log.append(("capture_end", stream))
-        return f"graph {len(self.log)}"
-
-    def graph_launch(self, graph, stream):
-        self.log.append(("graph_launch", graph, stream))
-
-    def graph_destroy(self, graph):
-        self.log.append(("graph_destroy", graph))
+    def record_steps(self, stream, queue):
+        if not self.records:
+            return None
+        queue(stream)  # (taped, nothing run)
+        name, log = f"graph {len(self.log)}", self.log
+        log.append(("recorded", name, stream))
+        return types.SimpleNamespace(rehand=lambda: log.append(("rehand", name)),
+                                     launch=lambda s: log.append(("launch", name, s)),
+                                     close=lambda: log.append(("close", name)))
 
     def stream_done(self, stream):
         self.busy -= 1
@@ -265,25 +264,32 @@ def test_nccl_engine_watchdog_spares_a_stream_that_finishes():
     assert not nccl.aborted and nccl.polls == 3
 
 
-def test_nccl_engine_replays_a_repeated_leg_as_one_graph_until_an_abort():
-    """A key's first call is queued step by step; its second is recorded (on the engine's own stream, where
-    nothing runs) and launched on the call's stream, as is every later one. An abort destroys the graphs
-    (ncclCommAbort waits for them), and calls are queued step by step from then on."""
+def test_nccl_engine_launches_a_leg_as_one_graph_made_once_until_an_abort():
+    """A key's first call records its graph (on the engine's own stream, where nothing runs) and launches it on
+    the call's stream, as every later call does; a changed plan's first launch hands the graph its packs'
+    arguments again, and no new graph is made. An abort destroys the graphs (ncclCommAbort waits for them),
+    and calls are queued step by step from then on."""
     nccl, backend = _FakeNccl(times_out=False), _FakeStreams(busy_polls=0)
     engine, queued = _engine(nccl, backend), []
-
-    def queue(s):
-        queued.append(s)
-    for _ in range(3):
-        engine.replay("leg", "s", queue)
-    assert queued == ["s", "origin"] and engine.graphs_kept == 1
-    assert backend.log == [("capture_begin", "origin"), ("capture_end", "origin"), ("graph_launch", "graph 2", "s"),
-                           ("graph_launch", "graph 2", "s")]
+    for changed in (True, False, True, False):
+        engine.replay("dispatch", "s", queued.append, changed)
+    assert queued == ["origin"] and engine.graphs_kept == 1
+    assert backend.log == [("recorded", "graph 0", "origin"), ("launch", "graph 0", "s"), ("launch", "graph 0", "s"),
+                           ("rehand", "graph 0"), ("launch", "graph 0", "s"), ("launch", "graph 0", "s")]
+    engine.replay("combine", "s", queued.append, True)
+    assert engine.graphs_kept == 2
     engine.abort()
-    assert backend.log[-1] == ("graph_destroy", "graph 2") and engine.graphs_kept == 0
-    engine.replay("leg", "s", queue)
-    engine.replay("leg", "s", queue)
-    assert queued == ["s", "origin", "s", "s"] and engine.graphs_kept == 0
+    assert {e for e in backend.log[-2:]} == {("close", "graph 0"), ("close", "graph 6")} and engine.graphs_kept == 0
+    for changed in (True, False):
+        engine.replay("dispatch", "s2", queued.append, changed)
+    assert queued == ["origin", "origin", "s2", "s2"] and engine.graphs_kept == 0
+
+
+def test_nccl_engine_queues_step_by_step_where_the_backend_records_no_graph():
+    engine, queued = _engine(_FakeNccl(times_out=False), _FakeStreams(busy_polls=0, records=False)), []
+    for changed in (True, False):
+        engine.replay("dispatch", "s", queued.append, changed)
+    assert queued == ["s", "s"] and engine.graphs_kept == 0
 
 
 def test_nccl_engine_close_destroys_its_graphs_before_the_communicator():
@@ -294,16 +300,15 @@ def test_nccl_engine_close_destroys_its_graphs_before_the_communicator():
             events.append("communicator closed")
 
     class Backend(_FakeStreams):
-        def graph_destroy(self, graph):
-            events.append("graph destroyed")
+        def record_steps(self, stream, queue):
+            return types.SimpleNamespace(launch=lambda s: None, close=lambda: events.append("graph closed"))
 
         def stream_destroy(self, stream):
             events.append(f"{stream} destroyed")
     engine = _engine(Nccl(times_out=False), Backend(busy_polls=0))
-    for _ in range(2):
-        engine.replay("leg", "s", lambda s: None)
+    engine.replay("dispatch", "s", lambda s: None, True)
     engine.close(broken=False)
-    assert events == ["graph destroyed", "communicator closed", "origin destroyed"]
+    assert events == ["graph closed", "communicator closed", "origin destroyed"]
 
 
 @pytest.mark.parametrize("broken", [False, True])
