@@ -369,8 +369,8 @@ def wall_time(comm, a2a, body, flush_ptr: int, iters: int) -> float:
 def bare_exchange_walls(comm, a2a, flush_ptr: int, iters: int, made: contextlib.ExitStack) -> dict:
     """Across nodes: the wall of the engine alone moving the call's bytes between nodes, eagerly and (where
     the engine is capturable) replayed as a graph, as the call's own wall is: the call is set beside the
-    graph, since an eager exchange pays the engine's host-side launch (NCCL's non-blocking group ends are
-    polled) that a replay does not."""
+    graph, since an eager exchange pays the engine's host-side launch (a group launch of NCCL's) that a
+    replay does not."""
     walls = {"bare_exchange_eager_wall": wall_time(comm, a2a, a2a.exchange_between_nodes, flush_ptr, iters)}
     if a2a.engine.capturable:
         graph = a2a.capture(a2a.exchange_between_nodes)

@@ -121,7 +121,7 @@ class _FakeNccl:
         self.calls.append((sends, recvs, stream))
         if self.times_out:
             self.aborted = True
-            raise NcclTimeout("ncclGroupEnd still in progress")
+            raise NcclTimeout("ncclGroupEnd had not returned")
 
     def poll(self):
         self.polls += 1

@@ -374,6 +374,48 @@ def test_exchange_timeout_aborts():
     assert _watch_threads() == before
 
 
+def test_an_idle_communicator_is_left_alone():
+    """A call that returned is no longer watched: a healthy communicator idle for several timeouts stays."""
+    comm, fake = make_comm(size=2, timeout=0.05)
+    comm.exchange(sends=[(1, 0x1000, 8)], recvs=[], stream=0)
+    time.sleep(0.3)
+    assert not comm.aborted and "ncclCommAbort" not in fake.names()
+    comm.close()
+
+
+def test_an_abort_from_another_thread_ends_a_waiting_call_as_a_failure_not_a_timeout():
+    comm, fake = make_comm(FakeNccl(stuck={"group"}), size=2, timeout=30.0)
+    threading.Timer(0.1, comm.abort).start()
+    with pytest.raises(NcclFailure, match="ncclGroupEnd failed: internal error") as raised:
+        comm.exchange(sends=[(1, 0x1000, 8)], recvs=[], stream=0)
+    assert not isinstance(raised.value, NcclTimeout) and comm.aborted
+    comm.close()
+    assert fake.names().count("ncclCommAbort") == 1
+
+
+def test_an_interrupted_init_leaves_no_watch_thread():
+    class Interrupted(FakeNccl):
+        def ncclCommInitRankConfig(self, *args):
+            raise KeyboardInterrupt
+    before = _watch_threads()
+    with pytest.raises(KeyboardInterrupt):
+        make_comm(Interrupted())
+    assert _watch_threads() == before
+
+
+def test_a_communicator_never_closed_is_collected_with_its_watch_thread():
+    import gc
+    before = _watch_threads()
+    comm, _ = make_comm(timeout=0.04)
+    assert len(_watch_threads() - before) == 1
+    del comm
+    gc.collect()
+    deadline = time.monotonic() + 2.0
+    while _watch_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _watch_threads() == before
+
+
 def test_calls_within_the_timeout_are_left_alone():
     """The watch aborts only a call past its deadline: many quick calls spanning several timeouts pass."""
     comm, fake = make_comm(size=2, timeout=0.05)
@@ -465,9 +507,11 @@ def test_close_finalizes_then_destroys_once():
 
 
 def test_close_whose_finalize_times_out_aborts_and_raises():
+    before = _watch_threads()
     comm, fake = make_comm(FakeNccl(stuck={"finalize"}), timeout=0.05)
     with pytest.raises(NcclTimeout, match="ncclCommFinalize"):
         comm.close()
+    assert _watch_threads() == before
     assert comm.aborted and fake.names()[-1] == "ncclCommAbort" and "ncclCommDestroy" not in fake.names()
     comm.close()
     assert fake.names()[-1] == "ncclCommAbort"

@@ -1,7 +1,8 @@
 """A communicator over NCCL (NVIDIA) or RCCL (AMD: the same C API), loaded with ctypes, bootstrapped with mpi4py:
 one group of byte sends and receives per `exchange`, on a raw stream handle, for the traffic between nodes. Past
-the unique id's broadcast no call waits for a peer without bound (NcclTimeout, and it is aborted); what the device
-waits for is the caller's watchdog's to abort. Needs NCCL >= 2.14 (or an RCCL built from it)."""
+the unique id's broadcast no call waits for a peer without bound (NcclTimeout, and it is aborted), unless NCCL
+writes no communicator handle before its init waits (an abort needs it; NCCL 2.14 on writes it first); what the
+device waits for is the caller's watchdog's to abort. Needs NCCL >= 2.14 (or an RCCL built from it)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,6 +12,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 from ..errors import RuntimeFailure
@@ -199,7 +201,9 @@ class NcclComm:
     where a non-blocking communicator's every group starts a thread of NCCL's). The calls that can wait for a
     peer (the init, a group's launch while it connects, the finalize) run against a deadline: a watch thread
     that finds one past `timeout` aborts the communicator, which ends the wait, and the call raises NcclTimeout
-    naming its step. One thread drives it; abort() may come from any."""
+    naming its step (a call that returns just then too: the communicator is aborted either way). One thread
+    drives it; abort() may come from any (a call it ends raises NcclFailure). close() ends the watch thread,
+    which holds the object weakly: one never closed still goes, and its thread with it."""
 
     def __init__(self, library: NcclLibrary, comm, timeout: float):
         if timeout <= 0:
@@ -214,15 +218,15 @@ class NcclComm:
         self._abort_thread: threading.Thread | None = None  # runs ncclCommAbort (abort())
         self._abort_error: NcclFailure | None = None
         self._handle = _COMM()  # (NCCL writes it as its init begins: the watch can abort an init that waits)
-        self._state = _RESULT()  # reused by every poll: no allocation on the exchange path
+        self._state = _RESULT()  # reused by every poll()
         self._state_ptr = ctypes.pointer(self._state)
         self._lock = threading.RLock()  # a bounded call's end against the watch's abort
         self._waiting: tuple[str, float] | None = None  # (step, deadline) of the bounded call under way
         self._expired: str | None = None  # the step the watch aborted
         self._stop = threading.Event()
         uid = self._unique_id(comm)
-        self._watch_thread = threading.Thread(target=self._watch, daemon=True,
-                                              name=f"pyhipa2a NCCL watch (rank {self.rank})")
+        self._watch_thread = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop, timeout),
+                                              daemon=True, name=f"pyhipa2a NCCL watch (rank {self.rank})")
         self._watch_thread.start()
         self._init(uid)
 
@@ -249,9 +253,11 @@ class NcclComm:
         try:
             self._bounded("ncclCommInitRankConfig", ctypes.pointer(self._handle), self.size, uid, self.rank,
                           ctypes.pointer(config))
-        except NcclFailure:
-            self._abort_and_join()  # the caller gets no object to close (a failed init may still hold one)
-            self._stop_watch()
+        except BaseException:
+            try:
+                self._abort_and_join()  # the caller gets no object to close (a failed init may still hold one)
+            finally:
+                self._stop_watch()
             raise
 
     def _bounded(self, name: str, *args) -> None:
@@ -271,15 +277,14 @@ class NcclComm:
         if code != _SUCCESS:
             raise NcclFailure(self._lib.describe(name, code, self._handle))
 
-    def _watch(self) -> None:
-        """Abort the communicator when a bounded call is past its deadline (within a quarter of the timeout); an
-        init whose handle NCCL has not written yet is looked at again (an abort without it would end nothing)."""
-        while not self._stop.wait(min(self.timeout / 4, 0.5)):
-            with self._lock:
-                waiting = self._waiting
-                if waiting is not None and time.monotonic() > waiting[1] and self._handle.value:
-                    self._expired, self._waiting = waiting[0], None
-                    self.abort()
+    def _abort_if_late(self) -> None:
+        """Abort the communicator where a bounded call is past its deadline; an init whose handle NCCL has not
+        written yet is looked at again (an abort without it would end nothing)."""
+        with self._lock:
+            waiting = self._waiting
+            if waiting is not None and time.monotonic() > waiting[1] and self._handle.value:
+                self._expired, self._waiting = waiting[0], None
+                self.abort()
 
     def _stop_watch(self) -> None:
         self._stop.set()
@@ -312,7 +317,10 @@ class NcclComm:
             for peer, ptr, nbytes in recvs:
                 lib.call("ncclRecv", ptr, nbytes, _UINT8, peer, self._handle, stream, comm=self._handle)
         except BaseException:
-            lib.fn.ncclGroupEnd()  # close our group (groups nest per thread); the error raised says what failed
+            try:  # close our group (groups nest per thread), bounded: what it launched may wait for peers
+                self._bounded("ncclGroupEnd")
+            except NcclFailure:
+                pass  # (the error raised says what failed)
             raise
         self._bounded("ncclGroupEnd")
 
@@ -330,15 +338,15 @@ class NcclComm:
         for a peer, then frees device memory, and freeing waits for the whole device: a stream stuck anywhere
         on it (the caller's expert, stuck before its group_done) would hang the caller inside the call that
         reports the timeout. So the call runs on a thread of its own; close() waits for it."""
-        with self._lock:
+        with self._lock:  # (the thread made and started under it: close() never finds one half made)
             if self.aborted or self._closed:
                 return
             self.aborted = True
             handle, self._handle = self._handle, _COMM()
-        if handle.value:
-            self._abort_thread = threading.Thread(target=self._abort_handle, args=(handle,), daemon=True,
-                                                  name=f"pyhipa2a NCCL abort (rank {self.rank})")
-            self._abort_thread.start()
+            if handle.value:
+                self._abort_thread = threading.Thread(target=self._abort_handle, args=(handle,), daemon=True,
+                                                      name=f"pyhipa2a NCCL abort (rank {self.rank})")
+                self._abort_thread.start()
 
     def _abort_handle(self, handle: _COMM) -> None:
         try:
@@ -350,7 +358,8 @@ class NcclComm:
         """abort(), then wait (bounded) for its thread; what ncclCommAbort reported, if it failed. A thread
         still running after the timeout is left to finish when the device's stuck work does, with a warning."""
         self.abort()
-        thread, self._abort_thread = self._abort_thread, None
+        with self._lock:
+            thread, self._abort_thread = self._abort_thread, None
         if thread is None:
             return None
         thread.join(self.timeout)
@@ -391,6 +400,17 @@ class NcclComm:
         self._closed = True
         handle, self._handle = self._handle, _COMM()
         self._lib.call("ncclCommDestroy", handle)
+
+
+def _watch(comm_ref, stop: threading.Event, timeout: float) -> None:
+    """A communicator's watch thread: every quarter of the timeout (at most 0.5 s), abort it where a bounded call
+    is late; ends at close() or once the communicator is gone (it holds it weakly)."""
+    while not stop.wait(min(timeout / 4, 0.5)):
+        comm = comm_ref()
+        if comm is None:
+            return
+        comm._abort_if_late()
+        del comm
 
 
 def _nonempty(entries, size: int) -> list[tuple[int, int, int]]:
