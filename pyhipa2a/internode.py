@@ -12,6 +12,7 @@ them reports the timeout naming that peer and poisons the call's outputs (kernel
 from __future__ import annotations
 
 import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -132,17 +133,24 @@ class NcclEngine:
         """`communicator`: an NcclComm made already (tests), else one over `comm`."""
         from .runtime import nccl
         self.backend, self.timeout = backend, timeout
-        self.nccl = communicator or nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
         self._origin = backend.stream_create()  # (graphs are recorded here: the caller's may be another library's)
         self._graphs: dict = {}  # key -> the backend's recorded steps
         self._refused: set = set()  # keys whose recording failed: queued step by step
+        try:
+            self.nccl = communicator or nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm,
+                                                      timeout)
+        except BaseException:
+            backend.stream_destroy(self._origin)
+            raise
 
     def replay(self, key, s, queue, changed: bool) -> None:
-        """`queue(s)` as one graph: recorded the first time `key` comes (a leg and its kernel choice, whose
-        launches differ only in their arguments), then launched, its kernels first handed their packs'
-        arguments again where they `changed` (a new plan's). One launch of about 6 us instead of 30-60 us of
-        launches; one graph a key for good (a graph made per plan grew device memory). Step by step after an
-        abort (the graphs are gone, and the exchanges queue nothing) and where the backend records none."""
+        """`queue(s)` as one graph: recorded the first time `key` comes (a leg, whose launches differ only in
+        their arguments from call to call), then launched, its kernels first handed their packs' arguments
+        again where they `changed` (a new plan's). One launch of about 6 us instead of 30-60 us of launches;
+        one graph a key for good (a graph made per plan grew device memory). Step by step after an abort (the
+        graphs are gone, and the exchanges queue nothing) and where the backend records none (once warned)."""
+        if self.nccl.aborted:
+            self._drop_graphs()  # (an abort of the communicator's own watch: ncclCommAbort waits for them)
         if self.nccl.aborted or key in self._refused:
             queue(s)
             return
@@ -150,9 +158,16 @@ class NcclEngine:
         if graph is None:
             try:
                 graph = self.backend.record_steps(self._origin, queue)
-            except Exception:  # (a step it cannot record: what queuing raises, it raises again below)
-                graph = None
+                why = "the backend records no graph"
+            except Exception as e:  # (a step it cannot record: what queuing raises, it raises again below)
+                graph, why = None, f"{type(e).__name__}: {e}"
+            if graph is not None and self.nccl.aborted:  # (its exchange was aborted while it recorded)
+                graph.close()
+                graph, why = None, "the communicator was aborted"
             if graph is None:
+                if self.backend.kind != "hip":  # (HIP records none, by design)
+                    warnings.warn(f"pyhipa2a: the {key} leg between nodes is launched step by step ({why})",
+                                  RuntimeWarning, stacklevel=2)
                 self._refused.add(key)
                 queue(s)
                 return
@@ -207,7 +222,7 @@ class NcclEngine:
                     return
             except NcclFailure:
                 pass
-            self.abort()
+        self.abort()  # (idempotent; after the communicator's own watch aborted it, it drops the graphs too)
         if not poll(done, time.monotonic() + DRAIN_TIMEOUTS * self.timeout):
             raise A2ATimeoutError(f"the stream of the exchange between nodes had not finished "
                                   f"{DRAIN_TIMEOUTS * self.timeout:.1f} s after the NCCL communicator was aborted: "

@@ -287,9 +287,27 @@ def test_nccl_engine_launches_a_leg_as_one_graph_made_once_until_an_abort():
 
 def test_nccl_engine_queues_step_by_step_where_the_backend_records_no_graph():
     engine, queued = _engine(_FakeNccl(times_out=False), _FakeStreams(busy_polls=0, records=False)), []
-    for changed in (True, False):
-        engine.replay("dispatch", "s", queued.append, changed)
+    with pytest.warns(RuntimeWarning, match="the dispatch leg between nodes is launched step by step"):
+        for changed in (True, False):
+            engine.replay("dispatch", "s", queued.append, changed)
     assert queued == ["s", "s"] and engine.graphs_kept == 0
+
+
+def test_nccl_engine_drops_its_graphs_once_the_communicator_aborted_itself():
+    """The communicator's own watch aborts it (a group launch past the timeout) without the engine: the next
+    replay, or a recording during which that happened, leaves no graph holding the communicator."""
+    nccl, backend = _FakeNccl(times_out=False), _FakeStreams(busy_polls=0)
+    engine, queued = _engine(nccl, backend), []
+    engine.replay("dispatch", "s", queued.append, True)
+    nccl.aborted = True
+    engine.replay("dispatch", "s", queued.append, False)
+    assert backend.log[-1] == ("close", "graph 0") and engine.graphs_kept == 0 and queued == ["origin", "s"]
+    nccl2, backend2 = _FakeNccl(times_out=True), _FakeStreams(busy_polls=0)
+    engine2 = _engine(nccl2, backend2)
+    from pyhipa2a.internode import Transfer
+    with pytest.warns(RuntimeWarning, match="the communicator was aborted"):
+        engine2.replay("combine", "s", lambda s: engine2.exchange([Transfer(1, 1, 2, 8)], s), True)
+    assert [e[0] for e in backend2.log] == ["recorded", "close"] and engine2.graphs_kept == 0
 
 
 def test_nccl_engine_close_destroys_its_graphs_before_the_communicator():

@@ -356,9 +356,9 @@ class CudaBackend(DriverBackend):
         return (entries["cuCtxGetCurrent"], entries["cuCtxSetCurrent"], self._context_handle)
 
     def record_steps(self, stream, queue):
-        handle = self.stream_handle(stream)
-        tape = self._tapes[handle] = []
+        handle, tape = self.stream_handle(stream), []
         self.capture_begin(stream)
+        self._tapes[handle] = tape
         try:
             queue(stream)
         except BaseException:
