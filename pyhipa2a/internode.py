@@ -3,7 +3,7 @@
 - `NcclEngine`: NCCL/RCCL (pyhipa2a.runtime.nccl). Its kernels' waits are unbounded, so `settle` aborts
   the communicator when a call has not finished within the timeout. An exchange is a group launch (12-18 us
   of host time on two H200s); a repeated leg (a plan's: its kernels and exchanges) launches as one graph
-  (`replay`), one made per leg and kernel choice and handed each new plan's arguments, which an abort
+  (`replay`), one made per leg and handed each new plan's arguments, which an abort
   destroys: ncclCommAbort returns only once every graph holding the communicator is gone (docs/DESIGN.md).
 - `MpiEngine`: mpi4py through host copies, for the host backend and for ranks that share a GPU.
 Neither raises for a missing peer: its regions keep an old sequence number, and the kernel that reads
