@@ -253,17 +253,18 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         if node_leg.call.groups or (leg == "combine" and node_leg.call.phase != WHOLE_COMBINE):
             return launch  # (a call in groups has the host watch its parts)
         # Every plan of a leg launches the same kernels (the node's call takes every region whole) and exchanges,
-        # from the same frozen packs: the engine launches them as one graph a leg, handed a new plan's arguments
-        # at its first launch; unless a capture records them (as its own launches, then).
-        streams, replay, fresh = self._streams, self._engine.replay, [True]
+        # from the same frozen packs: the engine keeps them as one graph a leg, handed this plan's arguments now.
+        graph = self._engine.graph_for(leg, launch)
+        if graph is None:
+            return launch
 
         def replayed(s) -> None:
-            if streams.capturing is not None:
-                launch(s)
-            else:
-                replay(leg, s, launch, fresh[0])
-                fresh[0] = False
+            graph.launch(s)
+        replayed.site = graph  # (a plan launches its graph from C, cuGraphLaunch of its exec: no Python a call)
         return replayed
+
+    def _plan_conditions(self) -> tuple:
+        return self._engine.plan_conditions
 
     def exchange_between_nodes(self, stream=None) -> None:
         """A call's bytes between nodes moved alone by the same engine, no kernel of ours (the bare exchange

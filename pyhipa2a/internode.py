@@ -3,7 +3,7 @@
 - `NcclEngine`: NCCL/RCCL (pyhipa2a.runtime.nccl). Its kernels' waits are unbounded, so `settle` aborts
   the communicator when a call has not finished within the timeout. An exchange is a group launch (12-18 us
   of host time on two H200s); a repeated leg (a plan's: its kernels and exchanges) launches as one graph
-  (`replay`), one made per leg and handed each new plan's arguments, which an abort
+  (`graph_for`), one made per leg and handed each new plan's arguments, which an abort
   destroys: ncclCommAbort returns only once every graph holding the communicator is gone (docs/DESIGN.md).
 - `MpiEngine`: mpi4py through host copies, for the host backend and for ranks that share a GPU.
 Neither raises for a missing peer: its regions keep an old sequence number, and the kernel that reads
@@ -31,7 +31,8 @@ class Transfer(NamedTuple):
 
 class MpiEngine:
     watches_streams = False  # (its exchanges wait on the host, each by its own deadline)
-    graphs_kept = 0  # (replay records none)
+    graphs_kept = 0  # (graph_for records none)
+    plan_conditions = ()
 
     def __init__(self, backend, comm, timeout: float):
         self.backend, self.comm, self.timeout = backend, comm, timeout
@@ -94,9 +95,9 @@ class MpiEngine:
         late = {peer for (peer, _), d in zip(items, done) if not d}
         return [None if peer in late else buf for (peer, _), buf in zip(items, received)]
 
-    def replay(self, key, s, queue, changed: bool) -> None:
-        """`queue(s)`: on a GPU the exchanges wait on the host, which a graph cannot record."""
-        queue(s)
+    def graph_for(self, key, queue) -> None:
+        """None: on a GPU the exchanges wait on the host, which a graph cannot record."""
+        return None
 
     def settle(self, stream) -> None:
         """Nothing to watch: every exchange gave up by its own deadline."""
@@ -143,38 +144,48 @@ class NcclEngine:
             backend.stream_destroy(self._origin)
             raise
 
-    def replay(self, key, s, queue, changed: bool) -> None:
-        """`queue(s)` as one graph: recorded the first time `key` comes (a leg, whose launches differ only in
-        their arguments from call to call), then launched, its kernels first handed their packs' arguments
-        again where they `changed` (a new plan's). One launch of about 6 us instead of 30-60 us of launches;
-        one graph a key for good (a graph made per plan grew device memory). Step by step after an abort (the
-        graphs are gone, and the exchanges queue nothing) and where the backend records none (once warned)."""
+    def graph_for(self, key, queue):
+        """The graph of what `queue(stream)` launches (a plan's leg, whose launches differ only in their
+        arguments from plan to plan): recorded the first time `key` comes (nothing runs), else handed the
+        arguments its packs hold now (a new plan's; launches already queued keep theirs). One launch of about
+        6 us instead of 30-60 us of launches, one graph a key for good (a graph made per plan grew device
+        memory). None after an abort (the graphs are gone) and where the backend records none (warned once):
+        the caller launches step by step."""
         if self.nccl.aborted:
             self._drop_graphs()  # (an abort of the communicator's own watch: ncclCommAbort waits for them)
-        if self.nccl.aborted or key in self._refused:
-            queue(s)
-            return
+            return None
+        if key in self._refused:
+            return None
         graph = self._graphs.get(key)
-        if graph is None:
-            try:
-                graph = self.backend.record_steps(self._origin, queue)
-                why = "the backend records no graph"
-            except Exception as e:  # (a step it cannot record: what queuing raises, it raises again below)
-                graph, why = None, f"{type(e).__name__}: {e}"
-            if graph is not None and self.nccl.aborted:  # (its exchange was aborted while it recorded)
-                graph.close()
-                graph, why = None, "the communicator was aborted"
-            if graph is None:
-                if self.backend.kind != "hip":  # (HIP records none, by design)
-                    warnings.warn(f"pyhipa2a: the {key} leg between nodes is launched step by step ({why})",
-                                  RuntimeWarning, stacklevel=2)
-                self._refused.add(key)
-                queue(s)
-                return
-            self._graphs[key] = graph
-        elif changed:
+        if graph is not None:
             graph.rehand()
-        graph.launch(s)
+            return graph
+        try:
+            graph = self.backend.record_steps(self._origin, queue)
+            why = "the backend records no graph"
+        except Exception as e:  # (a step it cannot record: the caller's launches raise it again, if it is theirs)
+            graph, why = None, f"{type(e).__name__}: {e}"
+        if graph is not None and self.nccl.aborted:  # (its exchange was aborted while it recorded)
+            graph.close()
+            graph, why = None, "the communicator was aborted"
+        if graph is None:
+            if self.backend.kind != "hip":  # (HIP records none, by design)
+                warnings.warn(f"pyhipa2a: the {key} leg between nodes is launched step by step ({why})",
+                              RuntimeWarning, stacklevel=2)
+            self._refused.add(key)
+            return None
+        self._graphs[key] = graph
+        return graph
+
+    @property
+    def live(self) -> bool:
+        """Whether the communicator is not aborted: a plan that launches a graph of it needs that (an abort
+        destroys the graphs)."""
+        return not self.nccl.aborted
+
+    @property
+    def plan_conditions(self) -> tuple:
+        return ((self, "live", True),)
 
     @property
     def graphs_kept(self) -> int:

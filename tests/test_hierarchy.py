@@ -157,7 +157,6 @@ class _FakeStreams:
         name, log = f"graph {len(self.log)}", self.log
         log.append(("recorded", name, stream))
         return types.SimpleNamespace(rehand=lambda: log.append(("rehand", name)),
-                                     launch=lambda s: log.append(("launch", name, s)),
                                      close=lambda: log.append(("close", name)))
 
     def stream_done(self, stream):
@@ -264,49 +263,45 @@ def test_nccl_engine_watchdog_spares_a_stream_that_finishes():
     assert not nccl.aborted and nccl.polls == 3
 
 
-def test_nccl_engine_launches_a_leg_as_one_graph_made_once_until_an_abort():
-    """A key's first call records its graph (on the engine's own stream, where nothing runs) and launches it on
-    the call's stream, as every later call does; a changed plan's first launch hands the graph its packs'
-    arguments again, and no new graph is made. An abort destroys the graphs (ncclCommAbort waits for them),
-    and calls are queued step by step from then on."""
+def test_nccl_engine_keeps_one_graph_a_leg_handed_each_new_plans_arguments_until_an_abort():
+    """A key's first plan records its graph (on the engine's own stream, where nothing runs); a later plan of
+    the key gets the same graph, handed its packs' arguments again, and no new graph is made. A plan holds the
+    engine live (its graph launches from C). An abort destroys the graphs (ncclCommAbort waits for them), and
+    plans launch step by step from then on."""
     nccl, backend = _FakeNccl(times_out=False), _FakeStreams(busy_polls=0)
     engine, queued = _engine(nccl, backend), []
-    for changed in (True, False, True, False):
-        engine.replay("dispatch", "s", queued.append, changed)
-    assert queued == ["origin"] and engine.graphs_kept == 1
-    assert backend.log == [("recorded", "graph 0", "origin"), ("launch", "graph 0", "s"), ("launch", "graph 0", "s"),
-                           ("rehand", "graph 0"), ("launch", "graph 0", "s"), ("launch", "graph 0", "s")]
-    engine.replay("combine", "s", queued.append, True)
-    assert engine.graphs_kept == 2
+    graphs = [engine.graph_for("dispatch", queued.append) for _ in range(3)]
+    assert graphs[0] is graphs[1] is graphs[2] and queued == ["origin"] and engine.graphs_kept == 1
+    assert backend.log == [("recorded", "graph 0", "origin"), ("rehand", "graph 0"), ("rehand", "graph 0")]
+    engine.graph_for("combine", queued.append)
+    assert engine.graphs_kept == 2 and engine.plan_conditions == ((engine, "live", True),) and engine.live is True
     engine.abort()
-    assert {e for e in backend.log[-2:]} == {("close", "graph 0"), ("close", "graph 6")} and engine.graphs_kept == 0
-    for changed in (True, False):
-        engine.replay("dispatch", "s2", queued.append, changed)
-    assert queued == ["origin", "origin", "s2", "s2"] and engine.graphs_kept == 0
+    assert {e for e in backend.log[-2:]} == {("close", "graph 0"), ("close", "graph 3")} and engine.graphs_kept == 0
+    assert engine.live is False and engine.graph_for("dispatch", queued.append) is None and queued == ["origin"] * 2
 
 
-def test_nccl_engine_queues_step_by_step_where_the_backend_records_no_graph():
+def test_nccl_engine_records_no_graph_where_the_backend_cannot():
     engine, queued = _engine(_FakeNccl(times_out=False), _FakeStreams(busy_polls=0, records=False)), []
     with pytest.warns(RuntimeWarning, match="the dispatch leg between nodes is launched step by step"):
-        for changed in (True, False):
-            engine.replay("dispatch", "s", queued.append, changed)
-    assert queued == ["s", "s"] and engine.graphs_kept == 0
+        assert engine.graph_for("dispatch", queued.append) is None
+    assert engine.graph_for("dispatch", queued.append) is None  # (refused for good: not asked again)
+    assert queued == [] and engine.graphs_kept == 0
 
 
 def test_nccl_engine_drops_its_graphs_once_the_communicator_aborted_itself():
     """The communicator's own watch aborts it (a group launch past the timeout) without the engine: the next
-    replay, or a recording during which that happened, leaves no graph holding the communicator."""
+    plan, or a recording during which that happened, leaves no graph holding the communicator."""
     nccl, backend = _FakeNccl(times_out=False), _FakeStreams(busy_polls=0)
-    engine, queued = _engine(nccl, backend), []
-    engine.replay("dispatch", "s", queued.append, True)
+    engine = _engine(nccl, backend)
+    engine.graph_for("dispatch", lambda s: None)
     nccl.aborted = True
-    engine.replay("dispatch", "s", queued.append, False)
-    assert backend.log[-1] == ("close", "graph 0") and engine.graphs_kept == 0 and queued == ["origin", "s"]
+    assert engine.graph_for("dispatch", lambda s: None) is None
+    assert backend.log[-1] == ("close", "graph 0") and engine.graphs_kept == 0
     nccl2, backend2 = _FakeNccl(times_out=True), _FakeStreams(busy_polls=0)
     engine2 = _engine(nccl2, backend2)
     from pyhipa2a.internode import Transfer
     with pytest.warns(RuntimeWarning, match="the communicator was aborted"):
-        engine2.replay("combine", "s", lambda s: engine2.exchange([Transfer(1, 1, 2, 8)], s), True)
+        assert engine2.graph_for("combine", lambda s: engine2.exchange([Transfer(1, 1, 2, 8)], s)) is None
     assert [e[0] for e in backend2.log] == ["recorded", "close"] and engine2.graphs_kept == 0
 
 
@@ -324,7 +319,7 @@ def test_nccl_engine_close_destroys_its_graphs_before_the_communicator():
         def stream_destroy(self, stream):
             events.append(f"{stream} destroyed")
     engine = _engine(Nccl(times_out=False), Backend(busy_polls=0))
-    engine.replay("dispatch", "s", lambda s: None, True)
+    engine.graph_for("dispatch", lambda s: None)
     engine.close(broken=False)
     assert events == ["graph closed", "communicator closed", "origin destroyed"]
 
