@@ -224,7 +224,7 @@ class Calls:
         plan = None
         if record.same(last):
             plan = plan_or_none(record, conditions + self._plan_conditions(), streams, self.backend,
-                                self._exchange.buffers.status.ctypes.data, self._repeater(leg, tokens),
+                                self._exchange.buffers.status.ctypes.data, lambda: self._repeater(leg, tokens),
                                 lambda: setattr(self, f"_{leg}_plan", None))
         return plan, record
 

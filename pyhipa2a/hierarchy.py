@@ -261,6 +261,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         def replayed(s) -> None:
             graph.launch(s)
         replayed.site = graph  # (a plan launches its graph from C, cuGraphLaunch of its exec: no Python a call)
+        replayed.rehand = graph.rehand  # (a plan that wrote a pointer into a pack)
         return replayed
 
     def _plan_conditions(self) -> tuple:

@@ -178,14 +178,10 @@ class NcclEngine:
         return graph
 
     @property
-    def live(self) -> bool:
-        """Whether the communicator is not aborted: a plan that launches a graph of it needs that (an abort
-        destroys the graphs)."""
-        return not self.nccl.aborted
-
-    @property
     def plan_conditions(self) -> tuple:
-        return ((self, "live", True),)
+        """What a plan that launches a graph of this engine needs to hold: a communicator not aborted (an abort
+        destroys the graphs; close() drops the plans first)."""
+        return ((self.nccl, "aborted", False),)
 
     @property
     def graphs_kept(self) -> int:

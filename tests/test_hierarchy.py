@@ -53,6 +53,7 @@ def test_nodes_against_oracle(name, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_nodes_meta_names_true_source", "case_nodes_graph", "case_nodes_bad_inputs",
                                   "case_nodes_launch_sites_made_ahead", "case_nodes_repeated_calls",
+                                  "case_nodes_plans_hold_the_engines_conditions",
                                   "case_nodes_teardown_goes_on_after_the_engine_fails"])
 def test_nodes_cases(case, backend):
     ranks, G = layout_for(backend)
@@ -265,19 +266,19 @@ def test_nccl_engine_watchdog_spares_a_stream_that_finishes():
 
 def test_nccl_engine_keeps_one_graph_a_leg_handed_each_new_plans_arguments_until_an_abort():
     """A key's first plan records its graph (on the engine's own stream, where nothing runs); a later plan of
-    the key gets the same graph, handed its packs' arguments again, and no new graph is made. A plan holds the
-    engine live (its graph launches from C). An abort destroys the graphs (ncclCommAbort waits for them), and
-    plans launch step by step from then on."""
+    the key gets the same graph, handed its packs' arguments again, and no new graph is made. A plan needs the
+    communicator not aborted (its graph launches from C). An abort destroys the graphs (ncclCommAbort waits for
+    them), and plans launch step by step from then on."""
     nccl, backend = _FakeNccl(times_out=False), _FakeStreams(busy_polls=0)
     engine, queued = _engine(nccl, backend), []
     graphs = [engine.graph_for("dispatch", queued.append) for _ in range(3)]
     assert graphs[0] is graphs[1] is graphs[2] and queued == ["origin"] and engine.graphs_kept == 1
     assert backend.log == [("recorded", "graph 0", "origin"), ("rehand", "graph 0"), ("rehand", "graph 0")]
     engine.graph_for("combine", queued.append)
-    assert engine.graphs_kept == 2 and engine.plan_conditions == ((engine, "live", True),) and engine.live is True
+    assert engine.graphs_kept == 2 and engine.plan_conditions == ((nccl, "aborted", False),)
     engine.abort()
     assert {e for e in backend.log[-2:]} == {("close", "graph 0"), ("close", "graph 3")} and engine.graphs_kept == 0
-    assert engine.live is False and engine.graph_for("dispatch", queued.append) is None and queued == ["origin"] * 2
+    assert engine.graph_for("dispatch", queued.append) is None and queued == ["origin"] * 2
 
 
 def test_nccl_engine_records_no_graph_where_the_backend_cannot():

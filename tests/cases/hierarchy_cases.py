@@ -144,6 +144,7 @@ def case_nodes_repeated_calls(comm, G="2"):
     call is right (new values, outputs poisoned, checked against the oracle); weights to combine, then to
     dispatch."""
     from tests.cases import calls_watched
+    from pyhipa2a import repeat
     from pyhipa2a.internode import NcclEngine
     from pyhipa2a.testing import check_call, poison
     G = int(G)
@@ -174,6 +175,8 @@ def case_nodes_repeated_calls(comm, G="2"):
                         missed = i == 0 and not first
                         assert watched.plans == ([True, True] if i >= 2 else [False, False] if missed else []), \
                             (weights_at, part, i, watched.plans)
+                        if graphs and repeat.COMPILED and i >= 2:  # (each leg's graph launched from C)
+                            assert watched.forms == [("driver", "driver")] * 2, watched.forms
                         first = False
                         # (a graph a leg, made with the first plan, at the end of a set's second call)
                         kept = 2 if graphs and (i >= 1 or j or part) else 0
@@ -182,6 +185,39 @@ def case_nodes_repeated_calls(comm, G="2"):
         finally:
             for buffers in sets:
                 free_buffers(a2a, buffers)
+
+
+def case_nodes_plans_hold_the_engines_conditions(comm, G="2"):
+    """A plan across nodes also needs what its engine names (NCCL's: a communicator not aborted, whose graphs
+    the plan launches): while a condition holds the plans take the calls; once it fails they miss, and the
+    full path takes each call, right."""
+    import types
+    from tests.cases import calls_watched
+    from pyhipa2a.testing import check_call
+    G = int(G)
+    world, E, k, H, M = _small_call(comm, G)
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=G) as a2a, calls_watched() as watched:
+        me, held = a2a.rank, types.SimpleNamespace(up=True)
+        a2a.engine.plan_conditions = ((held, "up", True),)  # (made before the plans, which take it)
+        buffers = x, idx, w, y = step_buffers(a2a, M)
+        expert_y = a2a.expert_y_buffer()
+        try:
+            for i in range(5):
+                held.up = i < 3
+                inputs = draw_world(70 + i, world, E, k, H, M, token_counts=[M] * world)
+                for arr, fresh in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                    arr.copy_from(fresh)
+                watched.clear()
+                d = a2a.dispatch(x, idx)
+                a2a.fake_expert(d, out=expert_y)
+                out = a2a.combine(expert_y, w, out=y)
+                a2a.synchronize()
+                check_call(a2a, inputs, d, out)
+                assert watched.plans == ([True, True] if i == 2 else [False, False] if i > 2 else []), \
+                    (i, watched.plans)
+        finally:
+            free_buffers(a2a, buffers)
 
 
 def _raw(a2a, arr):
