@@ -288,8 +288,7 @@ class NcclComm:
 
     def _stop_watch(self) -> None:
         self._stop.set()
-        if self._watch_thread is not threading.current_thread():
-            self._watch_thread.join()
+        self._watch_thread.join()
 
     def _async_state(self) -> int:
         self._lib.call("ncclCommGetAsyncError", self._handle, self._state_ptr, comm=self._handle)

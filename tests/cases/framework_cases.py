@@ -170,6 +170,12 @@ def _new_arrays_object(comm, lib: str, calls_on: str):
         yield a2a, watched, _framework(lib, a2a.heap.device.index)
 
 
+def _forget_element_types(array) -> None:
+    """Make the probe of `array`'s library forget the element types it learned: a case before in the process (the
+    tests' pool of jobs) may have taught them, and a case's first call must learn them, as a program's does."""
+    producers.stream_source(array).element_types.clear()
+
+
 def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
     """New PyTorch or CuPy arrays at every call (a layer's activations, a router's output), each written
     late on the library's own stream, with another token count at most calls, some given a stream object
@@ -186,15 +192,12 @@ def case_new_framework_arrays_at_every_call(comm, lib, calls_on="own"):
             import torch
             side = torch.cuda.Stream()
             side_again = torch.cuda.ExternalStream(side.cuda_stream)  # (a new object for it, as PyTorch makes)
-            probe = producers.stream_source(torch.empty(1, device=f"cuda:{a2a.heap.device.index}"))
+            _forget_element_types(torch.empty(1, device=f"cuda:{a2a.heap.device.index}"))
         else:
             import cupy
             side = cupy.cuda.Stream(non_blocking=True)
             side_again = cupy.cuda.ExternalStream(side.ptr)
-            probe = producers.stream_source(cupy.empty(1))
-        # (A case before this one in the process, as in the tests' pool of jobs, may have taught the probe these
-        # element types already: forgotten, the first call learns them, as a program's first call does.)
-        probe.element_types.clear()
+            _forget_element_types(cupy.empty(1))
         for i, (T, given) in enumerate(((32, None), (16, None), (32, None), (64, None), (8, side), (16, side_again))):
             inputs = draw_world(900 + i, world, E, k, H, M, token_counts=[T] * world)
             watched.clear()
@@ -260,8 +263,7 @@ def case_new_jax_arrays_at_every_call(comm):
         exports, export = [], array_type.__dlpack__  # (the stream each export names; None: a hold)
         array_type.__dlpack__ = lambda self, stream=None, **kw: (exports.append(stream),
                                                                   export(self, stream=stream, **kw))[1]
-        # (As in case_new_framework_arrays: forgotten, the element types are learned by this case's first call.)
-        producers.stream_source(busy).element_types.clear()
+        _forget_element_types(busy)
         other = a2a.backend.stream_create()
         try:
             for i, (T, finished, given) in enumerate(((32, True, None), (16, True, None), (32, True, None),
