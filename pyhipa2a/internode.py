@@ -143,6 +143,9 @@ class NcclEngine:
         except BaseException:
             backend.stream_destroy(self._origin)
             raise
+        # What a plan that launches this engine's graphs needs to hold: a communicator not aborted (an abort
+        # destroys the graphs; close() drops the plans first).
+        self.plan_conditions = ((self.nccl, "aborted", False),)
 
     def graph_for(self, key, queue):
         """The graph of what `queue(stream)` launches (a plan's leg, whose launches differ only in their
@@ -176,12 +179,6 @@ class NcclEngine:
             return None
         self._graphs[key] = graph
         return graph
-
-    @property
-    def plan_conditions(self) -> tuple:
-        """What a plan that launches a graph of this engine needs to hold: a communicator not aborted (an abort
-        destroys the graphs; close() drops the plans first)."""
-        return ((self.nccl, "aborted", False),)
 
     @property
     def graphs_kept(self) -> int:

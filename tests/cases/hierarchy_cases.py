@@ -199,7 +199,7 @@ def case_nodes_plans_hold_the_engines_conditions(comm, G="2"):
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   ranks_per_node=G) as a2a, calls_watched() as watched:
         me, held = a2a.rank, types.SimpleNamespace(up=True)
-        a2a.engine.plan_conditions = ((held, "up", True),)  # (made before the plans, which take it)
+        a2a.engine.plan_conditions += ((held, "up", True),)  # (made before the plans, which take it)
         buffers = x, idx, w, y = step_buffers(a2a, M)
         expert_y = a2a.expert_y_buffer()
         try:
