@@ -155,6 +155,10 @@ class Calls:
         """A function of the stream that launches the call of `leg` just made again ("dispatch", "combine")."""
         raise NotImplementedError
 
+    def _plan_conditions(self) -> tuple:
+        """(obj, name, want) that this object's plans also need to hold (getattr(obj, name) is want): none here."""
+        return ()
+
     def _argument_places(self, leg: str) -> dict:
         """Argument name -> the host address of its kernel pointer in what the repeater launches from, for the
         arguments whose new arrays a repeat may take; {} for none."""
@@ -219,8 +223,9 @@ class Calls:
         last = self._dispatch_record if leg == "dispatch" else self._combine_record
         plan = None
         if record.same(last):
-            plan = plan_or_none(record, conditions, streams, self.backend, self._exchange.buffers.status.ctypes.data,
-                                self._repeater(leg, tokens), lambda: setattr(self, f"_{leg}_plan", None))
+            plan = plan_or_none(record, conditions + self._plan_conditions(), streams, self.backend,
+                                self._exchange.buffers.status.ctypes.data, lambda: self._repeater(leg, tokens),
+                                lambda: setattr(self, f"_{leg}_plan", None))
         return plan, record
 
     # -- calls -------------------------------------------------------------------

@@ -165,7 +165,7 @@ class Operation:
 
         conditions = ((shared.heap, "closed", False), (shared.flight, "broken", None),
                       (shared.flight, "unreported", None))
-        plan = plan_or_none(record, conditions, shared.streams, shared.backend, 0, launch, drop)
+        plan = plan_or_none(record, conditions, shared.streams, shared.backend, 0, lambda: launch, drop)
         if plan is not None:
             self._plan = (plan, key)
 

@@ -239,10 +239,9 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
 
     def _repeater(self, leg: str, tokens: int):
         pack, frozen = self._steps[leg]
-        exchange = self._engine.exchange
+        exchange, node_leg = self._engine.exchange, getattr(self._exchange, leg)
         steps = [self._stage.repeater(pack, frozen, *self._geometry), functools.partial(exchange, self._moves[leg]),
-                 self._localize.repeater(pack, frozen, *self._geometry),
-                 getattr(self._exchange, leg).repeater(self._node_tokens)]
+                 self._localize.repeater(pack, frozen, *self._geometry), node_leg.repeater(self._node_tokens)]
         if leg == "combine":  # the seal, and the sums home
             steps += [self._seal.repeater(pack, frozen, *self._seal_geometry),
                       functools.partial(exchange, self._moves["sums"]),
@@ -251,7 +250,22 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         def launch(s) -> None:
             for step in steps:
                 step(s)
-        return launch
+        if node_leg.call.groups or (leg == "combine" and node_leg.call.phase != WHOLE_COMBINE):
+            return launch  # (a call in groups has the host watch its parts)
+        # Every plan of a leg launches the same kernels (the node's call takes every region whole) and exchanges,
+        # from the same frozen packs: the engine keeps them as one graph a leg, handed this plan's arguments now.
+        graph = self._engine.graph_for(leg, launch)
+        if graph is None:
+            return launch
+
+        def replayed(s) -> None:
+            graph.launch(s)
+        replayed.site = graph  # (a plan launches its graph from C, cuGraphLaunch of its exec: no Python a call)
+        replayed.rehand = graph.rehand  # (a plan that wrote a pointer into a pack)
+        return replayed
+
+    def _plan_conditions(self) -> tuple:
+        return self._engine.plan_conditions
 
     def exchange_between_nodes(self, stream=None) -> None:
         """A call's bytes between nodes moved alone by the same engine, no kernel of ours (the bare exchange

@@ -1,9 +1,10 @@
 """Engines that swap a multi-node call's regions with this rank's counterparts on the other nodes
 (pyhipa2a.hierarchy), on the call's stream, in the call's order:
 - `NcclEngine`: NCCL/RCCL (pyhipa2a.runtime.nccl). Its kernels' waits are unbounded, so `settle` aborts
-  the communicator when a call has not finished within the timeout. Exchanges are queued eagerly, a group
-  launch each (12-18 us of host time on two H200s); graphs would replay them in about 6 us, but
-  ncclCommAbort waits until every graph that captured the communicator is destroyed (docs/DESIGN.md).
+  the communicator when a call has not finished within the timeout. An exchange is a group launch (12-18 us
+  of host time on two H200s); a repeated leg (a plan's: its kernels and exchanges) launches as one graph
+  (`graph_for`), one made per leg and handed each new plan's arguments, which an abort
+  destroys: ncclCommAbort returns only once every graph holding the communicator is gone (docs/DESIGN.md).
 - `MpiEngine`: mpi4py through host copies, for the host backend and for ranks that share a GPU.
 Neither raises for a missing peer: its regions keep an old sequence number, and the kernel that reads
 them reports the timeout naming that peer and poisons the call's outputs (kernels_hip/hier.hip).
@@ -11,6 +12,7 @@ them reports the timeout naming that peer and poisons the call's outputs (kernel
 from __future__ import annotations
 
 import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +31,8 @@ class Transfer(NamedTuple):
 
 class MpiEngine:
     watches_streams = False  # (its exchanges wait on the host, each by its own deadline)
+    graphs_kept = 0  # (graph_for records none)
+    plan_conditions = ()
 
     def __init__(self, backend, comm, timeout: float):
         self.backend, self.comm, self.timeout = backend, comm, timeout
@@ -91,6 +95,10 @@ class MpiEngine:
         late = {peer for (peer, _), d in zip(items, done) if not d}
         return [None if peer in late else buf for (peer, _), buf in zip(items, received)]
 
+    def graph_for(self, key, queue) -> None:
+        """None: on a GPU the exchanges wait on the host, which a graph cannot record."""
+        return None
+
     def settle(self, stream) -> None:
         """Nothing to watch: every exchange gave up by its own deadline."""
 
@@ -122,10 +130,66 @@ class NcclEngine:
     capturable = True
     watches_streams = True  # (settle bounds a stream that NCCL's waits hold)
 
-    def __init__(self, backend, comm, timeout: float):
+    def __init__(self, backend, comm, timeout: float, communicator=None):
+        """`communicator`: an NcclComm made already (tests), else one over `comm`."""
         from .runtime import nccl
         self.backend, self.timeout = backend, timeout
-        self.nccl = nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm, timeout)
+        self._origin = backend.stream_create()  # (graphs are recorded here: the caller's may be another library's)
+        self._graphs: dict = {}  # key -> the backend's recorded steps
+        self._refused: set = set()  # keys whose recording failed: queued step by step
+        try:
+            self.nccl = communicator or nccl.NcclComm(nccl.NcclLibrary(nccl.find_library(backend.kind)), comm,
+                                                      timeout)
+        except BaseException:
+            backend.stream_destroy(self._origin)
+            raise
+        # What a plan that launches this engine's graphs needs to hold: a communicator not aborted (an abort
+        # destroys the graphs; close() drops the plans first).
+        self.plan_conditions = ((self.nccl, "aborted", False),)
+
+    def graph_for(self, key, queue):
+        """The graph of what `queue(stream)` launches (a plan's leg, whose launches differ only in their
+        arguments from plan to plan): recorded the first time `key` comes (nothing runs), else handed the
+        arguments its packs hold now (a new plan's; launches already queued keep theirs). One launch of about
+        6 us instead of 30-60 us of launches, one graph a key for good (a graph made per plan grew device
+        memory). None after an abort (the graphs are gone) and where the backend records none (warned once):
+        the caller launches step by step."""
+        if self.nccl.aborted:
+            self._drop_graphs()  # (an abort of the communicator's own watch: ncclCommAbort waits for them)
+            return None
+        if key in self._refused:
+            return None
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.rehand()
+            return graph
+        try:
+            graph = self.backend.record_steps(self._origin, queue)
+            why = "the backend records no graph"
+        except Exception as e:  # (a step it cannot record: the caller's launches raise it again, if it is theirs)
+            graph, why = None, f"{type(e).__name__}: {e}"
+        if graph is not None and self.nccl.aborted:  # (its exchange was aborted while it recorded)
+            graph.close()
+            graph, why = None, "the communicator was aborted"
+        if graph is None:
+            if self.backend.kind != "hip":  # (HIP records none, by design)
+                warnings.warn(f"pyhipa2a: the {key} leg between nodes is launched step by step ({why})",
+                              RuntimeWarning, stacklevel=2)
+            self._refused.add(key)
+            return None
+        self._graphs[key] = graph
+        return graph
+
+    @property
+    def graphs_kept(self) -> int:
+        return len(self._graphs)
+
+    def _drop_graphs(self) -> None:
+        """Destroy the graphs (a launched one is freed once it completes): ncclCommAbort waits for every graph
+        that captured the communicator to be gone (two H200s, NCCL 2.28)."""
+        graphs, self._graphs = self._graphs, {}
+        for graph in graphs.values():
+            graph.close()
 
     def exchange(self, transfers: list[Transfer], stream) -> None:
         """Queue the transfers; a peer that never comes is not raised here (nor after an abort): its
@@ -162,7 +226,7 @@ class NcclEngine:
                     return
             except NcclFailure:
                 pass
-            self.abort()
+        self.abort()  # (idempotent; after the communicator's own watch aborted it, it drops the graphs too)
         if not poll(done, time.monotonic() + DRAIN_TIMEOUTS * self.timeout):
             raise A2ATimeoutError(f"the stream of the exchange between nodes had not finished "
                                   f"{DRAIN_TIMEOUTS * self.timeout:.1f} s after the NCCL communicator was aborted: "
@@ -170,13 +234,18 @@ class NcclEngine:
 
     def abort(self) -> None:
         self.nccl.abort()
+        self._drop_graphs()
 
     def close(self, broken: bool) -> None:
         """Finalize the communicator, or abort it where a call failed (`broken`): a peer may have aborted
         its own already, and a finalize would wait for it until the timeout, then raise from close()."""
-        if broken:
-            self.nccl.abort()
-        self.nccl.close()
+        self._drop_graphs()
+        try:
+            if broken:
+                self.nccl.abort()
+            self.nccl.close()
+        finally:
+            self.backend.stream_destroy(self._origin)
 
 
 def default_engine(backend_kind: str, placements: list) -> str:

@@ -166,7 +166,7 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     """The plan of `record`'s call, whose object must still meet `conditions` ((obj, name, want)); None
     where an argument must be asked anew at every call (NumPy, a DLPack export, ...) or one library's
     arrays name different streams. `compiled`: for csrc/repeat.c (driver calls by address)."""
-    if not all(taken.repeatable for _, taken in record.arrays):
+    if not repeatable(record):
         return None
     s, lead = record.stream, record.lead
     checks = [(ATTR_IS, obj, name, want) for obj, name, want in conditions]
@@ -215,17 +215,24 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
             changes, record.result, failed, record.places, rehand, [None] * len(record.places))
 
 
-def plan_or_none(record: Record, conditions: tuple, streams, backend, status: int, launch, drop) -> tuple | None:
-    """make_plan for an owner's call: a launch whose driver call fails calls `drop()` (the call leaves no plan,
-    as a failed full path) and raises; a plan that cannot be made warns and is None (a plan only speeds repeats
-    up: it never fails the call)."""
+def repeatable(record: Record) -> bool:
+    """Whether each of the call's arrays can be taken again as it was taken (not NumPy's copy, a DLPack export...)."""
+    return all(taken.repeatable for _, taken in record.arrays)
+
+
+def plan_or_none(record: Record, conditions: tuple, streams, backend, status: int, make_launch,
+                 drop) -> tuple | None:
+    """make_plan for an owner's call, its launch made by `make_launch()` only where the call can repeat: a launch
+    whose driver call fails calls `drop()` (the call leaves no plan, as a failed full path) and raises; a plan
+    (or launch) that cannot be made warns and is None (a plan only speeds repeats up: it never fails the call)."""
     def failed(what: str, code) -> None:
         if what != "cuCtxSetCurrent":
             drop()
         if code is not None:
             backend.raise_driver_error(what, code)
     try:
-        return make_plan(record, conditions, streams, backend, status, launch, failed)
+        return make_plan(record, conditions, streams, backend, status, make_launch(), failed) \
+            if repeatable(record) else None
     except Exception as error:
         warnings.warn(f"pyhipa2a: a repeated call's plan could not be made ({error!r}); its repeats take the "
                       "full path", RuntimeWarning, stacklevel=5)

@@ -6,6 +6,8 @@ point), one check at 8 ranks as 2 nodes of 4. GPU (marked): one node per GPU, NC
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -51,6 +53,7 @@ def test_nodes_against_oracle(name, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_nodes_meta_names_true_source", "case_nodes_graph", "case_nodes_bad_inputs",
                                   "case_nodes_launch_sites_made_ahead", "case_nodes_repeated_calls",
+                                  "case_nodes_plans_hold_the_engines_conditions",
                                   "case_nodes_teardown_goes_on_after_the_engine_fails"])
 def test_nodes_cases(case, backend):
     ranks, G = layout_for(backend)
@@ -132,13 +135,30 @@ class _FakeNccl:
 
 
 class _FakeStreams:
+    """The backend calls an engine makes: a stream that reports done after `busy_polls` polls; streams and
+    recorded steps as names, with what was done to them in `log`; `records`: whether record_steps can."""
     kind = "cuda"
 
-    def __init__(self, busy_polls: int):
-        self.busy = busy_polls
+    def __init__(self, busy_polls: int, records: bool = True):
+        self.busy, self.records, self.log = busy_polls, records, []
 
     def stream_handle(self, stream):
         return 7
+
+    def stream_create(self):
+        return "origin"
+
+    def stream_destroy(self, stream):
+        self.log.append(("stream_destroy", stream))
+
+    def record_steps(self, stream, queue):
+        if not self.records:
+            return None
+        queue(stream)  # (taped, nothing run)
+        name, log = f"graph {len(self.log)}", self.log
+        log.append(("recorded", name, stream))
+        return types.SimpleNamespace(rehand=lambda: log.append(("rehand", name)),
+                                     close=lambda: log.append(("close", name)))
 
     def stream_done(self, stream):
         self.busy -= 1
@@ -147,9 +167,7 @@ class _FakeStreams:
 
 def _engine(nccl, backend, timeout=0.05):
     from pyhipa2a.internode import NcclEngine
-    engine = NcclEngine.__new__(NcclEngine)  # no library: the fake stands in for the communicator
-    engine.backend, engine.timeout, engine.nccl = backend, timeout, nccl
-    return engine
+    return NcclEngine(backend, None, timeout, communicator=nccl)  # (no library: the fake stands in)
 
 
 @pytest.mark.parametrize("fails", [True, False], ids=["call_failed", "call_ok"])
@@ -244,6 +262,67 @@ def test_nccl_engine_watchdog_spares_a_stream_that_finishes():
     engine = _engine(nccl, _FakeStreams(busy_polls=3), timeout=0.05)
     engine.settle(None)
     assert not nccl.aborted and nccl.polls == 3
+
+
+def test_nccl_engine_keeps_one_graph_a_leg_handed_each_new_plans_arguments_until_an_abort():
+    """A key's first plan records its graph (on the engine's own stream, where nothing runs); a later plan of
+    the key gets the same graph, handed its packs' arguments again, and no new graph is made. A plan needs the
+    communicator not aborted (its graph launches from C). An abort destroys the graphs (ncclCommAbort waits for
+    them), and plans launch step by step from then on."""
+    nccl, backend = _FakeNccl(times_out=False), _FakeStreams(busy_polls=0)
+    engine, queued = _engine(nccl, backend), []
+    graphs = [engine.graph_for("dispatch", queued.append) for _ in range(3)]
+    assert graphs[0] is graphs[1] is graphs[2] and queued == ["origin"] and engine.graphs_kept == 1
+    assert backend.log == [("recorded", "graph 0", "origin"), ("rehand", "graph 0"), ("rehand", "graph 0")]
+    engine.graph_for("combine", queued.append)
+    assert engine.graphs_kept == 2 and engine.plan_conditions == ((nccl, "aborted", False),)
+    engine.abort()
+    assert {e for e in backend.log[-2:]} == {("close", "graph 0"), ("close", "graph 3")} and engine.graphs_kept == 0
+    assert engine.graph_for("dispatch", queued.append) is None and queued == ["origin"] * 2
+
+
+def test_nccl_engine_records_no_graph_where_the_backend_cannot():
+    engine, queued = _engine(_FakeNccl(times_out=False), _FakeStreams(busy_polls=0, records=False)), []
+    with pytest.warns(RuntimeWarning, match="the dispatch leg between nodes is launched step by step"):
+        assert engine.graph_for("dispatch", queued.append) is None
+    assert engine.graph_for("dispatch", queued.append) is None  # (refused for good: not asked again)
+    assert queued == [] and engine.graphs_kept == 0
+
+
+def test_nccl_engine_drops_its_graphs_once_the_communicator_aborted_itself():
+    """The communicator's own watch aborts it (a group launch past the timeout) without the engine: the next
+    plan, or a recording during which that happened, leaves no graph holding the communicator."""
+    nccl, backend = _FakeNccl(times_out=False), _FakeStreams(busy_polls=0)
+    engine = _engine(nccl, backend)
+    engine.graph_for("dispatch", lambda s: None)
+    nccl.aborted = True
+    assert engine.graph_for("dispatch", lambda s: None) is None
+    assert backend.log[-1] == ("close", "graph 0") and engine.graphs_kept == 0
+    nccl2, backend2 = _FakeNccl(times_out=True), _FakeStreams(busy_polls=0)
+    engine2 = _engine(nccl2, backend2)
+    from pyhipa2a.internode import Transfer
+    with pytest.warns(RuntimeWarning, match="the communicator was aborted"):
+        assert engine2.graph_for("combine", lambda s: engine2.exchange([Transfer(1, 1, 2, 8)], s)) is None
+    assert [e[0] for e in backend2.log] == ["recorded", "close"] and engine2.graphs_kept == 0
+
+
+def test_nccl_engine_close_destroys_its_graphs_before_the_communicator():
+    events = []
+
+    class Nccl(_FakeNccl):
+        def close(self):
+            events.append("communicator closed")
+
+    class Backend(_FakeStreams):
+        def record_steps(self, stream, queue):
+            return types.SimpleNamespace(launch=lambda s: None, close=lambda: events.append("graph closed"))
+
+        def stream_destroy(self, stream):
+            events.append(f"{stream} destroyed")
+    engine = _engine(Nccl(times_out=False), Backend(busy_polls=0))
+    engine.graph_for("dispatch", lambda s: None)
+    engine.close(broken=False)
+    assert events == ["graph closed", "communicator closed", "origin destroyed"]
 
 
 @pytest.mark.parametrize("broken", [False, True])

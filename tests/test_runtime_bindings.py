@@ -120,7 +120,7 @@ def _bare_backend(mod, activate=None):
     cls = mod.CudaBackend if mod is cuda_rt else mod.HipBackend
     backend = cls.__new__(cls)
     backend._streams, backend._capturing, backend._joined = set(), set(), set()
-    backend._batches = {}
+    backend._batches, backend._tapes = {}, {}
     backend.activate = activate or (lambda: None)
     return backend
 
@@ -320,6 +320,66 @@ def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(rt):
     assert backend.capturable(backend.stream_from_handle(1)) is (mod is not cuda_rt)
     for other in (None, backend.stream_from_handle(0), backend.stream_from_handle(2), backend.stream_from_handle(0x1234)):
         assert backend.capturable(other)
+
+
+def test_cuda_recorded_steps_find_their_kernels_and_take_their_packs_again(monkeypatch):
+    """record_steps on a fake driver: the launches into the capture are taped; in the captured graph the
+    kernel nodes of those functions are ours (another library's kernel, a node whose parameters cannot be
+    read and a node of another kind are not), and rehand() gives each of ours its pack's arguments again,
+    nothing else; a taped kernel missing from the graph, or launched twice, refuses the recording."""
+    pytest.importorskip("cuda.bindings.driver")
+    from pyhipa2a.errors import RuntimeFailure
+    from pyhipa2a.kernels import ArgPack
+    real, calls = cuda_rt._load(), []
+    KERNEL, OTHER = real.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL, real.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET
+    nodes = {"stage": (KERNEL, 11), "nccl": (KERNEL, 99), "hidden": (KERNEL, None), "memset": (OTHER, None),
+             "sum": (KERNEL, 22)}
+
+    def record(name, *value):
+        return lambda *args: (calls.append((name, *args)), (0, *value))[1]
+
+    def node_params(node):
+        func = nodes[node][1]
+        return (0, types.SimpleNamespace(func=func)) if func is not None else (1,)
+    fake = types.SimpleNamespace(
+        CUstream=real.CUstream, CUgraphNodeType=real.CUgraphNodeType, CUDA_KERNEL_NODE_PARAMS=types.SimpleNamespace,
+        cuGraphGetNodes=lambda graph, n: (0, list(nodes)[:n], len(nodes)),
+        cuGraphNodeGetType=lambda node: (0, nodes[node][0]), cuGraphKernelNodeGetParams=node_params,
+        cuGraphInstantiate=record("instantiate", "exec"), cuGraphExecKernelNodeSetParams=record("set params"),
+        cuGraphLaunch=record("graph launch"), cuGraphExecDestroy=record("destroy exec"),
+        cuGraphDestroy=record("destroy template"))
+    monkeypatch.setattr(cuda_rt, "driver", fake)
+    backend = _bare_backend(cuda_rt)
+    backend._launch_kernel = record("kernel launch")
+    backend._call = lambda role, *args: "template"  # (stream_end_capture)
+    stream = backend.stream_from_handle(0x1234)
+    backend.capture_begin = lambda s: backend._capturing.add(backend.stream_handle(s))
+    packs = {11: ArgPack((ctypes.c_uint64,)), 22: ArgPack((ctypes.c_uint64,))}
+
+    def steps(s):
+        for function, pack in packs.items():
+            backend.launch(function, 8, 256, s, pack)
+    recorded = backend.record_steps(stream, steps)
+    assert [c[0] for c in calls] == ["kernel launch", "kernel launch", "instantiate"] and not backend._capturing
+    assert [(node, p.func, p.kernelParams) for node, p in recorded.nodes] == [
+        (node, f, ctypes.addressof(packs[f].kernel_params)) for node, f in (("stage", 11), ("sum", 22))]
+    calls.clear()
+    recorded.rehand()
+    recorded.launch(stream)
+    assert [c[:3] for c in calls] == [("set params", "exec", "stage"), ("set params", "exec", "sum"),
+                                      ("graph launch", "exec", stream)]
+    calls.clear()
+    recorded.close()
+    assert [c[0] for c in calls] == ["destroy exec", "destroy template"]
+    for taped in ({33: packs[11]}, None):  # a kernel not in the graph; one launched twice
+        def wrong(s, taped=taped):
+            for function, pack in (taped or {11: packs[11]}).items():
+                backend.launch(function, 8, 256, s, pack)
+            if taped is None:
+                backend.launch(11, 8, 256, s, packs[11])
+        with pytest.raises(RuntimeFailure, match="missing from the captured graph|launches one kernel twice"):
+            backend.record_steps(stream, wrong)
+        assert calls[-1][0] == "destroy template" and not backend._tapes
 
 
 def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):

@@ -201,6 +201,13 @@ class Backend:
     def graph_launch(self, graph, stream) -> None:
         raise NotImplementedError
 
+    def record_steps(self, stream, queue):
+        """A graph of what `queue(stream)` launches on `stream`, whose kernels can take the arguments their packs
+        hold again (its `rehand()`; `launch(stream)`, `close()`), made once and kept where calls change only
+        arguments (a graph made per call grows device memory); None where this backend cannot (the caller
+        then queues step by step)."""
+        return None
+
     def stream_capturing(self, stream) -> bool:
         """Whether `stream` is being captured, by capture_begin or by another library (torch.cuda.graph)."""
         raise NotImplementedError

@@ -23,7 +23,8 @@ _USED_CALLS = (
     "CUDA_KERNEL_NODE_PARAMS", "CUstreamCaptureStatus", "cuGraphCreate", "cuGraphAddKernelNode",
     "cuGraphExecKernelNodeSetParams", "cuDeviceCanAccessPeer", "cuCtxEnablePeerAccess",
     "cuDevicePrimaryCtxRelease", "cuStreamBatchMemOp", "CUstreamBatchMemOpParams",
-    "CUstreamBatchMemOpType") + tuple(_CALLS.values())
+    "CUstreamBatchMemOpType", "cuGraphGetNodes", "cuGraphNodeGetType", "CUgraphNodeType",
+    "cuGraphKernelNodeGetParams") + tuple(_CALLS.values())
 
 # Word-operation batches kept packed, the least recently used dropped first: their values vary with the rows a
 # call moves, and a grouped combine's marks with the combine, while a call's usual waits repeat.
@@ -69,12 +70,7 @@ class _OneNodeGraph:
     """A launch site's kernel as a one-node graph; it reads the site's void* array at cuGraphExecKernelNodeSetParams."""
 
     def __init__(self, function, grid: int, block: int, kernel_params):
-        params = self.params = driver.CUDA_KERNEL_NODE_PARAMS()
-        params.func = function
-        params.gridDimX, params.gridDimY, params.gridDimZ = grid, 1, 1
-        params.blockDimX, params.blockDimY, params.blockDimZ = block, 1, 1
-        params.sharedMemBytes = 0
-        params.kernelParams = ctypes.addressof(kernel_params)
+        params = self.params = self.params_for(function, grid, block, kernel_params)
         graph = _check(driver.cuGraphCreate(0), "cuGraphCreate")
         try:
             self.node = _check(driver.cuGraphAddKernelNode(graph, None, 0, params), "cuGraphAddKernelNode")
@@ -83,6 +79,17 @@ class _OneNodeGraph:
             driver.cuGraphDestroy(graph)
             raise
         self.release = weakref.finalize(self, _destroy_graph, self.exec, graph)  # (the template too: the node is its)
+
+    @staticmethod
+    def params_for(function, grid: int, block: int, kernel_params):
+        """A kernel node's parameters that read the pack's void* array when handed to the node."""
+        params = driver.CUDA_KERNEL_NODE_PARAMS()
+        params.func = function
+        params.gridDimX, params.gridDimY, params.gridDimZ = grid, 1, 1
+        params.blockDimX, params.blockDimY, params.blockDimZ = block, 1, 1
+        params.sharedMemBytes = 0
+        params.kernelParams = ctypes.addressof(kernel_params)
+        return params
 
 
 def _hand_arguments(site: _OneNodeGraph) -> None:
@@ -113,6 +120,49 @@ def _entry_points() -> dict | None:
             for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuGraphLaunch", "cuLaunchKernel")}
 
 
+class _RecordedSteps:
+    """A captured graph whose kernels of ours (each function once) take their packs' arguments again at
+    rehand(): cuGraphExecKernelNodeSetParams on the executable, from the template's nodes (kept with it)."""
+
+    def __init__(self, graph, tape: list):
+        launched = {}
+        for function, grid, block, pack in tape:
+            if int(function) in launched:  # (nodes are told apart by their function)
+                raise RuntimeFailure("a recorded step launches one kernel twice")
+            launched[int(function)] = _OneNodeGraph.params_for(function, grid, block, pack.kernel_params)
+        count = _check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")[1]
+        nodes = _check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")[0]
+        self.nodes = []
+        for node in nodes:
+            if _check(driver.cuGraphNodeGetType(node), "cuGraphNodeGetType") != \
+                    driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+                continue
+            found = driver.cuGraphKernelNodeGetParams(node)
+            if found[0]:  # (not ours, or not readable so: ours missing below refuses the graph)
+                continue
+            params = launched.pop(int(found[1].func), None)
+            if params is not None:  # (others are another library's: NCCL's)
+                self.nodes.append((node, params))
+        if launched:
+            raise RuntimeFailure(f"{len(launched)} recorded kernel(s) of ours missing from the captured graph")
+        self.exec = _check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        self.release = weakref.finalize(self, _destroy_graph, self.exec, graph)
+
+    def rehand(self) -> None:
+        for node, params in self.nodes:
+            result = driver.cuGraphExecKernelNodeSetParams(self.exec, node, params)
+            if result[0]:
+                _check(result, "cuGraphExecKernelNodeSetParams")
+
+    def launch(self, stream) -> None:
+        result = driver.cuGraphLaunch(self.exec, stream)
+        if result[0]:
+            _check(result, "cuGraphLaunch")
+
+    def close(self) -> None:
+        self.release()
+
+
 def _destroy_graph(executable, graph) -> None:
     """Best effort, unchecked: this runs when a launch site is dropped, possibly at exit."""
     driver.cuGraphExecDestroy(executable)
@@ -133,6 +183,7 @@ class CudaBackend(DriverBackend):
         _load()
         _check(driver.cuInit(0), "cuInit")
         self._context = None
+        self._tapes: dict = {}  # stream handle -> the launches record_steps records there
         self._context_handle = None  # int(self._context): activate() compares at every call
         self._batches = {}  # stream_word_ops' operations -> their cuStreamBatchMemOp parameters, packed once
 
@@ -256,6 +307,9 @@ class CudaBackend(DriverBackend):
         # sooner done than cuLaunchKernel (docs/PERFORMANCE.md). Into a capture, a plain launch: a node of its own.
         if self._recording(stream):
             super().launch(function, grid, block, stream, pack)
+            tape = self._tapes.get(self.stream_handle(stream))
+            if tape is not None:
+                tape.append((function, grid, block, pack))
             return
         site = pack.sites.get((id(function), grid, block)) or self._site(function, grid, block, pack)
         _hand_arguments(site)
@@ -300,6 +354,26 @@ class CudaBackend(DriverBackend):
         if entries is None or self._context is None:
             return (self.activate,)
         return (entries["cuCtxGetCurrent"], entries["cuCtxSetCurrent"], self._context_handle)
+
+    def record_steps(self, stream, queue):
+        handle, tape = self.stream_handle(stream), []
+        self.capture_begin(stream)
+        self._tapes[handle] = tape
+        try:
+            queue(stream)
+        except BaseException:
+            self.capture_end(stream, keep=False)
+            raise
+        finally:
+            del self._tapes[handle]
+        self._capturing.discard(handle)
+        graph = self._call("stream_end_capture", stream)
+        try:
+            self.activate()  # (the executable graph belongs to the context current when it is made)
+            return _RecordedSteps(graph, tape)
+        except BaseException:
+            driver.cuGraphDestroy(graph)
+            raise
 
     def plan_launch(self, launch, stream) -> tuple:
         # The launcher's own test, left to the plan: with no stream of ours recording, it launches the site's graph.

@@ -135,11 +135,17 @@ def case_nodes_graph(comm, G="2", launches="3"):
 
 
 def case_nodes_repeated_calls(comm, G="2"):
-    """A loop that hands over the same device arrays again, across nodes: from its third call on each leg's
-    plan takes the call (the hierarchy's repeater: the regions staged, swapped between nodes and placed, the
-    node's kernel, and for combine the seal and the sums home), and every call is right (new values in the
-    same arrays, outputs poisoned, checked against the oracle); weights to combine, then to dispatch."""
+    """A loop that hands over the same device arrays again, across nodes, then another set of arrays: from the
+    third call of a set on each leg's plan takes the call (the hierarchy's repeater: the regions staged,
+    swapped between nodes and placed, the node's kernel, and for combine the seal and the sums home), with
+    NCCL on CUDA as one graph a leg, made once and handed each new plan's arguments (a graph still holding
+    the first set's pointers would read its x and write its y: the second set's y stays poison), launched
+    from C, and every
+    call is right (new values, outputs poisoned, checked against the oracle); weights to combine, then to
+    dispatch."""
     from tests.cases import calls_watched
+    from pyhipa2a import repeat
+    from pyhipa2a.internode import NcclEngine
     from pyhipa2a.testing import check_call, poison
     G = int(G)
     world, E, k, H, M = _small_call(comm, G)
@@ -147,26 +153,69 @@ def case_nodes_repeated_calls(comm, G="2"):
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   ranks_per_node=G) as a2a, calls_watched() as watched:
         me = a2a.rank
-        buffers = x, idx, w, y = step_buffers(a2a, counts[me])
+        sets, expert_y = [step_buffers(a2a, counts[me]) for _ in range(2)], a2a.expert_y_buffer()
+        graphs = isinstance(a2a.engine, NcclEngine) and a2a.backend.kind == "cuda"
+        first = True
+        try:
+            for j, weights_at in enumerate(WEIGHTS_AT):
+                for part, (x, idx, w, y) in enumerate(sets):
+                    for i in range(4):
+                        inputs = draw_world(60 + 100 * j + 10 * part + i, world, E, k, H, M, token_counts=counts)
+                        for arr, fresh in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                            arr.copy_from(fresh)
+                        poison(a2a)
+                        y.copy_from(np.full(y.shape, np.nan, y.dtype))
+                        watched.clear()
+                        d = a2a.dispatch(x, idx, **({"weights": w} if weights_at == "dispatch" else {}))
+                        a2a.fake_expert(d, out=expert_y)
+                        out = a2a.combine(expert_y, None if weights_at == "dispatch" else w, out=y)
+                        a2a.synchronize()
+                        err = check_call(a2a, inputs, d, out)
+                        # (a set's first call finds the last set's plans, which miss it)
+                        missed = i == 0 and not first
+                        assert watched.plans == ([True, True] if i >= 2 else [False, False] if missed else []), \
+                            (weights_at, part, i, watched.plans)
+                        if graphs and repeat.COMPILED and i >= 2:  # (each leg's graph launched from C)
+                            assert watched.forms == [("driver", "driver")] * 2, watched.forms
+                        first = False
+                        # (a graph a leg, made with the first plan, at the end of a set's second call)
+                        kept = 2 if graphs and (i >= 1 or j or part) else 0
+                        assert a2a.engine.graphs_kept == kept, (weights_at, part, i, a2a.engine.graphs_kept)
+                        print(f"rank {me} weights to {weights_at}, set {part}, call {i}: max err {err:.3g}")
+        finally:
+            for buffers in sets:
+                free_buffers(a2a, buffers)
+
+
+def case_nodes_plans_hold_the_engines_conditions(comm, G="2"):
+    """A plan across nodes also needs what its engine names (NCCL's: a communicator not aborted, whose graphs
+    the plan launches): while a condition holds the plans take the calls; once it fails they miss, and the
+    full path takes each call, right."""
+    import types
+    from tests.cases import calls_watched
+    from pyhipa2a.testing import check_call
+    G = int(G)
+    world, E, k, H, M = _small_call(comm, G)
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=G) as a2a, calls_watched() as watched:
+        me, held = a2a.rank, types.SimpleNamespace(up=True)
+        a2a.engine.plan_conditions += ((held, "up", True),)  # (made before the plans, which take it)
+        buffers = x, idx, w, y = step_buffers(a2a, M)
         expert_y = a2a.expert_y_buffer()
         try:
-            for weights_at in WEIGHTS_AT:
-                for i in range(4):
-                    inputs = draw_world(60 + i, world, E, k, H, M, token_counts=counts)
-                    for arr, fresh in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
-                        arr.copy_from(fresh)
-                    poison(a2a)
-                    watched.clear()
-                    d = a2a.dispatch(x, idx, **({"weights": w} if weights_at == "dispatch" else {}))
-                    a2a.fake_expert(d, out=expert_y)
-                    out = a2a.combine(expert_y, None if weights_at == "dispatch" else w, out=y)
-                    a2a.synchronize()
-                    err = check_call(a2a, inputs, d, out)
-                    # (the first call with the weights moved finds the last loop's plans, which miss it)
-                    moved = weights_at != WEIGHTS_AT[0] and i == 0
-                    assert watched.plans == ([True, True] if i >= 2 else [False, False] if moved else []), \
-                        (weights_at, i, watched.plans)
-                    print(f"rank {me} weights to {weights_at}, call {i}: max err {err:.3g}")
+            for i in range(5):
+                held.up = i < 3
+                inputs = draw_world(70 + i, world, E, k, H, M, token_counts=[M] * world)
+                for arr, fresh in zip((x, idx, w), (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                    arr.copy_from(fresh)
+                watched.clear()
+                d = a2a.dispatch(x, idx)
+                a2a.fake_expert(d, out=expert_y)
+                out = a2a.combine(expert_y, w, out=y)
+                a2a.synchronize()
+                check_call(a2a, inputs, d, out)
+                assert watched.plans == ([True, True] if i == 2 else [False, False] if i > 2 else []), \
+                    (i, watched.plans)
         finally:
             free_buffers(a2a, buffers)
 
