@@ -419,7 +419,8 @@ def test_combine_seal_carries_the_failure_only_the_host_knows():
     """Host twins of hier.hip's seal and sum: combine's seal, sent home with a rank's sums once its node's combine
     is done, holds the rank's status or, where its status words hold no error, their host mirror (the host alone
     writes there when it gives up on a grouped combine); a counterpart that receives a failed seal reports that
-    rank and poisons y instead of adding poison in as sums."""
+    rank and poisons y instead of adding poison in as sums; a rank whose own seal failed poisons its y (the sum
+    takes its status from the seal, not from the mirror again)."""
     import numpy as np
 
     from pyhipa2a.errors import STATUS_BAD_INDEX, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT
@@ -441,7 +442,7 @@ def test_combine_seal_carries_the_failure_only_the_host_knows():
     own, partials, out = np.ones((M, H), np.float16), np.ones((N, M, H), np.float16), np.zeros((T, H), np.float16)
     seal = np.zeros((N, 4), np.uint32)
     seal[0] = (7, STATUS_TIMEOUT, 0, 0)
-    status[:], mirror[:] = 0, 0
+    status[:], mirror[:], sequence[1] = 0, 0, STATUS_OK
     add = HierSumArgs(own=own.ctypes.data, partials=partials.ctypes.data, seals=seal.ctypes.data, out=out.ctypes.data,
                       sequence=sequence.ctypes.data, status=status.ctypes.data, mirror=mirror.ctypes.data, node=1,
                       nodes=N, ranks_per_node=2, place=0, tokens=T, max_tokens=M, hidden=H)
@@ -452,3 +453,6 @@ def test_combine_seal_carries_the_failure_only_the_host_knows():
     status[:], mirror[:] = 0, 0
     hier.hier_sum_f16(None, add)
     assert status[0] == STATUS_OK and (out == 2).all()
+    sequence[1] = STATUS_TIMEOUT  # our own seal failed (the host gave up on our combine): y poisoned, nothing new said
+    hier.hier_sum_f16(None, add)
+    assert status[0] == STATUS_OK and (out.view(np.uint16) == 0xFFFF).all()

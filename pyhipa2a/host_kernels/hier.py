@@ -74,13 +74,16 @@ def _hier_sum(a, dtype) -> None:
     seals = mem(a.seals, (N, 4), np.uint32)
     status = Status(a.status, a.mirror)
     out = mem(a.out, (T, H), dtype)
+    reported = False
     for r in range(N):
         peer = r * a.ranks_per_node + a.place
         if r != me and int(seals[r, 0]) != seq:  # its sums never came
             status.report(STATUS_TIMEOUT, peer, WAIT_NODES_COMBINE, seq)
+            reported = True
         elif r != me and int(seals[r, 1]) != STATUS_OK:  # they came from a rank whose call had failed
             status.report(STATUS_PEER, peer, WAIT_NODES_COMBINE, int(seals[r, 1]))
-    if _own_status(a) != STATUS_OK:  # (the reports above included)
+            reported = True
+    if reported or int(mem(a.sequence, (4,), np.uint32)[1]) != STATUS_OK:  # (our status as the seal took it)
         out.view(np.uint8)[...] = 0xFF  # NaN rows: a failed call's y never reads as data
         return
     acc = mem(a.own, (T, H), dtype).astype(np.float32)
