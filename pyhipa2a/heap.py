@@ -64,7 +64,9 @@ class SymmetricHeap:
         return self.nbytes - self._offset
 
     def alloc(self, shape, dtype, align: int = 256) -> DeviceArray:
-        """Reserve a C-contiguous array of `shape`/`dtype`; same call, same order, on every rank."""
+        """Reserve a C-contiguous array of `shape`/`dtype`; same call, same order, on every rank. `align` is the
+        offset's from the heap's base (the same on every rank, as a symmetric heap needs), whose own alignment
+        is the driver's, at least 256 bytes: up to 256 the address itself is aligned."""
         self._check_open()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         dtype = np.dtype(dtype)

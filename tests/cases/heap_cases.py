@@ -16,7 +16,8 @@ def case_exchange(comm):
         heap.alloc((heap.world,), np.uint64, align=8)  # a first allocation, so `mine` is not at offset 0
         mine = heap.alloc((1000,), np.int32)
         other = heap.alloc((3, 5), np.float16, align=4096)
-        assert other.ptr % 4096 == 0 and mine.ptr % 256 == 0
+        # (an alignment is the offset's: the base's own is the driver's, 256 bytes where other memory came first)
+        assert (other.ptr - heap.base) % 4096 == 0 and mine.ptr % 256 == 0 and heap.base % 256 == 0
         heap.verify()
         mine.copy_from(np.arange(1000, dtype=np.int32) * (heap.rank + 1))
         comm.Barrier()
