@@ -10,6 +10,7 @@ sums home, where hier_sum adds them. Regions move whole: no host round trip, and
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import weakref
@@ -250,6 +251,13 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         def launch(s) -> None:
             for step in steps:
                 step(s)
+
+        def rehand() -> None:  # (a plan that wrote a pointer into a pack: each kernel's site takes it anew)
+            for step in steps:
+                again = getattr(step, "rehand", None)  # (an exchange has none, nor a launch that reads its pack)
+                if again is not None:
+                    again()
+        launch.rehand = rehand
         if node_leg.call.groups or (leg == "combine" and node_leg.call.phase != WHOLE_COMBINE):
             return launch  # (a call in groups has the host watch its parts)
         # Every plan of a leg launches the same kernels (the node's call takes every region whole) and exchanges,
@@ -266,6 +274,17 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
 
     def _plan_conditions(self) -> tuple:
         return self._engine.plan_conditions
+
+    def _argument_places(self, leg: str) -> dict:
+        # The caller's arrays lie in the stage's arguments (dispatch: the tokens and their routing; combine:
+        # the weights that cross with the records) and expert_y in the node's combine. (out is combine's
+        # result as well: a call on another takes the full path.)
+        staged = self._steps[leg][1][0]
+        names = ("x", "indices", "x_scales", "weights") if leg == "dispatch" else ("weights",)
+        places = {name: ctypes.addressof(staged) + getattr(type(staged), name).offset for name in names}
+        if leg == "combine":
+            places.update(self._exchange.combine.repeater_places(("expert_y",)))
+        return places
 
     def exchange_between_nodes(self, stream=None) -> None:
         """A call's bytes between nodes moved alone by the same engine, no kernel of ours (the bare exchange

@@ -60,6 +60,15 @@ def test_nodes_cases(case, backend):
     run_case(CASE + case, ranks, env_backend(backend), args=(G,))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weights_at", ["combine", "dispatch"])
+def test_nodes_new_arrays_at_every_call(weights_at, backend):
+    """The loop of new arrays and token counts across nodes: the plans take new arrays like the last."""
+    ranks, G = layout_for(backend)
+    run_case("tests.cases.calls_cases:case_new_arrays_at_every_call", ranks, env_backend(backend),
+             args=(weights_at, "0", G))
+
+
 @pytest.mark.parametrize("who,leg", [("node", "dispatch"), ("rank", "dispatch"), ("node", "combine")])
 def test_node_that_never_arrives_host(who, leg):
     run_case(CASE + "case_nodes_peer_never_arrives", 4, "host", args=(2, who, leg), timeout=240)

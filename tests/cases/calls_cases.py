@@ -38,18 +38,19 @@ def case_out_and_device_inputs(comm):
         combine_error(out.numpy(), expected, np.float16)
 
 
-def case_new_arrays_at_every_call(comm, weights_at="combine", out_given="0"):
+def case_new_arrays_at_every_call(comm, weights_at="combine", out_given="0", ranks_per_node="0"):
     """A loop that hands over new arrays of ours at every call, with a new token count at most calls (a
     layer's activations, a router's output): a call takes the full path unless the two before it had its
     token count (then the plans take it, the new arrays standing in for the last), and every one is
     right, checked against the oracle on poisoned outputs. An array unlike the last (another element
-    type, stream, a NumPy array) is refused or ordered as ever."""
+    type, stream, a NumPy array) is refused or ordered as ever. `ranks_per_node` > 0: across nodes."""
     from pyhipa2a.array import DeviceArray
     from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 128, 8
     at_dispatch, out_given = weights_at == "dispatch", out_given == "1"
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a, \
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=int(ranks_per_node) or None) as a2a, \
             calls_watched() as watched:
         kept, first, outs, mine_before = [], None, {}, []
         for i, T in enumerate((5, 3, 5, 8, 1, 5, 8)):
