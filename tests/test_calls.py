@@ -24,6 +24,11 @@ def test_new_arrays_at_every_call(backend, weights_at, out_given):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_sent_then_given_again(backend):
+    run_case(CASE + "case_weights_sent_then_given_again", ranks_for(backend), env_backend(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
                                   "case_config_mismatch", "case_peer_skips_call", "case_stream_handle_views_cached",
                                   "case_repeated_calls"])

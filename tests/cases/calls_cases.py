@@ -112,6 +112,34 @@ def case_new_arrays_at_every_call(comm, weights_at="combine", out_given="0"):
     print(f"rank {comm.Get_rank()} new arrays at every call ({weights_at}, out given: {out_given}): right")
 
 
+def case_weights_sent_then_given_again(comm, ranks_per_node="0"):
+    """Weights given to dispatch may be given to combine again (the same array): also where dispatch's plan
+    took a new array standing in for the recorded weights, which is then what it sent. New arrays at every
+    call, right against the oracle on poisoned outputs. `ranks_per_node` > 0: across nodes."""
+    from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=int(ranks_per_node) or None) as a2a, calls_watched() as watched:
+        kept = []
+        try:
+            for i in range(5):
+                inputs = draw_world(80 + i, world, E, k, H, M, token_counts=[6] * world)
+                x, idx, w = arrays = upload_inputs(a2a, inputs)[:3]
+                kept.append(arrays)
+                poison(a2a)
+                watched.clear()
+                d = a2a.dispatch(x, idx, weights=w)
+                y = a2a.combine(d.expert_x, w, expert_scale=float(1 + a2a.rank))
+                a2a.synchronize()
+                check_call(a2a, inputs, d, y, fused=True)
+                # (dispatch's plan, made by its second call, takes every later one, new arrays standing in)
+                assert watched.plans[:1] == ([] if i < 2 else [True]), (i, watched.plans)
+        finally:
+            for arrays in kept:
+                free_inputs(a2a, arrays)
+
+
 def case_repeated_calls(comm):
     """A loop that hands over the same device arrays again: from its third call on, each leg's plan
     (pyhipa2a.repeat) takes the call, and every call is right (new data in the same arrays, each call
