@@ -24,8 +24,9 @@ def test_new_arrays_at_every_call(backend, weights_at, out_given):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_weights_sent_then_given_again(backend):
-    run_case(CASE + "case_weights_sent_then_given_again", ranks_for(backend), env_backend(backend))
+@pytest.mark.parametrize("case", ["case_weights_sent_then_given_again", "case_new_expert_outputs_at_every_call"])
+def test_new_arrays_of_each_kind(case, backend):
+    run_case(CASE + case, ranks_for(backend), env_backend(backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
