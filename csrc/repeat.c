@@ -237,7 +237,16 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     PyObject *changes = PyTuple_GetItem(plan, CHANGES);
     for (Py_ssize_t i = 0, n = PyTuple_Size(changes); i < n; i++) {
         PyObject *change = PyTuple_GetItem(changes, i), *value = PyTuple_GetItem(change, 2), *pair = NULL;
-        if (PyTuple_Size(change) == 4) {  /* (obj, name, value, None): (the call's arguments, value) */
+        if (PyTuple_Size(change) == 4 && PyTuple_GetItem(change, 3) != Py_None) {
+            /* (obj, name, value, i): the call's argument i */
+            Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GetItem(change, 3));
+            if (index < 0 || index >= argc - 1) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_IndexError, "a plan's change names no argument of the call");
+                return NULL;
+            }
+            value = argv[1 + index];
+        } else if (PyTuple_Size(change) == 4) {  /* (obj, name, value, None): (the call's arguments, value) */
             PyObject *arguments = PyTuple_New(argc - 1);
             if (arguments == NULL)
                 return NULL;

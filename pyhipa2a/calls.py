@@ -31,6 +31,12 @@ class CallState:
         self.joined = None   # the other library's capture stream the pending dispatch was recorded into
         self.keep = None     # the last call's inputs: the device may still read them
 
+    @property
+    def weights_sent(self) -> bool:
+        """Whether the pending dispatch sent the weights: what a combine's plan needs as it was (not the same
+        array: they travel with the routing, and a new array may have stood in for the recorded one)."""
+        return self.sent is not None
+
 
 def same_stream_given(stream, recorded) -> bool:
     """Whether stream= names the recorded one anew (a new int or PyTorch/CuPy stream object, same handle)."""
@@ -45,6 +51,8 @@ DISPATCH_ALIKE = (None, None, None, None, same_stream_given, operator.eq)
 COMBINE_ARGS = ("expert_y", "weights", "out", "stream", "expert_scale")
 COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)
 LEG_ARGS = {"dispatch": (DISPATCH_ARGS, DISPATCH_ALIKE), "combine": (COMBINE_ARGS, COMBINE_ALIKE)}
+# (what dispatch sent is the call's weights, whichever array stood in for the recorded: combine compares)
+DISPATCH_WEIGHTS = DISPATCH_ARGS.index("weights")
 
 
 def checked_dispatch(config: Config, state: CallState, x, indices, weights, x_scales) -> int:
@@ -212,7 +220,7 @@ class Calls:
         keep = tuple(taken.keep for _, taken in arrays)
         if not streams.keep(keep):  # (a capture's graph keeps them instead)
             changes = (*changes, (state, "keep", keep), (streams, "last", s))
-        for obj, name, value in changes:
+        for obj, name, value, *_ in changes:  # (the full path's value is the call's argument itself)
             setattr(obj, name, value)
         names, tests = LEG_ARGS[leg]
         alike, places = stand_ins(self._argument_places(leg), names, tests, args, arrays)
@@ -272,7 +280,7 @@ class Calls:
             # (a call that tells the host its offsets does so under a ticket of its own: never a plan)
             self._dispatch_plan, self._dispatch_record = self._finish(
                 "dispatch", s, lead, library, (x, indices), (x, indices, weights, x_scales, stream, groups), arrays, T,
-                result, changes=((state, "pending", result), (state, "sent", weights),
+                result, changes=((state, "pending", result), (state, "sent", weights, DISPATCH_WEIGHTS),
                                  (state, "joined", streams.joined), (self._groups, "count", G),
                                  (self._groups, "finished", frozenset())),
                 conditions=((state, "broken", None), (state, "pending", None)), repeatable=not ticket)
@@ -344,8 +352,9 @@ class Calls:
                 "combine", s, lead, library, inputs, (expert_y, weights, given_out, stream, expert_scale), arrays, T,
                 out, changes=((state, "pending", None), (state, "sent", None), (state, "joined", None),
                               (groups, "count", 0)),
-                conditions=((state, "broken", None), (state, "pending", pending), (state, "sent", sent),
-                            (state, "joined", None), (groups, "count", 0)), repeatable=host_y is None and not G)
+                conditions=((state, "broken", None), (state, "pending", pending),
+                            (state, "weights_sent", sent is not None), (state, "joined", None), (groups, "count", 0)),
+                repeatable=host_y is None and not G)
             return out
         finally:
             streams.leave()

@@ -21,7 +21,8 @@ A plan's tuple (csrc/repeat.c's fields):
   launch    (f, stream): f(stream); or (cuGraphLaunch, executable graph, stream, keep) as addresses
   after     f() each, once the launch is queued: the stream that reads the outputs waits for the call's
   changes   (obj, name, value) each, set once the launch is queued; (obj, name, value, None): set to the pair
-            (the call's arguments, value): what the device reads, whichever arrays stood in
+            (the call's arguments, value): what the device reads, whichever arrays stood in; (obj, name,
+            value, i): set to the call's argument i (the array given, where one stood in for `value`)
   result    what the call returns
   failed    f(what, code): a driver call here returned `code` (it raises), or the launch raised (code None)
   places    () or, for each argument, None or (address, pointer): where its kernel pointer lies in the
@@ -54,6 +55,13 @@ class _Missed:
 
     def __repr__(self) -> str:
         return "MISSED"
+
+
+def change_value(change: tuple, args: tuple):
+    """What a change sets (see `changes` above): its value, the pair, or the call's argument."""
+    if len(change) == 3:
+        return change[2]
+    return (args, change[2]) if change[3] is None else args[change[3]]
 
 
 def interpret(plan: tuple, *args):
@@ -109,7 +117,7 @@ def interpret(plan: tuple, *args):
     for step in after:
         step()
     for change in changes:
-        setattr(change[0], change[1], change[2] if len(change) == 3 else (args, change[2]))
+        setattr(change[0], change[1], change_value(change, args))
     if places:
         stood[:] = [None if place is None or arg is recorded else arg
                     for arg, recorded, place in zip(args, given, places)]
@@ -207,8 +215,8 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     changes, rehand = record.changes, None
     if record.places:  # what the device reads is the call's arguments, whichever stood in
         owner, kept = record.keep
-        changes = tuple((obj, name, value, None) if obj is owner and name == kept else (obj, name, value)
-                        for obj, name, value in changes)
+        changes = tuple((obj, name, value, None) if obj is owner and name == kept and len(rest) == 0
+                        else (obj, name, value, *rest) for obj, name, value, *rest in changes)
         rehand = getattr(launch, "rehand", None)
     # (record.changes set streams.last already: a plan is made outside a capture only)
     return (record.args, record.alike, tuple(checks), status, activate, waits, launched, record.after,

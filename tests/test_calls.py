@@ -24,6 +24,12 @@ def test_new_arrays_at_every_call(backend, weights_at, out_given):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["case_weights_sent_then_given_again", "case_new_expert_outputs_at_every_call"])
+def test_new_arrays_of_each_kind(case, backend):
+    run_case(CASE + case, ranks_for(backend), env_backend(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
                                   "case_config_mismatch", "case_peer_skips_call", "case_stream_handle_views_cached",
                                   "case_repeated_calls"])

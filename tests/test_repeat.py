@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pyhipa2a import repeat
-from pyhipa2a.calls import COMBINE_ALIKE, DISPATCH_ALIKE, DISPATCH_ARGS, CallState, stand_ins
+from pyhipa2a.calls import COMBINE_ALIKE, DISPATCH_ALIKE, DISPATCH_ARGS, DISPATCH_WEIGHTS, CallState, stand_ins
 from pyhipa2a.inputs import Boundary
 from pyhipa2a.errors import RuntimeFailure
 from pyhipa2a.streams import Streams
@@ -52,17 +52,18 @@ class Loop:
     def _take(self, s, *arguments):
         return tuple((obj, self.boundary.take(name, obj, shape, dtype, s)) for name, obj, shape, dtype in arguments)
 
-    def dispatch(self, x=None, stream=None) -> repeat.Record:
+    def dispatch(self, x=None, stream=None, w=None) -> repeat.Record:
         x = self.x if x is None else x
         s, lead = self.streams.enter(stream, (x, self.indices))
         self.streams.follow(s)
-        arrays = self._take(s, ("x", x, (2, 4), np.float16), ("indices", self.indices, (2, 4), np.int32))
+        arrays = self._take(s, ("x", x, (2, 4), np.float16), ("indices", self.indices, (2, 4), np.int32),
+                            *((("weights", w, (2, 4), np.float32),) if w is not None else ()))
         state = self.state
-        changes = ((state, "pending", self.result), (state, "sent", None), (state, "joined", None),
+        changes = ((state, "pending", self.result), (state, "sent", w, DISPATCH_WEIGHTS), (state, "joined", None),
                    (state, "keep", tuple(t.keep for _, t in arrays)), (self.streams, "last", s))
-        for obj, name, value in changes:
+        for obj, name, value, *_ in changes:
             setattr(obj, name, value)
-        args = (x, self.indices, None, None, stream)
+        args = (x, self.indices, w, None, stream)
         alike, places = stand_ins(self.where, DISPATCH_ARGS, DISPATCH_ALIKE, args, arrays)
         return repeat.Record(args, alike, s, lead, (x, self.indices), arrays, 2, self.result, self.after, changes,
                              places, (state, "keep"))
@@ -156,6 +157,20 @@ def test_new_tensors_like_the_last_stand_in_their_pointers_written_where_the_lau
     loop.state.pending = None
     assert loop.run(plan, "dispatch", x=new_x) is repeat.MISSED and list(held) == [0x5000, 0x1800]
     assert loop.state.pending is None and len(loop.launched) == launched + 1
+
+
+@pytest.mark.parametrize("compiled", EXECUTORS)
+def test_what_dispatch_sent_is_the_weights_that_stood_in(monkeypatch, compiled):
+    """Weights given to dispatch are what it sent, for combine to compare with the weights it is given: where a
+    new array stands in for the recorded weights, the plan records that array, not the recorded one."""
+    loop = Loop(monkeypatch, compiled)
+    held = (ctypes.c_uint64 * 1)(loop.w.ptr)
+    loop.where = {"weights": ctypes.addressof(held)}
+    plan = loop.plan("dispatch", w=loop.w)
+    for w in (Tensor(0x5800, (2, 4), "float32"), loop.w):
+        loop.state.pending = None
+        assert loop.run(plan, "dispatch", weights=w) is loop.result
+        assert loop.state.sent is w and held[0] == w.ptr, (hex(w.ptr), loop.state.sent)
 
 
 @pytest.mark.parametrize("compiled", EXECUTORS)

@@ -113,6 +113,68 @@ def case_new_arrays_at_every_call(comm, weights_at="combine", out_given="0", ran
     print(f"rank {comm.Get_rank()} new arrays at every call ({weights_at}, out given: {out_given}): right")
 
 
+def case_weights_sent_then_given_again(comm, ranks_per_node="0"):
+    """Weights given to dispatch may be given to combine again (the same array): also where dispatch's plan
+    took a new array standing in for the recorded weights, which is then what it sent. New arrays at every
+    call, right against the oracle on poisoned outputs. `ranks_per_node` > 0: across nodes."""
+    from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=int(ranks_per_node) or None) as a2a, calls_watched() as watched:
+        assert not int(ranks_per_node) or type(a2a).__name__ == "HierarchicalAllToAll"
+        kept = []
+        try:
+            for i in range(5):
+                inputs = draw_world(80 + i, world, E, k, H, M, token_counts=[6] * world)
+                x, idx, w = arrays = upload_inputs(a2a, inputs)[:3]
+                kept.append(arrays)
+                poison(a2a)
+                watched.clear()
+                d = a2a.dispatch(x, idx, weights=w)
+                y = a2a.combine(d.expert_x, w, expert_scale=float(1 + a2a.rank))
+                a2a.synchronize()
+                check_call(a2a, inputs, d, y, fused=True)
+                # (dispatch's plan, made by its second call, takes every later one, new arrays standing in)
+                assert watched.plans[:1] == ([] if i < 2 else [True]), (i, watched.plans)
+        finally:
+            for arrays in kept:
+                free_inputs(a2a, arrays)
+
+
+def case_new_expert_outputs_at_every_call(comm, ranks_per_node="0"):
+    """A layer's expert outputs are new arrays at every step too: combine's plan takes a new expert_y like the
+    last (and new weights), right against the oracle on poisoned outputs. `ranks_per_node` > 0: across nodes."""
+    from pyhipa2a.array import DeviceArray
+    from pyhipa2a.testing import check_call, free_inputs, poison, upload_inputs
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 128, 8
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  ranks_per_node=int(ranks_per_node) or None) as a2a, calls_watched() as watched:
+        assert not int(ranks_per_node) or type(a2a).__name__ == "HierarchicalAllToAll"
+        like = a2a.expert_y_buffer()
+        kept = []
+        try:
+            for i in range(5):
+                inputs = draw_world(90 + i, world, E, k, H, M, token_counts=[5] * world)
+                arrays = upload_inputs(a2a, inputs)
+                expert_y = DeviceArray(a2a.backend, a2a.backend.malloc_ipc(like.nbytes), like.shape, like.dtype,
+                                       stream=a2a.stream)
+                kept.append((*arrays, expert_y))
+                x, idx, w = arrays[:3]
+                poison(a2a)
+                watched.clear()
+                d = a2a.dispatch(x, idx)
+                a2a.fake_expert(d, out=expert_y)
+                y = a2a.combine(expert_y, w)
+                a2a.synchronize()
+                check_call(a2a, inputs, d, y)
+                assert watched.plans == ([] if i < 2 else [True, True]), (i, watched.plans)
+        finally:
+            for arrays in kept:
+                free_inputs(a2a, arrays)
+
+
 def case_repeated_calls(comm):
     """A loop that hands over the same device arrays again: from its third call on, each leg's plan
     (pyhipa2a.repeat) takes the call, and every call is right (new data in the same arrays, each call
