@@ -143,6 +143,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._sum = library.kernel("hier_sum_bf16" if c.out_dtype.name == "bfloat16" else "hier_sum_f16")
         status, mirror = exchange.buffers["status"].ptr, exchange.buffers.status_device
         self._steps = {}  # leg -> (its pack, the pack a plan launches from)
+        self._places: dict = {}  # leg -> _argument_places (addresses in those packs, fixed for their life)
         for leg, whole in (("dispatch", 1), ("combine", 0)):
             packs = self._steps[leg] = (self._stage.pack(), self._stage.pack())
             a = packs[0][0]
@@ -279,11 +280,14 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         # The caller's arrays lie in the stage's arguments (dispatch: the tokens and their routing; combine:
         # the weights that cross with the records) and expert_y in the node's combine. (out is combine's
         # result as well: a call on another takes the full path.)
-        staged = self._steps[leg][1][0]
-        names = ("x", "indices", "x_scales", "weights") if leg == "dispatch" else ("weights",)
-        places = {name: ctypes.addressof(staged) + getattr(type(staged), name).offset for name in names}
-        if leg == "combine":
-            places.update(self._exchange.combine.repeater_places(("expert_y",)))
+        places = self._places.get(leg)
+        if places is None:
+            staged = self._steps[leg][1][0]
+            names = ("x", "indices", "x_scales", "weights") if leg == "dispatch" else ("weights",)
+            places = {name: ctypes.addressof(staged) + getattr(type(staged), name).offset for name in names}
+            if leg == "combine":
+                places.update(self._exchange.combine.repeater_places(("expert_y",)))
+            self._places[leg] = places
         return places
 
     def exchange_between_nodes(self, stream=None) -> None:

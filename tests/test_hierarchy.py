@@ -69,6 +69,13 @@ def test_nodes_new_arrays_at_every_call(weights_at, backend):
              args=(weights_at, "0", G))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["case_weights_sent_then_given_again", "case_new_expert_outputs_at_every_call"])
+def test_nodes_new_arrays_of_each_kind(case, backend):
+    ranks, G = layout_for(backend)
+    run_case("tests.cases.calls_cases:" + case, ranks, env_backend(backend), args=(G,))
+
+
 @pytest.mark.parametrize("who,leg", [("node", "dispatch"), ("rank", "dispatch"), ("node", "combine")])
 def test_node_that_never_arrives_host(who, leg):
     run_case(CASE + "case_nodes_peer_never_arrives", 4, "host", args=(2, who, leg), timeout=240)

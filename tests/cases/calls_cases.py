@@ -52,6 +52,7 @@ def case_new_arrays_at_every_call(comm, weights_at="combine", out_given="0", ran
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   ranks_per_node=int(ranks_per_node) or None) as a2a, \
             calls_watched() as watched:
+        assert not int(ranks_per_node) or type(a2a).__name__ == "HierarchicalAllToAll"
         kept, first, outs, mine_before = [], None, {}, []
         for i, T in enumerate((5, 3, 5, 8, 1, 5, 8)):
             counts = [(T + r) % M + 1 if i % 2 else T for r in range(world)]  # (ranks differ on odd rounds)
