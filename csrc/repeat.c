@@ -17,6 +17,8 @@ enum { ATTR_IS = 0, ATTR_IS_OR_NONE = 1, CALL_IS = 2, CALL_EQ = 3 };
 enum { GIVEN, ALIKE, CHECKS, STATUS, ACTIVATE, WAITS, LAUNCH, AFTER, CHANGES, RESULT, FAILED, PLACES, REHAND,
        STOOD, PLAN_FIELDS };
 enum { MAX_PLACES = 8 };
+/* The forms of a change it reads: 2 since (obj, name, value, i), the call's argument i */
+enum { PLAN_FORMS = 2 };
 
 /* A pointer this call's argument puts in the launch's arguments, and where. */
 typedef struct {
@@ -285,9 +287,10 @@ PyMODINIT_FUNC PyInit__repeat(void) {
     if (m == NULL)
         return NULL;
     missed = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
-    /* PLAN_FIELDS: pyhipa2a.repeat loads no helper built for another plan's layout */
+    /* PLAN_FIELDS, PLAN_FORMS: pyhipa2a.repeat loads no helper built for another plan's layout or forms */
     if (missed == NULL || PyModule_AddObjectRef(m, "MISSED", missed) < 0
-            || PyModule_AddIntConstant(m, "PLAN_FIELDS", PLAN_FIELDS) < 0) {
+            || PyModule_AddIntConstant(m, "PLAN_FIELDS", PLAN_FIELDS) < 0
+            || PyModule_AddIntConstant(m, "PLAN_FORMS", PLAN_FORMS) < 0) {
         Py_CLEAR(missed);
         Py_DECREF(m);
         return NULL;

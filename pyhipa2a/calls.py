@@ -33,8 +33,8 @@ class CallState:
 
     @property
     def weights_sent(self) -> bool:
-        """Whether the pending dispatch sent the weights: what a combine's plan needs as it was (not the same
-        array: they travel with the routing, and a new array may have stood in for the recorded one)."""
+        """Whether the pending dispatch sent weights, whichever array (a new one may have stood in for the one
+        its plan recorded): what a combine given no weights needs to repeat, since they travel with the routing."""
         return self.sent is not None
 
 
@@ -352,8 +352,10 @@ class Calls:
                 "combine", s, lead, library, inputs, (expert_y, weights, given_out, stream, expert_scale), arrays, T,
                 out, changes=((state, "pending", None), (state, "sent", None), (state, "joined", None),
                               (groups, "count", 0)),
+                # (given no weights, combine needs some sent; given the sent weights again, the same array sent)
                 conditions=((state, "broken", None), (state, "pending", pending),
-                            (state, "weights_sent", sent is not None), (state, "joined", None), (groups, "count", 0)),
+                            (state, "weights_sent", True) if weights is None else (state, "sent", sent),
+                            (state, "joined", None), (groups, "count", 0)),
                 repeatable=host_y is None and not G)
             return out
         finally:

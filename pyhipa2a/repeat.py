@@ -47,6 +47,7 @@ from .streams import ANY, LAST
 
 ATTR_IS, ATTR_IS_OR_NONE, CALL_IS, CALL_EQ = range(4)
 PLAN_FIELDS = 14
+PLAN_FORMS = 2  # the forms of a change the executors read (csrc/repeat.c's PLAN_FORMS)
 _HELPER = Path(__file__).resolve().parent / "_code" / "_repeat.abi3.so"
 
 
@@ -137,8 +138,8 @@ def _load():
         loader.exec_module(module)
     except (ImportError, OSError):  # (another platform's build, say: the Python executor stands)
         return fallback
-    if getattr(module, "PLAN_FIELDS", None) != PLAN_FIELDS:  # (a helper left by an older build)
-        return fallback
+    if (getattr(module, "PLAN_FIELDS", None), getattr(module, "PLAN_FORMS", None)) != (PLAN_FIELDS, PLAN_FORMS):
+        return fallback  # (a helper left by an older build)
     return module.run, module.MISSED
 
 
@@ -213,6 +214,9 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     checks += [(CALL_IS, operator.not_, collection, True) for collection in must_be_empty]
     activate = backend.plan_activate() if compiled else (None if backend.kind == "host" else (backend.activate,))
     changes, rehand = record.changes, None
+    for change in changes:  # (an argument a change names is checked here, not once the launch is queued)
+        if len(change) == 4 and change[3] is not None and not 0 <= change[3] < len(record.args):
+            raise ValueError(f"a change names argument {change[3]} of a call of {len(record.args)}")
     if record.places:  # what the device reads is the call's arguments, whichever stood in
         owner, kept = record.keep
         changes = tuple((obj, name, value, None) if obj is owner and name == kept and len(rest) == 0

@@ -390,10 +390,14 @@ def test_a_plan_makes_its_context_current_and_launches_its_graph_from_c(monkeypa
 
 
 def test_a_helper_built_for_another_plan_layout_is_not_loaded(monkeypatch):
-    """A helper left by an older build (its PLAN_FIELDS another layout's) is not loaded: plans run in Python."""
+    """A helper left by an older build (its PLAN_FIELDS another layout's, or its PLAN_FORMS fewer forms of a
+    change) is not loaded: plans run in Python."""
     executor(True)
-    monkeypatch.setattr(repeat, "PLAN_FIELDS", repeat.PLAN_FIELDS + 1)
-    assert repeat._load()[0] is repeat.interpret
+    assert repeat._load()[0] is not repeat.interpret
+    for name in ("PLAN_FIELDS", "PLAN_FORMS"):
+        with monkeypatch.context() as patched:
+            patched.setattr(repeat, name, getattr(repeat, name) + 1)
+            assert repeat._load()[0] is repeat.interpret, name
 
 
 # -- plans made by real objects (the host backend, one rank, in this process) ---------------------------

@@ -125,6 +125,7 @@ class _RecordedSteps:
     rehand(): cuGraphExecKernelNodeSetParams on the executable, from the template's nodes (kept with it)."""
 
     def __init__(self, graph, tape: list):
+        self._packs = tuple(pack for *_, pack in tape)  # (rehand hands their arguments: held as long as the graph)
         launched = {}
         for function, grid, block, pack in tape:
             if int(function) in launched:  # (nodes are told apart by their function)

@@ -136,8 +136,27 @@ def case_weights_sent_then_given_again(comm, ranks_per_node="0"):
                 y = a2a.combine(d.expert_x, w, expert_scale=float(1 + a2a.rank))
                 a2a.synchronize()
                 check_call(a2a, inputs, d, y, fused=True)
-                # (dispatch's plan, made by its second call, takes every later one, new arrays standing in)
-                assert watched.plans[:1] == ([] if i < 2 else [True]), (i, watched.plans)
+                # (dispatch's plan, made by its second call, takes every later one, new arrays standing in;
+                # combine, given new weights at every call, makes none)
+                assert watched.plans == ([] if i < 2 else [True]), (i, watched.plans)
+            # The same weights twice give combine a plan; weights of another dispatch (a stand-in's) are then
+            # refused as the full path refuses them, before any kernel runs, and the right ones are taken.
+            x, idx, w_a = kept[-1][:3]
+            for _ in range(2):
+                d = a2a.dispatch(x, idx, weights=w_a)
+                a2a.combine(d.expert_x, w_a, expert_scale=float(1 + a2a.rank))
+            inputs = draw_world(89, world, E, k, H, M, token_counts=[6] * world)
+            x, idx, w_b = arrays = upload_inputs(a2a, inputs)[:3]
+            kept.append(arrays)
+            poison(a2a)
+            watched.clear()
+            d = a2a.dispatch(x, idx, weights=w_b)
+            with pytest.raises(ValueError, match="given to dispatch"):
+                a2a.combine(d.expert_x, w_a, expert_scale=float(1 + a2a.rank))
+            y = a2a.combine(d.expert_x, w_b, expert_scale=float(1 + a2a.rank))
+            a2a.synchronize()
+            check_call(a2a, inputs, d, y, fused=True)
+            assert watched.plans == [True, False], watched.plans  # (the refused call left combine no plan)
         finally:
             for arrays in kept:
                 free_inputs(a2a, arrays)
