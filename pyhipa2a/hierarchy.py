@@ -255,7 +255,8 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
 
         def rehand() -> None:  # (a plan that wrote a pointer into a pack: each kernel's site takes it anew)
             for step in steps:
-                again = getattr(step, "rehand", None)  # (an exchange has none, nor a launch that reads its pack)
+                # (nothing to re-hand: an exchange, or a launcher reading its pack at each launch, as HIP's does)
+                again = getattr(step, "rehand", None)
                 if again is not None:
                     again()
         launch.rehand = rehand
