@@ -367,8 +367,7 @@ class CudaBackend(DriverBackend):
             raise
         finally:
             del self._tapes[handle]
-        self._capturing.discard(handle)
-        graph = self._call("stream_end_capture", stream)
+        graph = self._capture_stop(stream)  # (its template stays: rehand finds our nodes in it)
         try:
             self.activate()  # (the executable graph belongs to the context current when it is made)
             return _RecordedSteps(graph, tape)

@@ -225,9 +225,13 @@ class DriverBackend(Backend):
         self._call("stream_begin_capture", stream, self._capture_mode())
         self._capturing.add(self.stream_handle(stream))
 
-    def capture_end(self, stream, keep: bool = True):
+    def _capture_stop(self, stream):
+        """Stop capturing on `stream`: the captured graph's template, the caller's to instantiate and destroy."""
         self._capturing.discard(self.stream_handle(stream))
-        graph = self._call("stream_end_capture", stream)
+        return self._call("stream_end_capture", stream)
+
+    def capture_end(self, stream, keep: bool = True):
+        graph = self._capture_stop(stream)
         try:
             if not keep:
                 return None
