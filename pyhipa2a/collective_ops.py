@@ -102,7 +102,7 @@ class AllGatherMatmul(Operation):
                 # GPU starts on our own rows while the host queues the rest.
                 if gemm is None and w > 1:  # (the kernels of the GEMMs queued behind waits, loaded now, into
                     # out: the call writes every row of it after)
-                    sh.vendor().prime(s, [(a_ptr, b_ptr, count, n, k, k, n, n, sh.dtype, False) for _, count in cuts],
+                    sh.vendor().prime(s, [(a_ptr, b_ptr, count, n, k, k, n, n, sh.dtype, None) for _, count in cuts],
                                       out_ptr)
                 copies.fork(s)
                 multiply(s, r, 0, m, a_ptr)
@@ -133,10 +133,10 @@ class MatmulReduceScatter(Operation):
 
     How our own are added to the others' (the others' rounded to the output's type, the sum in fp32, rounded
     once; ours rounded first too by the sum of slots, and by those of cuBLAS's kernels that round the product):
-    - two ranks, the vendor's GEMM and rows in pieces: each piece of the peer's partial sums, once in, is
-      copied into the output by a copy engine, and our own GEMM of that piece adds onto it (beta = 1), so no
-      pass over the sums is left after the last GEMM (the peer's pieces arrive while our GEMMs of the earlier
-      ones run);
+    - two ranks, the vendor's GEMM and rows in pieces: our GEMM of each piece reads the peer's partial sums of
+      it from their slot, once in, and writes their sum into the output (C = A @ B + D: cuBLASLt, or on a
+      vendor without it D copied into C and GemmEx adding onto it), so no pass over the sums is left after the
+      last GEMM (the peer's pieces arrive while our GEMMs of the earlier ones run);
     - otherwise: our own partial sums go to slot [r] and one kernel adds the W slots (kernels_hip/reduce.hip)."""
     name = "matmul_reduce_scatter"
     FREED, WORD = "sums_read", ("sums", "matmul_reduce_scatter sums")
@@ -172,12 +172,12 @@ class MatmulReduceScatter(Operation):
         sig, copies, cuts = sh.signals, sh.copies, cut_rows(m, sh.pieces)
         onto_peers = w == 2 and gemm is None and len(cuts) > 1
 
-        def partial(s, first: int, count: int, c_ptr: int, accumulate: bool = False) -> None:
-            """[count, n] at c_ptr = rows first.. of a, times b (added to what c_ptr holds: `accumulate`)."""
+        def partial(s, first: int, count: int, c_ptr: int, addend: int | None = None) -> None:
+            """[count, n] at c_ptr = rows first.. of a, times b (plus the [count, n] at `addend`)."""
             rows = a_ptr + first * k * item
             if gemm is None:
                 sh.vendor().matmul(s, rows, b_ptr, c_ptr, count, n, k, lda=k, ldb=n, ldc=n, dtype=sh.dtype,
-                                   accumulate=accumulate)
+                                   addend=addend)
             else:
                 gemm(sh.arrays.rows(a, first, count, a_ptr, k, b), b, sh.arrays.ours(c_ptr, (count, n), b),
                      sh.backend.stream_handle(s))
@@ -206,17 +206,14 @@ class MatmulReduceScatter(Operation):
                 sig.raise_on(d, kind, copy, count=m)
 
         def add_onto_peer(s, awaited: list) -> None:
-            """Two ranks: out = the peer's partial sums, piece by piece as they come, plus our own GEMM's. The
-            pieces come in on one copy stream, in order; it followed s at the call's start, so a piece is copied
-            as soon as it is in, not once our GEMMs of the peer's sums are done."""
-            peer, copy = 1 - r, copies.to[1 - r][0]
+            """Two ranks: out = our own GEMM of each piece plus the peer's partial sums of it, read from their
+            slot as each piece comes in."""
+            peer = 1 - r
             for (kind, what), (first, count) in zip(self.piece_words, cuts):
-                sig.wait(peer, kind, copy, what, count=m)
+                sig.wait(peer, kind, s, what, count=m)
                 awaited.append((peer, kind, m, what))
-                sh.backend.copy_device(out_ptr + first * row_c, self.partials.ptr + peer * slot + first * row_c,
-                                       count * row_c, copy)
-                sh.backend.stream_wait_stream(s, copy, within_capture=True)
-                partial(s, r * m + first, count, out_ptr + first * row_c, accumulate=True)
+                partial(s, r * m + first, count, out_ptr + first * row_c,
+                        addend=self.partials.ptr + peer * slot + first * row_c)
 
         def add_slots(s, awaited: list) -> None:
             """out = the sum of the W slots, ours computed now into slot [r]."""
@@ -234,12 +231,12 @@ class MatmulReduceScatter(Operation):
             try:
                 if gemm is None and w > 1:  # (the kernels of the GEMMs queued behind waits, loaded now, into
                     # out: the call writes every row of it after)
-                    shapes = [(count, False) for _, count in cuts] + (
-                        [(count, True) for _, count in cuts] if onto_peers else [(m, False)])
-                    sh.vendor().prime(s, [(a_ptr, b_ptr, rows, n, k, k, n, n, sh.dtype, accumulate)
-                                          for rows, accumulate in dict.fromkeys(shapes)], out_ptr)
-                if onto_peers:  # (the peer's pieces come into out after its earlier readers, and early)
-                    copies.follow(copies.to[1 - r][0], s)
+                    # (the peer's slot read while the peer may write it: the scratch's values are never used)
+                    shapes = [(count, None) for _, count in cuts] + (
+                        [(count, self.partials.ptr + (1 - r) * slot) for _, count in cuts] if onto_peers else
+                        [(m, None)])
+                    sh.vendor().prime(s, [(a_ptr, b_ptr, rows, n, k, k, n, n, sh.dtype, addend)
+                                          for rows, addend in dict.fromkeys(shapes)], out_ptr)
                 for i in range(1, w):  # the sums for rank r + 1 first: it waits for ours first
                     send(s, (r + i) % w, awaited)
                 (add_onto_peer if onto_peers else add_slots)(s, awaited)

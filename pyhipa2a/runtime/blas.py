@@ -1,7 +1,8 @@
 """Matrix multiplies queued on a stream: the vendor's BLAS (cuBLAS, hipBLAS) through ctypes, as the rest of the
 runtime reaches the driver, and NumPy on the host backend. Row-major, as the library lays arrays out: a row-major
 C = A @ B is the column-major C^T = B^T @ A^T, so the vendor's call gets the operands swapped. fp16 and bf16
-operands accumulate in fp32 (GemmEx with a 32-bit compute type)."""
+operands accumulate in fp32 (GemmEx with a 32-bit compute type). C = A @ B + D with D apart from C goes to
+cuBLASLt, whose matmul reads D while it writes C (GemmEx only adds onto C in place)."""
 from __future__ import annotations
 
 import ctypes
@@ -17,16 +18,17 @@ from ..errors import RuntimeFailure
 
 class Blas:
     def matmul(self, stream, a: int, b: int, c: int, m: int, n: int, k: int, *, lda: int, ldb: int, ldc: int,
-               dtype: np.dtype, out_dtype: np.dtype | None = None, accumulate: bool = False) -> None:
-        """Queue C[m, n] = A[m, k] @ B[k, n] on `stream`, or C += A @ B where `accumulate` (beta = 1: the sum in
-        fp32, rounded to C's type once; some of cuBLAS's kernels round the product to C's type first, seen on
-        an H200 at 2048x4096x4096 but not at 256x256x4096); leading dimensions in elements; A and B of
-        `dtype`, C of `out_dtype` (default `dtype`)."""
+               dtype: np.dtype, out_dtype: np.dtype | None = None, addend: int | None = None) -> None:
+        """Queue C[m, n] = A[m, k] @ B[k, n] on `stream`, or C = A @ B + the matrix at `addend` (laid out as C;
+        it may be C itself: the sum in fp32, rounded to C's type once; some of cuBLAS's kernels round the
+        product to C's type first, seen on an H200 at 2048x4096x4096 but not at 256x256x4096); leading
+        dimensions in elements; A and B of `dtype`, C of `out_dtype` (default `dtype`)."""
         raise NotImplementedError
 
     def prime(self, stream, gemms, c: int) -> None:
         """Queue on `stream`, into scratch at `c`, each GEMM of `gemms` ((a, b, m, n, k, lda, ldb, ldc, dtype,
-        accumulate) each) whose kind was never launched here: a call queues these before its first wait on a
+        addend) each, the addend as the call will give it: cuBLASLt runs another kernel where it is c itself)
+        whose kind was never launched here: a call queues these before its first wait on a
         peer. The driver loads a kernel at its first launch (CUDA's lazy loading), and that load waits for
         the streams of the context: a first launch queued behind a wait on a rank that never comes would hold
         the caller's thread in the driver, where no timeout of ours can reach it."""
@@ -53,14 +55,34 @@ class VendorApi:
     compute_32f: int
     algo_default: int
     types: dict             # NumPy dtype name -> cudaDataType / hipDataType (the same numbers)
+    lt: LtApi | None = None  # where C = A @ B + D goes (None: D is copied into C, and GemmEx adds onto it)
+
+
+@dataclass(frozen=True)
+class LtApi:
+    """cuBLASLt: the library and the enum values its matmul takes (names as in cublasLt.h)."""
+    libraries: tuple
+    wheel_globs: tuple
+    compute_32f: int        # CUBLAS_COMPUTE_32F
+    scale_32f: int          # CUDA_R_32F
+    pref_max_workspace: int  # CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+
+
+class LtHeuristic(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t: the algorithm (cublasLtMatmulAlgo_t, 8 uint64) and what it needs."""
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 _DATA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0}  # CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F (HIP_R_* alike)
+CUBLASLT = LtApi(("libcublasLt.so", "libcublasLt.so.13", "libcublasLt.so.12"),
+                 ("nvidia/cublas/lib/libcublasLt.so*", "nvidia/cu13/lib/libcublasLt.so*"), compute_32f=68,
+                 scale_32f=0, pref_max_workspace=1)
 CUBLAS = VendorApi(("libcublas.so", "libcublas.so.13", "libcublas.so.12"),
                    ("nvidia/cublas/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*"),
                    "cublasCreate_v2", "cublasDestroy_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2",
                    ("cublasGemmEx",), "cublasGetStatusString", None, op_n=0, compute_32f=68, algo_default=-1,
-                   types=_DATA_TYPES)
+                   types=_DATA_TYPES, lt=CUBLASLT)
 HIPBLAS = VendorApi(("libhipblas.so", "libhipblas.so.3", "libhipblas.so.2"), (),
                     "hipblasCreate", "hipblasDestroy", "hipblasSetStream", None,
                     ("hipblasGemmEx_v2", "hipblasGemmEx"), "hipblasStatusToString", "hipblasGetMathMode", op_n=111,
@@ -68,7 +90,7 @@ HIPBLAS = VendorApi(("libhipblas.so", "libhipblas.so.3", "libhipblas.so.2"), (),
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's own, given once: a capture must not allocate it
 
 
-def load_library(api: VendorApi) -> tuple[ctypes.CDLL, str]:
+def load_library(api: VendorApi | LtApi) -> tuple[ctypes.CDLL, str]:
     """(the vendor's library, the name it was found by): by soname (the loader's path), else where a pip wheel
     (PyTorch's, CuPy's) put it."""
     tried = list(api.libraries)
@@ -82,6 +104,81 @@ def load_library(api: VendorApi) -> tuple[ctypes.CDLL, str]:
             continue
     raise RuntimeFailure(f"no {api.libraries[0]} found (tried {', '.join(tried)}): install the vendor's BLAS, or "
                          "pass gemm= your own")
+
+
+class LtMatmul:
+    """C = A @ B + D through cuBLASLt (D apart from C, or C itself): for each shape, descriptors and the
+    heuristic's first algorithm made once, kept for the handle's life."""
+
+    def __init__(self, backend, api: LtApi):
+        self.backend, self.api = backend, api
+        self._lib, _ = load_library(api)
+        self._plans: dict = {}  # (m, n, k, lda, ldb, ldc, ab, cd) -> (matmul desc, layouts of A B C D, algo)
+        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(1.0)
+        handle = ctypes.c_void_p()
+        self._call("cublasLtCreate", ctypes.byref(handle))
+        self.handle = handle
+        self.workspace = backend.malloc_ipc(WORKSPACE_BYTES)
+
+    def _call(self, name: str, *args) -> None:
+        status = getattr(self._lib, name)(*args)
+        if status:
+            text = self._lib.cublasLtGetStatusString
+            text.restype = ctypes.c_char_p
+            raise RuntimeFailure(f"{name} failed: {(text(status) or b'').decode()} (status {status})")
+
+    def _made(self, name: str, *args) -> ctypes.c_void_p:
+        made = ctypes.c_void_p()
+        self._call(name, ctypes.byref(made), *args)
+        return made
+
+    def _plan(self, m, n, k, lda, ldb, ldc, ab, cd) -> tuple:
+        key = (m, n, k, lda, ldb, ldc, ab, cd)
+        if key not in self._plans:
+            api, u64, i64 = self.api, ctypes.c_uint64, ctypes.c_int64
+            desc = self._made("cublasLtMatmulDescCreate", ctypes.c_int(api.compute_32f), ctypes.c_int(api.scale_32f))
+            # Column-major, operands swapped (the module's note): A^T is B [n, k], B^T is A [k, m], C^T [n, m]
+            layouts = (self._made("cublasLtMatrixLayoutCreate", ctypes.c_int(ab), u64(n), u64(k), i64(ldb)),
+                       self._made("cublasLtMatrixLayoutCreate", ctypes.c_int(ab), u64(k), u64(m), i64(lda)),
+                       self._made("cublasLtMatrixLayoutCreate", ctypes.c_int(cd), u64(n), u64(m), i64(ldc)))
+            pref = self._made("cublasLtMatmulPreferenceCreate")
+            try:
+                size = ctypes.c_uint64(WORKSPACE_BYTES)
+                self._call("cublasLtMatmulPreferenceSetAttribute", pref, ctypes.c_int(api.pref_max_workspace),
+                           ctypes.byref(size), ctypes.c_size_t(ctypes.sizeof(size)))
+                found, count = LtHeuristic(), ctypes.c_int(0)
+                self._call("cublasLtMatmulAlgoGetHeuristic", self.handle, desc, layouts[0], layouts[1], layouts[2],
+                           layouts[2], pref, ctypes.c_int(1), ctypes.byref(found), ctypes.byref(count))
+            finally:
+                self._call("cublasLtMatmulPreferenceDestroy", pref)
+            if count.value < 1:
+                raise RuntimeFailure(f"cuBLASLt has no algorithm for C [{m}, {n}] = A @ B + D (k = {k})")
+            self._plans[key] = (desc, layouts, found)
+        return self._plans[key]
+
+    def matmul(self, stream_handle: int, a, b, c, addend, m, n, k, lda, ldb, ldc, ab, cd) -> None:
+        desc, (lb, la, lc), found = self._plan(m, n, k, lda, ldb, ldc, ab, cd)
+        self._call("cublasLtMatmul", self.handle, desc, ctypes.byref(self._alpha), ctypes.c_void_p(b), lb,
+                   ctypes.c_void_p(a), la, ctypes.byref(self._beta), ctypes.c_void_p(addend), lc, ctypes.c_void_p(c),
+                   lc, ctypes.byref(found.algo), ctypes.c_void_p(self.workspace), ctypes.c_size_t(WORKSPACE_BYTES),
+                   ctypes.c_void_p(stream_handle))
+
+    def close(self) -> None:
+        for desc, layouts, _ in self._plans.values():
+            for layout in layouts:
+                self._call("cublasLtMatrixLayoutDestroy", layout)
+            self._call("cublasLtMatmulDescDestroy", desc)
+        self._plans = {}
+        if self.handle is not None:
+            self._call("cublasLtDestroy", self.handle)
+            self.handle = None
+        if self.workspace is not None:
+            self.backend.free(self.workspace)
+            self.workspace = None
+
+
+def addend_kind(addend: int | None, c: int) -> str:
+    return "none" if addend is None else "in place" if addend == c else "apart"
 
 
 class VendorBlas(Blas):
@@ -105,7 +202,7 @@ class VendorBlas(Blas):
         self._gemm_name = gemm_name
         self._alpha, self._betas = ctypes.c_float(1.0), (ctypes.c_float(0.0), ctypes.c_float(1.0))
         self._stream = None
-        self._launched: set = set()  # the (m, n, k, lda, ldb, ldc, dtype, accumulate) launched: kernels loaded
+        self._launched: set = set()  # the (m, n, k, lda, ldb, ldc, types, addend's kind) launched: kernels loaded
         handle = ctypes.c_void_p()
         backend.activate()
         self._call(api.create, ctypes.byref(handle))
@@ -113,6 +210,8 @@ class VendorBlas(Blas):
         if api.set_workspace is not None:
             self.workspace = backend.malloc_ipc(WORKSPACE_BYTES)
             self._call(api.set_workspace, handle, ctypes.c_void_p(self.workspace), ctypes.c_size_t(WORKSPACE_BYTES))
+        # C = A @ B + D's: made now, as the workspace is (a capture must not allocate it)
+        self._lt = LtMatmul(backend, api.lt) if api.lt is not None else None
 
     def _status(self, name: str, status: int) -> None:
         if status:
@@ -123,32 +222,45 @@ class VendorBlas(Blas):
     def _call(self, name: str, *args) -> None:
         self._status(name, getattr(self._lib, name)(*args))
 
-    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, accumulate=False) -> None:
+    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, addend=None) -> None:
         handle = self.backend.stream_handle(stream)
+        types = self.api.types
+        ab, cd = types[np.dtype(dtype).name], types[np.dtype(out_dtype or dtype).name]
+        if addend is not None and self._lt is not None:
+            self._lt.matmul(handle, a, b, c, addend, m, n, k, lda, ldb, ldc, ab, cd)
+        else:
+            self._gemm_ex(stream, handle, a, b, c, m, n, k, lda, ldb, ldc, ab, cd, addend,
+                          np.dtype(out_dtype or dtype).itemsize)
+        self._launched.add((m, n, k, lda, ldb, ldc, ab, cd, addend_kind(addend, c)))
+
+    def _gemm_ex(self, stream, handle, a, b, c, m, n, k, lda, ldb, ldc, ab, cd, addend, item) -> None:
         if handle != self._stream:
             self._call(self.api.set_stream, self.handle, ctypes.c_void_p(handle))
             if self.workspace is not None:  # (setting a stream puts back the library's own workspace)
                 self._call(self.api.set_workspace, self.handle, ctypes.c_void_p(self.workspace),
                            ctypes.c_size_t(WORKSPACE_BYTES))
             self._stream = handle
-        types = self.api.types
-        ab, cd = types[np.dtype(dtype).name], types[np.dtype(out_dtype or dtype).name]
+        if addend is not None and addend != c:  # (GemmEx adds onto C in place)
+            self.backend.copy_device(c, addend, ((m - 1) * ldc + n) * item if m and n else 0, stream)
         op = self.api.op_n
         self._status(self._gemm_name, self._gemm(
             self.handle, op, op, n, m, k, ctypes.byref(self._alpha), b, ab, ldb, a, ab, lda,
-            ctypes.byref(self._betas[bool(accumulate)]), c, cd, ldc, self.api.compute_32f, self.api.algo_default))
-        self._launched.add((m, n, k, lda, ldb, ldc, ab, cd, bool(accumulate)))
+            ctypes.byref(self._betas[addend is not None]), c, cd, ldc, self.api.compute_32f, self.api.algo_default))
 
     def prime(self, stream, gemms, c) -> None:
         types = self.api.types
-        new = [g for g in gemms if (*g[2:8], types[np.dtype(g[8]).name], types[np.dtype(g[8]).name], bool(g[9]))
-               not in self._launched]
+        new = [g for g in gemms if (*g[2:8], types[np.dtype(g[8]).name], types[np.dtype(g[8]).name],
+                                    addend_kind(g[9], c)) not in self._launched]
         if not new or self.backend.stream_capturing(stream):  # (a capture would replay them at every launch)
             return
-        for a, b, m, n, k, lda, ldb, ldc, dtype, accumulate in new:
-            self.matmul(stream, a, b, c, m, n, k, lda=lda, ldb=ldb, ldc=ldc, dtype=dtype, accumulate=accumulate)
+        for a, b, m, n, k, lda, ldb, ldc, dtype, addend in new:
+            self.matmul(stream, a, b, c, m, n, k, lda=lda, ldb=ldb, ldc=ldc, dtype=dtype, addend=addend)
 
     def close(self) -> None:
+        if self._lt is not None:
+            self.backend.activate()
+            self._lt.close()
+            self._lt = None
         if self.handle is not None:
             self.backend.activate()
             self._call(self.api.destroy, self.handle)
@@ -173,10 +285,13 @@ class HostBlas(Blas):
     def __init__(self, backend):
         self.backend = backend
 
-    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, accumulate=False) -> None:
+    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, addend=None) -> None:
         def step() -> None:
             left = host_matrix(a, m, k, lda, dtype).astype(np.float32)
             right = host_matrix(b, k, n, ldb, dtype).astype(np.float32)
             out = host_matrix(c, m, n, ldc, out_dtype or dtype)
-            out[...] = left @ right + out.astype(np.float32) if accumulate else left @ right
+            if addend is None:
+                out[...] = left @ right
+            else:
+                out[...] = left @ right + host_matrix(addend, m, n, ldc, out_dtype or dtype).astype(np.float32)
         self.backend.enqueue(stream, step)
