@@ -2,6 +2,7 @@
 (row-major operands swapped for the column-major library, leading dimensions, types, checked status)."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import types
 
@@ -154,7 +155,8 @@ def test_an_addend_apart_from_c_is_copied_into_c_first_where_the_vendor_has_no_l
     copies = []
     v.backend.copy_device = lambda dst, src, nbytes, stream: copies.append((dst, src, nbytes, stream))
     v.matmul("stream", 0x100, 0x200, 0x300, 5, 4, 7, lda=9, ldb=6, ldc=8, dtype=resolve("bfloat16"), addend=0x700)
-    assert copies == [(0x300, 0x700, (4 * 8 + 4) * 2, "stream")]  # (the last row's n columns, no further)
+    # D's rows into C's, each n columns: C's padding (ldc 8 > n 4) is left as it is
+    assert copies == [(0x300 + i * 16, 0x700 + i * 16, 8, "stream") for i in range(5)]
     assert lib.calls[-1][0] == "gemm" and lib.calls[-1][1][13]._obj.value == 1.0
 
 
@@ -175,7 +177,16 @@ def test_an_addend_apart_goes_to_cublaslt_with_the_operands_swapped_and_one_plan
     assert (args[3].value, args[4].value, args[5].value, args[6].value) == (0x200, b_layout, 0x100, a_layout)
     assert (args[8].value, args[9].value, args[10].value, args[11].value) == (0x700, c_layout, 0x300, c_layout)
     assert (args[2]._obj.value, args[7]._obj.value, args[15].value) == (1.0, 1.0, 0xABC)  # alpha, beta; stream
+    assert (args[13].value, args[14].value) == (0x5000, blas.WORKSPACE_BYTES)  # its own workspace, all of it
+    heuristic = [args for name, args in lt.calls if name == "cublasLtMatmulAlgoGetHeuristic"][0]
+    chosen = ctypes.addressof(heuristic[8]._obj) + blas.LtHeuristic.algo.offset
+    assert ctypes.addressof(args[12]._obj) == chosen and heuristic[7].value == 1  # the algorithm it chose
+    pref = [args for name, args in lt.calls if name == "cublasLtMatmulPreferenceSetAttribute"][0]
+    assert (pref[1].value, pref[2]._obj.value, pref[3].value) == (1, blas.WORKSPACE_BYTES, 8)  # max workspace
     assert not [c for c in lib.calls if c[0] == "gemm"]  # (GemmEx took none of it)
+    v._gemm = getattr(lib, "cublasGemmEx")
+    v.matmul("stream", 0x100, 0x200, 0x300, 5, 4, 7, lda=9, ldb=6, ldc=8, dtype=bf16)  # (no addend: GemmEx's)
+    assert [c[0] for c in lib.calls].count("gemm") == 1 and len([n for n, _ in lt.calls if n == "cublasLtMatmul"]) == 2
     # Primed as the call gives it: an addend apart is a kind of its own (cuBLASLt runs another kernel in place)
     primed = [(0x100, 0x200, 5, 4, 7, 9, 6, 8, bf16, 0x780), (0x100, 0x200, 5, 4, 7, 9, 6, 8, bf16, 0x900)]
     v.prime("stream", primed, 0x900)

@@ -55,7 +55,8 @@ def test_repeated_calls_in_pieces(backend, ranks):
 def test_missing_peer_times_out(backend, noticed_by, op, pieces):
     # Every rank ends without MPI_Finalize (the last rank's closing barrier is never matched), which Open MPI
     # reports as an error exit: the job's exit code is not the verdict, every rank's "ok" line is. (The
-    # reduce-scatter at two ranks in pieces: the wait that never passes is a copy stream's.)
+    # reduce-scatter at two ranks in pieces: the call's stream waits for the peer's sums, and the GEMM that
+    # reads them is queued behind that wait.)
     ranks = 2 if backend == "host" and op == "matmul_reduce_scatter" else ranks_for(backend)
     if ranks < 2:
         pytest.skip("one rank has no peer to miss")

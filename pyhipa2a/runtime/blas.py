@@ -1,8 +1,8 @@
 """Matrix multiplies queued on a stream: the vendor's BLAS (cuBLAS, hipBLAS) through ctypes, as the rest of the
 runtime reaches the driver, and NumPy on the host backend. Row-major, as the library lays arrays out: a row-major
 C = A @ B is the column-major C^T = B^T @ A^T, so the vendor's call gets the operands swapped. fp16 and bf16
-operands accumulate in fp32 (GemmEx with a 32-bit compute type). C = A @ B + D with D apart from C goes to
-cuBLASLt, whose matmul reads D while it writes C (GemmEx only adds onto C in place)."""
+operands accumulate in fp32 (GemmEx with a 32-bit compute type). C = A @ B + D goes to cuBLASLt where the
+vendor has it (D apart from C: its matmul reads D while it writes C; GemmEx only adds onto C in place)."""
 from __future__ import annotations
 
 import ctypes
@@ -87,7 +87,7 @@ HIPBLAS = VendorApi(("libhipblas.so", "libhipblas.so.3", "libhipblas.so.2"), (),
                     "hipblasCreate", "hipblasDestroy", "hipblasSetStream", None,
                     ("hipblasGemmEx_v2", "hipblasGemmEx"), "hipblasStatusToString", "hipblasGetMathMode", op_n=111,
                     compute_32f=2, algo_default=160, types=_DATA_TYPES)
-WORKSPACE_BYTES = 32 << 20  # cuBLAS's own, given once: a capture must not allocate it
+WORKSPACE_BYTES = 32 << 20  # cuBLAS's and cuBLASLt's each, given once: a capture must not allocate it
 
 
 def load_library(api: VendorApi | LtApi) -> tuple[ctypes.CDLL, str]:
@@ -117,8 +117,12 @@ class LtMatmul:
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(1.0)
         handle = ctypes.c_void_p()
         self._call("cublasLtCreate", ctypes.byref(handle))
-        self.handle = handle
-        self.workspace = backend.malloc_ipc(WORKSPACE_BYTES)
+        self.handle, self.workspace = handle, None
+        try:
+            self.workspace = backend.malloc_ipc(WORKSPACE_BYTES)
+        except BaseException:
+            self.close()
+            raise
 
     def _call(self, name: str, *args) -> None:
         status = getattr(self._lib, name)(*args)
@@ -211,7 +215,12 @@ class VendorBlas(Blas):
             self.workspace = backend.malloc_ipc(WORKSPACE_BYTES)
             self._call(api.set_workspace, handle, ctypes.c_void_p(self.workspace), ctypes.c_size_t(WORKSPACE_BYTES))
         # C = A @ B + D's: made now, as the workspace is (a capture must not allocate it)
-        self._lt = LtMatmul(backend, api.lt) if api.lt is not None else None
+        try:
+            self._lt = LtMatmul(backend, api.lt) if api.lt is not None else None
+        except BaseException:
+            self._lt = None
+            self.close()
+            raise
 
     def _status(self, name: str, status: int) -> None:
         if status:
@@ -240,8 +249,10 @@ class VendorBlas(Blas):
                 self._call(self.api.set_workspace, self.handle, ctypes.c_void_p(self.workspace),
                            ctypes.c_size_t(WORKSPACE_BYTES))
             self._stream = handle
-        if addend is not None and addend != c:  # (GemmEx adds onto C in place)
-            self.backend.copy_device(c, addend, ((m - 1) * ldc + n) * item if m and n else 0, stream)
+        if addend is not None and addend != c:  # (GemmEx adds onto C in place: D's rows first, C's padding kept)
+            rows = [(0, m * n * item)] if ldc == n else [(i * ldc * item, n * item) for i in range(m)]
+            for offset, nbytes in rows:
+                self.backend.copy_device(c + offset, addend + offset, nbytes, stream)
         op = self.api.op_n
         self._status(self._gemm_name, self._gemm(
             self.handle, op, op, n, m, k, ctypes.byref(self._alpha), b, ab, ldb, a, ab, lda,
