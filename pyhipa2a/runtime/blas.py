@@ -106,6 +106,14 @@ def load_library(api: VendorApi | LtApi) -> tuple[ctypes.CDLL, str]:
                          "pass gemm= your own")
 
 
+def check_status(lib, status_text: str, name: str, status: int) -> None:
+    """Raise where the library's call `name` returned a nonzero status, with the library's words for it."""
+    if status:
+        text = getattr(lib, status_text)
+        text.restype = ctypes.c_char_p
+        raise RuntimeFailure(f"{name} failed: {(text(status) or b'').decode()} (status {status})")
+
+
 class LtMatmul:
     """C = A @ B + D through cuBLASLt (D apart from C, or C itself): for each shape, descriptors and the
     heuristic's first algorithm made once, kept for the handle's life."""
@@ -125,11 +133,7 @@ class LtMatmul:
             raise
 
     def _call(self, name: str, *args) -> None:
-        status = getattr(self._lib, name)(*args)
-        if status:
-            text = self._lib.cublasLtGetStatusString
-            text.restype = ctypes.c_char_p
-            raise RuntimeFailure(f"{name} failed: {(text(status) or b'').decode()} (status {status})")
+        check_status(self._lib, "cublasLtGetStatusString", name, getattr(self._lib, name)(*args))
 
     def _made(self, name: str, *args) -> ctypes.c_void_p:
         made = ctypes.c_void_p()
@@ -223,10 +227,7 @@ class VendorBlas(Blas):
             raise
 
     def _status(self, name: str, status: int) -> None:
-        if status:
-            text = getattr(self._lib, self.api.status_text)
-            text.restype = ctypes.c_char_p
-            raise RuntimeFailure(f"{name} failed: {(text(status) or b'').decode()} (status {status})")
+        check_status(self._lib, self.api.status_text, name, status)
 
     def _call(self, name: str, *args) -> None:
         self._status(name, getattr(self._lib, name)(*args))
