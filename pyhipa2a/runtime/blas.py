@@ -234,13 +234,12 @@ class VendorBlas(Blas):
 
     def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, addend=None) -> None:
         handle = self.backend.stream_handle(stream)
-        types = self.api.types
-        ab, cd = types[np.dtype(dtype).name], types[np.dtype(out_dtype or dtype).name]
+        types, out = self.api.types, np.dtype(out_dtype or dtype)
+        ab, cd = types[np.dtype(dtype).name], types[out.name]
         if addend is not None and self._lt is not None:
             self._lt.matmul(handle, a, b, c, addend, m, n, k, lda, ldb, ldc, ab, cd)
         else:
-            self._gemm_ex(stream, handle, a, b, c, m, n, k, lda, ldb, ldc, ab, cd, addend,
-                          np.dtype(out_dtype or dtype).itemsize)
+            self._gemm_ex(stream, handle, a, b, c, m, n, k, lda, ldb, ldc, ab, cd, addend, out.itemsize)
         self._launched.add((m, n, k, lda, ldb, ldc, ab, cd, addend_kind(addend, c)))
 
     def _gemm_ex(self, stream, handle, a, b, c, m, n, k, lda, ldb, ldc, ab, cd, addend, item) -> None:
