@@ -445,8 +445,8 @@ A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs&
   return true;
 }
 
-// Each (src, t) with experts here goes to all of its expert rows, a warp an item, the items spread
-// over the grid from first_item. While there are tokens enough for every warp, an item is a whole
+// Each (src, t) with experts here goes to all of its expert rows, a warp an item: the grid's first
+// from first_item, the rest, in a call with more, handed out as the warps ask (take_item). While there are tokens enough for every warp, an item is a whole
 // token: its warp places its rows once (expert_rows: the routing, and the count sums before it) for
 // all of its segments. The tokens left over, all of a small call's, go a segment an item, so that
 // every warp stays busy to the end. (At prefill sizes, placing the rows again for every segment took
@@ -458,7 +458,11 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
   const u32 me = (u32)x.h.rank, S = x.a.x_nseg, pushed = pre[x.W + 1];
   const u32 tokens = pre[x.W + 2] * x.W;  // (src, t), every source counted as the one with the most tokens
   const u32 whole = tokens - tokens % g.warps, items = whole + (tokens - whole) * S;
-  for (u32 item = first_item(g, g.warps / 2u); item < items; item += g.warps) {
+  const bool handed = items > g.warps;  // (else no warp has a second item: nothing to balance, no ask to wait for)
+  u64 asked = 0;
+  for (u32 item = first_item(g, g.warps / 2u); item < items;
+       item = handed ? g.warps + take_item(x, asked, g.lane) : item + g.warps) {
+    if (handed) asked = ask_item(x, g.lane);
     u32 seg = 0;
     const u32 q = item < whole ? item : whole + quot_rem(x.a.div_x_nseg, item - whole, seg);
     const u32 segs = item < whole ? S : 1u;
@@ -679,6 +683,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
     if (a2a_block() == 0 && a2a_thread() < x.W)
       a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,
                                 a2a_tag(header, x.epoch));
+    if (a2a_block() == 0 && a2a_thread() == 0) ready_items(x);
     for (u32 chunk = a2a_block(); chunk < route_chunks(x); chunk += a2a_grid_dim()) route(x, c, g, chunk);
     if (push)
       push_tokens<X>(x, c, g);

@@ -103,6 +103,15 @@ A2A_DEVICE u32 a2a_cas_sys(u32* p, u32 expected, u32 desired) {
                                        __HIP_MEMORY_SCOPE_SYSTEM);
   return expected;
 }
+// Device-scope relaxed 64-bit add and compare-and-swap (exchange.h: a counter that hands out work).
+A2A_DEVICE u64 a2a_fetch_add_relaxed_dev_u64(u64* p, u64 v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+A2A_DEVICE u64 a2a_cas_relaxed_dev_u64(u64* p, u64 expected, u64 desired) {
+  __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       __HIP_MEMORY_SCOPE_AGENT);
+  return expected;
+}
 A2A_DEVICE void a2a_fence_sys() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
 // s_memrealtime runs at a constant 100 MHz on gfx90a/gfx942.
 A2A_DEVICE u64 a2a_clock_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
@@ -187,6 +196,16 @@ A2A_DEVICE u32 a2a_fetch_add_acq_rel_dev(u32* p, u32 v) {
 }
 A2A_DEVICE u32 a2a_cas_sys(u32* p, u32 expected, u32 desired) {
   return atomicCAS_system(p, expected, desired);
+}
+A2A_DEVICE u64 a2a_fetch_add_relaxed_dev_u64(u64* p, u64 v) {
+  u64 old; asm volatile("atom.relaxed.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+}
+A2A_DEVICE u64 a2a_cas_relaxed_dev_u64(u64* p, u64 expected, u64 desired) {
+  u64 old;
+  asm volatile("atom.relaxed.gpu.global.cas.b64 %0, [%1], %2, %3;" : "=l"(old) : "l"(p), "l"(expected), "l"(desired)
+               : "memory");
+  return old;
 }
 A2A_DEVICE void a2a_fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
 A2A_DEVICE u64 a2a_clock_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }

@@ -8,6 +8,10 @@ combine. Two ways, in one run:
   overlapped  dispatch(groups=G); for each group the host learns its rows (group_rows), a stream of the
               experts' own waits for them on the device (wait_group), runs the group's grouped GEMMs and says
               so (group_done); combine sends each group's tokens as the groups are done.
+Two parts are timed beside them, unchecked, for the bound they set: the grouped GEMMs alone (on the rows
+the last dispatch laid out) and the exchange alone (dispatch, then combine of expert_y as it is). Overlap
+hides at most the shorter of the two, so overlapped >= max(gemms, exchange), and overlapped / sequence can
+go no lower than that over the sequence.
 Every rank draws every expert's weights from one seed (each expert from its own), its tokens from a seed of its
 own. Each way's y is checked against the layer computed densely on this rank's device in float32: each token
 through its top-k experts' MLPs. Prints PASS or FAIL per rank and, for each way, the wall time of one layer
@@ -98,6 +102,15 @@ class Layer:
             a2a.group_done(g, s)
         return a2a.combine(self.expert_y)
 
+    def gemms(self):
+        """The grouped GEMMs alone, on the rows the last dispatch laid out."""
+        self.expert_y.copy_(swiglu_grouped(self.expert_x, self.offsets[1:], self.gate, self.up, self.down))
+
+    def exchange(self):
+        """Dispatch, then combine of expert_y as it is: the layer without its GEMMs."""
+        self.a2a.dispatch(self.x, self.indices, weights=self.weights)
+        return self.a2a.combine(self.expert_y)
+
     def dense(self):
         """The same layer on this rank's tokens alone, in float32: each token through its top-k experts."""
         args, x = self.args, self.x.float()
@@ -158,18 +171,22 @@ def main() -> int:
             close = bool(torch.allclose(got, want, rtol=3e-2, atol=3e-2))
             ok = ok and close
             result[name] = {"ok": close, "max_error": err}
-        for name, us in zip(ways, layer.timed(comm, list(ways.values()))):
-            result[name]["layer_us"] = us
+        parts = {"gemms": layer.gemms, "exchange": layer.exchange}
+        timed = layer.timed(comm, list(ways.values()) + list(parts.values()))
+        for name, us in zip(list(ways) + list(parts), timed):
+            result.setdefault(name, {})["layer_us"] = us
         print(f"rank {layer.rank}: {'PASS' if ok else 'FAIL'} (max |y - dense| sequence "
               f"{result['sequence']['max_error']:.3g}, overlapped {result['overlapped']['max_error']:.3g})", flush=True)
     finally:
         if layer is not None:
             layer.a2a.close()
     seq, ovl = result["sequence"]["layer_us"], result["overlapped"]["layer_us"]
+    gemms, exchange = result["gemms"]["layer_us"], result["exchange"]["layer_us"]
     return script_verdict(comm, "moe_layer", ok, result, args.json, lambda: print(
         f"moe_layer: {comm.Get_size()} ranks, T={args.tokens} a rank, E={layer.E}, k={layer.k}, H={layer.H}, "
         f"I={args.intermediate}, bf16: sequence {seq:.1f} us, overlapped (groups={args.groups}) {ovl:.1f} us, "
-        f"overlapped / sequence {ovl / seq:.2f}", flush=True))
+        f"overlapped / sequence {ovl / seq:.2f}; gemms alone {gemms:.1f} us, exchange alone {exchange:.1f} us, "
+        f"bound max(gemms, exchange) / sequence {max(gemms, exchange) / seq:.2f}", flush=True))
 
 
 if __name__ == "__main__":
