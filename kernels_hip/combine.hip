@@ -271,6 +271,8 @@ A2A_DEVICE u32 last_group(const Ctx& x, const RowSlot& s, u32 here, u32 G, u32 l
 // weights waited for, once for all of its segments, each segment's flag
 // still released as soon as it is written, in the order the owner reads them
 // (`posted`: once the whole item is stored, all of its flags after one release).
+// In a whole combine, the items past the grid's first are handed out as the
+// warps ask (take_item), so that the senders end together.
 // `phase`, `G`: c's, or the whole combine's (0, 0) in a kernel that takes no parts.
 template <typename Fmt, u32 U>
 A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const WarpGrid& g, WarpScratch sc, const u32* pre,
@@ -284,7 +286,13 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   const u32 pushed = pre[x.W + 3], peers = x.W - 1u;  // our own tokens are reduced straight from expert_y
   const u32 tokens = pre[x.W + 2] * peers;  // (peer, t), every peer counted as the one with the most tokens
   const u32 whole = Q == 1u ? tokens - tokens % g.warps : 0u, per_part = (tokens - whole) * S;
-  for (u32 item = first_item(g, g.warps_per_block); item < whole + per_part * Q; item += g.warps) {
+  const u32 items = whole + per_part * Q;
+  // (a combine in parts strides: its kernels would share one call's counter)
+  const bool handed = phase == A2A_WHOLE_COMBINE && items > g.warps;
+  u64 asked = 0;
+  for (u32 item = first_item(g, g.warps_per_block); item < items;
+       item = handed ? g.warps + take_item(x, A2A_ITEMS_COMBINE, asked, g.lane) : item + g.warps) {
+    if (handed) asked = ask_item(x, A2A_ITEMS_COMBINE, g.lane);
     a2a_wave_sync();  // the scratch is rewritten for this item
     const u32 part = Q == 1u || item < whole ? 0u : (item - whole) / per_part;
     u32 seg = 0;
@@ -547,6 +555,7 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
     for (u32 i = a2a_thread(); i < A2A_GROUP_STRIPES * A2A_MAX_GROUPS; i += a2a_block_dim())
       local<u32>(a, a.off_group_landed)[i] = 0u;
   if (a2a_block() == 0 && c.weights && sends) send_weights(x, c, g);
+  if (a2a_block() == 0 && a2a_thread() == 0) ready_items(x, A2A_ITEMS_COMBINE);
   // Every header came with dispatch, ours too, so one table serves both steps: the
   // peers' token counts for sending, and our dispatch's choice (pushed back) for
   // reducing. (Alone, there are no peers' tokens and nothing comes back: skip the headers.)

@@ -461,8 +461,8 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
   const bool handed = items > g.warps;  // (else no warp has a second item: nothing to balance, no ask to wait for)
   u64 asked = 0;
   for (u32 item = first_item(g, g.warps / 2u); item < items;
-       item = handed ? g.warps + take_item(x, asked, g.lane) : item + g.warps) {
-    if (handed) asked = ask_item(x, g.lane);
+       item = handed ? g.warps + take_item(x, A2A_ITEMS_DISPATCH, asked, g.lane) : item + g.warps) {
+    if (handed) asked = ask_item(x, A2A_ITEMS_DISPATCH, g.lane);
     u32 seg = 0;
     const u32 q = item < whole ? item : whole + quot_rem(x.a.div_x_nseg, item - whole, seg);
     const u32 segs = item < whole ? S : 1u;
@@ -683,7 +683,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
     if (a2a_block() == 0 && a2a_thread() < x.W)
       a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)a2a_thread(), a.off_tok_count) + x.parity * x.W + x.h.rank,
                                 a2a_tag(header, x.epoch));
-    if (a2a_block() == 0 && a2a_thread() == 0) ready_items(x);
+    if (a2a_block() == 0 && a2a_thread() == 0) ready_items(x, A2A_ITEMS_DISPATCH);
     for (u32 chunk = a2a_block(); chunk < route_chunks(x); chunk += a2a_grid_dim()) route(x, c, g, chunk);
     if (push)
       push_tokens<X>(x, c, g);

@@ -80,7 +80,7 @@ struct A2AArgs {
   u64 off_offsets;         // i32 [L + 1]                  expert_offsets (contiguous): where each expert's rows start
   u64 off_group_landed;    // u32 [STRIPES][MAX_GROUPS]    dispatch(groups=): row segments written, by warp stripe and group
   u64 off_group_ready;     // u32 [MAX_GROUPS]             1: group g's rows are in (lowered by the caller's stream)
-  u64 off_fanout_items;    // u64 [2]                      dispatch's fan-out by parity: the next item to hand out, and the epoch
+  u64 off_work_items;      // u64 [2][2]                   by kernel (A2A_ITEMS_*) and parity: the next item to hand out, and the epoch
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank
   u64 off_done;            // u32 [2][A2A_MAX_GRID + 1]     epoch: block b of the last dispatch [0] / combine [1] is done; [.][A2A_MAX_GRID]: the poisoner's claim
@@ -558,21 +558,28 @@ A2A_DEVICE u32 first_item(const WarpGrid& g, u32 first) {
 }
 
 // Items handed out as warps ask for them, where a fixed share (first_item's stride) would not
-// balance: dispatch's fan-out at prefill sizes, whose items differ in cost (a peer's token is pulled
-// over the link, our own read here, each copied to as many rows as it has experts here), and whose
-// sources alternate item by item, so that a stride of a grid W divides gave each warp one source's
-// tokens only (at two ranks, half the grid read its own tokens and then idled while the other half
-// pulled). Each warp's first item is still first_item's; the counter hands out the rest. It lives in
-// our own memory, one a parity, with the call's epoch in its high half, and each dispatch readies the
-// other parity's for the next call (ready_items), so that a call's asks find theirs ready. A counter
-// that another call left (an object's first call, or one after a failure) is put right by the first
-// warp that finds it so, with a compare-and-swap that also takes item 0, so that no count left by
-// another call can skip an item. Lane 0 asks; the answer is taken once the item in hand is done
-// (ask_item, take_item), so that the atomic's round trip overlaps that item.
-A2A_DEVICE u64* item_counter(const Ctx& x, u32 parity) { return local<u64>(x.a, x.a.off_fanout_items) + parity; }
-A2A_DEVICE void ready_items(const Ctx& x) { *item_counter(x, x.parity ^ 1u) = (u64)next_epoch(x.epoch) << 32; }
-A2A_DEVICE u64 ask_item(const Ctx& x, u32 lane) {
-  return lane == 0 ? a2a_fetch_add_relaxed_dev_u64(item_counter(x, x.parity), 1ull) : 0ull;
+// balance: dispatch's fan-out and combine's contributions at prefill sizes, whose items differ in cost
+// (a peer's token is pulled over the link, our own read here; each token has its own count of
+// experts here), and, in the fan-out, whose sources alternate item by item, so that a stride of a
+// grid W divides gave each warp one source's tokens only (at two ranks, half the grid read its own
+// tokens and then idled while the other half pulled). Each warp's first item is still first_item's;
+// a counter hands out the rest. The counters live in our own memory, one a kernel and parity, with
+// the call's epoch in the high half, and each kernel readies the other parity's for the next call
+// (ready_items), so that a call's asks find theirs ready. A counter that another call left (an
+// object's first call, or one after a failure) is put right by the first warp that finds it so, with
+// a compare-and-swap that also takes item 0 (claim_counter), so that no count left by another call
+// can skip an item. Lane 0 asks; the answer is taken once the item in hand is done (ask_item,
+// take_item), so that the atomic's round trip overlaps that item.
+#define A2A_ITEMS_DISPATCH 0u
+#define A2A_ITEMS_COMBINE 1u
+A2A_DEVICE u64* item_counter(const Ctx& x, u32 kernel, u32 parity) {
+  return local<u64>(x.a, x.a.off_work_items) + kernel * 2u + parity;
+}
+A2A_DEVICE void ready_items(const Ctx& x, u32 kernel) {
+  *item_counter(x, kernel, x.parity ^ 1u) = (u64)next_epoch(x.epoch) << 32;
+}
+A2A_DEVICE u64 ask_item(const Ctx& x, u32 kernel, u32 lane) {
+  return lane == 0 ? a2a_fetch_add_relaxed_dev_u64(item_counter(x, kernel, x.parity), 1ull) : 0ull;
 }
 // (out of line: rare, and its registers stay off the items' path)
 A2A_DEVICE_CALLED u64 claim_counter(u64* counter, u32 epoch, u64 asked) {
@@ -589,8 +596,8 @@ A2A_DEVICE_CALLED u64 claim_counter(u64* counter, u32 epoch, u64 asked) {
   }
   return asked;
 }
-A2A_DEVICE u32 take_item(const Ctx& x, u64 asked, u32 lane) {
-  if (lane == 0 && (u32)(asked >> 32) != x.epoch) asked = claim_counter(item_counter(x, x.parity), x.epoch, asked);
+A2A_DEVICE u32 take_item(const Ctx& x, u32 kernel, u64 asked, u32 lane) {
+  if (lane == 0 && (u32)(asked >> 32) != x.epoch) asked = claim_counter(item_counter(x, kernel, x.parity), x.epoch, asked);
   return (u32)a2a_shfl((int)(u32)asked, 0);
 }
 

@@ -49,7 +49,7 @@ def layout(config: Config) -> list[tuple[str, tuple, object]]:
         # dispatch(groups=): rows landed by warp stripe and group (cleared by combine); readiness words
         ("group_landed", (GROUP_STRIPES, MAX_GROUPS), np.uint32),
         ("group_ready", (MAX_GROUPS,), np.uint32),
-        ("fanout_items", (2,), np.uint64),  # dispatch's fan-out hands out its items from these, one a parity
+        ("work_items", (2, 2), np.uint64),  # the counters dispatch and combine hand out items from, one a parity
         ("epoch", (2,), np.uint32),
         ("status", (4,), np.uint32),
         # clock sync (kernels_hip/clock.hip): box r written by rank r; this rank's stamps with each rank;

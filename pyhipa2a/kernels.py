@@ -57,7 +57,7 @@ class A2AArgs(ctypes.Structure):
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_num_tokens", u64),
                 ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_expert_totals", u64),
                 ("off_row_starts", u64), ("off_offsets", u64), ("off_group_landed", u64),
-                ("off_group_ready", u64), ("off_fanout_items", u64), ("off_epoch", u64), ("off_status", u64),
+                ("off_group_ready", u64), ("off_work_items", u64), ("off_epoch", u64), ("off_status", u64),
                 ("off_done", u64), ("host_status", u64), ("host_offsets", u64), ("prof", u64), ("num_experts", i32),
                 ("local_experts", i32),
                 ("top_k", i32), ("max_tokens", i32), ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32),
