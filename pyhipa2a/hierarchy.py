@@ -10,7 +10,6 @@ sums home, where hier_sum adds them. Regions move whole: no host round trip, and
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import weakref
@@ -25,7 +24,7 @@ from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_er
 from .heap import TABLE_ALIGN, align_up
 from .internode import Transfer, make_engine
 from .intranode import NodeExchange
-from .kernels import REDUCE_ONLY, WHOLE_COMBINE, X_FP8
+from .kernels import REDUCE_ONLY, WHOLE_COMBINE, X_FP8, field_addresses
 from .runtime import Backend, get_backend, select_device
 
 NODE_WAITS = (6, 7, 8)  # status `what` of waits between nodes: their peer is already a world rank
@@ -143,7 +142,6 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self._sum = library.kernel("hier_sum_bf16" if c.out_dtype.name == "bfloat16" else "hier_sum_f16")
         status, mirror = exchange.buffers["status"].ptr, exchange.buffers.status_device
         self._steps = {}  # leg -> (its pack, the pack a plan launches from)
-        self._places: dict = {}  # leg -> _argument_places (addresses in those packs, fixed for their life)
         for leg, whole in (("dispatch", 1), ("combine", 0)):
             packs = self._steps[leg] = (self._stage.pack(), self._stage.pack())
             a = packs[0][0]
@@ -154,6 +152,12 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             a.node, a.nodes, a.ranks_per_node, a.place = layout.node, N, layout.ranks_per_node, layout.place
             a.max_tokens, a.top_k, a.num_experts, a.node_experts = M, k, c.num_experts, c.num_experts // N
             a.x_row_bytes, a.scale_bytes, a.record_bytes, a.whole = row_bytes, scale_bytes, record_bytes, whole
+        # Where a plan's stand-ins write the caller's arrays: the stage's arguments (dispatch: the tokens and
+        # their routing; combine: the weights that cross with the records) and expert_y in the node's combine.
+        # (out is combine's result as well: a call on another takes the full path.)
+        self._places = {leg: field_addresses(self._steps[leg][1][0], names) for leg, names in
+                        (("dispatch", ("x", "indices", "x_scales", "weights")), ("combine", ("weights",)))}
+        self._places["combine"]["expert_y"] = exchange.combine.repeater_places["expert_y"]
         self._sums = (self._sum.pack(), self._sum.pack())
         b = self._sums[0][0]
         b.own = ptr["sums"] + layout.node * M * out_row  # our own region's sums stay here
@@ -278,18 +282,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         return self._engine.plan_conditions
 
     def _argument_places(self, leg: str) -> dict:
-        # The caller's arrays lie in the stage's arguments (dispatch: the tokens and their routing; combine:
-        # the weights that cross with the records) and expert_y in the node's combine. (out is combine's
-        # result as well: a call on another takes the full path.)
-        places = self._places.get(leg)
-        if places is None:
-            staged = self._steps[leg][1][0]
-            names = ("x", "indices", "x_scales", "weights") if leg == "dispatch" else ("weights",)
-            places = {name: ctypes.addressof(staged) + getattr(type(staged), name).offset for name in names}
-            if leg == "combine":
-                places.update(self._exchange.combine.repeater_places(("expert_y",)))
-            self._places[leg] = places
-        return places
+        return self._places[leg]
 
     def exchange_between_nodes(self, stream=None) -> None:
         """A call's bytes between nodes moved alone by the same engine, no kernel of ours (the bare exchange

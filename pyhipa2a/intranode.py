@@ -101,7 +101,8 @@ class NodeAllToAll(AllToAll, across_nodes=False):
     def _argument_places(self, leg: str) -> dict:
         # (out is combine's result as well: a call on another takes the full path)
         names = ("x", "indices", "x_scales", "weights") if leg == "dispatch" else ("expert_y", "weights")
-        return getattr(self._exchange, leg).repeater_places(names)
+        places = getattr(self._exchange, leg).repeater_places
+        return {name: places[name] for name in names}
 
     def _close_parts(self, broken: bool) -> None:
         self._exchange.close(broken)

@@ -149,6 +149,11 @@ SIGNATURES = {  # kernel name -> (code object, argument types)
 }
 
 
+def field_addresses(struct: ctypes.Structure, names) -> dict:
+    """name -> the host address of that field of `struct` (where a plan's stand-ins write an array's pointer)."""
+    return {name: ctypes.addressof(struct) + getattr(type(struct), name).offset for name in names}
+
+
 class ArgPack:
     """One launch site's arguments: ctypes objects plus the void* array pointing at them."""
 

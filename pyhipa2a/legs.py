@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from .config import (COMBINE_KERNEL_CHOICES, DEFAULT_BLOCKS_PER_MP, MAX_BLOCK_THREADS, MAX_GRID_BLOCKS,
                      MAX_WARPS_PER_BLOCK, SMALL_COMBINE_ITEMS_PER_WARP, Config, env_choice)
-from .kernels import DISPATCH_KERNELS
+from .kernels import DISPATCH_KERNELS, field_addresses
 
 
 def check_block_threads(threads: int, warp: int) -> None:
@@ -108,7 +108,8 @@ class Leg:
         self.choices, self.blocks = choices, blocks
         kernel = choices[0][0].plain
         self.pack, self.frozen = kernel.pack(), kernel.pack()
-        self._places: dict = {}  # (repeater_places)
+        # every call argument's host address in the pack the repeater launches from (fixed for the pack's life)
+        self.repeater_places = field_addresses(self.frozen[1], (name for name, *_ in self.frozen[1]._fields_))
         fixed(self.pack[0])
         self.call = self.pack[1]
         for pair, threads, _ in choices:
@@ -133,15 +134,6 @@ class Leg:
         without groups, for a launch from outside Python (pyhipa2a.jax) with call arguments of its own."""
         kernel, threads = self.kernel_for(tokens, False)
         return kernel, self.blocks, threads, ctypes.addressof(self.pack.arguments[0])
-
-    def repeater_places(self, fields: tuple) -> dict:
-        """field -> the host address of that call argument in the pack the repeater launches from."""
-        places = self._places.get(fields)
-        if places is None:
-            call = self.frozen[1]
-            places = self._places[fields] = {name: ctypes.addressof(call) + getattr(type(call), name).offset
-                                             for name in fields}
-        return places
 
     def repeater(self, tokens: int):
         """A function of the stream that launches the call the pack holds now, whatever is written to it
