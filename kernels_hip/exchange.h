@@ -565,7 +565,8 @@ A2A_DEVICE u32 first_item(const WarpGrid& g, u32 first) {
 // tokens and then idled while the other half pulled). Each warp's first item is still first_item's;
 // a counter hands out the rest. The counters live in our own memory, one a kernel and parity, with
 // the call's epoch in the high half, and each kernel readies the other parity's for the next call
-// (ready_items), so that a call's asks find theirs ready. A counter that another call left (an
+// (ready_items: a plain store, as no kernel of the call before can still run: every call of an object
+// queues behind the one before it), so that a call's asks find theirs ready. A counter that another call left (an
 // object's first call, or one after a failure) is put right by the first warp that finds it so, with
 // a compare-and-swap that also takes item 0 (claim_counter), so that no count left by another call
 // can skip an item. Lane 0 asks; the answer is taken once the item in hand is done (ask_item,
