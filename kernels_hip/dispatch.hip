@@ -445,11 +445,12 @@ A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs&
   return true;
 }
 
-// Each (src, t) with experts here goes to all of its expert rows, a warp an item: the grid's first
-// from first_item, the rest, in a call with more, handed out as the warps ask (take_item). While there are tokens enough for every warp, an item is a whole
-// token: its warp places its rows once (expert_rows: the routing, and the count sums before it) for
-// all of its segments. The tokens left over, all of a small call's, go a segment an item, so that
-// every warp stays busy to the end. (At prefill sizes, placing the rows again for every segment took
+// Each (src, t) with experts here goes to all of its expert rows, a warp an item: each warp's first
+// from first_item, the rest (in a call with more items than warps) handed out as the warps ask
+// (take_item). While there are tokens enough for every warp, an item is a whole token: its warp
+// places its rows once (expert_rows: the routing, and the count sums before it) for all of its
+// segments. The tokens left over, all of a small call's, go a segment an item, so that every warp
+// stays busy to the end. (At prefill sizes, placing the rows again for every segment took
 // a quarter of the fan-out's time: docs/PREFILL.md.)
 template <u32 X, bool Placed>
 A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, const u32* pre) {

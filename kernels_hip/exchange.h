@@ -558,19 +558,19 @@ A2A_DEVICE u32 first_item(const WarpGrid& g, u32 first) {
 }
 
 // Items handed out as warps ask for them, where a fixed share (first_item's stride) would not
-// balance: dispatch's fan-out and combine's contributions at prefill sizes, whose items differ in cost
-// (a peer's token is pulled over the link, our own read here; each token has its own count of
-// experts here), and, in the fan-out, whose sources alternate item by item, so that a stride of a
-// grid W divides gave each warp one source's tokens only (at two ranks, half the grid read its own
-// tokens and then idled while the other half pulled). Each warp's first item is still first_item's;
-// a counter hands out the rest. The counters live in our own memory, one a kernel and parity, with
+// balance: dispatch's fan-out and combine's contributions at prefill sizes. Their items differ in
+// cost (a peer's token is pulled over the link, our own read here; each token has its own count of
+// experts here), and the fan-out's sources alternate item by item, so that a stride of a grid that
+// W divides would give each warp one source's tokens only (at two ranks, half the grid would read
+// its own tokens and idle while the other half pulled). Each warp's first item is first_item's; a
+// counter hands out the rest. The counters live in our own memory, one a kernel and parity, with
 // the call's epoch in the high half, and each kernel readies the other parity's for the next call
-// (ready_items: a plain store, as no kernel of the call before can still run: every call of an object
-// queues behind the one before it), so that a call's asks find theirs ready. A counter that another call left (an
-// object's first call, or one after a failure) is put right by the first warp that finds it so, with
-// a compare-and-swap that also takes item 0 (claim_counter), so that no count left by another call
-// can skip an item. Lane 0 asks; the answer is taken once the item in hand is done (ask_item,
-// take_item), so that the atomic's round trip overlaps that item.
+// (ready_items: a plain store, as no kernel of the call before can still run: every call of an
+// object queues behind the one before it), so that a call's asks find theirs ready. A counter that
+// another call left (an object's first call, or one after a failure) is put right by the first warp
+// that finds it so, with a compare-and-swap that also takes item 0 (claim_counter), so that no
+// count left by another call can skip an item. Lane 0 asks; the answer is taken once the item in
+// hand is done (ask_item, take_item), so that the atomic's round trip overlaps that item.
 #define A2A_ITEMS_DISPATCH 0u
 #define A2A_ITEMS_COMBINE 1u
 A2A_DEVICE u64* item_counter(const Ctx& x, u32 kernel, u32 parity) {
@@ -598,7 +598,8 @@ A2A_DEVICE_CALLED u64 claim_counter(u64* counter, u32 epoch, u64 asked) {
   return asked;
 }
 A2A_DEVICE u32 take_item(const Ctx& x, u32 kernel, u64 asked, u32 lane) {
-  if (lane == 0 && (u32)(asked >> 32) != x.epoch) asked = claim_counter(item_counter(x, kernel, x.parity), x.epoch, asked);
+  if (lane == 0 && (u32)(asked >> 32) != x.epoch)
+    asked = claim_counter(item_counter(x, kernel, x.parity), x.epoch, asked);
   return (u32)a2a_shfl((int)(u32)asked, 0);
 }
 
