@@ -58,7 +58,8 @@ class Layer:
         E, k, H, T = args.experts_per_rank * world, args.top_k, args.hidden, args.tokens
         self.args, self.rank, self.E, self.k, self.H = args, rank, E, k, H
         self.a2a = AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=T,
-                            in_dtype="bfloat16", row_layout="contiguous", timeout=args.timeout)
+                            in_dtype="bfloat16", row_layout="contiguous", row_align=args.row_align,
+                            timeout=args.timeout)
         gpu = self.a2a.backend.kind != "host"
         device = self.device = torch.device("cuda", self.a2a.heap.device.index) if gpu else torch.device("cpu")
         if gpu:
@@ -150,6 +151,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--groups", type=int, default=4, help="dispatch(groups=) of the overlapped way")
+    p.add_argument("--row-align", type=int, default=128,
+                   help="AllToAll(row_align=): each expert's rows rounded up to this, rows the GEMMs compute too")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--timeout", type=float, default=30.0)
@@ -161,7 +164,8 @@ def main() -> int:
         layer = Layer(comm, args)
         want = layer.dense()
         result = {"rank": layer.rank, "tokens": args.tokens, "experts": layer.E, "top_k": layer.k,
-                  "hidden": layer.H, "intermediate": args.intermediate, "groups": args.groups}
+                  "hidden": layer.H, "intermediate": args.intermediate, "groups": args.groups,
+                  "row_align": args.row_align}
         ok, ways = True, {"sequence": layer.sequence, "overlapped": layer.overlapped}
         for name, way in ways.items():
             y = way()
@@ -184,7 +188,8 @@ def main() -> int:
     gemms, exchange = result["gemms"]["layer_us"], result["exchange"]["layer_us"]
     return script_verdict(comm, "moe_layer", ok, result, args.json, lambda: print(
         f"moe_layer: {comm.Get_size()} ranks, T={args.tokens} a rank, E={layer.E}, k={layer.k}, H={layer.H}, "
-        f"I={args.intermediate}, bf16: sequence {seq:.1f} us, overlapped (groups={args.groups}) {ovl:.1f} us, "
+        f"I={args.intermediate}, row_align={args.row_align}, bf16: sequence {seq:.1f} us, "
+        f"overlapped (groups={args.groups}) {ovl:.1f} us, "
         f"overlapped / sequence {ovl / seq:.2f}; gemms alone {gemms:.1f} us, exchange alone {exchange:.1f} us, "
         f"bound max(gemms, exchange) / sequence {max(gemms, exchange) / seq:.2f}", flush=True))
 

@@ -90,13 +90,15 @@ def test_groups_across_nodes(order, row_layout, G, backend):
              timeout=300)
 
 
+@pytest.mark.parametrize("row_align", [128, 16])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_moe_layer_script(backend):
+def test_moe_layer_script(backend, row_align):
     """scripts/moe_layer.py: the SwiGLU layer on the contiguous layout, in sequence and overlapped by groups,
     against the dense layer (small shapes: timings are not tested)."""
     pytest.importorskip("torch")
     run = run_mpi([str(REPO / "scripts" / "moe_layer.py"), "--tokens", "24", "--experts-per-rank", "4", "--top-k",
-                   "3", "--hidden", "256", "--intermediate", "128", "--groups", "3", "--iters", "1"],
+                   "3", "--hidden", "256", "--intermediate", "128", "--groups", "3", "--iters", "1",
+                   "--row-align", str(row_align)],
                   ranks_for(backend), env_backend(backend), timeout=300, what="moe_layer.py")
     assert run.stdout.count(": PASS (") == ranks_for(backend) and "moe_layer: PASS" in run.stdout, run.stdout
 
