@@ -66,6 +66,11 @@ class NodeAllToAll(AllToAll, across_nodes=False):
 
     def _open(self, comm, layout, backend, device, params: dict) -> tuple:
         exchange = NodeExchange(comm, Config.of(world_size(comm), **params), backend=backend, device=device)
+        # Where a plan's stand-ins write the caller's arrays (out is combine's result as well: a call on
+        # another takes the full path).
+        self._places = {leg: {name: getattr(exchange, leg).repeater_places[name] for name in names}
+                        for leg, names in (("dispatch", ("x", "indices", "x_scales", "weights")),
+                                           ("combine", ("expert_y", "weights")))}
         return exchange.config, exchange, exchange.health, exchange.heap.rank
 
     @property
@@ -99,10 +104,7 @@ class NodeAllToAll(AllToAll, across_nodes=False):
         return getattr(self._exchange, leg).repeater(tokens)
 
     def _argument_places(self, leg: str) -> dict:
-        # (out is combine's result as well: a call on another takes the full path)
-        names = ("x", "indices", "x_scales", "weights") if leg == "dispatch" else ("expert_y", "weights")
-        places = getattr(self._exchange, leg).repeater_places
-        return {name: places[name] for name in names}
+        return self._places[leg]
 
     def _close_parts(self, broken: bool) -> None:
         self._exchange.close(broken)
