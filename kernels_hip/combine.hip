@@ -288,11 +288,9 @@ A2A_DEVICE void send_contributions(const Ctx& x, const CombineCall& c, const War
   const u32 whole = Q == 1u ? tokens - tokens % g.warps : 0u, per_part = (tokens - whole) * S;
   const u32 items = whole + per_part * Q;
   // (a combine in parts strides: its kernels would share one call's counter)
-  const bool handed = phase == A2A_WHOLE_COMBINE && items > g.warps;
-  u64 asked = 0;
-  for (u32 item = first_item(g, g.warps_per_block); item < items;
-       item = handed ? g.warps + take_item(x, A2A_ITEMS_COMBINE, asked, g.lane) : item + g.warps) {
-    if (handed) asked = ask_item(x, A2A_ITEMS_COMBINE, g.lane);
+  ItemHand hand{A2A_ITEMS_COMBINE, phase == A2A_WHOLE_COMBINE && items > g.warps, 0};
+  for (u32 item = first_item(g, g.warps_per_block); item < items; item = hand.next(x, g, item)) {
+    hand.ask(x, g.lane);
     a2a_wave_sync();  // the scratch is rewritten for this item
     const u32 part = Q == 1u || item < whole ? 0u : (item - whole) / per_part;
     u32 seg = 0;

@@ -156,35 +156,43 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
 // start at block 0 and take their block-wide steps), not after them.
 A2A_DEVICE u32 first_sender(const Ctx& x, const WarpGrid& g) { return route_chunks(x) * g.warps_per_block; }
 
-// Each segment of each token some peer needs is copied into our stage; lane r
-// then releases the segment's flag in the memory of peer r when r needs the
-// token. The data stays here (the release waits only for our own memory) and
-// the flag goes there (the peer polls its own memory, not the link).
+// Each token some peer needs is copied into our stage, then its segments' flags are released in
+// the memory of every peer r that needs the token (the data stays here, and each peer polls its
+// own memory, not the link). A call with a token for every warp stages whole tokens: the item's
+// flags go out at once, each lane releasing some of them after one sync of the warp, so a token
+// pays one fence where each of its segments paid one (docs/PREFILL.md: staging). Fewer tokens go
+// a segment an item, so that the grid's warps all stage and each token's first segment leaves at once.
+// An x that lies in our x_stage (`in_heap`: exchange.h, x in the heap) is pulled from there: only the flags go.
 template <u32 X>
-A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g) {
+A2A_DEVICE void stage_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid& g, bool in_heap) {
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u8* tokens = reinterpret_cast<const u8*>(c.x);
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
-  const u32 tb = x.a.token_bytes;
+  const u32 tb = x.a.token_bytes, whole = (u32)c.num_tokens >= g.warps;
+  const u32 segs = whole ? S : 1u, items = whole ? (u32)c.num_tokens : (u32)c.num_tokens * S;
   u8* stage = sym<u8>(x.h, (int)me, x.a.off_stage) + (u64)x.parity * x.M * tb;
-  for (u32 item = first_item(g, first_sender(x, g)); item < (u32)c.num_tokens * S; item += g.warps) {
-    u32 seg;
-    const u32 t = quot_rem(x.a.div_x_nseg, item, seg);
+  for (u32 item = first_item(g, first_sender(x, g)); item < items; item += g.warps) {
+    u32 seg = 0;
+    const u32 t = whole ? item : quot_rem(x.a.div_x_nseg, item, seg);
     const RowSlot lane_slot = load_row_slot(indices + (u64)t * x.k, g.lane, x.k, x.a.num_experts);
     const u32 peers = ranks_hosting(lane_slot, x.k, x.a.div_L) & ~(1u << me);
     if (!peers) continue;
     A2A_PROF_START(t0);
+    u8* row = stage + (u64)t * tb;
     if constexpr (X == A2A_X_COPY) {
-      const Segment sg = segment(x, seg, rb, itemsize);
-      copy_row(stage + (u64)t * tb + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes, g.lane);
+      const Segment sg = whole ? Segment{0u, rb} : segment(x, seg, rb, itemsize);
+      if (!in_heap) copy_row(row + sg.first, tokens + (u64)t * rb + sg.first, sg.bytes, g.lane);
     } else {
-      u8* row = stage + (u64)t * tb;
-      store_piece(row, stage_scales(row, (u32)x.a.hidden), seg * x.a.x_seg_elems, g.lane,
-                  piece_of_input<X>(x, c, t, seg, g.lane));
+      for (u32 s = seg; s < seg + segs; ++s)
+        store_piece(row, stage_scales(row, (u32)x.a.hidden), s * x.a.x_seg_elems, g.lane,
+                    piece_of_input<X>(x, c, t, s, g.lane));
     }
     a2a_wave_sync();
-    if (g.lane < x.W && (peers >> g.lane & 1u)) {  // (a 64-lane wave must not shift by 32 or more)
-      u32* flag = sym<u32>(x.h, (int)g.lane, x.a.off_stage_flag) + (((u64)x.parity * x.W + me) * x.M + t) * S + seg;
+    for (u32 i = g.lane; i < x.W * segs; i += A2A_WARP_SIZE) {  // flag (peer r, segment seg + i / W)
+      u32 r;
+      const u32 s = seg + quot_rem(x.a.div_W, i, r);
+      if (!(peers >> r & 1u)) continue;
+      u32* flag = sym<u32>(x.h, (int)r, x.a.off_stage_flag) + (((u64)x.parity * x.W + me) * x.M + t) * S + s;
       a2a_publish_own_sys(flag, x.epoch, x.a.gpu_fence_publish);
     }
     A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_STAGE, t0, me | t << 8);
@@ -231,9 +239,11 @@ A2A_DEVICE void push_tokens(const Ctx& x, const DispatchCall& c, const WarpGrid&
 }
 
 // The vector of token t of source src: ours straight from the caller, a
-// peer's from its stage, over the link.
-A2A_DEVICE const u8* token_vector(const Ctx& x, const DispatchCall& c, u32 src, u32 t) {
+// peer's over the link from its stage, or from its x_stage where its x lies
+// there (`in_heap`).
+A2A_DEVICE const u8* token_vector(const Ctx& x, const DispatchCall& c, u32 src, u32 t, bool in_heap) {
   if (src == (u32)x.h.rank) return reinterpret_cast<const u8*>(c.x) + (u64)t * x.a.x_row_bytes;
+  if (in_heap) return sym<u8>(x.h, (int)src, x.a.off_x_stage) + (u64)t * x.a.x_row_bytes;
   return sym<u8>(x.h, (int)src, x.a.off_stage) + ((u64)x.parity * x.M + t) * x.a.token_bytes;
 }
 
@@ -380,11 +390,12 @@ A2A_DEVICE void count_landed(const Ctx& x, const WarpGrid& g, i32 row, u32 group
 }
 
 // Segment `seg` of token t of source `src` to its n rows here (slots[], lane 0's writes): a staged
-// segment is read over the link once its flag is here, a pushed one from our inbox once its words
-// carry the epoch. False where a peer never delivered (reported).
+// segment is read over the link once its flag is here (from src's x_stage where its x lies there:
+// `in_heap`), a pushed one from our inbox once its words carry the epoch. False where a peer never
+// delivered (reported).
 template <u32 X>
 A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, u32 src,
-                             u32 t, u32 seg, const i32* slots, u32 n, bool pushed) {
+                             u32 t, u32 seg, const i32* slots, u32 n, bool pushed, bool in_heap) {
   const u32 me = (u32)x.h.rank, rb = x.a.x_row_bytes, S = x.a.x_nseg, itemsize = rb / (u32)x.a.hidden;
   const u32 words = rb / 4u, H = (u32)x.a.hidden;
   u8* expert_x = out.x;
@@ -400,7 +411,7 @@ A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs&
     } else {
       const u32* staged = sym<u32>(x.h, (int)me, x.a.off_stage_flag) + (((u64)x.parity * x.W + src) * x.M + t) * S + seg;
       if (!warp_wait(x, staged, src, A2A_WAIT_DISPATCH, t, g.lane)) return false;
-      const u8* row = token_vector(x, c, src, t);
+      const u8* row = token_vector(x, c, src, t, false);  // (fp8 rows are always staged)
       p = load_piece(row, stage_scales(row, H), seg * x.a.x_seg_elems, H, g.lane);
     }
     if (src != me) A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WAIT_TOKEN, t3, src | t << 8);
@@ -438,7 +449,7 @@ A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs&
   A2A_PROF_START(t2);
   a2a_wave_sync();
   const Segment sg = segment(x, seg, rb, itemsize);
-  const u8* vec = token_vector(x, c, src, t);
+  const u8* vec = token_vector(x, c, src, t, in_heap);
   copy_row_fanout(expert_x + sg.first, rb, slots, n, vec + sg.first, sg.bytes, g.lane);
   a2a_wave_sync();  // slots[] is rewritten for this warp's next token
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_FANOUT, t2, src | t << 8);
@@ -456,14 +467,13 @@ template <u32 X, bool Placed>
 A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
-  const u32 me = (u32)x.h.rank, S = x.a.x_nseg, pushed = pre[x.W + 1];
+  const u32 me = (u32)x.h.rank, S = x.a.x_nseg, pushed = pre[x.W + 1], in_heap = pre[x.W + 4];
   const u32 tokens = pre[x.W + 2] * x.W;  // (src, t), every source counted as the one with the most tokens
   const u32 whole = tokens - tokens % g.warps, items = whole + (tokens - whole) * S;
-  const bool handed = items > g.warps;  // (else no warp has a second item: nothing to balance, no ask to wait for)
-  u64 asked = 0;
-  for (u32 item = first_item(g, g.warps / 2u); item < items;
-       item = handed ? g.warps + take_item(x, A2A_ITEMS_DISPATCH, asked, g.lane) : item + g.warps) {
-    if (handed) asked = ask_item(x, A2A_ITEMS_DISPATCH, g.lane);
+  // (handed only where some warp has a second item: else nothing to balance, no ask to wait for)
+  ItemHand hand{A2A_ITEMS_DISPATCH, items > g.warps, 0};
+  for (u32 item = first_item(g, g.warps / 2u); item < items; item = hand.next(x, g, item)) {
+    hand.ask(x, g.lane);
     u32 seg = 0;
     const u32 q = item < whole ? item : whole + quot_rem(x.a.div_x_nseg, item - whole, seg);
     const u32 segs = item < whole ? S : 1u;
@@ -486,7 +496,7 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
     if (!n) continue;
     bool ok = true;
     for (u32 end = seg + segs; ok && seg < end; ++seg)
-      ok = move_segment<X>(x, c, out, g, src, t, seg, slots, n, pushed >> src & 1u);
+      ok = move_segment<X>(x, c, out, g, src, t, seg, slots, n, pushed >> src & 1u, in_heap >> src & 1u);
     if (!ok) break;
     if (G) count_landed(x, g, slot, group, segs);
   }
@@ -674,7 +684,10 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   // a time (the host only enables pushing for rows that are whole words).
   const bool push_back = (u32)c.num_tokens <= a.push_max_tokens;
   const bool push = push_back && !a.gpu_fence_publish && (X != A2A_X_COPY || (c.x & 3u) == 0);
-  const u32 header = (u32)c.num_tokens | (push ? A2A_PUSHED_TOKENS : 0u) | (push_back ? A2A_PUSHED_BACK : 0u);
+  // A 16-bit x that lies in our x_stage is pulled from there (exchange.h: x in the heap).
+  const bool in_heap = X == A2A_X_COPY && !push && c.x == a.local_base + a.off_x_stage;
+  const u32 header = (u32)c.num_tokens | (push ? A2A_PUSHED_TOKENS : 0u) | (push_back ? A2A_PUSHED_BACK : 0u) |
+                     (in_heap ? A2A_X_IN_HEAP : 0u);
   // A node's part of a multi-node call whose exchange between nodes timed out (reported before
   // this kernel, by hier_localize) sends nothing: its node's ranks then time out naming this rank
   // instead of taking a call that silently lacks another node's tokens.
@@ -689,7 +702,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
     if (push)
       push_tokens<X>(x, c, g);
     else
-      stage_tokens<X>(x, c, g);
+      stage_tokens<X>(x, c, g, in_heap);
     __shared__ u32 pre[A2A_PREFIX_WORDS];
     const bool ok = source_prefix(x, header, pre, true, g);
     if (ok && !(watcher && dedicated)) {

@@ -23,6 +23,15 @@
 // (A2A_PUSHED_TOKENS, A2A_PUSHED_BACK), so the receivers of its tokens and the
 // contributors to its tokens follow them.
 //
+// x in the heap. A dispatch whose 16-bit x is our x_stage (NumPy x is
+// copied there; AllToAll.x_buffer() hands it to the caller to write into)
+// copies nothing into the stage: its flags go out at once, and the peers
+// pull its tokens from x_stage (the header's A2A_X_IN_HEAP), which saves a
+// read and a write of every token in our memory. Its rows stay put until the
+// peers are done with them: a peer reads them in its dispatch, and our
+// combine waits for that peer's contributions, which it sends after that
+// dispatch; the caller writes x_stage again after our combine.
+//
 // Posted contributions. A combine whose largest source has at least
 // post_min_tokens tokens (every rank knows every source's count from the
 // headers, so all agree) stores its contributions into the owners' memory
@@ -62,6 +71,8 @@ struct A2AArgs {
   u64 off_contrib_flag;    // u32 [W][M][S]                epoch: segment s of r's contribution to our t is in
   // read by peers
   u64 off_stage;           // u8  [2][M][token_bytes]      our tokens, for peers to pull
+  u64 off_x_stage;         // u8  [M][x_row_bytes]         NumPy x copied here, or the caller's x_buffer(): a
+                           //                              16-bit x that lies here is pulled from here (A2A_X_IN_HEAP)
   u64 off_contrib;         // u8  [W][M][hidden * 4]       our contribution to token t of owner src, or, in a
                            //                              posting combine, r's contribution to our t
   // written by peers, pushed calls (see "Pushed calls" below)
@@ -206,7 +217,7 @@ A2A_DEVICE u32 read_epoch(const A2AArgs& a, bool dispatch) {
 #define A2A_MAX_WARPS_PER_BLOCK 32
 #define A2A_MAX_BLOCK_THREADS 512  // MAX_BLOCK_THREADS in pyhipa2a/config.py
 #define A2A_MAX_WORLD 32
-#define A2A_PREFIX_WORDS (A2A_MAX_WORLD + 4)  // source_prefix's table
+#define A2A_PREFIX_WORDS (A2A_MAX_WORLD + 5)  // source_prefix's table
 #define A2A_MAX_GRID 4096u  // blocks of an exchange kernel's launch (MAX_GRID_BLOCKS in pyhipa2a/config.py)
 #define A2A_CHUNKS 4  // 8-element chunks per lane whose loads are issued together
 
@@ -539,10 +550,12 @@ A2A_DEVICE Segment segment(const Ctx& x, u32 seg, u32 row_bytes, u32 itemsize) {
 // are staged and pulled), and it takes its contributions pushed back
 // (without it they are left for it to pull). A pushed call has the second;
 // it has the first too unless its flags over pulled data follow a GPU-scope
-// fence (gpu_fence_publish), with which its pulled tokens arrive sooner.
+// fence (gpu_fence_publish), with which its pulled tokens arrive sooner. A
+// third says its pulled tokens lie in its x_stage (x in the heap, above).
 #define A2A_PUSHED_TOKENS 0x80000000u
 #define A2A_PUSHED_BACK 0x40000000u
-#define A2A_HEADER_COUNT(h) ((h) & ~(A2A_PUSHED_TOKENS | A2A_PUSHED_BACK))
+#define A2A_X_IN_HEAP 0x20000000u
+#define A2A_HEADER_COUNT(h) ((h) & ~(A2A_PUSHED_TOKENS | A2A_PUSHED_BACK | A2A_X_IN_HEAP))
 
 // A step's items start at warp `first` and wrap around the grid. Steps start
 // at different warps, so on small calls they run side by side instead of
@@ -602,6 +615,20 @@ A2A_DEVICE u32 take_item(const Ctx& x, u32 kernel, u64 asked, u32 lane) {
     asked = claim_counter(item_counter(x, kernel, x.parity), x.epoch, asked);
   return (u32)a2a_shfl((int)(u32)asked, 0);
 }
+// A warp's items after its first: handed out by the counter of `kernel`, or (not `handed`) a stride of
+// the grid on. The loop asks (ask) as it starts an item and takes the answer (next) once it is done:
+//   for (u32 item = first_item(g, f); item < items; item = hand.next(x, g, item)) { hand.ask(x, g.lane); ... }
+struct ItemHand {
+  u32 kernel;
+  bool handed;
+  u64 asked;
+  A2A_DEVICE void ask(const Ctx& x, u32 lane) {
+    if (handed) asked = ask_item(x, kernel, lane);
+  }
+  A2A_DEVICE u32 next(const Ctx& x, const WarpGrid& g, u32 item) const {
+    return handed ? g.warps + take_item(x, kernel, asked, g.lane) : item + g.warps;
+  }
+};
 
 // Pushed rows move as 32-bit words: a lane owns words w0 + lane + i * warp,
 // i < A2A_LANE_WORDS, of a segment starting at word w0 (a segment of a 16-bit
@@ -677,8 +704,9 @@ A2A_DEVICE bool take_batch(const Ctx& x, const u64* p, u32 stride, u32 count, u3
 
 // Token counts of every source as a prefix: pre[src] = tokens of sources
 // before src, pre[W] = all of them, pre[W + 1] the mask of sources that
-// push their tokens, pre[W + 2] the most tokens of any source and pre[W + 3]
-// the mask of sources that take their contributions pushed back; `pre` is the block's
+// push their tokens, pre[W + 2] the most tokens of any source, pre[W + 3]
+// the mask of sources that take their contributions pushed back and pre[W + 4]
+// that of sources whose tokens lie in their x_stage; `pre` is the block's
 // (shared memory, A2A_PREFIX_WORDS), every warp of the block calls.
 // Warp 0's lane r waits for r's header (when `wait`: dispatch, where our own
 // is `my_header`; combine reads every header, ours too, as dispatch left
@@ -708,18 +736,20 @@ A2A_DEVICE bool source_prefix(const Ctx& x, u32 my_header, u32* pre, bool wait, 
     }
     a2a_wave_sync();
     if (lane == 0) {
-      u32 pushed = 0, pushed_back = 0, most = 0;
+      u32 pushed = 0, pushed_back = 0, in_heap = 0, most = 0;
       pre[0] = 0;
       for (u32 r = 1; r <= x.W; ++r) {
         const u32 n = A2A_HEADER_COUNT(pre[r]) < x.M ? A2A_HEADER_COUNT(pre[r]) : x.M;
         if (pre[r] & A2A_PUSHED_TOKENS) pushed |= 1u << (r - 1u);
         if (pre[r] & A2A_PUSHED_BACK) pushed_back |= 1u << (r - 1u);
+        if (pre[r] & A2A_X_IN_HEAP) in_heap |= 1u << (r - 1u);
         pre[r] = pre[r - 1] + n;
         most = n > most ? n : most;
       }
       pre[x.W + 1] = pushed;
       pre[x.W + 2] = most;
       pre[x.W + 3] = pushed_back;
+      pre[x.W + 4] = in_heap;
     }
   }
   a2a_block_sync();

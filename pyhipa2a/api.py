@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+from .array import DeviceArray
 from .bootstrap import bounded_barrier, node_layout
 from .calls import Calls
 from .errors import A2AError, RuntimeFailure
@@ -45,6 +46,7 @@ class AllToAll(Calls):
             super().__init__(config, exchange, health)
             self.world = config.world
             self._graphs = weakref.WeakSet()  # closed by close() at the latest
+            self._x_buffer = None  # x_buffer(), made at its first call
             bounded_barrier(self.heap.comm, config.timeout, "AllToAll setup")
         except BaseException:
             self._close_parts(broken=True)
@@ -62,6 +64,18 @@ class AllToAll(Calls):
     def clock_sync(self):
         """The last clock_offset_ns()'s ClockSync: this rank's clock against rank 0's."""
         return self._exchange.clocks.last
+
+    def x_buffer(self):
+        """x's place in the symmetric heap, a [max_num_tokens, H] in_dtype device array, made once. Within a node,
+        a dispatch whose x is its first T rows (`x_buffer().rows(T)`, or the same rows through DLPack) and moves
+        16-bit rows is pulled by the peers from where it lies: no copy of its tokens into the stage (NumPy x is
+        copied there, and gains the same). Write it only after the combine of the dispatch before it (in stream
+        order): until then peers may still be reading it."""
+        if self._x_buffer is None:
+            a, c = self._exchange.buffers["x_stage"], self.config
+            self._x_buffer = DeviceArray(self.backend, a.ptr, (c.max_tokens, c.hidden), a.dtype, owner=self.heap,
+                                         stream=self.stream)
+        return self._x_buffer
 
     # -- the fake expert ------------------------------------------------------------
     def expert_y_buffer(self):

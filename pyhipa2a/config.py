@@ -259,9 +259,10 @@ class Config:
         for name, n in (("num_experts", self.num_experts), ("experts_per_token", self.top_k)):
             if n * self.max_tokens >= 2**31:
                 raise ValueError(f"{name} * max_num_tokens must be below 2**31; got {n} * {self.max_tokens}")
-        # A call's token count travels with two flag bits above it (A2A_PUSHED_TOKENS, A2A_PUSHED_BACK).
-        if self.max_tokens >= 2**30:
-            raise ValueError(f"max_num_tokens must be below 2**30; got {self.max_tokens}")
+        # A call's token count travels with three flag bits above it (A2A_PUSHED_TOKENS, A2A_PUSHED_BACK,
+        # A2A_X_IN_HEAP).
+        if self.max_tokens >= 2**29:
+            raise ValueError(f"max_num_tokens must be below 2**29; got {self.max_tokens}")
         if self.top_k > MAX_TOP_K or (self.top_k > self.num_experts and not self.void_slots):
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
         if self.timeout <= 0:

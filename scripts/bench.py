@@ -26,6 +26,9 @@ weights as that library's arrays (default: our own device arrays; a graph
 replays the pointers it captured, so the graph columns always use ours), with
 `--producer-order` passed to AllToAll. `--profile` times the profiling build
 (AllToAll(profile=True)): beside a run without it, what recording costs.
+`--x-in-heap` writes x into AllToAll.x_buffer() once and calls with its rows
+(graphs and eager calls on our arrays): the peers pull the tokens from there,
+with no staging copy.
 `--dispatch-dtype float8_e4m3` dispatches in fp8 (e4m3 with one scale per 128
 elements): quantized by the dispatch kernel from fp16 x (`--fp8-input
 quantize`, the default), or given in fp8 with its scales (`--fp8-input given`);
@@ -231,6 +234,13 @@ def check_run(comm, a2a, inputs, run, step: Step, what: str) -> str:
     return collective_check(comm, check, what)
 
 
+def with_x_in_heap(a2a, arrays: list, inputs) -> list:
+    """`arrays` with x replaced by the rows of a2a.x_buffer() that hold it (--x-in-heap)."""
+    x = a2a.x_buffer().rows(len(inputs.xs[a2a.rank]))
+    x.copy_from(inputs.xs[a2a.rank])
+    return [x, *arrays[1:]]
+
+
 def framework_arrays(kind: str, a2a, inputs) -> list:
     """This rank's x, indices and weights as `kind`'s arrays on a2a's device, written and finished
     (numpy: host arrays, copied at each call; ours come from upload_inputs)."""
@@ -429,6 +439,8 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None, fast:
     with contextlib.ExitStack() as made:
         arrays = upload_inputs(a2a, inputs)  # a failure from here on aborts the job (see the end of the file)
         made.callback(free_inputs, a2a, arrays)  # (last: callbacks run in reverse order)
+        if args.x_in_heap:
+            arrays = with_x_in_heap(a2a, arrays, inputs)
         given = arrays if args.inputs == "own" else framework_arrays(args.inputs, a2a, inputs)  # the eager calls'
         turns = [given] + [eager_arrays(args.inputs, a2a, inputs, made) for _ in range(NEW_ARRAYS - 1)]
         b = a2a.backend
@@ -707,7 +719,7 @@ def report(args, backend, bw: dict, rows, sweep, fast_cpus: bool) -> None:
     print(f"pyhipa2a bench: {backend.kind} backend, {bw['device']}, {world} ranks, {dtypes}, "
           f"{args.iters} iters ({args.warmup} warm-up), partial sums {partials}, fake expert {expert}, "
           f"weights to {args.weights_at}, eager inputs {args.inputs} (producer_order={args.producer_order}, "
-          f"calls on {args.calls_on} stream), rows {args.row_layout}")
+          f"calls on {args.calls_on} stream), rows {args.row_layout}" + (", x in the heap" if args.x_in_heap else ""))
     per_node = os.environ.get("PYHIPA2A_RANKS_PER_NODE")
     nodes = f", simulated nodes of {per_node} ranks (PYHIPA2A_RANKS_PER_NODE)" if per_node else ""
     print(f"command ({world} ranks{nodes}): {command}")
@@ -743,7 +755,7 @@ def report(args, backend, bw: dict, rows, sweep, fast_cpus: bool) -> None:
                        "weights_at": args.weights_at, "lockstep_calls": args.lockstep_calls,
                        "inputs": args.inputs, "producer_order": args.producer_order, "calls_on": args.calls_on,
                        "dispatch_dtype": args.dispatch_dtype, "fp8_input": args.fp8_input,
-                       "row_layout": args.row_layout, "fast_cpus": fast_cpus,
+                       "row_layout": args.row_layout, "x_in_heap": args.x_in_heap, "fast_cpus": fast_cpus,
                        "full_speed_slack": args.full_speed_slack, "plans_in_c": PLANS_IN_C,
                        "bandwidth": bw, "units": "us, bytes, GB/s", "shapes": rows, "sweep": sweep}, f, indent=1)
         print(f"json written to {args.json}")
@@ -784,6 +796,8 @@ def main() -> int:
     p.add_argument("--inputs", choices=INPUT_KINDS, default="own",
                    help="the eager calls' x, indices and weights: our device arrays, NumPy (copied), CuPy, PyTorch "
                         "or JAX arrays")
+    p.add_argument("--x-in-heap", action="store_true",
+                   help="x written once into AllToAll.x_buffer(), the calls on its rows (our own arrays)")
     p.add_argument("--profile", action="store_true",
                    help="run the profiling build (every warp records its timeline): what profiling costs")
     p.add_argument("--producer-order", choices=("protocol", "stream"), default="protocol",

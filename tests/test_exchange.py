@@ -216,6 +216,17 @@ def test_whole_token_items(row_layout, dispatch_dtype, counts, mode):
              args=(row_layout, dispatch_dtype, counts), timeout=300)
 
 
+# x where the peers read it (x_buffer(), NumPy x) and x staged, mixed in each call, at rows of 2 and 7 segments.
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("H, M", [(2048, 64), (7168, 48)])
+def test_x_in_heap(backend, H, M):
+    ranks = ranks_for(backend)
+    if ranks < 2:
+        pytest.skip("needs two ranks")
+    run_case(CASE + "case_x_in_heap", ranks, env_backend(backend), env={"PYHIPA2A_PUSH_MAX_TOKENS": "0"},
+             args=(H, M))
+
+
 # Calls of one object on either side of PYHIPA2A_POST_MIN_TOKENS, in turn: each combine's contributions land where
 # its call says (posted: in their owners' memory; pulled: in their contributors'), seen in the heap.
 @pytest.mark.parametrize("backend", BACKENDS)

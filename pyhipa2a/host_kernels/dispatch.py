@@ -7,7 +7,8 @@ import numpy as np
 
 from ..dtypes import bfloat16
 from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_TIMEOUT, mem, tag, wait_flags, wait_tagged
-from .exchange import PUSHED_BACK, PUSHED_TOKENS, WAIT_DISPATCH, View, count_header, finish, take_epoch, valid_slots
+from .exchange import (PUSHED_BACK, PUSHED_TOKENS, WAIT_DISPATCH, X_IN_HEAP, View, count_header, finish, take_epoch,
+                       valid_slots)
 from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, route_chunk, route_chunks
 from .fp8 import quantize
 
@@ -103,7 +104,9 @@ def _dispatch(backend, a, c, v: View) -> None:
         v.status.report(STATUS_BAD_INDEX, me, pos, int(indices.flat[pos]))
     push_back = T <= a.push_max_tokens  # a pushed call; it pushes its tokens too unless flags follow a
     push = push_back and not a.gpu_fence_publish  # GPU-scope fence (exchange.h: A2A_PUSHED_TOKENS)
-    header = T | (PUSHED_TOKENS if push else 0) | (PUSHED_BACK if push_back else 0)
+    # a 16-bit x that lies in our x_stage is pulled from there (exchange.h: x in the heap)
+    in_heap = a.x_format == X_COPY and not push and c.x == a.local_base + a.off_x_stage
+    header = T | (PUSHED_TOKENS if push else 0) | (PUSHED_BACK if push_back else 0) | (X_IN_HEAP if in_heap else 0)
     P, words = a.push_max_tokens, a.push_token_words
     span = time.monotonic_ns()
     # 1. route by chunks: to every rank, us too, routing rows with places, token count, dense chunk counts, weights
@@ -127,7 +130,7 @@ def _dispatch(backend, a, c, v: View) -> None:
     # 2. every token another rank needs: pushed to its inbox as tagged words, or staged here with flags sent to it
     t0 = time.monotonic_ns()
     needed_by = {r: np.flatnonzero((valid & (indices // L == r)).any(axis=1)) for r in range(W) if r != me}
-    if not push:
+    if not push and not in_heap:
         tokens = np.flatnonzero((valid & (indices // L != me)).any(axis=1))
         v.buf(me, "stage", (2, M, tb), np.uint8)[p, tokens] = x[tokens]
     for r, tokens in needed_by.items():
@@ -155,6 +158,7 @@ def _dispatch(backend, a, c, v: View) -> None:
         n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
                         v.status, WAIT_DISPATCH, src)
         count, pushed, _ = count_header(int(n[0]), M) if n is not None else (0, False, False)
+        src_in_heap = n is not None and bool(int(n[0]) & X_IN_HEAP)
         hdr = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
                           v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
         src_counts = wait_tagged(counts[src], v.epoch, v.deadline, v.status, WAIT_DISPATCH, src) \
@@ -166,7 +170,12 @@ def _dispatch(backend, a, c, v: View) -> None:
         # (as int32 before -1 goes in: NumPy 2.5 refuses -1 in an unsigned array)
         rows = np.where(void, -1, (hdr % E).astype(np.int32)).reshape(count, k)
         place = (hdr // E).astype(np.int64).reshape(count, k)
-        vecs = x if src == me else v.buf(src, "stage", (2, M, tb), np.uint8)[p]
+        if src == me:
+            vecs = x
+        elif src_in_heap:
+            vecs = v.buf(src, "x_stage", (M, rb), np.uint8)
+        else:
+            vecs = v.buf(src, "stage", (2, M, tb), np.uint8)[p]
         decoded[src, :count] = rows  # combine reads the routing rows from here
         tokens, slots = np.nonzero((rows >= 0) & (rows // L == me))
         wanted = np.unique(tokens)

@@ -8,12 +8,13 @@ import numpy as np
 from . import STATUS_OK, STATUS_TIMEOUT, Recorder, Status, bases, mem
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
-PUSHED_TOKENS, PUSHED_BACK = 0x80000000, 0x40000000  # count header bits: source pushed tokens; takes pushed back
+# count header bits: the source pushed its tokens; takes its contributions pushed back; its x lies in its x_stage
+PUSHED_TOKENS, PUSHED_BACK, X_IN_HEAP = 0x80000000, 0x40000000, 0x20000000
 
 
 def count_header(value: int, max_tokens: int) -> tuple[int, bool, bool]:
     """A token-count header as (tokens clamped to max_tokens, pushed tokens, takes contributions pushed back)."""
-    return (min(value & ~(PUSHED_TOKENS | PUSHED_BACK), max_tokens), bool(value & PUSHED_TOKENS),
+    return (min(value & ~(PUSHED_TOKENS | PUSHED_BACK | X_IN_HEAP), max_tokens), bool(value & PUSHED_TOKENS),
             bool(value & PUSHED_BACK))
 
 

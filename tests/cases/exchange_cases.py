@@ -73,12 +73,17 @@ def checked_call(a2a, inputs, exact: bool, scales=None, weights_at="combine") ->
     return y.numpy().copy(), 0, f"{combine_error_against_oracle(a2a, inputs, y, expert=expert):.3g}"
 
 
-def own_header_bits(a2a) -> tuple[bool, bool]:
-    """(tokens pushed, contributions pushed back) in the token-count header our last dispatch left in
-    our own memory (kernels_hip/exchange.h: A2A_PUSHED_TOKENS, A2A_PUSHED_BACK): its latest epoch."""
-    from pyhipa2a.host_kernels.exchange import count_header
+def own_header(a2a) -> int:
+    """The token-count header our last dispatch left in our own memory (its latest epoch's)."""
     words = a2a.buffers["tok_count"].numpy()[:, a2a.rank]  # one per epoch parity, epoch in the high half
-    _, tokens, back = count_header(int(words[np.argmax(words >> np.uint64(32))]) & 0xFFFFFFFF, a2a.config.max_tokens)
+    return int(words[np.argmax(words >> np.uint64(32))]) & 0xFFFFFFFF
+
+
+def own_header_bits(a2a) -> tuple[bool, bool]:
+    """(tokens pushed, contributions pushed back) in our last dispatch's header (kernels_hip/exchange.h:
+    A2A_PUSHED_TOKENS, A2A_PUSHED_BACK)."""
+    from pyhipa2a.host_kernels.exchange import count_header
+    _, tokens, back = count_header(own_header(a2a), a2a.config.max_tokens)
     return tokens, back
 
 
@@ -431,3 +436,39 @@ def case_launch_sites_made_ahead(comm):
             assert {s[:3] for s in launched} == kinds, kinds - {s[:3] for s in launched}  # every kernel ran
 
 
+
+
+def case_x_in_heap(comm, H="2048", M="64"):
+    """A 16-bit x in x_buffer() (or NumPy x, copied there) is pulled by the peers where it lies, with nothing
+    copied into the stage (kernels_hip/exchange.h: x in the heap); any other x is staged. Each round every
+    rank gives its x as one of the three kinds, in turn (so a call mixes sources of every kind), after the
+    stage and x_stage were poisoned: a peer that read the wrong one would find 0xFF. Every result against
+    the oracle, and the header's A2A_X_IN_HEAP bit as the call's x says (nothing is pushed:
+    PYHIPA2A_PUSH_MAX_TOKENS=0)."""
+    from pyhipa2a.host_kernels.exchange import X_IN_HEAP
+    from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, free_inputs, poison,
+                                  upload_inputs)
+    world, me, H, M = comm.Get_size(), comm.Get_rank(), int(H), int(M)
+    E, k, kinds = 4 * world, 4, ("own", "heap", "numpy")
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
+                  in_dtype="bfloat16") as a2a:
+        assert a2a.config.push_max_tokens == 0
+        buffer = a2a.x_buffer()
+        assert buffer.shape == (M, H) and buffer.ptr == a2a.buffers["x_stage"].ptr and buffer is a2a.x_buffer()
+        for i in range(2 * len(kinds)):
+            inputs = draw_world(120 + i, world, E, k, H, M, "bfloat16", [M] * world if i % 2 else None)
+            kind, x = kinds[(i + me) % len(kinds)], inputs.xs[me]
+            poison(a2a)
+            a2a.buffers["x_stage"].fill_bytes(0xFF)  # (peers read it only after our next header)
+            uploaded = upload_inputs(a2a, inputs) if kind == "own" else []
+            if kind == "heap":
+                x = buffer.rows(len(x))
+                x.copy_from(inputs.xs[me])
+            d = a2a.dispatch(uploaded[0] if uploaded else x, inputs.indices[me])
+            y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
+            a2a.synchronize()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            err = combine_error_against_oracle(a2a, inputs, y)
+            assert bool(own_header(a2a) & X_IN_HEAP) == (kind != "own"), (kind, hex(own_header(a2a)))
+            free_inputs(a2a, uploaded)
+            print(f"rank {me} round {i}: x {kind}, T={len(inputs.xs[me])}, max err {err:.3g}")
