@@ -1,6 +1,7 @@
 """The MoE layer at prefill sizes, with PyTorch: `mpirun -n N python scripts/moe_layer.py [--tokens T] [--json F]`.
 
-One layer: a router (top-k of its logits, softmax weights), dispatch into the contiguous layout, a SwiGLU MLP
+One layer: a router (top-k of its logits, softmax weights), dispatch of x written into AllToAll.x_buffer()
+(pulled by the peers where it lies) into the contiguous layout, a SwiGLU MLP
 (--intermediate, bf16) for each local expert by PyTorch's grouped GEMM over the rows as they lie
 (torch._grouped_mm, each expert's segment ending at its expert_offsets entry: nothing to pack, no host sync),
 combine. Two ways, in one run:
@@ -70,7 +71,9 @@ class Layer:
         g = torch.Generator(device=device).manual_seed(args.seed)
         self.router = (torch.randn(H, E, generator=g, device=device) / H ** 0.5).bfloat16()
         g = torch.Generator(device=device).manual_seed(args.seed + 1 + rank)
-        self.x = torch.randn(T, H, generator=g, device=device).bfloat16()
+        # x where the peers read it (AllToAll.x_buffer()), as the layer before would write it: no staging copy
+        self.x = torch.from_dlpack(self.a2a.x_buffer())[:T]
+        self.x.copy_(torch.randn(T, H, generator=g, device=device).bfloat16())
         logits = self.x.float() @ self.router.float()
         top, indices = torch.topk(logits, k, dim=1)
         self.indices, self.weights = indices.int().contiguous(), torch.softmax(top, dim=1).contiguous()
