@@ -456,6 +456,28 @@ A2A_DEVICE bool move_segment(const Ctx& x, const DispatchCall& c, const Outputs&
   return true;
 }
 
+// The peers whose x this block read where it lies (x in the heap), a word each: zeroed before make_ctx's
+// barrier, set by the copying warps, looked at by check_heap_sources.
+A2A_DEVICE u32* heap_sources_read() {
+  __shared__ u32 read[A2A_MAX_WORLD];
+  return read;
+}
+
+// x in the heap, when a source fails: its stream goes on past a failed call, and x_stage is written again
+// after it (its caller's next NumPy x, or x_buffer()), maybe while we still read this call's rows. Its
+// status word, read after every read of this block's (the barrier, then a fence), says whether it failed;
+// if so this call fails too, naming it (A2A_ERR_PEER), instead of handing out rows that may be another
+// call's. (On the way of a call that succeeds, the caller writes x_stage only after its combine, which
+// waits for our contributions: kernels_hip/exchange.h.)
+A2A_DEVICE void check_heap_sources(const Ctx& x) {
+  a2a_block_sync();
+  const u32 src = a2a_thread();
+  if (src >= x.W || !heap_sources_read()[src]) return;
+  a2a_fence_sys();
+  const u32 code = a2a_load_relaxed_sys(sym<u32>(x.h, (int)src, x.a.off_status));
+  if (code != A2A_OK) report(x, A2A_ERR_PEER, src, A2A_WAIT_DISPATCH, code);
+}
+
 // Each (src, t) with experts here goes to all of its expert rows, a warp an item: each warp's first
 // from first_item, the rest (in a call with more items than warps) handed out as the warps ask
 // (take_item). While there are tokens enough for every warp, an item is a whole token: its warp
@@ -467,7 +489,8 @@ template <u32 X, bool Placed>
 A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out, const WarpGrid& g, const u32* pre) {
   __shared__ i32 slot_buf[A2A_MAX_WARPS_PER_BLOCK][32];
   i32* slots = slot_buf[g.warp_in_block];
-  const u32 me = (u32)x.h.rank, S = x.a.x_nseg, pushed = pre[x.W + 1], in_heap = pre[x.W + 4];
+  // (x in the heap is for 16-bit rows: the other kernels' sources never lie there)
+  const u32 me = (u32)x.h.rank, S = x.a.x_nseg, pushed = pre[x.W + 1], in_heap = X == A2A_X_COPY ? pre[x.W + 4] : 0u;
   const u32 tokens = pre[x.W + 2] * x.W;  // (src, t), every source counted as the one with the most tokens
   const u32 whole = tokens - tokens % g.warps, items = whole + (tokens - whole) * S;
   // (handed only where some warp has a second item: else nothing to balance, no ask to wait for)
@@ -497,6 +520,8 @@ A2A_DEVICE void fan_out(const Ctx& x, const DispatchCall& c, const Outputs& out,
     bool ok = true;
     for (u32 end = seg + segs; ok && seg < end; ++seg)
       ok = move_segment<X>(x, c, out, g, src, t, seg, slots, n, pushed >> src & 1u, in_heap >> src & 1u);
+    if constexpr (X == A2A_X_COPY)
+      if (src != me && (in_heap >> src & 1u) && g.lane == 0) heap_sources_read()[src] = 1u;
     if (!ok) break;
     if (G) count_landed(x, g, slot, group, segs);
   }
@@ -670,6 +695,7 @@ A2A_DEVICE void publish_source_counts(const Ctx& x, const Outputs& out, const Wa
 template <u32 X, bool Placed>
 A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   A2A_PROF_BEGIN(a.prof);
+  if (a2a_thread() < A2A_MAX_WORLD) heap_sources_read()[a2a_thread()] = 0u;  // (make_ctx's barrier follows)
   const Ctx x = make_ctx(a, true);
   const Outputs out = outputs_of(x, c);
   const WarpGrid g = warp_grid();
@@ -718,6 +744,7 @@ A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   }
   A2A_PROF(x.prof, g.lane, A2A_TAG_DISPATCH_WARP, t0, 0);
   A2A_PROF_END(a.prof);
+  check_heap_sources(x);
   const u64 rows = a.recv_rows;
   const Poison poisoned[6] = {{out.x, rows * a.x_row_bytes},
                               {(u8*)out.meta, rows * 12u},

@@ -30,7 +30,10 @@
 // read and a write of every token in our memory. Its rows stay put until the
 // peers are done with them: a peer reads them in its dispatch, and our
 // combine waits for that peer's contributions, which it sends after that
-// dispatch; the caller writes x_stage again after our combine.
+// dispatch; the caller writes x_stage again after our combine. A failed
+// call waits for nothing, so a reader looks at the source's status word once
+// it has read (dispatch.hip: check_heap_sources) and fails its call too if
+// the source failed, rather than hand out rows that may be the next call's.
 //
 // Posted contributions. A combine whose largest source has at least
 // post_min_tokens tokens (every rank knows every source's count from the

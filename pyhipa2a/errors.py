@@ -14,6 +14,7 @@ WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-t
              6: "tokens between nodes (dispatch)", 7: "sums between nodes (combine)",
              8: "routing and weights between nodes (combine)"}  # what a timed-out wait awaited (3 is retired)
 WAIT_GROUP_DONE = 9  # a grouped combine's wait for the caller's group_done, given up on by the host (groups.py)
+WAIT_DISPATCH = 1  # (A2A_WAIT_DISPATCH) with STATUS_PEER: a source whose x this rank read in the heap failed
 
 
 class A2AError(RuntimeError):
@@ -70,6 +71,10 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
         return A2ADeviceError(f"{context}: rank {rank}: local expert {what} of rank {peer} overflowed its rows "
                               f"(up to row {detail}; an expert has W * max_num_tokens rows, and contiguous rows "
                               f"have max_recv_rows in all); the call's outputs are poison")
+    if code == STATUS_PEER and what == WAIT_DISPATCH:
+        return A2ADeviceError(f"{context}: rank {rank}: rank {peer} failed (its status {detail}) while this rank "
+                              f"read its tokens where they lie (x in the heap), so they may be its next call's; "
+                              f"the call's outputs are poison, and that rank's own error says why")
     if code == STATUS_PEER:
         return A2ADeviceError(f"{context}: rank {rank}: rank {peer}, on another node, failed its part of this call, "
                               f"so its sums of our tokens are poison; that rank's own error says why")

@@ -97,15 +97,16 @@ def test_bench_sets_a_call_between_nodes_beside_the_bare_exchange(tmp_path, back
     assert float(cols[-2]) == pytest.approx(row["wall"] / row["bare_exchange_wall"], abs=0.006), cols
 
 
-@pytest.mark.parametrize("fail_at,release_raises,between_nodes",
-                         [(0, 0, 0), (2, 0, 0), (3, 0, 0), (5, 0, 0), (6, 0, 0), (3, 1, 0), (6, 1, 0), (0, 0, 1), (3, 0, 1)])
-def test_bench_releases_what_it_made(fail_at, release_raises, between_nodes):
+@pytest.mark.parametrize("fail_at,release_raises,between_nodes,x_in_heap",
+                         [(0, 0, 0, 0), (2, 0, 0, 0), (3, 0, 0, 0), (5, 0, 0, 0), (6, 0, 0, 0), (3, 1, 0, 0), (6, 1, 0, 0),
+                          (0, 0, 1, 0), (3, 0, 1, 0), (0, 0, 0, 1), (5, 0, 0, 1)])
+def test_bench_releases_what_it_made(fail_at, release_raises, between_nodes, x_in_heap):
     """Every input buffer, event and graph the bench makes for a shape is freed, also when a check fails
     (the whole step's graph's; the bare graph's; the eager calls' with new arrays; the lockstep graph's) and
     the shape is reported as a FAIL
     row: the bench goes on
     to the next shape. A release that raises (a faulted device) loses neither the FAIL row nor the other
-    releases. Between nodes (a rank a node), the bare exchange's graph too, which the wall replays. The
-    host backend, 2 ranks."""
+    releases. Between nodes (a rank a node), the bare exchange's graph too, which the wall replays. With x in
+    the heap (--x-in-heap), the object's x_buffer() is left to the object. The host backend, 2 ranks."""
     run_case("tests.cases.bench_cases:case_timing_releases_what_it_made", 2, "host",
-             args=(fail_at, release_raises, between_nodes))
+             args=(fail_at, release_raises, between_nodes, x_in_heap))

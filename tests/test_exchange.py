@@ -216,15 +216,26 @@ def test_whole_token_items(row_layout, dispatch_dtype, counts, mode):
              args=(row_layout, dispatch_dtype, counts), timeout=300)
 
 
-# x where the peers read it (x_buffer(), NumPy x) and x staged, mixed in each call, at rows of 2 and 7 segments.
+# x where the peers read it (x_buffer(), NumPy x) and x staged, mixed in each call, at rows of 2 and 7 segments;
+# on a grid of one block, whole tokens staged.
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("H, M", [(2048, 64), (7168, 48)])
-def test_x_in_heap(backend, H, M):
+@pytest.mark.parametrize("H, M, one_block", [(2048, 64, 0), (7168, 48, 0), (7168, 48, 1)])
+def test_x_in_heap(backend, H, M, one_block):
     ranks = ranks_for(backend)
     if ranks < 2:
         pytest.skip("needs two ranks")
     run_case(CASE + "case_x_in_heap", ranks, env_backend(backend), env={"PYHIPA2A_PUSH_MAX_TOKENS": "0"},
-             args=(H, M))
+             args=(H, M, one_block))
+
+
+# A source that failed while its rows were read where they lie: the readers' calls fail naming it.
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_x_in_heap_source_failed(backend):
+    ranks = ranks_for(backend)
+    if ranks < 2:
+        pytest.skip("needs two ranks")
+    run_case(CASE + "case_x_in_heap_source_failed", ranks, env_backend(backend), env={"PYHIPA2A_PUSH_MAX_TOKENS": "0"},
+             timeout=120)
 
 
 # Calls of one object on either side of PYHIPA2A_POST_MIN_TOKENS, in turn: each combine's contributions land where

@@ -6,7 +6,7 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_TIMEOUT, mem, tag, wait_flags, wait_tagged
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT, mem, tag, wait_flags, wait_tagged
 from .exchange import (PUSHED_BACK, PUSHED_TOKENS, WAIT_DISPATCH, X_IN_HEAP, View, count_header, finish, take_epoch,
                        valid_slots)
 from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, route_chunk, route_chunks
@@ -216,6 +216,10 @@ def _dispatch(backend, a, c, v: View) -> None:
         slot_of[src, t, j] = row
         per_source[:, src] = src_counts.sum(axis=0)
         v.rec.record(5, t0, src)
+        if src != me and src_in_heap:  # a source that failed while we read its x_stage (check_heap_sources)
+            code = int(v.buf(src, "status", (4,), np.uint32)[0])
+            if code != STATUS_OK:
+                v.status.report(STATUS_PEER, src, WAIT_DISPATCH, code)
     # 4. expert_num_tokens: every source's count of each of our experts
     t0 = time.monotonic_ns()
     v.buf(me, "num_tokens", (L,), np.int32)[:] = np.minimum(per_source.sum(axis=1), v.cap)

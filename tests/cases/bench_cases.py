@@ -7,7 +7,7 @@ import sys
 from types import SimpleNamespace
 
 
-def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", between_nodes="0"):
+def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", between_nodes="0", x_in_heap="0"):
     """bench.time_shape frees every input buffer, event and graph it makes, whether its checks pass or one
     of them reports an error and it returns early (fail_at: which check_run call fails, counted from 1:
     the timed graph, the graph with events around the step alone, the bare graph, the eager call, the
@@ -15,7 +15,8 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", b
     event_release_raises, destroying an event raises (as every call does after a device fault): a failed
     shape still returns its FAIL row, and everything else is still freed. With between_nodes, each rank
     is a node of its own and the wall times are taken too: the bare exchange between nodes is captured
-    once, its graph replayed at each of the wall's iterations, and released with the rest."""
+    once, its graph replayed at each of the wall's iterations, and released with the rest. With x_in_heap
+    (--x-in-heap) the calls take x from the object's x_buffer(), which is not the bench's to free."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import bench
     from pyhipa2a import AllToAll
@@ -23,7 +24,8 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", b
     fail_at, raises, world = int(fail_at), event_release_raises == "1", comm.Get_size()
     nodes = between_nodes == "1"
     E, k, H, M = 4 * world, 2, 64, 8
-    args = SimpleNamespace(inputs="own", warmup=1, iters=2, lockstep_calls=2, fp8_input="quantize")
+    args = SimpleNamespace(inputs="own", warmup=1, iters=2, lockstep_calls=2, fp8_input="quantize",
+                           x_in_heap=x_in_heap == "1")
     bench.FLUSH_BYTES = 1 << 16  # the wall's cache flush: its size does not matter here
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   ranks_per_node=1 if nodes else None) as a2a:

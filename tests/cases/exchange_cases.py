@@ -438,20 +438,21 @@ def case_launch_sites_made_ahead(comm):
 
 
 
-def case_x_in_heap(comm, H="2048", M="64"):
+def case_x_in_heap(comm, H="2048", M="64", one_block="0"):
     """A 16-bit x in x_buffer() (or NumPy x, copied there) is pulled by the peers where it lies, with nothing
     copied into the stage (kernels_hip/exchange.h: x in the heap); any other x is staged. Each round every
     rank gives its x as one of the three kinds, in turn (so a call mixes sources of every kind), after the
     stage and x_stage were poisoned: a peer that read the wrong one would find 0xFF. Every result against
     the oracle, and the header's A2A_X_IN_HEAP bit as the call's x says (nothing is pushed:
-    PYHIPA2A_PUSH_MAX_TOKENS=0)."""
+    PYHIPA2A_PUSH_MAX_TOKENS=0). With `one_block` the grid is one block, so that most calls have a token for
+    every warp and stage whole tokens (their copies, or only their flags where x lies in the heap)."""
     from pyhipa2a.host_kernels.exchange import X_IN_HEAP
     from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, free_inputs, poison,
                                   upload_inputs)
     world, me, H, M = comm.Get_size(), comm.Get_rank(), int(H), int(M)
     E, k, kinds = 4 * world, 4, ("own", "heap", "numpy")
-    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
-                  in_dtype="bfloat16") as a2a:
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype="bfloat16",
+                  **({"grid_blocks": 1} if one_block == "1" else {})) as a2a:
         assert a2a.config.push_max_tokens == 0
         buffer = a2a.x_buffer()
         assert buffer.shape == (M, H) and buffer.ptr == a2a.buffers["x_stage"].ptr and buffer is a2a.x_buffer()
@@ -472,3 +473,38 @@ def case_x_in_heap(comm, H="2048", M="64"):
             assert bool(own_header(a2a) & X_IN_HEAP) == (kind != "own"), (kind, hex(own_header(a2a)))
             free_inputs(a2a, uploaded)
             print(f"rank {me} round {i}: x {kind}, T={len(inputs.xs[me])}, max err {err:.3g}")
+
+
+def case_x_in_heap_source_failed(comm, M="32"):
+    """A source whose x lies in its x_stage and whose status word says it failed (poked into its heap's word,
+    as a failed call leaves it, before its host has seen it) makes every peer that read its rows fail the call
+    naming it (kernels_hip/dispatch.hip: check_heap_sources), or a reader that failed so before it (at 3 ranks
+    and more a rank may read a failed reader's rows after it failed), its expert_x poisoned: the source's next
+    call's x may have been written over those rows. (The source's own host never sees the poked word: no
+    outcome of its call is checked.)"""
+    from pyhipa2a.errors import A2AError
+    from pyhipa2a.host_kernels import STATUS_TIMEOUT
+    from pyhipa2a.testing import poison
+    world, me, M, failing = comm.Get_size(), comm.Get_rank(), int(M), 1
+    E, k, H = 4 * world, 4, 512
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype="bfloat16",
+                  timeout=10.0) as a2a:
+        inputs = draw_world(140, world, E, k, H, M, "bfloat16", [M] * world)
+        poison(a2a)
+        if me == failing:
+            a2a.buffers["status"].copy_from(np.array([STATUS_TIMEOUT, me, 1, 0], np.uint32))
+        x = a2a.x_buffer().rows(M)
+        x.copy_from(inputs.xs[me])
+        comm.Barrier()
+        a2a.dispatch(x, inputs.indices[me])
+        if me == failing:
+            try:
+                a2a.synchronize()
+            except A2AError:
+                pass
+            return
+        assert (inputs.indices[failing] // (E // world) == me).any(), "the draw sends this rank none of its rows"
+        with pytest.raises(A2AError, match=r"rank \d+ failed .* \(x in the heap\)") as raised:
+            a2a.synchronize()
+        assert (a2a.buffers["recv_x"].numpy().view(np.uint8) == 0xFF).all()
+        print(f"rank {me}: {type(raised.value).__name__}: {str(raised.value)[:120]}")
