@@ -53,7 +53,8 @@ class ClockSyncArgs(ctypes.Structure):
 class A2AArgs(ctypes.Structure):
     _fields_ = [("heap", HeapView), ("local_base", u64), ("off_tok_hdr", u64), ("off_tok_count", u64),
                 ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64), ("off_contrib_flag", u64),
-                ("off_stage", u64), ("off_x_stage", u64), ("off_contrib", u64), ("off_push_tok", u64), ("off_push_contrib", u64),
+                ("off_stage", u64), ("off_x_stage", u64), ("off_contrib", u64), ("off_push_tok", u64),
+                ("off_push_contrib", u64),
                 ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_num_tokens", u64),
                 ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_expert_totals", u64),
                 ("off_row_starts", u64), ("off_offsets", u64), ("off_group_landed", u64),

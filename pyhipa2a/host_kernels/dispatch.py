@@ -6,7 +6,8 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT, mem, tag, wait_flags, wait_tagged
+from . import (STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT, mem, tag, wait_flags,
+               wait_tagged)
 from .exchange import (PUSHED_BACK, PUSHED_TOKENS, WAIT_DISPATCH, X_IN_HEAP, View, count_header, finish, take_epoch,
                        valid_slots)
 from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, route_chunk, route_chunks
