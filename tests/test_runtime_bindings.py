@@ -437,7 +437,8 @@ def test_cuda_queues_word_operations_as_one_batch(monkeypatch):
     """On CUDA, stream_word_ops queues a sequence (a readiness wait's four operations: pyhipa2a.signals) as one
     cuStreamBatchMemOp, in order, each wait for equality and each write fenced as stream_wait_word and
     stream_write_word make them; a sequence's parameters are packed once and handed again while it is among the
-    most recently used; nothing is queued for no operations; a failure names the call."""
+    most recently used, the same operations on the same places with other values (a marked wait's new tag) too,
+    with those values written in; nothing is queued for no operations; a failure names the call."""
     pytest.importorskip("cuda.bindings.driver")
     real, batches, results = cuda_rt._load(), [], []
 
@@ -462,6 +463,12 @@ def test_cuda_queues_word_operations_as_one_batch(monkeypatch):
         (seen, 2, 0), (word, 5, 1), (word, 0, 0), (seen, 1, 0)]  # (CU_STREAM_WAIT_VALUE_EQ; writes fenced: 0)
     backend.stream_word_ops(stream, wait, 1.0, None)
     assert batches[1][2] is params  # packed once
+    retagged = ((WRITE, seen, 6), (WAIT, word, 5), (WRITE, word, 0), (WRITE, seen, 5))
+    backend.stream_word_ops(stream, retagged, 1.0, None)
+    assert batches[2][2] is params and [int(op.value) for op in queued] == [6, 5, 0, 5]
+    backend.stream_word_ops(stream, wait, 1.0, None)
+    assert batches[3][2] is params and [int(op.value) for op in queued] == [2, 5, 0, 1]
+    del batches[2:]
     backend.stream_word_ops(stream, wait[:2], 1.0, None)
     assert batches[2][1] == 2 and batches[2][2] is not params
     half = batches[2][2]

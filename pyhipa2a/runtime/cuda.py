@@ -170,6 +170,31 @@ def _destroy_graph(executable, graph) -> None:
     driver.cuGraphDestroy(graph)
 
 
+class _WordBatch:
+    """The cuStreamBatchMemOp parameters of one sequence of (WAIT or WRITE, place) operations, made once; each
+    call's values are written into them where they differ from the last call's."""
+
+    def __init__(self, ops: tuple, wait_flags: int, write_flags: int):
+        kinds = driver.CUstreamBatchMemOpType
+        self.params, self._ops, self._values = [], [], []
+        for kind, ptr, value in ops:
+            param = driver.CUstreamBatchMemOpParams()
+            if kind == WAIT:
+                op, code, flags = param.waitValue, kinds.CU_STREAM_MEM_OP_WAIT_VALUE_32, wait_flags
+            else:
+                op, code, flags = param.writeValue, kinds.CU_STREAM_MEM_OP_WRITE_VALUE_32, write_flags
+            op.operation, op.address, op.value, op.flags = code, ptr, value, flags
+            self.params.append(param)
+            self._ops.append(op)
+            self._values.append(value)
+
+    def set_values(self, ops: tuple) -> None:
+        values = self._values
+        for i, (_, _, value) in enumerate(ops):
+            if value != values[i]:
+                self._ops[i].value = values[i] = value
+
+
 class CudaBackend(DriverBackend):
     kind = "cuda"
     code_suffix = ".fatbin"
@@ -186,7 +211,7 @@ class CudaBackend(DriverBackend):
         self._context = None
         self._tapes: dict = {}  # stream handle -> the launches record_steps records there
         self._context_handle = None  # int(self._context): activate() compares at every call
-        self._batches = {}  # stream_word_ops' operations -> their cuStreamBatchMemOp parameters, packed once
+        self._batches = {}  # stream_word_ops' (kind, place) sequences -> their _WordBatch, least recently used first
 
     def device_count(self) -> int:
         return _check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
@@ -386,27 +411,20 @@ class CudaBackend(DriverBackend):
     def stream_word_ops(self, stream, ops: tuple, timeout: float, timed_out) -> None:
         # One cuStreamBatchMemOp: a wait of four operations (pyhipa2a.signals) cost 1.9 us of host time against 6.2
         # one call each, and a graph of seven such waits replayed in 36 us against 59 (docs/COLLECTIVE.md).
+        # A sequence's parameters are packed once for its operations and places, and its values patched in
+        # place: a grouped combine's marked waits (groups.py) carry a new tag at every call, and packing their
+        # four operations anew took 12 us each. (The driver reads them during the call, a capture included.)
         if not ops:
             return
         batches = self._batches
-        params = batches[ops] = batches.pop(ops, None) or self._packed(ops)  # (now the most recently used)
-        if len(batches) > _BATCHES_KEPT:
+        places = tuple((kind, ptr) for kind, ptr, _ in ops)
+        batch = batches[places] = batches.pop(places, None) or _WordBatch(ops, self._WAIT_EQUAL, self._WRITE_FENCED)
+        if len(batches) > _BATCHES_KEPT:  # (the least recently used goes)
             del batches[next(iter(batches))]
-        result = driver.cuStreamBatchMemOp(stream, len(params), params, 0)
+        batch.set_values(ops)
+        result = driver.cuStreamBatchMemOp(stream, len(batch.params), batch.params, 0)
         if result[0]:
             _check(result, "cuStreamBatchMemOp")
-
-    def _packed(self, ops: tuple) -> list:
-        kinds, params = driver.CUstreamBatchMemOpType, []
-        for kind, ptr, value in ops:
-            param = driver.CUstreamBatchMemOpParams()
-            if kind == WAIT:
-                op, code, flags = param.waitValue, kinds.CU_STREAM_MEM_OP_WAIT_VALUE_32, self._WAIT_EQUAL
-            else:
-                op, code, flags = param.writeValue, kinds.CU_STREAM_MEM_OP_WRITE_VALUE_32, self._WRITE_FENCED
-            op.operation, op.address, op.value, op.flags = code, ptr, value, flags
-            params.append(param)
-        return params
 
     def raise_driver_error(self, what: str, code: int) -> None:
         try:
