@@ -51,7 +51,8 @@ def test_nodes_against_oracle(name, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["case_nodes_meta_names_true_source", "case_nodes_graph", "case_nodes_bad_inputs",
+@pytest.mark.parametrize("case", ["case_nodes_meta_names_true_source", "case_nodes_x_buffer", "case_nodes_graph",
+                                  "case_nodes_bad_inputs",
                                   "case_nodes_launch_sites_made_ahead", "case_nodes_repeated_calls",
                                   "case_nodes_plans_hold_the_engines_conditions",
                                   "case_nodes_teardown_goes_on_after_the_engine_fails"])

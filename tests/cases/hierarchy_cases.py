@@ -84,6 +84,25 @@ def _small_full_call(comm, G: str, M: int, seed: int):
         yield a2a, draw_world(seed, world, E, k, H, M, token_counts=[M] * world)
 
 
+def case_nodes_x_buffer(comm, G="2"):
+    """x written into x_buffer() across nodes: [max_num_tokens, H] as within a node, and taken like any device
+    array (every x crosses through the regions there); two full calls against the oracle."""
+    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
+    M = 6
+    with _small_full_call(comm, G, M, 11) as (a2a, inputs):
+        me, buffer = a2a.rank, a2a.x_buffer()
+        assert buffer.shape == (M, a2a.config.hidden) and buffer is a2a.x_buffer()
+        for _ in range(2):
+            poison(a2a)
+            x = buffer.rows(M)
+            x.copy_from(inputs.xs[me])
+            d = a2a.dispatch(x, inputs.indices[me])
+            y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
+            a2a.synchronize()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            combine_error_against_oracle(a2a, inputs, y)
+
+
 def case_nodes_meta_names_true_source(comm, G="2"):
     """expert_meta's source rank and token are the world's, whichever node the token came through."""
     world, k, M = comm.Get_size(), 2, 6
