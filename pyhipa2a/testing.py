@@ -228,6 +228,14 @@ def combine_error(y: np.ndarray, expected: np.ndarray, dtype, tolerance=None, sl
 _OWN_STREAM = object()
 
 
+def in_x_buffer(a2a, x: np.ndarray):
+    """Host rows `x` written into the first len(x) rows of a2a.x_buffer(), which it returns: where the peers
+    read a dispatch's x (x in the heap)."""
+    rows = a2a.x_buffer().rows(len(x))
+    rows.copy_from(x)
+    return rows
+
+
 def upload_inputs(a2a, inputs: WorldInputs, stream=_OWN_STREAM) -> list:
     """This rank's inputs in DeviceArrays of their own, on a2a's stream unless given (None: none); see free_inputs."""
     from .array import DeviceArray

@@ -76,8 +76,8 @@ from pyhipa2a.kernels import KernelLibrary, route_chunks  # noqa: E402
 from pyhipa2a.repeat import COMPILED as PLANS_IN_C  # noqa: E402
 from pyhipa2a.traffic import link_bytes  # noqa: E402
 from pyhipa2a.testing import (GPU_MODE_TOLERANCE, check_call, dispatch_uploaded, draw_world,  # noqa: E402
-                              dtype_arguments, failure_line, free_inputs, fused_combine, inputs_as_given, poison,
-                              run_round, upload_inputs, weights_where)
+                              dtype_arguments, failure_line, free_inputs, fused_combine, in_x_buffer, inputs_as_given,
+                              poison, run_round, upload_inputs, weights_where)
 from cpu_speed import SLACK, FastCpu, yardstick_us  # noqa: E402  (scripts/, this file's directory)
 
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpumode_all2all.json")
@@ -236,9 +236,7 @@ def check_run(comm, a2a, inputs, run, step: Step, what: str) -> str:
 
 def with_x_in_heap(a2a, arrays: list, inputs) -> list:
     """`arrays` with x replaced by the rows of a2a.x_buffer() that hold it (--x-in-heap)."""
-    x = a2a.x_buffer().rows(len(inputs.xs[a2a.rank]))
-    x.copy_from(inputs.xs[a2a.rank])
-    return [x, *arrays[1:]]
+    return [in_x_buffer(a2a, inputs.xs[a2a.rank]), *arrays[1:]]
 
 
 def framework_arrays(kind: str, a2a, inputs) -> list:

@@ -447,8 +447,8 @@ def case_x_in_heap(comm, H="2048", M="64", one_block="0"):
     PYHIPA2A_PUSH_MAX_TOKENS=0). With `one_block` the grid is one block, so that most calls have a token for
     every warp and stage whole tokens (their copies, or only their flags where x lies in the heap)."""
     from pyhipa2a.host_kernels.exchange import X_IN_HEAP
-    from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, free_inputs, poison,
-                                  upload_inputs)
+    from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, free_inputs,
+                                  in_x_buffer, poison, upload_inputs)
     world, me, H, M = comm.Get_size(), comm.Get_rank(), int(H), int(M)
     E, k, kinds = 4 * world, 4, ("own", "heap", "numpy")
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype="bfloat16",
@@ -463,8 +463,7 @@ def case_x_in_heap(comm, H="2048", M="64", one_block="0"):
             a2a.buffers["x_stage"].fill_bytes(0xFF)  # (peers read it only after our next header)
             uploaded = upload_inputs(a2a, inputs) if kind == "own" else []
             if kind == "heap":
-                x = buffer.rows(len(x))
-                x.copy_from(inputs.xs[me])
+                x = in_x_buffer(a2a, x)
             d = a2a.dispatch(uploaded[0] if uploaded else x, inputs.indices[me])
             y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
             a2a.synchronize()
@@ -484,7 +483,7 @@ def case_x_in_heap_source_failed(comm, M="32"):
     outcome of its call is checked.)"""
     from pyhipa2a.errors import A2AError
     from pyhipa2a.host_kernels import STATUS_TIMEOUT
-    from pyhipa2a.testing import poison
+    from pyhipa2a.testing import in_x_buffer, poison
     world, me, M, failing = comm.Get_size(), comm.Get_rank(), int(M), 1
     E, k, H = 4 * world, 4, 512
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, in_dtype="bfloat16",
@@ -493,8 +492,7 @@ def case_x_in_heap_source_failed(comm, M="32"):
         poison(a2a)
         if me == failing:
             a2a.buffers["status"].copy_from(np.array([STATUS_TIMEOUT, me, 1, 0], np.uint32))
-        x = a2a.x_buffer().rows(M)
-        x.copy_from(inputs.xs[me])
+        x = in_x_buffer(a2a, inputs.xs[me])
         comm.Barrier()
         a2a.dispatch(x, inputs.indices[me])
         if me == failing:

@@ -87,16 +87,14 @@ def _small_full_call(comm, G: str, M: int, seed: int):
 def case_nodes_x_buffer(comm, G="2"):
     """x written into x_buffer() across nodes: [max_num_tokens, H] as within a node, and taken like any device
     array (every x crosses through the regions there); two full calls against the oracle."""
-    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, poison
+    from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, in_x_buffer, poison
     M = 6
     with _small_full_call(comm, G, M, 11) as (a2a, inputs):
         me, buffer = a2a.rank, a2a.x_buffer()
         assert buffer.shape == (M, a2a.config.hidden) and buffer is a2a.x_buffer()
         for _ in range(2):
             poison(a2a)
-            x = buffer.rows(M)
-            x.copy_from(inputs.xs[me])
-            d = a2a.dispatch(x, inputs.indices[me])
+            d = a2a.dispatch(in_x_buffer(a2a, inputs.xs[me]), inputs.indices[me])
             y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
             a2a.synchronize()
             check_dispatch_against_oracle(a2a, inputs, d)
