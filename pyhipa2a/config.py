@@ -37,6 +37,9 @@ DEFAULT_PUSH_BACK_BYTES = 256 * 1024
 # with this share (percent) of its grid sending while the rest reduces.
 DEFAULT_POST_BYTES = 8 * 1024 * 1024
 DEFAULT_COMBINE_SEND_SHARE = 25
+# A combine in parts (dispatch(groups=)): the share (percent) of the grid each sending part but the last runs on,
+# beside the caller's GEMMs of the groups still to come (pyhipa2a.groups).
+DEFAULT_COMBINE_PART_SHARE = 25
 GPU_FENCE_PUBLISH_ARCHS = ("sm_90",)
 # Combine's small kernel takes calls whose warps get at most this many chunk items each.
 SMALL_COMBINE_ITEMS_PER_WARP = 1
@@ -364,12 +367,25 @@ def combine_send_blocks(config: Config) -> int:
     """Blocks of a posting combine that send while the rest reduce: PYHIPA2A_COMBINE_SEND_SHARE percent of the
     grid (default DEFAULT_COMBINE_SEND_SHARE), at least one and one fewer than the grid; 100: every block sends,
     then reduces (as a grid of one block always does)."""
-    share = int(os.environ.get("PYHIPA2A_COMBINE_SEND_SHARE", DEFAULT_COMBINE_SEND_SHARE))
-    if not 0 < share <= 100:
-        raise ValueError(f"PYHIPA2A_COMBINE_SEND_SHARE={share} must be a percentage in (0, 100]")
+    share = _grid_share("PYHIPA2A_COMBINE_SEND_SHARE", DEFAULT_COMBINE_SEND_SHARE)
     if share == 100:
         return config.blocks
     return min(max(1, config.blocks * share // 100), max(1, config.blocks - 1))
+
+
+def combine_part_blocks(config: Config) -> int:
+    """Blocks of a combine's sending parts after dispatch(groups=), all but the last: PYHIPA2A_COMBINE_PART_SHARE
+    percent of the grid (default DEFAULT_COMBINE_PART_SHARE), at least one. They send while the caller's GEMMs of
+    the later groups run, which the rest of the device is left to (on the whole grid they slowed those GEMMs
+    more than they gained); the last part and the reduce run beside no GEMM of ours and take the whole grid."""
+    return max(1, config.blocks * _grid_share("PYHIPA2A_COMBINE_PART_SHARE", DEFAULT_COMBINE_PART_SHARE) // 100)
+
+
+def _grid_share(variable: str, default: int) -> int:
+    share = int(os.environ.get(variable, default))
+    if not 0 < share <= 100:
+        raise ValueError(f"{variable}={share} must be a percentage in (0, 100]")
+    return share
 
 
 def push_limit(config: Config, default_bytes: int) -> int:

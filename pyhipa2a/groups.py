@@ -5,10 +5,12 @@ a readiness word per group once every row of it is written (kernels_hip/dispatch
 stream)` makes the caller's stream wait for it on the device. `done(g, stream)` says, after the caller's GEMM of
 the group, that its expert_y rows are written. Combine then comes in parts on its own stream: part g waits for
 groups 0..g to be done and sends the contributions of the tokens whose last group here is g, so its traffic
-overlaps the GEMMs still to come; the reduce comes last. Groups may be done in any order; combine's parts follow
-them in index order. With row_layout="contiguous", `rows(g)` tells the host where group g's rows lie (a GEMM's
-row range) as soon as the dispatch has counted them, before they land: the kernel writes expert_offsets into
-pinned host memory too, each word tagged with the call's ticket, and the host waits for this call's.
+overlaps the GEMMs still to come, on a share of the grid that leaves them the rest of the device (but the last
+part, beside no GEMM: config.combine_part_blocks); the reduce comes last. Groups may be done in any order;
+combine's parts follow them in index order. With row_layout="contiguous", `rows(g)` tells the host where group
+g's rows lie (a GEMM's row range) as soon as the dispatch has counted them, before they land: the kernel writes
+expert_offsets into pinned host memory too, each word tagged with the call's ticket, and the host waits for this
+call's.
 
 The words are constants (1 raised, 0 lowered), each with one raiser and one lowerer: ready[g] is raised by the
 dispatch kernel (also when the call fails, once its outputs are poisoned) and lowered by done()'s stream, after a

@@ -1,7 +1,8 @@
 """A node exchange's two call kinds as launches: which kernel, on how many blocks, from which arguments.
 
 Blocks of a launch wait on each other's flags, so the whole grid (of every rank that drives the device)
-must be resident at once; every launch takes that grid however few items a call has.
+must be resident at once; every launch takes that grid however few items a call has, but a combine's sending
+parts before its last (config.combine_part_blocks), whose blocks wait for none of each other's flags.
 
 Each kernel comes twice: the one of calls in groups (dispatch(groups=), and combine's parts after it) and
 the one of calls without, which compiles none of that (a dispatch's rows laid out contiguously take the
@@ -12,11 +13,12 @@ object (Kernel.prepare), so no call takes device memory later.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from typing import NamedTuple
 
 from .config import (COMBINE_KERNEL_CHOICES, DEFAULT_BLOCKS_PER_MP, MAX_BLOCK_THREADS, MAX_GRID_BLOCKS,
-                     MAX_WARPS_PER_BLOCK, SMALL_COMBINE_ITEMS_PER_WARP, Config, env_choice)
-from .kernels import DISPATCH_KERNELS, field_addresses
+                     MAX_WARPS_PER_BLOCK, SMALL_COMBINE_ITEMS_PER_WARP, Config, combine_part_blocks, env_choice)
+from .kernels import DISPATCH_KERNELS, WHOLE_COMBINE, field_addresses
 
 
 def check_block_threads(threads: int, warp: int) -> None:
@@ -104,8 +106,9 @@ class Leg:
     most tokens a call's fit, and of its pair the kernel of the call's `groups` (every call struct has
     that field); `call` is the per-call argument struct of the pack the full path writes."""
 
-    def __init__(self, choices: tuple, blocks: int, fixed):
+    def __init__(self, choices: tuple, blocks: int, fixed, part_blocks: int | None = None):
         self.choices, self.blocks = choices, blocks
+        self.part_blocks = part_blocks or blocks  # a combine's sending parts but the last (_grid)
         kernel = choices[0][0].plain
         self.pack, self.frozen = kernel.pack(), kernel.pack()
         # every call argument's host address in the pack the repeater launches from (fixed for the pack's life)
@@ -114,8 +117,9 @@ class Leg:
         self.call = self.pack[1]
         for pair, threads, _ in choices:
             for kernel in dict.fromkeys(pair):  # (a contiguous dispatch's pair is one kernel twice)
-                for pack in (self.pack, self.frozen):
-                    kernel.prepare(pack, blocks, threads)
+                grids = {blocks, self.part_blocks} if kernel is pair.grouped else {blocks}
+                for pack, grid in itertools.product((self.pack, self.frozen), sorted(grids)):
+                    kernel.prepare(pack, grid, threads)
 
     def kernel_for(self, tokens: int, grouped: bool) -> tuple:
         """(kernel, threads a block) of a call of `tokens` tokens, in groups or not."""
@@ -127,7 +131,7 @@ class Leg:
     def launch(self, stream, tokens: int) -> None:
         """The call whose arguments the pack holds, on `stream`."""
         kernel, threads = self.kernel_for(tokens, self.call.groups != 0)
-        kernel.launch(self.pack, self.blocks, threads, stream)
+        kernel.launch(self.pack, self._grid(), threads, stream)
 
     def site(self, tokens: int) -> tuple:
         """(kernel, blocks, threads a block, the address of the fixed arguments) of a call of `tokens` tokens
@@ -139,7 +143,13 @@ class Leg:
         """A function of the stream that launches the call the pack holds now, whatever is written to it
         later (a plan's launch: the one before it must be dropped, since both launch from `frozen`)."""
         kernel, threads = self.kernel_for(tokens, self.call.groups != 0)
-        return kernel.repeater(self.pack, self.frozen, self.blocks, threads)
+        return kernel.repeater(self.pack, self.frozen, self._grid(), threads)
+
+    def _grid(self) -> int:
+        """Blocks of the call the pack holds: part_blocks for a combine's part g + 1 that sends group g < G - 1
+        (a dispatch's call has no phase); the whole grid otherwise."""
+        phase = getattr(self.call, "phase", WHOLE_COMBINE)
+        return self.part_blocks if WHOLE_COMBINE < phase < self.call.groups else self.blocks
 
 
 def exchange_legs(kernels: Kernels, config: Config, fixed) -> tuple[Leg, Leg]:
@@ -148,5 +158,6 @@ def exchange_legs(kernels: Kernels, config: Config, fixed) -> tuple[Leg, Leg]:
     dispatch = Leg(((kernels.dispatch, config.block_threads, everything),), config.blocks, fixed)
     bulk = (kernels.combine, config.block_threads, everything)
     small = (kernels.small_combine, config.block_threads // 2, config.small_combine_tokens)
-    combine = Leg((small, bulk) if config.small_combine_tokens >= 0 else (bulk,), config.blocks, fixed)
+    combine = Leg((small, bulk) if config.small_combine_tokens >= 0 else (bulk,), config.blocks, fixed,
+                  combine_part_blocks(config))
     return dispatch, combine

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pyhipa2a.config import DEFAULT_POST_BYTES, Config, combine_send_blocks, publish_with_gpu_fence
+from pyhipa2a.config import (DEFAULT_POST_BYTES, Config, combine_part_blocks, combine_send_blocks,
+                             publish_with_gpu_fence)
 
 
 
@@ -75,6 +76,26 @@ def test_combine_send_blocks_refuses_other_shares(env, monkeypatch):
     config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
     with pytest.raises(ValueError, match=rf"PYHIPA2A_COMBINE_SEND_SHARE={env} must be a percentage in \(0, 100\]"):
         combine_send_blocks(config.with_geometry(256, 8, -1))
+
+
+@pytest.mark.parametrize("env,blocks,expected", [(None, 264, 66), ("10", 264, 26), ("100", 264, 264), ("1", 50, 1),
+                                                 ("25", 1, 1)])
+def test_combine_part_blocks(env, blocks, expected, monkeypatch):
+    """A combine's sending parts but the last, after dispatch(groups=): a share of the grid, at least one block."""
+    if env is None:
+        monkeypatch.delenv("PYHIPA2A_COMBINE_PART_SHARE", raising=False)
+    else:
+        monkeypatch.setenv("PYHIPA2A_COMBINE_PART_SHARE", env)
+    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
+    assert combine_part_blocks(config.with_geometry(256, blocks, -1)) == expected
+
+
+@pytest.mark.parametrize("env", ["0", "101"])
+def test_combine_part_blocks_refuses_other_shares(env, monkeypatch):
+    monkeypatch.setenv("PYHIPA2A_COMBINE_PART_SHARE", env)
+    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
+    with pytest.raises(ValueError, match=rf"PYHIPA2A_COMBINE_PART_SHARE={env} must be a percentage in \(0, 100\]"):
+        combine_part_blocks(config.with_geometry(256, 8, -1))
 
 
 def test_a_node_part_keeps_its_slot_indices_below_2_31():

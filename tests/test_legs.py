@@ -116,6 +116,27 @@ def test_a_combine_takes_the_small_kernel_up_to_its_tokens_the_bulk_one_above_an
     assert leg.site(8)[0] is kernels["bulk"]  # (pyhipa2a.jax makes no calls in groups)
 
 
+def test_a_combine_in_parts_sends_on_its_part_blocks_but_the_last_part_and_the_reduce_take_the_grid():
+    """After dispatch(groups=G), parts 1 .. G - 1 send beside the caller's later GEMMs on part_blocks; part G
+    (the last group's tokens) and the reduce run beside none of them, as does a whole combine."""
+    from pyhipa2a.kernels import REDUCE_ONLY, WHOLE_COMBINE
+    plain, phased = FakeKernel("bulk"), FakeKernel("bulk_phased")
+    leg = Leg(((Pair(plain, phased), 256, 8),), 12, lambda args: None, part_blocks=3)
+    G = 4
+    leg.call.groups = G
+    for phase in (*range(1, G + 1), REDUCE_ONLY):
+        leg.call.phase = phase
+        leg.launch("stream", 8)
+    assert [grid for grid, _, _ in phased.launches] == [3, 3, 3, 12, 12]
+    leg.call.groups, leg.call.phase = 0, WHOLE_COMBINE
+    leg.launch("stream", 8)
+    assert plain.launches == [(12, 256, "stream")]
+    # Both geometries of the phased kernel made with the leg, for each pack; the plain kernel's one only.
+    packs = (id(leg.pack), id(leg.frozen))
+    assert sorted(phased.prepared) == sorted((pack, grid, 256) for pack in packs for grid in (3, 12))
+    assert sorted(plain.prepared) == sorted((pack, 12, 256) for pack in packs)
+
+
 def test_a_contiguous_dispatch_takes_the_placed_kernel_with_and_without_groups():
     """Contiguous rows wait for every expert's total as a call in groups does: the kernel that compiles both."""
     from pyhipa2a.config import Config

@@ -291,7 +291,7 @@ def case_failed_rank_sends_no_grouped_parts(comm):
     instead of summing contributions of rows its dispatch never received. Its own error is the index. (On the
     host backend the failure is seen before combine() and refuses it; on GPUs the dispatch is held back, so
     the parts are queued first and must see the failure themselves.)"""
-    from pyhipa2a import A2ADeviceError, A2ATimeoutError, DeviceArray
+    from pyhipa2a import A2ADeviceError, A2ATimeoutError
     world = comm.Get_size()
     if world < 2:
         pytest.skip("needs a peer")
@@ -300,16 +300,18 @@ def case_failed_rank_sends_no_grouped_parts(comm):
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=2.0) as a2a:
         me = a2a.rank
         inputs = draw_world(71, world, E, k, H, M, token_counts=[T] * world)
-        indices = inputs.indices[me]
-        if me == bad:  # (in the object's own staging for indices, which a device array leaves unused)
-            wrong = indices.copy()
+        # Device arrays of their own: x outside the heap, so that no peer reads it where it lies (a peer that did
+        # would fail its dispatch on seeing the bad rank's status, before any grouped part), and indices the host
+        # does not check.
+        arrays = upload_inputs(a2a, inputs)
+        x, indices = arrays[0], arrays[1]
+        if me == bad:
+            wrong = inputs.indices[me].copy()
             wrong[1, 0] = E + 5
-            indices = DeviceArray(a2a.backend, a2a.buffers["indices_stage"].ptr, wrong.shape, np.int32,
-                                  owner=a2a.heap)
             indices.copy_from(wrong)
         if a2a.backend.kind != "host":  # (the dispatch held back: its report comes after combine() was queued)
             TorchExpert(a2a, pytest.importorskip("torch")).hold_back_ours()
-        d = a2a.dispatch(inputs.xs[me], indices, weights=inputs.weights[me], groups=G)
+        d = a2a.dispatch(x, indices, weights=inputs.weights[me], groups=G)
         if me == bad:  # (the host sees the report before combine(), or only at synchronize())
             with pytest.raises(A2ADeviceError, match=f"expert index {E + 5}"):
                 for g in range(G):
@@ -324,3 +326,4 @@ def case_failed_rank_sends_no_grouped_parts(comm):
                 a2a.synchronize()
             assert failure.value.ranks == (bad,), failure.value
         comm.Barrier()
+        free_inputs(a2a, arrays)
