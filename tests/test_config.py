@@ -57,45 +57,38 @@ def test_posting_threshold_refuses_negative(monkeypatch):
         Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
 
 
+SEND, PART = (combine_send_blocks, "PYHIPA2A_COMBINE_SEND_SHARE"), (combine_part_blocks, "PYHIPA2A_COMBINE_PART_SHARE")
+
+
+def _grid_share(share_of, variable, env, blocks, monkeypatch) -> int:
+    if env is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, env)
+    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
+    return share_of(config.with_geometry(256, blocks, -1))
+
+
 @pytest.mark.parametrize("env,blocks,expected", [(None, 264, 66), ("50", 264, 132), ("100", 264, 264), ("1", 264, 2),
                                                  ("1", 50, 1), ("99", 2, 1), ("25", 1, 1)])
 def test_combine_send_blocks(env, blocks, expected, monkeypatch):
     """A posting combine's senders: a share of the grid, at least one block and one fewer than the grid, or
     every block (100, and a grid of one block), which then send and reduce in turn."""
-    if env is None:
-        monkeypatch.delenv("PYHIPA2A_COMBINE_SEND_SHARE", raising=False)
-    else:
-        monkeypatch.setenv("PYHIPA2A_COMBINE_SEND_SHARE", env)
-    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
-    assert combine_send_blocks(config.with_geometry(256, blocks, -1)) == expected
-
-
-@pytest.mark.parametrize("env", ["0", "101"])
-def test_combine_send_blocks_refuses_other_shares(env, monkeypatch):
-    monkeypatch.setenv("PYHIPA2A_COMBINE_SEND_SHARE", env)
-    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
-    with pytest.raises(ValueError, match=rf"PYHIPA2A_COMBINE_SEND_SHARE={env} must be a percentage in \(0, 100\]"):
-        combine_send_blocks(config.with_geometry(256, 8, -1))
+    assert _grid_share(*SEND, env, blocks, monkeypatch) == expected
 
 
 @pytest.mark.parametrize("env,blocks,expected", [(None, 264, 66), ("10", 264, 26), ("100", 264, 264), ("1", 50, 1),
                                                  ("25", 1, 1)])
 def test_combine_part_blocks(env, blocks, expected, monkeypatch):
     """A combine's sending parts but the last, after dispatch(groups=): a share of the grid, at least one block."""
-    if env is None:
-        monkeypatch.delenv("PYHIPA2A_COMBINE_PART_SHARE", raising=False)
-    else:
-        monkeypatch.setenv("PYHIPA2A_COMBINE_PART_SHARE", env)
-    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
-    assert combine_part_blocks(config.with_geometry(256, blocks, -1)) == expected
+    assert _grid_share(*PART, env, blocks, monkeypatch) == expected
 
 
+@pytest.mark.parametrize("share", [SEND, PART], ids=["send", "part"])
 @pytest.mark.parametrize("env", ["0", "101"])
-def test_combine_part_blocks_refuses_other_shares(env, monkeypatch):
-    monkeypatch.setenv("PYHIPA2A_COMBINE_PART_SHARE", env)
-    config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
-    with pytest.raises(ValueError, match=rf"PYHIPA2A_COMBINE_PART_SHARE={env} must be a percentage in \(0, 100\]"):
-        combine_part_blocks(config.with_geometry(256, 8, -1))
+def test_grid_shares_refuse_other_percentages(share, env, monkeypatch):
+    with pytest.raises(ValueError, match=rf"{share[1]}={env} must be a percentage in \(0, 100\]"):
+        _grid_share(*share, env, 8, monkeypatch)
 
 
 def test_a_node_part_keeps_its_slot_indices_below_2_31():
