@@ -396,8 +396,10 @@ def case_launch_sites_made_ahead(comm):
     on arrays like the last call's but new), the same arrays again (repeats), one token and M (on a GPU
     the small and the bulk combine kernels: H = 7168 puts M = 128 above the small kernel's limit, 37
     tokens on 264 blocks of an H100, 76 on MI300X's 608), the fake expert as a kernel and fused into
-    combine, a dispatch in groups (each exchange kernel's twin: one function on the host). Every kernel
-    prepared is launched, and every launch is from a site prepared."""
+    combine, a dispatch in groups (each exchange kernel's twin: one function on the host; the combine's twins
+    also on its sending parts' share of the grid, where that is not the whole grid). Every kernel prepared
+    is launched, and every launch is from a site prepared."""
+    from pyhipa2a.config import combine_part_blocks
     from pyhipa2a.testing import dispatch_uploaded, free_inputs, fused_combine, upload_inputs
 
     from . import launch_sites_watched
@@ -410,7 +412,8 @@ def case_launch_sites_made_ahead(comm):
             kinds = {s[:3] for s in made}  # (a GPU's small combine kernel among them where it runs)
             small = a2a.config.small_combine_tokens >= 0
             twins = 0 if backend.kind == "host" else 2 + small
-            assert len(kinds) == 3 + small + twins, kinds
+            parts = 0 if combine_part_blocks(a2a.config) == a2a.config.blocks else 1 + small
+            assert len(kinds) == 3 + small + twins + parts, kinds
             assert not small or a2a.config.small_combine_tokens < M, a2a.config.small_combine_tokens
             for seed, tokens in ((1, 1), (2, M)):
                 inputs = draw_world(seed, world, E, k, H, M, token_counts=[tokens] * world)
