@@ -146,9 +146,11 @@ class Leg:
         return kernel.repeater(self.pack, self.frozen, self._grid(), threads)
 
     def _grid(self) -> int:
-        """Blocks of the call the pack holds: part_blocks for a combine's part g + 1 that sends group g < G - 1
-        (a dispatch's call has no phase); the whole grid otherwise."""
-        phase = getattr(self.call, "phase", WHOLE_COMBINE)
+        """Blocks of the call the pack holds: part_blocks for a combine's part g + 1 that sends group g < G - 1;
+        the whole grid otherwise (a leg whose parts take the whole grid, a dispatch's, asks no call)."""
+        if self.part_blocks == self.blocks:
+            return self.blocks
+        phase = self.call.phase
         return self.part_blocks if WHOLE_COMBINE < phase < self.call.groups else self.blocks
 
 
