@@ -53,6 +53,9 @@ COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)
 LEG_ARGS = {"dispatch": (DISPATCH_ARGS, DISPATCH_ALIKE), "combine": (COMBINE_ARGS, COMBINE_ALIKE)}
 # (what dispatch sent is the call's weights, whichever array stood in for the recorded: combine compares)
 DISPATCH_WEIGHTS = DISPATCH_ARGS.index("weights")
+# The arrays a plan may take new ones for: each implementation's _argument_places says where their kernel
+# pointers lie. (out is combine's result as well: a call on another takes the full path.)
+PLACED_ARGS = {"dispatch": ("x", "indices", "x_scales", "weights"), "combine": ("expert_y", "weights")}
 
 
 def checked_dispatch(config: Config, state: CallState, x, indices, weights, x_scales) -> int:

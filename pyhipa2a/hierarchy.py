@@ -19,6 +19,7 @@ import numpy as np
 from .api import AllToAll
 from .array import DeviceArray
 from .bootstrap import NodeLayout, mpi
+from .calls import PLACED_ARGS
 from .config import Config
 from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
 from .heap import TABLE_ALIGN, align_up
@@ -152,12 +153,12 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             a.node, a.nodes, a.ranks_per_node, a.place = layout.node, N, layout.ranks_per_node, layout.place
             a.max_tokens, a.top_k, a.num_experts, a.node_experts = M, k, c.num_experts, c.num_experts // N
             a.x_row_bytes, a.scale_bytes, a.record_bytes, a.whole = row_bytes, scale_bytes, record_bytes, whole
-        # Where a plan's stand-ins write the caller's arrays: the stage's arguments (dispatch: the tokens and
-        # their routing; combine: the weights that cross with the records) and expert_y in the node's combine.
-        # (out is combine's result as well: a call on another takes the full path.)
-        self._places = {leg: field_addresses(self._steps[leg][1][0], names) for leg, names in
-                        (("dispatch", ("x", "indices", "x_scales", "weights")), ("combine", ("weights",)))}
-        self._places["combine"]["expert_y"] = exchange.combine.repeater_places["expert_y"]
+        # Where a plan's stand-ins write the caller's arrays (PLACED_ARGS): the stage's arguments (dispatch: the
+        # tokens and their routing; combine: the weights that cross with the records), but expert_y, which the
+        # node's combine takes.
+        self._places = {"dispatch": field_addresses(self._steps["dispatch"][1][0], PLACED_ARGS["dispatch"]),
+                        "combine": {**field_addresses(self._steps["combine"][1][0], ("weights",)),
+                                    "expert_y": exchange.combine.repeater_places["expert_y"]}}
         self._sums = (self._sum.pack(), self._sum.pack())
         b = self._sums[0][0]
         b.own = ptr["sums"] + layout.node * M * out_row  # our own region's sums stay here

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .api import AllToAll
 from .bootstrap import world_size
+from .calls import PLACED_ARGS
 from .buffers import Buffers, heap_bytes
 from .clock import Clocks
 from .config import Config
@@ -66,11 +67,9 @@ class NodeAllToAll(AllToAll, across_nodes=False):
 
     def _open(self, comm, layout, backend, device, params: dict) -> tuple:
         exchange = NodeExchange(comm, Config.of(world_size(comm), **params), backend=backend, device=device)
-        # Where a plan's stand-ins write the caller's arrays (out is combine's result as well: a call on
-        # another takes the full path).
+        # Where a plan's stand-ins write the caller's arrays: the node's kernel arguments
         self._places = {leg: {name: getattr(exchange, leg).repeater_places[name] for name in names}
-                        for leg, names in (("dispatch", ("x", "indices", "x_scales", "weights")),
-                                           ("combine", ("expert_y", "weights")))}
+                        for leg, names in PLACED_ARGS.items()}
         return exchange.config, exchange, exchange.health, exchange.heap.rank
 
     @property
