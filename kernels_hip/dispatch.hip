@@ -543,14 +543,21 @@ A2A_DEVICE void watch_groups(const Ctx& x, u32 G, const WarpGrid& g) {
   const u64* starts = local<u64>(x.a, x.a.off_row_starts);
   const u32* landed = local<u32>(x.a, x.a.off_group_landed);
   const u32 grp = g.lane;
-  u32 want = 0;  // lane g: the row segments of group g
+  // The row segments of each group: lane i takes experts i, i + A2A_WARP_SIZE, ..., so that the warp's waits
+  // for the totals are in flight together. (Taken one after another by every lane, they held a grouped
+  // dispatch of 128 tokens to 128 experts a rank at 82 us, against 25 without groups, at commit 1607218.)
+  __shared__ u32 wants[A2A_MAX_GROUPS];
+  if (grp < A2A_MAX_GROUPS) wants[grp] = 0u;
+  a2a_wave_sync();
   bool ok = true;
-  for (u32 l = 0; l < x.L && ok; ++l) {  // (every lane takes every total: a few loads, all in L2)
+  for (u32 l = g.lane; l < x.L && ok; l += A2A_WARP_SIZE) {
     u32 n = 0, first = 0;
     ok = take_own(x, totals + l, n) && (!x.a.row_align || take_own(x, starts + l, first));
-    if (grp < G && l * G / x.L == grp) want += n * x.a.x_nseg;
+    if (ok) a2a_add_shared(&wants[l * G / x.L], n * x.a.x_nseg);
   }
   if (!warp_all(ok)) return;
+  a2a_wave_sync();
+  const u32 want = grp < G ? wants[grp] : 0u;  // lane g: the row segments of group g
   a2a_fence_sys();  // what the taken words cover (the counts, expert_offsets) before any word we raise
   bool raised = grp >= G;
   for (u32 spins = 1; !warp_all(raised); ++spins) {

@@ -94,6 +94,7 @@ struct A2AArgs {
   u64 off_offsets;         // i32 [L + 1]                  expert_offsets (contiguous): where each expert's rows start
   u64 off_group_landed;    // u32 [STRIPES][MAX_GROUPS]    dispatch(groups=): row segments written, by warp stripe and group
   u64 off_group_ready;     // u32 [MAX_GROUPS]             1: group g's rows are in (lowered by the caller's stream)
+  u64 off_part_verdict;    // u64 [1]                      a combine part's look at the host's mirror (combine.hip)
   u64 off_work_items;      // u64 [2][2]                   by kernel (A2A_ITEMS_*), parity: the next item to hand out, the epoch
   u64 off_epoch;           // u32 [2]                      [0] last combined call, [1] last dispatched
   u64 off_status;          // u32 [4]                      first error of this rank

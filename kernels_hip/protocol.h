@@ -21,6 +21,7 @@
 #define A2A_WAIT_WEIGHTS 5u
 // 6-8: kernels_hip/hier.hip. 9, a grouped combine's wait for the caller's group_done, is written by the
 // host when it gives up on that wait (pyhipa2a/groups.py); detail: the group.
+#define A2A_WAIT_PART_VERDICT 10u  // a combine part's block 0, which reads the host's mirror for every block
 
 // The symmetric heap as kernels see it: a device table of every rank's base
 // address (peers' bases are IPC mappings) and this rank's index. Any

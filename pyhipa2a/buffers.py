@@ -49,6 +49,7 @@ def layout(config: Config) -> list[tuple[str, tuple, object]]:
         # dispatch(groups=): rows landed by warp stripe and group (cleared by combine); readiness words
         ("group_landed", (GROUP_STRIPES, MAX_GROUPS), np.uint32),
         ("group_ready", (MAX_GROUPS,), np.uint32),
+        ("part_verdict", (1,), np.uint64),  # a combine part's: whether the rank had failed as it started
         ("work_items", (2, 2), np.uint64),  # the counters dispatch and combine hand out items from, one a parity
         ("epoch", (2,), np.uint32),
         ("status", (4,), np.uint32),

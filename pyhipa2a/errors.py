@@ -12,7 +12,8 @@ class RuntimeFailure(RuntimeError):
 STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER, STATUS_UNPAIRED = range(7)
 WAIT_WHAT = {1: "dispatch flag", 2: "combine contribution flag", 4: "heap self-test flag", 5: "combine weights",
              6: "tokens between nodes (dispatch)", 7: "sums between nodes (combine)",
-             8: "routing and weights between nodes (combine)"}  # what a timed-out wait awaited (3 is retired)
+             8: "routing and weights between nodes (combine)",
+             10: "combine part's verdict from its first block"}  # what a timed-out wait awaited (3 is retired)
 WAIT_GROUP_DONE = 9  # a grouped combine's wait for the caller's group_done, given up on by the host (groups.py)
 WAIT_DISPATCH = 1  # (A2A_WAIT_DISPATCH) with STATUS_PEER: a source whose x this rank read in the heap failed
 
