@@ -16,7 +16,7 @@ from .inputs import Boundary, check_array, check_indices, check_numpy_input, che
 from .kernels import WHOLE_COMBINE, X_FP8
 from .outputs import Outputs
 from .producers import foreign_stream_handle
-from .repeat import MISSED, Record, plan_or_none, run
+from .repeat import MISSED, Pointers, Record, plan_or_none, run
 from .streams import Streams
 
 
@@ -54,7 +54,8 @@ LEG_ARGS = {"dispatch": (DISPATCH_ARGS, DISPATCH_ALIKE), "combine": (COMBINE_ARG
 # (what dispatch sent is the call's weights, whichever array stood in for the recorded: combine compares)
 DISPATCH_WEIGHTS = DISPATCH_ARGS.index("weights")
 # The arrays a plan may take new ones for: each implementation's _argument_places says where their kernel
-# pointers lie. (out is combine's result as well: a call on another takes the full path.)
+# pointers lie (a grouped call's repeat.Pointers, where its launch reads them). (out is combine's result as
+# well: a call on another takes the full path.)
 PLACED_ARGS = {"dispatch": ("x", "indices", "x_scales", "weights"), "combine": ("expert_y", "weights")}
 
 
@@ -212,12 +213,15 @@ class Calls:
         return taken.ptr
 
     def _finish(self, leg: str, s, lead, library, inputs: tuple, args: tuple, arrays: list, tokens: int, result,
-                changes: tuple, conditions: tuple, repeatable: bool):
+                changes: tuple, conditions: tuple, repeatable: bool, launch=None):
         """Where every full call ends, its kernels queued on `s`: the readers of its outputs ordered after it,
         its state recorded (`changes`, then what the device may still read and the stream: the one place, as
         a plan records it), and what its next call of the same kind compares itself with. Returns (the plan
         where this call repeats the last one of its kind, the record to keep), both None unless `repeatable`
-        (a plan only speeds repeats up, so one that cannot be made warns and never fails the call)."""
+        (a plan only speeds repeats up, so one that cannot be made warns and never fails the call). `launch`:
+        a function of the stream that queues the call again, for a call whose launches the host takes part in
+        at each call (a grouped one's: a ticket, combine's parts and their bound), its arguments' places in
+        `launch.pointers` (repeat.Pointers); else None: the implementation's repeater."""
         state, streams = self._state, self._streams
         after = self._order_reader(s, lead, library)
         keep = tuple(taken.keep for _, taken in arrays)
@@ -226,7 +230,8 @@ class Calls:
         for obj, name, value, *_ in changes:  # (the full path's value is the call's argument itself)
             setattr(obj, name, value)
         names, tests = LEG_ARGS[leg]
-        alike, places = stand_ins(self._argument_places(leg), names, tests, args, arrays)
+        where = launch.pointers.places if launch else self._argument_places(leg)
+        alike, places = stand_ins(where, names, tests, args, arrays)
         record = Record(args, alike, s, lead, inputs, tuple(arrays), tokens, result, after, changes, places,
                         (state, "keep"))
         if not repeatable or streams.capturing is not None:
@@ -235,7 +240,8 @@ class Calls:
         plan = None
         if record.same(last):
             plan = plan_or_none(record, conditions + self._plan_conditions(), streams, self.backend,
-                                self._exchange.buffers.status.ctypes.data, lambda: self._repeater(leg, tokens),
+                                self._exchange.buffers.status.ctypes.data,
+                                (lambda: launch) if launch else lambda: self._repeater(leg, tokens),
                                 lambda: setattr(self, f"_{leg}_plan", None))
         return plan, record
 
@@ -277,16 +283,22 @@ class Calls:
                 w_ptr = self._take("weights", weights, (T, c.top_k), np.float32, s, arrays, "weights_stage", 4)
             library = outputs.library_of((x, indices, weights, x_scales))
             result = outputs.views(s, library).dispatch_result(T)
-            # (the host is told where the rows lie, under a ticket of the call's, where it can wait: not in a graph)
-            ticket = self._groups.next_ticket() if G and c.contiguous and streams.capturing is None else 0
-            self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G, ticket)
-            # (a call that tells the host its offsets does so under a ticket of its own: never a plan)
+            ticketed = None
+            if G and c.contiguous and streams.capturing is None:
+                # The host is told where the rows lie, under a ticket of the call's, where it can wait (not in a
+                # graph): each call draws one, its plan's too.
+                def ticketed(stream):
+                    self._launch_dispatch(stream, T, *ticketed.pointers, G, self._groups.next_ticket())
+                ticketed.pointers = Pointers(PLACED_ARGS["dispatch"], (x_ptr, i_ptr, s_ptr, w_ptr))
+                ticketed(s)
+            else:
+                self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G, 0)
             self._dispatch_plan, self._dispatch_record = self._finish(
                 "dispatch", s, lead, library, (x, indices), (x, indices, weights, x_scales, stream, groups), arrays, T,
                 result, changes=((state, "pending", result), (state, "sent", weights, DISPATCH_WEIGHTS),
                                  (state, "joined", streams.joined), (self._groups, "count", G),
                                  (self._groups, "finished", frozenset())),
-                conditions=((state, "broken", None), (state, "pending", None)), repeatable=not ticket)
+                conditions=((state, "broken", None), (state, "pending", None)), repeatable=True, launch=ticketed)
             return result
         finally:
             streams.leave()
@@ -345,11 +357,18 @@ class Calls:
                 staging = self.expert_y_buffer()
                 self.backend.copy_to_device(staging.ptr, host_y, s)
                 y_ptr = staging.ptr
-            self._before_combine(s, T, w_ptr)
+            in_parts = None
             if G:
-                groups.queue_combine(s, lambda phase: self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1],
-                                                                           phase, G), streams.capturing is not None)
+                # Its parts, each after its group is done, and the host's bound on their waits: a plan's too
+                def in_parts(stream):
+                    y, w = in_parts.pointers
+                    self._before_combine(stream, T, w)
+                    groups.queue_combine(stream, lambda phase: self._launch_combine(
+                        stream, T, y, w, out_ptr, scale[1], phase, G), streams.capturing is not None)
+                in_parts.pointers = Pointers(PLACED_ARGS["combine"], (y_ptr, w_ptr))
+                in_parts(s)
             else:
+                self._before_combine(s, T, w_ptr)
                 self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1], WHOLE_COMBINE, 0)
             self._combine_plan, self._combine_record = self._finish(
                 "combine", s, lead, library, inputs, (expert_y, weights, given_out, stream, expert_scale), arrays, T,
@@ -358,8 +377,8 @@ class Calls:
                 # (given no weights, combine needs some sent; given the sent weights again, the same array sent)
                 conditions=((state, "broken", None), (state, "pending", pending),
                             (state, "weights_sent", True) if weights is None else (state, "sent", sent),
-                            (state, "joined", None), (groups, "count", 0)),
-                repeatable=host_y is None and not G)
+                            (state, "joined", None), (groups, "count", G), (groups, "all_done", True)),
+                repeatable=host_y is None, launch=in_parts)
             return out
         finally:
             streams.leave()

@@ -143,6 +143,12 @@ class Groups:
                                      self.timeout, lambda: self._never_ready(group))
         self.finished = self.finished | {group}
 
+    @property
+    def all_done(self) -> bool:
+        """Whether done() was queued for every group of the pending dispatch (none: True), as a plan of a
+        grouped combine needs."""
+        return len(self.finished) == self.count
+
     def ready_to_combine(self) -> int:
         """The pending dispatch's G (0: not grouped), once done() was queued for every group; else the error."""
         left = sorted(set(range(self.count)) - self.finished)

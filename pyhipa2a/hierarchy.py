@@ -265,8 +265,8 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
                 if again is not None:
                     again()
         launch.rehand = rehand
-        if node_leg.call.groups or (leg == "combine" and node_leg.call.phase != WHOLE_COMBINE):
-            return launch  # (a call in groups has the host watch its parts)
+        if node_leg.call.groups:
+            return launch  # (a dispatch in groups: the node's grouped kernel, which the leg's one graph does not hold)
         # Every plan of a leg launches the same kernels (the node's call takes every region whole) and exchanges,
         # from the same frozen packs: the engine keeps them as one graph a leg, handed this plan's arguments now.
         graph = self._engine.graph_for(leg, launch)

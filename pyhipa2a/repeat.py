@@ -147,6 +147,20 @@ run, MISSED = _load()
 COMPILED = run is not interpret
 
 
+class Pointers:
+    """The kernel pointers of a call that a function of ours launches at each repeat (Calls._finish's
+    `launch`): a uint64 each in host memory, where a plan writes the pointer of a new array standing in for
+    the recorded one (`places`: argument name -> address) and the function reads them as it launches."""
+
+    def __init__(self, names: tuple, pointers: tuple):
+        self._words = (ctypes.c_uint64 * len(names))(*pointers)
+        base = ctypes.addressof(self._words)
+        self.places = {name: base + 8 * i for i, name in enumerate(names)}
+
+    def __iter__(self):
+        return iter(self._words)
+
+
 class Record(NamedTuple):
     """What the full path made of a call: its arguments and how each is matched again, its stream and how
     it was chosen (pyhipa2a.streams), the inputs that choice read, each device argument, and the outcome."""

@@ -60,6 +60,18 @@ def test_groups_at_other_world_sizes(ranks):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("row_layout,G,ranks_per_node,arrays_at", [("contiguous/8", 3, 0, "same"),
+                                                                    ("contiguous", 2, 0, "new"),
+                                                                    ("packed", 2, 0, "new"),
+                                                                    ("contiguous", 4, 1, "new")])
+def test_groups_repeated(row_layout, G, ranks_per_node, arrays_at, backend):
+    """Grouped calls become plans (a fresh ticket each) on the same arrays and on new ones standing in, within a
+    node and across."""
+    run_case(CASE + "case_groups_repeated", ranks_for(backend), env_backend(backend),
+             args=(row_layout, G, ranks_per_node, arrays_at), timeout=300)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_groups_refusals(backend):
     run_case(CASE + "case_groups_refusals", ranks_for(backend), env_backend(backend), timeout=120)
 

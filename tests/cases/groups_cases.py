@@ -20,7 +20,7 @@ from pyhipa2a.hierarchy import HierarchicalAllToAll
 from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, draw_world,
                               free_buffers, free_inputs, layout_arguments, poison, step_buffers,
                               upload_inputs)
-from tests.cases import launches_checked
+from tests.cases import calls_watched, launches_checked
 
 
 def _order(order: str, G: int, seed: int) -> list[int]:
@@ -107,6 +107,55 @@ def case_groups(comm, order="forward", row_layout="packed", G="4", rounds="3", r
             a2a.synchronize()
             combine_error_against_oracle(a2a, inputs, y, expert=reference.fake_expert)
             print(f"rank {me} round {i}: T={len(inputs.xs[me])} groups {G} in {order} order, max err {err:.3g}")
+
+
+def case_groups_repeated(comm, row_layout="contiguous/8", G="3", ranks_per_node="0", arrays_at="same"):
+    """A layer's loop: dispatch(groups=G) and its combine on device arrays with new values at every step, the
+    same arrays refilled (`arrays_at` "same") or new ones ("new": a layer's activations, standing in for the
+    last). The third call alike and every one after is its plan (a new ticket for the rows the host is told,
+    the parts and their bound queued anew), a call of another token count the full path, each checked against
+    the oracle on poisoned outputs, the rows the host was told against the offsets the device wrote."""
+    torch = pytest.importorskip("torch")
+    from pyhipa2a.testing import free_inputs, upload_inputs
+    world, G = comm.Get_size(), int(G)
+    E, k, H, M = 8 * world, 3, 128, 16
+    options = {"ranks_per_node": int(ranks_per_node)} if int(ranks_per_node) else {}
+    with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M, timeout=30.0,
+                  **layout_arguments(row_layout), **options) as a2a, calls_watched() as watched:
+        me = a2a.rank
+        expert, expert_y = TorchExpert(a2a, torch), a2a.expert_y_buffer()
+        arrays, kept, counts_before = None, [], []
+        for i, T in enumerate((9, 9, 9, 9, 4, 4, 4, 9)):
+            inputs = draw_world(120 + i, world, E, k, H, M, token_counts=[T] * world)
+            if arrays_at == "new" or arrays is None or T != arrays[0].shape[0]:
+                arrays = upload_inputs(a2a, inputs)
+                kept.append(arrays)  # (the device may still read the last ones)
+            else:  # the same arrays, new values
+                for arr, fresh in zip(arrays, (inputs.xs[me], inputs.indices[me], inputs.weights[me])):
+                    arr.copy_from(fresh)
+            x, indices, weights = arrays[:3]
+            poison(a2a)
+            watched.clear()
+            expert.hold_back_ours()
+            d = a2a.dispatch(x, indices, weights=weights, groups=G)
+            told = {g: expert.run(g) for g in _order("reverse", G, 0)}
+            y = a2a.combine(expert_y)
+            a2a.synchronize()
+            check_dispatch_against_oracle(a2a, inputs, d)
+            if a2a.config.contiguous:
+                offsets = d.expert_offsets.numpy()
+                for g, (experts, rows) in told.items():
+                    assert rows == range(offsets[experts.start], offsets[experts.stop]), (i, g, rows, offsets)
+            combine_error_against_oracle(a2a, inputs, y, expert=reference.fake_expert)
+            # (the second of two calls alike makes the plans; a call of another token count misses them)
+            planned = len(counts_before) >= 2 and counts_before[-1] == counts_before[-2]
+            want = [] if not planned else [True, True] if T == counts_before[-1] else [False, False]
+            assert watched.plans == want, (i, counts_before, T, watched.plans)
+            counts_before.append(T)
+        for arrays in kept:
+            free_inputs(a2a, arrays)
+    print(f"rank {me} grouped calls repeated ({row_layout}, G={G}, ranks_per_node {ranks_per_node}, {arrays_at} "
+          "arrays): right")
 
 
 def case_groups_refusals(comm):
