@@ -212,8 +212,8 @@ class Calls:
         arrays.append((obj, taken))
         return taken.ptr
 
-    def _finish(self, leg: str, s, lead, library, inputs: tuple, args: tuple, arrays: list, tokens: int, result,
-                changes: tuple, conditions: tuple, repeatable: bool, launch=None):
+    def _finish(self, leg: str, s, lead, library, inputs: tuple, args: tuple, arrays: list, tokens: int, groups: int,
+                result, changes: tuple, conditions: tuple, repeatable: bool, launch=None):
         """Where every full call ends, its kernels queued on `s`: the readers of its outputs ordered after it,
         its state recorded (`changes`, then what the device may still read and the stream: the one place, as
         a plan records it), and what its next call of the same kind compares itself with. Returns (the plan
@@ -233,7 +233,7 @@ class Calls:
         where = launch.pointers.places if launch else self._argument_places(leg)
         alike, places = stand_ins(where, names, tests, args, arrays)
         record = Record(args, alike, s, lead, inputs, tuple(arrays), tokens, result, after, changes, places,
-                        (state, "keep"))
+                        (state, "keep"), groups)
         if not repeatable or streams.capturing is not None:
             return None, None
         last = self._dispatch_record if leg == "dispatch" else self._combine_record
@@ -295,7 +295,7 @@ class Calls:
                 self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G, 0)
             self._dispatch_plan, self._dispatch_record = self._finish(
                 "dispatch", s, lead, library, (x, indices), (x, indices, weights, x_scales, stream, groups), arrays, T,
-                result, changes=((state, "pending", result), (state, "sent", weights, DISPATCH_WEIGHTS),
+                G, result, changes=((state, "pending", result), (state, "sent", weights, DISPATCH_WEIGHTS),
                                  (state, "joined", streams.joined), (self._groups, "count", G),
                                  (self._groups, "finished", frozenset())),
                 conditions=((state, "broken", None), (state, "pending", None)), repeatable=True, launch=ticketed)
@@ -372,7 +372,7 @@ class Calls:
                 self._launch_combine(s, T, y_ptr, w_ptr, out_ptr, scale[1], WHOLE_COMBINE, 0)
             self._combine_plan, self._combine_record = self._finish(
                 "combine", s, lead, library, inputs, (expert_y, weights, given_out, stream, expert_scale), arrays, T,
-                out, changes=((state, "pending", None), (state, "sent", None), (state, "joined", None),
+                G, out, changes=((state, "pending", None), (state, "sent", None), (state, "joined", None),
                               (groups, "count", 0)),
                 # (given no weights, combine needs some sent; given the sent weights again, the same array sent)
                 conditions=((state, "broken", None), (state, "pending", pending),

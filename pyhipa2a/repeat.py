@@ -176,11 +176,13 @@ class Record(NamedTuple):
     changes: tuple
     places: tuple = ()  # the plan's places (see the module's doc): () where no argument has one
     keep: tuple = ()    # (obj, name) of the change that keeps what the device reads, where places are given
+    groups: int = 0     # the groups the call's dispatch was made in (a combine's, which no argument says)
 
     def same(self, other: "Record | None") -> bool:
-        """Whether this call repeats `other`'s: the same stream and tokens, and each argument the same or
-        one that stands for it by `other`'s test."""
+        """Whether this call repeats `other`'s: the same stream, tokens and groups, and each argument the same
+        or one that stands for it by `other`'s test."""
         return (other is not None and self.stream is other.stream and self.tokens == other.tokens
+                and self.groups == other.groups
                 and all(a is b or (f is not None and f(a, b)) for a, b, f in zip(self.args, other.args, other.alike)))
 
 

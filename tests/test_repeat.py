@@ -286,6 +286,17 @@ def test_a_producer_on_another_stream_is_waited_for_at_every_repeat(monkeypatch,
     assert loop.run(plan, "dispatch") is repeat.MISSED and len(loop.runtime.waits) == 3
 
 
+def test_a_combine_after_one_of_other_groups_is_no_repeat(monkeypatch):
+    """A combine's groups are no argument of its: the same arguments after a dispatch in other groups (or
+    none) are another call, from which no plan is made."""
+    loop = Loop(monkeypatch, False)
+    plain = loop.combine()
+    assert loop.combine().same(plain)
+    assert not loop.combine()._replace(groups=4).same(plain)
+    grouped = loop.combine()._replace(groups=4)
+    assert loop.combine()._replace(groups=4).same(grouped) and not loop.combine()._replace(groups=2).same(grouped)
+
+
 def test_a_record_a_plan_cannot_state_gets_none(monkeypatch):
     """An argument a repeat cannot take unasked (a tensor the probe does not know: PyTorch's protocol at
     every call), or one library's arrays naming different streams: no plan."""
