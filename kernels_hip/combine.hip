@@ -538,7 +538,7 @@ A2A_DEVICE bool host_gave_up(const Ctx& x, u32 phase) {
   for (u32 spins = 1;; ++spins) {
     const u64 w = a2a_load_relaxed_sys_u64(verdict);
     if ((u32)(w >> 32) == x.epoch && ((u32)w & ~1u) == part) return ((u32)w & 1u) != 0u;
-    if ((spins & 63u) == 0 && a2a_clock_ns() > x.deadline) {  // (a fault of ours: block 0 is resident too)
+    if ((spins & 63u) == 0 && a2a_clock_ns() > x.deadline) {  // (a fault: block 0 runs beside us, if late)
       report(x, A2A_ERR_TIMEOUT, (u32)x.h.rank, A2A_WAIT_PART_VERDICT, phase);
       return true;
     }
