@@ -151,8 +151,8 @@ class Groups:
 
     def ready_to_combine(self) -> int:
         """The pending dispatch's G (0: not grouped), once done() was queued for every group; else the error."""
-        left = sorted(set(range(self.count)) - self.finished)
-        if left:
+        if not self.all_done:
+            left = sorted(set(range(self.count)) - self.finished)
             raise A2AError(f"combine() after dispatch(groups={self.count}) needs group_done() of every group "
                            f"first; groups {left} are not done")
         return self.count
