@@ -377,7 +377,8 @@ class Calls:
                 # (given no weights, combine needs some sent; given the sent weights again, the same array sent)
                 conditions=((state, "broken", None), (state, "pending", pending),
                             (state, "weights_sent", True) if weights is None else (state, "sent", sent),
-                            (state, "joined", None), (groups, "count", G), (groups, "all_done", True)),
+                            (state, "joined", None), (groups, "count", G))
+                + (((groups, "all_done", True),) if G else ()),  # (no groups: none can be left undone)
                 repeatable=host_y is None, launch=in_parts)
             return out
         finally:

@@ -177,7 +177,7 @@ class Groups:
         (None: it recorded none). A capture given up (not `kept`) leaves no pending groups either."""
         captured, self.captured = self.captured, None
         if not kept:
-            self.count = 0
+            self.count, self.finished = 0, frozenset()
             return None
         return captured
 

@@ -213,8 +213,10 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     elif type(lead) is tuple:
         probe, i, handle = lead
         obj = record.inputs[i]
-        # (an array whose key held lives where it was described, on our device: ask the library there)
-        ask = probe.current_stream_here if id(obj) in keyed else functools.partial(probe.current_stream, obj)
+        # (an array's device never changes: one whose key held, or one on our device now, is asked about our
+        # device alone, without its own attributes)
+        here = id(obj) in keyed or probe.current_stream(obj, streams.library_device) is not None
+        ask = probe.current_stream_here if here else functools.partial(probe.current_stream, obj)
         checks.append((CALL_EQ, ask, streams.library_device, handle))
     for probe, answers in named.items():
         if type(lead) is tuple and probe is lead[0]:

@@ -127,6 +127,32 @@ def test_a_plan_takes_the_loops_call_asking_the_current_stream_once_a_leg(monkey
 
 
 @pytest.mark.parametrize("compiled", EXECUTORS)
+def test_a_lead_array_on_our_device_is_asked_its_device_once(monkeypatch, compiled):
+    """An array that chose the call's stream and was taken without a recheck (a view we handed out) lives on
+    our device for good: its plan asks the library for our device's current stream alone, not the array's
+    device at every run (that answer is one CuPy reads from the array: about a microsecond)."""
+    loop = Loop(monkeypatch, compiled)
+    asked = []
+
+    class Probe:
+        def current_stream(self, obj, device):
+            asked.append("array")
+            return TORCH_STREAM if obj is loop.y and device == 0 else None
+
+        def current_stream_here(self, device):
+            asked.append("ours")
+            return TORCH_STREAM
+    record = loop.combine()._replace(lead=(Probe(), 0, TORCH_STREAM), arrays=())
+    plan = repeat.make_plan(record, ((loop.state, "broken", None),), loop.streams, loop.runtime,
+                            loop.status.ctypes.data, lambda s: loop.launched.append(s), lambda *_: None,
+                            compiled=compiled)
+    asked.clear()
+    for _ in range(3):
+        assert executor(compiled)(plan, loop.y, loop.w, None, None, 1.0) is loop.out
+    assert asked == ["ours"] * 3 and len(loop.launched) == 3
+
+
+@pytest.mark.parametrize("compiled", EXECUTORS)
 def test_new_tensors_like_the_last_stand_in_their_pointers_written_where_the_launch_reads_them(monkeypatch,
                                                                                              compiled):
     """Where the arguments' pointers have places in the launch's arguments, a tensor the probe views as it
