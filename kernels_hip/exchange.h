@@ -302,25 +302,18 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
   __shared__ u64 bases[A2A_MAX_WORLD];
   __shared__ u32 block_epoch;
   u32* status = local<u32>(a, a.off_status);
-  // Thread 0's loads are issued first and used only after the table's copy: written the other way, the
-  // copy's store to shared memory waited for its load before the loads were issued (sm_90), two round
-  // trips in a row at the start of every dispatch.
-  u32 taken = 0, done = 0, status_word = 0;  // (taken: the epoch this call takes)
-  if (a2a_thread() == 0) {
-    taken = read_epoch(a, dispatch);
-    if (dispatch) done = a2a_load_relaxed_sys(local<u32>(a, a.off_done) + a2a_block());
-    status_word = a2a_load_relaxed_sys(status);
-  }
   if (a2a_thread() < (u32)a.heap.world) bases[a2a_thread()] = a.heap.bases[a2a_thread()];
   if (a2a_thread() == 0) {
-    const u32 unpaired = dispatch && done == taken;
-    const u32 failed = status_word != A2A_OK;
-    block_epoch = taken;
+    // (the three loads in flight together: the report, when there is one, comes after them)
+    const u32 epoch = read_epoch(a, dispatch);
+    const u32 unpaired = dispatch && a2a_load_relaxed_sys(local<u32>(a, a.off_done) + a2a_block()) == epoch;
+    const u32 failed = a2a_load_relaxed_sys(status) != A2A_OK;
+    block_epoch = epoch;
     *block_unpaired() = unpaired;
     *block_failed() = failed;
     if (unpaired)  // (sets the block's failure flag too)
       report_failure(status, reinterpret_cast<u32*>(a.host_status), 0u, A2A_ERR_UNPAIRED, (u32)a.heap.rank, 0u,
-                     taken);
+                     epoch);
   }
   a2a_block_sync();
   const u32 epoch = block_epoch;
