@@ -283,7 +283,7 @@ A2A_DEVICE bool sum_counts(const Ctx& x, u32 l, u32 first, u32 n, u32& sum) {
   return true;
 }
 
-// The call's outputs: the caller's buffers where its DispatchCall names them, else ours.
+// The call's outputs, where its DispatchCall names them (our own buffers, or the caller's).
 struct Outputs {
   u8* x;
   i32* meta;
@@ -293,14 +293,9 @@ struct Outputs {
   i32* offsets;
 };
 
-A2A_DEVICE Outputs outputs_of(const Ctx& x, const DispatchCall& c) {
-  const A2AArgs& a = x.a;
-  return {c.expert_x ? (u8*)c.expert_x : sym<u8>(x.h, x.h.rank, a.off_recv_x),
-          c.expert_meta ? (i32*)c.expert_meta : sym<i32>(x.h, x.h.rank, a.off_recv_meta),
-          c.expert_scales ? (float*)c.expert_scales : sym<float>(x.h, x.h.rank, a.off_recv_scales),
-          c.expert_num_tokens ? (i32*)c.expert_num_tokens : sym<i32>(x.h, x.h.rank, a.off_num_tokens),
-          c.expert_layout ? (i32*)c.expert_layout : sym<i32>(x.h, x.h.rank, a.off_layout),
-          c.expert_offsets ? (i32*)c.expert_offsets : sym<i32>(x.h, x.h.rank, a.off_offsets)};
+A2A_DEVICE Outputs outputs_of(const DispatchCall& c) {
+  return {(u8*)c.expert_x,          (i32*)c.expert_meta,   (float*)c.expert_scales,
+          (i32*)c.expert_num_tokens, (i32*)c.expert_layout, (i32*)c.expert_offsets};
 }
 
 // A tagged word that this rank's own warps write from its peers' words (contiguous rows: an expert's
@@ -703,8 +698,8 @@ template <u32 X, bool Placed>
 A2A_DEVICE void dispatch(const A2AArgs& a, const DispatchCall& c) {
   A2A_PROF_BEGIN(a.prof);
   if (a2a_thread() < A2A_MAX_WORLD) heap_sources_read()[a2a_thread()] = 0u;  // (make_ctx's barrier follows)
-  const Ctx x = make_ctx(a, true);
-  const Outputs out = outputs_of(x, c);
+  const Ctx x = make_ctx(a, true, c.check_pairing != 0u);
+  const Outputs out = outputs_of(c);
   const WarpGrid g = warp_grid();
   // With groups the grid's last warp watches them (watch_groups) and the others share the rest.
   const u32 G = Placed ? c.groups : 0u, align = Placed ? a.row_align : 0u;

@@ -167,9 +167,10 @@ struct DispatchCall {
   i32 num_tokens;
   u32 groups;     // G > 0: raise a readiness word per group of our experts as its rows land (0: none)
   u32 ticket;     // > 0 (contiguous): expert_offsets go to the host too, tagged with this (the host's call number)
-  u32 pad;
-  // Where the outputs land, each 0 for our own buffer (off_recv_x, ...): only this rank's dispatch writes
-  // them and combine reads none, so a caller may give its own (pyhipa2a.jax: XLA's result buffers).
+  u32 check_pairing;  // 1: refused where the dispatch before was never combined (make_ctx); only a JAX
+                      // program may drop a combine, so only its calls ask (the host pairs its own)
+  // Where the outputs land: our own buffers (off_recv_x, ...: pyhipa2a/kernels.py, own_outputs), or the
+  // caller's (pyhipa2a.jax: XLA's result buffers). Only this rank's dispatch writes them and combine reads none.
   u64 expert_x;           // [recv_rows][x_row_bytes]
   u64 expert_meta;        // i32 [recv_rows][3]
   u64 expert_scales;      // f32 [recv_rows][scale_cols]
@@ -298,7 +299,7 @@ A2A_DEVICE u32* block_unpaired() {
 // has handed the epoch on.
 A2A_DEVICE_CALLED void report_failure(u32* status, u32* mirror, u32 trap_on_timeout, u32 code, u32 peer, u32 what,
                                       u32 detail);  // (below)
-A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
+A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch, bool check_pairing = false) {
   __shared__ u64 bases[A2A_MAX_WORLD];
   __shared__ u32 block_epoch;
   u32* status = local<u32>(a, a.off_status);
@@ -306,7 +307,7 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch) {
   if (a2a_thread() == 0) {
     // (the three loads in flight together: the report, when there is one, comes after them)
     const u32 epoch = read_epoch(a, dispatch);
-    const u32 unpaired = dispatch && a2a_load_relaxed_sys(local<u32>(a, a.off_done) + a2a_block()) == epoch;
+    const u32 unpaired = check_pairing && a2a_load_relaxed_sys(local<u32>(a, a.off_done) + a2a_block()) == epoch;
     const u32 failed = a2a_load_relaxed_sys(status) != A2A_OK;
     block_epoch = epoch;
     *block_unpaired() = unpaired;

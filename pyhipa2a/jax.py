@@ -59,7 +59,7 @@ from jax.interpreters import mlir
 from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError, RuntimeFailure
 from .jax_grad import Gradients, differentiating, no_order, running_traces
-from .kernels import X_FP8, CombineCall, DispatchCall
+from .kernels import X_FP8, A2AArgs, CombineCall, DispatchCall, own_outputs
 from .local import each, open_ranks
 
 _HANDLER = Path(__file__).resolve().parent / "_code" / "_jax_ffi.so"
@@ -260,7 +260,7 @@ class JaxAllToAll:
         fields = ["x", "indices"] + [f for f, a in (("weights", weights), ("x_scales", x_scales)) if a is not None]
         names, outputs, shapes = zip(*self._dispatch_results())
         if self._on_gpu:
-            site = self._site("dispatch", T, DispatchCall, fields, outputs, num_tokens=T)
+            site = self._site("dispatch", T, DispatchCall, fields, outputs, num_tokens=T, check_pairing=1)
             results = self._ffi(site, operands, order, shapes)
         else:
             results = self._host.dispatch(operands, order, shapes, names, weights is not None, x_scales is not None)
@@ -384,6 +384,9 @@ class JaxAllToAll:
             for a2a in reversed(self._ranks):
                 kernel, blocks, threads, fixed = a2a.launch_site(leg, tokens)
                 call = call_type(**values)
+                if call_type is DispatchCall:  # (the outputs XLA gives are patched over ours at each call)
+                    for field, address in own_outputs(A2AArgs.from_address(fixed)).items():
+                        setattr(call, field, address)
                 site = FfiSite(launch=self._entry, function=a2a.backend.function_address(kernel.function),
                                fixed=fixed, status=a2a.buffers.status.ctypes.data, next=after, grid=blocks,
                                block=threads, call_bytes=ctypes.sizeof(call), device=a2a.heap.device.index)

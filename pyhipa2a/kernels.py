@@ -94,10 +94,22 @@ DISPATCH_KERNELS = {X_COPY: "a2a_dispatch", X_FP8: "a2a_dispatch_fp8", X_QUANTIZ
 
 class DispatchCall(ctypes.Structure):
     _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("groups", u32),
-                ("ticket", u32), ("pad", u32),
-                # where the outputs land (0: our own buffers): pyhipa2a.jax gives XLA's
+                # check_pairing: 1 where the dispatch before may never have been combined (a JAX program's)
+                ("ticket", u32), ("check_pairing", u32),
+                # where the outputs land: our own buffers (own_outputs), or pyhipa2a.jax's XLA buffers
                 ("expert_x", u64), ("expert_meta", u64), ("expert_scales", u64), ("expert_num_tokens", u64),
                 ("expert_layout", u64), ("expert_offsets", u64)]
+
+
+# DispatchCall's outputs and the A2AArgs offsets of our own buffers for them
+OWN_OUTPUTS = {"expert_x": "off_recv_x", "expert_meta": "off_recv_meta", "expert_scales": "off_recv_scales",
+               "expert_num_tokens": "off_num_tokens", "expert_layout": "off_layout", "expert_offsets": "off_offsets"}
+
+
+def own_outputs(args: A2AArgs) -> dict:
+    """DispatchCall's output fields -> the addresses of this rank's own buffers for them (the kernel writes
+    where the call says, so the host names ours once, in the packs it launches from)."""
+    return {field: args.local_base + getattr(args, offset) for field, offset in OWN_OUTPUTS.items()}
 
 
 class CombineCall(ctypes.Structure):

@@ -88,14 +88,18 @@ class FakeKernel:
         self.name, self.launches, self.prepared = name, [], []
 
     def pack(self):
-        from pyhipa2a.kernels import A2AArgs, ArgPack, CombineCall
-        return ArgPack((A2AArgs, CombineCall))
+        from pyhipa2a.kernels import A2AArgs, ArgPack, CombineCall, DispatchCall
+        return ArgPack((A2AArgs, DispatchCall if "dispatch" in self.name else CombineCall))
 
     def prepare(self, pack, grid, block):
         self.prepared.append((id(pack), grid, block))
 
     def launch(self, pack, grid, block, stream=None):
         self.launches.append((grid, block, stream))
+
+    def repeater(self, pack, into, grid, block):
+        into.copy_from(pack)
+        return lambda stream: self.launch(into, grid, block, stream)
 
 
 def test_a_combine_takes_the_small_kernel_up_to_its_tokens_the_bulk_one_above_and_each_twin_in_groups():
@@ -149,3 +153,31 @@ def test_a_contiguous_dispatch_takes_the_placed_kernel_with_and_without_groups()
         config = Config.of(2, num_experts=4, experts_per_token=2, hidden_dim=64, max_num_tokens=8, row_layout=layout)
         pair = load_kernels(Library(), config).dispatch
         assert (pair.plain.name, pair.grouped.name) == (plain, "a2a_dispatch_placed")
+
+
+def test_a_dispatch_names_our_own_buffers_for_its_outputs_and_asks_no_pairing_check():
+    """The kernel writes its outputs where the call names them: the host names ours once, in the pack that every
+    launch (and every plan's frozen copy) starts from; only a JAX program's calls (pyhipa2a.jax) name XLA's, and
+    only they ask the device whether the dispatch before was combined (the host pairs its own calls)."""
+    from pyhipa2a.config import Config
+    from pyhipa2a.kernels import OWN_OUTPUTS
+    from pyhipa2a.legs import exchange_legs
+
+    class Library:
+        def kernel(self, name):
+            return FakeKernel(name)
+
+    config = Config.of(2, num_experts=4, experts_per_token=2, hidden_dim=64, max_num_tokens=8)
+    offsets = {offset: 4096 * (i + 1) for i, offset in enumerate(OWN_OUTPUTS.values())}
+
+    def fixed(args):
+        args.local_base = 1 << 40
+        for offset, value in offsets.items():
+            setattr(args, offset, value)
+
+    dispatch, _ = exchange_legs(load_kernels(Library(), config), config, fixed)
+    for field, offset in OWN_OUTPUTS.items():
+        assert getattr(dispatch.call, field) == (1 << 40) + offsets[offset], field
+    assert dispatch.call.check_pairing == 0
+    dispatch.repeater(8)  # a plan launches from the frozen copy: the same outputs
+    assert bytes(dispatch.frozen[1]) == bytes(dispatch.call)
