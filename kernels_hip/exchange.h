@@ -277,11 +277,14 @@ A2A_DEVICE u32* block_unpaired() {
 }
 
 // The first thing every exchange kernel does: the block's shared state, set
-// up in one round trip and one barrier. Thread 0 loads the call's epoch and
+// up in one round trip and one barrier. The block's last thread loads the call's epoch and
 // this rank's status (the block's failure flag: set when the status already
 // holds an error, an earlier call's, so that this call's outputs are
 // poisoned too), threads below W the heap's table of bases, all in flight
-// together; shared memory hands them to the block. The table is kept there
+// together; shared memory hands them to the block. (Not thread 0: a thread issues its loads in
+// order, and thread 0's copy of base 0 into shared memory waited for its load before the words'
+// loads went out, two round trips in a row at every launch on sm_90. The last thread copies a base
+// too only in a block of no more threads than ranks.) The table is kept there
 // because a loop that stores through a peer's pointer must load that peer's
 // base again after each store (the store might have changed it): tens of
 // cycles from shared memory, a round trip in series with the next store from
@@ -304,8 +307,8 @@ A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch, bool check_pairing = fa
   __shared__ u32 block_epoch;
   u32* status = local<u32>(a, a.off_status);
   if (a2a_thread() < (u32)a.heap.world) bases[a2a_thread()] = a.heap.bases[a2a_thread()];
-  if (a2a_thread() == 0) {
-    // (the three loads in flight together: the report, when there is one, comes after them)
+  if (a2a_thread() == a2a_block_dim() - 1u) {
+    // (its loads in flight together: the report, when there is one, comes after them)
     const u32 epoch = read_epoch(a, dispatch);
     const u32 unpaired = check_pairing && a2a_load_relaxed_sys(local<u32>(a, a.off_done) + a2a_block()) == epoch;
     const u32 failed = a2a_load_relaxed_sys(status) != A2A_OK;
