@@ -93,7 +93,7 @@ def test_pushed_segment_is_one_round_trip(gfx942_objects):
     """Dispatch takes a pushed 16-bit segment (16 tagged words a lane, exchange.h: take_batch) with the
     loads of a try issued before it waits for any. Looking at each word as it was loaded (take_tagged)
     made a try 16 round trips in series, AMD's default path for small calls: that build's longest stretch
-    of system-scope 8-byte loads with no wait for loads between was 7 (route counts'); this one's, 15."""
+    of system-scope 8-byte loads with no wait for loads between was 7 (route counts'); this one's, 14."""
     body = disassemble(gfx942_objects / "dispatch.gfx942.hsaco")["a2a_dispatch"]
     longest = run = 0
     for ins in body:
