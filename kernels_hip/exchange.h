@@ -276,30 +276,27 @@ A2A_DEVICE u32* block_unpaired() {
   return &unpaired;
 }
 
-// The first thing every exchange kernel does: the block's shared state, set
-// up in one round trip and one barrier. The block's last thread loads the call's epoch and
-// this rank's status (the block's failure flag: set when the status already
-// holds an error, an earlier call's, so that this call's outputs are
-// poisoned too), threads below W the heap's table of bases, all in flight
-// together; shared memory hands them to the block. (Not thread 0: a thread issues its loads in
-// order, and thread 0's copy of base 0 into shared memory waited for its load before the words'
-// loads went out, two round trips in a row at every launch on sm_90. The last thread copies a base
-// too only in a block of no more threads than ranks.) The table is kept there
-// because a loop that stores through a peer's pointer must load that peer's
-// base again after each store (the store might have changed it): tens of
-// cycles from shared memory, a round trip in series with the next store from
-// global memory. The epoch is loaded once a block, not by every thread: 2112
-// warps' system-scope loads of the one word cost 0.5 us of every launch of
-// the full grid on two H200s (measured at commit 3cbf100).
+// The first thing every exchange kernel does: the block's shared state, set up in one round trip and one
+// barrier. The block's last thread loads the call's epoch and this rank's status (the block's failure flag:
+// set when the status already holds an error, an earlier call's, so that this call's outputs are poisoned
+// too), threads below W the heap's table of bases, all in flight together; shared memory hands them to the
+// block. (Not thread 0: a thread issues its loads in order, and thread 0's copy of base 0 into shared
+// memory waited for its load before the words' loads went out, two round trips in a row at every launch on
+// sm_90. The last thread copies a base too only in a block of no more threads than ranks.) The table is
+// kept there because a loop that stores through a peer's pointer must load that peer's base again after
+// each store (the store might have changed it): tens of cycles from shared memory, a round trip in series
+// with the next store from global memory. The epoch is loaded once a block, not by every thread: 2112
+// warps' system-scope loads of the one word cost 0.5 us of every launch of the full grid on two H200s
+// (measured at commit 3cbf100).
 // Block 0 hands the epoch on once it is in.
 //
-// A dispatch whose predecessor was never combined would take that one's epoch again, and read its
-// flags as this call's: it is refused (A2A_ERR_UNPAIRED), and writes nothing but poison. The host pairs
-// its own calls; a JAX program can drop a combine whose result it never uses (pyhipa2a.jax). Every
-// block asks for itself, of its own flag done[0][block], which the uncombined dispatch left at the
-// epoch this one takes (the grid is the same at every launch; any other dispatch left an older
-// epoch): the words epoch[0] and epoch[1] cannot tell a block that the call is refused once block 0
-// has handed the epoch on.
+// A dispatch whose predecessor was never combined would take that one's epoch again, and read its flags as
+// this call's: it is refused (A2A_ERR_UNPAIRED), and writes nothing but poison. The host pairs its own
+// calls; a JAX program can drop a combine whose result it never uses (pyhipa2a.jax), and only its calls ask
+// (DispatchCall.check_pairing). Every block asks for itself, of its own flag done[0][block], which the
+// uncombined dispatch left at the epoch this one takes (the grid is the same at every launch; any other
+// dispatch left an older epoch): the words epoch[0] and epoch[1] cannot tell a block that the call is
+// refused once block 0 has handed the epoch on.
 A2A_DEVICE_CALLED void report_failure(u32* status, u32* mirror, u32 trap_on_timeout, u32 code, u32 peer, u32 what,
                                       u32 detail);  // (below)
 A2A_DEVICE Ctx make_ctx(const A2AArgs& a, bool dispatch, bool check_pairing = false) {
