@@ -169,7 +169,7 @@ struct DispatchCall {
   u32 ticket;     // > 0 (contiguous): expert_offsets go to the host too, tagged with this (the host's call number)
   u32 check_pairing;  // 1: refused where the dispatch before was never combined (make_ctx); only a JAX
                       // program may drop a combine, so only its calls ask (the host pairs its own)
-  // Where the outputs land: our own buffers (off_recv_x, ...: pyhipa2a/kernels.py, own_outputs), or the
+  // Where the outputs land: our own buffers (off_recv_x, ...: pyhipa2a/kernels.py, name_own_outputs), or the
   // caller's (pyhipa2a.jax: XLA's result buffers). Only this rank's dispatch writes them and combine reads none.
   u64 expert_x;           // [recv_rows][x_row_bytes]
   u64 expert_meta;        // i32 [recv_rows][3]

@@ -59,7 +59,7 @@ from jax.interpreters import mlir
 from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError, RuntimeFailure
 from .jax_grad import Gradients, differentiating, no_order, running_traces
-from .kernels import X_FP8, A2AArgs, CombineCall, DispatchCall, own_outputs
+from .kernels import X_FP8, A2AArgs, CombineCall, DispatchCall, name_own_outputs
 from .local import each, open_ranks
 
 _HANDLER = Path(__file__).resolve().parent / "_code" / "_jax_ffi.so"
@@ -385,8 +385,7 @@ class JaxAllToAll:
                 kernel, blocks, threads, fixed = a2a.launch_site(leg, tokens)
                 call = call_type(**values)
                 if call_type is DispatchCall:  # (the outputs XLA gives are patched over ours at each call)
-                    for field, address in own_outputs(A2AArgs.from_address(fixed)).items():
-                        setattr(call, field, address)
+                    name_own_outputs(call, A2AArgs.from_address(fixed))
                 site = FfiSite(launch=self._entry, function=a2a.backend.function_address(kernel.function),
                                fixed=fixed, status=a2a.buffers.status.ctypes.data, next=after, grid=blocks,
                                block=threads, call_bytes=ctypes.sizeof(call), device=a2a.heap.device.index)

@@ -96,7 +96,7 @@ class DispatchCall(ctypes.Structure):
     _fields_ = [("x", u64), ("indices", u64), ("x_scales", u64), ("weights", u64), ("num_tokens", i32), ("groups", u32),
                 # check_pairing: 1 where the dispatch before may never have been combined (a JAX program's)
                 ("ticket", u32), ("check_pairing", u32),
-                # where the outputs land: our own buffers (own_outputs), or pyhipa2a.jax's XLA buffers
+                # where the outputs land: our own buffers (name_own_outputs), or pyhipa2a.jax's XLA buffers
                 ("expert_x", u64), ("expert_meta", u64), ("expert_scales", u64), ("expert_num_tokens", u64),
                 ("expert_layout", u64), ("expert_offsets", u64)]
 
@@ -106,10 +106,11 @@ OWN_OUTPUTS = {"expert_x": "off_recv_x", "expert_meta": "off_recv_meta", "expert
                "expert_num_tokens": "off_num_tokens", "expert_layout": "off_layout", "expert_offsets": "off_offsets"}
 
 
-def own_outputs(args: A2AArgs) -> dict:
-    """DispatchCall's output fields -> the addresses of this rank's own buffers for them (the kernel writes
-    where the call says, so the host names ours once, in the packs it launches from)."""
-    return {field: args.local_base + getattr(args, offset) for field, offset in OWN_OUTPUTS.items()}
+def name_own_outputs(call: DispatchCall, args: A2AArgs) -> None:
+    """Point `call`'s outputs at this rank's own buffers (the kernel writes where the call says, so the host
+    names ours once, in the packs it launches from; pyhipa2a.jax patches XLA's over them at each call)."""
+    for field, offset in OWN_OUTPUTS.items():
+        setattr(call, field, args.local_base + getattr(args, offset))
 
 
 class CombineCall(ctypes.Structure):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from .config import (COMBINE_KERNEL_CHOICES, DEFAULT_BLOCKS_PER_MP, MAX_BLOCK_THREADS, MAX_GRID_BLOCKS,
                      MAX_WARPS_PER_BLOCK, SMALL_COMBINE_ITEMS_PER_WARP, Config, combine_part_blocks, env_choice)
-from .kernels import DISPATCH_KERNELS, WHOLE_COMBINE, field_addresses, own_outputs
+from .kernels import DISPATCH_KERNELS, WHOLE_COMBINE, field_addresses, name_own_outputs
 
 
 def check_block_threads(threads: int, warp: int) -> None:
@@ -158,8 +158,7 @@ def exchange_legs(kernels: Kernels, config: Config, fixed) -> tuple[Leg, Leg]:
     """(dispatch, combine) of a node exchange whose kernels' fixed arguments `fixed(args)` fills."""
     everything = config.max_tokens
     dispatch = Leg(((kernels.dispatch, config.block_threads, everything),), config.blocks, fixed)
-    for field, address in own_outputs(dispatch.pack[0]).items():
-        setattr(dispatch.call, field, address)
+    name_own_outputs(dispatch.call, dispatch.pack[0])
     bulk = (kernels.combine, config.block_threads, everything)
     small = (kernels.small_combine, config.block_threads // 2, config.small_combine_tokens)
     combine = Leg((small, bulk) if config.small_combine_tokens >= 0 else (bulk,), config.blocks, fixed,
