@@ -4,6 +4,7 @@ one to the other); an object that saw an error refuses further calls (peers may 
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import numpy as np
@@ -16,7 +17,7 @@ from .inputs import Boundary, check_array, check_indices, check_numpy_input, che
 from .kernels import WHOLE_COMBINE, X_FP8
 from .outputs import Outputs
 from .producers import foreign_stream_handle
-from .repeat import MISSED, Pointers, Record, plan_or_none, run
+from .repeat import MISSED, Record, Relaunch, plan_or_none, run
 from .streams import Streams
 
 
@@ -54,7 +55,7 @@ LEG_ARGS = {"dispatch": (DISPATCH_ARGS, DISPATCH_ALIKE), "combine": (COMBINE_ARG
 # (what dispatch sent is the call's weights, whichever array stood in for the recorded: combine compares)
 DISPATCH_WEIGHTS = DISPATCH_ARGS.index("weights")
 # The arrays a plan may take new ones for: each implementation's _argument_places says where their kernel
-# pointers lie (a grouped call's repeat.Pointers, where its launch reads them). (out is combine's result as
+# pointers lie (a grouped call's repeat.Relaunch, where its launch reads them). (out is combine's result as
 # well: a call on another takes the full path.)
 PLACED_ARGS = {"dispatch": ("x", "indices", "x_scales", "weights"), "combine": ("expert_y", "weights")}
 
@@ -220,8 +221,8 @@ class Calls:
         where this call repeats the last one of its kind, the record to keep), both None unless `repeatable`
         (a plan only speeds repeats up, so one that cannot be made warns and never fails the call). `launch`:
         a function of the stream that queues the call again, for a call whose launches the host takes part in
-        at each call (a grouped one's: a ticket, combine's parts and their bound), its arguments' places in
-        `launch.pointers` (repeat.Pointers); else None: the implementation's repeater."""
+        at each call (repeat.Relaunch: a grouped one's ticket, combine's parts and their bound), its
+        arguments' places in `launch.places`; else None: the implementation's repeater."""
         state, streams = self._state, self._streams
         after = self._order_reader(s, lead, library)
         keep = tuple(taken.keep for _, taken in arrays)
@@ -230,7 +231,7 @@ class Calls:
         for obj, name, value, *_ in changes:  # (the full path's value is the call's argument itself)
             setattr(obj, name, value)
         names, tests = LEG_ARGS[leg]
-        where = launch.pointers.places if launch else self._argument_places(leg)
+        where = launch.places if launch else self._argument_places(leg)
         alike, places = stand_ins(where, names, tests, args, arrays)
         record = Record(args, alike, s, lead, inputs, tuple(arrays), tokens, result, after, changes, places,
                         (state, "keep"), groups)
@@ -287,9 +288,8 @@ class Calls:
             if G and c.contiguous and streams.capturing is None:
                 # The host is told where the rows lie, under a ticket of the call's, where it can wait (not in a
                 # graph): each call draws one, its plan's too.
-                def ticketed(stream):
-                    self._launch_dispatch(stream, T, *ticketed.pointers, G, self._groups.next_ticket())
-                ticketed.pointers = Pointers(PLACED_ARGS["dispatch"], (x_ptr, i_ptr, s_ptr, w_ptr))
+                ticketed = Relaunch(functools.partial(self._ticketed_dispatch, T, G), PLACED_ARGS["dispatch"],
+                                    (x_ptr, i_ptr, s_ptr, w_ptr))
                 ticketed(s)
             else:
                 self._launch_dispatch(s, T, x_ptr, i_ptr, s_ptr, w_ptr, G, 0)
@@ -302,6 +302,10 @@ class Calls:
             return result
         finally:
             streams.leave()
+
+    def _ticketed_dispatch(self, tokens: int, groups: int, s, x: int, indices: int, x_scales: int, weights: int):
+        """A grouped contiguous dispatch's launch: a ticket drawn at each call, its plan's too."""
+        self._launch_dispatch(s, tokens, x, indices, x_scales, weights, groups, self._groups.next_ticket())
 
     def combine(self, expert_y, weights=None, *, out=None, stream=None, expert_scale: float = 1.0):
         """Bring expert outputs back: y[t] = sum_j weights[t, j] * expert_y_row(t, j), fp32 accumulation.
@@ -358,14 +362,9 @@ class Calls:
                 self.backend.copy_to_device(staging.ptr, host_y, s)
                 y_ptr = staging.ptr
             in_parts = None
-            if G:
-                # Its parts, each after its group is done, and the host's bound on their waits: a plan's too
-                def in_parts(stream):
-                    y, w = in_parts.pointers
-                    self._before_combine(stream, T, w)
-                    groups.queue_combine(stream, lambda phase: self._launch_combine(
-                        stream, T, y, w, out_ptr, scale[1], phase, G), streams.capturing is not None)
-                in_parts.pointers = Pointers(PLACED_ARGS["combine"], (y_ptr, w_ptr))
+            if G:  # its parts, each after its group is done, and the host's bound on their waits: a plan's too
+                in_parts = Relaunch(functools.partial(self._combine_in_parts, T, out_ptr, scale[1], G),
+                                    PLACED_ARGS["combine"], (y_ptr, w_ptr))
                 in_parts(s)
             else:
                 self._before_combine(s, T, w_ptr)
@@ -383,6 +382,12 @@ class Calls:
             return out
         finally:
             streams.leave()
+
+    def _combine_in_parts(self, tokens: int, out: int, scale: float, groups: int, s, expert_y: int, weights: int):
+        """A grouped combine's launches: its parts, each after its group is done; the host's bound on their waits."""
+        self._before_combine(s, tokens, weights)
+        self._groups.queue_combine(s, lambda phase: self._launch_combine(
+            s, tokens, expert_y, weights, out, scale, phase, groups), self._streams.capturing is not None)
 
     def _order_reader(self, s, lead, library) -> tuple:
         """Queue the reads of outputs handed to `library` after the call just queued on `s`; the step, for

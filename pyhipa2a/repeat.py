@@ -147,18 +147,20 @@ run, MISSED = _load()
 COMPILED = run is not interpret
 
 
-class Pointers:
-    """The kernel pointers of a call that a function of ours launches at each repeat (Calls._finish's
-    `launch`): a uint64 each in host memory, where a plan writes the pointer of a new array standing in for
-    the recorded one (`places`: argument name -> address) and the function reads them as it launches."""
+class Relaunch:
+    """A call the host takes part in at each launch (a grouped dispatch's ticket; a grouped combine's parts and
+    the bound on their waits), as Calls._finish's `launch`: calling it with a stream is `queue(stream,
+    *pointers)`. Its kernel pointers are uint64 words in host memory (`places`: argument name -> address),
+    where a plan writes the pointer of a new array standing in for the recorded one before it calls again."""
 
-    def __init__(self, names: tuple, pointers: tuple):
+    def __init__(self, queue, names: tuple, pointers: tuple):
+        self._queue = queue
         self._words = (ctypes.c_uint64 * len(names))(*pointers)
         base = ctypes.addressof(self._words)
         self.places = {name: base + 8 * i for i, name in enumerate(names)}
 
-    def __iter__(self):
-        return iter(self._words)
+    def __call__(self, stream) -> None:
+        self._queue(stream, *self._words)
 
 
 class Record(NamedTuple):
