@@ -68,8 +68,10 @@
 #define A2A_ROUTE_WINDOW 1024u
 #define A2A_ROUTE_LOADS 8u  // loads of the chunk a thread has in flight at once; also MAX_ROUTE_CHUNKS
                             // (pyhipa2a/kernels.py), so that sum_counts takes a source's chunks at once
-#define A2A_ROUTE_STORES 4u  // placed slots a thread reads before it stores them (8 made sm_90 spill in the fan-out)
-#define A2A_ROUTE_LATER 0xfffffffeu  // a placed slot of an expert of a later pass (E > A2A_ROUTE_WINDOW)
+#define A2A_ROUTE_STORES 4u  // placed slots a thread reads before it stores them (8 spilled registers on sm_90
+                             // in the kernel's receiving steps)
+#define A2A_ROUTE_SKIP 0xfffffffeu  // a slot this pass does not send: its expert is another pass's (E >
+                                    // A2A_ROUTE_WINDOW), or it broke the contract and went in the first
 static_assert(A2A_MAX_WORLD <= 256, "route keeps a slot's rank in a byte");
 
 // The chunks of a call of `tokens` tokens.
@@ -104,8 +106,10 @@ A2A_DEVICE void send_weight(const Ctx& x, u32 host, u32 i, u32 w) {
 A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u32 chunk) {
   __shared__ u32 counters[A2A_ROUTE_WINDOW];
   __shared__ i32 tile[A2A_ROUTE_TILE];
-  __shared__ u32 placed[A2A_ROUTE_TILE];    // the tile's routing words (A2A_ROUTE_LATER: not in this pass)
-  __shared__ u8 weight_host[A2A_ROUTE_TILE];  // with the weights: the rank each slot's weight goes to
+  // A thread's own slots of the tile, placed (a routing word, or A2A_ROUTE_SKIP) and, with the weights, the
+  // rank each one's weight goes to: shared memory, where registers would spill.
+  __shared__ u32 placed[A2A_ROUTE_TILE];
+  __shared__ u8 weight_host[A2A_ROUTE_TILE];
   const i32* indices = reinterpret_cast<const i32*>(c.indices);
   const u32* weights = reinterpret_cast<const u32*>(c.weights);  // the float's bits travel
   const u32 me = (u32)x.h.rank, n = (u32)c.num_tokens * x.k, E = (u32)x.a.num_experts;
@@ -127,11 +131,13 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
       }
       a2a_block_sync();  // the tile is in (and, before the first tile, the counters are zero)
       // With more slots than threads, the tile's slots are all placed, in shared memory, before any is
-      // stored: placing a thread's next slot behind its stores into the peers made routing 14.3 us at
-      // 4006 tokens a rank, against 11.9 this way (docs/PREFILL.md: routing).
+      // stored: a slot at a time, each placed behind the stores of the one before into the peers, routing
+      // took 14.3 us at 4006 tokens a rank; this way, with the row's earlier slots read together, 11.9
+      // (docs/PREFILL.md: routing).
       const bool weigh = weights && first == 0;  // the weights go in the first pass
       const bool one_each = count <= a2a_block_dim();  // a slot a thread: stored as soon as placed
-      const u64 words = x.a.off_tok_hdr + (((u64)x.parity * x.W + me) * x.M * x.k + base) * 8u;  // the tile's, in every rank
+      // (the tile's routing words, at the same offset in every rank's heap)
+      const u64 tile_at = x.a.off_tok_hdr + (((u64)x.parity * x.W + me) * x.M * x.k + base) * 8u;
       for (u32 i = a2a_thread(); i < count; i += a2a_block_dim()) {
         const u32 j = rem(x.a.div_k, base + i);
         const i32 e = tile[i];
@@ -140,24 +146,27 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
         const bool valid = e >= 0 && e < (i32)E && !repeated;
         if (!valid && first == 0 && !(e < 0 && x.a.void_slots)) report(x, A2A_ERR_BAD_INDEX, me, base + i, (u32)e);
         const bool now = valid ? (u32)e >= first && (u32)e < last : first == 0;  // else another pass sends it
-        const u32 v = !now    ? A2A_ROUTE_LATER
+        const u32 v = !now    ? A2A_ROUTE_SKIP
                       : valid ? (u32)e + E * a2a_add_shared(&counters[(u32)e - first], 1u)
                               : A2A_NO_SLOT;
-        for (u32 r = 0; one_each && v != A2A_ROUTE_LATER && r < x.W; ++r)
-          a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, words) + i, a2a_tag(v, x.epoch));
+        for (u32 r = 0; one_each && v != A2A_ROUTE_SKIP && r < x.W; ++r)
+          a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, tile_at) + i, a2a_tag(v, x.epoch));
         if (!one_each) placed[i] = v;
         if (weigh) weight_host[i] = (u8)(valid ? quot(x.a.div_L, (u32)e) : me);
       }
-      if (!one_each) a2a_block_sync();  // the tile is placed
+      // (each thread reads back only its own slots; the sync has every warp place before any stores, as measured)
+      if (!one_each) a2a_block_sync();
       for (u32 i0 = a2a_thread(); !one_each && i0 < count; i0 += A2A_ROUTE_STORES * a2a_block_dim()) {
         u32 v[A2A_ROUTE_STORES];  // every read before the first store
         for (u32 u = 0; u < A2A_ROUTE_STORES; ++u)
-          v[u] = i0 + u * a2a_block_dim() < count ? placed[i0 + u * a2a_block_dim()] : A2A_ROUTE_LATER;
+          v[u] = i0 + u * a2a_block_dim() < count ? placed[i0 + u * a2a_block_dim()] : A2A_ROUTE_SKIP;
         for (u32 u = 0; u < A2A_ROUTE_STORES; ++u)
-          for (u32 r = 0; v[u] != A2A_ROUTE_LATER && r < x.W; ++r)
-            a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, words) + i0 + u * a2a_block_dim(), a2a_tag(v[u], x.epoch));
+          for (u32 r = 0; v[u] != A2A_ROUTE_SKIP && r < x.W; ++r)
+            a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, tile_at) + i0 + u * a2a_block_dim(),
+                                      a2a_tag(v[u], x.epoch));
       }
-      // (a slot's weight at a time: arrays of them made sm_90 spill registers in the fan-out)
+      // (a slot's weight at a time, each load behind the stores before it: arrays of them spilled registers on
+      // sm_90 in the kernel's receiving steps; timed at gpu-mode's sizes only, with --weights-at dispatch)
       for (u32 i = a2a_thread(); weigh && i < count; i += a2a_block_dim())
         send_weight(x, weight_host[i], base + i, weights[base + i]);
       a2a_block_sync();  // the tile is read before the next one overwrites it
