@@ -322,20 +322,23 @@ class Config:
         return dataclasses.replace(self, **{name: getattr(part, name) for name in names})
 
     def check_agrees(self, comm, backend_kind: str) -> None:
-        """Collective: ConfigMismatchError naming the ranks whose configuration differs from rank 0's."""
-        mine = (self.num_experts, self.top_k, self.hidden, self.max_tokens, self.in_dtype.name,
-                self.dispatch_dtype.name, self.out_dtype.name, backend_kind, self.push_max_tokens,
-                self.post_min_tokens, self.narrow_partials, self.region_tokens, self.row_layout, self.row_align,
-                self.recv_rows)
+        """Collective: ConfigMismatchError naming the ranks whose configuration differs from rank 0's, and how."""
+        mine = {"num_experts": self.num_experts, "experts_per_token": self.top_k, "hidden_dim": self.hidden,
+                "max_num_tokens": self.max_tokens, "in_dtype": self.in_dtype.name,
+                "dispatch_dtype": self.dispatch_dtype.name, "out_dtype": self.out_dtype.name, "backend": backend_kind,
+                "push_max_tokens": self.push_max_tokens, "post_min_tokens": self.post_min_tokens,
+                "narrow_partials": self.narrow_partials, "region_tokens": self.region_tokens,
+                "row_layout": self.row_layout, "row_align": self.row_align, "rows of expert_x": self.recv_rows}
         everyone = comm.allgather(hashlib.sha256(repr(mine).encode()).hexdigest())
         if len(set(everyone)) > 1:
             configs = comm.allgather(mine)
-            differ = tuple(r for r, c in enumerate(configs) if c != configs[0])
-            raise ConfigMismatchError(
-                f"AllToAll configuration differs across ranks: rank 0 has {configs[0]}, ranks {list(differ)} "
-                f"have {[configs[r] for r in differ]} (num_experts, experts_per_token, hidden_dim, "
-                f"max_num_tokens, in_dtype, dispatch_dtype, out_dtype, backend, push_max_tokens, post_min_tokens, "
-                f"narrow_partials, region_tokens, row_layout, row_align, rows of expert_x)", ranks=differ)
+            first = configs[0]
+            differ = tuple(r for r, c in enumerate(configs) if c != first)
+            how = "; ".join(f"rank {r}: " + ", ".join(f"{name} {value!r} (rank 0: {first[name]!r})"
+                                                     for name, value in configs[r].items() if value != first[name])
+                            for r in differ)
+            raise ConfigMismatchError(f"AllToAll configuration differs across ranks: ranks {list(differ)} differ "
+                                      f"from rank 0 ({how})", ranks=differ)
 
 
 def is_int(value) -> bool:

@@ -473,13 +473,14 @@ def case_bad_config(comm):
 
 
 def case_config_mismatch(comm):
-    """Ranks disagreeing on the configuration are named, on every rank."""
+    """Ranks disagreeing on the configuration are named, on every rank, with what they disagree on."""
     world = comm.Get_size()
     if world == 1:
         pytest.skip("one rank cannot disagree with itself")
     odd = world - 1
     H = 64 if comm.Get_rank() != odd else 128
-    with pytest.raises(pyhipa2a.ConfigMismatchError, match=rf"ranks \[{odd}\]") as info:
+    with pytest.raises(pyhipa2a.ConfigMismatchError,
+                       match=rf"ranks \[{odd}\] .*rank {odd}: hidden_dim 128 \(rank 0: 64\)") as info:
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=H, max_num_tokens=4)
     assert info.value.ranks == (odd,)
     # The push threshold sizes buffers and decides how peers read each other: it must agree too.
