@@ -94,6 +94,13 @@ A2A_DEVICE void send_weight(const Ctx& x, u32 host, u32 i, u32 w) {
   a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)me, x.a.off_w_in) + at, word);
 }
 
+// Routing word v of the tile's slot i, to every rank (the tile lies at the
+// same byte offset, tile_at, in every rank's heap); nothing for A2A_ROUTE_SKIP.
+A2A_DEVICE void send_routing_word(const Ctx& x, u64 tile_at, u32 i, u32 v) {
+  for (u32 r = 0; v != A2A_ROUTE_SKIP && r < x.W; ++r)
+    a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, tile_at) + i, a2a_tag(v, x.epoch));
+}
+
 // One block, chunk `chunk` of our routing rows: every slot gets its place
 // (the next count of its expert's counter) and goes to every rank as a
 // tagged word, then the chunk's count for every expert goes to the rank that
@@ -149,8 +156,7 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
         const u32 v = !now    ? A2A_ROUTE_SKIP
                       : valid ? (u32)e + E * a2a_add_shared(&counters[(u32)e - first], 1u)
                               : A2A_NO_SLOT;
-        for (u32 r = 0; one_each && v != A2A_ROUTE_SKIP && r < x.W; ++r)
-          a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, tile_at) + i, a2a_tag(v, x.epoch));
+        if (one_each) send_routing_word(x, tile_at, i, v);
         if (!one_each) placed[i] = v;
         if (weigh) weight_host[i] = (u8)(valid ? quot(x.a.div_L, (u32)e) : me);
       }
@@ -160,10 +166,7 @@ A2A_DEVICE void route(const Ctx& x, const DispatchCall& c, const WarpGrid& g, u3
         u32 v[A2A_ROUTE_STORES];  // every read before the first store
         for (u32 u = 0; u < A2A_ROUTE_STORES; ++u)
           v[u] = i0 + u * a2a_block_dim() < count ? placed[i0 + u * a2a_block_dim()] : A2A_ROUTE_SKIP;
-        for (u32 u = 0; u < A2A_ROUTE_STORES; ++u)
-          for (u32 r = 0; v[u] != A2A_ROUTE_SKIP && r < x.W; ++r)
-            a2a_store_relaxed_sys_u64(sym<u64>(x.h, (int)r, tile_at) + i0 + u * a2a_block_dim(),
-                                      a2a_tag(v[u], x.epoch));
+        for (u32 u = 0; u < A2A_ROUTE_STORES; ++u) send_routing_word(x, tile_at, i0 + u * a2a_block_dim(), v[u]);
       }
       // (a slot's weight at a time, each load behind the stores before it: arrays of them spilled registers on
       // sm_90 in the kernel's receiving steps; timed at gpu-mode's sizes only, with --weights-at dispatch)
