@@ -23,7 +23,7 @@ from .calls import PLACED_ARGS
 from .config import Config
 from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
 from .heap import TABLE_ALIGN, align_up
-from .internode import Transfer, make_engine
+from .internode import Transfer, checked_engine, make_engine
 from .intranode import NodeExchange
 from .kernels import REDUCE_ONLY, WHOLE_COMBINE, X_FP8, field_addresses
 from .runtime import Backend, get_backend, select_device
@@ -72,7 +72,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         MPI = mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         rank = comm.Get_rank()
-        engine = params.pop("engine", None)
+        engine = checked_engine(params.pop("engine", None) or os.environ.get("PYHIPA2A_INTERNODE") or None)
         config = Config.of(comm.Get_size(), **params)
         backend = backend if isinstance(backend, Backend) else get_backend(backend)
         config.check_agrees(comm, backend.kind)  # (each node checks its own part, not the nodes against each other)
@@ -97,8 +97,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             settled = config.settled_like(exchange.config)
             exchange.expert.set_scale(float(1 + rank))  # gpu-mode's factor is 1 + the world rank
             column = self._comms[1]  # its rank is the node's number
-            self._engine = make_engine(engine or os.environ.get("PYHIPA2A_INTERNODE") or None, backend, column,
-                                       config.timeout, column.allgather(placement))
+            self._engine = make_engine(engine, backend, column, config.timeout, column.allgather(placement))
             health = NodesHealth(exchange.buffers.status, rank, layout, self._engine)
             self._make_regions(settled, layout, exchange)
         except BaseException:

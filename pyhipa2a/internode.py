@@ -256,14 +256,23 @@ def default_engine(backend_kind: str, placements: list) -> str:
     return "nccl"
 
 
+ENGINES = ("nccl", "mpi")
+
+
+def checked_engine(name: str | None) -> str | None:
+    """AllToAll(engine=) as given, None for default_engine's choice (made once the ranks are placed); raises for a
+    name that is no engine, within a node too (where none is used), so that one script runs on one node or many."""
+    if name is not None and name not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES} or None, not {name!r}")
+    return name
+
+
 def make_engine(name: str | None, backend, comm, timeout: float, placements: list | None = None):
-    """The engine `name` ("nccl", "mpi"; default: default_engine)."""
-    name = name or default_engine(backend.kind, placements or [])
+    """The engine `name` (checked_engine's; None: default_engine)."""
+    name = checked_engine(name) or default_engine(backend.kind, placements or [])
     if name == "mpi":
         return MpiEngine(backend, comm, timeout)
-    if name == "nccl":
-        if backend.kind == "host":
-            raise ValueError("the host backend moves regions between nodes with MPI (engine='mpi')")
-        return NcclEngine(backend, comm, timeout)
-    raise ValueError(f"engine must be 'nccl' or 'mpi', not {name!r}")
+    if backend.kind == "host":
+        raise ValueError("the host backend moves regions between nodes with MPI (engine='mpi')")
+    return NcclEngine(backend, comm, timeout)
 

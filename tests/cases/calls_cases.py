@@ -470,6 +470,10 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, stream="torch")
     with pytest.raises(ValueError, match=r"row_layout must be one of \('packed', 'by_source', 'contiguous'\), not 'source'"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, row_layout="source")
+    with pytest.raises(ValueError, match=r"engine must be one of \('nccl', 'mpi'\) or None, not 'gloo'"):
+        AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, engine="gloo")
+    # A script that names its engine between nodes runs within one node too (where it goes unused).
+    AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, engine="mpi").close()
 
 
 def case_config_mismatch(comm):

@@ -361,6 +361,10 @@ def case_nodes_bad_config(comm):
         with pytest.raises(ValueError, match="row_layout='by_source' is for calls within one node"):
             AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=2, ranks_per_node=1,
                      row_layout="by_source")
+    if world > 1:  # (checked before any communicator is split: a bad name costs nothing to find)
+        with pytest.raises(ValueError, match=r"engine must be one of \('nccl', 'mpi'\) or None, not 'gloo'"):
+            AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=2, ranks_per_node=1,
+                     engine="gloo")
     with pytest.raises(ConfigMismatchError, match="ranks disagree on ranks_per_node"):
         node_layout(comm, 1 if comm.Get_rank() == 0 else world)
     layout = node_layout(comm, 1)
