@@ -11,13 +11,20 @@ views of the library's buffers, valid until the next dispatch (expert_*) or comb
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 
 from .array import DeviceArray
 from .bootstrap import bounded_barrier, node_layout
+from .buffers import DispatchResult
 from .calls import Calls
+from .config import Config
 from .errors import A2AError, RuntimeFailure
 from .graph import Graph
+
+
+# AllToAll's parameters past its own: the configuration's, and the engine between nodes (the implementations')
+PARAMETERS = frozenset(inspect.signature(Config.of).parameters) - {"world"} | {"engine"}
 
 
 class AllToAll(Calls):
@@ -32,6 +39,11 @@ class AllToAll(Calls):
 
     def __new__(cls, comm=None, *, ranks_per_node: int | None = None, **params):
         """Ranks on several nodes (real, or `ranks_per_node` / PYHIPA2A_RANKS_PER_NODE) go across nodes."""
+        unknown = sorted(set(params) - PARAMETERS - {"backend", "device"})
+        if unknown:  # (before any collective: Config.of's own TypeError came from deep inside, naming Config.of)
+            raise TypeError(f"AllToAll() got unexpected keyword arguments {unknown}; its parameters: README.md")
+        if comm is not None and not hasattr(comm, "Get_rank"):
+            raise TypeError(f"comm must be an mpi4py communicator (or None: COMM_WORLD), not {type(comm).__name__}")
         layout = node_layout(comm, ranks_per_node)
         if cls is AllToAll:
             cls = cls._implementations[layout.nodes > 1]
@@ -71,6 +83,7 @@ class AllToAll(Calls):
         16-bit rows is pulled by the peers from where it lies: no copy of its tokens into the stage (NumPy x is
         copied there, and gains the same). Write it only after the combine of the dispatch before it (in stream
         order): until then peers may still be reading it."""
+        self._refuse_if_closed()
         if self._x_buffer is None:
             a, c = self._exchange.buffers["x_stage"], self.config
             self._x_buffer = DeviceArray(self.backend, a.ptr, (c.max_tokens, c.hidden), a.dtype, owner=self.heap,
@@ -80,11 +93,17 @@ class AllToAll(Calls):
     # -- the fake expert ------------------------------------------------------------
     def expert_y_buffer(self):
         """A device buffer shaped like expert_y [L, W*M, H] (out_dtype), made once, freed by close()."""
+        self._refuse_if_closed()
         return self._exchange.expert.expert_y_buffer(self.stream)
 
     def fake_expert(self, result, out=None, *, stream=None):
         """gpu-mode's stand-in for the grouped GEMM: expert_y = expert_x * (1 + rank), received rows only
-        (fp8 rows times their block scales first)."""
+        (fp8 rows times their block scales first), of `result`: the dispatch awaiting its combine."""
+        self._refuse_if_closed()
+        if not isinstance(result, DispatchResult):
+            raise TypeError(f"fake_expert(result): result must be a dispatch()'s result, not {type(result).__name__}")
+        if self._state.pending is None:
+            raise A2AError("fake_expert() needs a dispatch awaiting its combine (its rows are the ones it reads)")
         c, streams, expert = self.config, self._streams, self._exchange.expert
         if not c.scale_cols and c.dispatch_dtype != c.out_dtype:
             raise TypeError("fake_expert needs in_dtype == out_dtype (or fp8 dispatch)")
@@ -149,6 +168,8 @@ class AllToAll(Calls):
         """Record `step()` (this object's calls and your work on the same stream, every dispatch combined)
         as one graph; each `Graph.launch()` is a new call reading the same inputs and writing the same
         outputs (fill the inputs in place). Every rank captures and launches the same sequence."""
+        if not callable(step):
+            raise TypeError(f"capture(step): step must be a function of no arguments, not {type(step).__name__}")
         self._usable()
         state, streams = self._state, self._streams
         if streams.capturing is not None:
@@ -174,6 +195,8 @@ class AllToAll(Calls):
 
         def enter(stream):
             self._usable()
+            if streams.capturing is not None:  # (a replay is not a call the capture could record)
+                raise A2AError("Graph.launch() inside capture(): record the step's calls themselves")
             if state.pending is not None:
                 # (the graph's dispatch would take the epoch the pending combine has not handed on)
                 raise A2AError("a graph cannot launch while a dispatch() awaits its combine()")
@@ -195,6 +218,7 @@ class AllToAll(Calls):
 
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's calls (on `stream`, else the last call's); raise what the kernels reported."""
+        self._refuse_if_closed()  # (its status words are freed memory now)
         streams = self._streams
         if streams.capturing is not None:
             raise A2AError("synchronize() inside capture(): nothing captured has run yet")
@@ -222,6 +246,7 @@ class AllToAll(Calls):
         profile = self._exchange.buffers.profile
         if profile is None:
             raise A2AError("profile_events() needs AllToAll(..., profile=True)")
+        self._refuse_if_closed()
         self._wait_for_calls()
         events, dropped = profile.read(self.stream)
         profile.reset(self.stream)
@@ -241,6 +266,8 @@ class AllToAll(Calls):
         """Idempotent; waits (bounded) for peers before unmapping the heap."""
         if self.heap.closed:
             return
+        if self._streams.capturing is not None:
+            raise A2AError("close() inside capture(): nothing captured has run yet")
         self._dispatch_plan = self._combine_plan = None  # (their launchers hold launch sites)
         self._dispatch_record = self._combine_record = None
         try:

@@ -1,6 +1,7 @@
-"""DeviceArray: a C-contiguous device array (NumPy dtype and shape) whose `owner` keeps its heap alive. It speaks
-the CUDA array interface and DLPack (host arrays are kDLCPU); an AllToAll output's `health` makes `.numpy()`,
-DLPack and the interface raise the error of a failed call."""
+"""DeviceArray: a C-contiguous device array (NumPy dtype and shape) whose `owner` keeps its memory alive, until the
+owner is closed where it can be (an owner with a `closed` attribute: a heap, an AllToAll); every read, write and
+export of the array refuses after that. It speaks the CUDA array interface and DLPack (host arrays are kDLCPU); an
+AllToAll output's `health` makes `.numpy()`, DLPack and the interface raise the error of a failed call."""
 from __future__ import annotations
 
 import ctypes
@@ -10,6 +11,7 @@ import weakref
 import numpy as np
 
 from . import dlpack
+from .errors import A2AError
 
 
 class Pinned:
@@ -84,8 +86,13 @@ class DeviceArray:
             raise ValueError(f"rows({n}) outside 0..{self.shape[0]}")
         return self.view((n, *self.shape[1:]))
 
+    def _refuse_if_freed(self) -> None:
+        if getattr(self.owner, "closed", False):
+            raise A2AError(f"{self!r}: its memory was freed when {type(self.owner).__name__} was closed")
+
     def numpy(self) -> np.ndarray:
         """A host copy, after the work queued on this array's stream; raises the error of a failed writing call."""
+        self._refuse_if_freed()
         out = np.empty(self.shape, self.dtype)
         self.backend.activate()
         try:
@@ -105,6 +112,7 @@ class DeviceArray:
             self.health.check(cause)
 
     def copy_from(self, host: np.ndarray) -> None:
+        self._refuse_if_freed()
         host = np.ascontiguousarray(host, dtype=self.dtype)
         if host.shape != self.shape:
             raise ValueError(f"shape {host.shape} does not match {self.shape}")
@@ -113,6 +121,7 @@ class DeviceArray:
             self.backend.copy_to_device(self.ptr, host, self.stream)
 
     def fill_bytes(self, byte: int) -> None:
+        self._refuse_if_freed()
         self.backend.activate()
         self.backend.memset(self.ptr, byte, self.nbytes, self.stream)
 
@@ -120,6 +129,7 @@ class DeviceArray:
     def __cuda_array_interface__(self) -> dict:
         if self.backend.kind != "cuda":
             raise AttributeError("__cuda_array_interface__ is only for arrays on an NVIDIA GPU")
+        self._refuse_if_freed()
         self._refuse_if_failed()  # a failure known now; later ones show as poisoned data
         cai = {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
                "strides": None, "version": 3}
@@ -139,6 +149,7 @@ class DeviceArray:
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(f"pyhipa2a arrays are exported on their own device {self.__dlpack_device__()}, "
                               f"without copies: dl_device={tuple(dl_device)} asks for another")
+        self._refuse_if_freed()
         self._refuse_if_failed()  # a failure known now; later ones show as poisoned data
         if stream != -1 and self.stream is not None and self.backend.kind != "host":
             # The consumer's `stream` (None: legacy default, per DLPack) waits on the device for ours.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arguments import env_int
 from .errors import A2ATimeoutError, ConfigMismatchError
 from .local import LocalComm
 
@@ -83,8 +84,8 @@ class NodeLayout:
 def node_layout(comm=None, ranks_per_node: int | None = None) -> NodeLayout:
     """Collective: `comm`'s nodes, its machines or `ranks_per_node` (PYHIPA2A_RANKS_PER_NODE) consecutive ranks."""
     comm = mpi().COMM_WORLD if comm is None else comm
-    if ranks_per_node is None and os.environ.get("PYHIPA2A_RANKS_PER_NODE"):
-        ranks_per_node = int(os.environ["PYHIPA2A_RANKS_PER_NODE"])
+    if ranks_per_node is None:
+        ranks_per_node = env_int("PYHIPA2A_RANKS_PER_NODE")
     rank, world = comm.Get_rank(), comm.Get_size()
     if isinstance(comm, LocalComm) and ranks_per_node not in (None, world):
         raise ValueError(f"ranks_per_node={ranks_per_node}: the ranks of one process are one node of {world}")

@@ -13,7 +13,8 @@ from .config import Config
 from .dtypes import FP8_BLOCK
 from .errors import A2AError
 from .groups import Groups
-from .inputs import Boundary, check_array, check_indices, check_numpy_input, check_scale, require_array, same_scale
+from .inputs import (Boundary, check_array, check_indices, check_numpy_input, check_scale, check_writable,
+                     require_array, same_scale)
 from .kernels import WHOLE_COMBINE, X_FP8
 from .outputs import Outputs
 from .producers import foreign_stream_handle
@@ -177,9 +178,17 @@ class Calls:
         arguments whose new arrays a repeat may take; {} for none."""
         return {}
 
-    def _usable(self) -> None:
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran: the object's memory, its outputs' included, is freed."""
+        return self.heap.closed
+
+    def _refuse_if_closed(self) -> None:
         if self.heap.closed:
             raise A2AError("AllToAll is closed")
+
+    def _usable(self) -> None:
+        self._refuse_if_closed()
         if self._state.broken:
             raise A2AError(f"AllToAll is unusable after an earlier failure: {self._state.broken}")
         self._raise_reported()
@@ -275,7 +284,7 @@ class Calls:
             arrays: list = []
             # (x may be a combine's y we handed out, expert_y a dispatch's expert_x: our own arrays then)
             x_ptr = self._take("x", outputs.ours_behind(x, lead), (T, c.hidden), c.in_dtype, s, arrays, "x_stage")
-            i_ptr = self._take("indices", indices, (T, c.top_k), np.int32, s, arrays, "indices_stage")
+            i_ptr = self._take("indices", indices, (T, c.top_k), np.int32, s, arrays, "indices_stage", 4)
             s_ptr = w_ptr = 0
             if x_scales is not None:
                 s_ptr = self._take("x_scales", x_scales, (T, c.scale_cols), np.float32, s, arrays, "x_scales_stage", 4)
@@ -352,9 +361,8 @@ class Calls:
                 library = outputs.library_of((expert_y, weights))
                 out = outputs.views(s, library).y(T)
                 out_ptr = outputs.ours(s).y(T).ptr
-            elif isinstance(given_out, np.ndarray):
-                raise TypeError("out must be a device array; a NumPy result comes from combine(...).numpy()")
             else:
+                check_writable("out", given_out, "a NumPy result comes from combine(...).numpy()")
                 out = given_out
                 out_ptr = self._take("out", out, (T, c.hidden), c.out_dtype, s, arrays)
             if host_y is not None:  # (the host waits for the stream)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+from .arguments import checked_bool, checked_int, checked_timeout
 from .bootstrap import bounded_barrier, world_size
 from .collective_arrays import CallerArrays
 from .collective_call import Shared
@@ -39,12 +40,13 @@ class CollectiveMatmul:
     def __init__(self, comm=None, *, max_rows: int, k: int, n: int, dtype="bfloat16", pieces: int = 1,
                  remote_sums: bool = False, backend=None, device: int | None = None, timeout: float = 60.0):
         for name, value in (("max_rows", max_rows), ("k", k), ("n", n), ("pieces", pieces)):
-            if int(value) != value or value < 1:
+            if checked_int(name, value) < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
         self.dtype = check_supported(dtype, "dtype")
         self.world = world_size(comm)
         self.max_rows, self.k, self.n, self.pieces = int(max_rows), int(k), int(n), int(pieces)
-        self.remote_sums = bool(remote_sums)
+        self.remote_sums = checked_bool("remote_sums", remote_sums)
+        timeout = checked_timeout(timeout)
         self.shard_rows = -(-self.max_rows // self.world)  # the most rows a rank holds
         w, m, item = self.world, self.shard_rows, self.dtype.itemsize
         kinds = AllGatherMatmul.kinds(self.pieces) + MatmulReduceScatter.kinds(self.pieces)
@@ -104,12 +106,14 @@ class CollectiveMatmul:
     def all_gather_matmul(self, a_shard, b, out=None, *, gathered=None, gemm=None, stream=None):
         """C [W*m, n] = all_gather(a_shard [m, k]) @ b [k, n]; `gathered` [W*m, k], where given, receives the
         gathered rows. `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM instead of the vendor's."""
+        checked_gemm(gemm)
         with self._lock:
             return self._gather(a_shard, b, out, gathered, gemm, stream)
 
     def matmul_reduce_scatter(self, a, b, out=None, *, gemm=None, stream=None):
         """C_shard [m, n] = rows r*m.. of sum over ranks of (a [W*m, k_r] @ b [k_r, n]), summed in fp32.
         `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM of the partial sums."""
+        checked_gemm(gemm)
         with self._lock:
             return self._scatter(a, b, out, gemm, stream)
 
@@ -163,3 +167,9 @@ class CollectiveMatmul:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def checked_gemm(gemm) -> None:
+    """gemm=: None (the vendor's GEMM) or a function, refused before the call touches anything."""
+    if gemm is not None and not callable(gemm):
+        raise TypeError(f"gemm must be None or a function gemm(a_rows, b, out_rows, stream), not {type(gemm).__name__}")

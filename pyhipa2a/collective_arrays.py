@@ -6,7 +6,7 @@ import numpy as np
 
 from . import producers
 from .array import DeviceArray
-from .inputs import Boundary
+from .inputs import Boundary, check_writable
 
 VIEWS_KEPT = 256  # library views of our memory kept (a call on other arrays makes its own anew)
 
@@ -51,6 +51,7 @@ class CallerArrays:
         """(the array the call returns, its pointer): `given` (out=), else our buffer's first rows (valid until
         the next call of the operation), as an array of the library of `like` where it has one."""
         if given is not None:
+            check_writable(name, given, "without out=, the result is ours: .numpy() it")
             return given, take(name, given, shape)
         probe = producers.stream_source(like)
         if probe is not None and probe.lasting_views:
@@ -59,8 +60,8 @@ class CallerArrays:
 
     def rows(self, obj, first: int, count: int, ptr: int, cols: int, like):
         """Rows first..first+count of the caller's array `obj` (at ptr, `cols` wide) for the caller's GEMM: its
-        own slice where it has one, else a view of ours."""
-        if type(obj) is not DeviceArray and hasattr(obj, "__getitem__"):
+        own slice where it has one on the device, else a view of ours (a NumPy array's: of its copy, at ptr)."""
+        if type(obj) is not DeviceArray and not isinstance(obj, np.ndarray) and hasattr(obj, "__getitem__"):
             return obj[first:first + count]
         return self.ours(ptr + first * cols * self.dtype.itemsize, (count, cols), like)
 

@@ -8,6 +8,7 @@ copy streams before the call returns, so it covers everything the call does.
 from __future__ import annotations
 
 from .collective_call import Operation, Prepared, lead_rows
+from .inputs import check_writable
 from .kernels import KernelLibrary
 
 SUM_THREADS, SUM_BLOCKS_PER_SM = 256, 4  # the sum's geometry: enough loads in flight to be bound by bytes
@@ -78,6 +79,8 @@ class AllGatherMatmul(Operation):
         a_ptr = take("a_shard", a_shard, (m, k))
         b_ptr = take("b", b, (k, n))
         out, out_ptr = sh.arrays.output(take, "out", out, self.out, (w * m, n), a_shard, s)
+        if gathered is not None:
+            check_writable("gathered", gathered, "the gathered rows are written only to device memory")
         g_ptr = take("gathered", gathered, (w * m, k)) if gathered is not None else None
         row_out, row_a = n * sh.dtype.itemsize, k * sh.dtype.itemsize
         # Slots lie the most rows a rank apart: a rank that sent another count overwrites only its own slot.
@@ -90,7 +93,8 @@ class AllGatherMatmul(Operation):
                 sh.vendor().matmul(s, rows, b_ptr, out_ptr + out_row * row_out, count, n, k, lda=k, ldb=n, ldc=n,
                                    dtype=sh.dtype)
             else:
-                a_rows = a_shard if src == r else sh.arrays.ours(rows, (count, k), b)
+                a_rows = sh.arrays.rows(a_shard, first, count, a_ptr, k, b) if src == r else \
+                    sh.arrays.ours(rows, (count, k), b)
                 gemm(a_rows, b, sh.arrays.rows(out, out_row, count, out_ptr, n, b), sh.backend.stream_handle(s))
             if g_ptr is not None:
                 sh.backend.copy_device(g_ptr + out_row * row_a, rows, count * row_a, s)

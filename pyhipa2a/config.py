@@ -8,11 +8,11 @@ import dataclasses
 import functools
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from .arguments import checked_bool, checked_int, checked_timeout, env_choice, env_int
 from .dtypes import FP8_BLOCK, fp8_for_arch, plan_dtypes
 from .errors import ConfigMismatchError
 from .kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, X_QUANTIZE_F16
@@ -52,14 +52,6 @@ PRODUCER_ORDERS = ("protocol", "stream")
 OUTPUTS_CHOICES = ("inputs", "ours")  # in the library of the call's inputs (pyhipa2a.outputs), or DeviceArray
 COMBINE_KERNEL_CHOICES = ("auto", "small", "bulk")
 PUBLISH_CHOICES = ("auto", "system", "gpu-fence")
-
-
-def env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """Environment variable `name`, one of `choices` (the first when unset), or ValueError."""
-    choice = os.environ.get(name, choices[0])
-    if choice not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {choice!r}")
-    return choice
 
 
 def publish_with_gpu_fence(arch: str) -> bool:
@@ -217,12 +209,14 @@ class Config:
            max_recv_rows: int | None = None) -> "Config":
         """The checked configuration over `world` ranks (else ValueError or TypeError naming the parameter)."""
         ins, moved, out, fp8 = plan_dtypes(in_dtype, dispatch_dtype, out_dtype)
-        E, k, H, M = int(num_experts), int(experts_per_token), int(hidden_dim), int(max_num_tokens)
+        E, k, H, M = (checked_int(name, value, least=1) for name, value in (
+            ("num_experts", num_experts), ("experts_per_token", experts_per_token), ("hidden_dim", hidden_dim),
+            ("max_num_tokens", max_num_tokens)))
         if fp8 and H % FP8_BLOCK:
             raise ValueError(f"fp8 dispatch needs hidden_dim to be a multiple of {FP8_BLOCK} (one scale per "
                              f"{FP8_BLOCK}-element block); got {H}")
-        if not isinstance(narrow_partials, (bool, np.bool_)):
-            raise TypeError(f"narrow_partials must be a bool, not {type(narrow_partials).__name__}")
+        narrow_partials, profile = checked_bool("narrow_partials", narrow_partials), checked_bool("profile", profile)
+        timeout = checked_timeout(timeout)
         for name, value, choices, hint in (
                 ("on_timeout", on_timeout, ("report", "trap"), ""),
                 ("stream", stream, STREAM_CHOICES, " (a call's own stream= takes a stream object or handle)"),
@@ -232,24 +226,26 @@ class Config:
                 raise ValueError(f"{name} must be one of {choices}{hint}, not {value!r}")
         if (row_align is not None or max_recv_rows is not None) and row_layout != "contiguous":
             raise ValueError("row_align and max_recv_rows are for row_layout='contiguous'")
-        row_align = DEFAULT_ROW_ALIGN if row_align is None else _whole("row_align", row_align)
+        row_align = DEFAULT_ROW_ALIGN if row_align is None else checked_int("row_align", row_align)
         if not 1 <= row_align <= MAX_ROW_ALIGN:
             raise ValueError(f"row_align must be in [1, {MAX_ROW_ALIGN}]; got {row_align}")
-        if max_recv_rows is not None and _whole("max_recv_rows", max_recv_rows) < 1:
-            raise ValueError(f"max_recv_rows must be >= 1; got {max_recv_rows}")
+        if max_recv_rows is not None:
+            checked_int("max_recv_rows", max_recv_rows, least=1)
         if max_recv_rows is not None and max_recv_rows % row_align:
             raise ValueError(f"max_recv_rows={max_recv_rows} must be a multiple of row_align={row_align} (each "
                              f"expert's rows are rounded up to it, the last one's too)")
-        if min(E, k, H, M) < 1:
-            raise ValueError("num_experts, experts_per_token, hidden_dim and max_num_tokens must be >= 1")
-        if push_max_tokens is None and os.environ.get("PYHIPA2A_PUSH_MAX_TOKENS") is not None:
-            push_max_tokens = int(os.environ["PYHIPA2A_PUSH_MAX_TOKENS"])
+        # (given, a parameter is checked as one; else its variable is read, and named where it is no integer)
+        push_max_tokens = (env_int("PYHIPA2A_PUSH_MAX_TOKENS") if push_max_tokens is None
+                           else checked_int("push_max_tokens", push_max_tokens))
         if push_max_tokens is not None and push_max_tokens < 0:
             raise ValueError(f"push_max_tokens={push_max_tokens} must be >= 0")
-        config = cls(E, k, H, M, ins, moved, out, fp8, float(timeout), bool(profile), bool(narrow_partials),
-                     on_timeout, producer_order, stream, row_layout, int(world),
-                     block_threads or int(os.environ.get("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS)),
-                     grid_blocks or int(os.environ.get("PYHIPA2A_GRID_BLOCKS", 0)) or None, push_max_tokens,
+        block_threads = (env_int("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS) if block_threads is None
+                         else checked_int("block_threads", block_threads, least=1))
+        grid_blocks = (env_int("PYHIPA2A_GRID_BLOCKS") or None if grid_blocks is None
+                       else checked_int("grid_blocks", grid_blocks, least=1))
+        config = cls(E, k, H, M, ins, moved, out, fp8, timeout, profile, narrow_partials,
+                     on_timeout, producer_order, stream, row_layout, int(world), block_threads, grid_blocks,
+                     push_max_tokens,
                      outputs=outputs, row_align=row_align, max_recv_rows=max_recv_rows,
                      post_min_tokens=post_min_tokens(H, M))
         config.check_sizes()
@@ -268,8 +264,6 @@ class Config:
             raise ValueError(f"max_num_tokens must be below 2**29; got {self.max_tokens}")
         if self.top_k > MAX_TOP_K or (self.top_k > self.num_experts and not self.void_slots):
             raise ValueError(f"experts_per_token={self.top_k} must be <= num_experts and <= {MAX_TOP_K}")
-        if self.timeout <= 0:
-            raise ValueError("timeout must be positive (seconds)")
         if self.num_experts % self.world:
             raise ValueError(f"num_experts={self.num_experts} must be divisible by the number of ranks ({self.world})")
         if self.world > MAX_WORLD:
@@ -341,24 +335,12 @@ class Config:
                                       f"from rank 0 ({how})", ranks=differ)
 
 
-def is_int(value) -> bool:
-    """Whether `value` is an int, Python's or NumPy's (a bool is not one here)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _whole(name: str, value) -> int:
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    return int(value)
-
-
 def post_min_tokens(hidden: int, max_tokens: int) -> int:
     """Tokens of a call's largest source from which its combine posts (0: never, or no call of max_tokens tokens
     reaches it): PYHIPA2A_POST_MIN_TOKENS, or as many as make DEFAULT_POST_BYTES of 16-bit rows. An owner that
     takes its contributions pushed back still takes them so (kernels_hip/combine.hip)."""
-    asked = os.environ.get("PYHIPA2A_POST_MIN_TOKENS")
-    if asked is not None:
-        tokens = int(asked)
+    tokens = env_int("PYHIPA2A_POST_MIN_TOKENS")
+    if tokens is not None:
         if tokens < 0:
             raise ValueError(f"PYHIPA2A_POST_MIN_TOKENS={tokens} must be >= 0")
     else:
@@ -385,7 +367,7 @@ def combine_part_blocks(config: Config) -> int:
 
 
 def _grid_share(variable: str, default: int) -> int:
-    share = int(os.environ.get(variable, default))
+    share = env_int(variable, default)
     if not 0 < share <= 100:
         raise ValueError(f"{variable}={share} must be a percentage in (0, 100]")
     return share

@@ -37,7 +37,12 @@ def resolve(dtype) -> np.dtype:
 
 
 def check_supported(dtype, what: str) -> np.dtype:
-    d = resolve(dtype)
+    try:
+        d = None if dtype is None else resolve(dtype)  # (np.dtype(None) is float64)
+    except TypeError:  # (np.dtype(5): "Cannot interpret '5' as a data type")
+        d = None
+    if d is None:
+        raise TypeError(f"{what} must be one of {', '.join(SUPPORTED)}, not {dtype!r}")
     if d.name not in SUPPORTED:
         raise TypeError(f"{what} must be one of {', '.join(SUPPORTED)}, not {d.name}")
     return d

@@ -32,7 +32,7 @@ import weakref
 import numpy as np
 
 from .array import Pinned
-from .config import is_int
+from .arguments import is_int
 from .errors import STATUS_TIMEOUT, WAIT_GROUP_DONE, A2AError, A2ATimeoutError, status_error
 from .kernels import MAX_GROUPS, REDUCE_ONLY
 from .runtime.base import WAIT, WRITE

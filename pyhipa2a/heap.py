@@ -9,6 +9,7 @@ import weakref
 
 import numpy as np
 
+from .arguments import checked_timeout
 from .array import DeviceArray
 from .bootstrap import bounded_barrier, node_comm
 from .errors import AllocationMismatchError, A2AError
@@ -34,7 +35,7 @@ class SymmetricHeap:
         self.device = self.backend.open_device(select_device(self.backend, self.rank, device))
         # Ranks sharing this device (MPS): kernels whose blocks wait on each other need all of their blocks resident.
         self.ranks_on_device = self.comm.allgather(self.device.index).count(self.device.index)
-        self.timeout = timeout
+        self.timeout = timeout = checked_timeout(timeout)
         self._fingerprint = hashlib.sha256()
         self._allocations = 0
         table_bytes = align_up(8 * self.world, TABLE_ALIGN)

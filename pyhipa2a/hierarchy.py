@@ -11,7 +11,6 @@ sums home, where hier_sum adds them. Regions move whole: no host round trip, and
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 
 import numpy as np
@@ -23,7 +22,7 @@ from .calls import PLACED_ARGS
 from .config import Config
 from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
 from .heap import TABLE_ALIGN, align_up
-from .internode import Transfer, checked_engine, make_engine
+from .internode import Transfer, asked_engine, make_engine
 from .intranode import NodeExchange
 from .kernels import REDUCE_ONLY, WHOLE_COMBINE, X_FP8, field_addresses
 from .runtime import Backend, get_backend, select_device
@@ -72,7 +71,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         MPI = mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         rank = comm.Get_rank()
-        engine = checked_engine(params.pop("engine", None) or os.environ.get("PYHIPA2A_INTERNODE") or None)
+        engine = asked_engine(params.pop("engine", None))
         config = Config.of(comm.Get_size(), **params)
         backend = backend if isinstance(backend, Backend) else get_backend(backend)
         config.check_agrees(comm, backend.kind)  # (each node checks its own part, not the nodes against each other)

@@ -372,6 +372,17 @@ def _cai_key(cai: dict) -> tuple:
     return (cai["data"][0], tuple(cai["shape"]), cai["typestr"], cai.get("strides"))
 
 
+def check_writable(name: str, obj, numpy_hint: str) -> None:
+    """An array a call writes (out=, gathered=): device memory that may be written. A NumPy one would never be
+    written back (`numpy_hint`: where the result comes from instead); a JAX array never changes once made."""
+    if isinstance(obj, np.ndarray):
+        raise TypeError(f"{name} must be a device array; {numpy_hint}")
+    probe = producers.stream_source(obj)
+    if probe is not None and probe.immutable:
+        raise TypeError(f"{name} must be an array that may be written: a {type(obj).__name__} never changes once "
+                        "made (let the call return its result)")
+
+
 def check_numpy_input(name: str, obj: np.ndarray, want_shape, want_dtype, capturing: bool) -> None:
     """A NumPy argument's shape, dtype and layout; refused while capturing (see the error)."""
     check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)

@@ -11,6 +11,7 @@ them reports the timeout naming that peer and poisons the call's outputs (kernel
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from typing import NamedTuple
@@ -259,17 +260,22 @@ def default_engine(backend_kind: str, placements: list) -> str:
 ENGINES = ("nccl", "mpi")
 
 
-def checked_engine(name: str | None) -> str | None:
-    """AllToAll(engine=) as given, None for default_engine's choice (made once the ranks are placed); raises for a
-    name that is no engine, within a node too (where none is used), so that one script runs on one node or many."""
+def asked_engine(name: str | None) -> str | None:
+    """AllToAll(engine=), else PYHIPA2A_INTERNODE, else None: default_engine's choice, made once the ranks are
+    placed. A name that is no engine raises, within a node too (where none is used), so that one script runs on
+    one node or many."""
+    if name is None and os.environ.get("PYHIPA2A_INTERNODE"):
+        name = os.environ["PYHIPA2A_INTERNODE"]
+        if name not in ENGINES:
+            raise ValueError(f"PYHIPA2A_INTERNODE must be one of {ENGINES}; got {name!r}")
     if name is not None and name not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES} or None, not {name!r}")
     return name
 
 
 def make_engine(name: str | None, backend, comm, timeout: float, placements: list | None = None):
-    """The engine `name` (checked_engine's; None: default_engine)."""
-    name = checked_engine(name) or default_engine(backend.kind, placements or [])
+    """The engine `name` (asked_engine's; None: default_engine)."""
+    name = asked_engine(name) or default_engine(backend.kind, placements or [])
     if name == "mpi":
         return MpiEngine(backend, comm, timeout)
     if backend.kind == "host":

@@ -12,7 +12,7 @@ from .config import Config
 from .errors import A2ATimeoutError, Health
 from .expert import FakeExpert
 from .heap import SymmetricHeap
-from .internode import checked_engine
+from .internode import asked_engine
 from .kernels import KernelLibrary
 from .legs import exchange_legs, load_kernels, settle_geometry
 
@@ -67,7 +67,7 @@ class NodeAllToAll(AllToAll, across_nodes=False):
     """AllToAll within one node."""
 
     def _open(self, comm, layout, backend, device, params: dict) -> tuple:
-        checked_engine(params.pop("engine", None))  # (nothing crosses nodes here: a named engine goes unused)
+        asked_engine(params.pop("engine", None))  # (nothing crosses nodes here: a named engine goes unused)
         exchange = NodeExchange(comm, Config.of(world_size(comm), **params), backend=backend, device=device)
         # Where a plan's stand-ins write the caller's arrays: the node's kernel arguments
         self._places = {leg: {name: getattr(exchange, leg).repeater_places[name] for name in names}

@@ -58,6 +58,7 @@ from jax.interpreters import mlir
 
 from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError, RuntimeFailure
+from .inputs import check_scale
 from .jax_grad import Gradients, differentiating, no_order, running_traces
 from .kernels import X_FP8, A2AArgs, CombineCall, DispatchCall, name_own_outputs
 from .local import each, open_ranks
@@ -301,7 +302,7 @@ class JaxAllToAll:
             raise A2AError("combine() needs the weights, or a dispatch() traced before it that sent them")
         else:
             T = self._tokens
-        scale = float(expert_scale)
+        scale = check_scale(expert_scale)  # (while tracing: a bad one refused before any call of the program runs)
         operands = [expert_y] + ([weights] if weights is not None else [])
         shapes = [jax.ShapeDtypeStruct((T, c.hidden), c.out_dtype)]
         if self._on_gpu:

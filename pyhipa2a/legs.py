@@ -16,8 +16,9 @@ import ctypes
 import itertools
 from typing import NamedTuple
 
+from .arguments import env_choice
 from .config import (COMBINE_KERNEL_CHOICES, DEFAULT_BLOCKS_PER_MP, MAX_BLOCK_THREADS, MAX_GRID_BLOCKS,
-                     MAX_WARPS_PER_BLOCK, SMALL_COMBINE_ITEMS_PER_WARP, Config, combine_part_blocks, env_choice)
+                     MAX_WARPS_PER_BLOCK, SMALL_COMBINE_ITEMS_PER_WARP, Config, combine_part_blocks)
 from .kernels import DISPATCH_KERNELS, WHOLE_COMBINE, field_addresses, name_own_outputs
 
 
@@ -66,7 +67,8 @@ class Kernels(NamedTuple):
 def load_kernels(library, config: Config) -> Kernels:
     out16 = "bf16" if config.out_dtype.name == "bfloat16" else "f16"
     small = None
-    if config.warp > 1 and env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES) != "bulk":
+    choice = env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES)  # (checked on the host backend too)
+    if config.warp > 1 and choice != "bulk":
         small = Pair(library.kernel(f"a2a_combine_small_{out16}"), library.kernel(f"a2a_combine_small_{out16}_phased"))
     expert = f"expert_dequantize_{out16}" if config.scale_cols else f"expert_scale_{out16}"
     dispatch = DISPATCH_KERNELS[config.x_format]

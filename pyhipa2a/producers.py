@@ -8,7 +8,8 @@ array through its protocol once, then asks the probe only what can have changed.
 - `hold(obj)`: what keeps a viewed array's memory ours beside it (JAX: an export, so it is not donated);
 - `lasting_views`: whether the library's view of one of our arrays (`export(array)`), made once, can be
   ordered after every later call (pyhipa2a.outputs), through `consumer_stream(device)`: the stream the
-  library reads it on, or None where it names none.
+  library reads it on, or None where it names none;
+- `immutable`: whether the library's arrays never change once made (JAX): one is refused where a call writes.
 That is what the protocols wait for: PyTorch's and CuPy's current stream; a JAX array never changes once
 written. A probe that disagrees with the protocol or raises is dropped for its type; PyTorch subclasses get
 none; nothing is imported here.
@@ -21,6 +22,7 @@ import sys
 class TorchProbe:
     hold = None  # (the tensor, referenced, keeps its memory)
     lasting_views = True
+    immutable = False
 
     def __init__(self, torch):
         # In C, unlike torch.cuda.current_stream(); a build without it (one without CUDA, say) names no stream.
@@ -61,6 +63,7 @@ class TorchProbe:
 class CupyProbe:
     hold = None  # (the array, referenced, keeps its memory)
     lasting_views = True
+    immutable = False
 
     def __init__(self, cupy):
         self._current, self._device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
@@ -92,6 +95,7 @@ class CupyProbe:
 
 class JaxProbe:
     lasting_views = False  # JAX orders its reads of an outside array once, at its import
+    immutable = True
 
     def __init__(self, jax):
         self.element_types: dict = {}

@@ -31,8 +31,8 @@ def test_new_arrays_of_each_kind(case, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
-                                  "case_config_mismatch", "case_peer_skips_call", "case_stream_handle_views_cached",
-                                  "case_repeated_calls"])
+                                  "case_config_mismatch", "case_after_close", "case_peer_skips_call",
+                                  "case_stream_handle_views_cached", "case_repeated_calls"])
 def test_api(case, backend):
     run_case(CASE + case, ranks_for(backend), env_backend(backend))
 

@@ -11,7 +11,8 @@ from tests.mpi_harness import BACKENDS, env_backend, ranks_for, run_case
 @pytest.mark.parametrize("case", ["tests.cases.jax_cases:case_gradients",
                                   "tests.cases.jax_cases:case_gradients_of_two_layers",
                                   "tests.cases.grad_cases:case_torch_gradients",
-                                  "tests.cases.grad_cases:case_torch_gradients_of_two_layers"])
+                                  "tests.cases.grad_cases:case_torch_gradients_of_two_layers",
+                                  "tests.cases.grad_cases:case_torch_failed_dispatch_stays_poisoned"])
 def test_gradients(case, backend):
     run_case(case, ranks_for(backend), env_backend(backend), timeout=600)
 

@@ -21,7 +21,7 @@ def first_column_names(section: str) -> set:
 def test_every_parameter_has_a_row():
     configured = set(inspect.signature(Config.of).parameters) - {"world"}  # (world: the communicator's size)
     face = {name for name, p in inspect.signature(AllToAll.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    # engine: taken by the implementations themselves (pyhipa2a.internode.checked_engine), not by Config
+    # engine: taken by the implementations themselves (pyhipa2a.internode.asked_engine), not by Config
     assert first_column_names("Parameters") == configured | face | {"engine"}
 
 

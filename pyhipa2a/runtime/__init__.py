@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from ..arguments import env_int, is_int
 from ..errors import RuntimeFailure
 from .base import Backend, DeviceInfo
 
@@ -25,6 +26,8 @@ def get_backend(name: str | None = None) -> Backend:
     """`name`, else $PYHIPA2A_BACKEND, else the first of hip and cuda that sees a device, else host."""
     name = name or os.environ.get("PYHIPA2A_BACKEND") or None
     if name is not None:
+        if not isinstance(name, str):
+            raise TypeError(f"backend must be one of {', '.join(BACKENDS)} or a Backend, not {type(name).__name__}")
         name = name.strip().lower()
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
@@ -43,10 +46,12 @@ def select_device(backend: Backend, local_rank: int, device: int | None = None) 
     """The device this rank drives: `device`, else PYHIPA2A_DEVICE, else local rank modulo the count. Every rank
     sees all the node's GPUs: a peer's IPC handle maps memory on the peer's GPU."""
     count = backend.device_count()
-    if device is None and os.environ.get("PYHIPA2A_DEVICE"):
-        device = int(os.environ["PYHIPA2A_DEVICE"])
+    if device is None:
+        device = env_int("PYHIPA2A_DEVICE")
     if device is None:
         device = local_rank % count
+    if not is_int(device):
+        raise TypeError(f"device must be an int, not {type(device).__name__}")
     if not 0 <= device < count:
         raise ValueError(f"device {device} does not exist: {count} {backend.kind} device(s) visible")
     return device

@@ -366,6 +366,12 @@ def case_bad_inputs(comm):
 
         with pytest.raises(A2AError, match="combine\\(\\) needs a preceding dispatch"):
             a2a.combine(np.zeros((L, cap, H), np.float16), w)
+        with pytest.raises(TypeError, match="result must be a dispatch\\(\\)'s result, not str"):
+            a2a.fake_expert("junk")
+        d = a2a.dispatch(x, idx)
+        a2a.combine(a2a.fake_expert(d), w)
+        with pytest.raises(A2AError, match="fake_expert\\(\\) needs a dispatch awaiting its combine"):
+            a2a.fake_expert(d)  # (combined already: the rows it would read may be another call's by now)
         with pytest.raises(TypeError, match="x must have dtype float16, got float32"):
             a2a.dispatch(x.astype(np.float32), idx)
         with pytest.raises(ValueError, match="x must have 2 dimensions"):
@@ -470,10 +476,55 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, stream="torch")
     with pytest.raises(ValueError, match=r"row_layout must be one of \('packed', 'by_source', 'contiguous'\), not 'source'"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, row_layout="source")
+    shape = dict(num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4)
+    # Each value once taken by a coercion (int(8.9) == 8; bool("no") is True; a NaN timeout waited for ever)
+    for wrong, error, message in (
+            (dict(num_experts=world + 0.9), TypeError, "num_experts must be an int, not float"),
+            (dict(hidden_dim=True), TypeError, "hidden_dim must be an int, not bool"),
+            (dict(profile="no"), TypeError, "profile must be a bool, not str"),
+            (dict(timeout=float("nan")), ValueError, "timeout must be a finite number of seconds above 0; got nan"),
+            (dict(timeout=float("inf")), ValueError, "timeout must be a finite number of seconds above 0; got inf"),
+            (dict(timeout="5"), TypeError, "timeout must be a number of seconds, not str"),
+            (dict(push_max_tokens=1.5), TypeError, "push_max_tokens must be an int, not float"),
+            (dict(block_threads=0), ValueError, "block_threads must be >= 1; got 0"),
+            (dict(grid_blocks="4"), TypeError, "grid_blocks must be an int, not str"),
+            (dict(max_tokens=4), TypeError, r"AllToAll\(\) got unexpected keyword arguments \['max_tokens'\]"),
+            (dict(backend=3), TypeError, "backend must be one of hip, cuda, host or a Backend, not int"),
+            (dict(device="0"), TypeError, "device must be an int, not str"),
+            (dict(in_dtype=None), TypeError, "in_dtype must be one of float16, bfloat16, not None")):
+        with pytest.raises(error, match=message):
+            AllToAll(comm, **{**shape, **wrong})
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator"):
+        AllToAll("x", **shape)
     with pytest.raises(ValueError, match=r"engine must be one of \('nccl', 'mpi'\) or None, not 'gloo'"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, engine="gloo")
     # A script that names its engine between nodes runs within one node too (where it goes unused).
     AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, engine="mpi").close()
+
+
+def case_after_close(comm):
+    """After close() the object refuses its calls and synchronize(), and its outputs, whose memory is freed,
+    refuse every read, write and export (they read freed memory before: a crash on the host backend)."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 16, 4
+    inputs = draw_world(3, world, E, k, H, M)
+    a2a = AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    me = a2a.rank
+    d = a2a.dispatch(inputs.xs[me], inputs.indices[me])
+    y = a2a.combine(a2a.fake_expert(d), inputs.weights[me])
+    y.numpy()
+    assert not a2a.closed
+    a2a.close()
+    assert a2a.closed
+    for way in (y.numpy, d.expert_x.numpy, d.expert_num_tokens.numpy, y.__dlpack__, lambda: y.fill_bytes(0),
+                lambda: y.copy_from(np.zeros(y.shape, y.dtype))):
+        with pytest.raises(A2AError, match="its memory was freed when SymmetricHeap was closed"):
+            way()
+    for call in (a2a.synchronize, lambda: a2a.dispatch(inputs.xs[me], inputs.indices[me]), lambda: a2a.fake_expert(d),
+                 a2a.x_buffer, a2a.expert_y_buffer):
+        with pytest.raises(A2AError, match="AllToAll is closed"):
+            call()
+    a2a.close()  # (idempotent)
 
 
 def case_config_mismatch(comm):

@@ -147,6 +147,12 @@ def case_numpy_inputs_and_caller_gemm(comm):
         want = sum((a[:, x:y].astype(np.float32) @ b[x:y].astype(np.float32)).astype(d).astype(np.float32)
                    for x, y in k_slices(k, world))[rank * m:(rank + 1) * m]
         close_to(c.numpy(), want, d, "gemm= matmul_reduce_scatter")
+        # NumPy rows, copied in: the GEMM is given its copy's rows (device arrays, as every other argument it gets)
+        c = cm.all_gather_matmul(a[rank * m:(rank + 1) * m], upload(cm, b), gemm=gemm)
+        close_to(c.numpy(), a.astype(np.float32) @ b.astype(np.float32), d, "gemm= of NumPy rows, all_gather_matmul")
+        c = cm.matmul_reduce_scatter(np.ascontiguousarray(a[:, lo:hi]), upload(cm, np.ascontiguousarray(b[lo:hi])),
+                                     gemm=gemm)
+        close_to(c.numpy(), want, d, "gemm= of NumPy rows, matmul_reduce_scatter")
 
         def failing_gemm(a_rows, b, out_rows, stream):
             raise RuntimeError("the caller's GEMM failed")
@@ -165,6 +171,11 @@ def case_bad_input_is_refused(comm):
     m, k, n = 8, 16, 8
     with pytest.raises(ValueError, match="max_rows must be a positive integer"):
         CollectiveMatmul(comm, max_rows=0, k=k, n=n)
+    for wrong, error, message in ((dict(max_rows=2.5), TypeError, "max_rows must be an int, not float"),
+                                  (dict(remote_sums="no"), TypeError, "remote_sums must be a bool, not str"),
+                                  (dict(timeout=float("nan")), ValueError, "timeout must be a finite number")):
+        with pytest.raises(error, match=message):  # (once coerced: 2; True; a wait for ever)
+            CollectiveMatmul(comm, **{**dict(max_rows=m * world, k=k, n=n, dtype=d), **wrong})
     # A runtime that cannot wait on the heap's words (ROCm with GPU_STREAMOPS_CP_WAIT set: runtime/hip.py)
     kind = type(pyhipa2a.get_backend())
     with pytest.MonkeyPatch.context() as patch:
@@ -183,6 +194,13 @@ def case_bad_input_is_refused(comm):
         cm.all_gather_matmul(a, upload(cm, np.zeros((k + 1, n), d)))
     with pytest.raises(ValueError, match="out"):
         cm.all_gather_matmul(a, b, poisoned(cm, (world * m + 1, n), d))
+    # (NumPy arrays the call would write were copied in and never back: the result was never in them)
+    with pytest.raises(TypeError, match="out must be a device array"):
+        cm.all_gather_matmul(a, b, np.zeros((world * m, n), d))
+    with pytest.raises(TypeError, match="gathered must be a device array"):
+        cm.all_gather_matmul(a, b, gathered=np.zeros((world * m, k), d))
+    with pytest.raises(TypeError, match="gemm must be None or a function"):
+        cm.matmul_reduce_scatter(upload(cm, draw(5, (world * m, k), d)), b, gemm=5)
     if world > 1:
         with pytest.raises(ValueError, match=f"multiple of the {world} ranks"):
             cm.matmul_reduce_scatter(upload(cm, np.zeros((world * m - 1, k), d)), b)
@@ -197,6 +215,8 @@ def case_bad_input_is_refused(comm):
         named = info.value.ranks  # (the odd rank names the first of the others it waited for, or all)
         assert named == (odd,) if rank != odd else named and set(named) <= set(range(odd)), named
     cm.close()
+    with pytest.raises(A2AError, match="its memory was freed when SymmetricHeap was closed"):
+        c.numpy()  # (it read freed memory: a crash on the host backend)
 
 
 @frees_uploads

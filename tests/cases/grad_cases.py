@@ -42,6 +42,20 @@ def linear_experts(torch, d, local):
     return torch.einsum("rh,rhg->rg", d.expert_x.float(), local[expert])
 
 
+def case_torch_failed_dispatch_stays_poisoned(comm):
+    """A dispatch the kernels refused (an expert out of range) hands out its poison through the differentiable
+    copy too: counts -1, rows NaN (the rows past the counts were zeroed, the poison with them), and the error at
+    the next synchronize."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 16, 4
+    with pytest.raises(pyhipa2a.A2ADeviceError):
+        with _torch_layer(comm, E, k, H, M) as (torch, a2a, moe, dev):
+            x = torch.ones((M, H), dtype=torch.float16, device=dev)
+            d = moe.dispatch(x, torch.full((M, k), E, dtype=torch.int32, device=dev))
+            assert (d.expert_num_tokens == -1).all()
+            assert torch.isnan(d.expert_x.float()).all()
+
+
 def case_torch_gradients(comm, row_layout="packed"):
     """loss = sum over ranks of <y, g>, y = combine(a linear expert per local expert of dispatch(x)): autograd's
     gradients of this rank's x and weights and of its experts' matrices, against autograd of the same layer

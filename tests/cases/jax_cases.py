@@ -187,6 +187,13 @@ def case_refusals(comm):
                 x, idx, jnp.zeros((4, 2), jnp.float32))
         with pytest.raises(A2AError, match=r"dispatch\(\) called again before combine\(\)"):
             jax.jit(lambda x, i: (a2a.dispatch(x, i), a2a.dispatch(x, i)))(x, idx)
+        # expert_scale: a Python number, checked as the program is traced (once at run time: the dispatch ran)
+        with pytest.raises(ValueError, match="expert_scale=nan is not a finite float32"):
+            jax.jit(lambda x, i, w: a2a.combine(a2a.dispatch(x, i).expert_x, w, expert_scale=float("nan")))(
+                x, idx, jnp.zeros((4, 2), jnp.float32))
+        with pytest.raises(TypeError, match="expert_scale must be a real number"):
+            jax.jit(lambda x, i, w, s: a2a.combine(a2a.dispatch(x, i).expert_x, w, expert_scale=s))(
+                x, idx, jnp.zeros((4, 2), jnp.float32), 2.0)
         # None of those programs ran, nor left a dispatch to combine: a whole step traces and runs.
         routes, w = jnp.tile(jnp.arange(2, dtype=jnp.int32), (4, 1)), jnp.full((4, 2), 0.5, jnp.float32)
         y = jax.jit(lambda x, i, w: a2a.combine(a2a.dispatch(x, i).expert_x, w))(*(jax.device_put(v, dev)

@@ -222,6 +222,13 @@ def case_graph_replays(comm, launches="4"):
                 a2a.capture(lambda: a2a.dispatch(x, idx))
             with pytest.raises(A2AError, match="synchronize\\(\\) inside capture"):
                 a2a.capture(a2a.synchronize)
+            # A replay, or close(), would run now and record nothing: a graph that did nothing at its launches
+            with pytest.raises(A2AError, match="Graph.launch\\(\\) inside capture\\(\\)"):
+                a2a.capture(graph.launch)
+            with pytest.raises(A2AError, match="close\\(\\) inside capture\\(\\)"):
+                a2a.capture(a2a.close)
+            with pytest.raises(TypeError, match="step must be a function of no arguments, not int"):
+                a2a.capture(5)
             d = a2a.dispatch(x, idx)
             with pytest.raises(A2AError, match="dispatch\\(\\) called again before combine\\(\\)"):
                 a2a.dispatch(x, idx)
