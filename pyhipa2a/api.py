@@ -73,6 +73,11 @@ class AllToAll(Calls):
         raise NotImplementedError
 
     @property
+    def closed(self) -> bool:
+        """Whether close() ran: the object's memory, its outputs' included, is freed."""
+        return self.heap.closed
+
+    @property
     def clock_sync(self):
         """The last clock_offset_ns()'s ClockSync: this rank's clock against rank 0's."""
         return self._exchange.clocks.last

@@ -178,11 +178,6 @@ class Calls:
         arguments whose new arrays a repeat may take; {} for none."""
         return {}
 
-    @property
-    def closed(self) -> bool:
-        """Whether close() ran: the object's memory, its outputs' included, is freed."""
-        return self.heap.closed
-
     def _refuse_if_closed(self) -> None:
         if self.heap.closed:
             raise A2AError("AllToAll is closed")
