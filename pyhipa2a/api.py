@@ -40,7 +40,7 @@ class AllToAll(Calls):
     def __new__(cls, comm=None, *, ranks_per_node: int | None = None, **params):
         """Ranks on several nodes (real, or `ranks_per_node` / PYHIPA2A_RANKS_PER_NODE) go across nodes."""
         unknown = sorted(set(params) - PARAMETERS - {"backend", "device"})
-        if unknown:  # (before any collective: Config.of's own TypeError came from deep inside, naming Config.of)
+        if unknown:  # (before anything collective, and named as AllToAll's)
             raise TypeError(f"AllToAll() got unexpected keyword arguments {unknown}; its parameters: README.md")
         if comm is not None and not hasattr(comm, "Get_rank"):
             raise TypeError(f"comm must be an mpi4py communicator (or None: COMM_WORLD), not {type(comm).__name__}")
@@ -103,7 +103,8 @@ class AllToAll(Calls):
 
     def fake_expert(self, result, out=None, *, stream=None):
         """gpu-mode's stand-in for the grouped GEMM: expert_y = expert_x * (1 + rank), received rows only
-        (fp8 rows times their block scales first), of `result`: the dispatch awaiting its combine."""
+        (fp8 rows times their block scales first), of the dispatch awaiting its combine: `result`, its result, is
+        checked to be a dispatch's, but the rows read are always the pending dispatch's."""
         self._refuse_if_closed()
         if not isinstance(result, DispatchResult):
             raise TypeError(f"fake_expert(result): result must be a dispatch()'s result, not {type(result).__name__}")
@@ -248,10 +249,10 @@ class AllToAll(Calls):
     # -- profiling --------------------------------------------------------------
     def profile_events(self):
         """(events, dropped) recorded since the last read (profile=True only); waits for the calls."""
+        self._refuse_if_closed()
         profile = self._exchange.buffers.profile
         if profile is None:
             raise A2AError("profile_events() needs AllToAll(..., profile=True)")
-        self._refuse_if_closed()
         self._wait_for_calls()
         events, dropped = profile.read(self.stream)
         profile.reset(self.stream)

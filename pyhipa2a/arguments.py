@@ -51,8 +51,8 @@ def env_int(name: str, default: int | None = None) -> int | None:
 
 
 def env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """Environment variable `name`, one of `choices` (the first when unset), or ValueError."""
-    choice = os.environ.get(name, choices[0])
+    """Environment variable `name`, one of `choices` (the first when unset or empty), or ValueError."""
+    choice = os.environ.get(name) or choices[0]
     if choice not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {choice!r}")
     return choice

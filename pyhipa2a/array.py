@@ -88,7 +88,7 @@ class DeviceArray:
 
     def _refuse_if_freed(self) -> None:
         if getattr(self.owner, "closed", False):
-            raise A2AError(f"{self!r}: its memory was freed when {type(self.owner).__name__} was closed")
+            raise A2AError(f"{self!r}: its memory was freed by close()")
 
     def numpy(self) -> np.ndarray:
         """A host copy, after the work queued on this array's stream; raises the error of a failed writing call."""

@@ -39,12 +39,14 @@ class CollectiveMatmul:
 
     def __init__(self, comm=None, *, max_rows: int, k: int, n: int, dtype="bfloat16", pieces: int = 1,
                  remote_sums: bool = False, backend=None, device: int | None = None, timeout: float = 60.0):
-        for name, value in (("max_rows", max_rows), ("k", k), ("n", n), ("pieces", pieces)):
-            if checked_int(name, value) < 1:
+        sizes = {name: checked_int(name, value) for name, value in
+                 (("max_rows", max_rows), ("k", k), ("n", n), ("pieces", pieces))}
+        for name, value in sizes.items():
+            if value < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
         self.dtype = check_supported(dtype, "dtype")
         self.world = world_size(comm)
-        self.max_rows, self.k, self.n, self.pieces = int(max_rows), int(k), int(n), int(pieces)
+        self.max_rows, self.k, self.n, self.pieces = sizes.values()
         self.remote_sums = checked_bool("remote_sums", remote_sums)
         timeout = checked_timeout(timeout)
         self.shard_rows = -(-self.max_rows // self.world)  # the most rows a rank holds

@@ -65,6 +65,11 @@ class CallerArrays:
             return obj[first:first + count]
         return self.ours(ptr + first * cols * self.dtype.itemsize, (count, cols), like)
 
+    def given(self, obj, ptr: int, shape):
+        """The caller's argument `obj` (at ptr) as the caller's GEMM gets it: itself on the device, else (NumPy,
+        copied in) its copy, as the other arrays the GEMM gets are."""
+        return self.ours(ptr, shape, obj) if isinstance(obj, np.ndarray) else obj
+
     def ours(self, ptr: int, shape, like):
         """Our memory at `ptr` as an array of the library of `like` (made once and kept: an import costs more
         than a call's host work), else as a DeviceArray."""

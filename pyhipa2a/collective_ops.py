@@ -78,6 +78,7 @@ class AllGatherMatmul(Operation):
         w, r, k, n, m = sh.world, sh.rank, sh.k, sh.n, int(a_shard.shape[0])
         a_ptr = take("a_shard", a_shard, (m, k))
         b_ptr = take("b", b, (k, n))
+        b_given = sh.arrays.given(b, b_ptr, (k, n))  # (what gemm= gets)
         out, out_ptr = sh.arrays.output(take, "out", out, self.out, (w * m, n), a_shard, s)
         if gathered is not None:
             check_writable("gathered", gathered, "the gathered rows are written only to device memory")
@@ -95,7 +96,7 @@ class AllGatherMatmul(Operation):
             else:
                 a_rows = sh.arrays.rows(a_shard, first, count, a_ptr, k, b) if src == r else \
                     sh.arrays.ours(rows, (count, k), b)
-                gemm(a_rows, b, sh.arrays.rows(out, out_row, count, out_ptr, n, b), sh.backend.stream_handle(s))
+                gemm(a_rows, b_given, sh.arrays.rows(out, out_row, count, out_ptr, n, b), sh.backend.stream_handle(s))
             if g_ptr is not None:
                 sh.backend.copy_device(g_ptr + out_row * row_a, rows, count * row_a, s)
 
@@ -170,6 +171,7 @@ class MatmulReduceScatter(Operation):
         m, k = int(a.shape[0]) // w, int(a.shape[1])
         a_ptr = take("a", a, (w * m, k))
         b_ptr = take("b", b, (k, n))
+        b_given = sh.arrays.given(b, b_ptr, (k, n))  # (what gemm= gets)
         out, out_ptr = sh.arrays.output(take, "out", out, self.out, (m, n), a, s)
         row_c = n * item
         slot = sh.shard_rows * row_c
@@ -183,7 +185,7 @@ class MatmulReduceScatter(Operation):
                 sh.vendor().matmul(s, rows, b_ptr, c_ptr, count, n, k, lda=k, ldb=n, ldc=n, dtype=sh.dtype,
                                    addend=addend)
             else:
-                gemm(sh.arrays.rows(a, first, count, a_ptr, k, b), b, sh.arrays.ours(c_ptr, (count, n), b),
+                gemm(sh.arrays.rows(a, first, count, a_ptr, k, b), b_given, sh.arrays.ours(c_ptr, (count, n), b),
                      sh.backend.stream_handle(s))
 
         def send(s, d: int, awaited: list) -> None:

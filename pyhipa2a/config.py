@@ -230,19 +230,21 @@ class Config:
         if not 1 <= row_align <= MAX_ROW_ALIGN:
             raise ValueError(f"row_align must be in [1, {MAX_ROW_ALIGN}]; got {row_align}")
         if max_recv_rows is not None:
-            checked_int("max_recv_rows", max_recv_rows, least=1)
+            max_recv_rows = checked_int("max_recv_rows", max_recv_rows, least=1)
         if max_recv_rows is not None and max_recv_rows % row_align:
             raise ValueError(f"max_recv_rows={max_recv_rows} must be a multiple of row_align={row_align} (each "
                              f"expert's rows are rounded up to it, the last one's too)")
-        # (given, a parameter is checked as one; else its variable is read, and named where it is no integer)
+        # (a parameter not given is its variable's, checked alike)
         push_max_tokens = (env_int("PYHIPA2A_PUSH_MAX_TOKENS") if push_max_tokens is None
                            else checked_int("push_max_tokens", push_max_tokens))
         if push_max_tokens is not None and push_max_tokens < 0:
             raise ValueError(f"push_max_tokens={push_max_tokens} must be >= 0")
-        block_threads = (env_int("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS) if block_threads is None
-                         else checked_int("block_threads", block_threads, least=1))
-        grid_blocks = (env_int("PYHIPA2A_GRID_BLOCKS") or None if grid_blocks is None
-                       else checked_int("grid_blocks", grid_blocks, least=1))
+        if block_threads is None:
+            block_threads = env_int("PYHIPA2A_BLOCK_THREADS", DEFAULT_BLOCK_THREADS)
+        if grid_blocks is None:
+            grid_blocks = env_int("PYHIPA2A_GRID_BLOCKS")
+        block_threads = checked_int("block_threads", block_threads, least=1)
+        grid_blocks = None if grid_blocks is None else checked_int("grid_blocks", grid_blocks, least=1)
         config = cls(E, k, H, M, ins, moved, out, fp8, timeout, profile, narrow_partials,
                      on_timeout, producer_order, stream, row_layout, int(world), block_threads, grid_blocks,
                      push_max_tokens,

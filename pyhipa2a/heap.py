@@ -29,13 +29,14 @@ class SymmetricHeap:
 
     def __init__(self, comm, nbytes: int, *, backend: Backend | str | None = None,
                  device: int | None = None, timeout: float = 60.0):
+        timeout = checked_timeout(timeout)  # (before anything collective)
         self.comm = node_comm(comm)
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
         self.device = self.backend.open_device(select_device(self.backend, self.rank, device))
         # Ranks sharing this device (MPS): kernels whose blocks wait on each other need all of their blocks resident.
         self.ranks_on_device = self.comm.allgather(self.device.index).count(self.device.index)
-        self.timeout = timeout = checked_timeout(timeout)
+        self.timeout = timeout
         self._fingerprint = hashlib.sha256()
         self._allocations = 0
         table_bytes = align_up(8 * self.world, TABLE_ALIGN)

@@ -379,8 +379,8 @@ def check_writable(name: str, obj, numpy_hint: str) -> None:
         raise TypeError(f"{name} must be a device array; {numpy_hint}")
     probe = producers.stream_source(obj)
     if probe is not None and probe.immutable:
-        raise TypeError(f"{name} must be an array that may be written: a {type(obj).__name__} never changes once "
-                        "made (let the call return its result)")
+        raise TypeError(f"{name} must be an array that may be written: a JAX array never changes once made (let "
+                        "the call return its result)")
 
 
 def check_numpy_input(name: str, obj: np.ndarray, want_shape, want_dtype, capturing: bool) -> None:

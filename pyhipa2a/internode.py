@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .arguments import env_choice
 from .bootstrap import poll
 from .errors import A2ATimeoutError
 
@@ -265,17 +266,15 @@ def asked_engine(name: str | None) -> str | None:
     placed. A name that is no engine raises, within a node too (where none is used), so that one script runs on
     one node or many."""
     if name is None and os.environ.get("PYHIPA2A_INTERNODE"):
-        name = os.environ["PYHIPA2A_INTERNODE"]
-        if name not in ENGINES:
-            raise ValueError(f"PYHIPA2A_INTERNODE must be one of {ENGINES}; got {name!r}")
+        return env_choice("PYHIPA2A_INTERNODE", ENGINES)
     if name is not None and name not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES} or None, not {name!r}")
     return name
 
 
 def make_engine(name: str | None, backend, comm, timeout: float, placements: list | None = None):
-    """The engine `name` (asked_engine's; None: default_engine)."""
-    name = asked_engine(name) or default_engine(backend.kind, placements or [])
+    """The engine `name` (as asked_engine returns it; None: default_engine)."""
+    name = name or default_engine(backend.kind, placements or [])
     if name == "mpi":
         return MpiEngine(backend, comm, timeout)
     if backend.kind == "host":

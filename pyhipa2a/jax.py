@@ -284,7 +284,7 @@ class JaxAllToAll:
                                  f"{self._tokens} tokens")
         indices, order = self._chained_value(self._indices), self.order_after()
         if weights is not None and indices is not None and self._differentiable and differentiating():
-            y, self._order = self._grads.combine(self, order, expert_y, weights, indices, float(expert_scale))
+            y, self._order = self._grads.combine(self, order, expert_y, weights, indices, check_scale(expert_scale))
         else:
             y, _ = self.combine_after(order, expert_y, weights, expert_scale)  # (it keeps its order word)
         self._uncombined = None

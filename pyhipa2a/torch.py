@@ -24,6 +24,7 @@ import torch
 
 from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError
+from .inputs import check_scale
 
 
 class Differentiable:
@@ -59,7 +60,7 @@ class Differentiable:
         """y [T, H] (a copy), differentiable in expert_y and the weights."""
         if self._indices is None:
             raise A2AError("combine() follows a dispatch() of this object")
-        return _Combine.apply(self, expert_y, weights, self._indices, float(expert_scale))
+        return _Combine.apply(self, expert_y, weights, self._indices, check_scale(expert_scale))
 
 
 def _valid_rows(expert_x, counts, offsets):

@@ -5,7 +5,7 @@ import pathlib
 import re
 
 from pyhipa2a import AllToAll
-from pyhipa2a.config import Config
+from pyhipa2a.api import PARAMETERS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -19,10 +19,8 @@ def first_column_names(section: str) -> set:
 
 
 def test_every_parameter_has_a_row():
-    configured = set(inspect.signature(Config.of).parameters) - {"world"}  # (world: the communicator's size)
     face = {name for name, p in inspect.signature(AllToAll.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    # engine: taken by the implementations themselves (pyhipa2a.internode.asked_engine), not by Config
-    assert first_column_names("Parameters") == configured | face | {"engine"}
+    assert first_column_names("Parameters") == PARAMETERS | face
 
 
 def test_every_environment_variable_has_a_row():

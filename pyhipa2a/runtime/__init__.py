@@ -24,7 +24,8 @@ def _make(name: str) -> Backend:
 
 def get_backend(name: str | None = None) -> Backend:
     """`name`, else $PYHIPA2A_BACKEND, else the first of hip and cuda that sees a device, else host."""
-    name = name or os.environ.get("PYHIPA2A_BACKEND") or None
+    if name is None:
+        name = os.environ.get("PYHIPA2A_BACKEND") or None
     if name is not None:
         if not isinstance(name, str):
             raise TypeError(f"backend must be one of {', '.join(BACKENDS)} or a Backend, not {type(name).__name__}")

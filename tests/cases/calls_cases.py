@@ -477,7 +477,7 @@ def case_bad_config(comm):
     with pytest.raises(ValueError, match=r"row_layout must be one of \('packed', 'by_source', 'contiguous'\), not 'source'"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, row_layout="source")
     shape = dict(num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4)
-    # Each value once taken by a coercion (int(8.9) == 8; bool("no") is True; a NaN timeout waited for ever)
+    # Values a coercion would take (int(8.9) == 8; bool("no") is True; a NaN timeout would wait for ever)
     for wrong, error, message in (
             (dict(num_experts=world + 0.9), TypeError, "num_experts must be an int, not float"),
             (dict(hidden_dim=True), TypeError, "hidden_dim must be an int, not bool"),
@@ -504,7 +504,7 @@ def case_bad_config(comm):
 
 def case_after_close(comm):
     """After close() the object refuses its calls and synchronize(), and its outputs, whose memory is freed,
-    refuse every read, write and export (they read freed memory before: a crash on the host backend)."""
+    refuse every read, write and export."""
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 16, 4
     inputs = draw_world(3, world, E, k, H, M)
@@ -518,7 +518,7 @@ def case_after_close(comm):
     assert a2a.closed
     for way in (y.numpy, d.expert_x.numpy, d.expert_num_tokens.numpy, y.__dlpack__, lambda: y.fill_bytes(0),
                 lambda: y.copy_from(np.zeros(y.shape, y.dtype))):
-        with pytest.raises(A2AError, match="its memory was freed when SymmetricHeap was closed"):
+        with pytest.raises(A2AError, match="its memory was freed by close\\(\\)"):
             way()
     for call in (a2a.synchronize, lambda: a2a.dispatch(inputs.xs[me], inputs.indices[me]), lambda: a2a.fake_expert(d),
                  a2a.x_buffer, a2a.expert_y_buffer):
