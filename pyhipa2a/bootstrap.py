@@ -64,12 +64,56 @@ def poll(ready, deadline: float) -> bool:
     return True
 
 
+ARRIVAL_TAG = 0x7A2A  # a bounded barrier's messages (on our own communicators, or the caller's in tests)
+
+
+class _Arrivals:
+    """A barrier as every rank's empty message to every other: unlike MPI_Ibarrier's, a wait that ends early
+    knows who never came. Messages between two ranks match in the order they were sent, barrier by barrier; a
+    late rank's message is taken by the receive its barrier posted, kept (with its send) in _ABANDONED."""
+
+    def __init__(self, comm):
+        _ABANDONED[:] = [request for request in _ABANDONED if not request.Test()]  # (a completed one is freed)
+        MPI, me = mpi(), comm.Get_rank()
+        nothing = [bytearray(0), MPI.BYTE]
+        peers = [r for r in range(comm.Get_size()) if r != me]
+        self._sent = [comm.Isend(nothing, dest=r, tag=ARRIVAL_TAG) for r in peers]
+        self._heard = {r: comm.Irecv(nothing, source=r, tag=ARRIVAL_TAG) for r in peers}
+
+    def done(self) -> bool:
+        for r in [r for r, request in self._heard.items() if request.Test()]:
+            del self._heard[r]
+        if self._heard:
+            return False
+        for request in self._sent:  # (every peer has received ours: they complete)
+            request.Wait()
+        return True
+
+    def late(self) -> list:
+        _ABANDONED.extend([*self._sent, *self._heard.values()])
+        return sorted(self._heard)
+
+
+_ABANDONED: list = []  # requests of barriers that timed out: MPI may still complete them
+
+
 def bounded_barrier(comm, timeout: float, what: str) -> None:
-    """A barrier that raises A2ATimeoutError after `timeout` seconds instead of hanging."""
-    request = comm.Ibarrier()
-    if not poll(request.Test, time.monotonic() + timeout):
+    """A barrier that raises A2ATimeoutError naming the ranks that never arrived, after `timeout` seconds,
+    instead of hanging."""
+    if isinstance(comm, LocalComm):
+        request = comm.Ibarrier()
+        done, late = request.Test, request.absent
+    else:
+        arrivals = _Arrivals(comm)
+        done, late = arrivals.done, arrivals.late
+    if not poll(done, time.monotonic() + timeout):
+        missing = late()
         raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s at a barrier; "
-                              f"at least one of the {comm.Get_size()} ranks never arrived")
+                              f"{_ranks(missing)} never arrived", ranks=tuple(missing))
+
+
+def _ranks(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,11 @@ class _Request:
         if not self._done:
             self._done = self._group.await_round(self._seq, self._round, self._rank, wait=True)
 
+    def absent(self) -> list:
+        """The ranks that have not come (a snapshot)."""
+        with self._group.changed:
+            return [i for i, v in enumerate(self._round.values) if v is _ABSENT]
+
 
 class LocalComm:
     """Rank `rank` of a group of ranks in this process (see the module's doc), with mpi4py's names."""

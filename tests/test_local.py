@@ -45,6 +45,20 @@ def test_a_rank_that_never_comes_is_named_within_the_timeout():
     assert time.monotonic() - started < 5
 
 
+def test_a_bounded_barrier_names_the_late_rank():
+    from pyhipa2a.bootstrap import bounded_barrier
+
+    def rank(comm):
+        if comm.Get_rank() == 1:
+            time.sleep(0.6)
+            bounded_barrier(comm, 5.0, "late")  # (the others have come: it passes)
+            return None
+        with pytest.raises(A2ATimeoutError, match="late: rank .* waited 0.2 s at a barrier; rank 1 never arrived") as e:
+            bounded_barrier(comm, 0.2, "late")
+        return e.value.ranks
+    assert open_ranks(3, rank) == [(1,), None, (1,)]
+
+
 def test_a_rank_whose_setup_fails_ends_the_others_and_its_error_is_raised():
     """The other ranks' collectives end at once with its error (no timeout waited out); open_ranks raises the
     failing rank's own error and closes what the others made."""

@@ -258,3 +258,23 @@ def case_skipped_call(comm, leg, on_timeout):
     else:
         assert np.isnan(a2a.buffers["y"].numpy()[:T].astype(np.float32)).all()
     leave()
+
+
+def case_barrier_names_the_late_rank(comm):
+    """A bounded barrier that times out names the rank that never arrived, on every rank that waited; the
+    late rank, arriving after, passes it, and the ranks are in step again at the next barrier."""
+    from pyhipa2a.bootstrap import bounded_barrier
+    world, me = comm.Get_size(), comm.Get_rank()
+    if world == 1:
+        pytest.skip("one rank has no peer to be late")
+    bounded_barrier(comm, 10.0, "before")
+    late = world - 1
+    if me == late:
+        time.sleep(1.5)
+        bounded_barrier(comm, 10.0, "late")
+    else:
+        with pytest.raises(A2ATimeoutError, match=f"late: rank {me} waited 0.5 s at a barrier; rank {late} never "
+                                                  "arrived") as info:
+            bounded_barrier(comm, 0.5, "late")
+        assert info.value.ranks == (late,)
+    bounded_barrier(comm, 10.0, "after")
