@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from .arguments import checked_bool, checked_int, checked_timeout
+from .arguments import checked_bool, checked_int
 from .bootstrap import bounded_barrier, world_size
 from .collective_arrays import CallerArrays
 from .collective_call import Shared
@@ -48,7 +48,6 @@ class CollectiveMatmul:
         self.world = world_size(comm)
         self.max_rows, self.k, self.n, self.pieces = sizes.values()
         self.remote_sums = checked_bool("remote_sums", remote_sums)
-        timeout = checked_timeout(timeout)
         self.shard_rows = -(-self.max_rows // self.world)  # the most rows a rank holds
         w, m, item = self.world, self.shard_rows, self.dtype.itemsize
         kinds = AllGatherMatmul.kinds(self.pieces) + MatmulReduceScatter.kinds(self.pieces)
@@ -56,7 +55,7 @@ class CollectiveMatmul:
         slabs = 1 if remote_sums else 2
         nbytes = (w * m * k + slabs * w * m * n + (w + 1) * m * n) * item + len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
-        self.backend, self.rank, self.timeout = heap.backend, heap.rank, float(timeout)
+        self.backend, self.rank, self.timeout = heap.backend, heap.rank, heap.timeout  # (the heap checked it)
         self._flight = self._blas = self._replays = self._arrays = self._gather = self._scatter = None
         self._signals = None
         # A call's queuing, and giving up on calls (the watchdog's thread too); re-entered where a call waits for
