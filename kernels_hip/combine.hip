@@ -598,9 +598,9 @@ A2A_DEVICE void combine(const A2AArgs& a, const CombineCall& c) {
     pushed_back = (pre[x.W + 3] >> x.h.rank & 1u) != 0u;
     posted = x.a.post_min_tokens && pre[x.W + 2] >= x.a.post_min_tokens;  // the same on every rank
   }
-  // A whole combine that posts splits its grid (exchange.h): blocks below combine_send_blocks send, the
+  // A whole combine that posts splits its grid (exchange.h): a share of every block's warps send, the
   // others reduce.
-  const GridParts parts = split_grid(g, posted && phase == A2A_WHOLE_COMBINE ? x.a.combine_send_blocks : 0u);
+  const GridParts parts = split_grid(g, posted && phase == A2A_WHOLE_COMBINE ? x.a.combine_send_percent : 0u);
   if (sends && parts.sends && x.W > 1 && !failed_before)
     send_contributions<Fmt, U>(x, c, parts.part, sc, pre, phase, G, posted);
   // A lane may still read the warp's scratch (sc.slots, sc.w) for the last

@@ -41,9 +41,9 @@
 // instead, a whole token's flags after one system-scope release once all
 // of its segments are stored (a single segment's after one of its own;
 // scripts/link_probe.cu: a release after each 14 KB row cost a stream of
-// stores 1%), and splits its grid
-// (combine_send_blocks): the first blocks send while the rest reduce our
-// tokens as their parts land, reading them from our own memory. So the link
+// stores 1%), and splits its warps
+// (combine_send_percent): every block's first warps send while the rest
+// reduce our tokens as their parts land, reading them from our own memory. So the link
 // (the sends) and our memory (the reduce's reads of our own expert rows)
 // work at once, where one grid doing the two in turn took the sum of their
 // times (docs/PREFILL.md).
@@ -138,7 +138,8 @@ struct A2AArgs {
   u32 recv_rows;           // rows of expert_x: L * W * M, or R contiguous
   u32 post_min_tokens;     // > 0: a combine whose largest source has at least this many tokens posts its
                            // contributions (stores them into their owners' memory); 0: never
-  u32 combine_send_blocks; // a posting combine's first blocks, which send while the others reduce
+  u32 combine_send_percent; // > 0: a posting combine's share of every block's warps that send while the
+                            // others reduce; 0: every warp sends, then reduces
   u32 pad;
   u64 timeout_ns;
   // The call's fixed divisors (pyhipa2a/kernels.py: divisor), for quot/rem below.
@@ -235,20 +236,25 @@ A2A_DEVICE WarpGrid warp_grid() {
   return {a2a_lane(), a2a_block() * per_block + in_block, a2a_grid_dim() * per_block, in_block, per_block};
 }
 
-// A posting combine's grid in two (posted contributions, above): the blocks below `split` send, the
-// others receive. Each part is a grid of its own: its warps number from 0 and its items stride over its warps.
-// The grid stays whole where split is 0 or takes every block.
+// A posting combine's grid in two (posted contributions, above): `percent` of every block's warps (at
+// least one, and one fewer than the block's) send, the others receive. Taken from every block, so that
+// every multiprocessor sends: where the first blocks sent, about half of them did (docs/PREFILL.md). Each
+// part is a grid of its own: its warps number from 0 and its items stride over its warps; warp_in_block
+// stays the warp's place in its block (its scratch). The grid stays whole where percent is 0 or a block
+// has one warp.
 struct GridParts {
   WarpGrid part;
   bool sends, receives;
 };
-A2A_DEVICE GridParts split_grid(const WarpGrid& g, u32 split) {
-  if (split == 0u || split >= a2a_grid_dim()) return {g, true, true};
-  const u32 lower = split * g.warps_per_block;
-  const bool sends = g.warp < lower;
+A2A_DEVICE GridParts split_grid(const WarpGrid& g, u32 percent) {
+  if (percent == 0u || g.warps_per_block < 2u) return {g, true, true};
+  u32 send = g.warps_per_block * percent / 100u;
+  send = send < 1u ? 1u : send >= g.warps_per_block ? g.warps_per_block - 1u : send;
+  const bool sends = g.warp_in_block < send;
   WarpGrid p = g;
-  p.warps = sends ? lower : g.warps - lower;
-  p.warp = sends ? g.warp : g.warp - lower;
+  p.warps_per_block = sends ? send : g.warps_per_block - send;
+  p.warps = a2a_grid_dim() * p.warps_per_block;
+  p.warp = a2a_block() * p.warps_per_block + (sends ? g.warp_in_block : g.warp_in_block - send);
   return {p, sends, !sends};
 }
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .array import DeviceArray, Pinned
-from .config import MAX_GRID_BLOCKS, Config, combine_send_blocks
+from .config import MAX_GRID_BLOCKS, Config, combine_send_percent
 from .kernels import GROUP_STRIPES, MAX_GROUPS, A2AArgs, HeapView, divisor, route_chunk, route_chunks, timeout_ns
 from .clock import CLOCK_ROUNDS
 from .profile import ProfileBuffer
@@ -157,7 +157,7 @@ class Buffers:
         args.div_W, args.div_peers = divisor(c.world), divisor(max(1, c.world - 1))
         args.div_chunk, args.div_chunks = divisor(args.route_chunk), divisor(route_chunks(c.top_k, c.max_tokens))
         args.push_max_tokens, args.push_row_words = c.push_max_tokens, c.push_row_words
-        args.post_min_tokens, args.combine_send_blocks = c.post_min_tokens, combine_send_blocks(c)
+        args.post_min_tokens, args.combine_send_percent = c.post_min_tokens, combine_send_percent()
         args.narrow_partials, args.gpu_fence_publish = int(c.narrow_partials), int(c.gpu_fence_publish)
         args.by_source, args.void_slots, args.region_tokens = int(c.by_source), int(c.void_slots), c.region_tokens
         args.row_align, args.recv_rows = (c.row_align if c.contiguous else 0), c.recv_rows

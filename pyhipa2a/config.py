@@ -34,7 +34,7 @@ DEFAULT_PUSH_BYTES = 768 * 1024
 DEFAULT_PUSH_BACK_BYTES = 256 * 1024
 # Posted contributions (kernels_hip/exchange.h): a combine whose largest source has at least this many bytes of
 # 16-bit rows stores its contributions into their owners' memory instead of leaving them for the owners to pull,
-# with this share (percent) of its grid sending while the rest reduces.
+# with this share (percent) of every block's warps sending while the rest reduce.
 DEFAULT_POST_BYTES = 8 * 1024 * 1024
 DEFAULT_COMBINE_SEND_SHARE = 25
 # A combine in parts (dispatch(groups=)): the share (percent) of the grid each sending part but the last runs on,
@@ -350,14 +350,13 @@ def post_min_tokens(hidden: int, max_tokens: int) -> int:
     return tokens if tokens <= max_tokens else 0
 
 
-def combine_send_blocks(config: Config) -> int:
-    """Blocks of a posting combine that send while the rest reduce: PYHIPA2A_COMBINE_SEND_SHARE percent of the
-    grid (default DEFAULT_COMBINE_SEND_SHARE), at least one and one fewer than the grid; 100: every block sends,
-    then reduces (as a grid of one block always does)."""
+def combine_send_percent() -> int:
+    """The share of every block's warps that send in a posting combine while the others reduce:
+    PYHIPA2A_COMBINE_SEND_SHARE percent (default DEFAULT_COMBINE_SEND_SHARE); the kernel takes at least one warp
+    and one fewer than the block's (kernels_hip/exchange.h: split_grid). 0 for 100: every warp sends, then
+    reduces (as a block of one warp always does)."""
     share = _grid_share("PYHIPA2A_COMBINE_SEND_SHARE", DEFAULT_COMBINE_SEND_SHARE)
-    if share == 100:
-        return config.blocks
-    return min(max(1, config.blocks * share // 100), max(1, config.blocks - 1))
+    return 0 if share == 100 else share
 
 
 def combine_part_blocks(config: Config) -> int:

@@ -68,7 +68,7 @@ class A2AArgs(ctypes.Structure):
                 ("x_format", u32), ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
                 ("route_chunk", u32), ("void_slots", u32), ("region_tokens", u32), ("gpu_fence_publish", u32),
                 ("by_source", u32), ("row_align", u32), ("recv_rows", u32), ("post_min_tokens", u32),
-                ("combine_send_blocks", u32), ("pad", u32), ("timeout_ns", u64),
+                ("combine_send_percent", u32), ("pad", u32), ("timeout_ns", u64),
                 ("div_k", Divisor), ("div_L", Divisor), ("div_E", Divisor), ("div_x_nseg", Divisor),
                 ("div_chunk", Divisor), ("div_chunks", Divisor), ("div_W", Divisor), ("div_peers", Divisor),
                 ("div_nseg", Divisor)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyhipa2a.config import (DEFAULT_POST_BYTES, Config, combine_part_blocks, combine_send_blocks,
+from pyhipa2a.config import (DEFAULT_POST_BYTES, Config, combine_part_blocks, combine_send_percent,
                              publish_with_gpu_fence)
 
 
@@ -57,38 +57,39 @@ def test_posting_threshold_refuses_negative(monkeypatch):
         Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
 
 
-SEND, PART = (combine_send_blocks, "PYHIPA2A_COMBINE_SEND_SHARE"), (combine_part_blocks, "PYHIPA2A_COMBINE_PART_SHARE")
-
-
-def _grid_share(share_of, variable, env, blocks, monkeypatch) -> int:
+def _grid_share(variable, env, monkeypatch, share_of):
     if env is None:
         monkeypatch.delenv(variable, raising=False)
     else:
         monkeypatch.setenv(variable, env)
+    return share_of()
+
+
+def _part_blocks(blocks):
     config = Config.of(2, num_experts=8, experts_per_token=4, hidden_dim=64, max_num_tokens=16)
-    return share_of(config.with_geometry(256, blocks, -1))
+    return lambda: combine_part_blocks(config.with_geometry(256, blocks, -1))
 
 
-@pytest.mark.parametrize("env,blocks,expected", [(None, 264, 66), ("50", 264, 132), ("100", 264, 264), ("1", 264, 2),
-                                                 ("1", 50, 1), ("99", 2, 1), ("25", 1, 1)])
-def test_combine_send_blocks(env, blocks, expected, monkeypatch):
-    """A posting combine's senders: a share of the grid, at least one block and one fewer than the grid, or
-    every block (100, and a grid of one block), which then send and reduce in turn."""
-    assert _grid_share(*SEND, env, blocks, monkeypatch) == expected
+@pytest.mark.parametrize("env,expected", [(None, 25), ("50", 50), ("1", 1), ("99", 99), ("100", 0)])
+def test_combine_send_percent(env, expected, monkeypatch):
+    """A posting combine's senders: a share of every block's warps (the kernel keeps at least one and one
+    fewer than the block's), or 0 for 100: every warp sends, then reduces."""
+    assert _grid_share("PYHIPA2A_COMBINE_SEND_SHARE", env, monkeypatch, combine_send_percent) == expected
 
 
 @pytest.mark.parametrize("env,blocks,expected", [(None, 264, 66), ("10", 264, 26), ("100", 264, 264), ("1", 50, 1),
                                                  ("25", 1, 1)])
 def test_combine_part_blocks(env, blocks, expected, monkeypatch):
     """A combine's sending parts but the last, after dispatch(groups=): a share of the grid, at least one block."""
-    assert _grid_share(*PART, env, blocks, monkeypatch) == expected
+    assert _grid_share("PYHIPA2A_COMBINE_PART_SHARE", env, monkeypatch, _part_blocks(blocks)) == expected
 
 
-@pytest.mark.parametrize("share", [SEND, PART], ids=["send", "part"])
+@pytest.mark.parametrize("variable,share_of", [("PYHIPA2A_COMBINE_SEND_SHARE", combine_send_percent),
+                                               ("PYHIPA2A_COMBINE_PART_SHARE", _part_blocks(8))], ids=["send", "part"])
 @pytest.mark.parametrize("env", ["0", "101"])
-def test_grid_shares_refuse_other_percentages(share, env, monkeypatch):
-    with pytest.raises(ValueError, match=rf"{share[1]}={env} must be a percentage in \(0, 100\]"):
-        _grid_share(*share, env, 8, monkeypatch)
+def test_grid_shares_refuse_other_percentages(variable, share_of, env, monkeypatch):
+    with pytest.raises(ValueError, match=rf"{variable}={env} must be a percentage in \(0, 100\]"):
+        _grid_share(variable, env, monkeypatch, share_of)
 
 
 def test_a_node_part_keeps_its_slot_indices_below_2_31():
