@@ -35,11 +35,13 @@ call raises, and `check()` raises the error now.
 
 Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): dispatch's is a combine of the rows' gradients with
 unit weights; combine's a dispatch of y's gradient, weighted, plus the weights' gradient. Each backward
-pass is itself a dispatch then a combine, so every rank must differentiate the same program. Under
-differentiation dispatch zeroes expert_x's rows beyond each count; outside it they are left as they are
-(a pass over expert_x saved). They need packed or contiguous rows, x of the dtype of y, the weights given to
-combine;
-`gradients=False` leaves them out (and the narrow exchange of the weights' rows they make).
+pass is itself a dispatch then a combine, so every rank must differentiate the same program. Every traced
+call carries its rules (JAX may differentiate later a program it traced without differentiation); an eager
+call none. Differentiated, dispatch zeroes expert_x's rows beyond each count; otherwise they are left as
+they are (a pass over expert_x saved). They need packed or contiguous rows, x of the dtype of y, the weights
+given to combine, and combine's dispatch traced in the same function (Dispatched); a call without them
+refuses differentiation, saying why. `gradients=False` leaves them out (and the narrow exchange of the
+weights' rows they make).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ from jax.interpreters import mlir
 from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError, RuntimeFailure
 from .inputs import check_scale
-from .jax_grad import Gradients, differentiating, no_order, running_traces
+from .jax_grad import Gradients, differentiating, no_order, program_trace, refusing_gradients, running_traces
 from .kernels import X_FP8, A2AArgs, CombineCall, DispatchCall, name_own_outputs
 from .local import each, open_ranks
 
@@ -185,15 +187,12 @@ class JaxAllToAll:
                 self._host = HostCalls(self._ranks, axis_name)
             self._sites: dict = {}
             self._order = None   # the order word of this object's last traced call
-            # The last dispatch traced: its token count, indices and whether it sent the weights (combine's)
-            self._tokens = self._indices = self._sent = None
-            self._uncombined = None  # the order word of a dispatch() not yet followed by a combine()
+            self._dispatched: Dispatched | None = None
             self._grads = None
             # Gradients need packed or contiguous rows, 16-bit x of the dtype of y, and an exchange of the weights'
             # rows (laid out as the tokens' are: the same parameters but the width).
-            self._differentiable = (gradients and not c.by_source and not c.scale_cols
-                                    and c.in_dtype == c.out_dtype == c.dispatch_dtype)
-            if self._differentiable:  # (the weights' rows: two 16-bit halves a weight)
+            self._no_gradients = _why_no_gradients(c, gradients)
+            if self._no_gradients is None:  # (the weights' rows: two 16-bit halves a weight)
                 narrow = {**params, "hidden_dim": c.weight_row_cols, "in_dtype": c.out_dtype.name,
                           "out_dtype": c.out_dtype.name, "dispatch_dtype": None}
                 self._grads = Gradients(JaxAllToAll(comm, devices=devices, axis_name=axis_name, gradients=False,
@@ -233,16 +232,26 @@ class JaxAllToAll:
         (sent with the routing: combine then takes none), x_scales with fp8 x. Differentiable in x where
         neither weights nor scales are given and the rows are packed or contiguous (its gradient: a combine of
         the rows' gradients with unit weights)."""
-        if self._chained_value(self._uncombined) is not None:  # (one of a trace still running, or an eager call)
+        last = self._dispatched
+        if last is not None and not last.combined and last.in_this_function():
             raise A2AError("dispatch() called again before combine(): each dispatch is combined once")
         order = self.order_after()
-        if weights is None and x_scales is None and self._differentiable and differentiating():
-            expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order)
+        why = self._no_gradients or (weights is not None and _SENT_WEIGHTS) or None
+        if why is None and program_trace() is not None:  # (an eager call is never differentiated later)
+            # Under differentiation the rows beyond the counts are zeroed (pyhipa2a.jax_grad); a program traced
+            # without it and differentiated later zeroes them where x takes a gradient.
+            expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order,
+                                                                               differentiating())
             d = JaxDispatch(expert_x, counts, meta, expert_offsets=offsets)
         else:
-            d, _ = self.dispatch_after(order, x, indices, weights, x_scales)  # (it keeps its order word)
-        self._tokens, self._indices, self._sent = int(x.shape[0]), indices, weights is not None
-        self._uncombined = self._order
+            operands = [a for a in (weights, x_scales) if a is not None]
+
+            def call(order, x, indices, *operands):
+                given = iter(operands)
+                w, s = (next(given) if a is not None else None for a in (weights, x_scales))
+                return self.dispatch_after(order, x, indices, w, s)
+            d, self._order = refusing_gradients(call, why)(order, x, indices, *operands)
+        self._dispatched = Dispatched(int(x.shape[0]), indices, weights is not None, program_trace())
         return d
 
     def dispatch_after(self, order, x, indices, weights=None, x_scales=None) -> tuple:
@@ -274,20 +283,30 @@ class JaxAllToAll:
         [T, k] float32, unless dispatch sent them. `expert_scale`: a Python number (part of the program).
         Differentiable in expert_y and the weights after a differentiable dispatch in the same trace (the
         gradient: a dispatch of y's gradient, weighted, and the weights' gradient)."""
-        if self._tokens is not None:  # (the dispatch traced last: combine's own, in the same program)
-            if weights is None and not self._sent:
+        last, order = self._dispatched, self.order_after()
+        ours = last is not None and last.checks_combine()
+        if ours:
+            if weights is None and not last.sent:
                 raise TypeError("combine() needs the weights [T, k] float32: here, or given to dispatch(weights=)")
-            if weights is not None and self._sent:
+            if weights is not None and last.sent:
                 raise ValueError("the weights were given to dispatch(), which sent them: combine() takes none")
-            if weights is not None and int(weights.shape[0]) != self._tokens:
+            if weights is not None and int(weights.shape[0]) != last.tokens:
                 raise ValueError(f"weights has {int(weights.shape[0])} rows but the dispatch before had "
-                                 f"{self._tokens} tokens")
-        indices, order = self._chained_value(self._indices), self.order_after()
-        if weights is not None and indices is not None and self._differentiable and differentiating():
-            y, self._order = self._grads.combine(self, order, expert_y, weights, indices, check_scale(expert_scale))
+                                 f"{last.tokens} tokens")
+        why = self._no_gradients or (weights is None and _SENT_WEIGHTS) or None
+        if why is None and not (ours and last.in_this_function()):
+            why = _DISPATCH_ELSEWHERE
+        if why is None:
+            y, self._order = self._grads.combine(self, order, expert_y, weights, last.indices,
+                                                 check_scale(expert_scale))
         else:
-            y, _ = self.combine_after(order, expert_y, weights, expert_scale)  # (it keeps its order word)
-        self._uncombined = None
+            operands = [weights] if weights is not None else []
+
+            def call(order, expert_y, *weights):
+                return self.combine_after(order, expert_y, *weights, expert_scale=expert_scale)
+            y, self._order = refusing_gradients(call, why)(order, expert_y, *operands)
+        if last is not None:
+            self._dispatched = last._replace(combined=True)
         return y
 
     def combine_after(self, order, expert_y, weights=None, expert_scale: float = 1.0) -> tuple:
@@ -298,10 +317,10 @@ class JaxAllToAll:
         if weights is not None:
             T = int(weights.shape[0])
             _check_operand("weights", weights, (T, c.top_k), np.float32)
-        elif self._tokens is None:
+        elif self._dispatched is None:
             raise A2AError("combine() needs the weights, or a dispatch() traced before it that sent them")
         else:
-            T = self._tokens
+            T = self._dispatched.tokens
         scale = check_scale(expert_scale)  # (while tracing: a bad one refused before any call of the program runs)
         operands = [expert_y] + ([weights] if weights is not None else [])
         shapes = [jax.ShapeDtypeStruct((T, c.hidden), c.out_dtype)]
@@ -412,6 +431,46 @@ class JaxAllToAll:
             return list(results)
         return [r if self._axis in getattr(jax.typeof(r), "vma", ()) else jax.lax.pcast(r, self._axis, to="varying")
                 for r in results]
+
+
+class Dispatched(NamedTuple):
+    """The dispatch traced or called last, as combine() needs it: its token count, its indices, whether it sent
+    the weights, and the trace of the function it was traced in (None: an eager call). A compiled program runs
+    again without Python, so Python sees every call only within one traced function: there this is combine's
+    own dispatch, with indices that are the program's own data. (Between eager calls a compiled program may
+    have run unseen: eager calls are checked against the last eager dispatch all the same, and the device
+    pairs them whatever Python saw.)"""
+    tokens: int
+    indices: object
+    sent: bool
+    trace: object
+    combined: bool = False
+
+    def in_this_function(self) -> bool:
+        """Traced in the function being traced now, or in one around it."""
+        return self.trace is not None and any(t is self.trace for t in running_traces())
+
+    def checks_combine(self) -> bool:
+        """Whether combine() is checked against this dispatch: in one function, or both calls eager."""
+        return not self.combined and (self.in_this_function() or (self.trace is None and program_trace() is None))
+
+
+_SENT_WEIGHTS = ("the weights were sent by dispatch(weights=), which takes no gradient: give them to combine() "
+                 "to differentiate the step")
+_DISPATCH_ELSEWHERE = ("combine() is differentiated only in the function that traced its dispatch() (one jax.grad, "
+                       "jax.vjp or jax.jit around both): its gradient dispatches again with that dispatch's "
+                       "indices, which must be the program's own data, not Python's memory of another call")
+
+
+def _why_no_gradients(c, gradients: bool) -> str | None:
+    """Why this object's calls take no gradient rules, or None where they do."""
+    if not gradients:
+        return "JaxAllToAll(gradients=False) differentiates nothing"
+    if c.by_source or c.scale_cols or not c.in_dtype == c.out_dtype == c.dispatch_dtype:
+        return ("gradients need rows packed or contiguous and x in the dtype of y (no fp8 dispatch); this object "
+                f"has row_layout={'by_source' if c.by_source else 'contiguous' if c.contiguous else 'packed'}, "
+                f"x {c.in_dtype.name}, y {c.out_dtype.name}, rows {c.dispatch_dtype.name}")
+    return None
 
 
 class HostCalls:

@@ -42,8 +42,8 @@ def test_jit_step_at_fewer_ranks(ranks):
 
 
 def test_differentiating_is_seen_through_jit_and_scan():
-    """The gradient rules (and the zeroing of rows beyond the counts) run where a call can be differentiated:
-    under jax.grad, jax.vjp, jax.jvp, with jit or scan inside them; not in a plain jit or an eager call."""
+    """dispatch zeroes its rows beyond the counts where a call is traced differentiated: under jax.grad,
+    jax.vjp, jax.jvp, with jit or scan inside them; not in a plain jit or an eager call."""
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
     from pyhipa2a.jax_grad import differentiating

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pyhipa2a import reference
-from pyhipa2a.testing import check_dispatch_against_oracle, draw_world, layout_arguments
+from pyhipa2a.testing import check_dispatch_against_oracle, combine_error_against_oracle, draw_world, layout_arguments
 
 
 def _jax(a2a_backend_is_host: bool):
@@ -235,11 +235,13 @@ def case_program_on_another_gpu_is_refused(comm):
         a2a.check()
 
 
-def case_gradients(comm, row_layout="packed"):
+def case_gradients(comm, row_layout="packed", first="grad"):
     """jax.grad through dispatch, a linear expert per local expert (in jnp), and combine against jax.grad of
     the same layer computed densely from every rank's inputs (drawn from one seed): the gradients of this
     rank's x and weights and of its experts' matrices, of the sum over ranks of each rank's <y, g>. Rows
-    packed, or contiguous (each row's expert found from expert_offsets)."""
+    packed, or contiguous (each row's expert found from expert_offsets). `first`: "grad", jit around grad;
+    "forward", the jitted layer run first without differentiation, then differentiated (JAX reuses the
+    program it traced then)."""
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 64, 8
     a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
@@ -265,8 +267,13 @@ def case_gradients(comm, row_layout="packed"):
             y = a2a.combine(expert_y, weights, expert_scale=scale)
             return jnp.sum(y.astype(jnp.float32) * put(probes[me]))
 
-        grads = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))(
-            put(inputs.xs[me]), put(inputs.weights[me]), put(mats[me * L:(me + 1) * L]))
+        arguments = (put(inputs.xs[me]), put(inputs.weights[me]), put(mats[me * L:(me + 1) * L]))
+        if first == "grad":
+            grads = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))(*arguments)
+        else:
+            jitted = jax.jit(layer)
+            jax.block_until_ready(jitted(*arguments))
+            grads = jax.grad(jitted, argnums=(0, 1, 2))(*arguments)
 
         def dense(xs, ws, mats):  # every rank's loss, each token through its experts on one device
             total = 0.0
@@ -394,6 +401,61 @@ def case_gradients_where_y_is_stopped(comm, variant):
             # d/dx: "rows", each token once per slot (expert_x holds a copy a slot); "second", y = sum_j w_j x
             want = (np.full((M, k), 1.0) if variant == "rows" else inputs.weights[me]).sum(axis=1)[:, None]
             assert np.allclose(dx, np.broadcast_to(want, dx.shape), rtol=1e-2, atol=1e-2), (i, variant)
+        a2a.check()
+
+
+def case_gradients_refused_with_reasons(comm):
+    """A call that takes no gradient says why when JAX differentiates it, before any call of that program runs,
+    on every rank alike: a combine whose dispatch ran outside the differentiated function (Python's memory of
+    its indices could be another call's: a compiled program runs again unseen), weights sent by dispatch, an
+    object made with gradients=False. The object goes on: the refused programs never ran."""
+    from pyhipa2a import A2AError
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    params = dict(num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    a2a, jax, jnp, dev = _made(comm, **params)
+    unit = reference.fused_expert([1.0] * world)  # (expert_x combined as it came)
+    with a2a:
+        me = a2a.rank
+        inputs = draw_world(160, world, E, k, H, M, token_counts=[M] * world)
+        x, idx, w = (jax.device_put(v[me], dev) for v in (inputs.xs, inputs.indices, inputs.weights))
+
+        def total(y):
+            return jnp.sum(y.astype(jnp.float32))
+        rows = a2a.dispatch(x, idx).expert_x  # (eager)
+        with pytest.raises(A2AError, match=r"differentiated only in the function that traced its dispatch"):
+            jax.grad(lambda w: total(a2a.combine(rows, w)))(w)
+        with pytest.raises(A2AError, match=r"differentiated only in the function that traced its dispatch"):
+            jax.jit(jax.grad(lambda w: total(a2a.combine(rows, w))))(w)
+        y = a2a.combine(rows, w)  # (the eager dispatch is combined as before)
+        combine_error_against_oracle(a2a, inputs, np.asarray(y), expert=unit)  # (raises beyond the tolerance)
+        with pytest.raises(A2AError, match=r"sent by dispatch\(weights=\)"):
+            jax.grad(lambda x: total(a2a.combine(a2a.dispatch(x, idx, weights=w).expert_x)))(x)
+        y = jax.jit(lambda x: a2a.combine(a2a.dispatch(x, idx, weights=w).expert_x))(x)
+        combine_error_against_oracle(a2a, inputs, np.asarray(y), expert=unit)
+    plain, jax, jnp, dev = _made(comm, gradients=False, **params)
+    with plain:
+        step = jax.jit(lambda x, w: total(plain.combine(plain.dispatch(x, idx).expert_x, w)))
+        jax.block_until_ready(step(x, w))
+        with pytest.raises(A2AError, match=r"gradients=False"):
+            jax.grad(step)(x, w)
+        plain.check()
+
+
+def case_eager_dispatch_and_compiled_combine(comm):
+    """Eager dispatches, each combined by one jitted function that runs compiled from its second call on
+    (Python does not see that combine): no dispatch is refused as uncombined, and every y is the oracle's."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me = a2a.rank
+        combine = jax.jit(lambda rows, w: a2a.combine(rows, w))
+        for i in range(3):
+            inputs = draw_world(170 + i, world, E, k, H, M, token_counts=[M] * world)
+            x, idx, w = (jax.device_put(v[me], dev) for v in (inputs.xs, inputs.indices, inputs.weights))
+            y = combine(a2a.dispatch(x, idx).expert_x, w)
+            combine_error_against_oracle(a2a, inputs, np.asarray(y), expert=reference.fused_expert([1.0] * world))
         a2a.check()
 
 
