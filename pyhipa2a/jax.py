@@ -481,6 +481,9 @@ class HostCalls:
 
     def __init__(self, ranks: list, axis: str | None):
         self._ranks, self._axis = ranks, axis
+        # Each kind of call's callback, made once: an eager call is compiled for its callback, so a new one at
+        # every call compiled every call anew (25 ms an eager step).
+        self._callbacks: dict = {}
 
     def dispatch(self, operands, order, shapes, names, with_weights: bool, with_scales: bool) -> list:
         """The results of a dispatch (DispatchResult's `names`, in order), the order word out last."""
@@ -489,24 +492,27 @@ class HostCalls:
             x_scales = rest[int(with_weights)] if with_scales else None
             d = a2a.dispatch(x, indices, weights=weights, x_scales=x_scales)
             return [getattr(d, name).numpy() for name in names]
-        return self._call(call, operands, order, shapes)
+        return self._call(("dispatch", names, with_weights, with_scales), call, operands, order, shapes)
 
     def combine(self, operands, order, shapes, with_weights: bool, scale: float) -> list:
         """The results of a combine (y, then the order word out)."""
         def call(a2a, expert_y, *rest):
             return [a2a.combine(expert_y, rest[0] if with_weights else None, expert_scale=scale).numpy()]
-        return self._call(call, operands, order, shapes)
+        return self._call(("combine", with_weights, scale), call, operands, order, shapes)
 
-    def _call(self, call, operands, order, shapes) -> list:
+    def _call(self, kind: tuple, call, operands, order, shapes) -> list:
+        """The results of `call` (the kind of call `kind` names: the same call for the same kind)."""
         if self._axis is None:
             rank = jnp.zeros((1,), jnp.int32)
         else:
             rank = jax.lax.axis_index(self._axis).astype(jnp.int32).reshape(1)
-
-        def run(context, outs, rank, *buffers):  # (NumPy views of XLA's buffers: no JAX array made in a callback)
-            arrays = [np.asarray(b) for b in buffers[:-1]]  # (the order word last: read by nobody)
-            for out, value in zip(outs, [*call(self._ranks[int(np.asarray(rank)[0])], *arrays), 0]):
-                np.asarray(out)[...] = value
+        run = self._callbacks.get(kind)
+        if run is None:
+            def run(context, outs, rank, *buffers):  # (NumPy views of XLA's buffers: no JAX array made in a callback)
+                arrays = [np.asarray(b) for b in buffers[:-1]]  # (the order word last: read by nobody)
+                for out, value in zip(outs, [*call(self._ranks[int(np.asarray(rank)[0])], *arrays), 0]):
+                    np.asarray(out)[...] = value
+            self._callbacks[kind] = run
         return list(buffer_callback(run, (*shapes, _order_word()), has_side_effect=True)(rank, *operands, order))
 
 

@@ -13,7 +13,8 @@ CASE = "tests.cases.jax_cases:"
 @pytest.mark.parametrize("case", ["case_jit_step", "case_inside_shard_map", "case_two_exchanges_in_one_program",
                                   "case_dropped_combine_is_refused", "case_refusals",
                                   "case_rows_beyond_counts_under_differentiation",
-                                  "case_program_on_another_gpu_is_refused", "case_fp8_given_with_weights"])
+                                  "case_program_on_another_gpu_is_refused", "case_fp8_given_with_weights",
+                                  "case_eager_calls_compile_once"])
 def test_jax(case, backend):
     pytest.importorskip("jax")
     run_case(CASE + case, ranks_for(backend), env_backend(backend), timeout=600)

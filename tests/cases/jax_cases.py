@@ -459,6 +459,34 @@ def case_eager_dispatch_and_compiled_combine(comm):
         a2a.check()
 
 
+def case_eager_calls_compile_once(comm):
+    """Eager calls of a kind compile once: later eager steps, with new values, compile nothing (JAX's compile
+    events counted, from the third step on), and their y is the oracle's. (On the host backend each eager
+    call once made a new callback, which JAX compiled at every call: 25 ms a step.)"""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    compiled = []
+
+    def heard(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+    with a2a:
+        me = a2a.rank
+        unit = reference.fused_expert([1.0] * world)
+        for i in range(5):
+            if i == 2:  # (the first steps compile what they need: JAX's own operations, and a dispatch whose order
+                #          word is a call's, not the first's zeros)
+                jax.monitoring.register_event_duration_secs_listener(heard)
+            inputs = draw_world(180 + i, world, E, k, H, M, token_counts=[M] * world)
+            x, idx, w = (jax.device_put(v[me], dev) for v in (inputs.xs, inputs.indices, inputs.weights))
+            y = a2a.combine(a2a.dispatch(x, idx).expert_x, w)
+            combine_error_against_oracle(a2a, inputs, np.asarray(y), expert=unit)
+        jax.monitoring.unregister_event_duration_listener(heard)
+        assert not compiled, f"{len(compiled)} programs compiled in three eager steps after the second"
+        a2a.check()
+
+
 def case_fp8_given_with_weights(comm):
     """fp8 x given with its block scales, and the weights given to dispatch, inside jit: every operand of the
     call in its place (the rows, scales, counts and meta against the oracle; y against the oracle of the
