@@ -35,13 +35,14 @@ call raises, and `check()` raises the error now.
 
 Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): dispatch's is a combine of the rows' gradients with
 unit weights; combine's a dispatch of y's gradient, weighted, plus the weights' gradient. Each backward
-pass is itself a dispatch then a combine, so every rank must differentiate the same program. Every traced
-call carries its rules (JAX may differentiate later a program it traced without differentiation); an eager
-call none. Differentiated, dispatch zeroes expert_x's rows beyond each count; otherwise they are left as
-they are (a pass over expert_x saved). They need packed or contiguous rows, x of the dtype of y, the weights
-given to combine, and combine's dispatch traced in the same function (Dispatched); a call without them
-refuses differentiation, saying why. `gradients=False` leaves them out (and the narrow exchange of the
-weights' rows they make).
+pass is itself a dispatch then a combine, so every rank must differentiate the same program. The rules go
+with calls traced under differentiation: there dispatch zeroes expert_x's rows beyond each count;
+elsewhere they are left as they are (a pass over expert_x saved). They need packed or contiguous rows, x of
+the dtype of y, the weights given to combine, and combine's dispatch traced in the same function
+(Dispatched). A traced call without rules refuses differentiation, saying why: JAX differentiates a
+program as it traced it, so a jitted function that ran undifferentiated cannot take its gradient later
+(its rows, not zeroed, would reach the expert's gradients). `gradients=False` leaves the rules out (and
+the narrow exchange of the weights' rows they make).
 """
 from __future__ import annotations
 
@@ -236,12 +237,10 @@ class JaxAllToAll:
         if last is not None and not last.combined and last.in_this_function():
             raise A2AError("dispatch() called again before combine(): each dispatch is combined once")
         order = self.order_after()
-        why = self._no_gradients or (weights is not None and _SENT_WEIGHTS) or None
-        if why is None and program_trace() is not None:  # (an eager call is never differentiated later)
-            # Under differentiation the rows beyond the counts are zeroed (pyhipa2a.jax_grad); a program traced
-            # without it and differentiated later zeroes them where x takes a gradient.
-            expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order,
-                                                                               differentiating())
+        why = (self._no_gradients or (weights is not None and _SENT_WEIGHTS)
+               or (not differentiating() and _TRACED_UNDIFFERENTIATED) or None)
+        if why is None:
+            expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order)
             d = JaxDispatch(expert_x, counts, meta, expert_offsets=offsets)
         else:
             operands = [a for a in (weights, x_scales) if a is not None]
@@ -293,9 +292,9 @@ class JaxAllToAll:
             if weights is not None and int(weights.shape[0]) != last.tokens:
                 raise ValueError(f"weights has {int(weights.shape[0])} rows but the dispatch before had "
                                  f"{last.tokens} tokens")
-        why = self._no_gradients or (weights is None and _SENT_WEIGHTS) or None
-        if why is None and not (ours and last.in_this_function()):
-            why = _DISPATCH_ELSEWHERE
+        why = (self._no_gradients or (weights is None and _SENT_WEIGHTS)
+               or (not (ours and last.in_this_function()) and _DISPATCH_ELSEWHERE)
+               or (not differentiating() and _TRACED_UNDIFFERENTIATED) or None)
         if why is None:
             y, self._order = self._grads.combine(self, order, expert_y, weights, last.indices,
                                                  check_scale(expert_scale))
@@ -457,6 +456,11 @@ class Dispatched(NamedTuple):
 
 _SENT_WEIGHTS = ("the weights were sent by dispatch(weights=), which takes no gradient: give them to combine() "
                  "to differentiate the step")
+_TRACED_UNDIFFERENTIATED = (
+    "it was traced without differentiation, and JAX differentiates that program as it was traced (jax.grad of a "
+    "jitted function that ran before): its dispatch's rows beyond the counts, not zeroed, would reach the "
+    "expert's gradients. Differentiate a function that has not run undifferentiated: jax.jit(jax.grad(f)), or "
+    "jax.grad of a new jax.jit(f)")
 _DISPATCH_ELSEWHERE = ("combine() is differentiated only in the function that traced its dispatch() (one jax.grad, "
                        "jax.vjp or jax.jit around both): its gradient dispatches again with that dispatch's "
                        "indices, which must be the program's own data, not Python's memory of another call")

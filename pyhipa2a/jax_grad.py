@@ -17,11 +17,11 @@ in fp16, 16 in bf16; in fp16 a dot product must stay within its range (65504).
 Rows beyond a count hold whatever the buffer held (in XLA's buffers, NaN as often as not). A function of
 expert_x over all its rows (an expert as one einsum) puts them into its gradients through 0 * garbage, so
 under differentiation dispatch zeroes them, whether or not x itself needs a gradient, and their gradients
-are zero. Outside it (a forward pass) they are left as they are: zeroing costs a full pass over expert_x.
-The rules go with every traced call, since JAX differentiates later the program it traced without
-differentiation (jax.grad of a jitted function that ran before); there the rows are zeroed where x takes a
-gradient (the rule's forward). An eager call takes no rules: nothing differentiates it later, and JAX's
-custom_vjp alone costs more than the exchange.
+are zero. Outside it (a forward pass; an eager call) the rules are left out: they would cost a full pass
+over expert_x, and in an eager call JAX's custom_vjp alone costs more than the exchange. A program traced
+outside it is differentiated later as it was traced (jax.grad of a jitted function that ran before), its
+rows not zeroed, so its calls refuse that (refusing_gradients): NaN rows times a zero gradient would
+reach the expert's weights' gradient where x takes none.
 
 Order, by data alone (XLA keeps no other order between custom calls: its CPU compiler drops optimization
 barriers): each call takes an order word the calls it must follow made. Combine's gradient dispatches after
@@ -41,7 +41,7 @@ from jax._src import core as _jax_core
 
 from .errors import A2AError
 
-try:  # (JAX names its differentiating traces nowhere public; without them rows are always zeroed)
+try:  # (JAX names its differentiating traces nowhere public; without them the rules always run)
     from jax._src.interpreters import ad as _ad
 except ImportError:
     _ad = None
@@ -72,7 +72,7 @@ def refusing_gradients(call, why: str | None):
     """`call` as a function that JAX, differentiating it, refuses with an A2AError saying `why`, rather than in its
     own words for a custom call or callback without a rule: a traced call that takes no rules (a program traced
     without differentiation may be differentiated later: jax.grad of a jitted function that ran before). An
-    eager call is returned as it is: nothing differentiates it later."""
+    eager call is returned as it is: outside differentiation, nothing differentiates it later."""
     if program_trace() is None:
         return call
     refused = jax.custom_jvp(call)
@@ -84,10 +84,9 @@ def refusing_gradients(call, why: str | None):
 
 
 def differentiating() -> bool:
-    """Whether a call traced now is differentiated: a JVP or linearization runs around it (jax.grad, jax.vjp,
-    jax.jvp; jit or scan inside them included), so dispatch zeroes its rows beyond the counts. A JAX whose
-    traces are named otherwise is taken to be differentiating: the rows are then zeroed always, correct and
-    slower."""
+    """Whether a call traced now can be differentiated: a JVP or linearization runs around it (jax.grad,
+    jax.vjp, jax.jvp; jit or scan inside them included). A JAX whose traces are named otherwise is taken to
+    be differentiating: the rules then run always, correct and slower."""
     kinds = tuple(getattr(_ad, name) for name in ("JVPTrace", "LinearizeTrace") if hasattr(_ad, name))
     return len(kinds) < 2 or any(isinstance(t, kinds) for t in running_traces())
 
@@ -98,23 +97,18 @@ class Gradients:
     def __init__(self, rows):
         self.rows, self.cols = rows, rows.config.hidden
 
-    def dispatch(self, a2a, x, indices, order, zeroed: bool):
+    def dispatch(self, a2a, x, indices, order):
         """(expert_x, expert_num_tokens, expert_meta, expert_offsets (contiguous rows; else None), the order word
-        out) of a differentiable dispatch, its rows beyond the counts zeroed where x takes a gradient, and
-        where it takes none if `zeroed` (traced under differentiation: the expert's own gradients may read
-        them)."""
+        out) of a differentiable dispatch."""
         tokens, dtype = x.shape[0], x.dtype
 
-        def results(x, indices, order, zero: bool):
-            d, order = a2a.dispatch_after(order, x, indices)
-            return _zero_beyond(d) if zero else d.expert_x, d.expert_num_tokens, d.expert_meta, d.expert_offsets, order
-
         @jax.custom_vjp
-        def dispatch(x, indices, order):  # (what runs where x takes no gradient)
-            return results(x, indices, order, zeroed)
+        def dispatch(x, indices, order):  # (what runs where x needs no gradient: its rows zeroed all the same)
+            d, order = a2a.dispatch_after(order, x, indices)
+            return _zero_beyond(d), d.expert_num_tokens, d.expert_meta, d.expert_offsets, order
 
         def forward(x, indices, order):
-            return results(x, indices, order, True), indices
+            return dispatch(x, indices, order), indices
 
         def backward(indices, cotangents):
             # A pair of its own: a dispatch that lays the rows out again (of zeros, after this object's last

@@ -18,15 +18,6 @@ def test_gradients(case, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_jax_gradients_of_a_program_traced_first_without_them(backend):
-    """jax.grad of a jitted layer that ran before, undifferentiated: JAX differentiates the program it traced
-    then, whose calls carry their rules all the same."""
-    pytest.importorskip("jax")
-    run_case("tests.cases.jax_cases:case_gradients", ranks_for(backend), env_backend(backend),
-             args=("packed", "forward"), timeout=600)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_gradients_refused_with_reasons", "case_eager_dispatch_and_compiled_combine"])
 def test_jax_python_state_of_calls(case, backend):
     pytest.importorskip("jax")

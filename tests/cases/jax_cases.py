@@ -235,13 +235,11 @@ def case_program_on_another_gpu_is_refused(comm):
         a2a.check()
 
 
-def case_gradients(comm, row_layout="packed", first="grad"):
+def case_gradients(comm, row_layout="packed"):
     """jax.grad through dispatch, a linear expert per local expert (in jnp), and combine against jax.grad of
     the same layer computed densely from every rank's inputs (drawn from one seed): the gradients of this
     rank's x and weights and of its experts' matrices, of the sum over ranks of each rank's <y, g>. Rows
-    packed, or contiguous (each row's expert found from expert_offsets). `first`: "grad", jit around grad;
-    "forward", the jitted layer run first without differentiation, then differentiated (JAX reuses the
-    program it traced then)."""
+    packed, or contiguous (each row's expert found from expert_offsets)."""
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 64, 8
     a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
@@ -267,13 +265,8 @@ def case_gradients(comm, row_layout="packed", first="grad"):
             y = a2a.combine(expert_y, weights, expert_scale=scale)
             return jnp.sum(y.astype(jnp.float32) * put(probes[me]))
 
-        arguments = (put(inputs.xs[me]), put(inputs.weights[me]), put(mats[me * L:(me + 1) * L]))
-        if first == "grad":
-            grads = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))(*arguments)
-        else:
-            jitted = jax.jit(layer)
-            jax.block_until_ready(jitted(*arguments))
-            grads = jax.grad(jitted, argnums=(0, 1, 2))(*arguments)
+        grads = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))(
+            put(inputs.xs[me]), put(inputs.weights[me]), put(mats[me * L:(me + 1) * L]))
 
         def dense(xs, ws, mats):  # every rank's loss, each token through its experts on one device
             total = 0.0
@@ -407,8 +400,10 @@ def case_gradients_where_y_is_stopped(comm, variant):
 def case_gradients_refused_with_reasons(comm):
     """A call that takes no gradient says why when JAX differentiates it, before any call of that program runs,
     on every rank alike: a combine whose dispatch ran outside the differentiated function (Python's memory of
-    its indices could be another call's: a compiled program runs again unseen), weights sent by dispatch, an
-    object made with gradients=False. The object goes on: the refused programs never ran."""
+    its indices could be another call's: a compiled program runs again unseen), weights sent by dispatch, a
+    jitted step that ran undifferentiated (JAX would differentiate the program it traced then, whose rows
+    beyond the counts are not zeroed: NaN there reached the expert's gradient where x takes none), an object
+    made with gradients=False. The object goes on: the refused programs never ran."""
     from pyhipa2a import A2AError
     world = comm.Get_size()
     E, k, H, M = 2 * world, 2, 64, 8
@@ -433,6 +428,17 @@ def case_gradients_refused_with_reasons(comm):
             jax.grad(lambda x: total(a2a.combine(a2a.dispatch(x, idx, weights=w).expert_x)))(x)
         y = jax.jit(lambda x: a2a.combine(a2a.dispatch(x, idx, weights=w).expert_x))(x)
         combine_error_against_oracle(a2a, inputs, np.asarray(y), expert=unit)
+        mats = jax.device_put(np.eye(H, dtype=np.float32)[None].repeat(E // world, axis=0), dev)
+
+        def layer(mats, x, w):
+            ey = jnp.einsum("lrh,lhg->lrg", a2a.dispatch(x, idx).expert_x.astype(jnp.float32), mats)
+            return total(a2a.combine(ey.astype(x.dtype), w))
+        step = jax.jit(layer)
+        jax.block_until_ready(step(mats, x, w))
+        for argnums in (0, 1):  # (x taking no gradient, then taking one)
+            with pytest.raises(A2AError, match=r"traced without differentiation"):
+                jax.grad(step, argnums=argnums)(mats, x, w)
+        jax.block_until_ready(jax.jit(jax.grad(layer))(mats, x, w))  # (traced under differentiation: it runs)
     plain, jax, jnp, dev = _made(comm, gradients=False, **params)
     with plain:
         step = jax.jit(lambda x, w: total(plain.combine(plain.dispatch(x, idx).expert_x, w)))
