@@ -284,6 +284,10 @@ class JaxAllToAll:
         gradient: a dispatch of y's gradient, weighted, and the weights' gradient)."""
         last, order = self._dispatched, self.order_after()
         ours = last is not None and last.checks_combine()
+        if weights is None and last is not None and not ours:
+            raise TypeError("combine() traced apart from its dispatch() needs the weights [T, k] float32 (given to "
+                            "combine, not sent by dispatch): its token count must be its program's own, where a "
+                            "program that took it from the dispatch traced before keeps it when the count changes")
         if ours:
             if weights is None and not last.sent:
                 raise TypeError("combine() needs the weights [T, k] float32: here, or given to dispatch(weights=)")

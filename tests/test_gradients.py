@@ -18,7 +18,8 @@ def test_gradients(case, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["case_gradients_refused_with_reasons", "case_eager_dispatch_and_compiled_combine"])
+@pytest.mark.parametrize("case", ["case_gradients_refused_with_reasons", "case_eager_dispatch_and_compiled_combine",
+                                  "case_combine_traced_apart"])
 def test_jax_python_state_of_calls(case, backend):
     pytest.importorskip("jax")
     run_case("tests.cases.jax_cases:" + case, ranks_for(backend), env_backend(backend), timeout=600)

@@ -465,6 +465,33 @@ def case_eager_dispatch_and_compiled_combine(comm):
         a2a.check()
 
 
+def case_combine_traced_apart(comm):
+    """Dispatch and combine in two jitted functions, the token count changing from call to call: combine is
+    given the weights (its token count is then its program's own) and y is the oracle's at every count; a
+    combine traced apart without them is refused while tracing (it would keep the count it was traced with:
+    its program's y kept that length, and the device reduced the other count's tokens)."""
+    world = comm.Get_size()
+    E, k, H, M = 2 * world, 2, 64, 8
+    a2a, jax, jnp, dev = _made(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M)
+    with a2a:
+        me = a2a.rank
+        inputs = draw_world(190, world, E, k, H, M, token_counts=[M] * world)
+        x, idx, w = (jax.device_put(v[me], dev) for v in (inputs.xs, inputs.indices, inputs.weights))
+        ey = jax.ShapeDtypeStruct((*a2a.config.rows_shape, H), jnp.float16)
+        jax.jit(lambda x, i, w: a2a.dispatch(x, i, weights=w).expert_x).lower(x, idx, w)  # (traced, never run)
+        with pytest.raises(TypeError, match="traced apart from its dispatch"):
+            jax.jit(lambda ey: a2a.combine(ey)).lower(ey)
+        dispatch = jax.jit(lambda x, i: a2a.dispatch(x, i).expert_x)
+        combine = jax.jit(lambda ey, w: a2a.combine(ey, w))
+        for i, T in enumerate((M, 5, M, 3)):
+            inputs = draw_world(191 + i, world, E, k, H, M, token_counts=[T] * world)
+            x, idx, w = (jax.device_put(v[me], dev) for v in (inputs.xs, inputs.indices, inputs.weights))
+            y = combine(dispatch(x, idx), w)
+            assert y.shape == (T, H), (T, y.shape)
+            combine_error_against_oracle(a2a, inputs, np.asarray(y), expert=reference.fused_expert([1.0] * world))
+        a2a.check()
+
+
 def case_eager_calls_compile_once(comm):
     """Eager calls of a kind compile once: later eager steps, with new values, compile nothing (JAX's compile
     events counted, from the third step on), and their y is the oracle's. (On the host backend each eager
