@@ -68,7 +68,7 @@ def program_trace():
     return None if isinstance(trace, _jax_core.EvalTrace) else trace
 
 
-def refusing_gradients(call, why: str | None):
+def refusing_gradients(call, why: str):
     """`call` as a function that JAX, differentiating it, refuses with an A2AError saying `why`, rather than in its
     own words for a custom call or callback without a rule: a traced call that takes no rules (a program traced
     without differentiation may be differentiated later: jax.grad of a jitted function that ran before). An
