@@ -243,13 +243,7 @@ class JaxAllToAll:
             expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order)
             d = JaxDispatch(expert_x, counts, meta, expert_offsets=offsets)
         else:
-            operands = [a for a in (weights, x_scales) if a is not None]
-
-            def call(order, x, indices, *operands):
-                given = iter(operands)
-                w, s = (next(given) if a is not None else None for a in (weights, x_scales))
-                return self.dispatch_after(order, x, indices, w, s)
-            d, self._order = refusing_gradients(call, why)(order, x, indices, *operands)
+            d, self._order = refusing_gradients(self.dispatch_after, why)(order, x, indices, weights, x_scales)
         self._dispatched = Dispatched(int(x.shape[0]), indices, weights is not None, program_trace())
         return d
 
@@ -303,11 +297,8 @@ class JaxAllToAll:
             y, self._order = self._grads.combine(self, order, expert_y, weights, last.indices,
                                                  check_scale(expert_scale))
         else:
-            operands = [weights] if weights is not None else []
-
-            def call(order, expert_y, *weights):
-                return self.combine_after(order, expert_y, *weights, expert_scale=expert_scale)
-            y, self._order = refusing_gradients(call, why)(order, expert_y, *operands)
+            call = functools.partial(self.combine_after, expert_scale=expert_scale)
+            y, self._order = refusing_gradients(call, why)(order, expert_y, weights)
         if last is not None:
             self._dispatched = last._replace(combined=True)
         return y
