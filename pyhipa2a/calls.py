@@ -166,7 +166,7 @@ class Calls:
         its group): nothing here."""
 
     def _repeater(self, leg: str, tokens: int):
-        """A function of the stream that launches the call of `leg` just made again ("dispatch", "combine")."""
+        """A runtime Launcher of the call of `leg` just made ("dispatch", "combine"), for its plan."""
         raise NotImplementedError
 
     def _plan_conditions(self) -> tuple:
@@ -224,9 +224,9 @@ class Calls:
         a plan records it), and what its next call of the same kind compares itself with. Returns (the plan
         where this call repeats the last one of its kind, the record to keep), both None unless `repeatable`
         (a plan only speeds repeats up, so one that cannot be made warns and never fails the call). `launch`:
-        a function of the stream that queues the call again, for a call whose launches the host takes part in
-        at each call (repeat.Relaunch: a grouped one's ticket, combine's parts and their bound), its
-        arguments' places in `launch.places`; else None: the implementation's repeater."""
+        a repeat.Relaunch that queues the call again, for a call whose launches the host takes part in at each
+        call (a grouped one's ticket, combine's parts and their bound), its arguments' places in
+        `launch.places`; else None: the implementation's repeater."""
         state, streams = self._state, self._streams
         after = self._order_reader(s, lead, library)
         keep = tuple(taken.keep for _, taken in arrays)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .errors import A2AError
+from .errors import A2AError, RuntimeFailure
 from .repeat import MISSED, Record, plan_or_none, run
-from .errors import RuntimeFailure
+from .runtime import Launcher
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class Operation:
 
         conditions = ((shared.heap, "closed", False), (shared.flight, "broken", None),
                       (shared.flight, "unreported", None))
-        plan = plan_or_none(record, conditions, shared.streams, shared.backend, 0, lambda: launch, drop)
+        plan = plan_or_none(record, conditions, shared.streams, shared.backend, 0, lambda: Launcher(launch), drop)
         if plan is not None:
             self._plan = (plan, key)
 

@@ -25,7 +25,7 @@ from .heap import TABLE_ALIGN, align_up
 from .internode import Transfer, asked_engine, make_engine
 from .intranode import NodeExchange
 from .kernels import REDUCE_ONLY, WHOLE_COMBINE, X_FP8, field_addresses
-from .runtime import Backend, get_backend, select_device
+from .runtime import Backend, Launcher, get_backend, select_device
 
 NODE_WAITS = (6, 7, 8)  # status `what` of waits between nodes: their peer is already a world rank
 
@@ -245,37 +245,32 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     def _repeater(self, leg: str, tokens: int):
         pack, frozen = self._steps[leg]
         exchange, node_leg = self._engine.exchange, getattr(self._exchange, leg)
-        steps = [self._stage.repeater(pack, frozen, *self._geometry), functools.partial(exchange, self._moves[leg]),
+        steps = [self._stage.repeater(pack, frozen, *self._geometry),
+                 Launcher(functools.partial(exchange, self._moves[leg])),
                  self._localize.repeater(pack, frozen, *self._geometry), node_leg.repeater(self._node_tokens)]
         if leg == "combine":  # the seal, and the sums home
             steps += [self._seal.repeater(pack, frozen, *self._seal_geometry),
-                      functools.partial(exchange, self._moves["sums"]),
+                      Launcher(functools.partial(exchange, self._moves["sums"])),
                       self._sum.repeater(*self._sums, *self._geometry)]
+        # (a plan that wrote a pointer into a pack: each kernel's site takes it anew; an exchange, or a launcher
+        # that reads its pack at each launch, as HIP's does, has nothing to re-hand)
+        queues, rehands = [step.queue for step in steps], [step.rehand for step in steps if step.rehand is not None]
 
         def launch(s) -> None:
-            for step in steps:
-                step(s)
+            for queue in queues:
+                queue(s)
 
-        def rehand() -> None:  # (a plan that wrote a pointer into a pack: each kernel's site takes it anew)
-            for step in steps:
-                # (nothing to re-hand: an exchange, or a launcher reading its pack at each launch, as HIP's does)
-                again = getattr(step, "rehand", None)
-                if again is not None:
-                    again()
-        launch.rehand = rehand
-        if node_leg.call.groups:
-            return launch  # (a dispatch in groups: the node's grouped kernel, which the leg's one graph does not hold)
+        def rehand() -> None:
+            for again in rehands:
+                again()
+        if node_leg.call.groups:  # (a dispatch in groups: the node's grouped kernel, not in the leg's one graph)
+            return Launcher(launch, rehand=rehand)
         # Every plan of a leg launches the same kernels (the node's call takes every region whole) and exchanges,
         # from the same frozen packs: the engine keeps them as one graph a leg, handed this plan's arguments now.
         graph = self._engine.graph_for(leg, launch)
         if graph is None:
-            return launch
-
-        def replayed(s) -> None:
-            graph.launch(s)
-        replayed.site = graph  # (a plan launches its graph from C, cuGraphLaunch of its exec: no Python a call)
-        replayed.rehand = graph.rehand  # (a plan that wrote a pointer into a pack)
-        return replayed
+            return Launcher(launch, rehand=rehand)
+        return Launcher(graph.launch, graph, graph.rehand)  # (a plan launches its graph from C: no Python a call)
 
     def _plan_conditions(self) -> tuple:
         return self._engine.plan_conditions

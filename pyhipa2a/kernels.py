@@ -212,7 +212,8 @@ class Kernel:
         self.backend.prepare_launch(self.function, grid, block, pack)
 
     def repeater(self, pack: ArgPack, into: ArgPack, grid: int, block: int):
-        """launch(stream) with `pack`'s current arguments, kept in `into` (written only here: drop its old repeater)."""
+        """launch() with `pack`'s current arguments as a runtime Launcher, the arguments kept in `into` (written only
+        here: drop its old repeater)."""
         into.copy_from(pack)
         return self.backend.launcher(self.function, grid, block, into)
 

@@ -142,8 +142,8 @@ class Leg:
         return kernel, self.blocks, threads, ctypes.addressof(self.pack.arguments[0])
 
     def repeater(self, tokens: int):
-        """A function of the stream that launches the call the pack holds now, whatever is written to it
-        later (a plan's launch: the one before it must be dropped, since both launch from `frozen`)."""
+        """A runtime Launcher of the call the pack holds now, whatever is written to it later (a plan's launch: the
+        one before it must be dropped, since both launch from `frozen`)."""
         kernel, threads = self.kernel_for(tokens, self.call.groups != 0)
         return kernel.repeater(self.pack, self.frozen, self._grid(), threads)
 

@@ -43,6 +43,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+from .runtime import Launcher
 from .streams import ANY, LAST
 
 ATTR_IS, ATTR_IS_OR_NONE, CALL_IS, CALL_EQ = range(4)
@@ -147,20 +148,17 @@ run, MISSED = _load()
 COMPILED = run is not interpret
 
 
-class Relaunch:
+class Relaunch(Launcher):
     """A call the host takes part in at each launch (a grouped dispatch's ticket; a grouped combine's parts and
-    the bound on their waits), as Calls._finish's `launch`: calling it with a stream is `queue(stream,
-    *pointers)`. Its kernel pointers are uint64 words in host memory (`places`: argument name -> address),
-    where a plan writes the pointer of a new array standing in for the recorded one before it calls again."""
+    the bound on their waits), as Calls._finish's `launch`: it queues `queue(stream, *pointers)`. Its kernel
+    pointers are uint64 words in host memory (`places`: argument name -> address), where a plan writes the
+    pointer of a new array standing in for the recorded one before it calls again."""
 
     def __init__(self, queue, names: tuple, pointers: tuple):
-        self._queue = queue
-        self._words = (ctypes.c_uint64 * len(names))(*pointers)
-        base = ctypes.addressof(self._words)
+        words = (ctypes.c_uint64 * len(names))(*pointers)
+        super().__init__(lambda stream: queue(stream, *words))
+        base = ctypes.addressof(words)
         self.places = {name: base + 8 * i for i, name in enumerate(names)}
-
-    def __call__(self, stream) -> None:
-        self._queue(stream, *self._words)
 
 
 class Record(NamedTuple):
@@ -188,11 +186,11 @@ class Record(NamedTuple):
                 and all(a is b or (f is not None and f(a, b)) for a, b, f in zip(self.args, other.args, other.alike)))
 
 
-def make_plan(record: Record, conditions: tuple, streams, backend, status: int, launch, failed,
+def make_plan(record: Record, conditions: tuple, streams, backend, status: int, launch: Launcher, failed,
               compiled: bool = COMPILED) -> tuple | None:
-    """The plan of `record`'s call, whose object must still meet `conditions` ((obj, name, want)); None
-    where an argument must be asked anew at every call (NumPy, a DLPack export, ...) or one library's
-    arrays name different streams. `compiled`: for csrc/repeat.c (driver calls by address)."""
+    """The plan of `record`'s call, queued again by `launch`, whose object must still meet `conditions`
+    ((obj, name, want)); None where an argument must be asked anew at every call (NumPy, a DLPack export,
+    ...) or one library's arrays name different streams. `compiled`: for csrc/repeat.c (driver calls by address)."""
     if not repeatable(record):
         return None
     s, lead = record.stream, record.lead
@@ -230,7 +228,7 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
         checks.append((CALL_EQ, probe.stream, obj, stream))
     waits = tuple(functools.partial(backend.stream_wait_stream, s, streams.named(w))
                   for w in dict.fromkeys(taken.wait for _, taken in record.arrays if taken.wait is not None))
-    launched, must_be_empty = backend.plan_launch(launch, s) if compiled else ((launch, s), ())
+    launched, must_be_empty = backend.plan_launch(launch, s) if compiled else ((launch.queue, s), ())
     checks += [(CALL_IS, operator.not_, collection, True) for collection in must_be_empty]
     activate = backend.plan_activate() if compiled else (None if backend.kind == "host" else (backend.activate,))
     changes, rehand = record.changes, None
@@ -241,7 +239,7 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
         owner, kept = record.keep
         changes = tuple((obj, name, value, None) if obj is owner and name == kept and len(rest) == 0
                         else (obj, name, value, *rest) for obj, name, value, *rest in changes)
-        rehand = getattr(launch, "rehand", None)
+        rehand = launch.rehand
     # (record.changes set streams.last already: a plan is made outside a capture only)
     return (record.args, record.alike, tuple(checks), status, activate, waits, launched, record.after,
             changes, record.result, failed, record.places, rehand, [None] * len(record.places))

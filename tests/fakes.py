@@ -331,7 +331,7 @@ class FakeRuntime(FakeCuda):
         return (self.activate,)
 
     def plan_launch(self, launch, stream):
-        return (launch, stream), ()
+        return (launch.queue, stream), ()
 
     def raise_driver_error(self, what, code):
         from pyhipa2a.errors import RuntimeFailure

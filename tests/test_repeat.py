@@ -12,6 +12,7 @@ from pyhipa2a import repeat
 from pyhipa2a.calls import COMBINE_ALIKE, DISPATCH_ALIKE, DISPATCH_ARGS, DISPATCH_WEIGHTS, CallState, stand_ins
 from pyhipa2a.inputs import Boundary
 from pyhipa2a.errors import RuntimeFailure
+from pyhipa2a.runtime import Launcher
 from pyhipa2a.streams import Streams
 from tests.fakes import OURS, STRIDED, FakeRuntime, Tensor, fake_producer_module
 
@@ -94,9 +95,7 @@ class Loop:
             self.failures.append((what, code))
             if code is not None:
                 self.runtime.raise_driver_error(what, code)
-        def launch(s):
-            self.launched.append((leg, s))
-        launch.rehand = lambda: self.rehands.append(leg)
+        launch = Launcher(lambda s: self.launched.append((leg, s)), rehand=lambda: self.rehands.append(leg))
         return repeat.make_plan(records[1], conditions, self.streams, self.runtime, self.status.ctypes.data,
                                 launch, failed, compiled=self.compiled)
 
@@ -144,7 +143,7 @@ def test_a_lead_array_on_our_device_is_asked_its_device_once(monkeypatch, compil
             return TORCH_STREAM
     record = loop.combine()._replace(lead=(Probe(), 0, TORCH_STREAM), arrays=())
     plan = repeat.make_plan(record, ((loop.state, "broken", None),), loop.streams, loop.runtime,
-                            loop.status.ctypes.data, lambda s: loop.launched.append(s), lambda *_: None,
+                            loop.status.ctypes.data, Launcher(loop.launched.append), lambda *_: None,
                             compiled=compiled)
     asked.clear()
     for _ in range(3):
@@ -331,11 +330,11 @@ def test_a_record_a_plan_cannot_state_gets_none(monkeypatch):
     record = loop.dispatch()
     taken = record.arrays[0][1]
     odd = record._replace(arrays=((record.arrays[0][0], taken._replace(repeatable=False)), record.arrays[1]))
-    assert repeat.make_plan(odd, (), loop.streams, loop.runtime, 0, lambda s: None, None, False) is None
+    assert repeat.make_plan(odd, (), loop.streams, loop.runtime, 0, Launcher(lambda s: None), None, False) is None
     other = taken.recheck._replace(stream=0x99)
     split = record._replace(arrays=(record.arrays[0], (record.arrays[1][0], taken._replace(recheck=other))),
                             lead=None)
-    assert repeat.make_plan(split, (), loop.streams, loop.runtime, 0, lambda s: None, None, False) is None
+    assert repeat.make_plan(split, (), loop.streams, loop.runtime, 0, Launcher(lambda s: None), None, False) is None
 
 
 @pytest.mark.parametrize("compiled", EXECUTORS)

@@ -16,7 +16,7 @@ import pytest
 from pyhipa2a.runtime import cuda as cuda_rt
 from pyhipa2a.runtime import driver as driver_rt
 from pyhipa2a.runtime import hip as hip_rt
-from pyhipa2a.runtime.base import WAIT, WRITE
+from pyhipa2a.runtime.base import WAIT, WRITE, Launcher
 from pyhipa2a.errors import RuntimeFailure
 
 
@@ -506,11 +506,11 @@ def test_cuda_hands_a_plan_the_driver_entries_and_its_launchers_graph(monkeypatc
     launch = backend.launcher("function", 8, 256, pack)
     assert backend.plan_activate() == (11, 12, 0x77)
     assert backend.plan_launch(launch, stream) == ((13, 0x99, 0x1234, launch), (backend._capturing, backend._joined))
-    sequence = lambda s: (launch(s), launch(s))  # noqa: E731  (several launches, as a call across nodes makes)
-    assert backend.plan_launch(sequence, stream) == ((sequence, stream), ())
+    sequence = Launcher(lambda s: (launch(s), launch(s)))  # (several launches, as a call across nodes makes)
+    assert backend.plan_launch(sequence, stream) == ((sequence.queue, stream), ())
     monkeypatch.setattr(cuda_rt, "_entry_points", lambda: None)
     assert backend.plan_activate() == (backend.activate,)
-    assert backend.plan_launch(launch, stream) == ((launch, stream), ())
+    assert backend.plan_launch(launch, stream) == ((launch.queue, stream), ())
     checked = []
     monkeypatch.setattr(cuda_rt, "_check", lambda result, call: checked.append((result, call)))
     backend.raise_driver_error("cuGraphLaunch", 700)

@@ -5,10 +5,10 @@ import os
 
 from ..arguments import env_int, is_int
 from ..errors import RuntimeFailure
-from .base import Backend, DeviceInfo
+from .base import Backend, DeviceInfo, Launcher
 
 BACKENDS = ("hip", "cuda", "host")
-__all__ = ["Backend", "DeviceInfo", "RuntimeFailure", "BACKENDS", "get_backend", "select_device"]
+__all__ = ["Backend", "DeviceInfo", "Launcher", "RuntimeFailure", "BACKENDS", "get_backend", "select_device"]
 
 
 def _make(name: str) -> Backend:

@@ -26,6 +26,20 @@ class DeviceInfo:
     warp_size: int
 
 
+class Launcher:
+    """A launch made once for the calls that repeat it (pyhipa2a.repeat's plans): calling it with a stream queues
+    it (`queue(stream)`). `graph`: None, or the executable graph (its `exec`) that a plan launches from C
+    instead (CUDA). `rehand`: None, or f() that hands the launch its packs' arguments again, after a plan wrote
+    a new pointer into one (CUDA's graph nodes took them when they were made)."""
+    __slots__ = ("queue", "graph", "rehand")
+
+    def __init__(self, queue, graph=None, rehand=None):
+        self.queue, self.graph, self.rehand = queue, graph, rehand
+
+    def __call__(self, stream) -> None:
+        self.queue(stream)
+
+
 class Backend:
     """Device selection, streams, events, IPC-capable memory, copies, modules, launches. `kind`: "hip",
     "cuda" or "host"; `code_suffix`: the built code objects' (".hsaco", ".fatbin"; None on the host)."""
@@ -251,9 +265,9 @@ class Backend:
     def prepare_launch(self, function, grid: int, block: int, pack) -> None:
         """Make what launch() makes at first use and keeps (CUDA: a graph): an object takes its memory when made."""
 
-    def launcher(self, function, grid: int, block: int, pack):
-        """launch() from `pack` (unwritten while this lives) as a function of the stream: CUDA passes arguments once."""
-        return functools.partial(self.launch, function, grid, block, pack=pack)
+    def launcher(self, function, grid: int, block: int, pack) -> Launcher:
+        """launch() from `pack` (unwritten while this lives) as a Launcher: CUDA passes arguments once."""
+        return Launcher(functools.partial(self.launch, function, grid, block, pack=pack))
 
     # -- launches from outside Python (pyhipa2a.jax: XLA's handler) ----------------------------------
     def launch_entry(self) -> int | None:
@@ -269,10 +283,10 @@ class Backend:
         """How a plan makes our device current: (f,) calls f(); CUDA gives the driver's entries instead."""
         return (self.activate,)
 
-    def plan_launch(self, launch, stream) -> tuple:
-        """How a plan launches `launch` (a launcher's) on `stream`, and the collections that must be empty for that
-        to be what `launch` does: ((launch, stream), ()) calls it; CUDA gives its graph's cuGraphLaunch."""
-        return (launch, stream), ()
+    def plan_launch(self, launch: Launcher, stream) -> tuple:
+        """How a plan launches `launch` on `stream`, and the collections that must be empty for that to be what
+        `launch` does: ((launch.queue, stream), ()) calls it; CUDA gives its graph's cuGraphLaunch."""
+        return (launch.queue, stream), ()
 
     def raise_driver_error(self, what: str, code: int) -> None:
         """Raise what the backend raises where the driver call `what` returned `code` (in a plan's C)."""

@@ -8,7 +8,7 @@ import os
 import weakref
 
 from ..errors import RuntimeFailure
-from .base import WAIT, DeviceInfo
+from .base import WAIT, DeviceInfo, Launcher
 from .driver import CALLS, DriverBackend, make_check
 
 _CALLS = {role: names[0] for role, names in CALLS.items()}
@@ -353,7 +353,7 @@ class CudaBackend(DriverBackend):
     def prepare_launch(self, function, grid: int, block: int, pack) -> None:
         self._site(function, grid, block, pack)
 
-    def launcher(self, function, grid: int, block: int, pack):
+    def launcher(self, function, grid: int, block: int, pack) -> Launcher:
         # The node takes the arguments once, here: each launch is cuGraphLaunch alone. The graph stays the pack's
         # (one made per plan grew device memory in scripts/stress.py).
         site, capturing, joined = self._site(function, grid, block, pack), self._capturing, self._joined
@@ -364,9 +364,7 @@ class CudaBackend(DriverBackend):
                 self.launch(function, grid, block, stream, pack)
             else:
                 _launch_graph(site, stream)
-        launch.site = site  # (plan_launch: a plan launches its graph from C)
-        launch.rehand = functools.partial(_hand_arguments, site)  # (a plan that wrote a pointer into the pack)
-        return launch
+        return Launcher(launch, site, functools.partial(_hand_arguments, site))  # (a plan launches the site from C)
 
     def launch_entry(self) -> int | None:
         entries = _entry_points()
@@ -400,11 +398,11 @@ class CudaBackend(DriverBackend):
             driver.cuGraphDestroy(graph)
             raise
 
-    def plan_launch(self, launch, stream) -> tuple:
+    def plan_launch(self, launch: Launcher, stream) -> tuple:
         # The launcher's own test, left to the plan: with no stream of ours recording, it launches the site's graph.
-        entries, site = _entry_points(), getattr(launch, "site", None)
+        entries, site = _entry_points(), launch.graph
         if entries is None or site is None:
-            return (launch, stream), ()
+            return (launch.queue, stream), ()
         handle = 0 if stream is None else int(stream)
         return (entries["cuGraphLaunch"], int(site.exec), handle, launch), (self._capturing, self._joined)
 
