@@ -52,8 +52,7 @@ class SymmetricHeap:
             self.bases = [self.base if r == self.rank else self._mappings.open_peer(peer)
                           for r, peer in enumerate(self.comm.allgather(me))]
             bounded_barrier(self.comm, timeout, "SymmetricHeap: mapping peers")
-            if hasattr(self.backend, "ipc_exchanged"):
-                self.backend.ipc_exchanged(self.base)
+            self.backend.ipc_exchanged(self.base)
             self.backend.copy_to_device(self.base, np.array(self.bases, dtype=np.uint64))
         except BaseException:
             self._finalizer()

@@ -85,6 +85,9 @@ class Backend:
     def ipc_close(self, ptr: int) -> None:
         raise NotImplementedError
 
+    def ipc_exchanged(self, ptr: int) -> None:
+        """Every peer has opened `ptr`'s handle: nothing here (the host backend drops its shared memory's name)."""
+
     def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
         """Zeroed pinned host memory the device can write (kernels report errors there): (host, device)."""
         raise NotImplementedError
