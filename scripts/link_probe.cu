@@ -2,11 +2,13 @@
 // prefill-sized calls do today) against peer stores (the sender pushes), one direction and both at once,
 // by grid size and by item size (a 2 KB segment, a 14 KB row of 7168 16-bit values), what a release flag
 // costs per item or per chunk of items when pushing, and what pulls give while each item is also stored to
-// several places in memory, as dispatch's rows are. One process drives GPUs 0 and 1.
+// several places in memory, as dispatch's rows are; last, what a posting combine's senders get, their work's
+// factors added one at a time (senders, below). One process drives GPUs 0 and 1.
 //   nvcc -O3 -arch=native -o link_probe scripts/link_probe.cu && ./link_probe   (scripts/gpu_all.sh runs it)
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+#include <cuda_bf16.h>
 
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
     fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(1); } } while (0)
@@ -97,6 +99,109 @@ static double run(Side* side, int mode, bool both, int item_bytes, int blocks, i
   return kBytes / item_bytes * item_bytes / (best * 1e-3) / 1e9;
 }
 
+// A posting combine's senders (kernels_hip/combine.hip), as combine at 1001 tokens moves its bytes (E = 256,
+// k = 8, H = 7168, two ranks: 7007 items of 4 KB of fp32 sums a direction, 28.7 MB), `send_warps` of every
+// block's 8 warps sending, the factors of their work added one at a time: `sum` loads 4 rows of 2 KB bf16 from
+// scattered places here and sums them in fp32 first; `stride` stores as combine's store8f does (a lane's 8
+// fp32 as two 16-byte stores, lanes 32 B apart; else each instruction a contiguous 512 B); `release` releases a
+// flag at system scope after each item; `hog`: the block's other warps read 100 MB here meanwhile (the reduce's
+// traffic). Its buffers: a Side's local (the rows), its peer's staging (the inbox; the hog reads its own
+// staging past it) and flags.
+constexpr int kItems = 7007, kItemFloats = 1024, kRowElems = 1024, kRows = 1 << 17;  // rows: kBytes of bf16
+constexpr size_t kHogBytes = 100ull << 20;
+
+struct Opts { int sum, stride, release, hog, send_warps; };
+
+__global__ void senders(const __nv_bfloat16* __restrict__ rows, float* __restrict__ dst, unsigned* flags,
+                        const int4* __restrict__ hogbuf, float* sink, Opts o) {
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+  if (wib >= o.send_warps) {
+    if (!o.hog) return;
+    const int hw = (blockDim.x >> 5) - o.send_warps;
+    const size_t hogger = (size_t)blockIdx.x * hw + (wib - o.send_warps), hoggers = (size_t)gridDim.x * hw;
+    const size_t vecs = kHogBytes / 16;
+    int acc = 0;
+    for (size_t i = hogger * 32 + lane; i < vecs; i += hoggers * 32 * 4) {
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) if (i + u * hoggers * 32 < vecs) v[u] = hogbuf[i + u * hoggers * 32];
+#pragma unroll
+      for (int u = 0; u < 4; u++) if (i + u * hoggers * 32 < vecs) acc ^= v[u].x ^ v[u].w;
+    }
+    if (acc == 0x12345678) sink[0] = 1.f;
+    return;
+  }
+  const size_t s = (size_t)blockIdx.x * o.send_warps + wib, ns = (size_t)gridDim.x * o.send_warps;
+  for (size_t it = s; it < kItems; it += ns) {
+    float acc[4][8];
+#pragma unroll
+    for (int c = 0; c < 4; c++)
+#pragma unroll
+      for (int i = 0; i < 8; i++) acc[c][i] = (float)(it + c + i);
+    if (o.sum) {
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        const __nv_bfloat16* row = rows + ((it * 4 + r) * 2654435761ull % kRows) * kRowElems;
+        int4 v[4];
+#pragma unroll
+        for (int c = 0; c < 4; c++) v[c] = *reinterpret_cast<const int4*>(row + c * 256 + lane * 8);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+          const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[c]);
+#pragma unroll
+          for (int i = 0; i < 8; i++) acc[c][i] += 0.5f * __bfloat162float(h[i]);
+        }
+      }
+    }
+    float* out = dst + it * kItemFloats;
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+      float4 a = make_float4(acc[c][0], acc[c][1], acc[c][2], acc[c][3]);
+      float4 b = make_float4(acc[c][4], acc[c][5], acc[c][6], acc[c][7]);
+      if (o.stride) {  // combine's store8f: lane l's 8 floats at c*256 + 8l
+        reinterpret_cast<float4*>(out + c * 256 + lane * 8)[0] = a;
+        reinterpret_cast<float4*>(out + c * 256 + lane * 8)[1] = b;
+      } else {  // each instruction a contiguous 512 B
+        reinterpret_cast<float4*>(out + c * 256)[lane] = a;
+        reinterpret_cast<float4*>(out + c * 256 + 128)[lane] = b;
+      }
+    }
+    if (o.release) {
+      __syncwarp();
+      if (lane == 0) asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flags + it), "r"((unsigned)it + 1u) : "memory");
+    }
+  }
+}
+
+constexpr size_t kHogAt = (512ull << 20) / 16;  // (int4s into staging: past the inbox)
+
+static double run_senders(Side* side, Opts o, int blocks) {
+  float best = 1e30f;
+  for (int r = 0; r < 6; r++) {
+    for (int d = 0; d < 2; d++) {
+      Side& me = side[d];
+      Side& peer = side[1 - d];
+      CHECK(cudaSetDevice(me.dev));
+      CHECK(cudaEventRecord(me.start, me.stream));
+      senders<<<blocks, 256, 0, me.stream>>>(reinterpret_cast<const __nv_bfloat16*>(me.local),
+                                             reinterpret_cast<float*>(peer.staging), peer.flags, me.staging + kHogAt,
+                                             reinterpret_cast<float*>(me.flags) + (1 << 17), o);
+      CHECK(cudaGetLastError());
+      CHECK(cudaEventRecord(me.stop, me.stream));
+    }
+    float worst = 0;
+    for (int d = 0; d < 2; d++) {
+      CHECK(cudaSetDevice(side[d].dev));
+      CHECK(cudaEventSynchronize(side[d].stop));
+      float ms;
+      CHECK(cudaEventElapsedTime(&ms, side[d].start, side[d].stop));
+      if (ms > worst) worst = ms;
+    }
+    if (r > 0 && worst < best) best = worst;
+  }
+  return (double)kItems * kItemFloats * 4 / (best * 1e-3) / 1e9;
+}
+
 int main() {
   int n = 0;
   CHECK(cudaGetDeviceCount(&n));
@@ -154,6 +259,19 @@ int main() {
     printf("%-8d", c);
     for (int g : grids) printf(" %9.1f", run(side, 0, true, 14336, g, 4, 0, c));
     printf("\n");
+  }
+  // A posting combine's senders, their work's factors added one at a time (senders, above).
+  printf("combine's senders, both directions, 7007 items of 4 KB, factors added in turn (link GB/s):\n");
+  printf("%-34s %9s %9s %9s\n", "senders' work", "264x2 w", "264x8 w", "132x2 w");
+  const char* factors[] = {"store 4 KB from registers", "+ sum 4 bf16 rows read here", "+ combine's strided stores",
+                           "+ a release an item", "+ 6 warps a block reading 100 MB"};
+  for (int f = 0; f < 5; f++) {
+    Opts o{f >= 1, f >= 2, f >= 3, f >= 4, 2};
+    Opts all = o;
+    all.send_warps = 8;
+    all.hog = 0;
+    printf("%-34s %9.1f %9.1f %9.1f\n", factors[f], run_senders(side, o, 264), run_senders(side, all, 264),
+           run_senders(side, o, 132));
   }
   return 0;
 }
