@@ -60,10 +60,6 @@ class SymmetricHeap:
         self.bases_ptr = self.base  # the device table of bases sits at offset 0
         self._offset = table_bytes
 
-    @property
-    def free_bytes(self) -> int:
-        return self.nbytes - self._offset
-
     def alloc(self, shape, dtype, align: int = 256) -> DeviceArray:
         """Reserve a C-contiguous array of `shape`/`dtype`; same call, same order, on every rank. `align` is the
         offset's from the heap's base (the same on every rank, as a symmetric heap needs), whose own alignment
