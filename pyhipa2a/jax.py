@@ -210,9 +210,10 @@ class JaxAllToAll:
         return jax.sharding.Mesh(np.array(self.devices), (self._axis,))
 
     # -- shapes -------------------------------------------------------------------
-    def _dispatch_results(self) -> list[tuple[str, str, jax.ShapeDtypeStruct]]:
-        """dispatch()'s results in order: (their name in JaxDispatch and DispatchResult, the DispatchCall field
-        the kernel writes them through, their shape)."""
+    @functools.cached_property
+    def _dispatch_results(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[jax.ShapeDtypeStruct, ...]]:
+        """dispatch()'s results in order, as three columns: their names in JaxDispatch and DispatchResult, the
+        DispatchCall fields the kernel writes them through, their shapes (the configuration's: made once)."""
         c = self.config
         L, rows, i32 = c.local_experts, c.rows_shape, jnp.int32
         results = [("expert_x", "expert_x", jax.ShapeDtypeStruct((*rows, c.hidden), c.dispatch_dtype)),
@@ -225,7 +226,7 @@ class JaxAllToAll:
             results.append(("expert_layout", "expert_layout", jax.ShapeDtypeStruct((L, c.world, 2), i32)))
         if c.contiguous:
             results.append(("expert_offsets", "expert_offsets", jax.ShapeDtypeStruct((L + 1,), i32)))
-        return results
+        return tuple(zip(*results))
 
     # -- calls ----------------------------------------------------------------------
     def dispatch(self, x, indices, weights=None, x_scales=None) -> JaxDispatch:
@@ -261,7 +262,7 @@ class JaxAllToAll:
             raise TypeError("x_scales go with fp8 x (AllToAll(in_dtype='float8_e4m3')) and only with it")
         operands = [x, indices] + [a for a in (weights, x_scales) if a is not None]
         fields = ["x", "indices"] + [f for f, a in (("weights", weights), ("x_scales", x_scales)) if a is not None]
-        names, outputs, shapes = zip(*self._dispatch_results())
+        names, outputs, shapes = self._dispatch_results
         if self._on_gpu:
             site = self._site("dispatch", T, DispatchCall, fields, outputs, num_tokens=T, check_pairing=1)
             results = self._ffi(site, operands, order, shapes)
