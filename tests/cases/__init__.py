@@ -4,6 +4,16 @@ from __future__ import annotations
 import contextlib
 
 
+def routed_to(inputs, expert: int):
+    """`inputs` with every rank's first token routed to `expert` among its picks, so that every rank's call needs
+    the rank that holds it: with many ranks and few tokens, random routing leaves some rank none (its call then
+    rightly succeeds, and a case about that rank's failure would test nothing there)."""
+    for indices in inputs.indices:
+        if expert not in indices[0]:
+            indices[0, 0] = expert
+    return inputs
+
+
 def launches_checked(a2a, graph, buffers, captured: dict, launches, draw, between) -> None:
     """Launch a captured step `launches` times, each a new call on new inputs (`draw(i)`) in the step's
     `buffers`, checked against the oracle (pyhipa2a.testing.replay_checked, with the DispatchResult the capture

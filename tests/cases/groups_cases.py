@@ -21,7 +21,7 @@ from pyhipa2a.hierarchy import HierarchicalAllToAll
 from pyhipa2a.testing import (check_dispatch_against_oracle, combine_error_against_oracle, draw_world,
                               free_buffers, free_inputs, layout_arguments, poison, step_buffers,
                               upload_inputs)
-from tests.cases import calls_watched, launches_checked
+from tests.cases import calls_watched, launches_checked, routed_to
 
 
 def _order(order: str, G: int, seed: int) -> list[int]:
@@ -30,16 +30,6 @@ def _order(order: str, G: int, seed: int) -> list[int]:
     if order == "reverse":
         return list(range(G))[::-1]
     return [int(g) for g in np.random.default_rng(seed).permutation(G)]
-
-
-def routed_to(inputs, expert: int):
-    """`inputs` with every rank's first token routed to `expert` among its picks, so that every rank's call needs
-    the rank that holds it: with many ranks and few tokens, random routing leaves some rank none (its call then
-    rightly succeeds, and a case about that rank's failure would test nothing there)."""
-    for indices in inputs.indices:
-        if expert not in indices[0]:
-            indices[0, 0] = expert
-    return inputs
 
 
 class TorchExpert:
