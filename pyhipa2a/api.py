@@ -15,16 +15,30 @@ import inspect
 import weakref
 
 from .array import DeviceArray
-from .bootstrap import bounded_barrier, node_layout
+from .arguments import is_int
+from .bootstrap import agreed, bounded_barrier, mpi, node_layout
 from .buffers import DispatchResult
 from .calls import Calls
 from .config import Config
 from .errors import A2AError, RuntimeFailure
 from .graph import Graph
+from .runtime import backend_name
 
 
 # AllToAll's parameters past its own: the configuration's, and the engine between nodes (the implementations')
 PARAMETERS = frozenset(inspect.signature(Config.of).parameters) - {"world"} | {"engine"}
+
+
+def _checked_parameters(comm, params: dict) -> None:
+    """What a rank can check of its parameters alone (each refused with TypeError or ValueError naming it)."""
+    unknown = sorted(set(params) - PARAMETERS - {"backend", "device"})
+    if unknown:  # (named as AllToAll's)
+        raise TypeError(f"AllToAll() got unexpected keyword arguments {unknown}; its parameters: README.md")
+    Config.of(comm.Get_size(), **{name: value for name, value in params.items() if name in PARAMETERS - {"engine"}})
+    backend_name(params.get("backend"))
+    device = params.get("device")  # (its range is the heap's to check, where the device opens)
+    if device is not None and not is_int(device):
+        raise TypeError(f"device must be an int, not {type(device).__name__}")
 
 
 class AllToAll(Calls):
@@ -39,11 +53,11 @@ class AllToAll(Calls):
 
     def __new__(cls, comm=None, *, ranks_per_node: int | None = None, **params):
         """Ranks on several nodes (real, or `ranks_per_node` / PYHIPA2A_RANKS_PER_NODE) go across nodes."""
-        unknown = sorted(set(params) - PARAMETERS - {"backend", "device"})
-        if unknown:  # (before anything collective, and named as AllToAll's)
-            raise TypeError(f"AllToAll() got unexpected keyword arguments {unknown}; its parameters: README.md")
         if comm is not None and not hasattr(comm, "Get_rank"):
             raise TypeError(f"comm must be an mpi4py communicator (or None: COMM_WORLD), not {type(comm).__name__}")
+        comm = mpi().COMM_WORLD if comm is None else comm
+        # (before anything collective: a rank that refuses its parameters tells the others, who raise too)
+        agreed(comm, "AllToAll()", lambda: _checked_parameters(comm, params))
         layout = node_layout(comm, ranks_per_node)
         if cls is AllToAll:
             cls = cls._implementations[layout.nodes > 1]

@@ -33,6 +33,17 @@ class Pinned:
         self._free.detach()
 
 
+class FreedMemory:
+    """`epoch`: a new object each time an owner frees its arrays' memory (a heap's close()). What was checked of our
+    arrays before (by a repeated call's plan) still holds while `epoch` is the object it was then: one look, however
+    many arrays a call takes."""
+    epoch = object()
+
+    @classmethod
+    def freed(cls) -> None:
+        cls.epoch = object()
+
+
 class DeviceArray:
     __slots__ = ("backend", "ptr", "shape", "dtype", "owner", "stream", "device_id", "health", "__weakref__")
 
@@ -86,8 +97,13 @@ class DeviceArray:
             raise ValueError(f"rows({n}) outside 0..{self.shape[0]}")
         return self.view((n, *self.shape[1:]))
 
+    @property
+    def freed(self) -> bool:
+        """Whether its owner was closed, which freed its memory: no call may read or write it since."""
+        return bool(getattr(self.owner, "closed", False))
+
     def _refuse_if_freed(self) -> None:
-        if getattr(self.owner, "closed", False):
+        if self.freed:
             raise A2AError(f"{self!r}: its memory was freed by close()")
 
     def numpy(self) -> np.ndarray:

@@ -1,6 +1,7 @@
 """MPI plumbing: how ranks lie on nodes, the node-local communicator, and waits that cannot hang."""
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arguments import env_int
-from .errors import A2ATimeoutError, ConfigMismatchError
+from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, RuntimeFailure
 from .local import LocalComm
 
 
@@ -73,7 +74,7 @@ class _Arrivals:
     late rank's message is taken by the receive its barrier posted, kept (with its send) in _ABANDONED."""
 
     def __init__(self, comm):
-        _ABANDONED[:] = [request for request in _ABANDONED if not request.Test()]  # (a completed one is freed)
+        _forget_completed()
         MPI, me = mpi(), comm.Get_rank()
         nothing = [bytearray(0), MPI.BYTE]
         peers = [r for r in range(comm.Get_size()) if r != me]
@@ -90,11 +91,15 @@ class _Arrivals:
         return True
 
     def late(self) -> list:
-        _ABANDONED.extend([*self._sent, *self._heard.values()])
+        _ABANDONED.extend((request, None) for request in [*self._sent, *self._heard.values()])
         return sorted(self._heard)
 
 
-_ABANDONED: list = []  # requests of barriers that timed out: MPI may still complete them
+_ABANDONED: list = []  # (request, the memory it reads or writes) of waits given up on: MPI may still complete them
+
+
+def _forget_completed() -> None:
+    _ABANDONED[:] = [kept for kept in _ABANDONED if not kept[0].Test()]  # (a completed one is freed)
 
 
 def bounded_barrier(comm, timeout: float, what: str) -> None:
@@ -110,6 +115,76 @@ def bounded_barrier(comm, timeout: float, what: str) -> None:
         missing = late()
         raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s at a barrier; "
                               f"{_ranks(missing)} never arrived", ranks=tuple(missing))
+
+
+VERDICT_TAG = 0x7A2B  # an agreement's messages: a rank's verdict on its own arguments
+VERDICT_BYTES = 512   # (a verdict: one byte, refused or not, then the refusal's words, cut to fit)
+
+
+class _Verdicts:
+    """Every rank's verdict sent to every other, point to point (as _Arrivals: a wait that ends early knows who
+    never came)."""
+
+    def __init__(self, comm, refusal: BaseException | None):
+        _forget_completed()
+        MPI, me = mpi(), comm.Get_rank()
+        mine = bytearray(VERDICT_BYTES)
+        if refusal is not None:
+            words = f"{type(refusal).__name__}: {refusal}".encode()[:VERDICT_BYTES - 1]
+            mine[0], mine[1:1 + len(words)] = 1, words
+        peers = [r for r in range(comm.Get_size()) if r != me]
+        self._heard = {r: bytearray(VERDICT_BYTES) for r in peers}
+        self._sent = [(comm.Isend([mine, MPI.BYTE], dest=r, tag=VERDICT_TAG), mine) for r in peers]
+        self._waiting = {r: comm.Irecv([self._heard[r], MPI.BYTE], source=r, tag=VERDICT_TAG) for r in peers}
+
+    def done(self) -> bool:
+        for r in [r for r, request in self._waiting.items() if request.Test()]:
+            del self._waiting[r]
+        if self._waiting:
+            return False
+        for request, _ in self._sent:
+            request.Wait()
+        return True
+
+    def refusals(self) -> dict:
+        """{rank: its refusal's words} of the peers that refused their arguments."""
+        return {r: bytes(b[1:]).rstrip(b"\0").decode(errors="replace") for r, b in self._heard.items() if b[0]}
+
+    def abandon(self) -> list:
+        """The ranks not heard from; the requests (and the memory MPI may still write) kept in _ABANDONED."""
+        _ABANDONED.extend([*self._sent, *((request, self._heard[r]) for r, request in self._waiting.items())])
+        return sorted(self._waiting)
+
+
+def agreed(comm, what: str, check, timeout: float | None = None):
+    """`check()` (a rank's own checks of its arguments to a collective setup), once every rank of `comm` has run
+    its own. The step before a setup's collectives: a rank whose arguments are refused would otherwise leave the
+    others in an MPI collective for good. Each rank tells every other its verdict and waits for theirs, at most
+    `timeout` seconds where given (None: as long as MPI's collectives would, for the first step of a setup, which
+    ranks may reach far apart). Raises this rank's own refusal (a TypeError, ValueError, A2AError or
+    RuntimeFailure), at once; else ConfigMismatchError naming the ranks that refused theirs, in their words; else
+    A2ATimeoutError naming those never heard from."""
+    try:
+        result, refusal = check(), None
+    except (TypeError, ValueError, A2AError, RuntimeFailure) as error:
+        result, refusal = None, error
+    if isinstance(comm, LocalComm):  # (a rank's failure there ends its group's collectives: no hang to fear)
+        if refusal is not None:
+            raise refusal
+        return result
+    verdicts = _Verdicts(comm, refusal)
+    if refusal is not None:
+        verdicts.abandon()  # (the peers' verdicts land in the receives left posted; ours are on their way)
+        raise refusal
+    if not poll(verdicts.done, math.inf if timeout is None else time.monotonic() + timeout):
+        missing = verdicts.abandon()
+        raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s for the other ranks' "
+                              f"arguments; {_ranks(missing)} never came", ranks=tuple(missing))
+    refused = verdicts.refusals()
+    if refused:
+        raise ConfigMismatchError(f"{what}: " + "; ".join(f"rank {r} refused its arguments ({words})"
+                                                          for r, words in refused.items()), ranks=tuple(refused))
+    return result
 
 
 def _ranks(ranks: list) -> str:

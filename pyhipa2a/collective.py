@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 import weakref
 
-from .arguments import checked_bool, checked_int
-from .bootstrap import bounded_barrier, world_size
+from .arguments import checked_bool, checked_int, checked_timeout
+from .bootstrap import agreed, bounded_barrier, mpi, world_size
 from .collective_arrays import CallerArrays
 from .collective_call import Shared
 from .collective_ops import AllGatherMatmul, CopyStreams, MatmulReduceScatter
@@ -27,6 +27,7 @@ from .heap import SymmetricHeap
 from .inflight import InFlight
 from .replays import Replays
 from .errors import RuntimeFailure
+from .runtime import backend_name
 from .signals import Signals
 from .streams import Streams
 
@@ -39,15 +40,16 @@ class CollectiveMatmul:
 
     def __init__(self, comm=None, *, max_rows: int, k: int, n: int, dtype="bfloat16", pieces: int = 1,
                  remote_sums: bool = False, backend=None, device: int | None = None, timeout: float = 60.0):
-        sizes = {name: checked_int(name, value) for name, value in
-                 (("max_rows", max_rows), ("k", k), ("n", n), ("pieces", pieces))}
-        for name, value in sizes.items():
-            if value < 1:
-                raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        self.dtype = check_supported(dtype, "dtype")
+        def checked():
+            return ({name: checked_int(name, value, least=1) for name, value in
+                     (("max_rows", max_rows), ("k", k), ("n", n), ("pieces", pieces))},
+                    check_supported(dtype, "dtype"), checked_bool("remote_sums", remote_sums), backend_name(backend),
+                    checked_timeout(timeout))
+        # (before anything collective: a rank that refuses its arguments tells the others, who raise too)
+        sizes, self.dtype, self.remote_sums, *_ = agreed(mpi().COMM_WORLD if comm is None else comm,
+                                                         "CollectiveMatmul()", checked)
         self.world = world_size(comm)
         self.max_rows, self.k, self.n, self.pieces = sizes.values()
-        self.remote_sums = checked_bool("remote_sums", remote_sums)
         self.shard_rows = -(-self.max_rows // self.world)  # the most rows a rank holds
         w, m, item = self.world, self.shard_rows, self.dtype.itemsize
         kinds = AllGatherMatmul.kinds(self.pieces) + MatmulReduceScatter.kinds(self.pieces)

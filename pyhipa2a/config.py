@@ -245,6 +245,13 @@ class Config:
             grid_blocks = env_int("PYHIPA2A_GRID_BLOCKS")
         block_threads = checked_int("block_threads", block_threads, least=1)
         grid_blocks = None if grid_blocks is None else checked_int("grid_blocks", grid_blocks, least=1)
+        # (what holds on every device, so the host backend refuses it too; a device may ask more: legs.py)
+        if block_threads % 32 or block_threads > MAX_BLOCK_THREADS:
+            raise ValueError(f"block_threads={block_threads} must be a multiple of 32 (of the warp size on AMD: 64) "
+                             f"up to {MAX_BLOCK_THREADS}")
+        if grid_blocks is not None and grid_blocks > MAX_GRID_BLOCKS:
+            raise ValueError(f"grid_blocks={grid_blocks} must be between 1 and {MAX_GRID_BLOCKS} (and what the device "
+                             "holds at once)")
         config = cls(E, k, H, M, ins, moved, out, fp8, timeout, profile, narrow_partials,
                      on_timeout, producer_order, stream, row_layout, int(world), block_threads, grid_blocks,
                      push_max_tokens,

@@ -67,9 +67,9 @@ def plan_dtypes(in_dtype, dispatch_dtype, out_dtype) -> tuple[np.dtype, np.dtype
     """(dispatch() input, expert_x, combine() 16-bit output dtypes, fp8 name or None); fp8 is given (in_dtype) or
     quantized on the way (dispatch_dtype), and "float8_e4m3" means e4m3fn until fp8_for_arch decides."""
     in_fp8, dispatch_fp8 = _fp8_request(in_dtype, "in_dtype"), _fp8_request(dispatch_dtype, "dispatch_dtype")
-    if in_fp8 and dispatch_fp8 and in_fp8 != dispatch_fp8:
+    if in_fp8 and dispatch_dtype is not None and in_fp8 != dispatch_fp8:
         raise TypeError(f"in_dtype={in_fp8} is fp8 already: dispatch_dtype must be the same or None, "
-                        f"not {dispatch_fp8}")
+                        f"not {dispatch_fp8 or dispatch_dtype!r}")
     fp8 = in_fp8 or dispatch_fp8
     provisional = resolve("float8_e4m3fn" if fp8 == FP8_ANY else fp8) if fp8 else None
     if in_fp8:

@@ -35,7 +35,7 @@ class A2ADeviceError(A2AError):
 
 
 class ConfigMismatchError(A2AError):
-    """Ranks disagree on something every rank must agree on."""
+    """Ranks disagree on something every rank must agree on, or a peer refused its own arguments to a setup."""
 
     def __init__(self, message: str, ranks: tuple[int, ...] = ()):
         super().__init__(message)
@@ -62,7 +62,8 @@ def status_error(status, rank: int, context: str) -> A2AError | None:
                                f"peers time out waiting for this rank's contributions", ranks=(rank,))
     if code == STATUS_TIMEOUT:
         return A2ATimeoutError(f"{context}: rank {rank} timed out waiting for the {WAIT_WHAT.get(what, what)} "
-                               f"of rank {peer} (detail {detail}); rank {peer} never arrived or is stuck",
+                               f"of rank {peer} (detail {detail}); rank {peer} never arrived, is stuck, or refuses "
+                               f"calls after an error of its own (its error says which)",
                                ranks=(peer,))
     if code == STATUS_BAD_INDEX:
         return A2ADeviceError(

@@ -10,8 +10,8 @@ import weakref
 import numpy as np
 
 from .arguments import checked_timeout
-from .array import DeviceArray
-from .bootstrap import bounded_barrier, node_comm
+from .array import DeviceArray, FreedMemory
+from .bootstrap import agreed, bounded_barrier, node_comm
 from .errors import AllocationMismatchError, A2AError
 from .runtime import Backend, get_backend, select_device
 
@@ -32,8 +32,15 @@ class SymmetricHeap:
         timeout = checked_timeout(timeout)  # (before anything collective)
         self.comm = node_comm(comm)
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
-        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
-        self.device = self.backend.open_device(select_device(self.backend, self.rank, device))
+
+        def opened():
+            made = backend if isinstance(backend, Backend) else get_backend(backend)
+            return made, made.open_device(select_device(made, self.rank, device))
+        try:  # (a rank whose device will not open tells the others, who raise too)
+            self.backend, self.device = agreed(self.comm, "SymmetricHeap: opening the device", opened, timeout)
+        except BaseException:
+            self.comm.Free()
+            raise
         # Ranks sharing this device (MPS): kernels whose blocks wait on each other need all of their blocks resident.
         self.ranks_on_device = self.comm.allgather(self.device.index).count(self.device.index)
         self.timeout = timeout
@@ -119,6 +126,7 @@ class SymmetricHeap:
                 bounded_barrier(self.comm, self.timeout, "SymmetricHeap.close")
         finally:
             self._finalizer()
+            FreedMemory.freed()  # (a plan that took our arrays misses from now on, and its full path refuses them)
 
     @property
     def closed(self) -> bool:

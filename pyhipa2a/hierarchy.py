@@ -17,7 +17,7 @@ import numpy as np
 
 from .api import AllToAll
 from .array import DeviceArray
-from .bootstrap import NodeLayout, mpi
+from .bootstrap import NodeLayout, agreed, mpi
 from .calls import PLACED_ARGS
 from .config import Config
 from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
@@ -73,10 +73,12 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         rank = comm.Get_rank()
         engine = asked_engine(params.pop("engine", None))
         config = Config.of(comm.Get_size(), **params)
-        backend = backend if isinstance(backend, Backend) else get_backend(backend)
+
+        def chosen():  # (the device by the rank's place on its machine, not in its (maybe simulated) node)
+            made = backend if isinstance(backend, Backend) else get_backend(backend)
+            return made, select_device(made, layout.local_rank, device)
+        backend, device = agreed(comm, "AllToAll: choosing the device", chosen, config.timeout)
         config.check_agrees(comm, backend.kind)  # (each node checks its own part, not the nodes against each other)
-        if device is None:  # by the rank's place on its machine, not in its (maybe simulated) node
-            device = select_device(backend, layout.local_rank)
         # Ranks of other (simulated) nodes may drive the same GPU: the grid is shared among all of them.
         machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         devices = machine.allgather(device)

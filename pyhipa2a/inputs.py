@@ -18,6 +18,7 @@ import numpy as np
 from . import dlpack, producers
 from .array import DeviceArray
 from .dtypes import ML_DTYPES, resolve
+from .errors import A2AError
 
 DLPACK_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 10: "rocm", 11: "rocm_host", 13: "cuda_managed"}
 
@@ -60,7 +61,7 @@ def own_stand_in(d: Described, obj: DeviceArray, align: int):
 
     def stand_in(new, recorded) -> int:
         if (type(new) is not DeviceArray or new.stream is not stream or new.shape != shape or new.dtype != dtype
-                or new.device_id != device or new.backend is not backend):
+                or new.device_id != device or new.backend is not backend or new.freed):
             return 0
         return new.ptr if new.ptr % align == 0 else 0
     return stand_in
@@ -311,8 +312,8 @@ class Boundary:
 
     def _still(self, name, d: Described, obj, want_dtype, stream, capturing):
         """(`d`, with this use's capsule if any, and the producer) while `d` still describes `obj`."""
-        if d.protocol == OWN:
-            return d, obj.stream  # our arrays never change their memory
+        if d.protocol == OWN:  # (our arrays never change their memory, but their owner's close() frees it)
+            return (None, None) if obj.freed else (d, obj.stream)
         if not self.ask_producers:
             return d, None  # the caller vouches
         if d.protocol == CAI:
@@ -329,6 +330,8 @@ class Boundary:
         """(description, producer) of an array new to this argument (or changed)."""
         backend = self.backend
         if isinstance(obj, DeviceArray):
+            if obj.freed:  # (its memory may be unmapped, or another object's now)
+                raise A2AError(f"{name} was freed by close() of the object that made it")
             if obj.backend.kind != backend.kind or obj.device_id != self.device_index:
                 raise ValueError(f"{name} lives on {obj.backend.kind} device {obj.device_id}; this AllToAll runs "
                                  f"on {backend.kind} device {self.device_index}")
@@ -392,10 +395,16 @@ def check_numpy_input(name: str, obj: np.ndarray, want_shape, want_dtype, captur
                         "once while capturing, not at each launch of the graph")
 
 
+def _spelled(dtype) -> str:
+    """A dtype's name, with its byte order where that is not the machine's (a big-endian int32 is not ours)."""
+    dtype = np.dtype(dtype)
+    return dtype.name if dtype.isnative else f"{dtype.name} ({dtype.str})"
+
+
 def check_array(name: str, shape, dtype, want_shape, want_dtype) -> None:
     """`want_shape` may hold None for a free dimension."""
     if dtype != want_dtype and np.dtype(dtype) != np.dtype(want_dtype):
-        raise TypeError(f"{name} must have dtype {np.dtype(want_dtype).name}, got {np.dtype(dtype).name}")
+        raise TypeError(f"{name} must have dtype {_spelled(want_dtype)}, got {_spelled(dtype)}")
     if len(shape) != len(want_shape):
         raise ValueError(f"{name} must have {len(want_shape)} dimensions {_spell(want_shape)}, "
                          f"got shape {tuple(shape)}")

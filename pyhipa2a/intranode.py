@@ -4,7 +4,7 @@ kernels, the fake expert, clock syncs), and NodeAllToAll, the AllToAll over one.
 from __future__ import annotations
 
 from .api import AllToAll
-from .bootstrap import world_size
+from .bootstrap import agreed, world_size
 from .calls import PLACED_ARGS
 from .buffers import Buffers, heap_bytes
 from .clock import Clocks
@@ -30,10 +30,15 @@ class NodeExchange:
     def _open(self, config: Config) -> None:
         heap = self.heap
         backend, device = heap.backend, heap.device
-        config = config.on_device(device.arch, device.warp_size)
-        self.library = KernelLibrary(backend, device.arch, variant=".profile" if config.profile else "")
-        kernels = load_kernels(self.library, config)
-        config = settle_geometry(config, backend, device, kernels, config.ranks_on_device or heap.ranks_on_device)
+
+        def loaded():  # (what this device makes of the configuration: its code objects, its launch geometry)
+            on_device = config.on_device(device.arch, device.warp_size)
+            self.library = KernelLibrary(backend, device.arch, variant=".profile" if on_device.profile else "")
+            kernels = load_kernels(self.library, on_device)
+            ranks_here = on_device.ranks_on_device or heap.ranks_on_device
+            return kernels, settle_geometry(on_device, backend, device, kernels, ranks_here)
+        # (a rank whose device refuses the configuration tells the others, who raise too)
+        kernels, config = agreed(heap.comm, "AllToAll: loading the kernels", loaded, config.timeout)
         config.check_agrees(heap.comm, backend.kind)
         self.config = config
         self.buffers = Buffers(heap, config)

@@ -43,6 +43,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+from .array import DeviceArray, FreedMemory
 from .runtime import Launcher
 from .streams import ANY, LAST
 
@@ -201,6 +202,8 @@ def make_plan(record: Record, conditions: tuple, streams, backend, status: int, 
     checks.append((ATTR_IS_OR_NONE if last_may_be_none else ATTR_IS, streams, "last", s))
     if streams.capturable_elsewhere(s):
         checks.append((CALL_IS, backend.stream_capturing, s, False))
+    if any(isinstance(obj, DeviceArray) for obj, _ in record.arrays):  # (an owner, maybe another object's, may close)
+        checks.append((ATTR_IS, FreedMemory, "epoch", FreedMemory.epoch))
     named, keyed = {}, set()
     for obj, taken in record.arrays:
         recheck = taken.recheck

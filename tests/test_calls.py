@@ -31,9 +31,17 @@ def test_new_arrays_of_each_kind(case, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["case_out_and_device_inputs", "case_bad_inputs", "case_bad_config",
+                                  "case_one_rank_refuses_its_arguments",
                                   "case_config_mismatch", "case_after_close", "case_peer_skips_call",
                                   "case_stream_handle_views_cached", "case_repeated_calls"])
 def test_api(case, backend):
     run_case(CASE + case, ranks_for(backend), env_backend(backend))
 
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_rank_refuses_its_arguments_across_nodes(backend):
+    """As within a node (test_api), where the ranks lie on nodes of one rank each: the device is chosen there."""
+    run_case(CASE + "case_one_rank_refuses_its_arguments", ranks_for(backend), env_backend(backend),
+             env={"PYHIPA2A_RANKS_PER_NODE": "1"})

@@ -169,6 +169,9 @@ def test_plan_dtypes():
         plan_dtypes("float16", "bfloat16", None)
     with pytest.raises(TypeError, match="must be the same or None"):
         plan_dtypes("float8_e4m3fn", "float8_e4m3fnuz", "float16")
+    for other in ("float16", "float32", "garbage", 5):  # (fp8 x moves as it is: no other dispatch_dtype means anything)
+        with pytest.raises(TypeError, match=f"must be the same or None, not {other!r}"):
+            plan_dtypes("float8_e4m3", other, "bfloat16")
     with pytest.raises(TypeError, match="out_dtype must be one of"):
         plan_dtypes("bfloat16", "float8_e4m3", "float8_e4m3fn")
 

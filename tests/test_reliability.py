@@ -69,6 +69,10 @@ def test_barrier_names_the_late_rank():
     run_case(CASE + "case_barrier_names_the_late_rank", ranks_for("host"), "host", timeout=60)
 
 
+def test_agreement_names_the_late_and_the_refusing_rank():
+    run_case(CASE + "case_agreement_names_the_late_and_the_refusing_rank", ranks_for("host"), "host", timeout=60)
+
+
 def test_foreign_non_contiguous():
     """Host arrays stand in for another framework's, so this runs on the host backend only."""
     run_case(CASE + "case_foreign_non_contiguous", ranks_for("host"), "host")

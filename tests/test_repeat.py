@@ -505,3 +505,36 @@ def test_a_loop_on_the_same_arrays_takes_its_plans_from_its_third_call(monkeypat
         with pytest.raises(RuntimeFailure, match="a test's trap"):
             a2a.dispatch(arrays[0], arrays[1])
         assert watched.plans == [None]  # (no plan ran again: the full path, which the device refuses too)
+
+
+@pytest.mark.parametrize("compiled", EXECUTORS)
+def test_an_array_whose_owner_was_closed_is_refused_where_a_plan_took_it(monkeypatch, a2a, compiled):
+    """x in another object's memory (its x_buffer(), named on our stream): a loop's plans take it from the third
+    call; once that object is closed its memory is freed (unmapped, or another object's by then), so the next call
+    on it misses the plan and the full path refuses it before any kernel runs. The object stays usable."""
+    from mpi4py import MPI
+
+    from pyhipa2a import AllToAll, calls
+    from pyhipa2a.array import DeviceArray
+    from pyhipa2a.errors import A2AError
+    from pyhipa2a.testing import draw_world, upload_inputs
+    from tests.cases import calls_watched
+    monkeypatch.setattr(calls, "run", executor(compiled))
+    lender = AllToAll(MPI.COMM_SELF, num_experts=4, experts_per_token=2, hidden_dim=64, max_num_tokens=8,
+                      backend="host")
+    lent = lender.x_buffer()
+    x = DeviceArray(a2a.backend, lent.ptr, (5, 64), lent.dtype, owner=lender, stream=a2a.stream)
+    arrays = (x, *upload_inputs(a2a, draw_world(3, 1, 4, 2, 64, 8, token_counts=[5]))[1:])
+    with calls_watched() as watched:
+        for i in range(3):
+            inputs = draw_world(40 + i, 1, 4, 2, 64, 8, token_counts=[5])
+            for arr, fresh in zip(arrays, (inputs.xs[0], inputs.indices[0], inputs.weights[0])):
+                arr.copy_from(fresh)
+            assert checked_step(a2a, watched, arrays, inputs) == ([True, True] if i == 2 else []), i
+        lender.close()
+        watched.clear()
+        with pytest.raises(A2AError, match="x was freed by close"):
+            a2a.dispatch(*arrays[:2])
+        assert watched.plans == [False]  # (the plan missed; the full path refused it)
+        inputs = draw_world(50, 1, 4, 2, 64, 8, token_counts=[5])
+        checked_step(a2a, watched, upload_inputs(a2a, inputs), inputs)  # (against the oracle, on poisoned outputs)

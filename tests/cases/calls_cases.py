@@ -374,6 +374,8 @@ def case_bad_inputs(comm):
             a2a.fake_expert(d)  # (combined already: the rows it would read may be another call's by now)
         with pytest.raises(TypeError, match="x must have dtype float16, got float32"):
             a2a.dispatch(x.astype(np.float32), idx)
+        with pytest.raises(TypeError, match=r"indices must have dtype int32, got int32 \(>i4\)"):
+            a2a.dispatch(x, idx.astype(">i4"))  # (the byte order named: a plain "int32" would not say what is wrong)
         with pytest.raises(ValueError, match="x must have 2 dimensions"):
             a2a.dispatch(x.reshape(-1), idx)
         with pytest.raises(ValueError, match=r"x must have shape \(4, 64\), got \(4, 32\)"):
@@ -500,6 +502,43 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, engine="gloo")
     # A script that names its engine between nodes runs within one node too (where it goes unused).
     AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, engine="mpi").close()
+
+
+def case_one_rank_refuses_its_arguments(comm):
+    """A rank whose arguments are refused (its parameters, or its device that will not open) raises its own error
+    and tells the other ranks before anything collective: they raise ConfigMismatchError naming it and its words
+    at once, not a timeout, nor a hang in MPI. Then every rank makes the object again, and it works."""
+    import time
+
+    from pyhipa2a import CollectiveMatmul, ConfigMismatchError
+    rank, world = comm.Get_rank(), comm.Get_size()
+    if world < 2:
+        pytest.skip("one rank has no peer to tell")
+    last = world - 1
+    shape = dict(num_experts=2 * world, experts_per_token=2, hidden_dim=64, max_num_tokens=4, timeout=20.0)
+    matmul = dict(max_rows=4 * world, k=16, n=8, dtype="float16", timeout=20.0)
+    for make, wrong, error, words in (
+            (AllToAll, dict(num_experts=2 * world + 1), ValueError, "divisible by the number of ranks"),
+            (AllToAll, dict(bogus=1), TypeError, "unexpected keyword arguments"),
+            (AllToAll, dict(backend="nope"), ValueError, "unknown backend 'nope'"),
+            (AllToAll, dict(block_threads=100), ValueError, "block_threads=100 must be a multiple of 32"),
+            (AllToAll, dict(device=99), ValueError, "device 99 does not exist"),
+            (CollectiveMatmul, dict(k=0), ValueError, "k must be >= 1; got 0")):
+        given = {**(shape if make is AllToAll else matmul), **(wrong if rank == last else {})}
+        start = time.monotonic()
+        if rank == last:
+            with pytest.raises(error, match=words):
+                make(comm, **given)
+        else:
+            with pytest.raises(ConfigMismatchError, match=f"rank {last} refused its arguments .*{words}") as info:
+                make(comm, **given)
+            assert info.value.ranks == (last,)
+        assert time.monotonic() - start < 10.0, (make, wrong)  # (told at once: far from the 20 s timeout)
+    with AllToAll(comm, **shape) as a2a:
+        inputs = draw_world(5, world, 2 * world, 2, 64, 4)
+        d = a2a.dispatch(inputs.xs[rank], inputs.indices[rank])
+        a2a.combine(a2a.fake_expert(d), inputs.weights[rank])
+        a2a.synchronize()
 
 
 def case_after_close(comm):

@@ -168,7 +168,7 @@ def case_bad_input_is_refused(comm):
     rank, world = comm.Get_rank(), comm.Get_size()
     d = resolve("float16")
     m, k, n = 8, 16, 8
-    with pytest.raises(ValueError, match="max_rows must be a positive integer"):
+    with pytest.raises(ValueError, match="max_rows must be >= 1; got 0"):
         CollectiveMatmul(comm, max_rows=0, k=k, n=n)
     for wrong, error, message in ((dict(max_rows=2.5), TypeError, "max_rows must be an int, not float"),
                                   (dict(remote_sums="no"), TypeError, "remote_sums must be a bool, not str"),
