@@ -13,6 +13,7 @@ one that also repeats the last call's argument objects runs as its plan (pyhipa2
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 
@@ -60,6 +61,7 @@ class CollectiveMatmul:
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, heap.timeout  # (the heap checked it)
         self._flight = self._blas = self._replays = self._arrays = self._gather = self._scatter = None
         self._signals = None
+        self._gemm_checked = None  # the last gemm= that checked_gemm passed
         # A call's queuing, and giving up on calls (the watchdog's thread too); re-entered where a call waits for
         # the ones before it (a NumPy argument's copy) and gives up on them.
         self._lock = threading.RLock()
@@ -109,16 +111,22 @@ class CollectiveMatmul:
     def all_gather_matmul(self, a_shard, b, out=None, *, gathered=None, gemm=None, stream=None):
         """C [W*m, n] = all_gather(a_shard [m, k]) @ b [k, n]; `gathered` [W*m, k], where given, receives the
         gathered rows. `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM instead of the vendor's."""
-        checked_gemm(gemm)
+        self._check_gemm(gemm)
         with self._lock:
             return self._gather(a_shard, b, out, gathered, gemm, stream)
 
     def matmul_reduce_scatter(self, a, b, out=None, *, gemm=None, stream=None):
         """C_shard [m, n] = rows r*m.. of sum over ranks of (a [W*m, k_r] @ b [k_r, n]), summed in fp32.
         `gemm(a_rows, b, out_rows, stream_handle)` runs the caller's GEMM of the partial sums."""
-        checked_gemm(gemm)
+        self._check_gemm(gemm)
         with self._lock:
             return self._scatter(a, b, out, gemm, stream)
+
+    def _check_gemm(self, gemm) -> None:
+        """checked_gemm for each function new to this object (a loop passes the same one: its signature read once)."""
+        if gemm is not None and gemm is not self._gemm_checked:
+            checked_gemm(gemm)
+            self._gemm_checked = gemm
 
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's last call (or for `stream`), at most `timeout` seconds. A call not done by then
@@ -173,6 +181,13 @@ class CollectiveMatmul:
 
 
 def checked_gemm(gemm) -> None:
-    """gemm=: None (the vendor's GEMM) or a function, refused before the call touches anything."""
-    if gemm is not None and not callable(gemm):
+    """gemm=: a function of four arguments (a_rows, b, out_rows, stream), refused before the call touches anything:
+    a call that queued part of its work before the GEMM raised would leave the object unusable."""
+    if not callable(gemm):
         raise TypeError(f"gemm must be None or a function gemm(a_rows, b, out_rows, stream), not {type(gemm).__name__}")
+    try:
+        inspect.signature(gemm).bind(None, None, None, None)
+    except TypeError as error:
+        raise TypeError(f"gemm must take four arguments (a_rows, b, out_rows, stream): {error}") from None
+    except ValueError:
+        pass  # (a callable whose signature Python cannot read: taken as it is)

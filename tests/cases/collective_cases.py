@@ -200,6 +200,8 @@ def case_bad_input_is_refused(comm):
         cm.all_gather_matmul(a, b, gathered=np.zeros((world * m, k), d))
     with pytest.raises(TypeError, match="gemm must be None or a function"):
         cm.matmul_reduce_scatter(upload(cm, draw(5, (world * m, k), d)), b, gemm=5)
+    with pytest.raises(TypeError, match=r"gemm must take four arguments \(a_rows, b, out_rows, stream\)"):
+        cm.all_gather_matmul(a, b, gemm=lambda a_rows, b, out_rows: None)  # (refused before anything is queued)
     if world > 1:
         with pytest.raises(ValueError, match=f"multiple of the {world} ranks"):
             cm.matmul_reduce_scatter(upload(cm, np.zeros((world * m - 1, k), d)), b)
