@@ -22,6 +22,7 @@ from .calls import Calls
 from .config import Config
 from .errors import A2AError, RuntimeFailure
 from .graph import Graph
+from .internode import asked_engine
 from .runtime import backend_name
 
 
@@ -36,6 +37,7 @@ def _checked_parameters(comm, params: dict) -> None:
         raise TypeError(f"AllToAll() got unexpected keyword arguments {unknown}; its parameters: README.md")
     Config.of(comm.Get_size(), **{name: value for name, value in params.items() if name in PARAMETERS - {"engine"}})
     backend_name(params.get("backend"))
+    asked_engine(params.get("engine"))  # (and PYHIPA2A_INTERNODE's)
     device = params.get("device")  # (its range is the heap's to check, where the device opens)
     if device is not None and not is_int(device):
         raise TypeError(f"device must be an int, not {type(device).__name__}")

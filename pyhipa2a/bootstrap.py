@@ -1,6 +1,8 @@
 """MPI plumbing: how ranks lie on nodes, the node-local communicator, and waits that cannot hang."""
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import os
 import time
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arguments import env_int
-from .errors import A2AError, A2ATimeoutError, ConfigMismatchError, RuntimeFailure
+from .errors import A2ATimeoutError, ConfigMismatchError
 from .local import LocalComm
 
 
@@ -102,6 +104,12 @@ def _forget_completed() -> None:
     _ABANDONED[:] = [kept for kept in _ABANDONED if not kept[0].Test()]  # (a completed one is freed)
 
 
+@functools.cache
+def _forget_at_exit() -> None:
+    """Free the completed requests at exit, before MPI is finalized (which warns of requests still held)."""
+    atexit.register(_forget_completed)  # (after mpi4py's own: run before it)
+
+
 def bounded_barrier(comm, timeout: float, what: str) -> None:
     """A barrier that raises A2ATimeoutError naming the ranks that never arrived, after `timeout` seconds,
     instead of hanging."""
@@ -117,21 +125,28 @@ def bounded_barrier(comm, timeout: float, what: str) -> None:
                               f"{_ranks(missing)} never arrived", ranks=tuple(missing))
 
 
-VERDICT_TAG = 0x7A2B  # an agreement's messages: a rank's verdict on its own arguments
-VERDICT_BYTES = 512   # (a verdict: one byte, refused or not, then the refusal's words, cut to fit)
+VERDICT_TAG = 0x7A2B  # an agreement's messages: a rank's verdict on its own arguments to one setup step
+# (a verdict: the step's name, the sender's rank in COMM_WORLD (a node's own communicator numbers its ranks
+# from 0), a byte for refused, then the refusal's words)
+STEP_BYTES, VERDICT_BYTES = 64, 512
+WORLD_AT, REFUSED_AT, WORDS_AT = STEP_BYTES, STEP_BYTES + 4, STEP_BYTES + 5
 
 
 class _Verdicts:
-    """Every rank's verdict sent to every other, point to point (as _Arrivals: a wait that ends early knows who
-    never came)."""
+    """Every rank's verdict on its own arguments to one setup step, sent to every other, point to point."""
 
-    def __init__(self, comm, refusal: BaseException | None):
+    def __init__(self, comm, step: str, refusal: BaseException | None):
         _forget_completed()
         MPI, me = mpi(), comm.Get_rank()
         mine = bytearray(VERDICT_BYTES)
+        named = step.encode()[:STEP_BYTES]
+        mine[:len(named)] = named
+        mine[WORLD_AT:REFUSED_AT] = MPI.COMM_WORLD.Get_rank().to_bytes(4, "little")
         if refusal is not None:
-            words = f"{type(refusal).__name__}: {refusal}".encode()[:VERDICT_BYTES - 1]
-            mine[0], mine[1:1 + len(words)] = 1, words
+            words = f"{type(refusal).__name__}: {refusal}".encode()[:VERDICT_BYTES - WORDS_AT]
+            mine[REFUSED_AT] = 1
+            mine[WORDS_AT:WORDS_AT + len(words)] = words
+        self._step = bytes(mine[:STEP_BYTES])
         peers = [r for r in range(comm.Get_size()) if r != me]
         self._heard = {r: bytearray(VERDICT_BYTES) for r in peers}
         self._sent = [(comm.Isend([mine, MPI.BYTE], dest=r, tag=VERDICT_TAG), mine) for r in peers]
@@ -146,42 +161,63 @@ class _Verdicts:
             request.Wait()
         return True
 
+    def elsewhere(self) -> dict:
+        """{world rank: the step it is at} of the peers at another step of setup than ours."""
+        return {_world(b): _text(b[:STEP_BYTES]) for b in self._heard.values()
+                if bytes(b[:STEP_BYTES]) != self._step}
+
     def refusals(self) -> dict:
-        """{rank: its refusal's words} of the peers that refused their arguments."""
-        return {r: bytes(b[1:]).rstrip(b"\0").decode(errors="replace") for r, b in self._heard.items() if b[0]}
+        """{world rank: its refusal's words} of the peers that refused their arguments."""
+        return {_world(b): _text(b[WORDS_AT:]) for b in self._heard.values() if b[REFUSED_AT]}
 
-    def abandon(self) -> list:
-        """The ranks not heard from; the requests (and the memory MPI may still write) kept in _ABANDONED."""
+    def abandon(self) -> None:
+        """Keep the requests not completed, with the memory MPI may still read or write, in _ABANDONED."""
         _ABANDONED.extend([*self._sent, *((request, self._heard[r]) for r, request in self._waiting.items())])
-        return sorted(self._waiting)
+        _forget_at_exit()
 
 
-def agreed(comm, what: str, check, timeout: float | None = None):
-    """`check()` (a rank's own checks of its arguments to a collective setup), once every rank of `comm` has run
-    its own. The step before a setup's collectives: a rank whose arguments are refused would otherwise leave the
-    others in an MPI collective for good. Each rank tells every other its verdict and waits for theirs, at most
-    `timeout` seconds where given (None: as long as MPI's collectives would, for the first step of a setup, which
-    ranks may reach far apart). Raises this rank's own refusal (a TypeError, ValueError, A2AError or
-    RuntimeFailure), at once; else ConfigMismatchError naming the ranks that refused theirs, in their words; else
-    A2ATimeoutError naming those never heard from."""
+def _world(verdict) -> int:
+    return int.from_bytes(verdict[WORLD_AT:REFUSED_AT], "little")
+
+
+def _text(raw) -> str:
+    return bytes(raw).rstrip(b"\0").decode(errors="replace")
+
+
+def agreed(comm, what: str, check, undo=None):
+    """`check()` (a rank's own checks of its arguments to the setup step `what`: what it makes), once every rank of
+    `comm` has run its own. The step before a setup's collectives: a rank whose arguments are refused would
+    otherwise leave the others in an MPI collective for good. Each rank tells every other its verdict and waits for
+    theirs, as long as MPI's collectives would (ranks may reach a setup far apart; a rank that never comes leaves
+    the others waiting, as before). Raises this rank's own refusal (any Exception its check raised), at once; else
+    ConfigMismatchError naming the ranks that refused theirs, in their words (having called `undo(result)` on what
+    this rank made), or the ranks at another step of setup."""
     try:
         result, refusal = check(), None
-    except (TypeError, ValueError, A2AError, RuntimeFailure) as error:
+    except Exception as error:  # (any: a rank that sent no verdict would leave the others waiting for good)
         result, refusal = None, error
     if isinstance(comm, LocalComm):  # (a rank's failure there ends its group's collectives: no hang to fear)
         if refusal is not None:
             raise refusal
         return result
-    verdicts = _Verdicts(comm, refusal)
+    verdicts = _Verdicts(comm, what, refusal)
     if refusal is not None:
         verdicts.abandon()  # (the peers' verdicts land in the receives left posted; ours are on their way)
         raise refusal
-    if not poll(verdicts.done, math.inf if timeout is None else time.monotonic() + timeout):
-        missing = verdicts.abandon()
-        raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s for the other ranks' "
-                              f"arguments; {_ranks(missing)} never came", ranks=tuple(missing))
-    refused = verdicts.refusals()
-    if refused:
+    try:
+        poll(verdicts.done, math.inf)
+    except BaseException:  # (an interrupt: MPI may still write into the receives' memory)
+        verdicts.abandon()
+        raise
+    elsewhere, refused = verdicts.elsewhere(), verdicts.refusals()
+    if (elsewhere or refused) and undo is not None:
+        undo(result)
+    if elsewhere:
+        raise ConfigMismatchError(f"{what}: " + "; ".join(f"rank {r} is at another step of setup ({step})"
+                                                          for r, step in elsewhere.items())
+                                  + ": every rank must make the same objects in the same order",
+                                  ranks=tuple(elsewhere))
+    if refused:  # (ranks named as COMM_WORLD numbers them: mpirun's)
         raise ConfigMismatchError(f"{what}: " + "; ".join(f"rank {r} refused its arguments ({words})"
                                                           for r, words in refused.items()), ranks=tuple(refused))
     return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import weakref
 
-from .array import DeviceArray
+from .array import DeviceArray, FreedMemory
 
 
 class FakeExpert:
@@ -42,7 +42,7 @@ class FakeExpert:
             shape = (*c.rows_shape, c.hidden)
             ptr = backend.malloc_ipc(math.prod(shape) * c.out_dtype.itemsize)
             self._free = weakref.finalize(self, backend.free, ptr)  # also at exit
-            self.buffer = DeviceArray(backend, ptr, shape, c.out_dtype, owner=self.buffers.heap, stream=stream)
+            self.buffer = DeviceArray(backend, ptr, shape, c.out_dtype, owner=self, stream=stream)
         return self.buffer
 
     def expert_y_on(self, stream, health) -> DeviceArray:
@@ -55,7 +55,13 @@ class FakeExpert:
                                                      stream=stream, health=health)
         return view
 
+    @property
+    def closed(self) -> bool:
+        """Whether expert_y_buffer()'s memory was freed (its arrays' owner: they keep this object alive till then)."""
+        return self._free is not None and not self._free.alive
+
     def close(self) -> None:
-        if self._free is not None:
+        if self._free is not None and self._free.alive:
             self._free()
+            FreedMemory.freed()
             self.buffer = None

@@ -37,7 +37,7 @@ class SymmetricHeap:
             made = backend if isinstance(backend, Backend) else get_backend(backend)
             return made, made.open_device(select_device(made, self.rank, device))
         try:  # (a rank whose device will not open tells the others, who raise too)
-            self.backend, self.device = agreed(self.comm, "SymmetricHeap: opening the device", opened, timeout)
+            self.backend, self.device = agreed(self.comm, "SymmetricHeap: opening the device", opened)
         except BaseException:
             self.comm.Free()
             raise
@@ -127,6 +127,7 @@ class SymmetricHeap:
         finally:
             self._finalizer()
             FreedMemory.freed()  # (a plan that took our arrays misses from now on, and its full path refuses them)
+            self.comm.Free()
 
     @property
     def closed(self) -> bool:

@@ -77,7 +77,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         def chosen():  # (the device by the rank's place on its machine, not in its (maybe simulated) node)
             made = backend if isinstance(backend, Backend) else get_backend(backend)
             return made, select_device(made, layout.local_rank, device)
-        backend, device = agreed(comm, "AllToAll: choosing the device", chosen, config.timeout)
+        backend, device = agreed(comm, "AllToAll: choosing the device", chosen)
         config.check_agrees(comm, backend.kind)  # (each node checks its own part, not the nodes against each other)
         # Ranks of other (simulated) nodes may drive the same GPU: the grid is shared among all of them.
         machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -88,9 +88,11 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self.comm = comm
         self._comms = (comm.Split(color=layout.node, key=rank), comm.Split(color=layout.place, key=layout.node))
         self._engine = self._free = None
-        try:
-            part = config.node_part(layout.nodes, layout.ranks_per_node, devices.count(device))
-            exchange = NodeExchange(self._comms[0], part, backend=backend, device=device)
+        part = config.node_part(layout.nodes, layout.ranks_per_node, devices.count(device))
+        try:  # (a node whose part fails, its ranks told within it, tells the other nodes too)
+            exchange = agreed(comm, "AllToAll: the node's exchange",
+                              lambda: NodeExchange(self._comms[0], part, backend=backend, device=device),
+                              undo=lambda made: made.close(broken=True))
         except BaseException:
             self._free_comms()
             raise

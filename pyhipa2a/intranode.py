@@ -38,7 +38,7 @@ class NodeExchange:
             ranks_here = on_device.ranks_on_device or heap.ranks_on_device
             return kernels, settle_geometry(on_device, backend, device, kernels, ranks_here)
         # (a rank whose device refuses the configuration tells the others, who raise too)
-        kernels, config = agreed(heap.comm, "AllToAll: loading the kernels", loaded, config.timeout)
+        kernels, config = agreed(heap.comm, "AllToAll: loading the kernels", loaded)
         config.check_agrees(heap.comm, backend.kind)
         self.config = config
         self.buffers = Buffers(heap, config)

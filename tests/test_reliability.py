@@ -69,8 +69,8 @@ def test_barrier_names_the_late_rank():
     run_case(CASE + "case_barrier_names_the_late_rank", ranks_for("host"), "host", timeout=60)
 
 
-def test_agreement_names_the_late_and_the_refusing_rank():
-    run_case(CASE + "case_agreement_names_the_late_and_the_refusing_rank", ranks_for("host"), "host", timeout=60)
+def test_agreement_waits_and_names_the_refusing_rank():
+    run_case(CASE + "case_agreement_waits_and_names_the_refusing_rank", ranks_for("host"), "host", timeout=60)
 
 
 def test_foreign_non_contiguous():

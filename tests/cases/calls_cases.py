@@ -505,9 +505,12 @@ def case_bad_config(comm):
 
 
 def case_one_rank_refuses_its_arguments(comm):
-    """A rank whose arguments are refused (its parameters, or its device that will not open) raises its own error
-    and tells the other ranks before anything collective: they raise ConfigMismatchError naming it and its words
-    at once, not a timeout, nor a hang in MPI. Then every rank makes the object again, and it works."""
+    """A rank whose arguments are refused (its parameters, an engine, its device that will not open, kernels its
+    device will not load) raises its own error and tells the other ranks before anything collective: they raise
+    ConfigMismatchError naming it and its words at once, not a timeout, nor a hang in MPI. Across nodes a node
+    whose part failed tells the other nodes so, naming its ranks. Then every rank makes the object again, and it
+    works."""
+    import os
     import time
 
     from pyhipa2a import CollectiveMatmul, ConfigMismatchError
@@ -517,22 +520,29 @@ def case_one_rank_refuses_its_arguments(comm):
     last = world - 1
     shape = dict(num_experts=2 * world, experts_per_token=2, hidden_dim=64, max_num_tokens=4, timeout=20.0)
     matmul = dict(max_rows=4 * world, k=16, n=8, dtype="float16", timeout=20.0)
+    kernel_choice = "PYHIPA2A_COMBINE_KERNEL"
     for make, wrong, error, words in (
             (AllToAll, dict(num_experts=2 * world + 1), ValueError, "divisible by the number of ranks"),
             (AllToAll, dict(bogus=1), TypeError, "unexpected keyword arguments"),
             (AllToAll, dict(backend="nope"), ValueError, "unknown backend 'nope'"),
+            (AllToAll, dict(engine="gloo"), ValueError, "engine must be one of"),
             (AllToAll, dict(block_threads=100), ValueError, "block_threads=100 must be a multiple of 32"),
             (AllToAll, dict(device=99), ValueError, "device 99 does not exist"),
+            (AllToAll, {kernel_choice: "nope"}, ValueError, f"{kernel_choice} must be one of"),
             (CollectiveMatmul, dict(k=0), ValueError, "k must be >= 1; got 0")):
         given = {**(shape if make is AllToAll else matmul), **(wrong if rank == last else {})}
         start = time.monotonic()
-        if rank == last:
-            with pytest.raises(error, match=words):
-                make(comm, **given)
-        else:
-            with pytest.raises(ConfigMismatchError, match=f"rank {last} refused its arguments .*{words}") as info:
-                make(comm, **given)
-            assert info.value.ranks == (last,)
+        os.environ.update({name: given.pop(name) for name in list(given) if name.startswith("PYHIPA2A_")})
+        try:
+            if rank == last:
+                with pytest.raises(error, match=words):
+                    make(comm, **given)
+            else:
+                with pytest.raises(ConfigMismatchError, match=f"rank {last} refused its arguments .*{words}") as info:
+                    make(comm, **given)
+                assert last in info.value.ranks  # (a node's peers name the ranks there that learnt it from it too)
+        finally:
+            os.environ.pop(kernel_choice, None)
         assert time.monotonic() - start < 10.0, (make, wrong)  # (told at once: far from the 20 s timeout)
     with AllToAll(comm, **shape) as a2a:
         inputs = draw_world(5, world, 2 * world, 2, 64, 4)
