@@ -106,8 +106,11 @@ def _forget_completed() -> None:
 
 @functools.cache
 def _forget_at_exit() -> None:
-    """Free the completed requests at exit, before MPI is finalized (which warns of requests still held)."""
-    atexit.register(_forget_completed)  # (after mpi4py's own: run before it)
+    """At exit, before MPI is finalized (which warns of requests still held), free the requests given up on as they
+    complete, waiting a second at most (a peer's message may be on its way)."""
+    def settle():
+        poll(lambda: not (_forget_completed() or _ABANDONED), time.monotonic() + 1.0)
+    atexit.register(settle)  # (after mpi4py's own: run before it)
 
 
 def bounded_barrier(comm, timeout: float, what: str) -> None:
