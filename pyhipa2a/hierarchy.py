@@ -88,10 +88,11 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         self.comm = comm
         self._comms = (comm.Split(color=layout.node, key=rank), comm.Split(color=layout.place, key=layout.node))
         self._engine = self._free = None
-        part = config.node_part(layout.nodes, layout.ranks_per_node, devices.count(device))
+        def node_exchange():
+            part = config.node_part(layout.nodes, layout.ranks_per_node, devices.count(device))
+            return NodeExchange(self._comms[0], part, backend=backend, device=device)
         try:  # (a node whose part fails, its ranks told within it, tells the other nodes too)
-            exchange = agreed(comm, "AllToAll: the node's exchange",
-                              lambda: NodeExchange(self._comms[0], part, backend=backend, device=device),
+            exchange = agreed(comm, "AllToAll: the node's exchange", node_exchange,
                               undo=lambda made: made.close(broken=True))
         except BaseException:
             self._free_comms()
