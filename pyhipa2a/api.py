@@ -15,7 +15,6 @@ import inspect
 import weakref
 
 from .array import DeviceArray
-from .arguments import is_int
 from .bootstrap import agreed, bounded_barrier, mpi, node_layout
 from .buffers import DispatchResult
 from .calls import Calls
@@ -23,7 +22,6 @@ from .config import Config
 from .errors import A2AError, RuntimeFailure
 from .graph import Graph
 from .internode import asked_engine
-from .runtime import backend_name
 
 
 # AllToAll's parameters past its own: the configuration's, and the engine between nodes (the implementations')
@@ -36,11 +34,7 @@ def _checked_parameters(comm, params: dict) -> None:
     if unknown:  # (named as AllToAll's)
         raise TypeError(f"AllToAll() got unexpected keyword arguments {unknown}; its parameters: README.md")
     Config.of(comm.Get_size(), **{name: value for name, value in params.items() if name in PARAMETERS - {"engine"}})
-    backend_name(params.get("backend"))
-    asked_engine(params.get("engine"))  # (and PYHIPA2A_INTERNODE's)
-    device = params.get("device")  # (its range is the heap's to check, where the device opens)
-    if device is not None and not is_int(device):
-        raise TypeError(f"device must be an int, not {type(device).__name__}")
+    asked_engine(params.get("engine"))  # (and PYHIPA2A_INTERNODE's; the backend and device: the heap's agreement)
 
 
 class AllToAll(Calls):

@@ -28,7 +28,6 @@ from .heap import SymmetricHeap
 from .inflight import InFlight
 from .replays import Replays
 from .errors import RuntimeFailure
-from .runtime import backend_name
 from .signals import Signals
 from .streams import Streams
 
@@ -44,8 +43,7 @@ class CollectiveMatmul:
         def checked():
             return ({name: checked_int(name, value, least=1) for name, value in
                      (("max_rows", max_rows), ("k", k), ("n", n), ("pieces", pieces))},
-                    check_supported(dtype, "dtype"), checked_bool("remote_sums", remote_sums), backend_name(backend),
-                    checked_timeout(timeout))
+                    check_supported(dtype, "dtype"), checked_bool("remote_sums", remote_sums), checked_timeout(timeout))
         # (before anything collective: a rank that refuses its arguments tells the others, who raise too)
         sizes, self.dtype, self.remote_sums, *_ = agreed(mpi().COMM_WORLD if comm is None else comm,
                                                          "CollectiveMatmul()", checked)

@@ -34,7 +34,7 @@ class SymmetricHeap:
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
 
         def opened():
-            made = backend if isinstance(backend, Backend) else get_backend(backend)
+            made = get_backend(backend)
             return made, made.open_device(select_device(made, self.rank, device))
         try:  # (a rank whose device will not open tells the others, who raise too)
             self.backend, self.device = agreed(self.comm, "SymmetricHeap: opening the device", opened)

@@ -25,7 +25,7 @@ from .heap import TABLE_ALIGN, align_up
 from .internode import Transfer, asked_engine, make_engine
 from .intranode import NodeExchange
 from .kernels import REDUCE_ONLY, WHOLE_COMBINE, X_FP8, field_addresses
-from .runtime import Backend, Launcher, get_backend, select_device
+from .runtime import Launcher, get_backend, select_device
 
 NODE_WAITS = (6, 7, 8)  # status `what` of waits between nodes: their peer is already a world rank
 
@@ -75,7 +75,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         config = Config.of(comm.Get_size(), **params)
 
         def chosen():  # (the device by the rank's place on its machine, not in its (maybe simulated) node)
-            made = backend if isinstance(backend, Backend) else get_backend(backend)
+            made = get_backend(backend)
             return made, select_device(made, layout.local_rank, device)
         backend, device = agreed(comm, "AllToAll: choosing the device", chosen)
         config.check_agrees(comm, backend.kind)  # (each node checks its own part, not the nodes against each other)

@@ -8,8 +8,7 @@ from ..errors import RuntimeFailure
 from .base import Backend, DeviceInfo, Launcher
 
 BACKENDS = ("hip", "cuda", "host")
-__all__ = ["Backend", "DeviceInfo", "Launcher", "RuntimeFailure", "BACKENDS", "backend_name", "get_backend",
-           "select_device"]
+__all__ = ["Backend", "DeviceInfo", "Launcher", "RuntimeFailure", "BACKENDS", "get_backend", "select_device"]
 
 
 def _make(name: str) -> Backend:
@@ -23,24 +22,19 @@ def _make(name: str) -> Backend:
     return HostBackend()
 
 
-def backend_name(name: str | None = None) -> str | None:
-    """The backend `name` (or $PYHIPA2A_BACKEND) asks for, checked; None where it asks for none."""
+def get_backend(name: str | Backend | None = None) -> Backend:
+    """`name` (a Backend: itself), else $PYHIPA2A_BACKEND, else the first of hip and cuda that sees a device, else
+    host."""
+    if isinstance(name, Backend):
+        return name
     if name is None:
         name = os.environ.get("PYHIPA2A_BACKEND") or None
-    if name is None or isinstance(name, Backend):
-        return None
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be one of {', '.join(BACKENDS)} or a Backend, not {type(name).__name__}")
-    name = name.strip().lower()
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
-    return name
-
-
-def get_backend(name: str | None = None) -> Backend:
-    """`name`, else $PYHIPA2A_BACKEND, else the first of hip and cuda that sees a device, else host."""
-    name = backend_name(name)
     if name is not None:
+        if not isinstance(name, str):
+            raise TypeError(f"backend must be one of {', '.join(BACKENDS)} or a Backend, not {type(name).__name__}")
+        name = name.strip().lower()
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
         return _make(name)
     for candidate in ("hip", "cuda"):
         try:
