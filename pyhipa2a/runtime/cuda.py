@@ -15,7 +15,7 @@ _CALLS = {role: names[0] for role, names in CALLS.items()}
 
 # Every attribute of `driver` used, here or through _CALLS: tests check they exist, as no NVIDIA driver runs them.
 _USED_CALLS = (
-    "cuInit", "cuDeviceGetCount", "cuCtxGetDevice_v2", "cuCtxGetCurrent", "cuDeviceGet", "cuDeviceGetName",
+    "cuCtxGetDevice_v2", "cuCtxGetCurrent", "cuDeviceGet", "cuDeviceGetName",
     "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuGetErrorName", "cuGetErrorString",
     "cuMemAlloc", "CU_MEMHOSTALLOC_DEVICEMAP", "CU_MEMHOSTALLOC_PORTABLE", "cuIpcGetMemHandle", "cuIpcOpenMemHandle",
     "cuPointerGetAttribute", "cuEventCreate", "CUresult", "CUstream", "CUipcMemHandle", "CUdevice_attribute",
@@ -206,15 +206,10 @@ class CudaBackend(DriverBackend):
 
     def __init__(self):
         super().__init__()
-        _load()
-        _check(driver.cuInit(0), "cuInit")
         self._context = None
         self._tapes: dict = {}  # stream handle -> the launches record_steps records there
         self._context_handle = None  # int(self._context): activate() compares at every call
         self._batches = {}  # stream_word_ops' (kind, place) sequences -> their _WordBatch, least recently used first
-
-    def device_count(self) -> int:
-        return _check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
 
     def open_device(self, index: int) -> DeviceInfo:
         self.current_device = index
@@ -256,8 +251,7 @@ class CudaBackend(DriverBackend):
     def ipc_open(self, handle: bytes) -> int:
         flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
         self.activate()
-        ptr = _check(driver.cuIpcOpenMemHandle(_handle_from_bytes(handle), flags), "cuIpcOpenMemHandle")
-        return int(ptr)
+        return int(_check(driver.cuIpcOpenMemHandle(_handle_from_bytes(handle), flags), "cuIpcOpenMemHandle"))
 
     def _enable_peer_access(self, device: int) -> bool:
         ours = _check(driver.cuDeviceGet(self.current_device), "cuDeviceGet")
@@ -370,9 +364,6 @@ class CudaBackend(DriverBackend):
         entries = _entry_points()
         return None if entries is None else entries["cuLaunchKernel"]
 
-    def function_address(self, function) -> int:
-        return int(function)
-
     def plan_activate(self):
         entries = _entry_points()
         if entries is None or self._context is None:
@@ -403,7 +394,7 @@ class CudaBackend(DriverBackend):
         entries, site = _entry_points(), launch.graph
         if entries is None or site is None:
             return (launch.queue, stream), ()
-        handle = 0 if stream is None else int(stream)
+        handle = self.stream_handle(stream)
         return (entries["cuGraphLaunch"], int(site.exec), handle, launch), (self._capturing, self._joined)
 
     def stream_word_ops(self, stream, ops: tuple, timeout: float, timed_out) -> None:

@@ -11,6 +11,7 @@ from .base import Backend
 
 # Each role DriverBackend's methods call -> (CUDA driver function, HIP function); each backend's _CALLS is one column.
 CALLS = {
+    "init": ("cuInit", "hipInit"), "device_count": ("cuDeviceGetCount", "hipGetDeviceCount"),
     "mem_free": ("cuMemFree", "hipFree"), "host_alloc": ("cuMemHostAlloc", "hipHostMalloc"),
     "host_get_device_pointer": ("cuMemHostGetDevicePointer", "hipHostGetDevicePointer"),
     "host_free": ("cuMemFreeHost", "hipHostFree"), "ipc_close_handle": ("cuIpcCloseMemHandle", "hipIpcCloseMemHandle"),
@@ -80,6 +81,7 @@ class DriverBackend(Backend):
         self._streams = set()  # created here and not yet destroyed; close() reclaims them
         self._capturing: set[int] = set()  # handles of streams between capture_begin and capture_end
         self._joined: set[int] = set()  # handles of streams another library captures (capture_join)
+        self._call("init", 0)  # (loads the binding: a missing one raises ImportError here)
 
     # An event recorded while capturing orders only captured work unless "external": then each graph launch records it.
     _EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL, hipEventRecordExternal
@@ -100,6 +102,9 @@ class DriverBackend(Backend):
             self._call(role + "_async", *args, stream)
             if wait:
                 self._call("stream_synchronize", stream)
+
+    def device_count(self) -> int:
+        return self._call("device_count")
 
     def reach_in_process(self, ptr: int, device: int) -> int | None:
         # The process's one address space: the peer's own address, once our device may reach its device's memory.
@@ -172,7 +177,6 @@ class DriverBackend(Backend):
     _NOT_READY = 600  # CUDA_ERROR_NOT_READY and hipErrorNotReady: work still queued
 
     def stream_done(self, stream) -> bool:
-        """Whether everything queued on `stream` has finished; never waits (a watchdog polls it)."""
         return self._query(self._CALLS["stream_query"], stream)
 
     def event_done(self, event) -> bool:
@@ -277,6 +281,9 @@ class DriverBackend(Backend):
         result = launch(function, grid, 1, 1, block, 1, 1, 0, stream, pack.kernel_params, self._LAUNCH_EXTRA)
         if result[0]:
             self._check(result, self._CALLS["launch_kernel"])
+
+    def function_address(self, function) -> int:
+        return int(function)
 
     def close(self) -> None:
         # Best effort, unchecked: a failure here must not mask shutdown.

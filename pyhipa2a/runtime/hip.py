@@ -11,7 +11,7 @@ _CALLS = {role: names[1] for role, names in CALLS.items()}
 
 # Every attribute of `hip` used, here or through _CALLS: tests check they exist, as no ROCm runtime runs them.
 _USED_CALLS = (
-    "hipInit", "hipGetDeviceCount", "hipSetDevice", "hipGetDevice", "hipGetDeviceProperties", "hipGetErrorString",
+    "hipSetDevice", "hipGetDevice", "hipGetDeviceProperties", "hipGetErrorString",
     "hipExtMallocWithFlags", "hipHostMallocMapped", "hipHostMallocCoherent", "hipHostMallocPortable",
     "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipPointerGetAttributes", "hipEventCreate", "hipError_t",
     "hipIpcMemHandle_t", "ihipStream_t", "hipMemoryType", "hipDeviceMallocFinegrained",
@@ -74,8 +74,6 @@ class HipBackend(DriverBackend):
 
     def __init__(self):
         super().__init__()
-        _load()
-        _check(hip.hipInit(0), "hipInit")
         self._opened = None  # the device open_device made current: what activate() switches back to
 
     def stream_waits_refused(self) -> str | None:
@@ -94,12 +92,6 @@ class HipBackend(DriverBackend):
             return ctypes.cast(ctypes.CDLL("libamdhip64.so").hipModuleLaunchKernel, ctypes.c_void_p).value
         except (OSError, AttributeError):
             return None
-
-    def function_address(self, function) -> int:
-        return int(function)
-
-    def device_count(self) -> int:
-        return _check(hip.hipGetDeviceCount(), "hipGetDeviceCount")
 
     def open_device(self, index: int) -> DeviceInfo:
         self.current_device = index
@@ -125,8 +117,7 @@ class HipBackend(DriverBackend):
     def malloc_ipc(self, nbytes: int) -> int:
         # Fine-grained: peers' stores stay coherent while a kernel runs, which the flag polling depends on.
         self.activate()
-        ptr = _check(hip.hipExtMallocWithFlags(nbytes, hip.hipDeviceMallocFinegrained), "hipExtMallocWithFlags")
-        ptr = int(ptr)
+        ptr = int(_check(hip.hipExtMallocWithFlags(nbytes, hip.hipDeviceMallocFinegrained), "hipExtMallocWithFlags"))
         self.memset(ptr, 0, nbytes)
         return ptr
 
@@ -139,9 +130,8 @@ class HipBackend(DriverBackend):
 
     def ipc_open(self, handle: bytes) -> int:
         self.activate()
-        ptr = _check(hip.hipIpcOpenMemHandle(_handle_from_bytes(handle), hip.hipIpcMemLazyEnablePeerAccess),
-                     "hipIpcOpenMemHandle")
-        return int(ptr)
+        return int(_check(hip.hipIpcOpenMemHandle(_handle_from_bytes(handle), hip.hipIpcMemLazyEnablePeerAccess),
+                          "hipIpcOpenMemHandle"))
 
     def _enable_peer_access(self, device: int) -> bool:
         if not _check(hip.hipDeviceCanAccessPeer(self.current_device, device), "hipDeviceCanAccessPeer"):
