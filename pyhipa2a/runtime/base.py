@@ -46,7 +46,7 @@ class Backend:
 
     kind: str = "abstract"
     code_suffix: str | None = None
-    dlpack_device_type: int = 1  # DLPack kDLCPU; GPU backends override
+    dlpack_device_type: int = 1  # DLPack kDLCPU (host arrays hand straight to NumPy); GPU backends override
     current_device: int = 0      # set by open_device: arrays made without an owner live there
 
     # -- device -------------------------------------------------------------

@@ -51,8 +51,6 @@ class HostEvent:
 class HostBackend(Backend):
     kind = "host"
     stream_type = HostStream
-    code_suffix = None
-    dlpack_device_type = 1  # kDLCPU: host arrays hand straight to NumPy
 
     def __init__(self):
         self._maps: dict[int, _Mapping] = {}
@@ -105,25 +103,24 @@ class HostBackend(Backend):
         # A fresh file is zero-filled, as the GPU backends' allocations are after their memset.
         return self._map(f"pyhipa2a-{os.getpid()}-{secrets.token_hex(8)}", max(nbytes, 1), create=True)
 
-    def _release(self, ptr: int, unlink: bool) -> None:
+    def _release(self, ptr: int, unlink: bool = True) -> None:
+        """Unmap `ptr`; with `unlink`, also remove its file where this process created it."""
         m = self._maps.pop(ptr, None)
         if m is None:
             raise RuntimeFailure(f"host: 0x{ptr:x} is not a mapping of this process")
         del m.anchor
         m.map.close()
         os.close(m.fd)
-        if unlink:
+        if unlink and m.owned:
             self.ipc_unlink_name(m)
 
     @staticmethod
     def ipc_unlink_name(m: _Mapping) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, m.name))
-        except FileNotFoundError:
-            pass
 
     def free(self, ptr: int) -> None:
-        self._release(ptr, unlink=self._maps.get(ptr) is not None and self._maps[ptr].owned)
+        self._release(ptr)
 
     def malloc_host_mapped(self, nbytes: int) -> tuple[int, int]:
         buf = (ctypes.c_char * max(nbytes, 1))()  # zeroed; host and "device" share the address
@@ -336,8 +333,8 @@ class HostBackend(Backend):
         graph.steps = []
 
     def close(self) -> None:
-        for ptr, m in list(self._maps.items()):
-            self._release(ptr, unlink=m.owned)
+        for ptr in list(self._maps):
+            self._release(ptr)
 
 
 class _WordLock:
