@@ -70,11 +70,7 @@ class DeviceArray:
 
     @property
     def strides(self) -> tuple[int, ...]:
-        strides, step = [], self.dtype.itemsize
-        for n in reversed(self.shape):
-            strides.append(step)
-            step *= n
-        return tuple(reversed(strides))
+        return tuple(self.dtype.itemsize * math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -147,10 +143,9 @@ class DeviceArray:
             raise AttributeError("__cuda_array_interface__ is only for arrays on an NVIDIA GPU")
         self._refuse_if_freed()
         self._refuse_if_failed()  # a failure known now; later ones show as poisoned data
-        cai = {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
-               "strides": None, "version": 3}
-        if self.dtype.name == "bfloat16":
-            cai["typestr"] = "<V2"  # the interface has no bfloat16; consumers reinterpret
+        # (the interface has no bfloat16: a 2-byte void, which consumers reinterpret)
+        typestr = "<V2" if self.dtype.name == "bfloat16" else self.dtype.str
+        cai = {"shape": self.shape, "typestr": typestr, "data": (self.ptr, False), "strides": None, "version": 3}
         handle = self.backend.stream_handle(self.stream) if self.stream is not None else 0
         if handle:
             cai["stream"] = handle  # consumers order their work after ours

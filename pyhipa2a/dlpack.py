@@ -81,25 +81,16 @@ _FLAG_READ_ONLY = 1 << 0
 # DLDataTypeCode values.
 kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLBool = 0, 1, 2, 4, 6
 
-_NUMPY_TO_DLPACK = {
-    np.dtype(np.float16): (kDLFloat, 16),
-    np.dtype(np.float32): (kDLFloat, 32),
-    np.dtype(np.float64): (kDLFloat, 64),
-    np.dtype(np.int8): (kDLInt, 8),
-    np.dtype(np.int16): (kDLInt, 16),
-    np.dtype(np.int32): (kDLInt, 32),
-    np.dtype(np.int64): (kDLInt, 64),
-    np.dtype(np.uint8): (kDLUInt, 8),
-    np.dtype(np.uint16): (kDLUInt, 16),
-    np.dtype(np.uint32): (kDLUInt, 32),
-    np.dtype(np.uint64): (kDLUInt, 64),
-    np.dtype(np.bool_): (kDLBool, 8),
-}
-_DLPACK_TO_NUMPY = {code_bits: dt for dt, code_bits in _NUMPY_TO_DLPACK.items()}
+_NUMPY_TO_DLPACK = {np.dtype(f"{prefix}{bits}"): (code, bits)
+                    for prefix, code, widths in (("float", kDLFloat, (16, 32, 64)), ("int", kDLInt, (8, 16, 32, 64)),
+                                                 ("uint", kDLUInt, (8, 16, 32, 64)))
+                    for bits in widths}
+_NUMPY_TO_DLPACK[np.dtype(np.bool_)] = (kDLBool, 8)
 # Element types NumPy has no dtype for, by the name ml_dtypes gives them (DLPack 1.1 codes for fp8).
 _NAMED_TO_DLPACK = {"bfloat16": (kDLBfloat, 16), "float8_e4m3fn": (10, 8), "float8_e4m3fnuz": (11, 8),
                     "float8_e5m2": (12, 8), "float8_e5m2fnuz": (13, 8)}
-_DLPACK_TO_NAMED = {code_bits: name for name, code_bits in _NAMED_TO_DLPACK.items()}
+# (code, bits) -> the NumPy dtype, or the ml_dtypes name of one NumPy lacks.
+_DLPACK_TO_DTYPE = {code_bits: dt for dt, code_bits in [*_NUMPY_TO_DLPACK.items(), *_NAMED_TO_DLPACK.items()]}
 _SUPPORTED_NAMES = ", ".join([dt.name for dt in _NUMPY_TO_DLPACK] + list(_NAMED_TO_DLPACK))
 
 
@@ -126,11 +117,8 @@ def _numpy_dtype(dl: DLDataType) -> np.dtype | str:
     """The NumPy dtype for a DLDataType, or the ml_dtypes name ("bfloat16", ...) of one NumPy lacks."""
     if dl.lanes != 1:
         raise TypeError(f"DLPack import: vector dtypes (lanes={dl.lanes}) are not supported")
-    key = (dl.code, dl.bits)
-    if key in _DLPACK_TO_NAMED:
-        return _DLPACK_TO_NAMED[key]
     try:
-        return _DLPACK_TO_NUMPY[key]
+        return _DLPACK_TO_DTYPE[dl.code, dl.bits]
     except KeyError:
         raise TypeError(f"DLPack import: unsupported dtype (code={dl.code}, bits={dl.bits}); "
                         f"supported: {_SUPPORTED_NAMES}") from None
@@ -189,13 +177,9 @@ def _report_pending(exc: BaseException | None) -> None:
         raise exc
 
 
-class _Export:
-    """What one exported tensor keeps alive until its deleter runs."""
-    __slots__ = ("managed", "shape", "owner")
-
-
-# Live exports by the address of their struct (what the deleter receives; also manager_ctx).
-_live_exports: dict[int, _Export] = {}
+# Live exports by the address of their struct (what the deleter receives; also manager_ctx): what each keeps
+# alive until its deleter runs, (the struct, its shape array, the owner).
+_live_exports: dict[int, tuple] = {}
 
 
 @DLPackDeleter
@@ -245,9 +229,7 @@ def make_capsule(ptr: int, shape: tuple[int, ...], dtype, device_type: int, devi
     code, bits = _dlpack_dtype(dtype)
     dims = tuple(_c_int(d, "shape entry", 0, _INT64_MAX) for d in shape)
     versioned = max_version is not None and max_version[0] >= _DLPACK_MAJOR
-    export = _Export()
-    export.owner = owner
-    export.shape = (ctypes.c_int64 * len(dims))(*dims)
+    shape_array = (ctypes.c_int64 * len(dims))(*dims)
     if versioned:
         managed = DLManagedTensorVersioned()
         managed.version = DLPackVersion(*_DLPACK_VERSION)
@@ -260,14 +242,13 @@ def make_capsule(ptr: int, shape: tuple[int, ...], dtype, device_type: int, devi
     tensor.ndim = len(dims)
     tensor.dtype = DLDataType(code, bits, 1)
     # A 0-d tensor gets NULL, as NumPy exports them.
-    tensor.shape = ctypes.cast(export.shape, ctypes.POINTER(ctypes.c_int64)) if dims else None
+    tensor.shape = ctypes.cast(shape_array, ctypes.POINTER(ctypes.c_int64)) if dims else None
     tensor.strides = None
     tensor.byte_offset = 0
     key = ctypes.addressof(managed)
     managed.manager_ctx = key
     managed.deleter = _release_export
-    export.managed = managed
-    _live_exports[key] = export
+    _live_exports[key] = (managed, shape_array, owner)
     try:
         return _PyCapsule_New(key, _VERSIONED_NAME if versioned else _NAME, _destroy_capsule)
     except BaseException:

@@ -27,12 +27,12 @@ def bfloat16():
 
 def resolve(dtype) -> np.dtype:
     """A NumPy dtype for "float16", "bfloat16", "float8_e4m3fn", np.float16, ml_dtypes.bfloat16, ..."""
-    if isinstance(dtype, str) and dtype.lower() == "bf16":
-        return bfloat16()
-    if isinstance(dtype, str) and dtype.lower() in ML_DTYPES:
-        return ml_dtype(dtype.lower())
-    if isinstance(dtype, str) and dtype.lower() in ("fp16", "half"):
-        return np.dtype(np.float16)
+    if isinstance(dtype, str):
+        name = "bfloat16" if dtype.lower() == "bf16" else dtype.lower()
+        if name in ML_DTYPES:
+            return ml_dtype(name)
+        if name in ("fp16", "half"):
+            return np.dtype(np.float16)
     return np.dtype(dtype)
 
 
@@ -72,14 +72,11 @@ def plan_dtypes(in_dtype, dispatch_dtype, out_dtype) -> tuple[np.dtype, np.dtype
                         f"not {dispatch_fp8 or dispatch_dtype!r}")
     fp8 = in_fp8 or dispatch_fp8
     provisional = resolve("float8_e4m3fn" if fp8 == FP8_ANY else fp8) if fp8 else None
-    if in_fp8:
-        if out_dtype is None:
-            raise TypeError(f"in_dtype={in_fp8}: give out_dtype (float16 or bfloat16), the dtype of combine's "
-                            "expert_y and output (combine stays 16-bit)")
-        ins = provisional
-    else:
-        ins = check_supported(in_dtype, "in_dtype")
-    if dispatch_fp8 or in_fp8:
+    if in_fp8 and out_dtype is None:
+        raise TypeError(f"in_dtype={in_fp8}: give out_dtype (float16 or bfloat16), the dtype of combine's "
+                        "expert_y and output (combine stays 16-bit)")
+    ins = provisional if in_fp8 else check_supported(in_dtype, "in_dtype")
+    if fp8:
         moved = provisional
     else:
         moved = ins if dispatch_dtype is None else check_supported(dispatch_dtype, "dispatch_dtype")

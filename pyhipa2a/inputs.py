@@ -194,7 +194,8 @@ class Boundary:
         if capturing:
             return Taken(d.ptr, keep, False)
         if d.protocol == OWN:
-            repeatable = not self.ask_producers or producer is None or self.order.same_stream(producer, stream)
+            # (describe() names no producer where the caller vouches for the stream)
+            repeatable = producer is None or self.order.same_stream(producer, stream)
             return Taken(d.ptr, keep, repeatable, stand_in=own_stand_in(d, obj, align))
         if not self.ask_producers:
             return Taken(d.ptr, keep, True)
@@ -268,8 +269,7 @@ class Boundary:
         named = d.protocol == CAI and self.ask_producers  # a DLPack export names no stream
         try:
             key = probe.key(obj)
-            shape = tuple(key[1])
-            agrees = (key[0] == d.ptr and shape == d.shape and (not named or probe.stream(obj) == producer)
+            agrees = (key[0] == d.ptr and tuple(key[1]) == d.shape and (not named or probe.stream(obj) == producer)
                       and self._taught(probe, obj, d, key))
         except Exception:
             agrees = False
@@ -296,13 +296,16 @@ class Boundary:
         if self.backend.kind == "host":  # no probe's stream means anything for host memory
             return None
         probe = producers.probe_for(obj)
-        key = None if probe is None else producers.view_here(probe, obj, self.device_index)
-        if key is None:
-            return None
-        dtype, shape = probe.element_types.get(key[3]), tuple(key[1])
-        if dtype is None or 0 in shape:
+        if probe is None:
             return None
         try:
+            seen = probe.view(obj)
+            if seen is None or seen[1] != self.device_index or not seen[2]:  # (elsewhere, or not compact)
+                return None
+            key = seen[0]
+            dtype, shape = probe.element_types.get(key[3]), tuple(key[1])
+            if dtype is None or 0 in shape:
+                return None
             producer = probe.stream(obj) if self.ask_producers and not capturing else None
             hold = None if probe.hold is None else probe.hold(obj)
         except Exception:
@@ -389,7 +392,8 @@ def check_writable(name: str, obj, numpy_hint: str) -> None:
 def check_numpy_input(name: str, obj: np.ndarray, want_shape, want_dtype, capturing: bool) -> None:
     """A NumPy argument's shape, dtype and layout; refused while capturing (see the error)."""
     check_array(name, obj.shape, obj.dtype, want_shape, want_dtype)
-    check_numpy(name, obj)
+    if not obj.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous; pass numpy.ascontiguousarray({name})")
     if capturing:
         raise TypeError(f"inside capture(), {name} must be a device array: a NumPy array would be copied "
                         "once while capturing, not at each launch of the graph")
@@ -415,11 +419,6 @@ def check_array(name: str, shape, dtype, want_shape, want_dtype) -> None:
 
 def _spell(shape) -> str:
     return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-
-
-def check_numpy(name: str, arr: np.ndarray) -> None:
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous; pass numpy.ascontiguousarray({name})")
 
 
 def check_indices(indices: np.ndarray, num_experts: int) -> None:

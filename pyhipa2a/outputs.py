@@ -111,7 +111,7 @@ def _reader_after(streams, probe, stream):
     device, backend = streams.library_device, streams.backend
 
     def order() -> None:
-        handle = probe.consumer_stream(device)
+        handle = probe.current_stream_here(device)
         if handle is None:
             backend.stream_synchronize(stream)
         else:

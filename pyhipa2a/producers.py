@@ -7,7 +7,7 @@ array through its protocol once, then asks the probe only what can have changed.
   `element_types` (type object -> NumPy dtype its protocol named), a new array needs no protocol;
 - `hold(obj)`: what keeps a viewed array's memory ours beside it (JAX: an export, so it is not donated);
 - `lasting_views`: whether the library's view of one of our arrays (`export(array)`), made once, can be
-  ordered after every later call (pyhipa2a.outputs), through `consumer_stream(device)`: the stream the
+  ordered after every later call (pyhipa2a.outputs), through `current_stream_here(device)`: the stream the
   library reads it on, or None where it names none;
 - `immutable`: whether the library's arrays never change once made (JAX): one is refused where a call writes.
 That is what the protocols wait for: PyTorch's and CuPy's current stream; a JAX array never changes once
@@ -19,18 +19,27 @@ from __future__ import annotations
 import sys
 
 
-class TorchProbe:
-    hold = None  # (the tensor, referenced, keeps its memory)
+class _StreamedProbe:
+    """PyTorch's and CuPy's: an array, referenced, keeps its memory; the library reads it on its current stream."""
+    hold = None
     lasting_views = True
     immutable = False
 
+    def __init__(self, library):
+        self.element_types: dict = {}
+        self._library = library
+
+    def export(self, a):
+        return self._library.from_dlpack(a)
+
+
+class TorchProbe(_StreamedProbe):
     def __init__(self, torch):
+        super().__init__(torch)
         # In C, unlike torch.cuda.current_stream(); a build without it (one without CUDA, say) names no stream.
         self._current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._strided = torch.strided
         self._viewable = hasattr(torch.Tensor, "is_neg")  # (PyTorch >= 1.10; else the protocols describe)
-        self.element_types: dict = {}
-        self._library = torch
 
     @staticmethod
     def key(t) -> tuple:
@@ -54,21 +63,11 @@ class TorchProbe:
             raise AttributeError("this PyTorch build names no current CUDA stream")
         return self._current(device) or 1  # 0: the default stream, which is the legacy one
 
-    consumer_stream = current_stream_here
 
-    def export(self, a):
-        return self._library.from_dlpack(a)
-
-
-class CupyProbe:
-    hold = None  # (the array, referenced, keeps its memory)
-    lasting_views = True
-    immutable = False
-
+class CupyProbe(_StreamedProbe):
     def __init__(self, cupy):
+        super().__init__(cupy)
         self._current, self._device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
-        self.element_types: dict = {}
-        self._library = cupy
 
     @staticmethod
     def key(a) -> tuple:
@@ -86,11 +85,6 @@ class CupyProbe:
 
     def current_stream_here(self, device: int) -> int | None:
         return self.stream(None) if self._device() == device else None
-
-    consumer_stream = current_stream_here
-
-    def export(self, a):
-        return self._library.from_dlpack(a)
 
 
 class JaxProbe:
@@ -147,17 +141,8 @@ class JaxProbe:
         kind, index = a.__dlpack_device__()
         return index if kind in _GPU_MEMORY else -1
 
-    @staticmethod
-    def stream(a) -> None:
-        return None
-
-    @staticmethod
-    def current_stream(a, device: int) -> None:
-        return None  # JAX names no stream
-
-    @staticmethod
-    def current_stream_here(device: int) -> None:
-        return None
+    # stream(a), current_stream(a, device), current_stream_here(device): JAX names no stream.
+    stream = current_stream = current_stream_here = staticmethod(lambda *_: None)
 
 
 _GPU_MEMORY = (2, 10)  # DLPack's kDLCUDA, kDLROCM
@@ -189,22 +174,9 @@ _by_type: dict[type, object] = {}  # every type asked about: its probe, or None
 _disowned: set = set()  # types whose probe answered otherwise than their protocol, or raised
 
 
-def view_here(probe, obj, device: int):
-    """obj's key where `probe`'s view shows it on `device` and compact; None otherwise or if the view raises."""
-    try:
-        seen = probe.view(obj)
-    except Exception:
-        return None
-    if seen is None:
-        return None
-    key, where, compact = seen
-    return key if where == device and compact else None
-
-
 def probe_for(obj):
     """The probe for obj's type, or None (a type no probe knows, or one a probe failed for)."""
-    kind = type(obj)
-    return None if kind in _disowned else stream_source(obj)
+    return None if type(obj) in _disowned else stream_source(obj)
 
 
 def stream_source(obj):

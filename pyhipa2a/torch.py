@@ -81,9 +81,8 @@ def _copy_beyond_zeroed(expert_x, counts, offsets):
     """expert_x with the rows no token filled zeroed, so that no gradient flows from them; a failed call's rows
     (its counts -1, its rows NaN) are kept as they are, to read as the failure they are (tested on the device:
     no host wait)."""
-    zero = torch.zeros((), dtype=expert_x.dtype, device=expert_x.device)
     keep = _valid_rows(expert_x, counts, offsets) | (counts < 0).any()
-    return torch.where(keep[..., None], expert_x, zero)
+    return torch.where(keep[..., None], expert_x, 0.0)
 
 
 class _Dispatch(torch.autograd.Function):
