@@ -296,8 +296,8 @@ class HostBlas(Blas):
 
     def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, addend=None) -> None:
         def step() -> None:
-            product = host_matrix(a, m, k, lda, dtype).astype(np.float32) @ \
-                host_matrix(b, k, n, ldb, dtype).astype(np.float32)
+            left = host_matrix(a, m, k, lda, dtype).astype(np.float32)
+            product = left @ host_matrix(b, k, n, ldb, dtype).astype(np.float32)
             if addend is not None:
                 product += host_matrix(addend, m, n, ldc, dtype).astype(np.float32)
             host_matrix(c, m, n, ldc, dtype)[...] = product
