@@ -105,12 +105,6 @@ class Operation:
                 self.shared.backend.capture_leave(self._joined)
                 self._joined = None
 
-    def check(self, inputs) -> None:
-        raise NotImplementedError
-
-    def prepare(self, take, s, *inputs_and_gemm) -> Prepared:
-        raise NotImplementedError
-
     def _full(self, args: tuple):
         shared, streams = self.shared, self.shared.streams
         *inputs, gemm, stream = args
