@@ -72,13 +72,13 @@ class Operation:
     first array (`check(inputs)`) and makes the call's work (`prepare(take, s, *inputs, gemm)` -> Prepared)."""
     name = ""
     FREED = ""        # the word a receiver raises once done with its slot of ours (raised at the start)
-    WORD = ("", "")   # each piece's readiness word: its kind's prefix, and what a timeout calls it
+    WORD = ""         # the prefix of each piece's readiness word's kind
 
     @classmethod
     def words(cls, pieces: int) -> tuple:
         """(kind, what a timeout calls it) of each piece's readiness word."""
-        prefix, what = cls.WORD
-        return tuple((f"{prefix}{j}", f"{what}, piece {j} (count: rows a rank)") for j in range(pieces))
+        return tuple((f"{cls.WORD}{j}", f"{cls.name} {cls.WORD}, piece {j} (count: rows a rank)")
+                     for j in range(pieces))
 
     @classmethod
     def kinds(cls, pieces: int) -> tuple:

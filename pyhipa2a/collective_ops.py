@@ -61,7 +61,7 @@ class AllGatherMatmul(Operation):
     """C [W*m, n] = all_gather(a_shard [m, k]) @ b [k, n]. Our own rows' GEMM is queued first, so the GPU starts at
     once; each peer's chunk is multiplied as soon as its word is in, rank r - 1's first."""
     name = "all_gather_matmul"
-    FREED, WORD = "rows_read", ("rows", "all_gather_matmul rows")
+    FREED, WORD = "rows_read", "rows"
 
     def __init__(self, shared):
         super().__init__(shared)
@@ -139,7 +139,7 @@ class MatmulReduceScatter(Operation):
     read from their slot once in (C = A @ B + D), so no pass over the sums is left after the last GEMM; otherwise
     our own go to slot [r] and one kernel adds the W slots (docs/COLLECTIVE.md: how each rounds)."""
     name = "matmul_reduce_scatter"
-    FREED, WORD = "sums_read", ("sums", "matmul_reduce_scatter sums")
+    FREED, WORD = "sums_read", "sums"
 
     def __init__(self, shared, remote_sums: bool):
         super().__init__(shared)
