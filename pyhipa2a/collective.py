@@ -23,11 +23,10 @@ from .collective_arrays import CallerArrays
 from .collective_call import Shared
 from .collective_ops import AllGatherMatmul, CopyStreams, MatmulReduceScatter
 from .dtypes import check_supported
-from .errors import A2AError
+from .errors import A2AError, RuntimeFailure
 from .heap import SymmetricHeap
 from .inflight import InFlight
 from .replays import Replays
-from .errors import RuntimeFailure
 from .signals import Signals
 from .streams import Streams
 
@@ -57,9 +56,8 @@ class CollectiveMatmul:
         nbytes = (w * m * k + slabs * w * m * n + (w + 1) * m * n) * item + len(kinds) * w * 4 + 8 * 256
         self.heap = heap = SymmetricHeap(comm, nbytes, backend=backend, device=device, timeout=timeout)
         self.backend, self.rank, self.timeout = heap.backend, heap.rank, heap.timeout  # (the heap checked it)
-        self._flight = self._blas = self._replays = self._arrays = self._gather = self._scatter = None
-        self._signals = None
-        self._gemm_checked = None  # the last gemm= that checked_gemm passed
+        self._flight = self._blas = self._replays = self._arrays = self._gather = self._scatter = self._signals = None
+        self._gemm_checked = None  # the last gemm= that _check_gemm passed
         # A call's queuing, and giving up on calls (the watchdog's thread too); re-entered where a call waits for
         # the ones before it (a NumPy argument's copy) and gives up on them.
         self._lock = threading.RLock()
@@ -121,10 +119,21 @@ class CollectiveMatmul:
             return self._scatter(a, b, out, gemm, stream)
 
     def _check_gemm(self, gemm) -> None:
-        """checked_gemm for each function new to this object (a loop passes the same one: its signature read once)."""
-        if gemm is not None and gemm is not self._gemm_checked:
-            checked_gemm(gemm)
-            self._gemm_checked = gemm
+        """gemm=: a function of four arguments (a_rows, b, out_rows, stream), refused before the call touches
+        anything (a call that queued part of its work before the GEMM raised would leave the object unusable);
+        its signature is read once a function (a loop passes the same one)."""
+        if gemm is None or gemm is self._gemm_checked:
+            return
+        if not callable(gemm):
+            raise TypeError(f"gemm must be None or a function gemm(a_rows, b, out_rows, stream), not "
+                            f"{type(gemm).__name__}")
+        try:
+            inspect.signature(gemm).bind(None, None, None, None)
+        except TypeError as error:
+            raise TypeError(f"gemm must take four arguments (a_rows, b, out_rows, stream): {error}") from None
+        except ValueError:
+            pass  # (a callable whose signature Python cannot read: taken as it is)
+        self._gemm_checked = gemm
 
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's last call (or for `stream`), at most `timeout` seconds. A call not done by then
@@ -177,15 +186,3 @@ class CollectiveMatmul:
     def __exit__(self, *exc):
         self.close()
 
-
-def checked_gemm(gemm) -> None:
-    """gemm=: a function of four arguments (a_rows, b, out_rows, stream), refused before the call touches anything:
-    a call that queued part of its work before the GEMM raised would leave the object unusable."""
-    if not callable(gemm):
-        raise TypeError(f"gemm must be None or a function gemm(a_rows, b, out_rows, stream), not {type(gemm).__name__}")
-    try:
-        inspect.signature(gemm).bind(None, None, None, None)
-    except TypeError as error:
-        raise TypeError(f"gemm must take four arguments (a_rows, b, out_rows, stream): {error}") from None
-    except ValueError:
-        pass  # (a callable whose signature Python cannot read: taken as it is)

@@ -43,8 +43,8 @@ class CallerArrays:
             if ptr is not None:
                 self.backend.free(ptr)
                 del self._staging[name]
-            ptr, nbytes = self.backend.malloc_ipc(max(host.nbytes, 1)), max(host.nbytes, 1)
-            self._staging[name] = (ptr, nbytes)
+            ptr = self.backend.malloc_ipc(host.nbytes)
+            self._staging[name] = (ptr, host.nbytes)
         return ptr
 
     def output(self, take, name: str, given, ours: DeviceArray, shape, like, s):

@@ -72,13 +72,13 @@ class Operation:
     first array (`check(inputs)`) and makes the call's work (`prepare(take, s, *inputs, gemm)` -> Prepared)."""
     name = ""
     FREED = ""        # the word a receiver raises once done with its slot of ours (raised at the start)
-    WORD = ("", "")   # each piece's readiness word: its kind's prefix, and what a timeout calls it
+    WORD = ""         # the prefix of each piece's readiness word's kind
 
     @classmethod
     def words(cls, pieces: int) -> tuple:
         """(kind, what a timeout calls it) of each piece's readiness word."""
-        prefix, what = cls.WORD
-        return tuple((f"{prefix}{j}", f"{what}, piece {j} (count: rows a rank)") for j in range(pieces))
+        return tuple((f"{cls.WORD}{j}", f"{cls.name} {cls.WORD}, piece {j} (count: rows a rank)")
+                     for j in range(pieces))
 
     @classmethod
     def kinds(cls, pieces: int) -> tuple:
@@ -90,7 +90,6 @@ class Operation:
         self.piece_words = self.words(shared.pieces)
         self._last = None  # the last call's Record
         self._plan = None  # (plan, key of the graph it launches), once a replayed call repeats the last
-        self._joined = None  # the stream of another library's capture this call joined
 
     def __call__(self, *args):
         planned = self._plan
@@ -98,18 +97,7 @@ class Operation:
             result = run(planned[0], *args)
             if result is not MISSED:
                 return result
-        try:
-            return self._full(args)
-        finally:
-            if self._joined is not None:
-                self.shared.backend.capture_leave(self._joined)
-                self._joined = None
-
-    def check(self, inputs) -> None:
-        raise NotImplementedError
-
-    def prepare(self, take, s, *inputs_and_gemm) -> Prepared:
-        raise NotImplementedError
+        return self._full(args)
 
     def _full(self, args: tuple):
         shared, streams = self.shared, self.shared.streams
@@ -124,16 +112,19 @@ class Operation:
         capturing = streams.captured_elsewhere(s)
         if capturing:  # (another library's capture: our launches on s join it as nodes of their own)
             shared.backend.capture_join(s)
-            self._joined = s
         else:
             streams.follow(s)  # after the last call on another stream: our buffers are reused in its order
-        arrays: list = []
-        call = self.prepare(shared.arrays.taker(s, capturing, arrays), s, *inputs, gemm)
         try:
-            awaited = call.queue(s) if capturing else shared.replays.queue(call.key, s, call.queue)
-        except BaseException as e:  # (a timeout where the host backend waits, or anything once words were touched)
-            shared.flight.failed(s, call.outputs, failure(e))
-            raise
+            arrays: list = []
+            call = self.prepare(shared.arrays.taker(s, capturing, arrays), s, *inputs, gemm)
+            try:
+                awaited = call.queue(s) if capturing else shared.replays.queue(call.key, s, call.queue)
+            except BaseException as e:  # (a timeout where the host backend waits, or anything once words were touched)
+                shared.flight.failed(s, call.outputs, failure(e))
+                raise
+        finally:
+            if capturing:
+                shared.backend.capture_leave(s)
         if not capturing:  # (else nothing ran: a replay of the graph is the graph's caller's to wait for)
             streams.queued(s)
             shared.flight.queued(s, awaited, call.outputs)

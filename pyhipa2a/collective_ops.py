@@ -34,11 +34,11 @@ class CopyStreams:
         self.backend.stream_wait_stream(copy, producer, within_capture=True)
         self._used.append(copy)
 
-    def fork(self, s, peer: int | None = None) -> None:
-        """The first piece's copy stream to `peer` (to every peer: None) waits for what `s` queued so far."""
-        for p in range(len(self.to)) if peer is None else (peer,):
-            if self.to[p] is not None:
-                self.follow(self.to[p][0], s)
+    def fork(self, s) -> None:
+        """The first piece's copy stream to every peer waits for what `s` queued so far."""
+        for streams in self.to:
+            if streams is not None:
+                self.follow(streams[0], s)
 
     def after_free_slot(self, peer: int, kind: str, what: str, awaited) -> None:
         """Queue the copies to `peer` (forked already) after `peer` raised `kind` (its slot of ours is free): the
@@ -61,7 +61,7 @@ class AllGatherMatmul(Operation):
     """C [W*m, n] = all_gather(a_shard [m, k]) @ b [k, n]. Our own rows' GEMM is queued first, so the GPU starts at
     once; each peer's chunk is multiplied as soon as its word is in, rank r - 1's first."""
     name = "all_gather_matmul"
-    FREED, WORD = "rows_read", ("rows", "all_gather_matmul rows")
+    FREED, WORD = "rows_read", "rows"
 
     def __init__(self, shared):
         super().__init__(shared)
@@ -134,17 +134,12 @@ class AllGatherMatmul(Operation):
 
 class MatmulReduceScatter(Operation):
     """C_shard [m, n] = rows r*m.. of the sum over ranks of a [W*m, k_r] @ b [k_r, n], in fp32. The partial sums
-    for rank r + 1 come first (it waits for ours first), our own last, behind the copies of the others'.
-
-    How our own are added to the others' (the others' rounded to the output's type, the sum in fp32, rounded
-    once; ours rounded first too by the sum of slots, and by those of cuBLAS's kernels that round the product):
-    - two ranks, the vendor's GEMM and rows in pieces: our GEMM of each piece reads the peer's partial sums of
-      it from their slot, once in, and writes their sum into the output (C = A @ B + D: cuBLASLt, or on a
-      vendor without it D copied into C and GemmEx adding onto it), so no pass over the sums is left after the
-      last GEMM (the peer's pieces arrive while our GEMMs of the earlier ones run);
-    - otherwise: our own partial sums go to slot [r] and one kernel adds the W slots (kernels_hip/reduce.hip)."""
+    for rank r + 1 come first (it waits for ours first), our own last, behind the copies of the others'. At two
+    ranks with the vendor's GEMM and rows in pieces, our GEMM of each piece adds the peer's partial sums of it,
+    read from their slot once in (C = A @ B + D), so no pass over the sums is left after the last GEMM; otherwise
+    our own go to slot [r] and one kernel adds the W slots (docs/COLLECTIVE.md: how each rounds)."""
     name = "matmul_reduce_scatter"
-    FREED, WORD = "sums_read", ("sums", "matmul_reduce_scatter sums")
+    FREED, WORD = "sums_read", "sums"
 
     def __init__(self, shared, remote_sums: bool):
         super().__init__(shared)
@@ -202,12 +197,10 @@ class MatmulReduceScatter(Operation):
                     continue
                 staged = self.staged.ptr + d * slot + first * row_c
                 partial(s, d * m + first, count, staged)
-                if j == 0:
-                    copies.fork(s, d)
-                    copies.after_free_slot(d, self.FREED, freed, awaited)
-                else:
-                    copies.follow(copies.to[d][j], s)
                 copy = copies.to[d][j]
+                copies.follow(copy, s)
+                if j == 0:
+                    copies.after_free_slot(d, self.FREED, freed, awaited)
                 sh.backend.copy_device(theirs, staged, count * row_c, copy)
                 sig.raise_on(d, kind, copy, count=m)
 

@@ -1,27 +1,14 @@
-"""dispatch(groups=G): the caller's expert GEMMs overlap the exchange, with no multiprocessor spent waiting.
+"""dispatch(groups=G): the caller's expert GEMMs overlap the exchange, with no multiprocessor spent waiting
+(docs/PREFILL.md: what is ordered where, and how the host bounds the waits).
 
-Our local experts fall into G groups (group g: the experts l with l * G // L == g, `experts(g)`). Dispatch raises
-a readiness word per group once every row of it is written (kernels_hip/dispatch.hip: watch_groups); `wait(g,
-stream)` makes the caller's stream wait for it on the device. `done(g, stream)` says, after the caller's GEMM of
-the group, that its expert_y rows are written. Combine then comes in parts on its own stream: part g waits for
-groups 0..g to be done and sends the contributions of the tokens whose last group here is g, so its traffic
-overlaps the GEMMs still to come, on a share of the grid that leaves them the rest of the device (but the last
-part, beside no GEMM: config.combine_part_blocks); the reduce comes last. Groups may be done in any order;
-combine's parts follow them in index order. With row_layout="contiguous", `rows(g)` tells the host where group
-g's rows lie (a GEMM's row range) as soon as the dispatch has counted them, before they land: the kernel writes
-expert_offsets into pinned host memory too, each word tagged with the call's ticket, and the host waits for this
-call's.
-
-The words are constants (1 raised, 0 lowered), each with one raiser and one lowerer: ready[g] is raised by the
-dispatch kernel (also when the call fails, once its outputs are poisoned) and lowered by done()'s stream, after a
-wait of its own, so a group nobody waited for is lowered as well; done[g] is raised by done()'s stream and lowered
-by combine's. Combine refuses to start before done() was queued for every group, so no word is left raised for
-the next call (a failed call may leave some: the object takes no call after it). On GPUs the stream waits have
-no bound of their own: the dispatch raises every ready word within its timeout, failed or not, and the host bounds
-combine's waits on the done words (`CombineBound`: once combine's stream makes no progress for a timeout, the
-call fails, naming the group). Inside capture() the waits and writes are recorded with the rest of the step, and
-each launch of the graph arms the bound anew (`replayed`); rows() cannot tell the host a replay's rows (read
-d.expert_offsets on the device). Another library's capture, which launches with no word to us, is refused.
+Dispatch raises a readiness word per group once every row of it is written; `wait(g, stream)` makes the caller's
+stream wait for it on the device, and `done(g, stream)` says, after the caller's GEMM of the group, that its
+expert_y rows are written. Combine then comes in parts on its own stream, part g once groups 0..g are done, the
+reduce last. The words are constants (1 raised, 0 lowered), each with one raiser and one lowerer, and combine
+refuses to start before done() was queued for every group, so no word is left raised for the next call. On GPUs
+the stream waits have no bound of their own: the host bounds combine's waits on the done words (CombineBound),
+in capture() at each launch of the graph (`replayed`). Another library's capture, which launches with no word
+to us, is refused.
 """
 from __future__ import annotations
 
@@ -62,8 +49,7 @@ class Groups:
         self._ready = buffers["group_ready"].ptr
         # (stopped at exit too, while the runtime still answers: its watchdog asks the driver)
         self._close_bound = weakref.finalize(self, self._bound.close)
-        self.count = 0
-        self.finished = frozenset()
+        self.count, self.finished = 0, frozenset()
         self.ticket = 0  # the last grouped dispatch's (its offsets' tag for the host); counts up from 1
         self.captured = None  # what the grouped combine a capture is recording needs at each launch (recorded())
 
@@ -110,10 +96,9 @@ class Groups:
         want = np.uint64(self.ticket)
         while True:
             words = self._host_offsets[[experts.start, experts.stop]]
+            self._health.check()  # (a call whose rows overflowed R placed its offsets all the same)
             if ((words >> np.uint64(32)) == want).all():
-                self._health.check()  # (a call whose rows overflowed R placed its offsets all the same)
                 return range(int(words[0] & np.uint64(0xFFFFFFFF)), int(words[1] & np.uint64(0xFFFFFFFF)))
-            self._health.check()
             if time.monotonic() > deadline:
                 raise A2ATimeoutError(f"rank {self.rank}: group_rows({group}) waited {self.timeout} s for the "
                                       f"dispatch to count its rows (it never ran, or is stuck)", ranks=(self.rank,))
@@ -213,22 +198,14 @@ class CombineBound:
     stream that never reaches group_done would hold combine's stream, and every wait behind it, forever.
 
     The done words and, beside them, a "seen" word a group lie in pinned host memory of its own. Combine's stream
-    marks each wait in its seen word (waiting while it stands there, passed after, tagged with the combine's
-    number). A watchdog looks at the seen words a timeout after a combine was queued, and again each timeout after
-    while the stream moves; when a look finds them as the last one did (the stream made no progress for a whole
-    timeout), it gives up on the call. It writes the timeout into the host's mirror of the status words (which the
-    caller's next call or synchronize() raises), naming the group the stream stands at or, where it stands at none
-    (still behind other stuck work, say), the first group not done, then raises the done words of every wait not
-    passed, so the stream drains. With `streams_watched` (across nodes: NcclEngine.settle bounds what holds a
-    stream, aborting the exchange after a timeout so the kernels name the missing rank), a stream that stands at no
-    wait while every group it has not passed is done, or that passed every wait, is held by no group_done (NCCL's
-    exchange with a peer that never came, say): the bound names no group of its own, leaves the combine to that
-    watch and stops looking (see arm() for when it starts again). (A group_done that itself waits behind such an
-    exchange is still named: the bound cannot tell it from one the caller's stream never reached.) The host does all
-    of this with plain stores, no stream, as work queued on any stream may sit behind the stuck one (the driver may
-    serve several streams from one hardware queue). The parts that start after read the mirror, send nothing and
-    reduce nothing (kernels_hip/combine.hip): the peers time out naming this rank, and y is poisoned. (The stores
-    assume a host that keeps their order, as x86 does.)"""
+    marks each wait in its seen word (waiting, then passed, tagged with the combine's number). A watchdog gives up
+    on the call once a look finds the seen words as the last one did, a timeout before: it writes the timeout into
+    the host's mirror of the status words (the parts that start after send and reduce nothing; the caller's next
+    call or synchronize() raises it), then raises the done words of every wait not passed, so the stream drains.
+    With `streams_watched` (across nodes: NcclEngine.settle bounds what holds a stream), a stream held by no
+    group_done is left to that watch. All of it with plain stores, no stream: work queued on any stream may sit
+    behind the stuck one (the driver may serve several streams from one hardware queue). (The stores assume a
+    host that keeps their order, as x86 does.)"""
 
     def __init__(self, backend, rank: int, timeout: float, host_status, streams_watched: bool = False):
         self.backend, self.rank, self.timeout, self._host_status = backend, rank, timeout, host_status
@@ -271,11 +248,10 @@ class CombineBound:
     def arm(self, stream, begun: tuple[int, int] | None = None) -> None:
         """The combine begun last (or `begun`, a graph's: its groups and tag, whose marks the graph writes) is
         queued on `stream`: bound it. Behind a combine still pending, the watchdog's next look stays when it
-        was (a new call never puts off the bound of one before it). Where the watchdog had stopped, having left
-        the combine before to the streams' watch ahead of its waits, this one's groups are the bound's again:
-        the watchdog starts again. Where it had stopped after a look found every wait passed, it stays stopped
-        and the pending combine stays left to the watch, if it was (a graph writes the same marks at every
-        replay, so looks started again would, over a long run of replays, take two for a stream standing still)."""
+        was (a new call never puts off the bound of one before it), but one that had stopped, leaving the combine
+        before to the streams' watch ahead of its waits, starts again. One that stopped after a look found every
+        wait passed stays stopped (a graph writes the same marks at every replay, so looks started again would,
+        over a long run of replays, take two for a stream standing still)."""
         backend = self.backend
         if backend.stream_done(stream):  # (the host backend: its waits ran, bounded, as they were queued)
             return
@@ -285,7 +261,7 @@ class CombineBound:
             if self._watchdog is None:
                 self._event = backend.event_create()
                 self._watchdog = Watchdog(backend, self._event, self._look)
-            fresh = not self._pending or self._finished()
+            fresh = self.drained()
             backend.event_record(self._event, stream)
             self._pending = True
             restart = fresh or self._stopped_ahead
@@ -338,15 +314,15 @@ class CombineBound:
         mine = seen[:self._count]
         standing = (seen & 3) == WAITING  # (this combine's, or one's before it still pending)
         not_passed = np.flatnonzero(mine != passed)
+        # The group named: the one the stream stands at, else (still behind other stuck work, say) the first not
+        # done. (A group_done that itself waits behind an exchange the watch bounds is still named: the bound
+        # cannot tell it from one the caller's stream never reached.)
         choices = [np.flatnonzero(mine == waiting), np.flatnonzero(standing),
                    not_passed[done[not_passed] == 0]]
         if not self._streams_watched:  # (no group_done holds it, but nothing else would bound it: name one)
             choices.append(not_passed)
-        for choice in choices:
-            if choice.size:
-                group = int(choice[0])
-                break
-        else:  # every wait passed (the kernels bound theirs), or what holds the stream is the watch's to bound
+        group = next((int(choice[0]) for choice in choices if choice.size), None)
+        if group is None:  # every wait passed (the kernels bound theirs), or what holds the stream is the watch's
             self._left_to_watch, self._stopped_ahead = self._streams_watched, not_passed.size > 0
             return
         status = self._host_status

@@ -121,7 +121,7 @@ def test_vendor_failure_names_the_call_and_the_status(monkeypatch):
 
 def test_a_missing_library_says_where_it_looked(monkeypatch):
     api = blas.VendorApi(("libnot-a-blas.so",), ("nowhere/lib*.so",), "c", "d", "s", None, ("g",), "t", None, op_n=0,
-                         compute_32f=0, algo_default=0, types={})
+                         compute_32f=0, algo_default=0)
     with pytest.raises(RuntimeFailure, match="no libnot-a-blas.so found .*pass gemm= your own"):
         blas.load_library(api)
 

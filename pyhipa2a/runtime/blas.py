@@ -18,20 +18,20 @@ from ..errors import RuntimeFailure
 
 class Blas:
     def matmul(self, stream, a: int, b: int, c: int, m: int, n: int, k: int, *, lda: int, ldb: int, ldc: int,
-               dtype: np.dtype, out_dtype: np.dtype | None = None, addend: int | None = None) -> None:
+               dtype: np.dtype, addend: int | None = None) -> None:
         """Queue C[m, n] = A[m, k] @ B[k, n] on `stream`, or C = A @ B + the matrix at `addend` (laid out as C;
         it may be C itself: the sum in fp32, rounded to C's type once; some of cuBLAS's kernels round the
         product to C's type first, seen on an H200 at 2048x4096x4096 but not at 256x256x4096); leading
-        dimensions in elements; A and B of `dtype`, C of `out_dtype` (default `dtype`)."""
+        dimensions in elements; A, B and C of `dtype`."""
         raise NotImplementedError
 
     def prime(self, stream, gemms, c: int) -> None:
         """Queue on `stream`, into scratch at `c`, each GEMM of `gemms` ((a, b, m, n, k, lda, ldb, ldc, dtype,
         addend) each, the addend as the call will give it: cuBLASLt runs another kernel where it is c itself)
-        whose kind was never launched here: a call queues these before its first wait on a
-        peer. The driver loads a kernel at its first launch (CUDA's lazy loading), and that load waits for
-        the streams of the context: a first launch queued behind a wait on a rank that never comes would hold
-        the caller's thread in the driver, where no timeout of ours can reach it."""
+        whose kind was never launched here: a call queues these before its first wait on a peer. The driver
+        loads a kernel at its first launch (CUDA's lazy loading), and that load waits for the streams of the
+        context: a first launch queued behind a wait on a rank that never comes would hold the caller's thread
+        in the driver, where no timeout of ours can reach it."""
 
     def close(self) -> None:
         pass
@@ -54,7 +54,6 @@ class VendorApi:
     op_n: int
     compute_32f: int
     algo_default: int
-    types: dict             # NumPy dtype name -> cudaDataType / hipDataType (the same numbers)
     lt: LtApi | None = None  # where C = A @ B + D goes (None: D is copied into C, and GemmEx adds onto it)
 
 
@@ -74,7 +73,8 @@ class LtHeuristic(ctypes.Structure):
                 ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
-_DATA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0}  # CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F (HIP_R_* alike)
+# NumPy dtype name -> cudaDataType / hipDataType (the same numbers): CUDA_R_16F, CUDA_R_16BF
+DATA_TYPES = {"float16": 2, "bfloat16": 14}
 CUBLASLT = LtApi(("libcublasLt.so", "libcublasLt.so.13", "libcublasLt.so.12"),
                  ("nvidia/cublas/lib/libcublasLt.so*", "nvidia/cu13/lib/libcublasLt.so*"), compute_32f=68,
                  scale_32f=0, pref_max_workspace=1)
@@ -82,11 +82,11 @@ CUBLAS = VendorApi(("libcublas.so", "libcublas.so.13", "libcublas.so.12"),
                    ("nvidia/cublas/lib/libcublas.so*", "nvidia/cu13/lib/libcublas.so*"),
                    "cublasCreate_v2", "cublasDestroy_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2",
                    ("cublasGemmEx",), "cublasGetStatusString", None, op_n=0, compute_32f=68, algo_default=-1,
-                   types=_DATA_TYPES, lt=CUBLASLT)
+                   lt=CUBLASLT)
 HIPBLAS = VendorApi(("libhipblas.so", "libhipblas.so.3", "libhipblas.so.2"), (),
                     "hipblasCreate", "hipblasDestroy", "hipblasSetStream", None,
                     ("hipblasGemmEx_v2", "hipblasGemmEx"), "hipblasStatusToString", "hipblasGetMathMode", op_n=111,
-                    compute_32f=2, algo_default=160, types=_DATA_TYPES)
+                    compute_32f=2, algo_default=160)
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's and cuBLASLt's each, given once: a capture must not allocate it
 
 
@@ -121,7 +121,7 @@ class LtMatmul:
     def __init__(self, backend, api: LtApi):
         self.backend, self.api = backend, api
         self._lib, _ = load_library(api)
-        self._plans: dict = {}  # (m, n, k, lda, ldb, ldc, ab, cd) -> (matmul desc, layouts of A B C D, algo)
+        self._plans: dict = {}  # (m, n, k, lda, ldb, ldc, data type) -> (matmul desc, layouts of A B C D, algo)
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(1.0)
         handle = ctypes.c_void_p()
         self._call("cublasLtCreate", ctypes.byref(handle))
@@ -140,15 +140,14 @@ class LtMatmul:
         self._call(name, ctypes.byref(made), *args)
         return made
 
-    def _plan(self, m, n, k, lda, ldb, ldc, ab, cd) -> tuple:
-        key = (m, n, k, lda, ldb, ldc, ab, cd)
+    def _plan(self, m, n, k, lda, ldb, ldc, data_type) -> tuple:
+        key = (m, n, k, lda, ldb, ldc, data_type)
         if key not in self._plans:
             api, u64, i64 = self.api, ctypes.c_uint64, ctypes.c_int64
             desc = self._made("cublasLtMatmulDescCreate", ctypes.c_int(api.compute_32f), ctypes.c_int(api.scale_32f))
             # Column-major, operands swapped (the module's note): A^T is B [n, k], B^T is A [k, m], C^T [n, m]
-            layouts = (self._made("cublasLtMatrixLayoutCreate", ctypes.c_int(ab), u64(n), u64(k), i64(ldb)),
-                       self._made("cublasLtMatrixLayoutCreate", ctypes.c_int(ab), u64(k), u64(m), i64(lda)),
-                       self._made("cublasLtMatrixLayoutCreate", ctypes.c_int(cd), u64(n), u64(m), i64(ldc)))
+            layouts = tuple(self._made("cublasLtMatrixLayoutCreate", ctypes.c_int(data_type), u64(rows), u64(cols),
+                                       i64(ld)) for rows, cols, ld in ((n, k, ldb), (k, m, lda), (n, m, ldc)))
             pref = self._made("cublasLtMatmulPreferenceCreate")
             try:
                 size = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -164,8 +163,8 @@ class LtMatmul:
             self._plans[key] = (desc, layouts, found)
         return self._plans[key]
 
-    def matmul(self, stream_handle: int, a, b, c, addend, m, n, k, lda, ldb, ldc, ab, cd) -> None:
-        desc, (lb, la, lc), found = self._plan(m, n, k, lda, ldb, ldc, ab, cd)
+    def matmul(self, stream_handle: int, a, b, c, addend, m, n, k, lda, ldb, ldc, data_type) -> None:
+        desc, (lb, la, lc), found = self._plan(m, n, k, lda, ldb, ldc, data_type)
         self._call("cublasLtMatmul", self.handle, desc, ctypes.byref(self._alpha), ctypes.c_void_p(b), lb,
                    ctypes.c_void_p(a), la, ctypes.byref(self._beta), ctypes.c_void_p(addend), lc, ctypes.c_void_p(c),
                    lc, ctypes.byref(found.algo), ctypes.c_void_p(self.workspace), ctypes.c_size_t(WORKSPACE_BYTES),
@@ -185,8 +184,10 @@ class LtMatmul:
             self.workspace = None
 
 
-def addend_kind(addend: int | None, c: int) -> str:
-    return "none" if addend is None else "in place" if addend == c else "apart"
+def gemm_kind(m, n, k, lda, ldb, ldc, dtype, addend: int | None, c: int) -> tuple:
+    """What decides the kernels a GEMM launches (one launch loads them); its addend none, C itself, or apart."""
+    addend_kind = "none" if addend is None else "in place" if addend == c else "apart"
+    return m, n, k, lda, ldb, ldc, np.dtype(dtype).name, addend_kind
 
 
 class VendorBlas(Blas):
@@ -201,23 +202,22 @@ class VendorBlas(Blas):
             raise RuntimeFailure(f"{found} has none of {', '.join(api.gemm)}")
         if gemm_name == api.gemm[-1] and len(api.gemm) > 1 and api.enums_since and not hasattr(lib, api.enums_since):
             raise RuntimeFailure(f"{found} is too old: its {gemm_name} takes other type enums (ROCm >= 6 needed)")
-        self._gemm = getattr(lib, gemm_name)
-        self._gemm.restype = ctypes.c_int
-        self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self._gemm = getattr(lib, gemm_name)  # (it returns a status: ctypes' default restype, int)
+        # (handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute, algo)
+        ptr, int_ = ctypes.c_void_p, ctypes.c_int
+        self._gemm.argtypes = [ptr, int_, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_, int_, ptr, ptr, int_,
+                               int_, int_, int_]
         self._gemm_name = gemm_name
         self._alpha, self._betas = ctypes.c_float(1.0), (ctypes.c_float(0.0), ctypes.c_float(1.0))
         self._stream = None
-        self._launched: set = set()  # the (m, n, k, lda, ldb, ldc, types, addend's kind) launched: kernels loaded
+        self._launched: set = set()  # the gemm_kind of each GEMM launched: its kernels are loaded
         handle = ctypes.c_void_p()
         backend.activate()
         self._call(api.create, ctypes.byref(handle))
         self.handle, self.workspace = handle, None
         if api.set_workspace is not None:
             self.workspace = backend.malloc_ipc(WORKSPACE_BYTES)
-            self._call(api.set_workspace, handle, ctypes.c_void_p(self.workspace), ctypes.c_size_t(WORKSPACE_BYTES))
+            self._use_workspace()
         # C = A @ B + D's: made now, as the workspace is (a capture must not allocate it)
         try:
             self._lt = LtMatmul(backend, api.lt) if api.lt is not None else None
@@ -232,36 +232,34 @@ class VendorBlas(Blas):
     def _call(self, name: str, *args) -> None:
         self._status(name, getattr(self._lib, name)(*args))
 
-    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, addend=None) -> None:
-        handle = self.backend.stream_handle(stream)
-        types, out = self.api.types, np.dtype(out_dtype or dtype)
-        ab, cd = types[np.dtype(dtype).name], types[out.name]
-        if addend is not None and self._lt is not None:
-            self._lt.matmul(handle, a, b, c, addend, m, n, k, lda, ldb, ldc, ab, cd)
-        else:
-            self._gemm_ex(stream, handle, a, b, c, m, n, k, lda, ldb, ldc, ab, cd, addend, out.itemsize)
-        self._launched.add((m, n, k, lda, ldb, ldc, ab, cd, addend_kind(addend, c)))
+    def _use_workspace(self) -> None:
+        if self.workspace is not None:
+            self._call(self.api.set_workspace, self.handle, ctypes.c_void_p(self.workspace),
+                       ctypes.c_size_t(WORKSPACE_BYTES))
 
-    def _gemm_ex(self, stream, handle, a, b, c, m, n, k, lda, ldb, ldc, ab, cd, addend, item) -> None:
-        if handle != self._stream:
-            self._call(self.api.set_stream, self.handle, ctypes.c_void_p(handle))
-            if self.workspace is not None:  # (setting a stream puts back the library's own workspace)
-                self._call(self.api.set_workspace, self.handle, ctypes.c_void_p(self.workspace),
-                           ctypes.c_size_t(WORKSPACE_BYTES))
-            self._stream = handle
-        if addend is not None and addend != c:  # (GemmEx adds onto C in place: D's rows first, C's padding kept)
-            rows = [(0, m * n * item)] if ldc == n else [(i * ldc * item, n * item) for i in range(m)]
-            for offset, nbytes in rows:
-                self.backend.copy_device(c + offset, addend + offset, nbytes, stream)
-        op = self.api.op_n
-        self._status(self._gemm_name, self._gemm(
-            self.handle, op, op, n, m, k, ctypes.byref(self._alpha), b, ab, ldb, a, ab, lda,
-            ctypes.byref(self._betas[addend is not None]), c, cd, ldc, self.api.compute_32f, self.api.algo_default))
+    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, addend=None) -> None:
+        handle, data_type = self.backend.stream_handle(stream), DATA_TYPES[np.dtype(dtype).name]
+        if addend is not None and self._lt is not None:
+            self._lt.matmul(handle, a, b, c, addend, m, n, k, lda, ldb, ldc, data_type)
+        else:
+            if handle != self._stream:
+                self._call(self.api.set_stream, self.handle, ctypes.c_void_p(handle))
+                self._use_workspace()  # (setting a stream puts back the library's own workspace)
+                self._stream = handle
+            if addend is not None and addend != c:  # (GemmEx adds onto C in place: D's rows first, C's padding kept)
+                item = np.dtype(dtype).itemsize
+                rows = [(0, m * n * item)] if ldc == n else [(i * ldc * item, n * item) for i in range(m)]
+                for offset, nbytes in rows:
+                    self.backend.copy_device(c + offset, addend + offset, nbytes, stream)
+            op = self.api.op_n
+            self._status(self._gemm_name, self._gemm(
+                self.handle, op, op, n, m, k, ctypes.byref(self._alpha), b, data_type, ldb, a, data_type, lda,
+                ctypes.byref(self._betas[addend is not None]), c, data_type, ldc, self.api.compute_32f,
+                self.api.algo_default))
+        self._launched.add(gemm_kind(m, n, k, lda, ldb, ldc, dtype, addend, c))
 
     def prime(self, stream, gemms, c) -> None:
-        types = self.api.types
-        new = [g for g in gemms if (*g[2:8], types[np.dtype(g[8]).name], types[np.dtype(g[8]).name],
-                                    addend_kind(g[9], c)) not in self._launched]
+        new = [g for g in gemms if gemm_kind(*g[2:], c) not in self._launched]
         if not new or self.backend.stream_capturing(stream):  # (a capture would replay them at every launch)
             return
         for a, b, m, n, k, lda, ldb, ldc, dtype, addend in new:
@@ -296,13 +294,11 @@ class HostBlas(Blas):
     def __init__(self, backend):
         self.backend = backend
 
-    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, out_dtype=None, addend=None) -> None:
+    def matmul(self, stream, a, b, c, m, n, k, *, lda, ldb, ldc, dtype, addend=None) -> None:
         def step() -> None:
             left = host_matrix(a, m, k, lda, dtype).astype(np.float32)
-            right = host_matrix(b, k, n, ldb, dtype).astype(np.float32)
-            out = host_matrix(c, m, n, ldc, out_dtype or dtype)
-            if addend is None:
-                out[...] = left @ right
-            else:
-                out[...] = left @ right + host_matrix(addend, m, n, ldc, out_dtype or dtype).astype(np.float32)
+            product = left @ host_matrix(b, k, n, ldb, dtype).astype(np.float32)
+            if addend is not None:
+                product += host_matrix(addend, m, n, ldc, dtype).astype(np.float32)
+            host_matrix(c, m, n, ldc, dtype)[...] = product
         self.backend.enqueue(stream, step)
