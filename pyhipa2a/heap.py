@@ -114,12 +114,12 @@ class SymmetricHeap:
         return DeviceArray(self.backend, self.translate(array.ptr, peer), array.shape, array.dtype, owner=self)
 
     def _check_open(self) -> None:
-        if not self._finalizer.alive:
+        if self.closed:
             raise A2AError("SymmetricHeap is closed")
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Idempotent; waits (bounded) so nobody frees memory a peer still reads, unless `wait_for_peers=False`."""
-        if not self._finalizer.alive:
+        if self.closed:
             return
         try:
             if wait_for_peers:

@@ -253,9 +253,7 @@ class NcclEngine:
 def default_engine(backend_kind: str, placements: list) -> str:
     """The engine when none is named: MPI on the host backend and where two ranks drive one GPU
     (`placements`: each rank's (machine, device index)), which NCCL refuses; NCCL/RCCL otherwise."""
-    if backend_kind == "host" or len(set(placements)) < len(placements):
-        return "mpi"
-    return "nccl"
+    return "mpi" if backend_kind == "host" or len(set(placements)) < len(placements) else "nccl"
 
 
 ENGINES = ("nccl", "mpi")
