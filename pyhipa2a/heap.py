@@ -87,8 +87,7 @@ class SymmetricHeap:
     def verify(self) -> None:
         """Collective: raise on every rank if ranks made different allocations."""
         self._check_open()
-        mine = self._fingerprint.hexdigest()
-        everyone = self.comm.allgather((mine, self._allocations, self._offset))
+        everyone = self.comm.allgather((self._fingerprint.hexdigest(), self._allocations, self._offset))
         groups: dict[str, list[int]] = {}
         for r, (digest, _, _) in enumerate(everyone):
             groups.setdefault(digest, []).append(r)

@@ -270,9 +270,9 @@ def asked_engine(name: str | None) -> str | None:
     return name
 
 
-def make_engine(name: str | None, backend, comm, timeout: float, placements: list | None = None):
-    """The engine `name` (as asked_engine returns it; None: default_engine)."""
-    name = name or default_engine(backend.kind, placements or [])
+def make_engine(name: str | None, backend, comm, timeout: float, placements: list):
+    """The engine `name` (as asked_engine returns it; None: default_engine's for `placements`)."""
+    name = name or default_engine(backend.kind, placements)
     if name == "mpi":
         return MpiEngine(backend, comm, timeout)
     if backend.kind == "host":
