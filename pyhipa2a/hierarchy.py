@@ -38,6 +38,7 @@ class NodesHealth(Health):
     def __init__(self, host_status, rank: int, layout: NodeLayout, engine):
         super().__init__(host_status, rank)
         self.layout, self.engine = layout, engine
+        self.watches_streams = engine.watches_streams
 
     def error(self):
         if not self.host_status[0]:
@@ -47,10 +48,6 @@ class NodesHealth(Health):
         if node_part_peer:  # the node part names a rank of our node by its place; the others are world ranks
             words[1] += self.layout.node * self.layout.ranks_per_node
         return status_error(words, self.rank, self.context)
-
-    @property
-    def watches_streams(self) -> bool:
-        return self.engine.watches_streams
 
     def settle(self, stream) -> None:
         try:
