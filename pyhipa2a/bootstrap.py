@@ -128,8 +128,9 @@ def bounded_barrier(comm, timeout: float, what: str) -> None:
         done, late = arrivals.done, arrivals.abandon
     if not poll(done, time.monotonic() + timeout):
         missing = late()
-        raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s at a barrier; "
-                              f"{_ranks(missing)} never arrived", ranks=tuple(missing))
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s at a barrier; {who} never "
+                              "arrived", ranks=tuple(missing))
 
 
 # A verdict: the step's name, the sender's rank in COMM_WORLD (a node's own communicator numbers its ranks from
@@ -195,10 +196,6 @@ def agreed(comm, what: str, check, undo=None):
         raise ConfigMismatchError(f"{what}: " + "; ".join(f"rank {r} refused its arguments ({words})"
                                                           for r, words in refused.items()), ranks=tuple(refused))
     return result
-
-
-def _ranks(ranks: list) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 @dataclass(frozen=True)

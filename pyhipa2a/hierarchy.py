@@ -305,7 +305,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     def _close_parts(self, broken: bool, exchange=None) -> None:
         """Ours, then the node's exchange (`exchange` while _open makes it), then the communicators: each
         whatever the one before raised."""
-        with contextlib.ExitStack() as then:  # (the callbacks run last first)
+        with contextlib.ExitStack() as then:  # (its callbacks run in reverse order)
             then.callback(self._free_comms)
             then.callback((self._exchange if exchange is None else exchange).close, broken)
             if self._free is not None:
