@@ -265,11 +265,10 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         def rehand() -> None:
             for again in rehands:
                 again()
-        if node_leg.call.groups:  # (a dispatch in groups: the node's grouped kernel, not in the leg's one graph)
-            return Launcher(launch, rehand=rehand)
         # Every plan of a leg launches the same kernels (the node's call takes every region whole) and exchanges,
-        # from the same frozen packs: the engine keeps them as one graph a leg, handed this plan's arguments now.
-        graph = self._engine.graph_for(leg, launch)
+        # from the same frozen packs: the engine keeps them as one graph a leg, handed this plan's arguments now
+        # (but a dispatch in groups: the node's grouped kernel, not in the leg's one graph).
+        graph = None if node_leg.call.groups else self._engine.graph_for(leg, launch)
         if graph is None:
             return Launcher(launch, rehand=rehand)
         return Launcher(graph.launch, graph, graph.rehand)  # (a plan launches its graph from C: no Python a call)
