@@ -68,33 +68,37 @@ def poll(ready, deadline: float) -> bool:
 
 
 ARRIVAL_TAG = 0x7A2A  # a bounded barrier's messages (on our own communicators, or the caller's in tests)
+VERDICT_TAG = 0x7A2B  # an agreement's messages: a rank's verdict on its own arguments to one setup step
 
 
-class _Arrivals:
-    """A barrier as every rank's empty message to every other: unlike MPI_Ibarrier's, a wait that ends early
-    knows who never came. Messages between two ranks match in the order they were sent, barrier by barrier; a
-    late rank's message is taken by the receive its barrier posted, kept (with its send) in _ABANDONED."""
+class _Messages:
+    """`mine` sent to every other rank of `comm`, and as many bytes received from each, point to point: unlike
+    a collective's, a wait that ends early knows who never came. Messages between two ranks match in the order
+    they were sent, step by step; a late rank's message is taken by the receive its step posted, kept (with
+    its send) in _ABANDONED."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, tag: int, mine: bytearray):
         _forget_completed()
         MPI, me = mpi(), comm.Get_rank()
-        nothing = [bytearray(0), MPI.BYTE]
         peers = [r for r in range(comm.Get_size()) if r != me]
-        self._sent = [comm.Isend(nothing, dest=r, tag=ARRIVAL_TAG) for r in peers]
-        self._heard = {r: comm.Irecv(nothing, source=r, tag=ARRIVAL_TAG) for r in peers}
+        self.heard = {r: bytearray(len(mine)) for r in peers}
+        self._sent = [(comm.Isend([mine, MPI.BYTE], dest=r, tag=tag), mine) for r in peers]
+        self._waiting = {r: comm.Irecv([self.heard[r], MPI.BYTE], source=r, tag=tag) for r in peers}
 
     def done(self) -> bool:
-        for r in [r for r, request in self._heard.items() if request.Test()]:
-            del self._heard[r]
-        if self._heard:
+        for r in [r for r, request in self._waiting.items() if request.Test()]:
+            del self._waiting[r]
+        if self._waiting:
             return False
-        for request in self._sent:  # (every peer has received ours: they complete)
+        for request, _ in self._sent:  # (every peer has received ours: they complete)
             request.Wait()
         return True
 
-    def late(self) -> list:
-        _ABANDONED.extend((request, None) for request in [*self._sent, *self._heard.values()])
-        return sorted(self._heard)
+    def abandon(self) -> list:
+        """Keep the requests not completed, with the memory MPI may still read or write, in _ABANDONED; the
+        ranks not heard from."""
+        _ABANDONED.extend([*self._sent, *((request, self.heard[r]) for r, request in self._waiting.items())])
+        return sorted(self._waiting)
 
 
 _ABANDONED: list = []  # (request, the memory it reads or writes) of waits given up on: MPI may still complete them
@@ -120,67 +124,31 @@ def bounded_barrier(comm, timeout: float, what: str) -> None:
         request = comm.Ibarrier()
         done, late = request.Test, request.absent
     else:
-        arrivals = _Arrivals(comm)
-        done, late = arrivals.done, arrivals.late
+        arrivals = _Messages(comm, ARRIVAL_TAG, bytearray(0))
+        done, late = arrivals.done, arrivals.abandon
     if not poll(done, time.monotonic() + timeout):
         missing = late()
-        raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s at a barrier; "
-                              f"{_ranks(missing)} never arrived", ranks=tuple(missing))
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        raise A2ATimeoutError(f"{what}: rank {comm.Get_rank()} waited {timeout:.1f} s at a barrier; {who} never "
+                              "arrived", ranks=tuple(missing))
 
 
-VERDICT_TAG = 0x7A2B  # an agreement's messages: a rank's verdict on its own arguments to one setup step
-# (a verdict: the step's name, the sender's rank in COMM_WORLD (a node's own communicator numbers its ranks
-# from 0), a byte for refused, then the refusal's words)
+# A verdict: the step's name, the sender's rank in COMM_WORLD (a node's own communicator numbers its ranks from
+# 0), a byte for refused, then the refusal's words.
 STEP_BYTES, VERDICT_BYTES = 64, 512
 WORLD_AT, REFUSED_AT, WORDS_AT = STEP_BYTES, STEP_BYTES + 4, STEP_BYTES + 5
 
 
-class _Verdicts:
-    """Every rank's verdict on its own arguments to one setup step, sent to every other, point to point."""
-
-    def __init__(self, comm, step: str, refusal: BaseException | None):
-        _forget_completed()
-        MPI, me = mpi(), comm.Get_rank()
-        mine = bytearray(VERDICT_BYTES)
-        named = step.encode()[:STEP_BYTES]
-        mine[:len(named)] = named
-        mine[WORLD_AT:REFUSED_AT] = MPI.COMM_WORLD.Get_rank().to_bytes(4, "little")
-        if refusal is not None:
-            words = f"{type(refusal).__name__}: {refusal}".encode()[:VERDICT_BYTES - WORDS_AT]
-            mine[REFUSED_AT] = 1
-            mine[WORDS_AT:WORDS_AT + len(words)] = words
-        self._step = bytes(mine[:STEP_BYTES])
-        peers = [r for r in range(comm.Get_size()) if r != me]
-        self._heard = {r: bytearray(VERDICT_BYTES) for r in peers}
-        self._sent = [(comm.Isend([mine, MPI.BYTE], dest=r, tag=VERDICT_TAG), mine) for r in peers]
-        self._waiting = {r: comm.Irecv([self._heard[r], MPI.BYTE], source=r, tag=VERDICT_TAG) for r in peers}
-
-    def done(self) -> bool:
-        for r in [r for r, request in self._waiting.items() if request.Test()]:
-            del self._waiting[r]
-        if self._waiting:
-            return False
-        for request, _ in self._sent:
-            request.Wait()
-        return True
-
-    def elsewhere(self) -> dict:
-        """{world rank: the step it is at} of the peers at another step of setup than ours."""
-        return {_world(b): _text(b[:STEP_BYTES]) for b in self._heard.values()
-                if bytes(b[:STEP_BYTES]) != self._step}
-
-    def refusals(self) -> dict:
-        """{world rank: its refusal's words} of the peers that refused their arguments."""
-        return {_world(b): _text(b[WORDS_AT:]) for b in self._heard.values() if b[REFUSED_AT]}
-
-    def abandon(self) -> None:
-        """Keep the requests not completed, with the memory MPI may still read or write, in _ABANDONED."""
-        _ABANDONED.extend([*self._sent, *((request, self._heard[r]) for r, request in self._waiting.items())])
-        _forget_at_exit()
-
-
-def _world(verdict) -> int:
-    return int.from_bytes(verdict[WORLD_AT:REFUSED_AT], "little")
+def _verdict(step: str, refusal: BaseException | None) -> bytearray:
+    verdict = bytearray(VERDICT_BYTES)
+    named = step.encode()[:STEP_BYTES]
+    verdict[:len(named)] = named
+    verdict[WORLD_AT:REFUSED_AT] = mpi().COMM_WORLD.Get_rank().to_bytes(4, "little")
+    if refusal is not None:
+        words = f"{type(refusal).__name__}: {refusal}".encode()[:VERDICT_BYTES - WORDS_AT]
+        verdict[REFUSED_AT] = 1
+        verdict[WORDS_AT:WORDS_AT + len(words)] = words
+    return verdict
 
 
 def _text(raw) -> str:
@@ -203,16 +171,20 @@ def agreed(comm, what: str, check, undo=None):
         if refusal is not None:
             raise refusal
         return result
-    verdicts = _Verdicts(comm, what, refusal)
-    if refusal is not None:
-        verdicts.abandon()  # (the peers' verdicts land in the receives left posted; ours are on their way)
-        raise refusal
+    mine = _verdict(what, refusal)
+    verdicts = _Messages(comm, VERDICT_TAG, mine)
     try:
+        if refusal is not None:
+            raise refusal
         poll(verdicts.done, math.inf)
-    except BaseException:  # (an interrupt: MPI may still write into the receives' memory)
+    except BaseException:  # (our refusal, or an interrupt: the receives left posted take the peers' verdicts)
         verdicts.abandon()
+        _forget_at_exit()
         raise
-    elsewhere, refused = verdicts.elsewhere(), verdicts.refusals()
+    # (the peers by their rank in COMM_WORLD, which the errors name: mpirun's numbers)
+    theirs = [(int.from_bytes(b[WORLD_AT:REFUSED_AT], "little"), b) for b in verdicts.heard.values()]
+    elsewhere = {r: _text(b[:STEP_BYTES]) for r, b in theirs if b[:STEP_BYTES] != mine[:STEP_BYTES]}
+    refused = {r: _text(b[WORDS_AT:]) for r, b in theirs if b[REFUSED_AT]}
     if (elsewhere or refused) and undo is not None:
         undo(result)
     if elsewhere:
@@ -220,14 +192,10 @@ def agreed(comm, what: str, check, undo=None):
                                                           for r, step in elsewhere.items())
                                   + ": every rank must make the same objects in the same order",
                                   ranks=tuple(elsewhere))
-    if refused:  # (ranks named as COMM_WORLD numbers them: mpirun's)
+    if refused:
         raise ConfigMismatchError(f"{what}: " + "; ".join(f"rank {r} refused its arguments ({words})"
                                                           for r, words in refused.items()), ranks=tuple(refused))
     return result
-
-
-def _ranks(ranks: list) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 @dataclass(frozen=True)

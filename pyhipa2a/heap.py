@@ -87,8 +87,7 @@ class SymmetricHeap:
     def verify(self) -> None:
         """Collective: raise on every rank if ranks made different allocations."""
         self._check_open()
-        mine = self._fingerprint.hexdigest()
-        everyone = self.comm.allgather((mine, self._allocations, self._offset))
+        everyone = self.comm.allgather((self._fingerprint.hexdigest(), self._allocations, self._offset))
         groups: dict[str, list[int]] = {}
         for r, (digest, _, _) in enumerate(everyone):
             groups.setdefault(digest, []).append(r)
@@ -114,12 +113,12 @@ class SymmetricHeap:
         return DeviceArray(self.backend, self.translate(array.ptr, peer), array.shape, array.dtype, owner=self)
 
     def _check_open(self) -> None:
-        if not self._finalizer.alive:
+        if self.closed:
             raise A2AError("SymmetricHeap is closed")
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Idempotent; waits (bounded) so nobody frees memory a peer still reads, unless `wait_for_peers=False`."""
-        if not self._finalizer.alive:
+        if self.closed:
             return
         try:
             if wait_for_peers:

@@ -10,6 +10,7 @@ sums home, where hier_sum adds them. Regions move whole: no host round trip, and
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from .api import AllToAll
 from .array import DeviceArray
-from .bootstrap import NodeLayout, agreed, mpi
+from .bootstrap import NodeLayout, agreed, machine_comm, mpi
 from .calls import PLACED_ARGS
 from .config import Config
 from .errors import A2AError, Health, STATUS_CAPACITY, STATUS_TIMEOUT, status_error
@@ -37,6 +38,7 @@ class NodesHealth(Health):
     def __init__(self, host_status, rank: int, layout: NodeLayout, engine):
         super().__init__(host_status, rank)
         self.layout, self.engine = layout, engine
+        self.watches_streams = engine.watches_streams
 
     def error(self):
         if not self.host_status[0]:
@@ -46,10 +48,6 @@ class NodesHealth(Health):
         if node_part_peer:  # the node part names a rank of our node by its place; the others are world ranks
             words[1] += self.layout.node * self.layout.ranks_per_node
         return status_error(words, self.rank, self.context)
-
-    @property
-    def watches_streams(self) -> bool:
-        return self.engine.watches_streams
 
     def settle(self, stream) -> None:
         try:
@@ -68,8 +66,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     JOINS_CAPTURES = False  # (its exchange between nodes is watched from the host)
 
     def _open(self, comm, layout: NodeLayout, backend, device, params: dict) -> tuple:
-        MPI = mpi()
-        comm = MPI.COMM_WORLD if comm is None else comm
+        comm = mpi().COMM_WORLD if comm is None else comm
         rank = comm.Get_rank()
         engine = asked_engine(params.pop("engine", None))
         config = Config.of(comm.Get_size(), **params)
@@ -80,12 +77,12 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         backend, device = agreed(comm, "AllToAll: choosing the device", chosen)
         config.check_agrees(comm, backend.kind)  # (each node checks its own part, not the nodes against each other)
         # Ranks of other (simulated) nodes may drive the same GPU: the grid is shared among all of them.
-        machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        machine = machine_comm(comm)
         devices = machine.allgather(device)
         # (which GPU, for the engine's default: the machine, named by its first rank, and the device index)
         placement = (machine.bcast(rank, root=0), device)
         machine.Free()
-        self.comm = comm
+        self.comm = comm  # (pyhipa2a.testing's poison barriers span every node)
         self._comms = (comm.Split(color=layout.node, key=rank), comm.Split(color=layout.place, key=layout.node))
         self._engine = self._free = None
         def node_exchange():
@@ -105,7 +102,7 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
             health = NodesHealth(exchange.buffers.status, rank, layout, self._engine)
             self._make_regions(settled, layout, exchange)
         except BaseException:
-            self._close_parts_of(exchange, broken=True)
+            self._close_parts(True, exchange)
             raise
         return settled, exchange, health, rank
 
@@ -268,11 +265,10 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
         def rehand() -> None:
             for again in rehands:
                 again()
-        if node_leg.call.groups:  # (a dispatch in groups: the node's grouped kernel, not in the leg's one graph)
-            return Launcher(launch, rehand=rehand)
         # Every plan of a leg launches the same kernels (the node's call takes every region whole) and exchanges,
-        # from the same frozen packs: the engine keeps them as one graph a leg, handed this plan's arguments now.
-        graph = self._engine.graph_for(leg, launch)
+        # from the same frozen packs: the engine keeps them as one graph a leg, handed this plan's arguments now
+        # (but a dispatch in groups: the node's grouped kernel, not in the leg's one graph).
+        graph = None if node_leg.call.groups else self._engine.graph_for(leg, launch)
         if graph is None:
             return Launcher(launch, rehand=rehand)
         return Launcher(graph.launch, graph, graph.rehand)  # (a plan launches its graph from C: no Python a call)
@@ -301,27 +297,17 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     def engine(self):
         return self._engine
 
-    def _close_own(self, broken: bool) -> None:
-        try:
-            if self._engine is not None:
-                self._engine.close(broken)
-        finally:
-            if self._free is not None:
-                self._free()
-
     def _free_comms(self) -> None:
         for c in self._comms:
             c.Free()
 
-    def _close_parts(self, broken: bool) -> None:
-        self._close_parts_of(self._exchange, broken)
-
-    def _close_parts_of(self, exchange, broken: bool) -> None:
-        """Ours, then the node's exchange, then the communicators: each whatever the one before raised."""
-        try:
-            self._close_own(broken)
-        finally:
-            try:
-                exchange.close(broken)
-            finally:
-                self._free_comms()
+    def _close_parts(self, broken: bool, exchange=None) -> None:
+        """Ours, then the node's exchange (`exchange` while _open makes it), then the communicators: each
+        whatever the one before raised."""
+        with contextlib.ExitStack() as then:  # (its callbacks run in reverse order)
+            then.callback(self._free_comms)
+            then.callback((self._exchange if exchange is None else exchange).close, broken)
+            if self._free is not None:
+                then.callback(self._free)
+            if self._engine is not None:
+                self._engine.close(broken)

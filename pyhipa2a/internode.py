@@ -253,9 +253,7 @@ class NcclEngine:
 def default_engine(backend_kind: str, placements: list) -> str:
     """The engine when none is named: MPI on the host backend and where two ranks drive one GPU
     (`placements`: each rank's (machine, device index)), which NCCL refuses; NCCL/RCCL otherwise."""
-    if backend_kind == "host" or len(set(placements)) < len(placements):
-        return "mpi"
-    return "nccl"
+    return "mpi" if backend_kind == "host" or len(set(placements)) < len(placements) else "nccl"
 
 
 ENGINES = ("nccl", "mpi")
@@ -272,9 +270,9 @@ def asked_engine(name: str | None) -> str | None:
     return name
 
 
-def make_engine(name: str | None, backend, comm, timeout: float, placements: list | None = None):
-    """The engine `name` (as asked_engine returns it; None: default_engine)."""
-    name = name or default_engine(backend.kind, placements or [])
+def make_engine(name: str | None, backend, comm, timeout: float, placements: list):
+    """The engine `name` (as asked_engine returns it; None: default_engine's for `placements`)."""
+    name = name or default_engine(backend.kind, placements)
     if name == "mpi":
         return MpiEngine(backend, comm, timeout)
     if backend.kind == "host":

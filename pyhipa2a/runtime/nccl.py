@@ -182,13 +182,11 @@ class NcclLibrary:
 def _declare(cdll, path: str) -> None:
     missing = []
     for name, (restype, argtypes) in _SIGNATURES.items():
-        try:
-            function = getattr(cdll, name)
-        except AttributeError:
-            if name not in _OPTIONAL:
-                missing.append(name)
-            continue
-        function.restype, function.argtypes = restype, argtypes
+        function = getattr(cdll, name, None)
+        if function is not None:
+            function.restype, function.argtypes = restype, argtypes
+        elif name not in _OPTIONAL:
+            missing.append(name)
     if missing:
         raise NcclFailure(f"{path} lacks {', '.join(missing)}: pyhipa2a needs NCCL >= {_version_text(MIN_VERSION)} "
                           f"(or an RCCL built from it)")
@@ -228,26 +226,6 @@ class NcclComm:
         self._watch_thread = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop, timeout),
                                               daemon=True, name=f"pyhipa2a NCCL watch (rank {self.rank})")
         self._watch_thread.start()
-        self._init(uid)
-
-    def _unique_id(self, comm) -> _UniqueId:
-        # Rank 0 sends its failure too, so the other ranks raise instead of waiting for an id that never comes.
-        sent = None
-        if self.rank == 0:
-            uid = _UniqueId()
-            try:
-                self._lib.call("ncclGetUniqueId", ctypes.pointer(uid))
-                sent = (True, ctypes.string_at(ctypes.addressof(uid), _UNIQUE_ID_BYTES))
-            except NcclFailure as e:
-                sent = (False, str(e))
-        ok, payload = comm.bcast(sent, root=0)
-        if not ok:
-            raise NcclFailure(payload if self.rank == 0 else f"rank 0 could not create the NCCL unique id: {payload}")
-        uid = _UniqueId()
-        ctypes.memmove(ctypes.addressof(uid), payload, _UNIQUE_ID_BYTES)
-        return uid
-
-    def _init(self, uid: _UniqueId) -> None:
         config = _Config(size=ctypes.sizeof(_Config), magic=_API_MAGIC, version=self._lib.version,
                          blocking=1, cgaClusterSize=_CONFIG_UNDEF_INT)
         try:
@@ -259,6 +237,21 @@ class NcclComm:
             finally:
                 self._stop_watch()
             raise
+
+    def _unique_id(self, comm) -> _UniqueId:
+        # Rank 0 sends its failure too, so the other ranks raise instead of waiting for an id that never comes.
+        sent = None
+        if self.rank == 0:
+            uid = _UniqueId()
+            try:
+                self._lib.call("ncclGetUniqueId", ctypes.pointer(uid))
+                sent = (True, bytes(uid))
+            except NcclFailure as e:
+                sent = (False, str(e))
+        ok, payload = comm.bcast(sent, root=0)
+        if not ok:
+            raise NcclFailure(payload if self.rank == 0 else f"rank 0 could not create the NCCL unique id: {payload}")
+        return _UniqueId.from_buffer_copy(payload)
 
     def _bounded(self, name: str, *args) -> None:
         """Call NCCL's `name`, which may wait for a peer, against the deadline: NcclTimeout where the watch
