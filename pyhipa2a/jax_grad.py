@@ -98,14 +98,13 @@ class Gradients:
         self.rows, self.cols = rows, rows.config.hidden
 
     def dispatch(self, a2a, x, indices, order):
-        """(expert_x, expert_num_tokens, expert_meta, expert_offsets (contiguous rows; else None), the order word
-        out) of a differentiable dispatch."""
+        """(the JaxDispatch, the order word out) of a differentiable dispatch."""
         tokens, dtype = x.shape[0], x.dtype
 
         @jax.custom_vjp
         def dispatch(x, indices, order):  # (what runs where x needs no gradient: its rows zeroed all the same)
             d, order = a2a.dispatch_after(order, x, indices)
-            return _zero_beyond(d), d.expert_num_tokens, d.expert_meta, d.expert_offsets, order
+            return d._replace(expert_x=_zero_beyond(d)), order
 
         def forward(x, indices, order):
             return dispatch(x, indices, order), indices
@@ -113,7 +112,7 @@ class Gradients:
         def backward(indices, cotangents):
             # A pair of its own: a dispatch that lays the rows out again (of zeros, after this object's last
             # call and once the rows' gradients are in), then the combine of those gradients with unit weights.
-            c, d_expert_x = a2a.config, cotangents[0]
+            c, d_expert_x = a2a.config, cotangents[0].expert_x
             zeros = jnp.zeros((tokens, c.hidden), c.in_dtype)
             _, laid_out = a2a.dispatch_after(a2a.order_after(_word_after(d_expert_x)), zeros, indices)
             ones = jnp.ones((tokens, c.top_k), jnp.float32)
@@ -191,9 +190,7 @@ def _zero_beyond(d):
 
 def _halves(weights, cols: int, dtype):
     """[T, cols]: weight j as columns 2j (its 16-bit rounding) and 2j + 1 (the remainder)."""
-    high = weights.astype(dtype)
-    low = (weights - high.astype(jnp.float32)).astype(dtype)
-    pairs = jnp.stack([high, low], axis=-1).reshape(weights.shape[0], -1)
+    pairs = jnp.stack(_split(weights, dtype), axis=-1).reshape(weights.shape[0], -1)
     return jnp.pad(pairs, ((0, 0), (0, cols - pairs.shape[1])))
 
 
@@ -206,8 +203,13 @@ def _joined(spread, column):
 
 def _placed_halves(values, column, cols: int, dtype):
     """[L, R, cols]: each row's value as two halves at `column` and `column + 1`, zeros elsewhere."""
-    high = values.astype(dtype)
-    low = (values - high.astype(jnp.float32)).astype(dtype)
+    high, low = _split(values, dtype)
     where = jnp.arange(cols)
     return jnp.where(where == column[..., None], high[..., None],
                      jnp.where(where == column[..., None] + 1, low[..., None], np.zeros((), dtype)))
+
+
+def _split(values, dtype):
+    """fp32 `values` as two 16-bit halves: their rounding to `dtype`, and the remainder."""
+    high = values.astype(dtype)
+    return high, (values - high.astype(jnp.float32)).astype(dtype)
