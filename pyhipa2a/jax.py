@@ -60,7 +60,8 @@ from jax.interpreters import mlir
 from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError, RuntimeFailure
 from .inputs import check_scale
-from .jax_grad import Gradients, differentiating, no_order, program_trace, refusing_gradients, running_traces
+from .jax_grad import (differentiable_combine, differentiable_dispatch, differentiating, no_order, program_trace,
+                       refusing_gradients, running_traces)
 from .kernels import X_FP8, A2AArgs, CombineCall, DispatchCall, i32, name_own_outputs, u32, u64
 from .local import each, open_ranks
 
@@ -181,15 +182,14 @@ class JaxAllToAll:
             self._callbacks: dict = {}
             self._order = None   # the order word of this object's last traced call
             self._dispatched: Dispatched | None = None
-            self._grads = None
+            self._weight_rows = None
             # Gradients need packed or contiguous rows, 16-bit x of the dtype of y, and an exchange of the weights'
             # rows (laid out as the tokens' are: the same parameters but the width).
             self._no_gradients = _why_no_gradients(c, gradients)
             if self._no_gradients is None:  # (the weights' rows: two 16-bit halves a weight)
                 narrow = {**params, "hidden_dim": c.weight_row_cols, "in_dtype": c.out_dtype.name,
                           "out_dtype": c.out_dtype.name, "dispatch_dtype": None}
-                self._grads = Gradients(JaxAllToAll(comm, devices=devices, axis_name=axis_name, gradients=False,
-                                                    **narrow))
+                self._weight_rows = JaxAllToAll(comm, devices=devices, axis_name=axis_name, gradients=False, **narrow)
         except BaseException:
             _close_ranks(self._ranks)
             raise
@@ -205,20 +205,18 @@ class JaxAllToAll:
     @functools.cached_property
     def _dispatch_results(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[jax.ShapeDtypeStruct, ...]]:
         """dispatch()'s results in order, as three columns: their names in JaxDispatch and DispatchResult, the
-        DispatchCall fields the kernel writes them through, their shapes (the configuration's: made once)."""
+        DispatchCall fields the kernel writes them through, their shapes (the configuration's: made once). The
+        table's last column: whether the configuration has that result."""
         c = self.config
         L, rows, int32 = c.local_experts, c.rows_shape, jnp.int32
-        results = [("expert_x", "expert_x", jax.ShapeDtypeStruct((*rows, c.hidden), c.dispatch_dtype)),
-                   ("expert_num_tokens", "expert_num_tokens", jax.ShapeDtypeStruct((L,), int32)),
-                   ("expert_meta", "expert_meta", jax.ShapeDtypeStruct((*rows, 3), int32))]
-        if c.scale_cols:
-            results.append(("expert_x_scales", "expert_scales",
-                            jax.ShapeDtypeStruct((*rows, c.scale_cols), jnp.float32)))
-        if c.by_source:
-            results.append(("expert_layout", "expert_layout", jax.ShapeDtypeStruct((L, c.world, 2), int32)))
-        if c.contiguous:
-            results.append(("expert_offsets", "expert_offsets", jax.ShapeDtypeStruct((L + 1,), int32)))
-        return tuple(zip(*results))
+        results = [("expert_x", "expert_x", (*rows, c.hidden), c.dispatch_dtype, True),
+                   ("expert_num_tokens", "expert_num_tokens", (L,), int32, True),
+                   ("expert_meta", "expert_meta", (*rows, 3), int32, True),
+                   ("expert_x_scales", "expert_scales", (*rows, c.scale_cols), jnp.float32, c.scale_cols),
+                   ("expert_layout", "expert_layout", (L, c.world, 2), int32, c.by_source),
+                   ("expert_offsets", "expert_offsets", (L + 1,), int32, c.contiguous)]
+        return tuple(zip(*((name, field, jax.ShapeDtypeStruct(shape, dtype))
+                           for name, field, shape, dtype, made in results if made)))
 
     # -- calls ----------------------------------------------------------------------
     def dispatch(self, x, indices, weights=None, x_scales=None) -> JaxDispatch:
@@ -233,7 +231,7 @@ class JaxAllToAll:
         why = (self._no_gradients or (weights is not None and _SENT_WEIGHTS)
                or (not differentiating() and _TRACED_UNDIFFERENTIATED) or None)
         if why is None:
-            d, self._order = self._grads.dispatch(self, x, indices, order)
+            d, self._order = differentiable_dispatch(self, x, indices, order)
         else:
             d, self._order = refusing_gradients(self.dispatch_after, why)(order, x, indices, weights, x_scales)
         self._dispatched = Dispatched(int(x.shape[0]), indices, weights is not None, program_trace())
@@ -279,8 +277,8 @@ class JaxAllToAll:
                or (not (ours and last.in_this_function()) and _DISPATCH_ELSEWHERE)
                or (not differentiating() and _TRACED_UNDIFFERENTIATED) or None)
         if why is None:
-            y, self._order = self._grads.combine(self, order, expert_y, weights, last.indices,
-                                                 check_scale(expert_scale))
+            y, self._order = differentiable_combine(self, self._weight_rows, order, expert_y, weights, last.indices,
+                                                    check_scale(expert_scale))
         else:
             call = functools.partial(self.combine_after, expert_scale=expert_scale)
             y, self._order = refusing_gradients(call, why)(order, expert_y, weights)
@@ -318,8 +316,8 @@ class JaxAllToAll:
                 self._lib.pyhipa2a_ffi_retire(number)
         self._sites.clear()
         try:
-            if self._grads is not None:
-                self._grads.rows.close()
+            if self._weight_rows is not None:
+                self._weight_rows.close()
         finally:
             _close_ranks(self._ranks)
 

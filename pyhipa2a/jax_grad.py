@@ -91,80 +91,76 @@ def differentiating() -> bool:
     return len(kinds) < 2 or any(isinstance(t, kinds) for t in running_traces())
 
 
-class Gradients:
-    """The rules, over `rows`: a JaxAllToAll of the weights' rows (config.weight_row_cols wide)."""
+def differentiable_dispatch(a2a, x, indices, order):
+    """(the JaxDispatch, the order word out) of a differentiable dispatch."""
+    tokens, dtype = x.shape[0], x.dtype
 
-    def __init__(self, rows):
-        self.rows, self.cols = rows, rows.config.hidden
+    @jax.custom_vjp
+    def dispatch(x, indices, order):  # (what runs where x needs no gradient: its rows zeroed all the same)
+        d, order = a2a.dispatch_after(order, x, indices)
+        return d._replace(expert_x=_zero_beyond(d)), order
 
-    def dispatch(self, a2a, x, indices, order):
-        """(the JaxDispatch, the order word out) of a differentiable dispatch."""
-        tokens, dtype = x.shape[0], x.dtype
+    def forward(x, indices, order):
+        return dispatch(x, indices, order), indices
 
-        @jax.custom_vjp
-        def dispatch(x, indices, order):  # (what runs where x needs no gradient: its rows zeroed all the same)
-            d, order = a2a.dispatch_after(order, x, indices)
-            return d._replace(expert_x=_zero_beyond(d)), order
+    def backward(indices, cotangents):
+        # A pair of its own: a dispatch that lays the rows out again (of zeros, after this object's last
+        # call and once the rows' gradients are in), then the combine of those gradients with unit weights.
+        c, d_expert_x = a2a.config, cotangents[0].expert_x
+        zeros = jnp.zeros((tokens, c.hidden), c.in_dtype)
+        _, laid_out = a2a.dispatch_after(a2a.order_after(_word_after(d_expert_x)), zeros, indices)
+        ones = jnp.ones((tokens, c.top_k), jnp.float32)
+        dx, _ = a2a.combine_after(laid_out, d_expert_x.astype(c.out_dtype), ones, 1.0)
+        return dx.astype(dtype), None, None
+    dispatch.defvjp(forward, backward)
+    return dispatch(x, indices, order)
 
-        def forward(x, indices, order):
-            return dispatch(x, indices, order), indices
 
-        def backward(indices, cotangents):
-            # A pair of its own: a dispatch that lays the rows out again (of zeros, after this object's last
-            # call and once the rows' gradients are in), then the combine of those gradients with unit weights.
-            c, d_expert_x = a2a.config, cotangents[0].expert_x
-            zeros = jnp.zeros((tokens, c.hidden), c.in_dtype)
-            _, laid_out = a2a.dispatch_after(a2a.order_after(_word_after(d_expert_x)), zeros, indices)
-            ones = jnp.ones((tokens, c.top_k), jnp.float32)
-            dx, _ = a2a.combine_after(laid_out, d_expert_x.astype(c.out_dtype), ones, 1.0)
-            return dx.astype(dtype), None, None
-        dispatch.defvjp(forward, backward)
-        return dispatch(x, indices, order)
+def differentiable_combine(a2a, rows, order, expert_y, weights, indices, scale: float):
+    """(y, the order word out) of a differentiable combine after the dispatch of `indices`; its weights'
+    gradient crosses `rows`, a JaxAllToAll of the weights' rows (config.weight_row_cols wide)."""
+    cols = rows.config.hidden
 
-    def combine(self, a2a, order, expert_y, weights, indices, scale: float):
-        """(y, the order word out) of a differentiable combine after the dispatch of `indices`."""
-        rows = self.rows
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def combine(expert_y, weights, indices, order, scale):
+        return a2a.combine_after(order, expert_y, weights, scale)
 
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-        def combine(expert_y, weights, indices, order, scale):
-            return a2a.combine_after(order, expert_y, weights, scale)
+    def forward(expert_y, weights, indices, order, scale):
+        y, done = a2a.combine_after(order, expert_y, weights, scale)
+        return (y, done), (expert_y, weights, indices, done)
 
-        def forward(expert_y, weights, indices, order, scale):
-            y, done = a2a.combine_after(order, expert_y, weights, scale)
-            return (y, done), (expert_y, weights, indices, done)
-
-        def backward(scale, res, cotangents):
-            (expert_y, weights, indices, done), dy = res, cotangents[0]
-            c, k = a2a.config, a2a.config.top_k
-            # A pair of its own, after this combine (y's gradient need not depend on y: a linear loss) and after
-            # the object's last call (a later layer's rules): the dispatch of dy, closed below whether or not x
-            # has a gradient to take.
-            d, dispatched = a2a.dispatch_after(a2a.order_after(done), dy.astype(c.in_dtype), indices)
-            valid = _valid_rows(d)
-            slot = jnp.clip(d.expert_meta[..., 2], 0, k - 1)
-            halves = _halves(weights, self.cols, c.out_dtype)
-            spread, between = rows.dispatch_after(rows.order_after(dispatched), halves, indices)
-            weight = _joined(spread.expert_x, 2 * slot)  # w[t, j] of each row
-            dy_rows = d.expert_x.astype(jnp.float32)
-            d_expert_y = jnp.where(valid[..., None], scale * weight[..., None] * dy_rows, 0.0)
-            dots = jnp.where(valid, scale * jnp.sum(expert_y.astype(jnp.float32) * dy_rows, axis=-1), 0.0)
-            back = _placed_halves(dots, 2 * slot, self.cols, c.out_dtype)
-            ones = jnp.ones(weights.shape, jnp.float32)
-            summed, _ = rows.combine_after(between, back, ones, 1.0)
-            summed = summed.astype(jnp.float32)
-            d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
-            # (Not ordered with the narrow pair, an exchange of another object: every rank runs one program,
-            # compiled alike, so the two come in one order everywhere.)
-            closed, _ = a2a.combine_after(dispatched, jnp.zeros_like(expert_y), ones, 1.0)
-            # What follows on either object (dispatch's gradient, an earlier layer's rules) comes after these
-            # calls through the objects' order words (order_after), so no other pair interleaves with them.
-            # The barrier only keeps the closing combine: JAX drops a call none of whose results is used, and
-            # the GPU's calls carry no JAX effect (pyhipa2a.jax: JAX's fast dispatch); it orders nothing.
-            d_expert_y, d_weights, _ = jax.lax.optimization_barrier(
-                (d_expert_y.astype(expert_y.dtype), d_weights, closed))
-            return d_expert_y, d_weights, None, None
-        combine.defvjp(forward, backward)
-        return combine(expert_y, weights, indices, order, scale)
+    def backward(scale, res, cotangents):
+        (expert_y, weights, indices, done), dy = res, cotangents[0]
+        c, k = a2a.config, a2a.config.top_k
+        # A pair of its own, after this combine (y's gradient need not depend on y: a linear loss) and after
+        # the object's last call (a later layer's rules): the dispatch of dy, closed below whether or not x
+        # has a gradient to take.
+        d, dispatched = a2a.dispatch_after(a2a.order_after(done), dy.astype(c.in_dtype), indices)
+        valid = _valid_rows(d)
+        slot = jnp.clip(d.expert_meta[..., 2], 0, k - 1)
+        halves = _halves(weights, cols, c.out_dtype)
+        spread, between = rows.dispatch_after(rows.order_after(dispatched), halves, indices)
+        weight = _joined(spread.expert_x, 2 * slot)  # w[t, j] of each row
+        dy_rows = d.expert_x.astype(jnp.float32)
+        d_expert_y = jnp.where(valid[..., None], scale * weight[..., None] * dy_rows, 0.0)
+        dots = jnp.where(valid, scale * jnp.sum(expert_y.astype(jnp.float32) * dy_rows, axis=-1), 0.0)
+        back = _placed_halves(dots, 2 * slot, cols, c.out_dtype)
+        ones = jnp.ones(weights.shape, jnp.float32)
+        summed, _ = rows.combine_after(between, back, ones, 1.0)
+        summed = summed.astype(jnp.float32)
+        d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
+        # (Not ordered with the narrow pair, an exchange of another object: every rank runs one program,
+        # compiled alike, so the two come in one order everywhere.)
+        closed, _ = a2a.combine_after(dispatched, jnp.zeros_like(expert_y), ones, 1.0)
+        # What follows on either object (dispatch's gradient, an earlier layer's rules) comes after these
+        # calls through the objects' order words (order_after), so no other pair interleaves with them.
+        # The barrier only keeps the closing combine: JAX drops a call none of whose results is used, and
+        # the GPU's calls carry no JAX effect (pyhipa2a.jax: JAX's fast dispatch); it orders nothing.
+        d_expert_y, d_weights, _ = jax.lax.optimization_barrier(
+            (d_expert_y.astype(expert_y.dtype), d_weights, closed))
+        return d_expert_y, d_weights, None, None
+    combine.defvjp(forward, backward)
+    return combine(expert_y, weights, indices, order, scale)
 
 
 def _word_after(x):
