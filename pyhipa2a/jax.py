@@ -33,14 +33,11 @@ and reports it (docs/DESIGN.md: its results are not all poison then). A call who
 error (a peer that never came, bad routing, that refusal) must not be read; the next call raises, and
 `check()` raises the error now.
 
-Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): each backward pass is itself exchanges, so every rank must
-differentiate the same program. The rules go with calls traced under differentiation, where dispatch zeroes
-expert_x's rows beyond each count (elsewhere they are left as they are: a pass over expert_x saved). They
-need packed or contiguous rows, x of the dtype of y, the weights given to combine, and combine's dispatch
-traced in the same function (Dispatched). A traced call without rules refuses differentiation, saying why:
-JAX differentiates a program as it traced it, so a jitted function that ran undifferentiated cannot take
-its gradient later (its rows, not zeroed, would reach the expert's gradients). `gradients=False` leaves the
-rules out (and the narrow exchange of the weights' rows they make).
+Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`, only for calls traced under differentiation) are exchanges
+too, so every rank must differentiate the same program. They need packed or contiguous rows, x of the dtype
+of y, the weights given to combine, and combine's dispatch traced in the same function (Dispatched); a traced
+call without them refuses differentiation, saying why. `gradients=False` leaves them out (and the narrow
+exchange of the weights' rows they make).
 """
 from __future__ import annotations
 

@@ -10,10 +10,10 @@ So the backward pass is itself exchanges, each rule a pair of its own (a rule ru
 need gradients: x may need none): combine's gradient dispatches dy with the same indices (its rows land
 where the forward's did: the places depend on the routing alone), then closes that dispatch with a
 combine of zeros; dispatch's gradient dispatches zeros with the same indices to lay the rows out again,
-then combines d_expert_x with unit weights. The weights travel to the rows' owners,
-and each row's dot product back to its token, through a second, narrow exchange of their own (the weights'
-rows): each fp32 value as two 16-bit halves (high, and the remainder), 22 of fp32's 24 significant bits
-in fp16, 16 in bf16; in fp16 a dot product must stay within its range (65504).
+then combines d_expert_x with unit weights. The weights travel to the rows' owners, and each row's dot
+product back to its token, through a second, narrow exchange of their own (the weights' rows): each fp32
+value as two 16-bit halves (high, and the remainder), 22 of fp32's 24 significant bits in fp16, 16 in
+bf16; in fp16 a dot product must stay within its range (65504).
 Rows beyond a count hold whatever the buffer held (in XLA's buffers, NaN as often as not). A function of
 expert_x over all its rows (an expert as one einsum) puts them into its gradients through 0 * garbage, so
 under differentiation dispatch zeroes them, whether or not x itself needs a gradient, and their gradients
