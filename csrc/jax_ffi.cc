@@ -13,8 +13,8 @@
 // its number, never by an address of this process. Where a process's ranks are its devices (one object,
 // its calls inside shard_map), the program names the first rank's site, each site names the next rank's,
 // and a call runs the site on the GPU XLA runs it on. A closed object retires its sites: a program
-// compiled while it lived, called after, is refused instead of launching on memory that is gone. Built by `python -m pyhipa2a.build` against
-// jaxlib's own headers where jaxlib is installed.
+// compiled while it lived, called after, is refused instead of launching on memory that is gone. Built
+// by `python -m pyhipa2a.build` against jaxlib's own headers where jaxlib is installed.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -27,22 +27,17 @@ array, even by np.asarray, can deadlock XLA's CPU runtime once every device's th
 Either way the calls of one object in one traced function are chained by an order word (an operand and a
 result of each call), so XLA keeps them in program order by data alone (the callbacks are not ordered
 otherwise, as the GPU's custom calls are not: CI tests the order GPUs rely on), and the custom calls are
-marked as having side effects, so XLA drops none. JAX's tracing itself drops a
-call none of whose results is used (a combine whose y is never read): the next dispatch then finds its
-predecessor uncombined and reports it (docs/DESIGN.md: its results are not all poison then). A call whose
-kernels reported an error (a peer that never came, bad routing, that refusal) must not be read; the next
-call raises, and `check()` raises the error now.
+marked as having side effects, so XLA drops none. JAX's tracing itself drops a call none of whose
+results is used (a combine whose y is never read): the next dispatch then finds its predecessor uncombined
+and reports it (docs/DESIGN.md: its results are not all poison then). A call whose kernels reported an
+error (a peer that never came, bad routing, that refusal) must not be read; the next call raises, and
+`check()` raises the error now.
 
-Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`): dispatch's is a combine of the rows' gradients with
-unit weights; combine's a dispatch of y's gradient, weighted, plus the weights' gradient. Each backward
-pass is itself a dispatch then a combine, so every rank must differentiate the same program. The rules go
-with calls traced under differentiation: there dispatch zeroes expert_x's rows beyond each count;
-elsewhere they are left as they are (a pass over expert_x saved). They need packed or contiguous rows, x of
-the dtype of y, the weights given to combine, and combine's dispatch traced in the same function
-(Dispatched). A traced call without rules refuses differentiation, saying why: JAX differentiates a
-program as it traced it, so a jitted function that ran undifferentiated cannot take its gradient later
-(its rows, not zeroed, would reach the expert's gradients). `gradients=False` leaves the rules out (and
-the narrow exchange of the weights' rows they make).
+Gradients (pyhipa2a.jax_grad, `jax.custom_vjp`, only for calls traced under differentiation) are exchanges
+too, so every rank must differentiate the same program. They need packed or contiguous rows, x of the dtype
+of y, the weights given to combine, and combine's dispatch traced in the same function (Dispatched); a traced
+call without them refuses differentiation, saying why. `gradients=False` leaves them out (and the narrow
+exchange of the weights' rows they make).
 """
 from __future__ import annotations
 
@@ -62,8 +57,9 @@ from jax.interpreters import mlir
 from .api import AllToAll  # (the package, imported first, has registered its implementations)
 from .errors import A2AError, RuntimeFailure
 from .inputs import check_scale
-from .jax_grad import Gradients, differentiating, no_order, program_trace, refusing_gradients, running_traces
-from .kernels import X_FP8, A2AArgs, CombineCall, DispatchCall, name_own_outputs
+from .jax_grad import (differentiable_combine, differentiable_dispatch, differentiating, no_order, program_trace,
+                       refusing_gradients, running_traces)
+from .kernels import X_FP8, A2AArgs, CombineCall, DispatchCall, i32, name_own_outputs, u32, u64
 from .local import each, open_ranks
 
 _HANDLER = Path(__file__).resolve().parent / "_code" / "_jax_ffi.so"
@@ -72,11 +68,9 @@ _PLACES = 8
 
 
 class FfiSite(ctypes.Structure):  # csrc/jax_ffi.cc: Site
-    _fields_ = [("launch", ctypes.c_uint64), ("function", ctypes.c_uint64), ("fixed", ctypes.c_uint64),
-                ("status", ctypes.c_uint64), ("next", ctypes.c_int64), ("grid", ctypes.c_uint32),
-                ("block", ctypes.c_uint32), ("call_bytes", ctypes.c_uint32), ("device", ctypes.c_int32),
-                ("operand_at", ctypes.c_int32 * _PLACES), ("result_at", ctypes.c_int32 * _PLACES),
-                ("call", ctypes.c_uint8 * 128)]
+    _fields_ = [("launch", u64), ("function", u64), ("fixed", u64), ("status", u64), ("next", ctypes.c_int64),
+                ("grid", u32), ("block", u32), ("call_bytes", u32), ("device", i32), ("operand_at", i32 * _PLACES),
+                ("result_at", i32 * _PLACES), ("call", ctypes.c_uint8 * 128)]
 
 
 class JaxDispatch(NamedTuple):
@@ -105,11 +99,6 @@ def _handler():
     for platform in ("CUDA", "ROCM"):
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.pyhipa2a_ffi_launch), platform=platform)
     return lib
-
-
-def _order_word():
-    return jax.ShapeDtypeStruct((1,), jnp.int32)
-
 
 
 # One call of a registered site on a GPU: the operands in, `shapes` ((shape, dtype), ...) out. A primitive of
@@ -161,43 +150,43 @@ class JaxAllToAll:
     def __init__(self, comm=None, *, devices=None, axis_name: str | None = None, gradients: bool = True, **params):
         self._axis = axis_name
         self._ranks = _open_ranks(comm, devices, axis_name, params)
-        self._a2a = self._ranks[0]  # (what every rank shares: the configuration, the backend's kind)
+        first = self._ranks[0]  # (what every rank shares: the configuration, the backend's kind)
         try:
-            c = self._a2a.config
-            self.config, self.world = c, c.world
+            self.config = c = first.config
+            self.world = c.world
             # One rank a process: its rank and its GPU among JAX's (its arrays must be there). Ranks that are
             # devices: None; `mesh` lays the ranks out.
-            self.rank = self._a2a.rank if devices is None else None
-            self.device_index = self._a2a.heap.device.index if devices is None else None
+            self.rank = first.rank if devices is None else None
+            self.device_index = first.heap.device.index if devices is None else None
             self.devices = None if devices is None else list(devices)
-            self._on_gpu = self._a2a.backend.kind != "host"
+            self._on_gpu = first.backend.kind != "host"
             if not hasattr(_jax_core, "trace_ctx"):  # (without it no call could be chained: refuse, do not guess)
                 raise A2AError(f"JaxAllToAll does not know this JAX ({jax.__version__}): its trace context moved")
             if self._on_gpu:
-                if self._a2a.layout.nodes > 1:
+                if first.layout.nodes > 1:
                     raise A2AError("JaxAllToAll on GPUs runs within one node (its calls across nodes are "
                                    "AllToAll's eager ones)")
                 gpus = [a.heap.device.index for a in self._ranks]
                 if len(set(gpus)) < len(gpus):  # (XLA's handler tells the ranks of a call apart by their GPU)
                     raise ValueError(f"JaxAllToAll(devices=...) takes one rank a GPU; its ranks are on GPUs {gpus}")
                 self._lib = _handler()
-                self._entry = self._a2a.backend.launch_entry()
+                self._entry = first.backend.launch_entry()
                 if self._entry is None:
                     raise A2AError("JaxAllToAll: the GPU driver's launch entry was not found")
-            else:
-                self._host = HostCalls(self._ranks, axis_name)
-            self._sites: dict = {}
+            self._sites: dict = {}      # GPU: the handler's numbers of each kind of call (_site)
+            # Host: each kind of call's callback, made once: an eager call is compiled for its callback, so a
+            # new one at every call compiled every call anew (25 ms an eager step).
+            self._callbacks: dict = {}
             self._order = None   # the order word of this object's last traced call
             self._dispatched: Dispatched | None = None
-            self._grads = None
+            self._weight_rows = None
             # Gradients need packed or contiguous rows, 16-bit x of the dtype of y, and an exchange of the weights'
             # rows (laid out as the tokens' are: the same parameters but the width).
             self._no_gradients = _why_no_gradients(c, gradients)
             if self._no_gradients is None:  # (the weights' rows: two 16-bit halves a weight)
                 narrow = {**params, "hidden_dim": c.weight_row_cols, "in_dtype": c.out_dtype.name,
                           "out_dtype": c.out_dtype.name, "dispatch_dtype": None}
-                self._grads = Gradients(JaxAllToAll(comm, devices=devices, axis_name=axis_name, gradients=False,
-                                                    **narrow))
+                self._weight_rows = JaxAllToAll(comm, devices=devices, axis_name=axis_name, gradients=False, **narrow)
         except BaseException:
             _close_ranks(self._ranks)
             raise
@@ -213,20 +202,18 @@ class JaxAllToAll:
     @functools.cached_property
     def _dispatch_results(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[jax.ShapeDtypeStruct, ...]]:
         """dispatch()'s results in order, as three columns: their names in JaxDispatch and DispatchResult, the
-        DispatchCall fields the kernel writes them through, their shapes (the configuration's: made once)."""
+        DispatchCall fields the kernel writes them through, their shapes (the configuration's: made once). The
+        table's last column: whether the configuration has that result."""
         c = self.config
-        L, rows, i32 = c.local_experts, c.rows_shape, jnp.int32
-        results = [("expert_x", "expert_x", jax.ShapeDtypeStruct((*rows, c.hidden), c.dispatch_dtype)),
-                   ("expert_num_tokens", "expert_num_tokens", jax.ShapeDtypeStruct((L,), i32)),
-                   ("expert_meta", "expert_meta", jax.ShapeDtypeStruct((*rows, 3), i32))]
-        if c.scale_cols:
-            results.append(("expert_x_scales", "expert_scales",
-                            jax.ShapeDtypeStruct((*rows, c.scale_cols), jnp.float32)))
-        if c.by_source:
-            results.append(("expert_layout", "expert_layout", jax.ShapeDtypeStruct((L, c.world, 2), i32)))
-        if c.contiguous:
-            results.append(("expert_offsets", "expert_offsets", jax.ShapeDtypeStruct((L + 1,), i32)))
-        return tuple(zip(*results))
+        L, rows, int32 = c.local_experts, c.rows_shape, jnp.int32
+        results = [("expert_x", "expert_x", (*rows, c.hidden), c.dispatch_dtype, True),
+                   ("expert_num_tokens", "expert_num_tokens", (L,), int32, True),
+                   ("expert_meta", "expert_meta", (*rows, 3), int32, True),
+                   ("expert_x_scales", "expert_scales", (*rows, c.scale_cols), jnp.float32, c.scale_cols),
+                   ("expert_layout", "expert_layout", (L, c.world, 2), int32, c.by_source),
+                   ("expert_offsets", "expert_offsets", (L + 1,), int32, c.contiguous)]
+        return tuple(zip(*((name, field, jax.ShapeDtypeStruct(shape, dtype))
+                           for name, field, shape, dtype, made in results if made)))
 
     # -- calls ----------------------------------------------------------------------
     def dispatch(self, x, indices, weights=None, x_scales=None) -> JaxDispatch:
@@ -241,8 +228,7 @@ class JaxAllToAll:
         why = (self._no_gradients or (weights is not None and _SENT_WEIGHTS)
                or (not differentiating() and _TRACED_UNDIFFERENTIATED) or None)
         if why is None:
-            expert_x, counts, meta, offsets, self._order = self._grads.dispatch(self, x, indices, order)
-            d = JaxDispatch(expert_x, counts, meta, expert_offsets=offsets)
+            d, self._order = differentiable_dispatch(self, x, indices, order)
         else:
             d, self._order = refusing_gradients(self.dispatch_after, why)(order, x, indices, weights, x_scales)
         self._dispatched = Dispatched(int(x.shape[0]), indices, weights is not None, program_trace())
@@ -260,16 +246,9 @@ class JaxAllToAll:
             _check_operand("weights", weights, (T, c.top_k), np.float32)
         if (x_scales is None) != (c.x_format != X_FP8):
             raise TypeError("x_scales go with fp8 x (AllToAll(in_dtype='float8_e4m3')) and only with it")
-        operands = [x, indices] + [a for a in (weights, x_scales) if a is not None]
-        fields = ["x", "indices"] + [f for f, a in (("weights", weights), ("x_scales", x_scales)) if a is not None]
         names, outputs, shapes = self._dispatch_results
-        if self._on_gpu:
-            site = self._site("dispatch", T, DispatchCall, fields, outputs, num_tokens=T, check_pairing=1)
-            results = self._ffi(site, operands, order, shapes)
-        else:
-            results = self._host.dispatch(operands, order, shapes, names, weights is not None, x_scales is not None)
-        *arrays, order = self._varying(results)
-        self._order = order
+        *arrays, order = self._call("dispatch", order, dict(x=x, indices=indices, weights=weights, x_scales=x_scales),
+                                    shapes, outputs, names, num_tokens=T, check_pairing=1)
         return JaxDispatch(**dict(zip(names, arrays))), order
 
     def combine(self, expert_y, weights=None, expert_scale: float = 1.0):
@@ -295,8 +274,8 @@ class JaxAllToAll:
                or (not (ours and last.in_this_function()) and _DISPATCH_ELSEWHERE)
                or (not differentiating() and _TRACED_UNDIFFERENTIATED) or None)
         if why is None:
-            y, self._order = self._grads.combine(self, order, expert_y, weights, last.indices,
-                                                 check_scale(expert_scale))
+            y, self._order = differentiable_combine(self, self._weight_rows, order, expert_y, weights, last.indices,
+                                                    check_scale(expert_scale))
         else:
             call = functools.partial(self.combine_after, expert_scale=expert_scale)
             y, self._order = refusing_gradients(call, why)(order, expert_y, weights)
@@ -317,16 +296,10 @@ class JaxAllToAll:
         else:
             T = self._dispatched.tokens
         scale = check_scale(expert_scale)  # (while tracing: a bad one refused before any call of the program runs)
-        operands = [expert_y] + ([weights] if weights is not None else [])
-        shapes = [jax.ShapeDtypeStruct((T, c.hidden), c.out_dtype)]
-        if self._on_gpu:
-            fields = ["expert_y"] + (["weights"] if weights is not None else [])
-            site = self._site("combine", T, CombineCall, fields, ["out"], num_tokens=T, expert_scale=scale)
-            results = self._ffi(site, operands, order, shapes)
-        else:
-            results = self._host.combine(operands, order, shapes, weights is not None, scale)
-        y, self._order = self._varying(results)
-        return y, self._order
+        y, order = self._call("combine", order, dict(expert_y=expert_y, weights=weights),
+                              (jax.ShapeDtypeStruct((T, c.hidden), c.out_dtype),), ("out",), num_tokens=T,
+                              expert_scale=scale)
+        return y, order
 
     def check(self) -> None:
         """Raise the error the kernels reported, if any (the calls' results are then poisoned)."""
@@ -340,8 +313,8 @@ class JaxAllToAll:
                 self._lib.pyhipa2a_ffi_retire(number)
         self._sites.clear()
         try:
-            if self._grads is not None:
-                self._grads.rows.close()
+            if self._weight_rows is not None:
+                self._weight_rows.close()
         finally:
             _close_ranks(self._ranks)
 
@@ -371,53 +344,87 @@ class JaxAllToAll:
     def order_after(self, *words):
         """The order word of a call after this object's last call (where that can still be used) and after the
         calls whose order words are `words`: a join the program computes, so XLA orders by data alone."""
-        joined = self._chained_value(self._order)
+        # The last call's word where it can still be used: a concrete array, or a tracer of the trace being
+        # traced now or of one around it; a tracer of a differentiating trace that has ended stands for its
+        # primal value, which lives on (the backward pass follows the forward's last call that way); else None.
+        joined = self._order
+        while isinstance(joined, jax.core.Tracer) and not any(t is getattr(joined, "_trace", None)
+                                                              for t in running_traces()):
+            joined = getattr(joined, "primal", None)  # (JAX's JVP and linearize tracers name it so; others: None)
         for word in words:
             joined = word if joined is None else jnp.maximum(joined, word)
         return no_order() if joined is None else joined
 
-    @staticmethod
-    def _chained_value(last):
-        """`last` (a value an earlier call left) where it can still be used: a concrete array, or a tracer of the
-        trace being traced now or of one around it; a tracer of a differentiating trace that has ended stands
-        for its primal value, which lives on (the backward pass follows the forward's last call that way);
-        else None."""
-        while isinstance(last, jax.core.Tracer):
-            if any(t is getattr(last, "_trace", None) for t in running_traces()):
-                return last
-            last = getattr(last, "primal", None)  # (JAX's JVP and linearize tracers name it so; others: None)
-        return last
+    # -- a call, on a GPU or on the host ----------------------------------------------
+    def _call(self, leg: str, order, operands: dict, shapes, outputs, names=None, **values) -> list:
+        """The results of a `leg` call after the call whose order word is `order`, the order word out last (now
+        the object's last). `operands`: the call's fields (None where not given); `shapes`: its results', which
+        the kernel writes through its fields `outputs` and the eager call names `names` (combine: none, y
+        itself); `values`: the call's other arguments."""
+        operands = {field: a for field, a in operands.items() if a is not None}
+        shapes = (*shapes, jax.ShapeDtypeStruct((1,), jnp.int32))  # (the order word out)
+        if self._on_gpu:
+            site = self._site(leg, values["num_tokens"], tuple(operands), outputs, **values)
+            results = _launch.bind(*operands.values(), order, site=site,
+                                   shapes=tuple((tuple(s.shape), np.dtype(s.dtype)) for s in shapes))
+        else:
+            results = self._host_call(leg, order, operands, shapes, names, values.get("expert_scale"))
+        results = self._varying(results)
+        self._order = results[-1]
+        return results
 
-    # -- GPU: XLA's handler ---------------------------------------------------------
-    def _site(self, leg: str, tokens: int, call_type, fields, outputs, **values) -> int:
+    def _site(self, leg: str, tokens: int, fields: tuple, outputs: tuple, **values) -> int:
         """The handler's number for a `leg` call of `tokens` tokens with these operands and results: the site of
         the first rank, which names the next rank's (the handler takes the one on the GPU it runs on)."""
-        key = (leg, tokens, tuple(fields), tuple(outputs), tuple(sorted(values.items())))
+        key = (leg, tokens, fields, outputs, tuple(sorted(values.items())))
         numbers = self._sites.get(key)
-        if numbers is None:
-            numbers, after = [], 0
-            for a2a in reversed(self._ranks):
-                kernel, blocks, threads, fixed = a2a.launch_site(leg, tokens)
-                call = call_type(**values)
-                if call_type is DispatchCall:  # (the outputs XLA gives are patched over ours at each call)
-                    name_own_outputs(call, A2AArgs.from_address(fixed))
-                site = FfiSite(launch=self._entry, function=a2a.backend.function_address(kernel.function),
-                               fixed=fixed, status=a2a.buffers.status.ctypes.data, next=after, grid=blocks,
-                               block=threads, call_bytes=ctypes.sizeof(call), device=a2a.heap.device.index)
-                site.operand_at[:] = [getattr(call_type, f).offset for f in fields] + [-1] * (_PLACES - len(fields))
-                site.result_at[:] = [getattr(call_type, f).offset for f in outputs] + [-1] * (_PLACES - len(outputs))
-                ctypes.memmove(site.call, ctypes.addressof(call), ctypes.sizeof(call))
-                after = self._lib.pyhipa2a_ffi_site(ctypes.byref(site))
-                if after <= 0:
-                    raise A2AError("XLA's handler refused the call's arguments")
-                numbers.insert(0, after)
-            self._sites[key] = numbers
+        if numbers is not None:
+            return numbers[0]
+        call_type = DispatchCall if leg == "dispatch" else CombineCall
+        numbers, after = [], 0
+        for a2a in reversed(self._ranks):
+            kernel, blocks, threads, fixed = a2a.launch_site(leg, tokens)
+            call = call_type(**values)
+            if call_type is DispatchCall:  # (the outputs XLA gives are patched over ours at each call)
+                name_own_outputs(call, A2AArgs.from_address(fixed))
+            site = FfiSite(launch=self._entry, function=a2a.backend.function_address(kernel.function), fixed=fixed,
+                           status=a2a.buffers.status.ctypes.data, next=after, grid=blocks, block=threads,
+                           call_bytes=ctypes.sizeof(call), device=a2a.heap.device.index)
+            for places, names in ((site.operand_at, fields), (site.result_at, outputs)):
+                places[:] = [getattr(call_type, name).offset for name in names] + [-1] * (_PLACES - len(names))
+            ctypes.memmove(site.call, ctypes.addressof(call), ctypes.sizeof(call))
+            after = self._lib.pyhipa2a_ffi_site(ctypes.byref(site))
+            if after <= 0:
+                raise A2AError("XLA's handler refused the call's arguments")
+            numbers.insert(0, after)
+        self._sites[key] = numbers
         return numbers[0]
 
-    def _ffi(self, site: int, operands, order, shapes) -> list:
-        """The results of a site's call, the order word out last."""
-        shapes = tuple((tuple(s.shape), np.dtype(s.dtype)) for s in (*shapes, _order_word()))
-        return _launch.bind(*operands, order, site=site, shapes=shapes)
+    def _host_call(self, leg: str, order, operands: dict, shapes, names, scale) -> list:
+        """JAX's CPU platform (the host backend): the call is its rank's eager call, made through a buffer
+        callback on NumPy views of XLA's buffers. The callback is told its rank: where ranks are devices, each
+        device's part of the program calls back on a thread of its own (which the host backend needs: it runs
+        kernels at launch, and they wait for the other ranks')."""
+        if self._axis is None:
+            rank = jnp.zeros((1,), jnp.int32)
+        else:
+            rank = jax.lax.axis_index(self._axis).astype(jnp.int32).reshape(1)
+        fields = tuple(operands)
+        kind = (leg, fields, names, scale)
+        run = self._callbacks.get(kind)
+        if run is None:
+            def run(context, outs, rank, *buffers):  # (NumPy views of XLA's buffers: no JAX array made in a callback)
+                a2a = self._ranks[int(np.asarray(rank)[0])]
+                arrays = dict(zip(fields, map(np.asarray, buffers)))  # (the order word, last, read by nobody)
+                if leg == "dispatch":
+                    d = a2a.dispatch(**arrays)
+                    results = [getattr(d, name).numpy() for name in names]
+                else:
+                    results = [a2a.combine(**arrays, expert_scale=scale).numpy()]
+                for out, value in zip(outs, [*results, 0]):
+                    np.asarray(out)[...] = value
+            self._callbacks[kind] = run
+        return list(buffer_callback(run, shapes, has_side_effect=True)(rank, *operands.values(), order))
 
     def _varying(self, results) -> list:
         """Ranks that are devices: the results differ from device to device, and are typed so (varying along
@@ -473,77 +480,31 @@ def _why_no_gradients(c, gradients: bool) -> str | None:
     return None
 
 
-class HostCalls:
-    """JAX's CPU platform (the host backend): each call is its rank's eager call, made through a buffer callback
-    on NumPy views of XLA's buffers. The callback is told its rank: where ranks are devices, each device's
-    part of the program calls back on a thread of its own (which the host backend needs: it runs kernels at
-    launch, and they wait for the other ranks')."""
-
-    def __init__(self, ranks: list, axis: str | None):
-        self._ranks, self._axis = ranks, axis
-        # Each kind of call's callback, made once: an eager call is compiled for its callback, so a new one at
-        # every call compiled every call anew (25 ms an eager step).
-        self._callbacks: dict = {}
-
-    def dispatch(self, operands, order, shapes, names, with_weights: bool, with_scales: bool) -> list:
-        """The results of a dispatch (DispatchResult's `names`, in order), the order word out last."""
-        def call(a2a, x, indices, *rest):
-            weights = rest[0] if with_weights else None
-            x_scales = rest[int(with_weights)] if with_scales else None
-            d = a2a.dispatch(x, indices, weights=weights, x_scales=x_scales)
-            return [getattr(d, name).numpy() for name in names]
-        return self._call(("dispatch", names, with_weights, with_scales), call, operands, order, shapes)
-
-    def combine(self, operands, order, shapes, with_weights: bool, scale: float) -> list:
-        """The results of a combine (y, then the order word out)."""
-        def call(a2a, expert_y, *rest):
-            return [a2a.combine(expert_y, rest[0] if with_weights else None, expert_scale=scale).numpy()]
-        return self._call(("combine", with_weights, scale), call, operands, order, shapes)
-
-    def _call(self, kind: tuple, call, operands, order, shapes) -> list:
-        """The results of `call` (the kind of call `kind` names: the same call for the same kind)."""
-        if self._axis is None:
-            rank = jnp.zeros((1,), jnp.int32)
-        else:
-            rank = jax.lax.axis_index(self._axis).astype(jnp.int32).reshape(1)
-        run = self._callbacks.get(kind)
-        if run is None:
-            def run(context, outs, rank, *buffers):  # (NumPy views of XLA's buffers: no JAX array made in a callback)
-                arrays = [np.asarray(b) for b in buffers[:-1]]  # (the order word last: read by nobody)
-                for out, value in zip(outs, [*call(self._ranks[int(np.asarray(rank)[0])], *arrays), 0]):
-                    np.asarray(out)[...] = value
-            self._callbacks[kind] = run
-        return list(buffer_callback(run, (*shapes, _order_word()), has_side_effect=True)(rank, *operands, order))
-
-
 def _open_ranks(comm, devices, axis_name, params: dict) -> list:
     """[the process's AllToAll]; or, given devices, one AllToAll a device, these ranks in this order."""
+    if devices is None and axis_name is not None:
+        raise TypeError("axis_name goes with devices= (ranks that are devices of this process)")
+    if devices is not None:
+        if comm is not None:
+            raise TypeError("JaxAllToAll takes a communicator (one rank a process) or devices= (ranks that are "
+                            "devices of this process), not both")
+        if axis_name is None:
+            raise TypeError("devices= needs axis_name: the shard_map axis along which the devices are the ranks")
+        devices = list(devices)
+        if not devices:
+            raise ValueError("devices= is empty")
+        # (a GPU's ordinal among those this process sees; JAX's CPU devices all stand for the host backend's one)
+        ordinals = [None if d.platform == "cpu" else d.local_hardware_id for d in devices]
     try:
-        return _made_ranks(comm, devices, axis_name, params)
+        if devices is None:
+            return [AllToAll(comm, **params)]
+        return open_ranks(len(ordinals), lambda comm: AllToAll(comm, device=ordinals[comm.Get_rank()], **params))
     except RuntimeFailure as e:
         if "out of memory" not in str(e).lower():
             raise
         raise A2AError(f"{e}. JAX takes 75% of each GPU's memory at its start unless told otherwise: set "
                        "XLA_PYTHON_CLIENT_PREALLOCATE=false (or a smaller XLA_PYTHON_CLIENT_MEM_FRACTION) before "
                        "JAX starts, so the exchange's buffers fit beside it") from e
-
-
-def _made_ranks(comm, devices, axis_name, params: dict) -> list:
-    if devices is None:
-        if axis_name is not None:
-            raise TypeError("axis_name goes with devices= (ranks that are devices of this process)")
-        return [AllToAll(comm, **params)]
-    if comm is not None:
-        raise TypeError("JaxAllToAll takes a communicator (one rank a process) or devices= (ranks that are devices "
-                        "of this process), not both")
-    if axis_name is None:
-        raise TypeError("devices= needs axis_name: the shard_map axis along which the devices are the ranks")
-    devices = list(devices)
-    if not devices:
-        raise ValueError("devices= is empty")
-    # (a GPU's ordinal among those this process sees; JAX's CPU devices all stand for the host backend's one)
-    ordinals = [None if d.platform == "cpu" else d.local_hardware_id for d in devices]
-    return open_ranks(len(devices), lambda comm: AllToAll(comm, device=ordinals[comm.Get_rank()], **params))
 
 
 def _close_ranks(ranks: list) -> None:

@@ -10,10 +10,10 @@ So the backward pass is itself exchanges, each rule a pair of its own (a rule ru
 need gradients: x may need none): combine's gradient dispatches dy with the same indices (its rows land
 where the forward's did: the places depend on the routing alone), then closes that dispatch with a
 combine of zeros; dispatch's gradient dispatches zeros with the same indices to lay the rows out again,
-then combines d_expert_x with unit weights. The weights travel to the rows' owners,
-and each row's dot product back to its token, through a second, narrow exchange of their own (the weights'
-rows): each fp32 value as two 16-bit halves (high, and the remainder), 22 of fp32's 24 significant bits
-in fp16, 16 in bf16; in fp16 a dot product must stay within its range (65504).
+then combines d_expert_x with unit weights. The weights travel to the rows' owners, and each row's dot
+product back to its token, through a second, narrow exchange of their own (the weights' rows): each fp32
+value as two 16-bit halves (high, and the remainder), 22 of fp32's 24 significant bits in fp16, 16 in
+bf16; in fp16 a dot product must stay within its range (65504).
 Rows beyond a count hold whatever the buffer held (in XLA's buffers, NaN as often as not). A function of
 expert_x over all its rows (an expert as one einsum) puts them into its gradients through 0 * garbage, so
 under differentiation dispatch zeroes them, whether or not x itself needs a gradient, and their gradients
@@ -91,81 +91,76 @@ def differentiating() -> bool:
     return len(kinds) < 2 or any(isinstance(t, kinds) for t in running_traces())
 
 
-class Gradients:
-    """The rules, over `rows`: a JaxAllToAll of the weights' rows (config.weight_row_cols wide)."""
+def differentiable_dispatch(a2a, x, indices, order):
+    """(the JaxDispatch, the order word out) of a differentiable dispatch."""
+    tokens, dtype = x.shape[0], x.dtype
 
-    def __init__(self, rows):
-        self.rows, self.cols = rows, rows.config.hidden
+    @jax.custom_vjp
+    def dispatch(x, indices, order):  # (what runs where x needs no gradient: its rows zeroed all the same)
+        d, order = a2a.dispatch_after(order, x, indices)
+        return d._replace(expert_x=_zero_beyond(d)), order
 
-    def dispatch(self, a2a, x, indices, order):
-        """(expert_x, expert_num_tokens, expert_meta, expert_offsets (contiguous rows; else None), the order word
-        out) of a differentiable dispatch."""
-        tokens, dtype = x.shape[0], x.dtype
+    def forward(x, indices, order):
+        return dispatch(x, indices, order), indices
 
-        @jax.custom_vjp
-        def dispatch(x, indices, order):  # (what runs where x needs no gradient: its rows zeroed all the same)
-            d, order = a2a.dispatch_after(order, x, indices)
-            return _zero_beyond(d), d.expert_num_tokens, d.expert_meta, d.expert_offsets, order
+    def backward(indices, cotangents):
+        # A pair of its own: a dispatch that lays the rows out again (of zeros, after this object's last
+        # call and once the rows' gradients are in), then the combine of those gradients with unit weights.
+        c, d_expert_x = a2a.config, cotangents[0].expert_x
+        zeros = jnp.zeros((tokens, c.hidden), c.in_dtype)
+        _, laid_out = a2a.dispatch_after(a2a.order_after(_word_after(d_expert_x)), zeros, indices)
+        ones = jnp.ones((tokens, c.top_k), jnp.float32)
+        dx, _ = a2a.combine_after(laid_out, d_expert_x.astype(c.out_dtype), ones, 1.0)
+        return dx.astype(dtype), None, None
+    dispatch.defvjp(forward, backward)
+    return dispatch(x, indices, order)
 
-        def forward(x, indices, order):
-            return dispatch(x, indices, order), indices
 
-        def backward(indices, cotangents):
-            # A pair of its own: a dispatch that lays the rows out again (of zeros, after this object's last
-            # call and once the rows' gradients are in), then the combine of those gradients with unit weights.
-            c, d_expert_x = a2a.config, cotangents[0]
-            zeros = jnp.zeros((tokens, c.hidden), c.in_dtype)
-            _, laid_out = a2a.dispatch_after(a2a.order_after(_word_after(d_expert_x)), zeros, indices)
-            ones = jnp.ones((tokens, c.top_k), jnp.float32)
-            dx, _ = a2a.combine_after(laid_out, d_expert_x.astype(c.out_dtype), ones, 1.0)
-            return dx.astype(dtype), None, None
-        dispatch.defvjp(forward, backward)
-        return dispatch(x, indices, order)
+def differentiable_combine(a2a, rows, order, expert_y, weights, indices, scale: float):
+    """(y, the order word out) of a differentiable combine after the dispatch of `indices`; its weights'
+    gradient crosses `rows`, a JaxAllToAll of the weights' rows (config.weight_row_cols wide)."""
+    cols = rows.config.hidden
 
-    def combine(self, a2a, order, expert_y, weights, indices, scale: float):
-        """(y, the order word out) of a differentiable combine after the dispatch of `indices`."""
-        rows = self.rows
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def combine(expert_y, weights, indices, order, scale):
+        return a2a.combine_after(order, expert_y, weights, scale)
 
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-        def combine(expert_y, weights, indices, order, scale):
-            return a2a.combine_after(order, expert_y, weights, scale)
+    def forward(expert_y, weights, indices, order, scale):
+        y, done = a2a.combine_after(order, expert_y, weights, scale)
+        return (y, done), (expert_y, weights, indices, done)
 
-        def forward(expert_y, weights, indices, order, scale):
-            y, done = a2a.combine_after(order, expert_y, weights, scale)
-            return (y, done), (expert_y, weights, indices, done)
-
-        def backward(scale, res, cotangents):
-            (expert_y, weights, indices, done), dy = res, cotangents[0]
-            c, k = a2a.config, a2a.config.top_k
-            # A pair of its own, after this combine (y's gradient need not depend on y: a linear loss) and after
-            # the object's last call (a later layer's rules): the dispatch of dy, closed below whether or not x
-            # has a gradient to take.
-            d, dispatched = a2a.dispatch_after(a2a.order_after(done), dy.astype(c.in_dtype), indices)
-            valid = _valid_rows(d)
-            slot = jnp.clip(d.expert_meta[..., 2], 0, k - 1)
-            halves = _halves(weights, self.cols, c.out_dtype)
-            spread, between = rows.dispatch_after(rows.order_after(dispatched), halves, indices)
-            weight = _joined(spread.expert_x, 2 * slot)  # w[t, j] of each row
-            dy_rows = d.expert_x.astype(jnp.float32)
-            d_expert_y = jnp.where(valid[..., None], scale * weight[..., None] * dy_rows, 0.0)
-            dots = jnp.where(valid, scale * jnp.sum(expert_y.astype(jnp.float32) * dy_rows, axis=-1), 0.0)
-            back = _placed_halves(dots, 2 * slot, self.cols, c.out_dtype)
-            ones = jnp.ones(weights.shape, jnp.float32)
-            summed, _ = rows.combine_after(between, back, ones, 1.0)
-            summed = summed.astype(jnp.float32)
-            d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
-            # (Not ordered with the narrow pair, an exchange of another object: every rank runs one program,
-            # compiled alike, so the two come in one order everywhere.)
-            closed, _ = a2a.combine_after(dispatched, jnp.zeros_like(expert_y), ones, 1.0)
-            # What follows on either object (dispatch's gradient, an earlier layer's rules) comes after these
-            # calls through the objects' order words (order_after), so no other pair interleaves with them.
-            # The barrier only keeps the closing combine: JAX drops a call none of whose results is used, and
-            # the GPU's calls carry no JAX effect (pyhipa2a.jax: JAX's fast dispatch); it orders nothing.
-            d_expert_y, d_weights, _ = jax.lax.optimization_barrier(
-                (d_expert_y.astype(expert_y.dtype), d_weights, closed))
-            return d_expert_y, d_weights, None, None
-        combine.defvjp(forward, backward)
-        return combine(expert_y, weights, indices, order, scale)
+    def backward(scale, res, cotangents):
+        (expert_y, weights, indices, done), dy = res, cotangents[0]
+        c, k = a2a.config, a2a.config.top_k
+        # A pair of its own, after this combine (y's gradient need not depend on y: a linear loss) and after
+        # the object's last call (a later layer's rules): the dispatch of dy, closed below whether or not x
+        # has a gradient to take.
+        d, dispatched = a2a.dispatch_after(a2a.order_after(done), dy.astype(c.in_dtype), indices)
+        valid = _valid_rows(d)
+        slot = jnp.clip(d.expert_meta[..., 2], 0, k - 1)
+        halves = _halves(weights, cols, c.out_dtype)
+        spread, between = rows.dispatch_after(rows.order_after(dispatched), halves, indices)
+        weight = _joined(spread.expert_x, 2 * slot)  # w[t, j] of each row
+        dy_rows = d.expert_x.astype(jnp.float32)
+        d_expert_y = jnp.where(valid[..., None], scale * weight[..., None] * dy_rows, 0.0)
+        dots = jnp.where(valid, scale * jnp.sum(expert_y.astype(jnp.float32) * dy_rows, axis=-1), 0.0)
+        back = _placed_halves(dots, 2 * slot, cols, c.out_dtype)
+        ones = jnp.ones(weights.shape, jnp.float32)
+        summed, _ = rows.combine_after(between, back, ones, 1.0)
+        summed = summed.astype(jnp.float32)
+        d_weights = summed[:, 0:2 * k:2] + summed[:, 1:2 * k:2]
+        # (Not ordered with the narrow pair, an exchange of another object: every rank runs one program,
+        # compiled alike, so the two come in one order everywhere.)
+        closed, _ = a2a.combine_after(dispatched, jnp.zeros_like(expert_y), ones, 1.0)
+        # What follows on either object (dispatch's gradient, an earlier layer's rules) comes after these
+        # calls through the objects' order words (order_after), so no other pair interleaves with them.
+        # The barrier only keeps the closing combine: JAX drops a call none of whose results is used, and
+        # the GPU's calls carry no JAX effect (pyhipa2a.jax: JAX's fast dispatch); it orders nothing.
+        d_expert_y, d_weights, _ = jax.lax.optimization_barrier(
+            (d_expert_y.astype(expert_y.dtype), d_weights, closed))
+        return d_expert_y, d_weights, None, None
+    combine.defvjp(forward, backward)
+    return combine(expert_y, weights, indices, order, scale)
 
 
 def _word_after(x):
@@ -191,9 +186,7 @@ def _zero_beyond(d):
 
 def _halves(weights, cols: int, dtype):
     """[T, cols]: weight j as columns 2j (its 16-bit rounding) and 2j + 1 (the remainder)."""
-    high = weights.astype(dtype)
-    low = (weights - high.astype(jnp.float32)).astype(dtype)
-    pairs = jnp.stack([high, low], axis=-1).reshape(weights.shape[0], -1)
+    pairs = jnp.stack(_split(weights, dtype), axis=-1).reshape(weights.shape[0], -1)
     return jnp.pad(pairs, ((0, 0), (0, cols - pairs.shape[1])))
 
 
@@ -206,8 +199,13 @@ def _joined(spread, column):
 
 def _placed_halves(values, column, cols: int, dtype):
     """[L, R, cols]: each row's value as two halves at `column` and `column + 1`, zeros elsewhere."""
-    high = values.astype(dtype)
-    low = (values - high.astype(jnp.float32)).astype(dtype)
+    high, low = _split(values, dtype)
     where = jnp.arange(cols)
     return jnp.where(where == column[..., None], high[..., None],
                      jnp.where(where == column[..., None] + 1, low[..., None], np.zeros((), dtype)))
+
+
+def _split(values, dtype):
+    """fp32 `values` as two 16-bit halves: their rounding to `dtype`, and the remainder."""
+    high = values.astype(dtype)
+    return high, (values - high.astype(jnp.float32)).astype(dtype)

@@ -449,8 +449,8 @@ class LoweredForGpu:
     def __init__(self, a2a):
         self.calls: dict[int, tuple[str, str]] = {}  # site -> (the object's name, "dispatch" or "combine")
         self._switch(a2a, "exchange")
-        if a2a._grads is not None:
-            self._switch(a2a._grads.rows, "weights")  # (the gradient rules' narrow exchange)
+        if a2a._weight_rows is not None:
+            self._switch(a2a._weight_rows, "weights")  # (the gradient rules' narrow exchange)
 
     def _switch(self, a2a, name: str) -> None:
         def site(leg, tokens, *rest, **values):
