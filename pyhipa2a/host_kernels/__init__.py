@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from ..bootstrap import poll
+from ..dtypes import bfloat16
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER = range(6)
 
@@ -22,6 +23,12 @@ def mem(ptr: int, shape, dtype) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
+def f16_and_bf16(body):
+    """The f16 and bf16 twins of a kernel `body(backend, *args, dtype)`, as the device builds one of each."""
+    return (lambda backend, *args: body(backend, *args, np.dtype(np.float16)),
+            lambda backend, *args: body(backend, *args, bfloat16()))
+
+
 def bases(heap) -> list[int]:
     return [int(b) for b in mem(heap.bases, (heap.world,), np.uint64)]
 
@@ -32,9 +39,6 @@ class Status:
     def __init__(self, status_ptr: int, mirror_ptr: int = 0):
         self.words = mem(status_ptr, (4,), np.uint32)
         self.mirror = mem(mirror_ptr, (4,), np.uint32) if mirror_ptr else None
-
-    def failed(self) -> bool:
-        return self.words[0] != STATUS_OK
 
     def report(self, code: int, peer: int, what: int, detail: int) -> None:
         """First error wins, as on the device; a mirror that holds the host's own report keeps it."""

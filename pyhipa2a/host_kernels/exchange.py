@@ -34,8 +34,9 @@ class View:
     def buf(self, rank: int, name: str, shape, dtype) -> np.ndarray:
         return mem(self.base[rank] + getattr(self.a, "off_" + name), shape, dtype)
 
-    def addr(self, rank: int, name: str, index: int, itemsize: int = 4) -> int:
-        return int(self.base[rank] + getattr(self.a, "off_" + name) + int(index) * itemsize)
+    def addr(self, rank: int, name: str, index: int) -> int:
+        """The address of 32-bit word `index` of a rank's buffer `name`."""
+        return int(self.base[rank] + getattr(self.a, "off_" + name) + int(index) * 4)
 
 
 def take_epoch(a, dispatch: bool) -> int:
