@@ -50,9 +50,8 @@ class Status:
             words[0] = code
 
 
-def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, status, what: int,
-               peer_of=lambda i: i) -> bool:
-    """Wait until flag[i] == want for every i in `indices`; on timeout report the peer of the first missing."""
+def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, status, what: int, peer=None) -> bool:
+    """Wait until flag[i] == want for every i in `indices`; on timeout report `peer` (None: the first missing i)."""
     pending = [int(i) for i in indices]
     if not pending:
         return True
@@ -62,7 +61,7 @@ def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, sta
         pending[:] = [i for i in pending if flags[i] != want]
         return not pending
     if not poll(arrived, deadline):
-        status.report(STATUS_TIMEOUT, peer_of(pending[0]), what, want)
+        status.report(STATUS_TIMEOUT, pending[0] if peer is None else peer, what, want)
         return False
     backend.load_acquire_u32(flags_ptr)  # a locked read orders the data reads that follow
     return True
@@ -71,21 +70,6 @@ def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, sta
 def tag(values, epoch: int) -> np.ndarray:
     """Tagged words (kernels_hip/protocol.h): the 32-bit value low, the epoch high."""
     return (np.uint64(epoch) << np.uint64(32)) | np.asarray(values).astype(np.uint32).astype(np.uint64)
-
-
-def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: int, peer: int, rows=None):
-    """The 32-bit values of tagged `words` (or of its `rows`) once all carry `epoch`; None (reported) on timeout.
-    `words` must be a view of the memory peers write (a fancy-indexed copy never changes: pass `rows`)."""
-    seen = words
-
-    def arrived() -> bool:
-        nonlocal seen
-        seen = (words if rows is None else words[rows]).copy()  # aligned 8-byte words: each is read whole
-        return bool(np.all((seen >> np.uint64(32)) == epoch))
-    if not poll(arrived, deadline):
-        status.report(STATUS_TIMEOUT, peer, what, epoch)
-        return None
-    return (seen & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
 class Recorder:

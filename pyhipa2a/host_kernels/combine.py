@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from . import f16_and_bf16, mem, tag, wait_flags, wait_tagged
+from . import f16_and_bf16, mem, tag, wait_flags
 from ..kernels import REDUCE_ONLY, WHOLE_COMBINE
 from .exchange import WAIT_COMBINE_ROW, WAIT_WEIGHTS, View, count_header, finish, take_epoch, valid_slots
 
@@ -66,8 +66,8 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         if len(tokens) == 0:
             continue
         t0 = time.monotonic_ns()
-        words = wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], v.epoch, v.deadline,
-                            v.status, WAIT_WEIGHTS, src, rows=here)  # dispatch sends only these
+        words = v.wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], WAIT_WEIGHTS, src,
+                              rows=here)  # dispatch sends only these
         if words is None:
             return
         v.rec.record(9, t0, src)
@@ -120,14 +120,14 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
             theirs = np.zeros((M, 4 * H), np.uint8)
             for width, pick in ((H // 2, single), (H // 2 if narrow else H, multi)):
                 ours = v.buf(me, "push_contrib", (W, P, a.push_row_words), np.uint64)[r, :, :width]
-                arrived = wait_tagged(ours, v.epoch, v.deadline, v.status, WAIT_COMBINE_ROW, r, rows=pick)
+                arrived = v.wait_tagged(ours, WAIT_COMBINE_ROW, r, rows=pick)
                 if arrived is None:
                     return
                 theirs[pick, :4 * width] = arrived.view(np.uint8).reshape(len(pick), 4 * width)
         else:  # rank r's contributions to our tokens, in its memory (ours when posted) once their flags are in
             needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
             if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline,
-                              v.status, WAIT_COMBINE_ROW, peer_of=lambda _: r):
+                              v.status, WAIT_COMBINE_ROW, peer=r):
                 return
             theirs = contribution_slots(v, r, me, posted)
         v.rec.record(11, t0, r)
