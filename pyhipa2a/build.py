@@ -28,9 +28,9 @@ VARIANTS = {"": (), ".profile": ("-DA2A_PROFILE=1",)}  # name suffix -> extra co
 MIN_CLANG = 17
 
 
-def llvm_tools(tool: str) -> list[str]:
-    """The copies of LLVM's `tool` here, newest first: versioned on PATH, Debian's, ROCm's, then unversioned."""
-    candidates = [shutil.which(f"{tool}-{v}") for v in range(25, MIN_CLANG - 1, -1)]
+def llvm_tools(tool: str, first=()) -> list[str]:
+    """The copies of LLVM's `tool` here: `first`, then newest first versioned on PATH, Debian's, ROCm's, unversioned."""
+    candidates = [*first, *(shutil.which(f"{tool}-{v}") for v in range(25, MIN_CLANG - 1, -1))]
     candidates += sorted(glob.glob(f"/usr/lib/llvm-*/bin/{tool}"), reverse=True)
     candidates += [f"/opt/rocm/llvm/bin/{tool}", shutil.which(tool)]
     return [path for path in candidates if path and os.path.exists(path)]
@@ -47,11 +47,8 @@ def find_clang() -> str | None:
 def find_objdump() -> str | None:
     """The llvm-objdump that ships with the clang we build with (older ones lack gfx942)."""
     clang = find_clang()
-    if clang:
-        beside = os.path.join(os.path.dirname(os.path.realpath(clang)), "llvm-objdump")
-        if os.path.exists(beside):
-            return beside
-    return next(iter(llvm_tools("llvm-objdump")), None)
+    beside_clang = [os.path.join(os.path.dirname(os.path.realpath(clang)), "llvm-objdump")] if clang else []
+    return next(iter(llvm_tools("llvm-objdump", beside_clang)), None)
 
 
 def clang_major(path: str) -> int:
@@ -148,12 +145,11 @@ def run(cmd: list[str], env=None) -> None:
 
 def compile_failure(cmd: list[str]) -> str | None:
     """Runs `cmd`: None where it succeeds, else why not (its first line of output, else the command)."""
-    try:
-        run(cmd)
-    except SystemExit as failure:
-        lines = str(failure).splitlines()
-        return f"the compiler failed: {lines[1] if len(lines) > 1 else lines[0]}"
-    return None
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode == 0:
+        return None
+    lines = (result.stdout + result.stderr).splitlines() or [f"build failed: {' '.join(cmd)}"]
+    return f"the compiler failed: {lines[0]}"
 
 
 def run_all(commands: list, env=None) -> None:
