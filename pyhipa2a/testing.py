@@ -273,9 +273,7 @@ def fused_step_graph(a2a, inputs: WorldInputs):
     inputs in arrays of their own; the graph and the arrays go on exit."""
     arrays = upload_inputs(a2a, inputs)
     try:
-        scale = 1.0 + a2a.rank
-        graph = a2a.capture(lambda: a2a.combine(dispatch_uploaded(a2a, arrays).expert_x, arrays[2],
-                                                expert_scale=scale))
+        graph = a2a.capture(lambda: fused_combine(a2a, dispatch_uploaded(a2a, arrays), arrays[2]))
         try:
             yield graph
         finally:
