@@ -140,27 +140,22 @@ class Buffers:
         for name in self.arrays:
             if hasattr(args, "off_" + name):
                 setattr(args, "off_" + name, self.offset(name))
-        args.num_experts, args.local_experts, args.top_k = c.num_experts, c.local_experts, c.top_k
-        args.max_tokens, args.hidden = c.max_tokens, c.hidden
-        args.x_row_bytes = c.hidden * c.dispatch_dtype.itemsize
-        args.token_bytes, args.push_token_words = c.token_bytes, c.push_token_words
-        args.scale_cols, args.x_format = c.scale_cols, c.x_format
+        for name in ("num_experts", "local_experts", "top_k", "max_tokens", "hidden", "token_bytes",
+                     "push_token_words", "scale_cols", "x_format", "seg_elems", "nseg", "x_seg_elems", "x_nseg",
+                     "push_max_tokens", "push_row_words", "post_min_tokens", "narrow_partials", "gpu_fence_publish",
+                     "by_source", "void_slots", "region_tokens", "recv_rows"):
+            setattr(args, name, int(getattr(c, name)))  # (the configuration's, by the same name)
+        args.x_row_bytes, args.y_row_bytes = c.hidden * c.dispatch_dtype.itemsize, c.hidden * c.out_dtype.itemsize
         args.fp8_fnuz = int(c.dispatch_dtype.name == "float8_e4m3fnuz")
-        args.y_row_bytes = c.hidden * c.out_dtype.itemsize
         args.host_status, args.host_offsets = self.status_device, self.host_offsets_device
         args.prof = self.profile.ptr if self.profile is not None else 0
-        args.seg_elems, args.nseg = c.seg_elems, c.nseg
-        args.x_seg_elems, args.x_nseg = c.x_seg_elems, c.x_nseg
         args.route_chunk = route_chunk(c.top_k, c.max_tokens)
         args.div_k, args.div_L, args.div_E = divisor(c.top_k), divisor(c.local_experts), divisor(c.num_experts)
         args.div_x_nseg, args.div_nseg = divisor(c.x_nseg), divisor(c.nseg)
         args.div_W, args.div_peers = divisor(c.world), divisor(max(1, c.world - 1))
         args.div_chunk, args.div_chunks = divisor(args.route_chunk), divisor(route_chunks(c.top_k, c.max_tokens))
-        args.push_max_tokens, args.push_row_words = c.push_max_tokens, c.push_row_words
-        args.post_min_tokens, args.combine_send_percent = c.post_min_tokens, combine_send_percent()
-        args.narrow_partials, args.gpu_fence_publish = int(c.narrow_partials), int(c.gpu_fence_publish)
-        args.by_source, args.void_slots, args.region_tokens = int(c.by_source), int(c.void_slots), c.region_tokens
-        args.row_align, args.recv_rows = (c.row_align if c.contiguous else 0), c.recv_rows
+        args.combine_send_percent = combine_send_percent()
+        args.row_align = c.row_align if c.contiguous else 0
         args.trap_on_timeout, args.timeout_ns = int(c.on_timeout == "trap"), timeout_ns(c.timeout)
 
     def views(self, stream, health, y: DeviceArray | None = None) -> OutputViews:

@@ -28,28 +28,27 @@ VARIANTS = {"": (), ".profile": ("-DA2A_PROFILE=1",)}  # name suffix -> extra co
 MIN_CLANG = 17
 
 
+def llvm_tools(tool: str, first=()) -> list[str]:
+    """The copies of LLVM's `tool` here: `first`, then newest first versioned on PATH, Debian's, ROCm's, unversioned."""
+    candidates = [*first, *(shutil.which(f"{tool}-{v}") for v in range(25, MIN_CLANG - 1, -1))]
+    candidates += sorted(glob.glob(f"/usr/lib/llvm-*/bin/{tool}"), reverse=True)
+    candidates += [f"/opt/rocm/llvm/bin/{tool}", shutil.which(tool)]
+    return [path for path in candidates if path and os.path.exists(path)]
+
+
 def find_clang() -> str | None:
     """hipcc first (ROCm), else the newest clang++ that knows --offload-arch."""
     hipcc = shutil.which("hipcc")
     if hipcc:
         return hipcc
-    candidates = [shutil.which(f"clang++-{v}") for v in range(25, MIN_CLANG - 1, -1)]
-    candidates += sorted(glob.glob("/usr/lib/llvm-*/bin/clang++"), reverse=True)
-    candidates += ["/opt/rocm/llvm/bin/clang++", shutil.which("clang++")]
-    for path in candidates:
-        if path and os.path.exists(path) and clang_major(path) >= MIN_CLANG:
-            return path
-    return None
+    return next((path for path in llvm_tools("clang++") if clang_major(path) >= MIN_CLANG), None)
 
 
 def find_objdump() -> str | None:
     """The llvm-objdump that ships with the clang we build with (older ones lack gfx942)."""
     clang = find_clang()
-    candidates = [os.path.join(os.path.dirname(os.path.realpath(clang)), "llvm-objdump")] if clang else []
-    candidates += [shutil.which(f"llvm-objdump-{v}") for v in range(25, MIN_CLANG - 1, -1)]
-    candidates += sorted(glob.glob("/usr/lib/llvm-*/bin/llvm-objdump"), reverse=True)
-    candidates += ["/opt/rocm/llvm/bin/llvm-objdump", shutil.which("llvm-objdump")]
-    return next((c for c in candidates if c and os.path.exists(c)), None)
+    beside_clang = [os.path.join(os.path.dirname(os.path.realpath(clang)), "llvm-objdump")] if clang else []
+    return next(iter(llvm_tools("llvm-objdump", beside_clang)), None)
 
 
 def clang_major(path: str) -> int:
@@ -81,12 +80,8 @@ def nvidia_command(nvcc: str, archs, src: Path, out: Path, defines) -> list[str]
 
 def find_c_compiler() -> str | None:
     """The compiler CPython was built with where it is here, else cc, gcc or clang."""
-    configured = (sysconfig.get_config_var("CC") or "").split()
-    for name in configured[:1] + ["cc", "gcc", "clang"]:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    names = (sysconfig.get_config_var("CC") or "").split()[:1] + ["cc", "gcc", "clang"]
+    return next(filter(None, (shutil.which(name) for name in names)), None)
 
 
 def build_host(out_dir: Path, log=print) -> list[Path]:
@@ -102,11 +97,9 @@ def build_host(out_dir: Path, log=print) -> list[Path]:
     built = []
     for src in sorted(HOST_SOURCES.glob("*.c")) if why is None else ():
         out = out_dir / f"_{src.stem}.abi3.so"
-        try:
-            run([cc, "-O2", "-shared", "-fPIC", "-Wall", "-std=c11", f"-I{include}", "-o", str(out), str(src)])
-        except SystemExit as failure:  # (its first line of output, else the command, says why)
-            lines = str(failure).splitlines()
-            why = f"the compiler failed: {lines[1] if len(lines) > 1 else lines[0] if lines else src.name}"
+        why = compile_failure([cc, "-O2", "-shared", "-fPIC", "-Wall", "-std=c11", f"-I{include}", "-o", str(out),
+                               str(src)])
+        if why is not None:
             break
         built.append(out)
     if why is None:
@@ -134,12 +127,8 @@ def build_jax_handler(out_dir: Path, log=print) -> list[Path]:
     cxx = next(filter(None, (shutil.which(name) for name in ("c++", "g++", "clang++"))), None)
     why = "jaxlib is not installed" if include is None else "no C++ compiler found" if cxx is None else None
     if why is None:
-        try:
-            run([cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-Wall", "-DNDEBUG", "-isystem", str(include),
-                 "-o", str(out), str(HOST_SOURCES / "jax_ffi.cc")])
-        except SystemExit as failure:
-            lines = str(failure).splitlines()
-            why = f"the compiler failed: {lines[1] if len(lines) > 1 else lines[0]}"
+        why = compile_failure([cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-Wall", "-DNDEBUG", "-isystem",
+                               str(include), "-o", str(out), str(HOST_SOURCES / "jax_ffi.cc")])
     if why is None:
         log(f"pyhipa2a.build: JAX's handler with {cxx} against {include}")
         return [out]
@@ -152,6 +141,15 @@ def run(cmd: list[str], env=None) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"build failed: {' '.join(cmd)}\n{result.stdout}{result.stderr}")
+
+
+def compile_failure(cmd: list[str]) -> str | None:
+    """Runs `cmd`: None where it succeeds, else why not (its first line of output, else the command)."""
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode == 0:
+        return None
+    lines = (result.stdout + result.stderr).splitlines() or [f"build failed: {' '.join(cmd)}"]
+    return f"the compiler failed: {lines[0]}"
 
 
 def run_all(commands: list, env=None) -> None:

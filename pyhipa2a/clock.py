@@ -3,6 +3,7 @@
 reading (clock_offset), whose error, up to half a launch's round trip, shifts every rank alike."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -67,7 +68,6 @@ class Clocks:
         self.epoch = 0          # tags each sync's words
         self.failed = None      # why the syncs are out of step (each rank counts its own)
         self.last: ClockSync | None = None  # the last sync's, this rank against rank 0
-        self._kernel = None     # (kernel, pack) of clock_sync, made on first use
 
     def offset_ns(self) -> int:
         """Host monotonic clock minus this device's clock, in ns. A rank that never syncs is named in the
@@ -80,24 +80,24 @@ class Clocks:
             self.failed = str(error)
             raise
 
-    def _pack(self):
-        if self._kernel is None:
-            kernel = self.library.kernel("clock_sync")
-            pack = kernel.pack()
-            a, b = pack[0], self.buffers
-            a.heap = HeapView.of(b.heap)
-            for name in ("box", "stamps", "from0", "done", "verdict"):
-                setattr(a, "off_" + name, b.offset("clock_" + name))
-            a.rounds, a.timeout_ns = CLOCK_ROUNDS, timeout_ns(b.config.timeout)
-            self._kernel = (kernel, pack)
-        return self._kernel
+    @functools.cached_property
+    def _launch(self):
+        """(kernel, pack) of clock_sync, made on first use."""
+        kernel = self.library.kernel("clock_sync")
+        pack = kernel.pack()
+        a, b = pack[0], self.buffers
+        a.heap = HeapView.of(b.heap)
+        for name in ("box", "stamps", "from0", "done", "verdict"):
+            setattr(a, "off_" + name, b.offset("clock_" + name))
+        a.rounds, a.timeout_ns = CLOCK_ROUNDS, timeout_ns(b.config.timeout)
+        return kernel, pack
 
     def _sync(self) -> int:
         b, backend, s = self.buffers, self.buffers.heap.backend, self.stream
         rank, world, timeout = b.heap.rank, b.heap.world, b.config.timeout
         host = clock_offset(backend, self.library, s) if rank == 0 else 0
         self.epoch += 1
-        kernel, pack = self._pack()
+        kernel, pack = self._launch
         pack[0].host_offset, pack[0].epoch = host & (2**64 - 1), self.epoch
         stamps = np.zeros((world, CLOCK_ROUNDS, 2), np.uint64)  # a round that never completes stays 0
         verdict = np.zeros(1, np.uint32)                        # the epoch once this rank's part is done

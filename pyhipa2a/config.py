@@ -86,7 +86,7 @@ class Config:
     ranks_on_device: int = 0  # ranks of the machine on our GPU where some are in other nodes; 0: ours
     outputs: str = "inputs"  # the library outputs are handed out in (pyhipa2a.outputs)
     row_align: int = DEFAULT_ROW_ALIGN  # row_layout="contiguous" only, as max_recv_rows
-    max_recv_rows: int | None = None  # None: recv_rows_bound()
+    max_recv_rows: int | None = None  # None: as many as a call may need (recv_rows)
     post_min_tokens: int = 0  # > 0: a combine whose largest source has at least this many tokens posts (0: never)
     # Set on the device (on_device, with_geometry):
     warp: int = MIN_WARP
@@ -116,19 +116,18 @@ class Config:
     def contiguous(self) -> bool:
         return self.row_layout == "contiguous"
 
-    def recv_rows_bound(self) -> int:
-        """The rows a contiguous expert_x needs at most: every rank's every token sends a row to each of at most
-        min(k, L) of our experts, and each expert's rows may end up to row_align - 1 rows short of the next
-        multiple of row_align, where the next expert's start."""
-        rows = self.capacity * min(self.top_k, self.local_experts) + self.local_experts * (self.row_align - 1)
-        return -(-rows // self.row_align) * self.row_align
-
     @functools.cached_property  # (asked at calls: rows_shape is expert_y's; a frozen object's, computed once)
     def recv_rows(self) -> int:
-        """Rows of expert_x (and its meta, scales): L * W * M, or R = max_recv_rows contiguous."""
+        """Rows of expert_x (and its meta, scales): L * W * M, or R = max_recv_rows contiguous. By default R is what
+        a contiguous expert_x needs at most: every rank's every token sends a row to each of at most min(k, L) of
+        our experts, and each expert's rows may end up to row_align - 1 rows short of the next multiple of
+        row_align, where the next expert's start."""
         if not self.contiguous:
             return self.local_experts * self.capacity
-        return self.recv_rows_bound() if self.max_recv_rows is None else self.max_recv_rows
+        if self.max_recv_rows is not None:
+            return self.max_recv_rows
+        rows = self.capacity * min(self.top_k, self.local_experts) + self.local_experts * (self.row_align - 1)
+        return -(-rows // self.row_align) * self.row_align
 
     @functools.cached_property
     def rows_shape(self) -> tuple[int, ...]:
@@ -231,9 +230,9 @@ class Config:
             raise ValueError(f"row_align must be in [1, {MAX_ROW_ALIGN}]; got {row_align}")
         if max_recv_rows is not None:
             max_recv_rows = checked_int("max_recv_rows", max_recv_rows, least=1)
-        if max_recv_rows is not None and max_recv_rows % row_align:
-            raise ValueError(f"max_recv_rows={max_recv_rows} must be a multiple of row_align={row_align} (each "
-                             f"expert's rows are rounded up to it, the last one's too)")
+            if max_recv_rows % row_align:
+                raise ValueError(f"max_recv_rows={max_recv_rows} must be a multiple of row_align={row_align} (each "
+                                 f"expert's rows are rounded up to it, the last one's too)")
         # (a parameter not given is its variable's, checked alike)
         push_max_tokens = (env_int("PYHIPA2A_PUSH_MAX_TOKENS") if push_max_tokens is None
                            else checked_int("push_max_tokens", push_max_tokens))
@@ -349,11 +348,10 @@ def post_min_tokens(hidden: int, max_tokens: int) -> int:
     reaches it): PYHIPA2A_POST_MIN_TOKENS, or as many as make DEFAULT_POST_BYTES of 16-bit rows. An owner that
     takes its contributions pushed back still takes them so (kernels_hip/combine.hip)."""
     tokens = env_int("PYHIPA2A_POST_MIN_TOKENS")
-    if tokens is not None:
-        if tokens < 0:
-            raise ValueError(f"PYHIPA2A_POST_MIN_TOKENS={tokens} must be >= 0")
-    else:
+    if tokens is None:
         tokens = -(-DEFAULT_POST_BYTES // (hidden * 2))
+    elif tokens < 0:
+        raise ValueError(f"PYHIPA2A_POST_MIN_TOKENS={tokens} must be >= 0")
     return tokens if tokens <= max_tokens else 0
 
 

@@ -54,24 +54,21 @@ class A2AArgs(ctypes.Structure):
     _fields_ = [("heap", HeapView), ("local_base", u64), ("off_tok_hdr", u64), ("off_tok_count", u64),
                 ("off_expert_counts", u64), ("off_w_in", u64), ("off_stage_flag", u64), ("off_contrib_flag", u64),
                 ("off_stage", u64), ("off_x_stage", u64), ("off_contrib", u64), ("off_push_tok", u64),
-                ("off_push_contrib", u64),
-                ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64), ("off_num_tokens", u64),
-                ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64), ("off_expert_totals", u64),
-                ("off_row_starts", u64), ("off_offsets", u64), ("off_group_landed", u64),
+                ("off_push_contrib", u64), ("off_recv_x", u64), ("off_recv_meta", u64), ("off_recv_scales", u64),
+                ("off_num_tokens", u64), ("off_rows", u64), ("off_slot_of", u64), ("off_layout", u64),
+                ("off_expert_totals", u64), ("off_row_starts", u64), ("off_offsets", u64), ("off_group_landed", u64),
                 ("off_group_ready", u64), ("off_part_verdict", u64), ("off_work_items", u64), ("off_epoch", u64),
-                ("off_status", u64),
-                ("off_done", u64), ("host_status", u64), ("host_offsets", u64), ("prof", u64), ("num_experts", i32),
-                ("local_experts", i32),
-                ("top_k", i32), ("max_tokens", i32), ("hidden", i32), ("x_row_bytes", u32), ("y_row_bytes", u32),
-                ("seg_elems", u32), ("nseg", u32), ("push_max_tokens", u32), ("push_row_words", u32),
-                ("narrow_partials", u32), ("trap_on_timeout", u32), ("token_bytes", u32), ("scale_cols", u32),
-                ("x_format", u32), ("fp8_fnuz", u32), ("push_token_words", u32), ("x_seg_elems", u32), ("x_nseg", u32),
-                ("route_chunk", u32), ("void_slots", u32), ("region_tokens", u32), ("gpu_fence_publish", u32),
-                ("by_source", u32), ("row_align", u32), ("recv_rows", u32), ("post_min_tokens", u32),
-                ("combine_send_percent", u32), ("pad", u32), ("timeout_ns", u64),
-                ("div_k", Divisor), ("div_L", Divisor), ("div_E", Divisor), ("div_x_nseg", Divisor),
-                ("div_chunk", Divisor), ("div_chunks", Divisor), ("div_W", Divisor), ("div_peers", Divisor),
-                ("div_nseg", Divisor)]
+                ("off_status", u64), ("off_done", u64), ("host_status", u64), ("host_offsets", u64), ("prof", u64),
+                ("num_experts", i32), ("local_experts", i32), ("top_k", i32), ("max_tokens", i32), ("hidden", i32),
+                ("x_row_bytes", u32), ("y_row_bytes", u32), ("seg_elems", u32), ("nseg", u32), ("push_max_tokens", u32),
+                ("push_row_words", u32), ("narrow_partials", u32), ("trap_on_timeout", u32), ("token_bytes", u32),
+                ("scale_cols", u32), ("x_format", u32), ("fp8_fnuz", u32), ("push_token_words", u32),
+                ("x_seg_elems", u32), ("x_nseg", u32), ("route_chunk", u32), ("void_slots", u32),
+                ("region_tokens", u32), ("gpu_fence_publish", u32), ("by_source", u32), ("row_align", u32),
+                ("recv_rows", u32), ("post_min_tokens", u32), ("combine_send_percent", u32), ("pad", u32),
+                ("timeout_ns", u64), ("div_k", Divisor), ("div_L", Divisor), ("div_E", Divisor),
+                ("div_x_nseg", Divisor), ("div_chunk", Divisor), ("div_chunks", Divisor), ("div_W", Divisor),
+                ("div_peers", Divisor), ("div_nseg", Divisor)]
 
 
 ROUTE_CHUNK_SLOTS = 512  # about this many slots per dispatch routing block keep blocks short
@@ -146,18 +143,14 @@ SIGNATURES = {  # kernel name -> (code object, argument types)
        for name in DISPATCH_KERNELS.values()},
     **{name + twin: ("combine", (A2AArgs, CombineCall)) for twin in ("", "_phased")
        for name in ("a2a_combine_f16", "a2a_combine_bf16", "a2a_combine_small_f16", "a2a_combine_small_bf16")},
-    "expert_scale_f16": ("expert", (u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32)),
-    "expert_scale_bf16": ("expert", (u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32)),
-    "expert_dequantize_f16": ("expert", (u64, u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32, u32)),
-    "expert_dequantize_bf16": ("expert", (u64, u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32, u32)),
-    "hier_stage": ("hier", (HierArgs,)),
-    "hier_localize": ("hier", (HierArgs,)),
-    "hier_seal": ("hier", (HierArgs,)),
-    "hier_sum_f16": ("hier", (HierSumArgs,)),
-    "hier_sum_bf16": ("hier", (HierSumArgs,)),
+    **{name: ("hier", (HierArgs,)) for name in ("hier_stage", "hier_localize", "hier_seal")},
+    # a kernel of each 16-bit output type
+    **{name + out16: signature for out16 in ("_f16", "_bf16") for name, signature in (
+        ("expert_scale", ("expert", (u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32))),
+        ("expert_dequantize", ("expert", (u64, u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, f32, u32))),
+        ("hier_sum", ("hier", (HierSumArgs,))),
+        ("sum_slots", ("reduce", (u64, u64, u64, u64, u32))))},
     "copy_bytes": ("copy", (u64, u64, u64)),
-    "sum_slots_f16": ("reduce", (u64, u64, u64, u64, u32)),
-    "sum_slots_bf16": ("reduce", (u64, u64, u64, u64, u32)),
     "clock_probe": ("clock", (u64,)),
     "clock_sync": ("clock", (ClockSyncArgs,)),
     "nothing": ("copy", ()),
@@ -177,14 +170,9 @@ class ArgPack:
         self.kernel_params = (ctypes.c_void_p * len(argtypes))(*(ctypes.addressof(a) for a in self.arguments))
         self.sites = {}  # what a backend keeps per (kernel, geometry) launched from here (CUDA: a one-node graph)
 
-    def copy_from(self, other: "ArgPack") -> "ArgPack":
+    def copy_from(self, other: "ArgPack") -> None:
         for mine, theirs in zip(self.arguments, other.arguments, strict=True):
             ctypes.memmove(ctypes.addressof(mine), ctypes.addressof(theirs), ctypes.sizeof(theirs))
-        return self
-
-    def release(self) -> None:
-        """Drop what backends keep for this pack's launches (made again if it is launched again)."""
-        self.sites.clear()
 
     def __getitem__(self, i):
         return self.arguments[i]
@@ -256,11 +244,6 @@ class KernelLibrary:
         self._own: list = []  # modules this library loaded for itself (no owner to share them with)
         self._kernels: dict[str, Kernel] = {}
 
-    def module(self, name: str):
-        if name not in self._modules:
-            self._modules[name] = self._load(name)
-        return self._modules[name]
-
     def _load(self, name: str):
         """The context's shared module `name`, or this library's own where there is no owner (the host backend)."""
         if self.backend.code_suffix is None:
@@ -283,7 +266,9 @@ class KernelLibrary:
     def kernel(self, name: str) -> Kernel:
         if name not in self._kernels:
             module_name, argtypes = SIGNATURES[name]
-            function = self.backend.module_function(self.module(module_name), name)
+            if module_name not in self._modules:
+                self._modules[module_name] = self._load(module_name)
+            function = self.backend.module_function(self._modules[module_name], name)
             self._kernels[name] = Kernel(self.backend, function, name, argtypes)
         return self._kernels[name]
 
@@ -291,7 +276,7 @@ class KernelLibrary:
         """Unloads the modules this library loaded for itself; shared ones stay for the next library."""
         for kernel in self._kernels.values():
             for pack in list(kernel.packs):
-                pack.release()  # (a CUDA launch site's graph holds the kernel: gone before its module)
+                pack.sites.clear()  # (a CUDA launch site's graph holds the kernel: gone before its module)
         for module in self._own:
             self.backend.module_unload(module)
         self._own.clear()

@@ -141,8 +141,15 @@ def poison(a2a) -> None:
     bounded_barrier(comm, a2a.config.timeout, "poison")
 
 
-def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int, row_align: int = 0) -> None:
-    """`row_align`: that of a contiguous result (its expert_offsets)."""
+def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
+    c, rank = a2a.config, a2a.rank
+    if (result.expert_layout is not None, result.expert_offsets is not None) != (c.by_source, c.contiguous):
+        raise AssertionError(f"row_layout={c.row_layout!r} but expert_layout is {result.expert_layout!r} and "
+                             f"expert_offsets {result.expert_offsets!r}")
+    if tuple(result.expert_x.shape) != (*c.rows_shape, c.hidden):
+        raise AssertionError(f"row_layout={c.row_layout!r} but expert_x is {tuple(result.expert_x.shape)}")
+    tokens, token_scales = dispatched_tokens(a2a, inputs)
+    expected = reference.dispatch(tokens, inputs.indices, c.num_experts, token_scales)[rank]
     counts = host_copy(result.expert_num_tokens)
     if not np.array_equal(counts, expected.expert_num_tokens):
         raise AssertionError(f"rank {rank}: expert_num_tokens {counts.tolist()} != "
@@ -152,7 +159,7 @@ def check_dispatch(result, expected: reference.ExpectedDispatch, rank: int, row_
     H = xs.shape[-1]
     xs, meta = xs.reshape(-1, H), meta.reshape(-1, 3)  # (every layout's rows, as indices into these)
     scales = None if scales is None else scales.reshape(-1, scales.shape[-1])
-    rows = received_rows(result, counts, meta, expected, rank, row_align)
+    rows = received_rows(result, counts, meta, expected, rank, c.row_align if c.contiguous else 0)
     for l, want in enumerate(expected.rows):
         got = {tuple(int(v) for v in meta[i]): i for i in rows[l]}
         if set(got) != set(want):
@@ -266,9 +273,7 @@ def fused_step_graph(a2a, inputs: WorldInputs):
     inputs in arrays of their own; the graph and the arrays go on exit."""
     arrays = upload_inputs(a2a, inputs)
     try:
-        scale = 1.0 + a2a.rank
-        graph = a2a.capture(lambda: a2a.combine(dispatch_uploaded(a2a, arrays).expert_x, arrays[2],
-                                                expert_scale=scale))
+        graph = a2a.capture(lambda: fused_combine(a2a, dispatch_uploaded(a2a, arrays), arrays[2]))
         try:
             yield graph
         finally:
@@ -278,25 +283,11 @@ def fused_step_graph(a2a, inputs: WorldInputs):
         free_inputs(a2a, arrays)
 
 
-def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
-    c = a2a.config
-    if (result.expert_layout is not None, result.expert_offsets is not None) != (c.by_source, c.contiguous):
-        raise AssertionError(f"row_layout={c.row_layout!r} but expert_layout is {result.expert_layout!r} and "
-                             f"expert_offsets {result.expert_offsets!r}")
-    if tuple(result.expert_x.shape) != (*c.rows_shape, c.hidden):
-        raise AssertionError(f"row_layout={c.row_layout!r} but expert_x is {tuple(result.expert_x.shape)}")
-    rows, scales = dispatched_tokens(a2a, inputs)
-    expected = reference.dispatch(rows, inputs.indices, c.num_experts, scales)[a2a.rank]
-    check_dispatch(result, expected, a2a.rank, c.row_align if c.contiguous else 0)
-
-
 def oracle_expert(a2a, fused: bool):
     """The oracle's fake expert: a kernel of its own (on fp8 rows fp8_fake_expert), or fused into combine."""
-    if a2a.config.scale_cols and not fused:
-        return reference.fp8_fake_expert(a2a.config.out_dtype)
-    if not fused:
-        return reference.fake_expert
-    return reference.fused_expert([reference.fake_expert_scale(r) for r in range(a2a.world)])
+    if fused:
+        return reference.fused_expert([reference.fake_expert_scale(r) for r in range(a2a.world)])
+    return reference.fp8_fake_expert(a2a.config.out_dtype) if a2a.config.scale_cols else reference.fake_expert
 
 
 def fused_combine(a2a, result, weights, **kw):
@@ -356,8 +347,7 @@ def step_buffers(a2a, T: int):
 
 def free_buffers(a2a, buffers) -> None:
     a2a.synchronize()
-    for arr in buffers:
-        a2a.backend.free(arr.ptr)
+    free_inputs(a2a, buffers)
 
 
 def replay_checked(a2a, graph, inputs: WorldInputs, buffers, result) -> float:

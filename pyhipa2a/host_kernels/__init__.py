@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from ..bootstrap import poll
+from ..dtypes import bfloat16
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_MISMATCH, STATUS_PEER = range(6)
 
@@ -22,6 +23,12 @@ def mem(ptr: int, shape, dtype) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
+def f16_and_bf16(body):
+    """The f16 and bf16 twins of a kernel `body(backend, *args, dtype)`, as the device builds one of each."""
+    return (lambda backend, *args: body(backend, *args, np.dtype(np.float16)),
+            lambda backend, *args: body(backend, *args, bfloat16()))
+
+
 def bases(heap) -> list[int]:
     return [int(b) for b in mem(heap.bases, (heap.world,), np.uint64)]
 
@@ -33,9 +40,6 @@ class Status:
         self.words = mem(status_ptr, (4,), np.uint32)
         self.mirror = mem(mirror_ptr, (4,), np.uint32) if mirror_ptr else None
 
-    def failed(self) -> bool:
-        return self.words[0] != STATUS_OK
-
     def report(self, code: int, peer: int, what: int, detail: int) -> None:
         """First error wins, as on the device; a mirror that holds the host's own report keeps it."""
         if self.words[0] != STATUS_OK:
@@ -46,9 +50,8 @@ class Status:
             words[0] = code
 
 
-def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, status, what: int,
-               peer_of=lambda i: i) -> bool:
-    """Wait until flag[i] == want for every i in `indices`; on timeout report the peer of the first missing."""
+def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, status, what: int, peer=None) -> bool:
+    """Wait until flag[i] == want for every i in `indices`; on timeout report `peer` (None: the first missing i)."""
     pending = [int(i) for i in indices]
     if not pending:
         return True
@@ -58,7 +61,7 @@ def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, sta
         pending[:] = [i for i in pending if flags[i] != want]
         return not pending
     if not poll(arrived, deadline):
-        status.report(STATUS_TIMEOUT, peer_of(pending[0]), what, want)
+        status.report(STATUS_TIMEOUT, pending[0] if peer is None else peer, what, want)
         return False
     backend.load_acquire_u32(flags_ptr)  # a locked read orders the data reads that follow
     return True
@@ -67,21 +70,6 @@ def wait_flags(backend, flags_ptr: int, indices, want: int, deadline: float, sta
 def tag(values, epoch: int) -> np.ndarray:
     """Tagged words (kernels_hip/protocol.h): the 32-bit value low, the epoch high."""
     return (np.uint64(epoch) << np.uint64(32)) | np.asarray(values).astype(np.uint32).astype(np.uint64)
-
-
-def wait_tagged(words: np.ndarray, epoch: int, deadline: float, status, what: int, peer: int, rows=None):
-    """The 32-bit values of tagged `words` (or of its `rows`) once all carry `epoch`; None (reported) on timeout.
-    `words` must be a view of the memory peers write (a fancy-indexed copy never changes: pass `rows`)."""
-    seen = words
-
-    def arrived() -> bool:
-        nonlocal seen
-        seen = (words if rows is None else words[rows]).copy()  # aligned 8-byte words: each is read whole
-        return bool(np.all((seen >> np.uint64(32)) == epoch))
-    if not poll(arrived, deadline):
-        status.report(STATUS_TIMEOUT, peer, what, epoch)
-        return None
-    return (seen & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
 class Recorder:

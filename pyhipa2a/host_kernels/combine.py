@@ -6,21 +6,18 @@ import time
 
 import numpy as np
 
-from ..dtypes import bfloat16
-from . import mem, tag, wait_flags, wait_tagged
+from . import f16_and_bf16, mem, tag, wait_flags
 from ..kernels import REDUCE_ONLY, WHOLE_COMBINE
 from .exchange import WAIT_COMBINE_ROW, WAIT_WEIGHTS, View, count_header, finish, take_epoch, valid_slots
 
 
 def _combine(backend, a, c, dtype) -> None:
     v = View(a, take_epoch(a, dispatch=False))
-    if c.phase != WHOLE_COMBINE and c.phase != REDUCE_ONLY:  # a part that only sends (see combine.hip)
-        _combine_body(backend, a, c, dtype, v)
-        return
     try:
         _combine_body(backend, a, c, dtype, v)
     finally:
-        finish(backend, a, v, (mem(c.out, (c.num_tokens, a.hidden), dtype),))
+        if c.phase in (WHOLE_COMBINE, REDUCE_ONLY):  # (a part that only sends has no output: see combine.hip)
+            finish(backend, a, v, (mem(c.out, (c.num_tokens, a.hidden), dtype),))
 
 
 def last_groups(rows: np.ndarray, here: np.ndarray, L: int, groups: int) -> np.ndarray:
@@ -69,8 +66,8 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         if len(tokens) == 0:
             continue
         t0 = time.monotonic_ns()
-        words = wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], v.epoch, v.deadline,
-                            v.status, WAIT_WEIGHTS, src, rows=here)  # dispatch sends only these
+        words = v.wait_tagged(v.buf(me, "w_in", (W, M, k), np.uint64)[src, :count], WAIT_WEIGHTS, src,
+                              rows=here)  # dispatch sends only these
         if words is None:
             return
         v.rec.record(9, t0, src)
@@ -117,24 +114,24 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
         here = valid & (rows // L == r)
         n = here.sum(axis=1)
         tokens = np.flatnonzero(n)
+        single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]
         t0 = time.monotonic_ns()
         if pushed:  # rank r's contributions to our tokens, as tagged words in our inbox
             theirs = np.zeros((M, 4 * H), np.uint8)
-            for width, pick in ((H // 2, tokens[n[tokens] == 1]), (H // 2 if narrow else H, tokens[n[tokens] > 1])):
+            for width, pick in ((H // 2, single), (H // 2 if narrow else H, multi)):
                 ours = v.buf(me, "push_contrib", (W, P, a.push_row_words), np.uint64)[r, :, :width]
-                arrived = wait_tagged(ours, v.epoch, v.deadline, v.status, WAIT_COMBINE_ROW, r, rows=pick)
+                arrived = v.wait_tagged(ours, WAIT_COMBINE_ROW, r, rows=pick)
                 if arrived is None:
                     return
                 theirs[pick, :4 * width] = arrived.view(np.uint8).reshape(len(pick), 4 * width)
         else:  # rank r's contributions to our tokens, in its memory (ours when posted) once their flags are in
             needed = (tokens[:, None] * v.S + np.arange(v.S)).ravel()
             if not wait_flags(backend, v.addr(me, "contrib_flag", r * M * v.S), needed, v.epoch, v.deadline,
-                              v.status, WAIT_COMBINE_ROW, peer_of=lambda _: r):
+                              v.status, WAIT_COMBINE_ROW, peer=r):
                 return
             theirs = contribution_slots(v, r, me, posted)
         v.rec.record(11, t0, r)
         t0 = time.monotonic_ns()
-        single, multi = tokens[n[tokens] == 1], tokens[n[tokens] > 1]
         if len(single):
             j = here[single].argmax(axis=1)
             raw = theirs[single, :2 * H].copy().view(dtype).astype(np.float32)
@@ -148,12 +145,5 @@ def _combine_body(backend, a, c, dtype, v: View) -> None:
     v.rec.record(13, span)
 
 
-def a2a_combine_f16(backend, a, c) -> None:
-    _combine(backend, a, c, np.dtype(np.float16))
-
-
-def a2a_combine_bf16(backend, a, c) -> None:
-    _combine(backend, a, c, bfloat16())
-
-
+a2a_combine_f16, a2a_combine_bf16 = f16_and_bf16(_combine)
 a2a_combine_f16_phased, a2a_combine_bf16_phased = a2a_combine_f16, a2a_combine_bf16  # (one serves all here)

@@ -6,8 +6,7 @@ import time
 import numpy as np
 
 from ..dtypes import bfloat16
-from . import (STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT, mem, tag, wait_flags,
-               wait_tagged)
+from . import STATUS_BAD_INDEX, STATUS_CAPACITY, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT, mem, tag, wait_flags
 from .exchange import (PUSHED_BACK, PUSHED_TOKENS, WAIT_DISPATCH, X_IN_HEAP, View, count_header, finish, take_epoch,
                        valid_slots)
 from ..kernels import X_COPY, X_FP8, X_QUANTIZE_BF16, route_chunk, route_chunks
@@ -75,7 +74,7 @@ def row_starts(a, v: View, counts: np.ndarray, ticket: int) -> np.ndarray | None
     row_align; rows ending past R are reported, as publish_offsets in dispatch.hip does."""
     totals = np.zeros(v.L, np.int64)
     for src in range(v.W):
-        src_counts = wait_tagged(counts[src], v.epoch, v.deadline, v.status, WAIT_DISPATCH, src)
+        src_counts = v.wait_tagged(counts[src], WAIT_DISPATCH, src)
         if src_counts is None:
             return None
         totals += src_counts.astype(np.int64).sum(axis=0)
@@ -156,14 +155,13 @@ def _dispatch(backend, a, c, v: View) -> None:
     per_source = np.zeros((L, W), np.int64)  # rows of each of our experts from each source placed so far
     for src in range(W):  # 3. each source's tokens with experts here, copied to the rows its places give
         t0 = time.monotonic_ns()
-        n = wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], v.epoch, v.deadline,
-                        v.status, WAIT_DISPATCH, src)
-        count, pushed, _ = count_header(int(n[0]), M) if n is not None else (0, False, False)
-        src_in_heap = n is not None and bool(int(n[0]) & X_IN_HEAP)
-        hdr = wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], v.epoch,
-                          v.deadline, v.status, WAIT_DISPATCH, src) if n is not None else None
-        src_counts = wait_tagged(counts[src], v.epoch, v.deadline, v.status, WAIT_DISPATCH, src) \
-            if hdr is not None else None
+        n = v.wait_tagged(v.buf(me, "tok_count", (2, W), np.uint64)[p, src:src + 1], WAIT_DISPATCH, src)
+        if n is None:
+            return
+        count, pushed, _ = count_header(int(n[0]), M)
+        src_in_heap = bool(int(n[0]) & X_IN_HEAP)
+        hdr = v.wait_tagged(v.buf(me, "tok_hdr", (2, W, M, k), np.uint64)[p, src, :count], WAIT_DISPATCH, src)
+        src_counts = None if hdr is None else v.wait_tagged(counts[src], WAIT_DISPATCH, src)
         if src_counts is None:
             return
         v.rec.record(3, t0, src)
@@ -184,13 +182,13 @@ def _dispatch(backend, a, c, v: View) -> None:
         needed = (wanted[:, None] * S + np.arange(S)).ravel()
         if src != me and pushed:  # the tokens' words in our inbox, once each carries the epoch
             vecs = np.zeros((count, tb), np.uint8)
-            arrived = wait_tagged(v.buf(me, "push_tok", (2, W, P, words), np.uint64)[p, src, :, :tb // 4], v.epoch,
-                                  v.deadline, v.status, WAIT_DISPATCH, src, rows=wanted)
+            arrived = v.wait_tagged(v.buf(me, "push_tok", (2, W, P, words), np.uint64)[p, src, :, :tb // 4],
+                                    WAIT_DISPATCH, src, rows=wanted)
             if arrived is None:
                 return
             vecs[wanted] = arrived.view(np.uint8).reshape(-1, tb)
         elif src != me and not wait_flags(backend, v.addr(me, "stage_flag", (p * W + src) * M * S), needed,
-                                          v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer_of=lambda _: src):
+                                          v.epoch, v.deadline, v.status, WAIT_DISPATCH, peer=src):
             return
         if src != me:
             v.rec.record(4, t0, src)

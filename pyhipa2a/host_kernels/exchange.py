@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from . import STATUS_OK, STATUS_TIMEOUT, Recorder, Status, bases, mem
+from . import STATUS_OK, STATUS_TIMEOUT, Recorder, Status, bases, mem, poll
 
 WAIT_DISPATCH, WAIT_COMBINE_ROW, WAIT_WEIGHTS = 1, 2, 5
 # count header bits: the source pushed its tokens; takes its contributions pushed back; its x lies in its x_stage
@@ -34,8 +34,24 @@ class View:
     def buf(self, rank: int, name: str, shape, dtype) -> np.ndarray:
         return mem(self.base[rank] + getattr(self.a, "off_" + name), shape, dtype)
 
-    def addr(self, rank: int, name: str, index: int, itemsize: int = 4) -> int:
-        return int(self.base[rank] + getattr(self.a, "off_" + name) + int(index) * itemsize)
+    def addr(self, rank: int, name: str, index: int) -> int:
+        """The address of 32-bit word `index` of a rank's buffer `name`."""
+        return int(self.base[rank] + getattr(self.a, "off_" + name) + int(index) * 4)
+
+    def wait_tagged(self, words: np.ndarray, what: int, peer: int, rows=None):
+        """The 32-bit values of tagged `words` (or of its `rows`) once all carry this call's epoch; None (reported)
+        past its deadline. `words` must be a view of the memory peers write (a fancy-indexed copy never changes:
+        pass `rows`)."""
+        seen = words
+
+        def arrived() -> bool:
+            nonlocal seen
+            seen = (words if rows is None else words[rows]).copy()  # aligned 8-byte words: each is read whole
+            return bool(np.all((seen >> np.uint64(32)) == self.epoch))
+        if not poll(arrived, self.deadline):
+            self.status.report(STATUS_TIMEOUT, peer, what, self.epoch)
+            return None
+        return (seen & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
 def take_epoch(a, dispatch: bool) -> int:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import bfloat16
-from . import mem
+from . import f16_and_bf16, mem
 from .fp8 import BLOCK, from_fp8
 
 
@@ -30,7 +29,7 @@ def _rows(counts, layout, offsets, sources, recv_rows, L: int, capacity: int) ->
     return [l * capacity + np.concatenate([s * M + np.arange(c[l, s]) for s in range(W)])[:n[l]] for l in range(L)]
 
 
-def _scale(x, y, counts, layout, offsets, sources, recv_rows, L, capacity, hidden, scale, dtype) -> None:
+def _scale(backend, x, y, counts, layout, offsets, sources, recv_rows, L, capacity, hidden, scale, dtype) -> None:
     """Arguments arrive as the ctypes objects of the device kernel's signature."""
     L, capacity, hidden = L.value, capacity.value, hidden.value
     xs = mem(x.value, (recv_rows.value, hidden), dtype)
@@ -39,15 +38,10 @@ def _scale(x, y, counts, layout, offsets, sources, recv_rows, L, capacity, hidde
         ys[rows] = (xs[rows].astype(np.float32) * np.float32(scale.value)).astype(dtype)
 
 
-def expert_scale_f16(backend, *args) -> None:
-    _scale(*args, np.dtype(np.float16))
+expert_scale_f16, expert_scale_bf16 = f16_and_bf16(_scale)
 
 
-def expert_scale_bf16(backend, *args) -> None:
-    _scale(*args, bfloat16())
-
-
-def _dequantize(x, scales, y, counts, layout, offsets, sources, recv_rows, L, capacity, hidden, scale, fnuz,
+def _dequantize(backend, x, scales, y, counts, layout, offsets, sources, recv_rows, L, capacity, hidden, scale, fnuz,
                 dtype) -> None:
     L, capacity, hidden, R = L.value, capacity.value, hidden.value, recv_rows.value
     codes = mem(x.value, (R, hidden), np.uint8)
@@ -58,9 +52,4 @@ def _dequantize(x, scales, y, counts, layout, offsets, sources, recv_rows, L, ca
         ys[rows] = (values.astype(np.float32) * np.float32(scale.value)).astype(dtype)
 
 
-def expert_dequantize_f16(backend, *args) -> None:
-    _dequantize(*args, np.dtype(np.float16))
-
-
-def expert_dequantize_bf16(backend, *args) -> None:
-    _dequantize(*args, bfloat16())
+expert_dequantize_f16, expert_dequantize_bf16 = f16_and_bf16(_dequantize)

@@ -9,7 +9,6 @@ from ..dtypes import FP8_BLOCK as BLOCK
 
 class Fp8Format:
     def __init__(self, fnuz: bool):
-        self.fnuz = fnuz
         self.largest = np.float32(240.0 if fnuz else 448.0)
         self.min_exponent = -7 if fnuz else -6
         self.nan = 0x80 if fnuz else 0x7F

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import bfloat16
-from . import STATUS_BAD_INDEX, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT, Status, mem
+from . import STATUS_BAD_INDEX, STATUS_OK, STATUS_PEER, STATUS_TIMEOUT, Status, f16_and_bf16, mem
 from .exchange import valid_slots
 
 WAIT_NODES, WAIT_NODES_COMBINE, WAIT_NODES_RECORDS = 6, 7, 8
@@ -68,7 +67,7 @@ def hier_localize(backend, a) -> None:
         out_w[region, :T] = weights[:T]
 
 
-def _hier_sum(a, dtype) -> None:
+def _hier_sum(backend, a, dtype) -> None:
     N, me, T, H, M = a.nodes, a.node, a.tokens, a.hidden, a.max_tokens
     seq = int(mem(a.sequence, (4,), np.uint32)[0])
     seals = mem(a.seals, (N, 4), np.uint32)
@@ -94,9 +93,4 @@ def _hier_sum(a, dtype) -> None:
     out[:] = acc.astype(dtype)
 
 
-def hier_sum_f16(backend, a) -> None:
-    _hier_sum(a, np.dtype(np.float16))
-
-
-def hier_sum_bf16(backend, a) -> None:
-    _hier_sum(a, bfloat16())
+hier_sum_f16, hier_sum_bf16 = f16_and_bf16(_hier_sum)

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import bfloat16
-from . import mem
+from . import f16_and_bf16, mem
 
 
-def _sum(slots, out, count, stride, n, dtype) -> None:
+def _sum(backend, slots, out, count, stride, n, dtype) -> None:
     count, stride, n = count.value, stride.value, n.value
     if not count:
         return
@@ -16,9 +15,4 @@ def _sum(slots, out, count, stride, n, dtype) -> None:
     mem(out.value, (count,), dtype)[...] = total.astype(dtype)
 
 
-def sum_slots_f16(backend, *args) -> None:
-    _sum(*args, np.dtype(np.float16))
-
-
-def sum_slots_bf16(backend, *args) -> None:
-    _sum(*args, bfloat16())
+sum_slots_f16, sum_slots_bf16 = f16_and_bf16(_sum)
