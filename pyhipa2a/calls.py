@@ -55,7 +55,7 @@ COMBINE_ALIKE = (None, None, None, same_stream_given, same_scale)
 LEG_ARGS = {"dispatch": (DISPATCH_ARGS, DISPATCH_ALIKE), "combine": (COMBINE_ARGS, COMBINE_ALIKE)}
 # (what dispatch sent is the call's weights, whichever array stood in for the recorded: combine compares)
 DISPATCH_WEIGHTS = DISPATCH_ARGS.index("weights")
-# The arrays a plan may take new ones for: each implementation's _argument_places says where their kernel
+# The arrays a plan may take new ones for: each implementation's _places says where their kernel
 # pointers lie (a grouped call's repeat.Relaunch, where its launch reads them). (out is combine's result as
 # well: a call on another takes the full path.)
 PLACED_ARGS = {"dispatch": ("x", "indices", "x_scales", "weights"), "combine": ("expert_y", "weights")}
@@ -150,6 +150,8 @@ class Calls:
         return self._config
 
     # -- what an implementation provides ------------------------------------------
+    # _places: leg -> {argument name: the host address of its kernel pointer in what the repeater launches
+    # from}, for the arguments whose new arrays a repeat may take (PLACED_ARGS)
     def _make_views(self, stream):  # the OutputViews that name `stream`
         raise NotImplementedError
 
@@ -172,11 +174,6 @@ class Calls:
     def _plan_conditions(self) -> tuple:
         """(obj, name, want) that this object's plans also need to hold (getattr(obj, name) is want): none here."""
         return ()
-
-    def _argument_places(self, leg: str) -> dict:
-        """Argument name -> the host address of its kernel pointer in what the repeater launches from, for the
-        arguments whose new arrays a repeat may take; {} for none."""
-        return {}
 
     def _refuse_if_closed(self) -> None:
         if self.heap.closed:
@@ -234,20 +231,18 @@ class Calls:
             changes = (*changes, (state, "keep", keep), (streams, "last", s))
         for obj, name, value, *_ in changes:  # (the full path's value is the call's argument itself)
             setattr(obj, name, value)
-        names, tests = LEG_ARGS[leg]
-        where = launch.places if launch else self._argument_places(leg)
-        alike, places = stand_ins(where, names, tests, args, arrays)
-        record = Record(args, alike, s, lead, inputs, tuple(arrays), tokens, result, after, changes, places,
-                        (state, "keep"), groups)
         if not repeatable or streams.capturing is not None:
             return None, None
-        last = self._dispatch_record if leg == "dispatch" else self._combine_record
-        plan = None
-        if record.same(last):
-            plan = plan_or_none(record, conditions + self._plan_conditions(), streams, self.backend,
-                                self._exchange.buffers.status.ctypes.data,
-                                (lambda: launch) if launch else lambda: self._repeater(leg, tokens),
-                                lambda: setattr(self, f"_{leg}_plan", None))
+        names, tests = LEG_ARGS[leg]
+        alike, places = stand_ins(launch.places if launch else self._places[leg], names, tests, args, arrays)
+        record = Record(args, alike, s, lead, inputs, tuple(arrays), tokens, result, after, changes, places,
+                        (state, "keep"), groups)
+        if not record.same(getattr(self, f"_{leg}_record")):
+            return None, record
+        plan = plan_or_none(record, conditions + self._plan_conditions(), streams, self.backend,
+                            self._exchange.buffers.status.ctypes.data,
+                            (lambda: launch) if launch else lambda: self._repeater(leg, tokens),
+                            lambda: setattr(self, f"_{leg}_plan", None))
         return plan, record
 
     # -- calls -------------------------------------------------------------------
@@ -420,4 +415,4 @@ class Calls:
         streams = self._streams
         if streams.capturing is not None:
             return streams.capturing
-        return streams.current(inputs)[0] if streams.follow_library else streams.own
+        return streams.chosen(inputs) if streams.follow_library else streams.own

@@ -276,9 +276,6 @@ class HierarchicalAllToAll(AllToAll, across_nodes=True):
     def _plan_conditions(self) -> tuple:
         return self._engine.plan_conditions
 
-    def _argument_places(self, leg: str) -> dict:
-        return self._places[leg]
-
     def exchange_between_nodes(self, stream=None) -> None:
         """A call's bytes between nodes moved alone by the same engine, no kernel of ours (the bare exchange
         benchmarks set a call beside). Collective and ordered as a call; only between calls."""
