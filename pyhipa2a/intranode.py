@@ -58,12 +58,9 @@ class NodeExchange:
             if not broken:
                 raise
         finally:
-            if self.expert is not None:
-                self.expert.close()
-            if self.buffers is not None:
-                self.buffers.close()
-            if self.library is not None:
-                self.library.close()
+            for part in (self.expert, self.buffers, self.library):
+                if part is not None:
+                    part.close()
             if self.stream is not None:
                 self.heap.backend.stream_destroy(self.stream)
 
@@ -108,9 +105,6 @@ class NodeAllToAll(AllToAll, across_nodes=False):
 
     def _repeater(self, leg: str, tokens: int):
         return getattr(self._exchange, leg).repeater(tokens)
-
-    def _argument_places(self, leg: str) -> dict:
-        return self._places[leg]
 
     def _close_parts(self, broken: bool) -> None:
         self._exchange.close(broken)

@@ -90,10 +90,9 @@ def settle_geometry(config: Config, backend, device, kernels: Kernels, ranks_on_
     per_mp = min(backend.resident_blocks(k.function, threads) for k in (*kernels.dispatch, *kernels.combine))
     blocks = launch_geometry(threads, device.multiprocessors, per_mp, config.grid_blocks, ranks_on_device)
     choice, half = env_choice("PYHIPA2A_COMBINE_KERNEL", COMBINE_KERNEL_CHOICES), threads // 2
-    small = kernels.small_combine
-    if small is None:
-        return config.with_geometry(threads, blocks, -1)
-    if half < warp or half % warp or min(backend.resident_blocks(k.function, half) for k in small) < per_mp:
+    small = kernels.small_combine  # (None where the choice is "bulk")
+    if (small is None or half < warp or half % warp
+            or min(backend.resident_blocks(k.function, half) for k in small) < per_mp):
         if choice == "small":
             raise ValueError(f"PYHIPA2A_COMBINE_KERNEL=small: the small combine kernel cannot run beside "
                              f"blocks of {threads} threads on this device")
