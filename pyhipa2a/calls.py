@@ -150,8 +150,8 @@ class Calls:
         return self._config
 
     # -- what an implementation provides ------------------------------------------
-    # _places: leg -> {argument name: the host address of its kernel pointer in what the repeater launches
-    # from}, for the arguments whose new arrays a repeat may take (PLACED_ARGS)
+    # _places, set by the implementation's _open: leg -> {argument name: the host address of its kernel pointer
+    # in what the repeater launches from}, for the arguments whose new arrays a repeat may take (PLACED_ARGS)
     def _make_views(self, stream):  # the OutputViews that name `stream`
         raise NotImplementedError
 
