@@ -93,9 +93,10 @@ class Health:
     """One AllToAll's status words in pinned host memory, read without a wait before launches and output reads."""
 
     watches_streams = False  # whether settle() also bounds a stream held by no bound's wait (NodesHealth: NCCL)
+    context = "AllToAll"  # what its errors name
 
-    def __init__(self, host_status, rank: int, context: str = "AllToAll"):
-        self.host_status, self.rank, self.context = host_status, rank, context
+    def __init__(self, host_status, rank: int):
+        self.host_status, self.rank = host_status, rank
         self._bounds: list = []  # (see bound_waits)
 
     def error(self) -> A2AError | None:

@@ -54,12 +54,8 @@ class InFlight:
             raise self._reported()
         if not self._pending and stream is None:
             return
-        if stream is None:
-            def done():
-                return self.backend.event_done(self._finished)
-        else:
-            def done():
-                return self.backend.stream_done(stream)
+        def done():
+            return self.backend.event_done(self._finished) if stream is None else self.backend.stream_done(stream)
         deadline, pause = time.monotonic() + self.timeout, 1e-5
         while not done():
             if time.monotonic() > deadline:

@@ -35,7 +35,7 @@ class _Group:
 
     def __init__(self, size: int, timeout: float):
         self.size, self.timeout = size, timeout
-        self.changed = threading.Condition()
+        self.changed = threading.Condition()  # (its lock an RLock: fail() is called with it held too)
         self.rounds: dict[int, _Round] = {}
         self.failure: BaseException | None = None  # the first rank's error that ended the group's collectives
         self.failed_rank = -1
@@ -47,7 +47,7 @@ class _Group:
             if r.kind != kind:  # (the others' waits end now, not at their timeout)
                 error = GroupEnded(f"LocalComm: rank {rank}'s collective number {seq} is {kind}, another rank's "
                                    f"is {r.kind}: every rank must make the same collectives in the same order")
-                self._fail(rank, error)
+                self.fail(rank, error)
                 raise error
             r.values[rank], r.arrived = value, r.arrived + 1
             self.changed.notify_all()
@@ -74,12 +74,9 @@ class _Group:
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.changed:
-            self._fail(rank, error)
-
-    def _fail(self, rank: int, error: BaseException) -> None:  # (self.changed held)
-        if self.failure is None:
-            self.failure, self.failed_rank = error, rank
-        self.changed.notify_all()
+            if self.failure is None:
+                self.failure, self.failed_rank = error, rank
+            self.changed.notify_all()
 
     def _usable(self) -> None:
         if self.failure is not None:
@@ -102,13 +99,11 @@ class _Request:
         self._group, self._seq, self._round, self._rank, self._done = group, seq, r, rank, False
 
     def Test(self) -> bool:
-        if not self._done:
-            self._done = self._group.await_round(self._seq, self._round, self._rank, wait=False)
+        self._done = self._done or self._group.await_round(self._seq, self._round, self._rank, wait=False)
         return self._done
 
     def Wait(self) -> None:
-        if not self._done:
-            self._done = self._group.await_round(self._seq, self._round, self._rank, wait=True)
+        self._done = self._done or self._group.await_round(self._seq, self._round, self._rank, wait=True)
 
     def absent(self) -> list:
         """The ranks that have not come (a snapshot)."""
@@ -183,7 +178,6 @@ def open_ranks(size: int, make, *, timeout: float = 60.0) -> list:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"open_ranks needs a positive number of ranks, not {size!r}")
     group = _Group(size, timeout)
-
     made: list = [None] * size
 
     def make_rank(rank: int) -> None:

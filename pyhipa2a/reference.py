@@ -114,11 +114,6 @@ def fused_expert(scales):
     return expert
 
 
-def for_sources(count: int, ranks, per_source) -> list:
-    """[per_source(src) for every source rank], None for those outside `ranks` (None: all of them)."""
-    return [per_source(src) if ranks is None or src in ranks else None for src in range(count)]
-
-
 def parts_by_rank(xs, indices, weights, num_experts: int, src: int, t: int, expert=fake_expert):
     """Token t of rank src split by host rank: (rank, slots there, their weighted sum in float64) per host."""
     world = len(xs)
@@ -132,36 +127,31 @@ def parts_by_rank(xs, indices, weights, num_experts: int, src: int, t: int, expe
     return out
 
 
-def crosses_narrow(src: int, r: int, slots) -> bool:
-    """Under narrow_partials only a peer's sum of 2+ experts crosses rounded to 16 bits (one row goes raw)."""
-    return r != src and len(slots) >= 2
+def _summed_parts(xs, indices, weights, num_experts: int, expert, ranks, term) -> list:
+    """[T, H] float64 per source rank (None outside `ranks`, if given): each token's sum of term(part, narrow) over its
+    parts, narrow where narrow_partials rounds the part to 16 bits (a peer's sum of 2+ experts; one row goes raw)."""
+    def of(src):
+        T, H = indices[src].shape[0], xs[src].shape[1]
+        total = np.zeros((T, H), np.float64)
+        for t in range(T):
+            for r, slots, part in parts_by_rank(xs, indices, weights, num_experts, src, t, expert):
+                total[t] += term(part, r != src and len(slots) >= 2)
+        return total
+    return [of(src) if ranks is None or src in ranks else None for src in range(len(xs))]
 
 
 def combine(xs, indices, weights, num_experts: int, expert=fake_expert, ranks=None,
             partials_dtype=None) -> list[np.ndarray]:
     """Expected y per rank in float64, for `expert(x_row, expert_rank, alone)`; `partials_dtype`: narrow_partials'
     rounding of each partial sum crossing narrow; `ranks`: only those source ranks (the others get None)."""
-    def y_of(src):
-        T, H = indices[src].shape[0], xs[src].shape[1]
-        y = np.zeros((T, H), np.float64)
-        for t in range(T):
-            for r, slots, part in parts_by_rank(xs, indices, weights, num_experts, src, t, expert):
-                if partials_dtype is not None and crosses_narrow(src, r, slots):
-                    part = part.astype(partials_dtype).astype(np.float64)
-                y[t] += part
-        return y
-    return for_sources(len(xs), ranks, y_of)
+    def term(part, narrow):
+        return part.astype(partials_dtype).astype(np.float64) if narrow and partials_dtype is not None else part
+    return _summed_parts(xs, indices, weights, num_experts, expert, ranks, term)
 
 
 def narrow_partials_slack(xs, indices, weights, num_experts: int, unit_roundoff: float, expert=fake_expert,
                           ranks=None) -> list[np.ndarray]:
     """Per rank [T, H]: bound on |combine(partials_dtype=...) - combine()|, sum of unit_roundoff * |p| per narrow p."""
-    def slack_of(src):
-        T, H = indices[src].shape[0], xs[src].shape[1]
-        slack = np.zeros((T, H), np.float64)
-        for t in range(T):
-            for r, slots, part in parts_by_rank(xs, indices, weights, num_experts, src, t, expert):
-                if crosses_narrow(src, r, slots):
-                    slack[t] += unit_roundoff * np.abs(part)
-        return slack
-    return for_sources(len(xs), ranks, slack_of)
+    def term(part, narrow):
+        return unit_roundoff * np.abs(part) if narrow else 0.0
+    return _summed_parts(xs, indices, weights, num_experts, expert, ranks, term)

@@ -11,8 +11,7 @@ from .kernels import HeapView, KernelLibrary, timeout_ns
 THREADS = 256
 
 
-def heap_self_test(comm=None, *, words: int = 1 << 16, rounds: int = 3, timeout: float = 10.0,
-                   backend=None, blocks: int | None = None) -> str:
+def heap_self_test(comm=None, *, words: int = 1 << 16, rounds: int = 3, timeout: float = 10.0, backend=None) -> str:
     """Run `rounds` epochs of write-all-peers / verify-all; returns this rank's one-line report."""
     world = world_size(comm)
     nbytes = 4 * words * world + 4 * world + 4 * 8 + 4096
@@ -35,7 +34,7 @@ def heap_self_test(comm=None, *, words: int = 1 << 16, rounds: int = 3, timeout:
             stream = heap.backend.stream_create()
             # (one block a multiprocessor, shared among the ranks that drive this device: blocks wait on flags)
             per_rank = heap.device.multiprocessors // heap.ranks_on_device
-            grid = blocks or max(1, min(per_rank, (words + THREADS - 1) // THREADS))
+            grid = max(1, min(per_rank, (words + THREADS - 1) // THREADS))
             for epoch in range(1, rounds + 1):
                 # (a fast rank must not overwrite a slow rank's slots or flag while it still verifies)
                 bounded_barrier(heap.comm, timeout, f"heap self-test epoch {epoch}")

@@ -64,9 +64,8 @@ class Signals:
         self.backend.stream_write_word(stream, theirs, count + 1)
 
     def wait(self, source: int, kind: str, stream, what: str, count: int = 0) -> None:
-        """Queue on `stream`: wait until `source` raised its word of `kind` here with `count`, then lower it. The
-        wait's "seen" word reads WAITING while the stream stands at it, PASSED after. `what` names what was
-        awaited."""
+        """Queue on `stream`: wait until `source` raised its word of `kind` here with `count`, then lower it, marked
+        in its "seen" word (marked_wait). `what` names what was awaited."""
         word, seen = self.words.ptr + self._offset(kind, source), self._seen_device + self._offset(kind, source)
         self.backend.stream_word_ops(stream, marked_wait(word, count + 1, seen), self.heap.timeout,
                                      lambda: self.stuck_error([(source, kind, count, what)], None))

@@ -59,10 +59,8 @@ class Watchdog:
             with self._cond:
                 if self._deadline != deadline:  # (re-armed or disarmed meanwhile: ask again)
                     continue
-                if done:
-                    self._deadline = None
-                    continue
-                if time.monotonic() <= deadline:
+                if not done and time.monotonic() <= deadline:
                     continue
                 self._deadline = None
-            self._past_deadline()
+            if not done:
+                self._past_deadline()
