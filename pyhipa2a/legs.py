@@ -33,7 +33,10 @@ def launch_geometry(threads: int, multiprocessors: int, per_mp: int, grid_blocks
                     ranks_on_device: int = 1) -> int:
     """Blocks per launch: the device holds per_mp blocks of `threads` threads of our kernels on each
     multiprocessor (the runtime's occupancy figure), and the ranks on it share them. Default:
-    DEFAULT_BLOCKS_PER_MP a multiprocessor, divided among those ranks."""
+    DEFAULT_BLOCKS_PER_MP a multiprocessor for a rank alone on its device; ranks that share one take, all
+    together, a block on half its multiprocessors. A rank's kernel that waits for a peer's holds its
+    multiprocessors; were they all held, the peer's GEMM or XLA kernel that comes before its exchange would
+    find none to start on, and both would wait out the timeout (docs/PREFILL.md)."""
     if per_mp < 1:
         raise ValueError(f"block_threads={threads}: the kernels' registers do not fit that many threads "
                          "in one block on this device")
@@ -41,7 +44,9 @@ def launch_geometry(threads: int, multiprocessors: int, per_mp: int, grid_blocks
     if most < 1:
         raise ValueError(f"{ranks_on_device} ranks drive this device, which holds {multiprocessors * per_mp} blocks "
                          f"of {threads} threads of our kernels at once: fewer than one a rank")
-    blocks = grid_blocks or min(most, max(1, multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp) // ranks_on_device))
+    alone = multiprocessors * min(DEFAULT_BLOCKS_PER_MP, per_mp)
+    blocks = grid_blocks or min(most, alone if ranks_on_device == 1 else
+                                max(1, multiprocessors // (2 * ranks_on_device)))
     if not 1 <= blocks <= most:
         shared = f", shared by the {ranks_on_device} ranks that drive this device" if ranks_on_device > 1 else ""
         raise ValueError(f"grid_blocks={blocks} must be between 1 and {most} (all blocks of a launch resident "

@@ -13,15 +13,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 # More ranks than GPUs (8 ranks on one GPU, say): ranks then share a GPU, and since the blocks of
 # each rank's kernels wait on the other ranks' kernels, these must run at once. MPS=1 starts
-# NVIDIA's MPS daemon for this run and stops it at the end; AllToAll divides the GPU among its ranks.
+# NVIDIA's MPS daemon for this run and stops it at the end; the default grid then leaves half the GPU free.
 if [ "${MPS:-0}" = 1 ]; then
   export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/pyhipa2a-mps} CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/pyhipa2a-mps-log}
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || exit 1
   trap 'echo quit | nvidia-cuda-mps-control' EXIT
-  # Small grids leave the GEMMs of moe_layer.py room beside the exchange kernels of the other ranks
-  # (docs/PREFILL.md: ranks that share a GPU).
-  export PYHIPA2A_GRID_BLOCKS=${PYHIPA2A_GRID_BLOCKS:-16}
 fi
 MPIRUN=${MPIRUN:-"mpirun --allow-run-as-root --bind-to none --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none"}
 declare -A RESULT
