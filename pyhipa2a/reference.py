@@ -34,11 +34,11 @@ def dispatch(xs: list[np.ndarray], indices: list[np.ndarray], num_experts: int,
         for t in range(indices[src].shape[0]):
             for j in range(indices[src].shape[1]):
                 e = int(indices[src][t, j])
-                dst, l = divmod(e, L)
-                out[dst].expert_num_tokens[l] += 1
-                out[dst].rows[l][(src, t, j)] = xs[src][t]
+                dst, local = divmod(e, L)
+                out[dst].expert_num_tokens[local] += 1
+                out[dst].rows[local][(src, t, j)] = xs[src][t]
                 if scales is not None:
-                    out[dst].scales[l][(src, t, j)] = scales[src][t]
+                    out[dst].scales[local][(src, t, j)] = scales[src][t]
     return out
 
 

@@ -160,18 +160,18 @@ def check_dispatch_against_oracle(a2a, inputs: WorldInputs, result) -> None:
     xs, meta = xs.reshape(-1, H), meta.reshape(-1, 3)  # (every layout's rows, as indices into these)
     scales = None if scales is None else scales.reshape(-1, scales.shape[-1])
     rows = received_rows(result, counts, meta, expected, rank, c.row_align if c.contiguous else 0)
-    for l, want in enumerate(expected.rows):
-        got = {tuple(int(v) for v in meta[i]): i for i in rows[l]}
+    for local, want in enumerate(expected.rows):
+        got = {tuple(int(v) for v in meta[i]): i for i in rows[local]}
         if set(got) != set(want):
             missing, extra = sorted(set(want) - set(got))[:5], sorted(set(got) - set(want))[:5]
-            raise AssertionError(f"rank {rank} expert {l}: rows keyed by (src, token, slot) differ; "
+            raise AssertionError(f"rank {rank} expert {local}: rows keyed by (src, token, slot) differ; "
                                  f"missing {missing}, unexpected {extra}")
         for key, i in got.items():
             if xs[i].tobytes() != want[key].tobytes():
-                raise AssertionError(f"rank {rank} expert {l} row {i} {key}: token vector differs")
-            if scales is not None and scales[i].tobytes() != expected.scales[l][key].tobytes():
-                raise AssertionError(f"rank {rank} expert {l} row {i} {key}: scales {scales[i][:4]}... differ "
-                                     f"from {expected.scales[l][key][:4]}...")
+                raise AssertionError(f"rank {rank} expert {local} row {i} {key}: token vector differs")
+            if scales is not None and scales[i].tobytes() != expected.scales[local][key].tobytes():
+                raise AssertionError(f"rank {rank} expert {local} row {i} {key}: scales {scales[i][:4]}... differ "
+                                     f"from {expected.scales[local][key][:4]}...")
 
 
 def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: reference.ExpectedDispatch,
@@ -185,25 +185,25 @@ def received_rows(result, counts: np.ndarray, meta: np.ndarray, expected: refere
         if not np.array_equal(offsets, want):
             raise AssertionError(f"rank {rank}: expert_offsets {offsets.tolist()} != expected {want.tolist()} "
                                  f"(each expert's rows rounded up to {row_align})")
-        return [range(int(offsets[l]), int(offsets[l]) + int(n)) for l, n in enumerate(counts)]
+        return [range(int(offsets[local]), int(offsets[local]) + int(n)) for local, n in enumerate(counts)]
     capacity = result.expert_x.shape[1]
     if result.expert_layout is None:
-        return [range(l * capacity, l * capacity + int(n)) for l, n in enumerate(counts)]
+        return [range(local * capacity, local * capacity + int(n)) for local, n in enumerate(counts)]
     layout = host_copy(result.expert_layout)
     L, W = layout.shape[:2]
     M = capacity // W
     rows = []
-    for l in range(L):
-        want = np.bincount(np.array([src for src, _, _ in expected.rows[l]], np.int64), minlength=W)
+    for local in range(L):
+        want = np.bincount(np.array([src for src, _, _ in expected.rows[local]], np.int64), minlength=W)
         want_layout = np.stack([np.arange(W) * M, want], axis=1)
-        if not np.array_equal(layout[l], want_layout):
-            raise AssertionError(f"rank {rank} expert {l}: expert_layout {layout[l].tolist()} != expected "
+        if not np.array_equal(layout[local], want_layout):
+            raise AssertionError(f"rank {rank} expert {local}: expert_layout {layout[local].tolist()} != expected "
                                  f"{want_layout.tolist()} (first row, rows) by source")
-        mine = [(s, l * capacity + s * M + i) for s in range(W) for i in range(int(want[s]))]
+        mine = [(s, local * capacity + s * M + i) for s in range(W) for i in range(int(want[s]))]
         wrong = [(s, row) for s, row in mine if meta[row, 0] != s]
         if wrong:
             s, row = wrong[0]
-            raise AssertionError(f"rank {rank} expert {l}: row {row}, in source {s}'s rows, holds a token of "
+            raise AssertionError(f"rank {rank} expert {local}: row {row}, in source {s}'s rows, holds a token of "
                                  f"source {meta[row, 0]}")
         rows.append([row for _, row in mine])
     return rows

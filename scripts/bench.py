@@ -32,8 +32,8 @@ with no staging copy.
 `--dispatch-dtype float8_e4m3` dispatches in fp8 (e4m3 with one scale per 128
 elements): quantized by the dispatch kernel from fp16 x (`--fp8-input
 quantize`, the default), or given in fp8 with its scales (`--fp8-input given`);
-combine stays fp16. Shapes whose hidden size is not a multiple of 128 are skipped. The host column is the median host time
-of one eager dispatch() + combine() (until both returned; the fake expert's
+combine stays fp16. Shapes whose hidden size is not a multiple of 128 are skipped. The host column is the median host
+time of one eager dispatch() + combine() (until both returned; the fake expert's
 launch between them is not counted), `launch` the host time of two empty kernels'
 launches timed the same way (a step's two launches with no library code around
 them: a lower bound of the host column within a node), and eag/gr the eager wall over the graph's.
@@ -480,7 +480,8 @@ def time_shape(comm, a2a, inputs, args, step: Step, flush_ptr: int | None, fast:
         r["host_launches"] = launch_host_time(comm, a2a, given, args.iters, made)
         # The same on CPUs found at full speed (scripts/cpu_speed.py: the best of a few takes; None where none was)
         r["host_fast"], host_yard = fast.measure(lambda: host_time(comm, a2a, given, step, args.iters))
-        r["host_launches_fast"], launch_yard = fast.measure(lambda: launch_host_time(comm, a2a, given, args.iters, made))
+        r["host_launches_fast"], launch_yard = fast.measure(
+            lambda: launch_host_time(comm, a2a, given, args.iters, made))
         yards = [host_yard, launch_yard]
         if flush_ptr is not None:
             def take_walls():
@@ -516,11 +517,13 @@ def measure(comm, a2a, inputs, args, bw: dict, flush_ptr: int | None, fast: Fast
     if not timed_phases.get("ok", True):
         return {**r, **timed_phases}
     r.update(timed_phases)
-    x_bytes = a2a.config.dispatch_dtype.itemsize + 4 * a2a.config.scale_cols / a2a.config.hidden  # per element, its scale's share too
+    # x_bytes: per element, its scale's share too
+    x_bytes = a2a.config.dispatch_dtype.itemsize + 4 * a2a.config.scale_cols / a2a.config.hidden
     sizes = (inputs.indices, a2a.config.num_experts, a2a.config.hidden, x_bytes, a2a.config.out_dtype.itemsize)
     chunks = route_chunks(a2a.config.top_k, a2a.config.max_tokens)
-    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.config.push_max_tokens, push_tokens=a2a.config.push_tokens,
-                                   narrow_partials=a2a.config.narrow_partials, count_chunks=chunks, weights_at=args.weights_at)
+    dispatch, combine = link_bytes(*sizes, push_max_tokens=a2a.config.push_max_tokens,
+                                   push_tokens=a2a.config.push_tokens, narrow_partials=a2a.config.narrow_partials,
+                                   count_chunks=chunks, weights_at=args.weights_at)
     total = float(dispatch.sum() + combine.sum())
     # The speed of light moves the data alone: a pushed call's tags are our overhead, not its floor.
     data = sum(link_bytes(*sizes, push_max_tokens=0, narrow_partials=a2a.config.narrow_partials, count_chunks=chunks,
@@ -574,7 +577,8 @@ def run_sweep(comm, backend, args, bw, fast) -> list[dict]:
             for T in SWEEP_TOKENS:
                 inputs = draw_world(s["seed"] + T, world, s["num_experts"], 8, s["hidden_dim"],
                                     s["max_num_tokens"], token_counts=[T] * world)
-                rows.append({"shape": shape_name(s), **s, "tokens": T, **measure(comm, a2a, inputs, args, bw, None, fast)})
+                rows.append({"shape": shape_name(s), **s, "tokens": T,
+                             **measure(comm, a2a, inputs, args, bw, None, fast)})
                 if not rows[-1]["ok"]:
                     break  # the AllToAll is unusable after a failure; later points would only time out
     except Exception:
@@ -604,12 +608,14 @@ def print_shapes(rows) -> None:
           "launched one by one; host: eager dispatch() + combine() host time; launch: two empty kernels' launches "
           "timed so (a lower bound of host); eag/gr: eager wall / graph wall; yard: a fixed piece of Python's time "
           "right after host (max over ranks; the device machines' vCPUs read about 2 at full speed, up to twice that "
-          f"otherwise); new: host with new arrays at every call ({NEW_ARRAYS} sets of the inputs in turn); *: the same taken with each rank on a CPU found at full speed just before, the best of three takes "
+          f"otherwise); new: host with new arrays at every call ({NEW_ARRAYS} sets of the inputs in turn); *: the same "
+          "taken with each rank on a CPU found at full speed just before, the best of three takes "
           "(scripts/cpu_speed.py; '-': none found), yard* the slowest of those CPUs' yards at their pick; "
           "nop: one empty kernel between the same event nodes; +nop: wall over a graph of as many empty kernels; "
           "ls: calls back to back in one graph after one that takes the ranks' launch skew (--lockstep-calls), "
           "median per call; ls nop: an empty kernel timed so")
-    print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'wall':>9} {'+nop':>6} "
+    print(f"{'shape':<30} {'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'wall':>9} "
+          f"{'+nop':>6} "
           f"{'eag e2e':>9} {'eag wall':>9} {'host':>7} {'launch':>6} {'eag/gr':>6} {'yard':>5} {'new':>7} {'host*':>7} "
           f"{'launch*':>7} {'eag/gr*':>7} {'yard*':>5} {'floor':>9} {'push':>5} {'link MB':>8} "
           f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} {'ls e2e':>7} {'ls nop':>6}")
@@ -619,11 +625,14 @@ def print_shapes(rows) -> None:
             print(f"{r['shape']:<30} {verdict}  {r['error'].removeprefix('SKIP: ')}")
             continue
         print(f"{r['shape']:<30} {r['tokens_per_rank']:>7.1f} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
-              + f" {r['empty']:>5.1f} {r['wall']:>9.1f} {r['wall'] - r['empty_wall']:>6.1f} {r['eager_e2e']:>9.1f} {r['eager_wall']:>9.1f} {r['host']:>7.1f} "
+              + f" {r['empty']:>5.1f} {r['wall']:>9.1f} {r['wall'] - r['empty_wall']:>6.1f} {r['eager_e2e']:>9.1f} "
+              f"{r['eager_wall']:>9.1f} {r['host']:>7.1f} "
               f"{r['host_launches']:>6.1f} {r['eager_over_graph']:>6.2f} {r['yard']:>5.1f} {r['host_new']:>7.1f} "
-              f"{fmt(r['host_fast']):>7} {fmt(r['host_launches_fast']):>7} {fmt(r['eager_over_graph_fast'], '.2f'):>7} {fmt(r['fast_yard']):>5} "
+              f"{fmt(r['host_fast']):>7} {fmt(r['host_launches_fast']):>7} {fmt(r['eager_over_graph_fast'], '.2f'):>7} "
+              f"{fmt(r['fast_yard']):>5} "
               f"{r['floor']:>9.1f} "
-              f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
+              f"{r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} "
+              f"{fmt(r['ratio'], '.2f'):>6}"
               f" {fmt(r.get('ls_e2e')):>7} {fmt(r.get('ls_empty')):>6}")
     ok = [r for r in rows if r["ok"]]
     print(f"geomean over {len(ok)} shapes: e2e device {fmt(geomean(r['e2e'] for r in ok))} us "
@@ -659,7 +668,8 @@ def print_between_nodes(rows) -> None:
 def print_sweep(rows) -> None:
     print(f"sweep {rows[0]['shape']}, same columns")
     print(f"{'tok/rk':>7} {'disp':>9} {'gemm':>9} {'comb':>9} {'e2e':>9} {'nop':>5} {'eag disp':>9} {'eag comb':>9} "
-          f"{'eag e2e':>9} {'host':>7} {'launch':>6} {'yard':>5} {'host*':>7} {'launch*':>7} {'yard*':>5} {'push':>5} {'link MB':>8} "
+          f"{'eag e2e':>9} {'host':>7} {'launch':>6} {'yard':>5} {'host*':>7} {'launch*':>7} {'yard*':>5} {'push':>5} "
+          f"{'link MB':>8} "
           f"{'GB/s':>7} {'SOL':>8} {'ratio':>6} "
           f"{'ls disp':>7} {'ls comb':>7} {'ls nop':>6}")
     for r in rows:
@@ -669,7 +679,8 @@ def print_sweep(rows) -> None:
         print(f"{r['tokens']:>7} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES) + f" {r['empty']:>5.1f}"
               + " " + " ".join(f"{r['eager_' + p]:>9.1f}" for p in ("dispatch", "combine", "e2e"))
               + f" {r['host']:>7.1f} {r['host_launches']:>6.1f} {r['yard']:>5.1f} {fmt(r['host_fast']):>7} "
-              f"{fmt(r['host_launches_fast']):>7} {fmt(r['fast_yard']):>5} {r['pushed_ranks']:>5} {r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
+              f"{fmt(r['host_launches_fast']):>7} {fmt(r['fast_yard']):>5} {r['pushed_ranks']:>5} "
+              f"{r['link_bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r['sol']:>8.2f} {fmt(r['ratio'], '.2f'):>6}"
               + f" {fmt(r.get('ls_dispatch')):>7} {fmt(r.get('ls_combine')):>7} {fmt(r.get('ls_empty')):>6}")
 
 
@@ -725,7 +736,8 @@ def report(args, backend, bw: dict, rows, sweep, fast_cpus: bool) -> None:
     # have lost the helper, and its calls then take the Python executor unseen)
     print("repeated calls: " + ("the C helper" if PLANS_IN_C else "the Python executor (no C helper: "
                                 "python -m pyhipa2a.build --only host), which makes host figures larger"))
-    print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / this; link MB also counts pushed calls' tags); "
+    print(f"store bandwidth: {bw['gbps']:.1f} GB/s, {bw['what']} (SOL = max over ranks of its data's link bytes / "
+          "this; link MB also counts pushed calls' tags); "
           f"reads{' (local copy)' if 'local' in bw['what'] else ' from rank r+1'}: {bw['read_gbps']:.1f} GB/s")
     print("times in us; device: median per rank, max over ranks; wall and floor: rank 0's clock, median; "
           "push: ranks whose call was pushed (PYHIPA2A_PUSH_MAX_TOKENS: its contributions pushed back, its tokens "

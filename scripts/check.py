@@ -95,7 +95,8 @@ def main() -> int:
     layout = node_layout(comm, args.ranks_per_node)
     rows, all_ok = [], True
     for s in load_shapes(args.shapes):
-        name = f"E={s['num_experts']:<4d} k={s['experts_per_token']} H={s['hidden_dim']:<5d} M={s['max_num_tokens']:<4d}"
+        name = (f"E={s['num_experts']:<4d} k={s['experts_per_token']} H={s['hidden_dim']:<5d} "
+                f"M={s['max_num_tokens']:<4d}")
         if (args.max_hidden is not None and s["hidden_dim"] > args.max_hidden) or args.only not in name:
             continue
         if s["num_experts"] % world:

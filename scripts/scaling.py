@@ -131,7 +131,8 @@ def tables() -> str:
                 mb = 1e-6
                 rows.append(
                     f"| {s.name} | {ep} ({c.nodes}) | {c.flat_dispatch * mb:.2f} / {c.hier_dispatch * mb:.2f} "
-                    f"| {c.flat_dispatch / c.hier_dispatch:.2f}x | {c.flat_combine * mb:.2f} / {c.hier_combine * mb:.2f} "
+                    f"| {c.flat_dispatch / c.hier_dispatch:.2f}x "
+                    f"| {c.flat_combine * mb:.2f} / {c.hier_combine * mb:.2f} "
                     f"| {c.flat_combine / c.hier_combine:.2f}x "
                     f"| {c.seconds(c.hier_dispatch) * 1e6:.1f} / {c.seconds(c.hier_combine) * 1e6:.1f} |")
         out.append(f"**{title}**\n\n" + head + "\n".join(rows) + "\n")

@@ -272,7 +272,8 @@ def main() -> int:
         print_stage_table(f"when each stage ran: first start .. last end, {title} (median over calls)", table,
                           sorted(by_rank), 17, lambda c: f"{c[0]:>7.1f} .. {c[1]:>6.1f}")
     print_stage_table("one event of each stage: median / 90th percentile (us), events over all calls",
-                      stage_durations(by_rank), sorted(by_rank), 26, lambda c: f"{c[0]:>7.2f} / {c[1]:>7.2f} {c[2]:>8d}")
+                      stage_durations(by_rank), sorted(by_rank), 26,
+                      lambda c: f"{c[0]:>7.2f} / {c[1]:>7.2f} {c[2]:>8d}")
     return 0
 
 

@@ -45,9 +45,11 @@ def test_bench_script(tmp_path, backend, lockstep_calls):
         assert r["ok"], r.get("error")
         assert all(r[p] > 0 for p in ("dispatch", "combine", "e2e", "empty", "empty_e2e", "eager_e2e"))
         assert r["e2e_phased"] >= max(r["dispatch"], r["combine"]), r
-        assert 0 < r["host_launches"] and 0 < r["host"] and 0 < r["yard"], r  # the host column, its floor, the CPU's state
+        # the host column, its floor, the CPU's state
+        assert 0 < r["host_launches"] and 0 < r["host"] and 0 < r["yard"], r
         assert 0 < r["host_new"], r  # and with new arrays at every call
-        fast = [r["host_fast"], r["host_launches_fast"], r["fast_yard"]] + ([r["eager_over_graph_fast"]] if "wall" in r else [])
+        fast = ([r["host_fast"], r["host_launches_fast"], r["fast_yard"]]
+                + ([r["eager_over_graph_fast"]] if "wall" in r else []))
         assert all(v > 0 for v in fast) if pickable else all(v is None for v in fast), r
         if lockstep_calls:
             assert all(r["ls_" + p] >= 0 for p in PHASES) and r["ls_empty"] > 0, r
@@ -91,15 +93,16 @@ def test_bench_sets_a_call_between_nodes_beside_the_bare_exchange(tmp_path, back
     assert row["ok"], row.get("error")
     assert row["wall"] > 0 and row["bare_exchange_wall"] > 0 and row["bare_exchange_eager_wall"] > 0, row
     table = run.stdout.splitlines()
-    header = next(i for i, line in enumerate(table) if line.split() == ["shape", "wall", "bare", "ratio", "bare", "eager"])
+    header = next(i for i, line in enumerate(table)
+                  if line.split() == ["shape", "wall", "bare", "ratio", "bare", "eager"])
     cols = table[header + 1].split()
     assert cols[:4] == ["E=%d" % (4 * ranks), "k=2", f"H={hidden}", "M=8"], cols
     assert float(cols[-2]) == pytest.approx(row["wall"] / row["bare_exchange_wall"], abs=0.006), cols
 
 
 @pytest.mark.parametrize("fail_at,release_raises,between_nodes,x_in_heap",
-                         [(0, 0, 0, 0), (2, 0, 0, 0), (3, 0, 0, 0), (5, 0, 0, 0), (6, 0, 0, 0), (3, 1, 0, 0), (6, 1, 0, 0),
-                          (0, 0, 1, 0), (3, 0, 1, 0), (0, 0, 0, 1), (5, 0, 0, 1)])
+                         [(0, 0, 0, 0), (2, 0, 0, 0), (3, 0, 0, 0), (5, 0, 0, 0), (6, 0, 0, 0), (3, 1, 0, 0),
+                          (6, 1, 0, 0), (0, 0, 1, 0), (3, 0, 1, 0), (0, 0, 0, 1), (5, 0, 0, 1)])
 def test_bench_releases_what_it_made(fail_at, release_raises, between_nodes, x_in_heap):
     """Every input buffer, event and graph the bench makes for a shape is freed, also when a check fails
     (the whole step's graph's; the bare graph's; the eager calls' with new arrays; the lockstep graph's) and

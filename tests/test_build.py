@@ -134,7 +134,8 @@ def test_c_helper_builds_and_loads(tmp_path):
     import importlib.machinery
     import importlib.util
     import sysconfig
-    if build.find_c_compiler() is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+    if (build.find_c_compiler() is None
+            or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))):
         pytest.skip("no C compiler or no Python.h")
     built = build.build_host(tmp_path, log=lambda *_: None)
     assert [p.name for p in built] == ["_repeat.abi3.so"]

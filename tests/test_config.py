@@ -9,9 +9,10 @@ from pyhipa2a.config import (DEFAULT_POST_BYTES, Config, combine_part_blocks, co
 
 
 
-@pytest.mark.parametrize("arch,env,expected", [("sm_90", None, True), ("sm_90", "auto", True), ("sm_90", "system", False),
-                                               ("sm_100", None, False), ("gfx942", None, False), ("host", None, False),
-                                               ("host", "gpu-fence", True), ("gfx942", "gpu-fence", True)])
+@pytest.mark.parametrize("arch,env,expected",
+                         [("sm_90", None, True), ("sm_90", "auto", True), ("sm_90", "system", False),
+                          ("sm_100", None, False), ("gfx942", None, False), ("host", None, False),
+                          ("host", "gpu-fence", True), ("gfx942", "gpu-fence", True)])
 def test_publish_choice(arch, env, expected, monkeypatch):
     if env is None:
         monkeypatch.delenv("PYHIPA2A_PUBLISH", raising=False)

@@ -159,9 +159,11 @@ def test_twin_quantizes_as_the_oracle(name, dtype16):
 
 
 def test_plan_dtypes():
-    assert [d.name for d in plan_dtypes("bfloat16", "float8_e4m3", None)[:3]] == ["bfloat16", "float8_e4m3fn", "bfloat16"]
+    assert ([d.name for d in plan_dtypes("bfloat16", "float8_e4m3", None)[:3]]
+            == ["bfloat16", "float8_e4m3fn", "bfloat16"])
     ins, moved, out, asked = plan_dtypes("float8_e4m3fnuz", None, "float16")
-    assert (ins.name, moved.name, out.name, asked) == ("float8_e4m3fnuz", "float8_e4m3fnuz", "float16", "float8_e4m3fnuz")
+    assert (ins.name, moved.name, out.name, asked) == ("float8_e4m3fnuz", "float8_e4m3fnuz", "float16",
+                                                       "float8_e4m3fnuz")
     assert plan_dtypes("float16", None, None)[3] is None
     with pytest.raises(TypeError, match="give out_dtype"):
         plan_dtypes("float8_e4m3", None, None)

@@ -39,7 +39,8 @@ def test_explicit_grid_within_the_device():
     assert launch_geometry(128, 132, 4, 3) == 3
     assert launch_geometry(256, 132, 2, 264) == 264
     with pytest.raises(ValueError, match=r"grid_blocks=265 must be between 1 and 264 \(all blocks of a launch "
-                                         r"resident at once: 132 multiprocessors x 2 blocks of 256 threads; at most 4096 in all\)"):
+                                         r"resident at once: 132 multiprocessors x 2 blocks of 256 threads; "
+                                         r"at most 4096 in all\)"):
         launch_geometry(256, 132, 2, 265)
     with pytest.raises(ValueError, match="grid_blocks=67 must be between 1 and 66 .* shared by the 4 ranks"):
         launch_geometry(256, 132, 2, 67, 4)

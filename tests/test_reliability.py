@@ -95,7 +95,8 @@ def test_library_opens_no_socket(monkeypatch):
         raise AssertionError("pyhipa2a opened a socket")
     monkeypatch.setattr(socket, "socket", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
-    run_case("tests.cases.exchange_cases:case_shape", 2, "host", args=(4, 2, 64, 8, "float16", "random", "random", 1, 1))
+    run_case("tests.cases.exchange_cases:case_shape", 2, "host",
+             args=(4, 2, 64, 8, "float16", "random", "random", 1, 1))
     src = (REPO / "pyhipa2a").rglob("*.py")
     assert not [p for p in src if "import socket" in p.read_text() or "urllib" in p.read_text()]
 

@@ -318,7 +318,8 @@ def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(rt):
     mod, _, _, _ = rt
     backend = _bare_backend(mod)
     assert backend.capturable(backend.stream_from_handle(1)) is (mod is not cuda_rt)
-    for other in (None, backend.stream_from_handle(0), backend.stream_from_handle(2), backend.stream_from_handle(0x1234)):
+    for other in (None, backend.stream_from_handle(0), backend.stream_from_handle(2),
+                  backend.stream_from_handle(0x1234)):
         assert backend.capturable(other)
 
 
@@ -395,7 +396,8 @@ def test_cuda_launches_go_out_as_one_node_graphs(monkeypatch):
     def record(name, *value):
         return lambda *args: (calls.append(name), (0, *value))[1]
     fake = types.SimpleNamespace(
-        CUstream=cuda_rt._load().CUstream, CUDA_KERNEL_NODE_PARAMS=types.SimpleNamespace, cuGraphCreate=record("create", "template"),
+        CUstream=cuda_rt._load().CUstream, CUDA_KERNEL_NODE_PARAMS=types.SimpleNamespace,
+        cuGraphCreate=record("create", "template"),
         cuGraphAddKernelNode=record("add node", "node"), cuGraphInstantiate=record("instantiate", "exec"),
         cuGraphExecKernelNodeSetParams=record("set params"), cuGraphLaunch=record("graph launch"),
         cuGraphExecDestroy=record("destroy exec"), cuGraphDestroy=record("destroy template"))

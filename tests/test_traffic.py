@@ -10,8 +10,8 @@ def test_two_ranks_by_hand():
     idx1 = np.array([[1, 3]], np.int32)                   # rank 1's 1 token
     dispatch, combine = link_bytes([idx0, idx1], num_experts=4, hidden=8)
     # Headers and weights travel as 8-byte tagged words (value and epoch).
-    # rank 0: header of 3*2 entries, the count and its count for each of rank 1's 2 experts; tokens 1 and 2 go to rank 1 once each (token 2 has
-    # two experts there)
+    # rank 0: header of 3*2 entries, the count and its count for each of rank 1's 2 experts; tokens 1 and 2 go to
+    # rank 1 once each (token 2 has two experts there)
     assert dispatch[0] == (3 * 2 + 1 + 2) * 8 + 2 * 8 * 2
     # rank 1: header of 1*2 entries, the count and 2 expert counts; its token goes to rank 0 once
     assert dispatch[1] == (1 * 2 + 1 + 2) * 8 + 1 * 8 * 2

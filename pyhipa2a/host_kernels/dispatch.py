@@ -193,19 +193,19 @@ def _dispatch(backend, a, c, v: View) -> None:
         if src != me:
             v.rec.record(4, t0, src)
         t0 = time.monotonic_ns()
-        l = rows[tokens, slots] % L
+        local = rows[tokens, slots] % L
         src_counts = src_counts.astype(np.int64)  # [C, L]: the rows of each of src's chunks
         # where each chunk's rows begin: packed, after every earlier source's (contiguous: from the expert's
         # first row); by source, at src * M
         first = src * M if a.by_source else starts + per_source[:, :src].sum(axis=1)
         chunk_start = first + np.cumsum(src_counts, axis=0) - src_counts
-        row = chunk_start[tokens // chunk, l] + place[tokens, slots]
+        row = chunk_start[tokens // chunk, local] + place[tokens, slots]
         fits = row < (a.recv_rows if a.row_align else v.cap)
         if not fits.all():
-            v.status.report(STATUS_CAPACITY, me, int(l[~fits][0]), int(row[~fits][0]))
-        t, j, l, row = tokens[fits], slots[fits], l[fits], row[fits]
+            v.status.report(STATUS_CAPACITY, me, int(local[~fits][0]), int(row[~fits][0]))
+        t, j, local, row = tokens[fits], slots[fits], local[fits], row[fits]
         if not a.row_align:
-            row = l * v.cap + row
+            row = local * v.cap + row
         slot_of[src, :count] = -1
         expert_x[row] = vecs[t, :rb]
         if a.scale_cols:

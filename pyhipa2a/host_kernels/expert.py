@@ -19,14 +19,15 @@ def _rows(counts, layout, offsets, sources, recv_rows, L: int, capacity: int) ->
         spans = np.diff(first)
         if first[0] != 0 or (spans < 0).any() or first[L] > recv_rows.value or (spans < n).any():
             return [np.arange(recv_rows.value)]
-        return [first[l] + np.arange(n[l]) for l in range(L)]
+        return [first[local] + np.arange(n[local]) for local in range(L)]
     if not layout.value:
-        return [l * capacity + np.arange(n[l]) for l in range(L)]
+        return [local * capacity + np.arange(n[local]) for local in range(L)]
     W = sources.value
     M = capacity // W
     c = mem(layout.value, (L, W, 2), np.int32)[:, :, 1]
     c = np.where((c < 0) | (c > M), M, c)
-    return [l * capacity + np.concatenate([s * M + np.arange(c[l, s]) for s in range(W)])[:n[l]] for l in range(L)]
+    return [local * capacity + np.concatenate([s * M + np.arange(c[local, s]) for s in range(W)])[:n[local]]
+            for local in range(L)]
 
 
 def _scale(backend, x, y, counts, layout, offsets, sources, recv_rows, L, capacity, hidden, scale, dtype) -> None:

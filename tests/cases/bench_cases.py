@@ -70,7 +70,8 @@ def case_timing_releases_what_it_made(comm, fail_at, event_release_raises="0", b
             b.free(flush)
         assert result.get("ok", True) == (fail_at == 0) and len(checks) == (fail_at or 6), (result, checks)
         # (x, indices and weights for the graphs and eager calls, and for each other set of new arrays)
-        assert made["buffers"] == 3 * bench.NEW_ARRAYS and made["events"] >= 4 and made["graphs"] >= min(fail_at or 4, 2), made
+        assert (made["buffers"] == 3 * bench.NEW_ARRAYS and made["events"] >= 4
+                and made["graphs"] >= min(fail_at or 4, 2)), made
         assert not any(live.values()), f"left behind: {dict(live)} of {dict(made)}"
         if nodes and fail_at == 0:  # one graph of the bare exchange, launched at every wall iteration
             assert bare_graphs == [(1, args.iters)], bare_graphs

@@ -1,4 +1,5 @@
-"""Multi-rank cases of the call protocol: bad inputs and configurations, outputs and device inputs, repeated calls and new arrays, late peers, devices (run under mpiexec by the tests).
+"""Multi-rank cases of the call protocol: bad inputs and configurations, outputs and device inputs, repeated calls and
+new arrays, late peers, devices (run under mpiexec by the tests).
 
 Every case draws the whole world's inputs from a seed, poisons the outputs,
 runs the library and checks this rank's outputs against pyhipa2a.reference.
@@ -62,8 +63,10 @@ def case_new_arrays_at_every_call(comm, weights_at="combine", out_given="0", ran
             if first is None:
                 first = (arrays, inputs)
             elif i == 5:  # the first call's arrays again, refilled
-                arrays, inputs = first[0], draw_world(40 + i, world, E, k, H, M, token_counts=[len(first[1].xs[0])] * world)
-                for arr, fresh in zip(arrays, (inputs.xs[a2a.rank], inputs.indices[a2a.rank], inputs.weights[a2a.rank])):
+                arrays, inputs = first[0], draw_world(40 + i, world, E, k, H, M,
+                                                      token_counts=[len(first[1].xs[0])] * world)
+                for arr, fresh in zip(arrays, (inputs.xs[a2a.rank], inputs.indices[a2a.rank],
+                                               inputs.weights[a2a.rank])):
                     arr.copy_from(fresh)
             x, idx, w = arrays[:3]
             mine = len(inputs.xs[a2a.rank])
@@ -263,7 +266,8 @@ def case_repeated_calls(comm):
                 d = a2a.dispatch(x, idx, stream=int(str(handle)))
                 a2a.combine(a2a.fake_expert(d, out=expert_y, stream=int(str(handle))), w, stream=int(str(handle)))
                 a2a.synchronize()
-                assert watched.plans == [True, True] if i == 2 else True not in watched.plans, ("handle", i, watched.plans)
+                assert watched.plans == [True, True] if i == 2 else True not in watched.plans, \
+                    ("handle", i, watched.plans)
             # Weights given to dispatch, and a caller's out=: repeated too, and right with new data. The scale is
             # worked out afresh at every call (a new float of the same value, as gpu-mode's harness passes it).
             out = a2a.expert_y_buffer().view((counts[a2a.rank], H))  # any device array of ours will do
@@ -275,7 +279,8 @@ def case_repeated_calls(comm):
                 a2a.synchronize()
                 assert y is out
                 check_call(a2a, inputs, d, y, fused=True)
-                assert watched.plans == [True, True] if i == 2 else True not in watched.plans, ("sent", i, watched.plans)
+                assert watched.plans == [True, True] if i == 2 else True not in watched.plans, \
+                    ("sent", i, watched.plans)
             # ... but not -0.0 after 0.0 (equal, yet a product's sign follows the scale's), nor an int after an
             # equal float: combine's plan misses each, and the next call (the same again) makes a new one.
             for z, want in ((0.0, [True, False]), (-0.0, [True]), (-0.0, [True]), (-0.0, [True, True]),
@@ -388,13 +393,16 @@ def case_bad_inputs(comm):
             a2a.dispatch(x, idx.astype(np.int64))
         with pytest.raises(ValueError, match=r"indices must have shape \(4, 2\)"):
             a2a.dispatch(x, idx[:3].copy())
-        bad = idx.copy(); bad[2, 1] = E
+        bad = idx.copy()
+        bad[2, 1] = E
         with pytest.raises(ValueError, match=rf"indices\[2, 1\] = {E} is outside \[0, {E}\)"):
             a2a.dispatch(x, bad)
-        bad = idx.copy(); bad[1, 0] = -1
+        bad = idx.copy()
+        bad[1, 0] = -1
         with pytest.raises(ValueError, match="is outside"):
             a2a.dispatch(x, bad)
-        bad = idx.copy(); bad[3, 1] = bad[3, 0]
+        bad = idx.copy()
+        bad[3, 1] = bad[3, 0]
         with pytest.raises(ValueError, match="indices row 3 repeats expert"):
             a2a.dispatch(x, bad)
         other = a2a.heap.device.index + 1   # a device this rank does not drive
@@ -476,7 +484,8 @@ def case_bad_config(comm):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, narrow_partials="no")
     with pytest.raises(ValueError, match=r"stream must be one of \('own', 'current'\)"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, stream="torch")
-    with pytest.raises(ValueError, match=r"row_layout must be one of \('packed', 'by_source', 'contiguous'\), not 'source'"):
+    with pytest.raises(ValueError, match=r"row_layout must be one of \('packed', 'by_source', 'contiguous'\), "
+                                         r"not 'source'"):
         AllToAll(comm, num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4, row_layout="source")
     shape = dict(num_experts=world, experts_per_token=1, hidden_dim=8, max_num_tokens=4)
     # Values a coercion would take (int(8.9) == 8; bool("no") is True; a NaN timeout would wait for ever)

@@ -1,4 +1,5 @@
-"""Multi-rank cases of the exchange itself: shapes, edge cases, transfer modes, narrow partials, the fused expert, combine's kernels, geometry and launch sites (run under mpiexec by the tests).
+"""Multi-rank cases of the exchange itself: shapes, edge cases, transfer modes, narrow partials, the fused expert,
+combine's kernels, geometry and launch sites (run under mpiexec by the tests).
 
 Every case draws the whole world's inputs from a seed, poisons the outputs,
 runs the library and checks this rank's outputs against pyhipa2a.reference.
@@ -216,7 +217,8 @@ def case_fused_expert(comm, H, dtype="float16", values="normal", narrow="0", rou
             # follow a GPU-scope fence; the header says what the kernel (or its host twin) did.
             assert a2a.config.push_tokens == (not a2a.config.gpu_fence_publish)
             assert own_header_bits(a2a) == (pushed and a2a.config.push_tokens, pushed), (own_header_bits(a2a), pushed)
-            print(f"rank {me} round {i}: T={len(inputs.xs[me])} pushed={pushed} tokens pushed={pushed and a2a.config.push_tokens} "
+            print(f"rank {me} round {i}: T={len(inputs.xs[me])} pushed={pushed} "
+                  f"tokens pushed={pushed and a2a.config.push_tokens} "
                   f"max err {err}")
 
 
@@ -263,7 +265,8 @@ def case_misaligned_device_arrays(comm, narrow="0"):
                 inputs = draw_world(40 + i, world, E, k, H, M, exact=True)
                 T = len(inputs.xs[me])
                 x, expert_y, out = (pyhipa2a.DeviceArray(a2a.backend, scratch + int(at) + skew, shape, np.float16)
-                                    for at, shape, skew in zip(starts, [(T, H), (L, cap, H), (T, H)], [2 - 2 * i, 2, 2]))
+                                    for at, shape, skew in zip(starts, [(T, H), (L, cap, H), (T, H)],
+                                                               [2 - 2 * i, 2, 2]))
                 poison(a2a)
                 out.fill_bytes(0xFF)
                 x.copy_from(inputs.xs[me])
@@ -300,7 +303,8 @@ def case_default_push_threshold(comm):
     for k, H, M, whole in ((1, 512, 1024, 768), (4, 512, 1024, 768 // peers), (2, 8, 4, 4), (2, 1001, 4, 0)):
         with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M) as a2a:
             expected = whole if a2a.config.push_tokens or not whole else min(M, 256 // max(1, min(k, world - 1)))
-            assert a2a.config.push_max_tokens == expected, (k, H, M, a2a.config.push_tokens, a2a.config.push_max_tokens, expected)
+            assert a2a.config.push_max_tokens == expected, \
+                (k, H, M, a2a.config.push_tokens, a2a.config.push_max_tokens, expected)
         with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                       push_max_tokens=3) as a2a:
             assert a2a.config.push_max_tokens == (3 if H % 8 == 0 else 0), (k, H, M, a2a.config.push_max_tokens)

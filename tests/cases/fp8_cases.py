@@ -69,7 +69,8 @@ def case_fp8(comm, way, fp8="float8_e4m3", in16="bfloat16", E_per_rank="4", k="4
     E, k, H, M, rounds, seed = int(E_per_rank) * world, int(k), int(H), int(M), int(rounds), int(seed)
     with AllToAll(comm, num_experts=E, experts_per_token=k, hidden_dim=H, max_num_tokens=M,
                   **dtype_arguments(in16, fp8, way), **layout_arguments(row_layout)) as a2a:
-        assert a2a.config.dispatch_dtype.name in ("float8_e4m3fn", "float8_e4m3fnuz") and a2a.config.out_dtype == resolve(in16)
+        assert (a2a.config.dispatch_dtype.name in ("float8_e4m3fn", "float8_e4m3fnuz")
+                and a2a.config.out_dtype == resolve(in16))
         for i in range(rounds):
             rng = np.random.default_rng(1000 * seed + i)
             inputs = draw_world(1000 * seed + i, world, E, k, H, M, in16, token_counts(counts, world, M, rng),
@@ -127,10 +128,10 @@ def case_fp8_bad_inputs(comm):
                          d.expert_meta.numpy()))
         (c0, x0, s0, m0), (c1, x1, s1, m1) = outs
         assert np.array_equal(c0, c1)
-        for l, n in enumerate(c0):
-            order0, order1 = (np.lexsort(m[l, :n].T[::-1]) for m in (m0, m1))
-            assert np.array_equal(m0[l, :n][order0], m1[l, :n][order1])
-            assert np.array_equal(x0[l, :n][order0], x1[l, :n][order1])
-            assert np.array_equal(s0[l, :n][order0].view(np.uint32), s1[l, :n][order1].view(np.uint32))
+        for local, n in enumerate(c0):
+            order0, order1 = (np.lexsort(m[local, :n].T[::-1]) for m in (m0, m1))
+            assert np.array_equal(m0[local, :n][order0], m1[local, :n][order1])
+            assert np.array_equal(x0[local, :n][order0], x1[local, :n][order1])
+            assert np.array_equal(s0[local, :n][order0].view(np.uint32), s1[local, :n][order1].view(np.uint32))
 
 

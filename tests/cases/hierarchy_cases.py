@@ -109,9 +109,9 @@ def case_nodes_meta_names_true_source(comm, G="2"):
         a2a.combine(a2a.fake_expert(d), inputs.weights[a2a.rank])
         a2a.synchronize()
         counts, meta = d.expert_num_tokens.numpy(), d.expert_meta.numpy()
-        for l in range(a2a.config.local_experts):
-            e = a2a.rank * a2a.config.local_experts + l
-            got = {tuple(m) for m in meta[l, :counts[l]]}
+        for local in range(a2a.config.local_experts):
+            e = a2a.rank * a2a.config.local_experts + local
+            got = {tuple(m) for m in meta[local, :counts[local]]}
             want = {(r, t, j) for r in range(world) for t in range(M) for j in range(k) if inputs.indices[r][t, j] == e}
             assert got == want, f"rank {a2a.rank} expert {e}: meta {sorted(got)} != {sorted(want)}"
 

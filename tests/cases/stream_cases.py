@@ -1,4 +1,5 @@
-"""Multi-rank cases of streams and graphs: calls across streams, inputs from other streams, captures (ours, another library's, PyTorch's) (run under mpiexec by the tests).
+"""Multi-rank cases of streams and graphs: calls across streams, inputs from other streams, captures (ours, another
+library's, PyTorch's) (run under mpiexec by the tests).
 
 Every case draws the whole world's inputs from a seed, poisons the outputs,
 runs the library and checks this rank's outputs against pyhipa2a.reference.
